@@ -1,0 +1,103 @@
+"""The Python API: ``rdepc.parse`` and ``rdepc.load``."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from pathlib import Path
+
+from rdepc import syntax as S
+from rdepc.diagnostics import Diagnostic, SpecError
+from rdepc.ir.spec import LayerSpec
+from rdepc.parser import parse_file, parse_text
+
+
+class UsageError(ValueError):
+    """A bad request from the caller (not a problem in the spec file itself)."""
+
+
+def parse(text_or_path: str | os.PathLike) -> S.Module:
+    """Parse a spec: a :class:`pathlib.Path`, or a string naming an existing file, is read;
+    any other string is taken as the spec's text. Raises :class:`SpecError`."""
+    if isinstance(text_or_path, os.PathLike):
+        return parse_file(text_or_path)
+    if "\n" not in text_or_path and Path(text_or_path).is_file():
+        return parse_file(text_or_path)
+    return parse_text(text_or_path)
+
+
+def choose_layer(module: S.Module, layer: str | None) -> str:
+    names = module.layer_names
+    if layer is None:
+        if len(names) == 1:
+            return names[0]
+        raise UsageError(
+            f"{module.file} defines {len(names)} layers ({', '.join(names)}); choose one with --layer NAME"
+        )
+    if layer not in names:
+        raise UsageError(f"{module.file} has no layer '{layer}' (it has: {', '.join(names)})")
+    return layer
+
+
+def parse_override(text: str) -> tuple[str, int | Fraction]:
+    """'-D NAME=VALUE': VALUE is a whole or decimal number."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise UsageError(f"-D {text}: expected NAME=VALUE")
+    try:
+        f = Fraction(value.replace("_", ""))
+    except (ValueError, ZeroDivisionError):
+        raise UsageError(f"-D {text}: {value!r} is not a number") from None
+    return name, int(f) if f.denominator == 1 else f
+
+
+def elaborate_layer(module: S.Module, layer: str | None, overrides: dict) -> tuple[LayerSpec, tuple[Diagnostic, ...]]:
+    """The chosen layer's spec and its warnings; raises :class:`SpecError` on errors."""
+    from rdepc.passes.elaborate import elaborate
+
+    name = choose_layer(module, layer)
+    declared = {p.name for p in module.params}
+    unknown = sorted(set(overrides) - declared)
+    if unknown:
+        raise UsageError(
+            f"no parameter {', '.join(unknown)} in {module.file} (declared: {', '.join(sorted(declared)) or 'none'})"
+        )
+    specs, diags = elaborate(module, name, overrides)
+    diags.check()
+    return specs[0], tuple(diags.warnings)
+
+
+class Layer:
+    """A loaded layer: ``.spec`` (the LayerSpec) and ``.shapes`` (its sizes as ints)."""
+
+    def __init__(self, spec: LayerSpec, warnings: tuple[Diagnostic, ...] = ()):
+        self.spec = spec
+        self.warnings = warnings
+
+    @property
+    def shapes(self) -> dict[str, int]:
+        sh = self.spec.shape
+        return {
+            "W": int(sh.W),
+            "T": sh.T_max,
+            "H": int(sh.H),
+            "F": int(self.spec.expert.F),
+            "E": int(sh.E),
+            "K": int(sh.K),
+        }
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
+        return f"<rdepc.Layer {self.spec.name} {dims}>"
+
+
+def load(path: str | os.PathLike, layer: str | None = None, **overrides: int | float | Fraction) -> Layer:
+    """Parse and check ``path``; choose ``layer`` (needed when the file has several);
+    ``overrides`` replace named parameters. Raises :class:`SpecError` or :class:`UsageError`."""
+    module = parse_file(path)
+    clean = {k: Fraction(str(v)) if isinstance(v, float) else v for k, v in overrides.items()}
+    spec, warnings = elaborate_layer(module, layer, clean)
+    return Layer(spec, warnings)
+
+
+__all__ = ["Layer", "SpecError", "UsageError", "load", "parse"]

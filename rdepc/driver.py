@@ -1,0 +1,127 @@
+"""The compiler driver: the one visible list of passes, run in order.
+
+Each pass is a pure function from one IR to the next. The driver checks, before a pass
+runs, that the spec uses nothing the pass does not implement yet (a "not supported yet"
+diagnostic pointing at the construct), can print any pass's output (``--dump-after``)
+and time every pass (``--time-passes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from rdepc import syntax as S
+from rdepc.api import elaborate_layer
+from rdepc.diagnostics import Diagnostic, Diagnostics, SpecError
+from rdepc.ir.spec import LayerSpec, spec_to_json
+from rdepc.parser import parse_file
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Any], Any]
+    # Features of a LayerSpec (LayerSpec.features) this pass does not implement yet.
+    unsupported: frozenset[str] = frozenset()
+    dump: Callable[[Any], str] | None = None
+
+
+@dataclass
+class Options:
+    layer: str | None = None
+    overrides: dict = field(default_factory=dict)
+    dump_after: tuple[str, ...] = ()
+    time_passes: bool = False
+
+
+@dataclass
+class Result:
+    spec: LayerSpec
+    warnings: tuple[Diagnostic, ...]
+    outputs: dict[str, Any]  # each pass's output, by pass name
+    times: dict[str, float]
+
+
+def dump_json(ir: Any) -> str:
+    return json.dumps(_plain(ir), indent=2, default=str)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, LayerSpec):
+        return spec_to_json(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x) if "span" not in f.name}
+    if isinstance(x, tuple | list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    return x if isinstance(x, int | float | str | bool | type(None)) else str(x)
+
+
+def spec_passes() -> list[Pass]:
+    """Passes over the checked LayerSpec, in order. Later stages append here."""
+    return []
+
+
+def compile_file(path: str | Path, options: Options, out: TextIO = sys.stdout) -> Result:
+    times: dict[str, float] = {}
+    outputs: dict[str, Any] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        value = fn()
+        times[name] = time.perf_counter() - t0
+        outputs[name] = value
+        if name in options.dump_after:
+            print(f"// ----- IR after {name}", file=out)
+            print(_DUMPS.get(name, dump_json)(value), file=out)
+        return value
+
+    module: S.Module = timed("parse", lambda: parse_file(path))
+    spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
+    outputs["elaborate"] = spec
+    ir: Any = spec
+    for p in spec_passes():
+        _check_supported(p, spec)
+        ir = timed(p.name, lambda p=p, ir=ir: p.run(ir))
+    if options.time_passes:
+        total = sum(times.values())
+        print("// pass timings", file=out)
+        for name, t in times.items():
+            print(f"//   {name:<14} {t * 1e3:9.2f} ms", file=out)
+        print(f"//   {'total':<14} {total * 1e3:9.2f} ms", file=out)
+    return Result(spec, warnings, outputs, times)
+
+
+def _check_supported(p: Pass, spec: LayerSpec) -> None:
+    diags = Diagnostics({spec.file: Path(spec.file).read_text(encoding="utf-8")} if Path(spec.file).is_file() else {})
+    for feature, key in spec.features():
+        if feature in p.unsupported:
+            diags.error(f"not supported yet: {feature} (the '{p.name}' stage does not implement it)", spec.span_of(key))
+    diags.check()
+
+
+def _dump_module(m: S.Module) -> str:
+    lines = [f"module {m.file}"]
+    lines += [f"  param {p.name} at {p.span}" for p in m.params]
+    for layer in m.layers:
+        lines.append(f"  layer {layer.name} at {layer.name_span}")
+        lines += [f"    {st.keyword} ({len(st.args)} args) at {st.keyword_span}" for st in layer.stmts]
+    return "\n".join(lines)
+
+
+_DUMPS: dict[str, Callable[[Any], str]] = {
+    "parse": _dump_module,
+    "elaborate": lambda pair: dump_json(pair[0]),
+}
+
+PASS_NAMES = ("parse", "elaborate")
+
+__all__ = ["Options", "Pass", "Result", "SpecError", "compile_file", "dump_json", "spec_passes"]

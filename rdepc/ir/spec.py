@@ -1,0 +1,281 @@
+"""LayerSpec: the checked, typed meaning of one ``layer`` of a .rdep file.
+
+Frozen, slotted dataclasses. Sizes are sympy expressions: integers once every parameter
+is known, symbols where a parameter was declared ``param T <= bound``. (``rdepc check``
+builds the same records with exact :class:`rdepc.ir.exact.Poly` values instead, so that
+checking a spec never imports sympy.) Every field that
+came from the source has a span in ``LayerSpec.spans`` (keyed ``"statement.option"``),
+so a later stage can point at the text that asked for what it cannot do.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rdepc.diagnostics import Span
+
+if TYPE_CHECKING:  # sympy is imported only where a spec is lowered to sympy objects
+    import sympy as sp
+
+
+class Dtype(enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"
+
+    @property
+    def bytes(self) -> int:
+        return {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}[self.value]
+
+
+# Sideband fields a route row may carry, with their element size in bytes.
+SIDEBAND_BYTES = {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}
+
+ROUTE_VARS = ("rank", "token", "slot")
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    value: sp.Expr | None  # None: symbolic, bounded by ``bound``
+    bound: sp.Integer | None
+    overridden: bool
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    W: sp.Expr  # ranks (DP = EP = W, TP = 1; eq. 6)
+    T: sp.Expr  # tokens per rank: an integer, or a symbol bounded by T_bound
+    H: sp.Expr  # hidden size
+    E: sp.Expr  # routed experts
+    K: sp.Expr  # experts per token (top-K)
+    T_bound: int | None  # the bound of a symbolic T; None when T is a number
+
+    @property
+    def symbolic(self) -> bool:
+        return self.T_bound is not None
+
+    @property
+    def T_max(self) -> int:
+        return self.T_bound if self.T_bound is not None else int(self.T)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertFn:
+    act: str  # swiglu | gelu | relu
+    F: sp.Expr  # ffn width
+
+    @property
+    def gated(self) -> bool:
+        return self.act == "swiglu"
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    count: int
+    fn: ExpertFn
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    dtype: Dtype  # weights, activations, returned rows
+    dispatch: Dtype  # payload rows on the wire
+    dispatch_scale: str | None  # "row" for fp8 dispatch (MegaScale-MoE per-row scale)
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    moe_layers: sp.Expr
+    vocab: sp.Expr | None = None
+    layers: sp.Expr | None = None
+    dense_layers: sp.Expr | None = None
+    dense_ffn: sp.Expr | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRow:
+    """row_id = offset + Σ coefficient·variable, a mixed-radix (hence injective) encoding."""
+
+    formula: sp.Expr  # in the symbols rank, token, slot (and T when symbolic)
+    radix: tuple[tuple[str, sp.Expr], ...]  # (variable, coefficient), smallest coefficient first
+    offset: sp.Expr
+    sideband: tuple[str, ...]
+    is_eq7: bool
+
+    def coefficient(self, var: str) -> sp.Expr | int:
+        return dict(self.radix).get(var, 0)
+
+    @property
+    def sideband_bytes(self) -> int:
+        return sum(SIDEBAND_BYTES[f] for f in self.sideband)
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    policy: str  # balanced | map
+    owner: tuple[int, ...]  # owner rank of each expert: π(e)
+    local: tuple[int, ...]  # owner-local index of each expert: λ(e)
+
+    def experts_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(e for e, q in enumerate(self.owner) if q == rank)
+
+    def experts_per_rank(self, W: int) -> tuple[int, ...]:
+        counts = [0] * W
+        for q in self.owner:
+            counts[q] += 1
+        return tuple(counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    policy: str  # dropless | factor | rows
+    factor: sp.Rational | None
+    rows: sp.Expr | None  # for policy "rows"
+    drop: str  # arrival | lowest_gate
+    weights: str  # renormalize | zero
+
+    def rows_per_expert(self, shape: Shape) -> sp.Expr | None:
+        """cap_e: rows an owner admits for one expert; None when dropless."""
+        import sympy as sp
+
+        if self.policy == "dropless":
+            return None
+        if self.policy == "rows":
+            return self.rows
+        mu = shape.W * shape.T * shape.K / shape.E
+        return sp.ceiling(self.factor * mu)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    rows: sp.Integer  # S
+    buffers: sp.Integer  # B
+    cut: str  # auto | expert | source
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    name: str
+    file: str
+    params: tuple[Param, ...]
+    shape: Shape
+    expert: ExpertFn
+    shared: Shared | None
+    precision: Precision
+    model: Model
+    route_row: RouteRow
+    ownership: Ownership
+    capacity: Capacity
+    segment: Segment | None  # None: the scheduler chooses
+    schedule: str  # auto | bulk | pipelined | deep
+    transport: str  # emulated | nvshmem
+    dedup: bool
+    span: Span
+    spans: tuple[tuple[str, Span], ...] = field(default=())
+
+    def span_of(self, key: str) -> Span:
+        """The span of ``"statement.option"``, else of the statement, else of the layer."""
+        table = dict(self.spans)
+        while key:
+            if key in table:
+                return table[key]
+            key = key.rpartition(".")[0]
+        return self.span
+
+    def features(self) -> tuple[tuple[str, str], ...]:
+        """(feature, span key) for every construct a later stage may not implement yet."""
+        out = []
+        if self.precision.dispatch is Dtype.FP8_E4M3:
+            out.append(("fp8 dispatch", "dtype.dispatch"))
+        if self.dedup:
+            out.append(("dedup of rows a token sends to one rank", "transport.dedup"))
+        if self.capacity.drop == "lowest_gate":
+            out.append(("drop lowest_gate", "capacity.drop"))
+        if self.shared is not None:
+            out.append(("shared experts", "shared"))
+        if self.expert.act != "swiglu":
+            out.append((f"{self.expert.act} experts", "expert"))
+        if self.transport == "nvshmem":
+            out.append(("transport nvshmem", "transport"))
+        if self.shape.symbolic:
+            out.append(("symbolic tokens", "shape.tokens"))
+        if not self.route_row.is_eq7:
+            out.append(("a route_row encoding other than eq. 7", "route_row.id"))
+        return tuple(out)
+
+
+def jsonable(v):
+    """sympy and IR values → JSON: whole numbers as ints, other numbers and formulas as text."""
+    import sympy as sp
+
+    if isinstance(v, sp.Integer):
+        return int(v)
+    if isinstance(v, sp.Basic):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, tuple | list):
+        return [jsonable(x) for x in v]
+    if isinstance(v, Span):
+        return str(v)
+    return v
+
+
+def spec_to_json(spec: LayerSpec) -> dict:
+    """The elaborated spec as plain data (what ``rdepc compile`` writes and golden files hold)."""
+    sh = spec.shape
+    W = int(sh.W)
+    per_rank = spec.ownership.experts_per_rank(W)
+    cap = spec.capacity
+    j = jsonable
+    return {
+        "layer": spec.name,
+        "file": spec.file,
+        "params": {
+            p.name: {"value": j(p.value), "bound": j(p.bound), "overridden": p.overridden, "at": str(p.span)}
+            for p in spec.params
+        },
+        "shape": {"W": j(sh.W), "T": j(sh.T), "T_bound": sh.T_bound, "H": j(sh.H), "E": j(sh.E), "K": j(sh.K)},
+        "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated},
+        "shared": None
+        if spec.shared is None
+        else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)},
+        "precision": {
+            "dtype": spec.precision.dtype.value,
+            "dispatch": spec.precision.dispatch.value,
+            "dispatch_scale": spec.precision.dispatch_scale,
+        },
+        "model": {k: j(getattr(spec.model, k)) for k in ("moe_layers", "vocab", "layers", "dense_layers", "dense_ffn")},
+        "route_row": {
+            "id": str(spec.route_row.formula),
+            "eq7": spec.route_row.is_eq7,
+            "radix": [[v, j(c)] for v, c in spec.route_row.radix],
+            "offset": j(spec.route_row.offset),
+            "sideband": list(spec.route_row.sideband),
+            "sideband_bytes": spec.route_row.sideband_bytes,
+        },
+        "ownership": {
+            "policy": spec.ownership.policy,
+            "experts_per_rank": list(per_rank),
+            "owner": list(spec.ownership.owner),
+            "local": list(spec.ownership.local),
+        },
+        "capacity": {
+            "policy": cap.policy,
+            "factor": j(cap.factor),
+            "rows_per_expert": j(cap.rows_per_expert(sh)),
+            "drop": cap.drop,
+            "weights": cap.weights,
+        },
+        "segment": None
+        if spec.segment is None
+        else {"rows": j(spec.segment.rows), "buffers": j(spec.segment.buffers), "cut": spec.segment.cut},
+        "schedule": spec.schedule,
+        "transport": spec.transport,
+        "dedup": spec.dedup,
+        "features": [f for f, _ in spec.features()],
+    }
