@@ -1,0 +1,87 @@
+"""Hardware profiles for the planner and the cost model: every value with its source.
+
+``flops`` is the dense bf16 rate the cost model charges expert GEMMs at, ``link`` the
+effective NVLink bandwidth one GPU injects at (bytes/s, one direction), ``hbm`` the GPU's
+memory in bytes. Where a measured value exists it is used in preference to a datasheet
+peak, and ``kind`` says which one a figure is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    value: float
+    unit: str
+    kind: str  # "measured" or "datasheet"
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    name: str
+    description: str
+    flops: Value  # FLOP/s, bf16 dense, for grouped expert GEMMs
+    link: Value  # bytes/s per direction per GPU over NVLink
+    hbm: Value  # bytes of GPU memory
+    hbm_bw: Value  # bytes/s of GPU memory bandwidth
+    barrier_per_peer: Value  # seconds per peer touch of a peer-visible phase barrier
+
+    def values(self) -> dict[str, Value]:
+        return {k: getattr(self, k) for k in ("flops", "link", "hbm", "hbm_bw", "barrier_per_peer")}
+
+
+_BARRIER = Value(
+    75e-9,
+    "s",
+    "datasheet",
+    "RDEP paper, Prop. B.7: 50-100 ns per peer touch (midpoint)",
+)
+
+PROFILES: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        "h100",
+        "NVIDIA H100 SXM 80 GB, NVLink 4",
+        Value(794.5e12, "FLOP/s", "measured", "cuBLAS bf16 MAMF on H100 SXM (stas00/ml-engineering, MAMF table)"),
+        Value(371e9, "B/s", "measured", "p2pBandwidthLatencyTest, one pair of 8xH100 SXM (NVIDIA/nccl issue #1264)"),
+        Value(80 * 2**30, "B", "datasheet", "NVIDIA H100 SXM datasheet: 80 GB HBM3"),
+        Value(3.35e12, "B/s", "datasheet", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
+        _BARRIER,
+    ),
+    "h200": HardwareProfile(
+        "h200",
+        "NVIDIA H200 SXM 141 GB, NVLink 4",
+        Value(794.5e12, "FLOP/s", "measured", "cuBLAS bf16 MAMF; the MAMF table lists H200 as equal to H100 SXM"),
+        Value(371e9, "B/s", "measured", "NVLink 4 as on H100 SXM: p2pBandwidthLatencyTest (NVIDIA/nccl issue #1264)"),
+        Value(141e9, "B", "datasheet", "NVIDIA H200 datasheet: 141 GB HBM3e"),
+        Value(4.8e12, "B/s", "datasheet", "NVIDIA H200 datasheet: 4.8 TB/s"),
+        _BARRIER,
+    ),
+    "b200": HardwareProfile(
+        "b200",
+        "NVIDIA B200, NVLink 5 (the RDEP paper's 8xB200 node)",
+        Value(1377e12, "FLOP/s", "measured", "RDEP paper Table 5: isolated expert compute, 24K rows"),
+        Value(972e9, "B/s", "measured", "RDEP paper Table 5: effective NVLink bandwidth, injection plateau at 16 MB"),
+        Value(180e9, "B", "datasheet", "NVIDIA DGX B200 datasheet: 1,440 GB of GPU memory over 8 GPUs"),
+        Value(8e12, "B/s", "datasheet", "NVIDIA B200 datasheet: 8 TB/s HBM3e"),
+        _BARRIER,
+    ),
+    "gb300": HardwareProfile(
+        "gb300",
+        "NVIDIA GB300 NVL72 (Blackwell Ultra), NVLink 5 domain of 72 GPUs",
+        Value(2.5e15, "FLOP/s", "datasheet", "NVIDIA GB300 NVL72 datasheet: 180 PFLOPS dense FP16/BF16 over 72 GPUs"),
+        Value(900e9, "B/s", "datasheet", "NVIDIA GB300 NVL72 datasheet: 1.8 TB/s NVLink 5 per GPU, both directions"),
+        Value(288e9, "B", "datasheet", "NVIDIA GB300 NVL72 datasheet: 288 GB HBM3e per GPU"),
+        Value(8e12, "B/s", "datasheet", "NVIDIA GB300 NVL72 datasheet: 8 TB/s per GPU"),
+        _BARRIER,
+    ),
+}
+
+
+def profile(name: str) -> HardwareProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile '{name}' (known: {', '.join(PROFILES)})") from None
