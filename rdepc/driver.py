@@ -70,7 +70,9 @@ def spec_passes() -> list[Pass]:
     return []
 
 
-def compile_file(path: str | Path, options: Options, out: TextIO = sys.stdout) -> Result:
+def compile_file(
+    path: str | Path, options: Options, out: TextIO = sys.stdout, passes: list[Pass] | None = None
+) -> Result:
     times: dict[str, float] = {}
     outputs: dict[str, Any] = {}
 
@@ -88,7 +90,7 @@ def compile_file(path: str | Path, options: Options, out: TextIO = sys.stdout) -
     spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
     outputs["elaborate"] = spec
     ir: Any = spec
-    for p in spec_passes():
+    for p in spec_passes() if passes is None else passes:
         _check_supported(p, spec)
         ir = timed(p.name, lambda p=p, ir=ir: p.run(ir))
     if options.time_passes:

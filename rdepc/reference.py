@@ -1,0 +1,396 @@
+"""A plain PyTorch reference of the RDEP operator, for users and tests.
+
+This is the *meaning* of one sparse MoE layer, written as simply as possible and sharing
+no code with the compiler (``rdepc.passes``), its code generator (``rdepc.codegen``) or its
+runtime (``rdepc.runtime``): compiled kernels are checked against it, so it must not be
+able to inherit their mistakes. Nothing here is distributed; the W front-end ranks are
+just the leading dimension of the tensors.
+
+The operator (RDEP section 3.1, eq. 4): on rank r, token t with activation x_t and router
+output (I_t, g_t) over K slots,
+
+    y_t = Σ_k g'_{t,k} f_{I_{t,k}}(x_t)
+
+where f_e is expert e and g' are the combine weights after the capacity policy (section
+3.6). Without capacity (dropless) g' = g and every route row is accepted. With a capacity
+cap_e, the owner of expert e admits at most cap_e of the rows sent to e:
+
+* ``drop="arrival"``: rows are admitted in ascending row_id order (the route-row identity,
+  by default eq. 7: ``((r·T')+t)·K+k``);
+* ``drop="lowest_gate"``: the highest gates are admitted first, so the lowest are dropped;
+  equal gates are admitted in ascending row_id order.
+
+Dropped slots get weight 0. ``weights="renormalize"`` rescales the surviving weights of a
+token so that they keep its original total, g'_{t,k} = g_{t,k} · Σ_j g_{t,j} / Σ_{j
+accepted} g_{t,j}; a token none of whose slots survive gets y_t = 0. ``weights="zero"``
+leaves the surviving weights as they were.
+
+``import rdepc`` does not import this module (it needs torch, and ``rdepc check`` must not):
+``from rdepc.reference import moe_reference``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F_
+
+ACTS = ("swiglu", "gelu", "relu")
+DROPS = ("arrival", "lowest_gate")
+WEIGHTS = ("renormalize", "zero")
+ROUTINGS = ("uniform", "zipf:A", "hot", "one")
+
+RowId = Callable[[int, int, int], int]
+
+
+# ----------------------------------------------------------------------------------------
+# The operator
+# ----------------------------------------------------------------------------------------
+
+
+def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, act: str):
+    """One expert on rows ``x`` [N, H]: swiglu (silu(x·Wg) ⊙ x·Wu)·Wd, or act(x·Wu)·Wd."""
+    if act == "swiglu":
+        return (F_.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    if act == "gelu":
+        return F_.gelu(x @ w_up, approximate="none") @ w_down
+    if act == "relu":
+        return F_.relu(x @ w_up) @ w_down
+    raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
+
+
+def eq7_row_id(T: int, K: int) -> RowId:
+    """RDEP eq. 7: row_id = (rank · T + token) · K + slot."""
+    return lambda r, t, k: (r * T + t) * K + k
+
+
+def accepted_rows(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    capacity: int | Sequence[int] | None,
+    *,
+    num_experts: int,
+    drop: str = "arrival",
+    row_id: RowId | None = None,
+) -> torch.Tensor:
+    """The accepted route-row set, a bool tensor shaped like ``topk_ids`` [W, T', K].
+
+    Written as the owner would do it, one expert at a time with plain Python lists: collect
+    the rows sent to the expert, order them by the drop policy, admit the first cap_e.
+    """
+    if drop not in DROPS:
+        raise ValueError(f"unknown drop policy {drop!r}; expected one of {', '.join(DROPS)}")
+    W, T, K = topk_ids.shape
+    E = num_experts
+    if capacity is None:
+        return torch.ones((W, T, K), dtype=torch.bool, device=topk_ids.device)
+    caps = _caps(capacity, E)
+    rid = row_id if row_id is not None else eq7_row_id(T, K)
+
+    ids = topk_ids.tolist()
+    gates = topk_weights.to(device="cpu", dtype=torch.float64).tolist()
+    rows_of: list[list[tuple[int, int, int, int, float]]] = [[] for _ in range(E)]
+    seen: set[int] = set()
+    for r in range(W):
+        for t in range(T):
+            for k in range(K):
+                i = int(rid(r, t, k))
+                if i in seen:
+                    raise ValueError(f"row_id is not injective: ({r}, {t}, {k}) repeats row id {i}")
+                seen.add(i)
+                rows_of[ids[r][t][k]].append((i, r, t, k, gates[r][t][k]))
+
+    accepted = [[[False] * K for _ in range(T)] for _ in range(W)]
+    for e in range(E):
+        rows = rows_of[e]
+        if drop == "arrival":
+            order = sorted(rows, key=lambda row: row[0])  # smallest row_id first
+        else:
+            order = sorted(rows, key=lambda row: (-row[4], row[0]))  # highest gate first, then row_id
+        for _, r, t, k, _ in order[: caps[e]]:
+            accepted[r][t][k] = True
+    return torch.tensor(accepted, dtype=torch.bool, device=topk_ids.device)
+
+
+def combine_weights(topk_weights: torch.Tensor, accepted: torch.Tensor, weights: str = "renormalize") -> torch.Tensor:
+    """g' from g and the accepted set (float, same shape as ``topk_weights``)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights policy {weights!r}; expected one of {', '.join(WEIGHTS)}")
+    g = topk_weights
+    kept = torch.where(accepted, g, torch.zeros_like(g))
+    if weights == "zero":
+        return kept
+    total = g.sum(dim=-1, keepdim=True)
+    survived = kept.sum(dim=-1, keepdim=True)
+    # A token with nothing accepted (or only zero gates accepted) keeps weight 0 everywhere.
+    scale = torch.where(survived != 0, total / torch.where(survived != 0, survived, 1), 0)
+    return kept * scale
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    act: str = "swiglu",
+    capacity: int | Sequence[int] | None = None,
+    drop: str = "arrival",
+    weights: str = "renormalize",
+    owner: Sequence[int] | None = None,
+    row_id: RowId | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RDEP operator (eq. 4) with the capacity policy of section 3.6.
+
+    x [W, T', H]; topk_ids [W, T', K] (int, in [0, E)); topk_weights [W, T', K];
+    w_gate [E, H, F] (``None`` unless ``act="swiglu"``), w_up [E, H, F], w_down [E, F, H].
+    ``capacity``: ``None`` for dropless, else cap_e for every expert or one per expert.
+    ``owner``: the owner rank π(e) of each expert; it is only checked (length E, ranks in
+    [0, W)) — where an expert lives does not change the operator, which is the point.
+    ``row_id``: a callable (r, t, k) → int, injective; eq. 7 by default.
+
+    Returns ``(y, accepted)``: y [W, T', H] in x's dtype and the accepted set [W, T', K]
+    (bool). Computes in float32 (float64 if x is float64); deterministic.
+    """
+    if act not in ACTS:
+        raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [W, T, H], got shape {tuple(x.shape)}")
+    W, T, H = x.shape
+    if topk_ids.dim() != 3 or topk_ids.shape[:2] != (W, T):
+        raise ValueError(f"topk_ids must be [W, T, K] = [{W}, {T}, K], got {tuple(topk_ids.shape)}")
+    K = topk_ids.shape[2]
+    if topk_weights.shape != topk_ids.shape:
+        want, got = tuple(topk_ids.shape), tuple(topk_weights.shape)
+        raise ValueError(f"topk_weights must be shaped like topk_ids {want}, got {got}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if w_up.dim() != 3 or w_up.shape[1] != H:
+        raise ValueError(f"w_up must be [E, H={H}, F], got {tuple(w_up.shape)}")
+    E, _, F = w_up.shape
+    if w_down.shape != (E, F, H):
+        raise ValueError(f"w_down must be [E, F, H] = [{E}, {F}, {H}], got {tuple(w_down.shape)}")
+    if act == "swiglu":
+        if w_gate is None or w_gate.shape != w_up.shape:
+            got = None if w_gate is None else tuple(w_gate.shape)
+            raise ValueError(f"swiglu experts need w_gate shaped like w_up {tuple(w_up.shape)}, got {got}")
+    elif w_gate is not None:
+        raise ValueError(f"{act} experts are not gated: pass w_gate=None")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
+        raise ValueError(f"topk_ids must lie in [0, {E}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if owner is not None:
+        owner = tuple(int(q) for q in owner)
+        if len(owner) != E or any(not 0 <= q < W for q in owner):
+            raise ValueError(f"owner must give a rank in [0, {W}) for each of the {E} experts, got {owner}")
+
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct)
+    g = topk_weights.to(ct)
+    wg = None if w_gate is None else w_gate.to(ct)
+    wu, wd = w_up.to(ct), w_down.to(ct)
+
+    accepted = accepted_rows(topk_ids, g, capacity, num_experts=E, drop=drop, row_id=row_id)
+    accepted = accepted.to(x.device)
+    gp = combine_weights(g, accepted, weights)
+
+    # Sum over slots in a fixed order; each (slot, expert) is one GEMM over the accepted rows
+    # that chose it, written by plain indexing (no atomics, so the result is deterministic).
+    y = torch.zeros((W, T, H), dtype=ct, device=x.device)
+    ids = topk_ids.to(x.device)
+    for k in range(K):
+        out_k = torch.zeros((W, T, H), dtype=ct, device=x.device)
+        for e in range(E):
+            mask = (ids[:, :, k] == e) & accepted[:, :, k]
+            if not bool(mask.any()):
+                continue
+            out_k[mask] = expert_fn(xf[mask], None if wg is None else wg[e], wu[e], wd[e], act)
+        y = y + gp[:, :, k, None] * out_k
+    return y.to(x.dtype), accepted
+
+
+def _caps(capacity: int | Sequence[int], E: int) -> list[int]:
+    if isinstance(capacity, bool):
+        raise TypeError("capacity must be None, an int or a sequence of ints, not a bool")
+    if isinstance(capacity, int):
+        caps = [capacity] * E
+    else:
+        caps = [int(c) for c in capacity]
+        if len(caps) != E:
+            raise ValueError(f"capacity needs one value per expert ({E}), got {len(caps)}")
+    if any(c < 0 for c in caps):
+        raise ValueError(f"capacity must be non-negative, got {caps}")
+    return caps
+
+
+# ----------------------------------------------------------------------------------------
+# From a spec
+# ----------------------------------------------------------------------------------------
+
+
+def capacity_for(spec, T: int) -> int | None:
+    """cap_e of ``spec`` with T' = ``T`` tokens per rank (policy factor: ⌈f·W·T'·K/E⌉)."""
+    cap = spec.capacity
+    if cap.policy == "dropless":
+        return None
+    import sympy as sp
+
+    if cap.policy == "factor":
+        f = sp.Rational(cap.factor)
+        W, K, E = int(spec.shape.W), int(spec.shape.K), int(spec.shape.E)
+        return -(-int(f.p) * W * T * K // (int(f.q) * E))  # exact ceiling
+    at_T = {spec.shape.T: T} if spec.shape.symbolic else {}
+    rows = cap.rows_per_expert(replace(spec.shape, T=sp.Integer(T), T_bound=None))
+    return int(sp.sympify(rows).subs(at_T))
+
+
+def row_id_for(spec, T: int) -> RowId:
+    """The spec's route-row identity as a callable (r, t, k) → int, at T' = ``T``."""
+    import sympy as sp
+
+    rr = spec.route_row
+    at_T = {spec.shape.T: T} if spec.shape.symbolic else {}
+    coef = {v: int(sp.sympify(c).subs(at_T)) for v, c in rr.radix}
+    off = int(sp.sympify(rr.offset).subs(at_T))
+    cr, ct, ck = coef.get("rank", 0), coef.get("token", 0), coef.get("slot", 0)
+    return lambda r, t, k: off + cr * r + ct * t + ck * k
+
+
+def reference_for(layer_or_spec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``moe_reference`` configured from a loaded layer (``rdepc.load``) or its LayerSpec.
+
+    Reads W, E, K, H, F, the expert activation, the capacity policy (cap_e evaluated at the
+    actual T' of each call), the drop and weights policies, the ownership map and the
+    route-row encoding. Returns ``fn(x, topk_ids, topk_weights, w_gate, w_up, w_down) ->
+    (y, accepted)``. Shared experts, the dispatch dtype and dedup are not part of it: it is
+    the routed operator of eq. 4, computed exactly.
+    """
+    spec = getattr(layer_or_spec, "spec", layer_or_spec)
+    sh = spec.shape
+    W, H, E, K, F = int(sh.W), int(sh.H), int(sh.E), int(sh.K), int(spec.expert.F)
+    act = spec.expert.act
+
+    def fn(x, topk_ids, topk_weights, w_gate, w_up, w_down):
+        if x.dim() != 3 or x.shape[0] != W or x.shape[2] != H:
+            raise ValueError(f"{spec.name}: x must be [W={W}, T', H={H}], got {tuple(x.shape)}")
+        T = x.shape[1]
+        if x.shape[1] > sh.T_max:
+            raise ValueError(f"{spec.name}: {T} tokens per rank exceed the spec's T = {sh.T_max}")
+        if topk_ids.shape != (W, T, K):
+            raise ValueError(f"{spec.name}: topk_ids must be [{W}, {T}, K={K}], got {tuple(topk_ids.shape)}")
+        if w_up.shape != (E, H, F):
+            raise ValueError(f"{spec.name}: w_up must be [E={E}, H={H}, F={F}], got {tuple(w_up.shape)}")
+        return moe_reference(
+            x,
+            topk_ids,
+            topk_weights,
+            w_gate,
+            w_up,
+            w_down,
+            act=act,
+            capacity=capacity_for(spec, T),
+            drop=spec.capacity.drop,
+            weights=spec.capacity.weights,
+            owner=spec.ownership.owner,
+            row_id=row_id_for(spec, T),
+        )
+
+    fn.spec = spec
+    return fn
+
+
+# ----------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------
+
+
+class Inputs(NamedTuple):
+    """The positional arguments of :func:`moe_reference`, in order."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w_gate: torch.Tensor | None
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def random_inputs(
+    W: int,
+    T: int,
+    H: int,
+    F: int,
+    E: int,
+    K: int,
+    *,
+    routing: str = "uniform",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    gated: bool = True,
+    device: torch.device | str | None = None,
+) -> Inputs:
+    """Random, deterministic inputs: ``moe_reference(*random_inputs(...))`` runs.
+
+    ``routing``: ``"uniform"`` (K distinct experts per token, uniformly), ``"zipf:A"`` (K
+    distinct experts drawn with weights ∝ 1/(e+1)^A), ``"hot"`` (9 tokens in 10 pick experts
+    0..K-1, the rest uniformly), ``"one"`` (slot k of every token goes to expert k, so with
+    K = 1 every row goes to expert 0). Gates are a softmax over the K slots, in descending
+    order, in float32. Weights are scaled by 1/sqrt(fan_in) so the outputs are O(1).
+    Everything is drawn on the CPU from ``torch.Generator().manual_seed(seed)``, then cast
+    to ``dtype`` (gates stay float32) and moved to ``device``.
+    """
+    if not 1 <= K <= E:
+        raise ValueError(f"need 1 <= K <= E, got K={K}, E={E}")
+    gen = torch.Generator().manual_seed(seed)
+    N = W * T
+    if routing == "uniform":
+        ids = torch.multinomial(torch.ones(N, E), K, replacement=False, generator=gen)
+    elif routing.startswith("zipf:"):
+        try:
+            a = float(routing.partition(":")[2])
+        except ValueError:
+            raise ValueError(f"routing {routing!r}: expected zipf:A with a number A") from None
+        p = 1.0 / (torch.arange(E, dtype=torch.float64) + 1) ** a
+        ids = torch.multinomial(p.expand(N, E), K, replacement=False, generator=gen)
+    elif routing == "hot":
+        ids = torch.multinomial(torch.ones(N, E), K, replacement=False, generator=gen)
+        hot = torch.rand(N, generator=gen) < 0.9
+        perm = torch.rand(N, K, generator=gen).argsort(dim=1)  # experts 0..K-1 in a random slot order
+        ids = torch.where(hot[:, None], perm, ids)
+    elif routing == "one":
+        ids = torch.arange(K).expand(N, K).clone()
+    else:
+        raise ValueError(f"unknown routing {routing!r}; expected one of {', '.join(ROUTINGS)}")
+    ids = ids.to(torch.int64).reshape(W, T, K)
+
+    logits = torch.randn(W, T, K, generator=gen)
+    gates = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
+
+    x = torch.randn(W, T, H, generator=gen)
+    w_gate = torch.randn(E, H, F, generator=gen) / math.sqrt(H) if gated else None
+    w_up = torch.randn(E, H, F, generator=gen) / math.sqrt(H)
+    w_down = torch.randn(E, F, H, generator=gen) / math.sqrt(F)
+
+    def cast(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    return Inputs(cast(x), ids.to(device), gates.to(device), cast(w_gate), cast(w_up), cast(w_down))
+
+
+__all__ = [
+    "Inputs",
+    "accepted_rows",
+    "capacity_for",
+    "combine_weights",
+    "eq7_row_id",
+    "expert_fn",
+    "moe_reference",
+    "random_inputs",
+    "reference_for",
+    "row_id_for",
+]
