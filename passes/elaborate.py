@@ -91,8 +91,10 @@ def elaborate(
 # ---------------------------------------------------------------------------- params
 
 
-def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict[str, Poly], tuple[Param, ...]]:
-    env: dict[str, Poly] = {}
+def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict[str, Poly | None], tuple[Param, ...]]:
+    # A parameter whose declaration has an error maps to None: its uses fail silently
+    # instead of each reporting a misleading "unknown name".
+    env: dict[str, Poly | None] = {}
     out: list[Param] = []
     where: dict[str, Span] = {}
     for p in module.params:
@@ -104,12 +106,16 @@ def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict
             continue
         where[p.name] = p.name_span
         given = overrides.pop(p.name, None)
+        if given is not None and abs(given) > MAX_VALUE:
+            diags.error(f"override for '{p.name}' is too large (limit 2^62)", p.span)
+            env[p.name] = None
+            continue
         if p.bound is not None:
             bound = _eval(p.bound, env, diags)
-            if bound is None:
-                continue
-            if not bound.is_whole or bound.value < 1:
-                diags.error(f"bound of '{p.name}' must be a positive whole number, got {bound}", p.bound.span)
+            if bound is None or not bound.is_whole or bound.value < 1:
+                if bound is not None:
+                    diags.error(f"bound of '{p.name}' must be a positive whole number, got {bound}", p.bound.span)
+                env[p.name] = None
                 continue
             if given is None:
                 env[p.name] = Poly.var(p.name)
@@ -121,12 +127,14 @@ def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict
                     f"override {p.name}={value} is outside 1..{bound}, the range '{p.name}' was declared with",
                     p.span,
                 )
+                env[p.name] = None
                 continue
             env[p.name] = value
             out.append(Param(p.name, value, bound, True, p.span))
             continue
         value = _eval(p.value, env, diags)
         if value is None:
+            env[p.name] = None
             continue
         if given is not None:
             value = Poly.const(given)
@@ -142,11 +150,19 @@ def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict
 # ---------------------------------------------------------------------- expressions
 
 
-def _eval(e: S.Expr, env: Mapping[str, Poly], diags: Diagnostics) -> Poly | None:
+def _eval(e: S.Expr, env: Mapping[str, Poly | None], diags: Diagnostics) -> Poly | None:
     """The exact value of an expression node; None (and a diagnostic) on error."""
     match e:
         case S.Num(text=text):
-            f = Fraction(text.replace("_", ""))
+            digits = text.replace("_", "")
+            if len(digits.partition(".")[0].lstrip("0")) > 19:  # > 2^62; and int() refuses > 4300 digits
+                diags.error("number too large (limit 2^62)", e.span)
+                return None
+            try:
+                f = Fraction(digits)
+            except ValueError:  # thousands of decimal digits: beyond Python's int-conversion limit
+                diags.error("number has too many digits", e.span)
+                return None
             if abs(f) > MAX_VALUE:
                 diags.error("number too large (limit 2^62)", e.span)
                 return None
@@ -200,6 +216,7 @@ class _Layer:
         self.module, self.decl, self.env, self.params, self.diags = module, decl, env, params, diags
         self.spans: dict[str, Span] = {}
         self.bounds = {p.name: int(p.bound.value) for p in params if p.bound is not None and p.value is None}
+        self.token_vars: frozenset[str] | None = None  # the symbol of 'shape tokens', once known
         self.to_ir = _SympyConverter() if sympy else (lambda v: v)
 
     # --- argument plumbing ---------------------------------------------------------
@@ -212,14 +229,14 @@ class _Layer:
         for a in stmt.args:
             match a:
                 case S.Flag(name=name):
-                    if name in keyed:
+                    if name in keyed and name not in flags:
                         self.diags.error(f"'{name}' in '{stmt.keyword}' needs a value", a.span)
                         continue
                     if name not in flags:
                         self._unknown(stmt, name, a.span, keyed + flags)
                         continue
                 case S.Keyed(name=name):
-                    if name in flags:
+                    if name in flags and name not in keyed:
                         self.diags.error(f"'{name}' in '{stmt.keyword}' takes no value", a.span)
                         continue
                     if name not in keyed:
@@ -268,6 +285,12 @@ class _Layer:
         if value is None:
             return None
         free = value.free
+        if free and symbolic_ok:
+            # Only the tokens parameter may stay symbolic (Poly.extremes handles one symbol).
+            allowed = free if self.token_vars is None else self.token_vars
+            if len(free) > 1 or not free <= allowed:
+                symbolic_ok = False
+                free = (free - allowed) or free
         if free and not symbolic_ok:
             names = ", ".join(sorted(free))
             self.diags.error(
@@ -332,6 +355,7 @@ class _Layer:
         schedule = self.schedule(stmts.get("schedule"))
         if shape is None:
             return None
+        self.token_vars = shape.T.free
         route = self.route_row(stmts.get("route_row"), stmts.get("sideband"), shape, precision)
         ownership = self.ownership(stmts.get("owner"), shape)
         capacity = self.capacity(stmts.get("capacity"), shape)
@@ -519,6 +543,15 @@ class _Layer:
             formula, span = _eval(v, self.env | {"rank": rank, "token": token, "slot": slot}, self.diags), v.span
             if formula is None:
                 return None
+            other = formula.free - set(ROUTE_VARS) - shape.T.free
+            if other:
+                names = ", ".join(sorted(other))
+                self.diags.error(
+                    f"route_row id depends on the symbolic parameter {names}, which is not the layer's tokens",
+                    span,
+                    f"give {names} a value ('param {min(other)} = ...', or -D {min(other)}=N)",
+                )
+                return None
         sideband = self.sideband(sb, prec)
         if sideband is None:
             return None
@@ -604,7 +637,10 @@ class _Layer:
         owner = []
         for q in range(W):
             owner += [q] * (base + (1 if q < extra else 0))
-        local = [e - owner.index(owner[e]) for e in range(E)]
+        first: dict[int, int] = {}
+        for e, q in enumerate(owner):
+            first.setdefault(q, e)
+        local = [e - first[owner[e]] for e in range(E)]
         return Ownership("balanced", tuple(owner), tuple(local))
 
     def owner_map(self, arg: S.Keyed, W: int, E: int) -> Ownership | None:
@@ -638,25 +674,29 @@ class _Layer:
                     if e is None:
                         continue
                     experts = (e,)
+                twice = [e for e in experts if e in owner]
+                if twice:
+                    e = twice[0]
+                    shown = f"expert {e} is" if len(twice) == 1 else f"{_ranges(twice)} are"
+                    self.diags.error(
+                        f"{shown} assigned twice (to rank {owner[e][0]} and rank {q})",
+                        m.span,
+                        f"first assigned at {owner[e][1]}",
+                    )
                 for e in experts:
-                    if e in owner:
-                        self.diags.error(
-                            f"expert {e} is assigned twice (to rank {owner[e][0]} and rank {q})",
-                            m.span,
-                            f"first assigned at {owner[e][1]}",
-                        )
-                    else:
-                        owner[e] = (q, m.span)
+                    owner.setdefault(e, (q, m.span))
         if len(self.diags.errors) > errors:
             return None
         missing = [e for e in range(E) if e not in owner]
         if missing:
             self.diags.error(f"owner map leaves {_ranges(missing)} without an owner", arg.value.span)
             return None
-        by_rank: dict[int, list[int]] = {}
+        count: dict[int, int] = {}
+        local = []
         for e in range(E):
-            by_rank.setdefault(owner[e][0], []).append(e)
-        local = [by_rank[owner[e][0]].index(e) for e in range(E)]
+            q = owner[e][0]
+            local.append(count.get(q, 0))
+            count[q] = local[-1] + 1
         return Ownership("map", tuple(owner[e][0] for e in range(E)), tuple(local))
 
     def index(self, node: S.Expr, n: int, what: str) -> int | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from fractions import Fraction
 from pathlib import Path
@@ -17,11 +19,17 @@ class UsageError(ValueError):
 
 
 def parse(text_or_path: str | os.PathLike) -> S.Module:
-    """Parse a spec: a :class:`pathlib.Path`, or a string naming an existing file, is read;
-    any other string is taken as the spec's text. Raises :class:`SpecError`."""
+    """Parse a spec: a :class:`pathlib.Path`, a string naming an existing file, or a one-line
+    string ending in ``.rdep`` (which no spec text does), is read; any other string is taken
+    as the spec's text. Raises :class:`SpecError`."""
     if isinstance(text_or_path, os.PathLike):
         return parse_file(text_or_path)
-    if "\n" not in text_or_path and Path(text_or_path).is_file():
+    one_line = "\n" not in text_or_path
+    try:
+        is_file = one_line and Path(text_or_path).is_file()
+    except (OSError, ValueError):  # e.g. a one-line spec longer than a file name may be
+        is_file = False
+    if is_file or (one_line and text_or_path.endswith(".rdep")):  # a mistyped path: "no such file"
         return parse_file(text_or_path)
     return parse_text(text_or_path)
 
@@ -67,6 +75,19 @@ def elaborate_layer(module: S.Module, layer: str | None, overrides: dict) -> tup
     return specs[0], tuple(diags.warnings)
 
 
+def _override_value(name: str, v) -> int | Fraction:
+    """A keyword override of ``load``: a whole or decimal number (not a bool, NaN or infinity)."""
+    if isinstance(v, bool):
+        pass
+    elif isinstance(v, numbers.Integral):
+        return int(v)
+    elif isinstance(v, numbers.Rational):
+        return Fraction(v)
+    elif isinstance(v, numbers.Real) and math.isfinite(v):
+        return Fraction(str(float(v)))  # 1.25 means 5/4, as in a spec
+    raise UsageError(f"override {name}={v!r}: expected a whole or decimal number")
+
+
 class Layer:
     """A loaded layer: ``.spec`` (the LayerSpec) and ``.shapes`` (its sizes as ints)."""
 
@@ -95,7 +116,7 @@ def load(path: str | os.PathLike, layer: str | None = None, **overrides: int | f
     """Parse and check ``path``; choose ``layer`` (needed when the file has several);
     ``overrides`` replace named parameters. Raises :class:`SpecError` or :class:`UsageError`."""
     module = parse_file(path)
-    clean = {k: Fraction(str(v)) if isinstance(v, float) else v for k, v in overrides.items()}
+    clean = {k: _override_value(k, v) for k, v in overrides.items()}
     spec, warnings = elaborate_layer(module, layer, clean)
     return Layer(spec, warnings)
 

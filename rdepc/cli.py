@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 a problem with an input file (diagnostics printed as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -65,8 +66,105 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", dest="out", metavar="DIR", help="output directory (default: build/LAYER)")
     p.add_argument("--dump-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--time-passes", action="store_true", help="print each pass's time")
+    _schedule_options(p)
     p.set_defaults(func=cmd_compile)
+
+    from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
+
+    p = sub.add_parser(
+        "plan",
+        help="capacity, memory, transport and padding arithmetic of a layer",
+        description="Plan one layer: pooling, capacity and overflow bounds, symmetric memory (the paper's "
+        "Table 4 convention and rdepc's own heap, docs/memory.md), routing context, transport and padding, "
+        "each figure a formula evaluated at the spec's sizes.",
+    )
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
+    p.add_argument("--symbolic", action="store_true", help="also print the formula behind every figure")
+    p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+    p.add_argument(
+        "--overflow",
+        type=_probability,
+        default=1e-6,
+        metavar="P",
+        help="target probability that any expert overflows its capacity (default: 1e-6)",
+    )
+    p.add_argument(
+        "--routing",
+        type=_routing,
+        metavar="uniform|zipf:ALPHA",
+        help="sample one routing (numpy) and report rows per expert and padding",
+    )
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
+    p.add_argument(
+        "--probs", metavar="FILE", help="E per-expert selection probabilities p_e (Poisson-binomial bound, eq. 18)"
+    )
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "viz",
+        help="draw a layer's predicted schedule (trace, Gantt chart, graph)",
+        description="Schedule one layer and write its predicted timeline as Chrome/Perfetto trace JSON "
+        "(--trace), a Gantt chart (--png) and its task graph as Graphviz DOT (--dot); prints a summary.",
+    )
+    _common(p)
+    _schedule_options(p)
+    p.add_argument("--trace", metavar="OUT.json", help="write the timeline as Chrome/Perfetto trace-event JSON")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
+    p.add_argument("--dot", metavar="OUT.dot", help="write the task graph as Graphviz DOT")
+    p.add_argument("--full", action="store_true", help="with --dot: the tile-level graph (small specs only)")
+    p.add_argument("--empty", action="store_true", help="with --trace: also tasks predicted to be empty")
+    p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
+    p.set_defaults(func=cmd_viz)
     return ap
+
+
+def _schedule_options(p: argparse.ArgumentParser) -> None:
+    from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
+
+    p.add_argument(
+        "--schedule",
+        choices=["auto", "bulk", "pipelined", "deep"],
+        help="override the spec's schedule statement (auto: the cost model chooses)",
+    )
+    p.add_argument(
+        "--cut", choices=["auto", "expert", "source"], help="override the segment statement's cut (segments by)"
+    )
+    p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+
+
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in (0, 1)")
+    return v
+
+
+def _routing(text: str) -> tuple[str, float]:
+    if text == "uniform":
+        return "uniform", 0.0
+    kind, colon, alpha = text.partition(":")
+    if kind == "zipf" and colon:
+        try:
+            a = float(alpha)
+        except ValueError:
+            a = -1.0
+        if a >= 0 and a == a and a != float("inf"):
+            return "zipf", a
+    raise argparse.ArgumentTypeError(f"{text!r}: expected uniform or zipf:ALPHA with ALPHA >= 0")
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return v
 
 
 def _overrides(args) -> dict:
@@ -115,16 +213,94 @@ def cmd_compile(args) -> int:
     for name in args.dump_after:
         if name not in known:
             raise UsageError(f"--dump-after {name}: no such pass (passes: {', '.join(known)})")
-    opts = Options(args.layer, _overrides(args), tuple(args.dump_after), args.time_passes)
-    result = compile_file(args.file, opts)
+    opts = Options(
+        args.layer,
+        _overrides(args),
+        tuple(args.dump_after),
+        args.time_passes,
+        schedule=args.schedule,
+        cut=args.cut,
+        hw=args.hw,
+    )
+    # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
+    result = compile_file(args.file, opts, sys.stdout)
     _print_diags(result.warnings, {})
     out = Path(args.out or Path("build") / result.spec.name)
-    out.mkdir(parents=True, exist_ok=True)
     target = out / f"{result.spec.name}.spec.json"
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(dump_json(result.spec) + "\n", encoding="utf-8")
-    tmp.replace(target)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(dump_json(result.spec) + "\n", encoding="utf-8")
+        tmp.replace(target)
+    except OSError as e:  # -o names a file, an unwritable place, ...
+        print(f"rdepc: error: cannot write {e.filename or target}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {target}")
+    return 0
+
+
+def cmd_viz(args) -> int:
+    from rdepc.api import elaborate_layer
+    from rdepc.parser import parse_file
+    from rdepc.passes.schedule import build_for, report, schedule
+
+    module = parse_file(args.file)
+    spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
+    _print_diags(warnings, {})
+    if args.ranks < 1:
+        raise UsageError(f"--ranks {args.ranks}: expected a positive number")
+    sched = schedule(build_for(spec, args.schedule, args.cut, args.hw), args.hw)
+    print(report(sched))
+    from rdepc import viz
+
+    wrote = []
+    try:
+        if args.trace:
+            wrote.append(viz.write_trace(sched, args.trace, empty=args.empty))
+        if args.png:
+            bulk = None
+            if sched.strategy != "bulk":
+                bulk = schedule(build_for(spec, "bulk", None, args.hw), args.hw)
+                print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
+            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks))
+        if args.dot:
+            try:
+                wrote.append(viz.write_dot(sched.graph, args.dot, sched=sched, full=args.full))
+            except ValueError as e:  # --full on a spec too large for a tile graph
+                raise UsageError(f"--dot --full: {e}") from None
+    except OSError as e:
+        print(f"rdepc: error: cannot write {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    for path in wrote:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from rdepc.api import elaborate_layer
+    from rdepc.parser import parse_file
+    from rdepc.passes.plan import PlanOptions, parse_probs, plan, to_json
+    from rdepc.report import render
+
+    module = parse_file(args.file)
+    spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
+    _print_diags(warnings, {})
+    probs = None
+    if args.probs is not None:
+        try:
+            text = Path(args.probs).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--probs {args.probs}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        probs = parse_probs(text, args.probs, int(spec.shape.E))
+    routing, alpha = args.routing or (None, 0.0)
+    options = PlanOptions(args.hw, args.overflow, routing, alpha, args.seed, probs)
+    result = plan(spec, options)
+    if args.json:
+        print(json.dumps(to_json(result, formulas=args.symbolic), indent=2))
+    else:
+        sys.stdout.write(render(result, symbolic=args.symbolic))
     return 0
 
 
@@ -142,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rdepc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (rdepc ... | head): not an internal error
+        with contextlib.suppress(OSError, ValueError):  # so that the flush at exit does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:  # an internal error: report it as one, never as a bare traceback
         if args.debug:
             raise

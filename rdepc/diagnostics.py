@@ -59,7 +59,10 @@ class Diagnostic:
 
 
 def _excerpt(text: str, span: Span) -> list[str]:
-    src_lines = text.splitlines()
+    # Split at '\n' only, as the parser counts lines (not at '\x0c', '\x85', '\u2028', ...).
+    src_lines = [t.removesuffix("\r") for t in text.split("\n")]
+    if src_lines[-1] == "":  # the final newline ends the last line; it does not start one
+        src_lines.pop()
     if not 1 <= span.line <= len(src_lines):
         return []
     line = src_lines[span.line - 1].expandtabs(1)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedToken, v_args
+from lark import Lark, Token, Transformer, Tree, UnexpectedCharacters, UnexpectedToken, v_args
 
 from rdepc import syntax as S
 from rdepc.diagnostics import Diagnostics, Span, SpecError
 from rdepc.grammar import grammar_text
 
 MAX_SYNTAX_ERRORS = 20
+# Deepest syntax tree accepted: lark's tree transformer, and elaboration after it, recurse
+# once or twice per level, so a 2 KB line such as '1 + 1 + ... + 1' would otherwise
+# exhaust Python's recursion limit. No real spec comes near this.
+MAX_DEPTH = 100
 
 # How a terminal is named in an error message.
 _TERMINALS = {
@@ -199,29 +203,63 @@ def parse_text(text: str, file: str = "<string>") -> S.Module:
         text += "\n"  # the grammar ends statements with a newline
     parser = _lark()
 
-    # Report the first error, blank out its line (keeping every position) and parse
-    # again: one run then shows every broken line rather than cascades of one mistake.
+    # Report the first error of a line, blank out what was wrong (keeping every position)
+    # and parse again: one run then shows every broken line, one error each, rather than
+    # cascades of one mistake. An unexpected character is blanked alone, so that a stray
+    # character in a 'layer NAME {' line does not take the layer's header with it; any
+    # further error on a line already reported blanks the whole line, silently.
     work, tree = text, None
+    reported: set[int] = set()
     while tree is None and len(diags.errors) < MAX_SYNTAX_ERRORS:
         try:
             tree = parser.parse(work)
+            continue
         except UnexpectedCharacters as e:
-            ch = work[e.pos_in_stream]
-            shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
-            diags.error(f"unexpected character {shown}", Span(file, e.line, e.column, e.line, e.column + 1))
-            work = _blank_line(work, e.line)
+            line, pos = e.line, e.pos_in_stream
+            if line not in reported:
+                ch = work[pos]
+                shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
+                diags.error(f"unexpected character {shown}", Span(file, line, e.column, line, e.column + 1))
+                new = work if work[pos] == "\n" else work[:pos] + " " + work[pos + 1 :]
+            else:
+                new = work
         except UnexpectedToken as e:
-            _report_token(diags, parser, e, file)
             if e.token.type == "$END":
+                _report_token(diags, parser, e, file)
                 break
-            work = _blank_line(work, e.token.line)
+            line, new = e.token.line, work
+            if line not in reported:
+                _report_token(diags, parser, e, file)
+        reported.add(line)
+        if new == work:
+            new = _blank_line(work, line)
+            if new == work:  # nothing left to blank: give up rather than loop
+                break
+        work = new
     diags.check()
+    deep = _too_deep(tree)
+    if deep is not None:
+        line, col = getattr(deep, "line", 1), getattr(deep, "column", 1)
+        span = Span(file, line, col, getattr(deep, "end_line", line), getattr(deep, "end_column", col + 1))
+        diags.error(f"expression nested too deeply (more than {MAX_DEPTH} levels)", span, "split it with parameters")
+        diags.check()
     params, layers = _Build(file).transform(tree)
     module = S.Module(file, text, params, layers)
     if not module.layers:
         diags.error("no layer in this file: a spec needs at least one 'layer NAME { ... }'", Span(file, 1, 1, 1, 1))
         diags.check()
     return module
+
+
+def _too_deep(tree: Tree):
+    """The meta of the first node nested deeper than MAX_DEPTH, or None (iteratively)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return node.meta
+        stack.extend((child, depth + 1) for child in reversed(node.children) if isinstance(child, Tree))
+    return None
 
 
 def _blank_line(text: str, line: int) -> str:
@@ -232,10 +270,13 @@ def _blank_line(text: str, line: int) -> str:
 
 def _report_token(diags: Diagnostics, parser: Lark, e: UnexpectedToken, file: str) -> None:
     tok = e.token
-    line = tok.line if tok.type != "$END" else max(1, e.line if e.line and e.line > 0 else 1)
     if tok.type == "$END":
-        line = max(1, len(diags.sources.get(file, "").splitlines()))
-        col = len(diags.sources.get(file, "").splitlines()[-1]) + 1 if diags.sources.get(file, "").strip() else 1
+        # The end of the last line. Lines are split at '\n' only, as lark counts them
+        # (str.splitlines would also split at '\x0c', '\x85', '\u2028', ...).
+        lines = diags.sources.get(file, "").split("\n")
+        if len(lines) > 1 and lines[-1] == "":
+            lines.pop()
+        line, col = len(lines), len(lines[-1].rstrip("\r")) + 1
         span = Span(file, line, col, line, col + 1)
     else:
         span = Span(file, tok.line, tok.column, tok.end_line or tok.line, tok.end_column or tok.column + 1)

@@ -23,3 +23,17 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        default=False,
+        help="rewrite tests/golden/*.json from the current compiler instead of comparing",
+    )
+
+
+@pytest.fixture
+def update_golden(request) -> bool:
+    return request.config.getoption("--update-golden")

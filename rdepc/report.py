@@ -1,0 +1,317 @@
+"""The human report of ``rdepc plan``: aligned tables with units, the accounting behind
+every figure in words, one verdict line per memory budget, and warnings.
+
+Pure text from a :class:`rdepc.passes.plan.Plan`; ``--json`` uses ``to_json`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rdepc.passes.plan import BM, SYMBOLS_DOC, Figure, Plan, SymmetricPlan
+
+GIB = 2**30
+
+
+def fmt_bytes(n: float | None) -> str:
+    """GiB from a tenth of a GiB up, MB (10^6) from 1 MB, else exact bytes."""
+    if n is None:
+        return "-"
+    if n >= GIB / 10:
+        return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / GIB:.3f} GiB"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    return f"{int(n):,} B"
+
+
+def fmt_num(v: float) -> str:
+    if isinstance(v, int) or float(v).is_integer():
+        return f"{int(v):,}"
+    return f"{v:,.2f}" if abs(v) >= 10 else f"{v:.4g}"
+
+
+def fmt(fig: Figure | None) -> str:
+    if fig is None or fig.value is None:
+        return "-"
+    v = fig.value
+    if isinstance(v, float) and math.isinf(v):
+        return "unbounded"
+    u = fig.unit
+    if u == "B":
+        return fmt_bytes(v)
+    if u == "rows":
+        return f"{fmt_num(v)} rows"
+    if u == "s":
+        return f"{v * 1e6:,.1f} µs" if v * 1e6 >= 10 else f"{v * 1e6:.2f} µs"
+    if u == "frac":
+        return f"{v * 100:.2f} %"
+    if u == "x":
+        return f"{v:.3f}x" if v < 10 else f"{v:,.1f}x"
+    if u == "params":
+        return f"{v / 1e9:.3f} B params"
+    if u == "prob":
+        return "0" if v == 0 else f"{v:.3g}"
+    return fmt_num(v)
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str] | None = None, indent: int = 2) -> list[str]:
+    """Left-aligned text columns, the value columns (all but first and last) right-aligned."""
+    allrows = [list(header)] + [list(r) for r in rows] if header else [list(r) for r in rows]
+    n = max(len(r) for r in allrows)
+    for r in allrows:
+        r += [""] * (n - len(r))
+    widths = [max(len(r[i]) for r in allrows) for i in range(n)]
+    out = []
+    for k, r in enumerate(allrows):
+        cells = []
+        for i, c in enumerate(r):
+            cells.append(c.rjust(widths[i]) if 0 < i < n - 1 else c.ljust(widths[i]))
+        out.append((" " * indent + "  ".join(cells)).rstrip())
+        if header and k == 0:
+            out.append(" " * indent + "  ".join("-" * w for w in widths))
+    return out
+
+
+def _fig_rows(items: Sequence[tuple[str, Figure | None]]) -> list[list[str]]:
+    return [[label, fmt(fig), fig.what if fig else ""] for label, fig in items if fig is not None]
+
+
+def _heap_rows(s: SymmetricPlan) -> list[list[str]]:
+    fwd = {f.key.rsplit(".", 1)[1]: f for f in s.forward}
+    fb = {f.key.rsplit(".", 1)[1]: f for f in s.forward_backward}
+    rows = []
+    for name, fig in fb.items():
+        f_fig = fwd.get(name)
+        rows.append([name, fmt(f_fig) if f_fig else "-", fmt(fig), f"{fig.value:,} B", fig.what])
+    return rows
+
+
+def render(pl: Plan, symbolic: bool = False) -> str:
+    v = dict(pl.values)
+    po, cp, mem, tr = pl.pooling, pl.capacity, pl.memory, pl.transport
+    hw = pl.hw
+    out: list[str] = []
+    add = out.append
+
+    # -- header ------------------------------------------------------------------------------
+    add(f"rdepc plan: layer {pl.layer} ({pl.file})")
+    tnote = f" (T is symbolic, T <= {pl.t_bound}: figures at the bound)" if pl.t_bound is not None else ""
+    add(
+        f"  W={v['W']} T={v['T']} H={v['H']} E={v['E']} K={v['K']} F={v['F']} L={v['L']}{tnote}; "
+        f"{pl.precision} ({v['a']} B, {v['d']} B), sideband {v['sb']} B/row"
+    )
+    seg = f"segment S={v['S']} B={v['B']}" if "S" in v else "no segment statement"
+    cap = cp.policy if cp.rows_per_expert is None else f"{cp.policy} (cap_e = {cp.rows_per_expert.value:,} rows)"
+    add(f"  capacity {cap}; {seg}; symmetric heap strategy: {pl.strategy}")
+    add(f"  hardware {hw.name}: {hw.description}")
+    hw_rows = []
+    for name, val in hw.values().items():
+        shown = {
+            "flops": f"{val.value / 1e12:,.1f} TFLOP/s",
+            "link": f"{val.value / 1e9:,.0f} GB/s",
+            "hbm": f"{val.value / GIB:,.1f} GiB",
+            "hbm_bw": f"{val.value / 1e12:,.2f} TB/s",
+            "barrier_per_peer": f"{val.value * 1e9:,.0f} ns",
+        }[name]
+        hw_rows.append([name, shown, val.kind, val.source])
+    out += table(hw_rows, indent=4)
+
+    # -- pooling -----------------------------------------------------------------------------
+    add("")
+    add("Pooling (uniform independent routing, DP = W)")
+    asym = "unbounded (a rank owns no expert)" if math.isinf(po.asymmetry.value) else fmt(po.asymmetry)
+    per_owner = sorted(set(po.experts_per_owner), reverse=True)
+    counts = ", ".join(f"{po.experts_per_owner.count(k)} ranks own {k}" for k in per_owner)
+    rows = _fig_rows(
+        [
+            ("mu, mean rows per expert", po.mu),
+            ("rows per expert per replica", po.mu_replica),
+            ("CV of rows per expert", po.cv_uniform),
+        ]
+    )
+    rows.append(["experts per owner", f"{po.e_min.value}..{po.e_max.value}", counts])
+    rows.append(["owner-load asymmetry", asym, po.asymmetry.what])
+    rows += _fig_rows([("expected load, busiest owner", po.owner_load_expected)])
+    out += table(rows, ["figure", "value", "accounting"])
+
+    # -- capacity ----------------------------------------------------------------------------
+    add("")
+    add(f"Capacity ({cp.policy}; overflow target {cp.target:g})")
+    rows = _fig_rows(
+        [
+            ("cap_e, rows per expert", cp.rows_per_expert),
+            ("worst-case owner load", cp.worst_owner_load),
+            ("rows per owner (admitted)", cp.rows_per_owner),
+            ("slack beta", cp.beta),
+            ("union bound (raw)", cp.overflow_union_bound),
+            ("P(any expert overflows)", cp.overflow_bound),
+            ("factor needed for target", cp.factor_needed),
+            ("cap_e needed for target", cp.rows_per_expert_needed),
+        ]
+    )
+    if cp.overflow_branch not in ("dropless",):
+        rows.append(["bound branch", cp.overflow_branch, "which tail bound applies at this beta"])
+    out += table(rows, ["figure", "value", "accounting"])
+    if cp.skew is not None:
+        sk = cp.skew
+        add(f"  with --probs (sum p_e = {sk.sum_p:.4g}; Poisson-binomial, eq. 18):")
+        out += table(
+            _fig_rows(
+                [
+                    ("hottest expert mean", sk.mu_e_max),
+                    ("busiest owner mean", sk.owner_load_max),
+                    ("P(any expert overflows)", sk.overflow_bound),
+                    ("cap_e needed for target", sk.rows_per_expert_needed),
+                    ("as a factor of mu", sk.factor_needed),
+                ]
+            ),
+            indent=4,
+        )
+
+    # -- memory ------------------------------------------------------------------------------
+    add("")
+    add("Symmetric memory, the paper's convention (Table 4: 4 routed row tensors of H·d bytes per row)")
+    rows = [
+        ["bulk (M_cap = W·T·K rows)", fmt(mem.bulk_per_layer), fmt(mem.bulk_total), fmt(mem.bulk_shared)],
+    ]
+    if mem.segmented_per_layer is not None:
+        rows.append(
+            [
+                "segmented (B·S rows)",
+                fmt(mem.segmented_per_layer),
+                fmt(mem.segmented_total),
+                fmt(mem.segmented_shared),
+            ]
+        )
+    out += table(rows, ["mode", "per layer", f"x {v['L']} layers (private)", "one shared ring"])
+
+    s = mem.plan
+    add("")
+    add(
+        f"Symmetric heap, rdepc's plan ({s.strategy}: S = {s.S.value:,} rows, B = {s.B.value}, "
+        f"R_ret = {s.R_ret.value:,} rows; every buffer padded to 256 B; docs/memory.md)"
+    )
+    out += table(_heap_rows(s), ["region", "forward", "fwd+bwd", "fwd+bwd bytes", "accounting"])
+    out += table(
+        _fig_rows([("per layer x L (private rings)", s.private_total), ("one shared ring", s.shared_total)]),
+    )
+    if mem.alternative is not None:
+        alt = mem.alternative
+        fb = alt.forward_backward[-1]
+        add(
+            f"  for comparison, {alt.strategy} (S = {alt.S.value:,}, B = {alt.B.value}): fwd+bwd {fmt(fb)} "
+            f"per layer, {fmt(alt.private_total)} for {v['L']} layers"
+        )
+
+    add("")
+    add("Other memory per GPU")
+    rows = _fig_rows(
+        [
+            ("routing context (eq. 20)", mem.routing_context),
+            ("saved owner rows", mem.saved_rows),
+            ("saved bytes per row", mem.saved_row_bytes),
+            ("saved activations per layer", mem.saved_per_layer),
+            ("  expected load instead", mem.saved_expected),
+            (f"saved activations x {v['L']}", mem.saved_total),
+            ("dense params lower bound", mem.dense_params),
+            ("dense weights lower bound", mem.dense_bytes),
+        ]
+    )
+    out += table(rows, ["figure", "value", "accounting"])
+
+    add("")
+    add(f"Verdicts against {hw.name} HBM ({fmt_bytes(hw.hbm.value)})")
+    width = max(len(x.budget) for x in pl.verdicts)
+    for vd in pl.verdicts:
+        if vd.fits:
+            verdict = f"fits, {fmt_bytes(vd.margin)} to spare ({100 * vd.bytes / vd.hbm:.1f} % of HBM)"
+        else:
+            verdict = f"DOES NOT FIT: {fmt_bytes(-vd.margin)} over ({vd.bytes / vd.hbm:.2f}x HBM)"
+        add(f"  {vd.budget.ljust(width)}  {fmt_bytes(vd.bytes).rjust(10)}  {verdict}")
+
+    # -- transport ---------------------------------------------------------------------------
+    add("")
+    add(
+        f"Transport per rank per layer, the busiest rank (expected: uniform routing; worst: distinct top-K, "
+        f"capped by capacity; time at {hw.link.value / 1e9:,.0f} GB/s)"
+    )
+    rows = []
+    for st in tr.stages:
+        rows.append(
+            [
+                st.name,
+                fmt(st.row_bytes),
+                fmt(st.send_expected),
+                fmt(st.send_worst),
+                fmt(st.recv_expected),
+                fmt(st.recv_worst),
+                fmt(st.time_expected),
+                fmt(st.time_worst),
+            ]
+        )
+    out += table(rows, ["stage", "row", "send exp", "send worst", "recv exp", "recv worst", "time exp", "time worst"])
+    for st in tr.stages:
+        add(f"  {st.name}: {st.what}")
+    add("  the busiest owner receives min(E_max·mu, R_max) rows expected, R_max at worst; a front-end sends T·K rows")
+    add("")
+    rows = [
+        [
+            "one barrier",
+            fmt(tr.barrier),
+            f"W x {hw.barrier_per_peer.value * 1e9:.0f} ns per peer; {fmt(tr.barrier_low)}..{fmt(tr.barrier_high)} "
+            "at 50..100 ns (Prop. B.7)",
+        ],
+        ["barriers per segment", fmt(tr.barrier_segment), tr.barrier_segment.what],
+        ["segments per layer", fmt(tr.segments), tr.segments.what],
+        ["barrier time per layer", fmt(tr.barrier_layer), tr.barrier_layer.what],
+    ]
+    if tr.segment_time is not None:
+        rows.append(["segment dispatch time", fmt(tr.segment_time), tr.segment_time.what])
+    rows.append(["min ffn hiding transport", f"{tr.min_ffn.value:,.0f}", tr.min_ffn.what])
+    rows.append(["expert ffn / minimum", fmt(tr.ffn_margin), f"F = {tr.ffn.value:,}"])
+    out += table(rows, ["figure", "value", "accounting"])
+
+    # -- padding -----------------------------------------------------------------------------
+    if pl.padding is not None:
+        pd = pl.padding
+        how = "uniform" if pd.routing == "uniform" else f"zipf alpha={pd.alpha:g}"
+        add("")
+        add(f"Padding, one sampled routing ({how}, seed {pd.seed}; each token picks K distinct experts)")
+        rows = _fig_rows(
+            [
+                ("mean rows per expert", pd.mu),
+                ("CV of rows per expert", pd.cv),
+                ("p10 rows per expert", pd.p10),
+                ("rows dropped", pd.dropped),
+                ("busiest owner load", pd.max_owner_load),
+                ("rho, padded to tallest", pd.rho_tallest),
+                ("rho, worst owner", pd.rho_tallest_max),
+                (f"rdepc tiling (BM = {BM})", pd.rho_tiled),
+            ]
+        )
+        out += table(rows, ["figure", "value", "accounting"])
+
+    # -- warnings ----------------------------------------------------------------------------
+    add("")
+    if pl.warnings:
+        for w in pl.warnings:
+            add(f"warning: {w}")
+    else:
+        add("no warnings")
+
+    if symbolic:
+        add("")
+        add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
+        for fig in pl.figures():
+            head, _, region = fig.key.rpartition(".")
+            if head.endswith(".forward_backward") and region not in ("bwd_payload", "bwd_return", "total"):
+                continue
+            if fig.formula is not None:
+                add(f"  {fig.key} = {fig.formula}")
+        add("Symbols")
+        out += table([[k, d] for k, d in SYMBOLS_DOC.items()], indent=2)
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["fmt", "fmt_bytes", "render", "table"]

@@ -1,0 +1,578 @@
+"""The planner (``rdepc plan``): every figure against the RDEP paper's numbers or a hand
+computation, the symmetric heap against docs/memory.md, and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from rdepc.passes import plan as P
+from rdepc.passes.plan import BM, PlanOptions, plan, symmetric_plan, to_json
+
+import rdepc
+from rdepc.cli import main
+from rdepc.report import render
+
+EX = ROOT / "examples"
+GIB = 2**30
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["plan", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def run_text(capsys, *args: str) -> str:
+    assert main(["plan", *map(str, args)]) == 0
+    return capsys.readouterr().out
+
+
+def write_spec(tmp_path, body: str, params: str = "param W = 4\nparam T = 16\n", name: str = "t") -> str:
+    path = tmp_path / f"{name}.rdep"
+    path.write_text(params + "layer " + name + " {\n" + body + "\n}\n", encoding="utf-8")
+    return str(path)
+
+
+def close(x: float, y: float, rel: float) -> bool:
+    return abs(x - y) <= rel * abs(y)
+
+
+# --- acceptance: the paper's figures -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moonlight() -> dict:
+    return to_json(plan(rdepc.load(EX / "moonlight.rdep").spec, PlanOptions(hw="b200")))
+
+
+def test_moonlight_table4_and_eq20(capsys):
+    j = run_json(capsys, EX / "moonlight.rdep", "--hw", "b200")
+    sb = j["symmetric_bytes"]
+    # Table 4: bulk ~3.1 GiB per layer, ~84 GiB for 27 layers; segmented ~0.13 / ~3.4 GiB
+    assert sb["bulk_per_layer"] == 4 * 8 * 4096 * 6 * 2048 * 2 == 3_221_225_472
+    assert sb["bulk_total"] == 27 * 3_221_225_472
+    assert sb["segmented_per_layer"] == 4 * 2 * 4096 * 2048 * 2 == 134_217_728
+    assert sb["segmented_total"] == 27 * 134_217_728
+    assert close(sb["bulk_per_layer"] / GIB, 3.1, 0.05)
+    assert close(sb["bulk_total"] / GIB, 84, 0.05)
+    assert close(sb["segmented_per_layer"] / GIB, 0.13, 0.05)
+    assert close(sb["segmented_total"] / GIB, 3.4, 0.05)
+    assert sb["bulk_shared"] == sb["bulk_per_layer"] and sb["segmented_shared"] == sb["segmented_per_layer"]
+    # eq. 20 / Prop. B.6: about 42 MB
+    assert j["routing_context_bytes"] == 8 * 27 * 8 * 4096 * 6 == 42_467_328
+    # eq. 2: mu = 3072 pooled, 384 per replica (Table 9)
+    assert j["mu"] == 3072 and j["mu_replica"] == 384
+    # Table 5: minimum D_ff = (10/18)·1377 TFLOP/s / 972 GB/s = 787; Moonlight's 1408 is 1.8x
+    assert round(j["transport"]["min_ffn"]) == 787
+    assert j["transport"]["min_ffn"] == pytest.approx(10 / 18 * 1377e12 / 972e9)
+    assert j["transport"]["ffn_margin"] == pytest.approx(1408 / (10 / 18 * 1377e12 / 972e9))
+    assert round(j["transport"]["ffn_margin"], 1) == 1.8
+
+
+def test_required_json_keys(moonlight):
+    j = moonlight
+    for key in ("mu", "cv_uniform", "routing_context_bytes"):
+        assert key in j
+    sb = j["symmetric_bytes"]
+    for key in ("bulk_per_layer", "segmented_per_layer", "bulk_total", "segmented_total"):
+        assert isinstance(sb[key], int)
+    for phase in ("forward", "forward_backward"):
+        regions = sb["plan"][phase]
+        assert isinstance(regions["total"], int)
+        assert regions["total"] == sum(v for k, v in regions.items() if k != "total")
+    assert isinstance(j["capacity"]["rows_per_owner"], int)
+    assert j["capacity"]["overflow_bound"] == 0  # dropless: nothing overflows
+
+
+def test_nvl72_routing_context_at_target_width(capsys):
+    j = run_json(capsys, EX / "nvl72_e128.rdep", "-D", "T=32768", "-D", "K=8", "-D", "L=60")
+    # Prop. B.6: about 9.1 GB per GPU at L = 60, W = 72, T = 32768, K = 8
+    assert j["routing_context_bytes"] == 8 * 60 * 72 * 32768 * 8 == 9_059_696_640
+    assert round(j["routing_context_bytes"] / 1e9, 1) == 9.1
+
+
+def test_nvl72_owner_asymmetry():
+    j = to_json(plan(rdepc.load(EX / "nvl72_e128.rdep").spec))
+    owners = j["owners"]
+    assert owners["experts_per_owner"].count(2) == 56 and owners["experts_per_owner"].count(1) == 16
+    assert (owners["E_min"], owners["E_max"], owners["asymmetry"]) == (1, 2, 2.0)
+    mu = 72 * 4096 * 6 / 128
+    assert j["mu"] == mu == 13824
+    assert owners["expected_load_max"] == 2 * mu
+    # capacity factor 1.25: cap_e = ceil(1.25 mu); the busiest owner admits 2 cap_e of its W·T·2 worst case
+    cap = math.ceil(1.25 * mu)
+    assert j["capacity"]["rows_per_expert"] == cap == 17280
+    assert j["capacity"]["worst_owner_load"] == 72 * 4096 * 2
+    assert j["capacity"]["rows_per_owner"] == 2 * cap
+    assert j["capacity"]["rows_per_owner_bounded_by_capacity"] is True
+
+
+# --- pooling ------------------------------------------------------------------------------
+
+# Table 9 reports CV 4.26, 3.56, 2.25, 1.51 % at DP = 1, 2, 4, 8 (measured); eq. 14 gives
+# 4.86, 3.43, 2.43, 1.72 %: the planner follows eq. 14.
+EQ14 = {1: 4.858, 2: 3.435, 4: 2.429, 8: 1.718}
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_cv_eq14_across_dp(dp):
+    spec = rdepc.load(EX / "moonlight.rdep", W=dp).spec
+    j = to_json(plan(spec))
+    mu = dp * 4096 * 6 / 64
+    assert j["mu"] == mu == 384 * dp  # Table 9's mu column
+    assert j["cv_uniform"] == pytest.approx(math.sqrt((1 - 6 / 64) / mu), rel=1e-12)
+    assert round(100 * j["cv_uniform"], 3) == EQ14[dp]
+
+
+def test_cv_falls_as_one_over_sqrt_dp():
+    cv = {dp: to_json(plan(rdepc.load(EX / "moonlight.rdep", W=dp).spec))["cv_uniform"] for dp in (1, 8)}
+    assert cv[1] / cv[8] == pytest.approx(math.sqrt(8))
+
+
+# --- capacity and tail bounds -----------------------------------------------------------------
+
+TINY_SHAPE = "shape ranks W, tokens T, hidden 64, experts 8, top 2\nexpert swiglu(ffn = 128)\ndtype fp32"
+
+
+def test_tail_bound_branch_beta_le_1(tmp_path):
+    # mu = 4·16·2/8 = 16; factor 1.5: cap_e = 24, beta = 0.5, bound 8·exp(-16·0.25/3)
+    spec = rdepc.load(write_spec(tmp_path, TINY_SHAPE + "\ncapacity factor 1.5")).spec
+    c = to_json(plan(spec))["capacity"]
+    assert (c["rows_per_expert"], c["beta"], c["overflow_branch"]) == (24, 0.5, "beta<=1 (eq. 16)")
+    assert c["overflow_union_bound"] == pytest.approx(8 * math.exp(-16 * 0.25 / 3))  # 2.11: vacuous
+    assert c["overflow_bound"] == 1.0
+    assert P.chernoff_union_bound(16, 0.5, 8) == pytest.approx(2.10878, rel=1e-5)
+
+
+def test_tail_bound_branch_beta_gt_1(tmp_path):
+    # factor 3: cap_e = 48, beta = 2, bound 8·exp(-16·4/(2+2)) = 8e^-16
+    spec = rdepc.load(write_spec(tmp_path, TINY_SHAPE + "\ncapacity factor 3")).spec
+    c = to_json(plan(spec))["capacity"]
+    assert (c["rows_per_expert"], c["beta"], c["overflow_branch"]) == (48, 2.0, "beta>1 (2+beta)")
+    assert c["overflow_bound"] == pytest.approx(8 * math.exp(-16), rel=1e-12)
+    assert c["overflow_bound"] == pytest.approx(9.0029e-7, rel=1e-4)
+
+
+def test_tail_bound_no_slack_and_continuity():
+    # mixtral_8x7b: factor 1.0 gives beta = 0, no protection at all
+    c = to_json(plan(rdepc.load(EX / "mixtral_8x7b.rdep").spec))["capacity"]
+    assert (c["beta"], c["overflow_bound"], c["overflow_branch"]) == (0, 1, "beta<=0 (no slack)")
+    # the two branches meet at beta = 1 (mu/3 both ways)
+    assert P.chernoff_union_bound(3000, 1.0, 64) == pytest.approx(64 * math.exp(-1000))
+    assert P.chernoff_union_bound(30, 1.0 + 1e-12, 64) == pytest.approx(P.chernoff_union_bound(30, 1.0, 64))
+
+
+def test_large_mu_buys_protection():
+    # nvl72: mu = 13824, beta = 0.25 -> 128·exp(-13824·0.0625/3) = 128·e^-288
+    c = to_json(plan(rdepc.load(EX / "nvl72_e128.rdep").spec))["capacity"]
+    assert c["overflow_bound"] == pytest.approx(128 * math.exp(-288), rel=1e-9)
+
+
+def test_inverse_capacity_factor_branch1(moonlight):
+    # mu = 3072, E = 64, P = 1e-6: beta = sqrt(3 ln(E/P) / mu) = 0.1325 (beta <= 1)
+    beta = math.sqrt(3 * math.log(64 / 1e-6) / 3072)
+    c = moonlight["capacity"]
+    assert c["factor_needed"] == pytest.approx(1 + beta, rel=1e-9)
+    assert c["rows_per_expert_needed"] == math.ceil((1 + beta) * 3072) == 3480
+    assert P.chernoff_union_bound(3072, c["factor_needed"] - 1, 64) == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_inverse_capacity_factor_branch2(capsys):
+    # tiny: mu = 16, E = 8: beta solves mu b^2 = c (2 + b), c = ln(E/P) -> beta = 1.99
+    j = run_json(capsys, EX / "tiny.rdep", "--overflow", "1e-6")
+    c = math.log(8 / 1e-6)
+    beta = (c + math.sqrt(c * c + 8 * c * 16)) / (2 * 16)
+    assert j["capacity"]["factor_needed"] == pytest.approx(1 + beta, rel=1e-9)
+    assert round(j["capacity"]["factor_needed"], 3) == 2.991
+    # the closed form shown by --symbolic is the same number as the bisection
+    for name in ("tiny", "moonlight"):
+        pl = plan(rdepc.load(EX / f"{name}.rdep").spec)
+        assert evaluate(pl, pl.capacity.factor_needed) == pytest.approx(pl.capacity.factor_needed.value, rel=1e-9)
+
+
+def evaluate(pl, fig) -> float:
+    """A figure's formula at the plan's symbol table, independently of the planner's own evaluation."""
+    table = dict(pl.values)
+    return float(fig.formula.subs({s: table[s.name] for s in fig.formula.free_symbols}))
+
+
+def test_every_formula_evaluates_to_its_value():
+    pl = plan(rdepc.load(EX / "nvl72_e128.rdep").spec, PlanOptions(probs=tuple([6 / 128] * 128)))
+    n = 0
+    for fig in pl.figures():
+        if fig.formula is None or "skew" in fig.key or fig.formula.has(P.p):
+            continue
+        assert evaluate(pl, fig) == pytest.approx(fig.value, rel=1e-12, abs=1e-300), fig.key
+        n += 1
+    assert n > 100
+
+
+def test_inverse_moves_with_target(capsys):
+    f6 = run_json(capsys, EX / "moonlight.rdep", "--overflow", "1e-6")["capacity"]["factor_needed"]
+    f3 = run_json(capsys, EX / "moonlight.rdep", "--overflow", "1e-3")["capacity"]["factor_needed"]
+    assert 1 < f3 < f6
+    assert f3 == pytest.approx(1 + math.sqrt(3 * math.log(64 / 1e-3) / 3072), rel=1e-9)
+
+
+def test_poisson_binomial_eq18(tmp_path, capsys):
+    spec = write_spec(tmp_path, TINY_SHAPE + "\ncapacity factor 1.5")
+    probs = tmp_path / "p.txt"
+    # uniform marginals K/E = 0.25: mu_e = 16, sigma^2 = 64·0.25·0.75 = 12, x = 24 - 16 = 8
+    probs.write_text("0.25, 0.25, 0.25, 0.25\n0.25 0.25 0.25 0.25  # uniform\n", encoding="utf-8")
+    sk = run_json(capsys, spec, "--probs", probs)["capacity"]["skew"]
+    one = math.exp(-(8**2) / (2 * (12 + 8 / 3)))
+    assert sk["overflow_bound"] == pytest.approx(min(1.0, 8 * one), rel=1e-12)
+    assert sk["sum_p"] == pytest.approx(2.0)
+    # a hot expert: p = 0.5 -> mu_e = 32 > cap_e = 24 (term 1); the rest stays
+    probs.write_text("0.5 " + " ".join(["0.2142857142857143"] * 7), encoding="utf-8")
+    j = run_json(capsys, spec, "--probs", probs)
+    sk = j["capacity"]["skew"]
+    assert sk["mu_e_max"] == pytest.approx(32.0)
+    assert sk["overflow_bound"] == 1.0
+    # rows needed for the hot expert: mu_e + x, x solving x^2 = 2c(sigma^2 + x/3), c = ln(E/P)
+    c, var = math.log(8 / 1e-6), 64 * 0.5 * 0.5
+    x = c / 3 + math.sqrt(c * c / 9 + 2 * c * var)
+    assert sk["rows_per_expert_needed"] == math.ceil(32 + x)
+
+
+def test_probs_file_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("0.1 0.2\nzz 1.5\n", encoding="utf-8")
+    assert main(["plan", str(EX / "tiny.rdep"), "--probs", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:2:1: error: 'zz' is not a number" in err
+    assert f"{bad}:2:4: error: probability 1.5 is outside [0, 1]" in err
+    bad.write_text("0.25 0.25\n", encoding="utf-8")
+    assert main(["plan", str(EX / "tiny.rdep"), "--probs", str(bad)]) == 1
+    assert "expected 8 probabilities (one per expert), found 2" in capsys.readouterr().err
+    assert main(["plan", str(EX / "tiny.rdep"), "--probs", str(tmp_path / "missing.txt")]) == 2
+
+
+# --- padding -----------------------------------------------------------------------------------
+
+
+def test_rho_eq19_small_vectors():
+    assert P.rho_tallest([1, 2, 3]) == 1.5  # 3·3/6
+    assert P.rho_tallest([4, 4, 4, 4]) == 1.0
+    assert P.rho_tallest([0, 0, 5]) == 3.0
+    assert P.rho_tallest([10, 30]) == 1.5  # 2·30/40
+    assert P.rho_tallest([0, 0]) == 1.0
+
+
+def test_padding_free_tiling_on_1_to_10_tiles():
+    for m in range(1, 10 * BM + 1):
+        r = P.rho_tiled([m])
+        assert r == math.ceil(m / BM) * BM / m
+        assert 1 <= r < 1 + BM / m
+        assert (r == 1) == (m % BM == 0)
+    assert P.rho_tiled([1]) == BM
+    assert P.rho_tiled([BM + 1]) == 2 * BM / (BM + 1)
+
+
+def test_tiling_within_segments():
+    # experts 100 and 100 rows, segments of 128: [100 | 28] [72] -> 128 + 128 + 128 launched
+    assert P.tiled_rows([100, 100], rows=128) == 384
+    assert P.tiled_rows([100, 100]) == 256  # bulk: one segment
+    assert P.tiled_rows([256, 256], rows=256) == 512  # aligned: no waste
+    assert P.tiled_rows([300], rows=256) == 256 + 128
+
+
+def test_sampled_routing_deterministic_and_exact():
+    a = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=7)
+    b = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=7)
+    c = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=8)
+    assert (a == b).all() and not (a == c).all()
+    assert int(a.sum()) == 8 * 512 * 6  # eq. 10: every routing sums to DP·T·K
+    z = P.sample_counts(1, 4096, 8, 8, "zipf", 2.0, seed=0)  # K = E: distinct picks take every expert
+    assert z.tolist() == [4096] * 8
+
+
+def test_moonlight_sampled_padding_matches_tables_10_to_12(capsys):
+    pu = run_json(capsys, EX / "moonlight.rdep", "--routing", "uniform", "--seed", "0")["padding"]
+    assert pu["mu"] == 3072
+    assert sum(pu["counts"]) == 8 * 4096 * 6
+    assert abs(pu["p10"] - 3013) < 40  # Table 11/12, uniform: p10 3,013 rows
+    assert pu["rho_tallest"] < 1.06  # Table 10, DP = 8: 1.04x padding
+    owners = [pu["counts"][8 * q : 8 * q + 8] for q in range(8)]
+    launched = sum(P.tiled_rows(g, 4096) for g in owners)
+    assert pu["rho_tiled"] == launched / (8 * 4096 * 6)
+    assert pu["rho_tallest"] == sum(8 * max(g) for g in owners) / (8 * 4096 * 6)
+    # rdepc's tiling wastes at most one partial tile per expert piece per segment
+    assert 1 <= pu["rho_tiled"] < 1 + (8 + 6) * BM / 24576 + 0.01
+    pz = run_json(capsys, EX / "moonlight.rdep", "--routing", "zipf:1.0", "--seed", "0")["padding"]
+    assert abs(100 * pz["cv"] - 138.0) < 3  # Table 11, alpha = 1.0: CV 138.0 %
+    assert abs(pz["p10"] - 873) < 60  # Table 11: p10 873 rows
+    assert pz["max_owner_load"] > pu["max_owner_load"]
+
+
+# --- the symmetric heap, docs/memory.md by hand ---------------------------------------------
+
+
+def pad(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def test_symmetric_plan_tiny_bulk_by_hand():
+    spec = rdepc.load(EX / "tiny.rdep").spec  # schedule bulk, dropless, fp32, sideband 16 B
+    W, T, H, K, E_max, a, d, sb = 4, 16, 64, 2, 2, 4, 4, 16
+    S = W * T * min(K, E_max)  # S_bulk, dropless: 128 rows
+    B, R_ret = 1, T * K
+    control = pad(W * 8) + 3 * pad(W * E_max * 4) + 2 * pad(2 * W * B * 8)
+    fwd = {
+        "control": control,
+        "payload": pad(B * S * H * d),
+        "sideband": pad(B * S * sb),
+        "return": pad(R_ret * H * a),
+    }
+    fwd["total"] = sum(fwd.values())
+    fb = {k: v for k, v in fwd.items() if k != "total"}
+    fb |= {"bwd_payload": pad(B * S * H * a), "bwd_return": pad(R_ret * H * a)}
+    fb["total"] = fwd["total"] + fb["bwd_payload"] + fb["bwd_return"]
+    got = symmetric_plan(spec)  # the spec's schedule: bulk
+    assert (got["strategy"], got["S"], got["B"], got["R_ret"]) == ("bulk", 128, 1, 32)
+    assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as tiny has a segment
+    assert (
+        got["forward"] == fwd == {"control": 1536, "payload": 32768, "sideband": 2048, "return": 8192, "total": 44544}
+    )
+    assert got["forward_backward"] == fb
+    assert fb["total"] == 85504
+    assert got["buffers"]["barrier"] == 256 and got["buffers"]["flags"] == 256
+
+
+def test_symmetric_plan_tiny_segmented_by_hand():
+    spec = rdepc.load(EX / "tiny.rdep").spec
+    got = symmetric_plan(spec, "pipelined")  # S = 32, B = 2 from the segment statement
+    assert (got["S"], got["B"], got["R_ret"]) == (32, 2, 64)
+    assert got["forward"] == {
+        "control": 6 * 256,
+        "payload": 2 * 32 * 64 * 4,
+        "sideband": 2 * 32 * 16,
+        "return": 64 * 64 * 4,
+        "total": 1536 + 16384 + 1024 + 16384,
+    }
+    assert got["forward_backward"]["bwd_payload"] == 2 * 32 * 64 * 4
+    assert got["forward_backward"]["bwd_return"] == 64 * 64 * 4
+    assert got["forward_backward"]["total"] == 35328 + 16384 + 16384
+    assert symmetric_plan(spec, "deep") == {**got, "strategy": "deep"}
+
+
+def test_symmetric_plan_padding_and_overrides():
+    spec = rdepc.load(EX / "tiny.rdep").spec
+    got = symmetric_plan(spec, "pipelined", rows=5, buffers=3)
+    # 3·5·64·4 = 3840 -> 3840; sideband 3·5·16 = 240 -> 256; flags 2·4·3·8 = 192 -> 256
+    assert got["buffers"]["payload"] == 3840 and got["buffers"]["sideband"] == 256
+    assert got["buffers"]["flags"] == 256 and got["R_ret"] == 15
+    assert all(v % 256 == 0 for v in got["buffers"].values())
+
+
+def test_symmetric_plan_capacity_binds_bulk(tmp_path):
+    spec = rdepc.load(write_spec(tmp_path, TINY_SHAPE + "\ncapacity factor 1.25\nschedule bulk")).spec
+    got = symmetric_plan(spec)
+    # R_q = min(W·T·min(K, E_loc), E_loc·cap_e) = min(128, 2·ceil(1.25·16)) = 40
+    assert got["S"] == 40 and got["forward"]["payload"] == pad(40 * 64 * 4)
+    with pytest.raises(ValueError, match="segment"):
+        symmetric_plan(spec, "pipelined")
+
+
+def test_moonlight_plan_regions(moonlight):
+    p = moonlight["symmetric_bytes"]["plan"]
+    assert p["strategy"] == "pipelined" and (p["S"], p["B"]) == (4096, 2)
+    assert p["forward"]["payload"] == 2 * 4096 * 2048 * 2
+    assert p["forward"]["sideband"] == 2 * 4096 * 16
+    assert p["forward"]["return"] == 2 * 4096 * 2048 * 2
+    assert p["forward"]["control"] == pad(8 * 8) + 3 * pad(8 * 8 * 4) + 2 * pad(2 * 8 * 2 * 8)
+    assert p["private_total"] == 27 * p["forward_backward"]["total"]
+    assert p["shared_total"] == p["forward_backward"]["total"]
+    assert moonlight["symmetric_bytes"]["plan_bulk"]["S"] == 8 * 4096 * 6
+
+
+# --- other memory and transport ---------------------------------------------------------------
+
+
+def test_saved_activations_and_dense_bound():
+    j = to_json(plan(rdepc.load(EX / "deepseek_v3.rdep").spec))
+    rows = min(8 * 4096 * min(8, 32), 32 * math.ceil(1.25 * 8 * 4096 * 8 / 256))
+    assert j["capacity"]["rows_per_owner"] == rows == 40960
+    sa = j["saved_activations"]
+    assert sa["bytes_per_row"] == (7168 + 2 * 2048) * 2
+    assert sa["per_layer"] == rows * (7168 + 2 * 2048) * 2 and sa["total"] == 58 * sa["per_layer"]
+    # eq. 21: V·H + 4·L·H² + 3·L_dense·H·D_dense
+    params = 129280 * 7168 + 4 * 61 * 7168**2 + 3 * 3 * 7168 * 18432
+    assert j["dense_lower_bound"] == {"params": params, "bytes": 2 * params}
+    # fp8 dispatch: the paper's convention counts d = 1 byte per element
+    assert j["symmetric_bytes"]["bulk_per_layer"] == 4 * 8 * 4096 * 8 * 7168 * 1
+
+
+@pytest.mark.parametrize(
+    ("hidden", "layers", "dense", "billions"),
+    [(2880, 24, "", 1.38), (2880, 36, "", 1.77), (7168, 42, ", dense_layers 1, dense_ffn 18432", 10.47)],
+)
+def test_dense_bound_paper_examples(tmp_path, hidden, layers, dense, billions):
+    # section 4.4: V = 201,088; 2880-dim at L in {24, 36} -> 1.38B-1.77B; 7168-dim at L = 42 with
+    # D_dense = 18,432 -> 10.47B (which needs L_dense = 1)
+    body = (
+        f"shape ranks 8, tokens 16, hidden {hidden}, experts 8, top 2\nexpert swiglu(ffn = 128)\n"
+        f"model moe_layers 1, layers {layers}, vocab 201088{dense}"
+    )
+    j = to_json(plan(rdepc.load(write_spec(tmp_path, body, params="")).spec))
+    V, H, L = 201088, hidden, layers
+    expect = V * H + 4 * L * H**2 + (3 * 1 * H * 18432 if dense else 0)
+    assert j["dense_lower_bound"]["params"] == expect
+    assert round(expect / 1e9, 2) == billions
+
+
+def test_transport_bytes(moonlight):
+    st = moonlight["transport"]["stages"]
+    row = 2048 * 2 + 16
+    assert st["dispatch"]["row_bytes"] == row
+    assert st["dispatch"]["send_expected"] == st["dispatch"]["send_worst"] == 4096 * 6 * row
+    assert st["dispatch"]["recv_expected"] == 8 * 3072 * row
+    assert st["dispatch"]["recv_worst"] == 8 * 4096 * 6 * row  # dropless: W·T·min(K, E_loc) rows
+    assert st["return"]["send_worst"] == 8 * 4096 * 6 * 2048 * 2
+    assert st["return"]["recv_expected"] == 4096 * 6 * 2048 * 2
+    assert st["dispatch"]["time_expected_s"] == pytest.approx(4096 * 6 * row / 972e9)
+
+
+def test_barrier_budget_prop_b7():
+    j = to_json(plan(rdepc.load(EX / "nvl72_e128.rdep").spec, PlanOptions(hw="gb300")))
+    b = j["transport"]["barrier"]
+    lo, hi = b["per_barrier_range_s"]
+    assert (lo, hi) == (pytest.approx(3.6e-6), pytest.approx(7.2e-6))  # W = 72: 3.6-7.2 µs per barrier
+    assert 4 * lo == pytest.approx(14.4e-6) and 4 * hi == pytest.approx(28.8e-6)  # "roughly 14-29 µs"
+    assert b["per_barrier_s"] == pytest.approx(72 * 75e-9)
+    assert b["segments_per_layer"] == math.ceil(2 * 13824 / 4096) == 7
+    assert b["per_layer_s"] == pytest.approx(7 * 4 * 72 * 75e-9)
+
+
+def test_min_ffn_per_profile():
+    for hw in P.PROFILES.values():
+        j = to_json(plan(rdepc.load(EX / "moonlight.rdep").spec, PlanOptions(hw=hw.name)))
+        assert j["transport"]["min_ffn"] == pytest.approx(10 / 18 * hw.flops.value / hw.link.value)
+    assert to_json(plan(rdepc.load(EX / "moonlight.rdep").spec))["hw"]["name"] == "h100"  # the default
+
+
+def test_symbolic_tokens_planned_at_bound(tmp_path):
+    path = write_spec(
+        tmp_path,
+        "shape ranks W, tokens T, hidden 64, experts 8, top 2\nexpert swiglu(ffn = 128)\ncapacity rows 2*T",
+        params="param W = 4\nparam T <= 1024\n",
+    )
+    j = to_json(plan(rdepc.load(path).spec))
+    assert j["T_bound"] == 1024 and j["values"]["T"] == 1024
+    assert j["mu"] == 4 * 1024 * 2 / 8
+    assert j["capacity"]["rows_per_expert"] == 2048
+    assert j["routing_context_bytes"] == 8 * 1 * 4 * 1024 * 2
+
+
+# --- formulas -----------------------------------------------------------------------------------
+
+
+def test_formulas_are_sympy_in_named_symbols(capsys):
+    j = run_json(capsys, EX / "nvl72_e128.rdep", "--symbolic")
+    f = j["formulas"]
+    assert f["mu"] == "K*T*W/E"
+    assert f["routing_context_bytes"] == "8*K*L*T*W"
+    assert f["symmetric_bytes.bulk_per_layer"] == "4*H*K*T*W*d"
+    assert f["symmetric_bytes.segmented_per_layer"] == "4*B*H*S*d"
+    assert f["capacity.rows_per_expert"] == "ceiling(f*mu)"
+    assert f["capacity.rows_per_owner"] == "Min(E_max*cap_e, T*W*Min(E_max, K))"
+    assert f["symmetric_bytes.plan_bulk.S"] == "R_max"
+    assert "E*exp(-beta**2*mu/3)" in f["capacity.overflow_union_bound"]
+    pl = plan(rdepc.load(EX / "nvl72_e128.rdep").spec)
+    for fig in pl.figures():
+        if fig.formula is not None:
+            assert fig.formula.free_symbols <= set(P.__dict__[n] for n in _SYMBOL_NAMES), fig.key
+
+
+_SYMBOL_NAMES = (
+    *("W", "T", "H", "E", "K", "F", "S", "B", "L", "E_max", "E_min", "C", "f", "d", "a", "sb"),
+    *("V", "L_all", "L_dense", "D_dense", "F_gpu", "B_eff", "t_b", "P", "beta", "p", "mu", "cap_e", "R_max"),
+)
+
+
+# --- the report and the command line -----------------------------------------------------------
+
+
+def test_report_moonlight(capsys):
+    out = run_text(capsys, EX / "moonlight.rdep")
+    assert "rdepc plan: layer moonlight" in out
+    assert "3,072 rows" in out and "1.72 %" in out
+    assert "3.00 GiB" in out and "81.00 GiB" in out and "42.5 MB" in out
+    # h100 has 80 GiB: the paper's bulk convention over 27 layers does not fit, the segmented heap does
+    assert "paper bulk, all layers (Table 4)" in out and "DOES NOT FIT: 1.00 GiB over" in out
+    assert "fits, 76.62 GiB to spare" in out
+    assert "µs" in out and "no warnings" in out
+
+
+def test_report_warnings(tmp_path, capsys):
+    out = run_text(capsys, EX / "tiny.rdep")
+    assert "below one 128-row tile" in out
+    out = run_text(capsys, EX / "mixtral_8x7b.rdep")
+    assert "warning: capacity too small for the overflow target" in out
+    path = write_spec(tmp_path, TINY_SHAPE + "\nsegment rows 64, buffers 2\nschedule pipelined")
+    out = run_text(capsys, path)
+    assert "segment of 64 rows is larger than the expected load of an owner" in out
+
+
+def test_report_symbolic(capsys):
+    out = run_text(capsys, EX / "moonlight.rdep", "--symbolic")
+    assert "  routing_context_bytes = 8*K*L*T*W" in out
+    assert "  cv_uniform = sqrt(1 - K/E)/sqrt(mu)" in out
+    assert "transport.min_ffn = 5*F_gpu/(9*B_eff)" in out
+    render(plan(rdepc.load(EX / "qwen3_30b_a3b.rdep").spec), symbolic=True)
+
+
+def test_cli_errors(capsys, tmp_path):
+    assert main(["plan", str(EX / "tiny.rdep"), "--layer", "nope"]) == 2
+    assert "has no layer 'nope'" in capsys.readouterr().err
+    assert main(["plan", str(EX / "tiny.rdep"), "-D", "Q=1"]) == 2
+    assert main(["plan", str(tmp_path / "none.rdep")]) == 1
+    for bad in (["--hw", "a100"], ["--overflow", "0"], ["--overflow", "x"], ["--routing", "zipf"], ["--seed", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", str(EX / "tiny.rdep"), *bad])
+        assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_every_example_plans(capsys):
+    for path in sorted(EX.glob("*.rdep")):
+        j = run_json(capsys, path)
+        assert j["symmetric_bytes"]["plan"]["forward_backward"]["total"] > 0
+
+
+def test_planner_imports_neither_torch_nor_triton_nor_numpy():
+    code = (
+        "import sys, rdepc; from rdepc.passes.plan import plan, to_json; from rdepc.report import render;"
+        f"p = plan(rdepc.load({str(EX / 'moonlight.rdep')!r}).spec); render(p, True); to_json(p, True);"
+        "print(sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_capacity_below_mean_caps_expected_load(tmp_path, capsys):
+    # cap_e = 40 < mu = 64: the busiest owner (4 experts) admits at most 160 rows, expected or not
+    body = TINY_SHAPE + "\nowner map { 0: 0..4; 1: 4..8 }\ncapacity rows 40\nsegment rows 64, buffers 2"
+    j = run_json(capsys, write_spec(tmp_path, body, params="param W = 4\nparam T = 64\n"), "--routing", "zipf:1")
+    assert j["owners"]["experts_per_owner"] == [4, 4, 0, 0] and j["owners"]["asymmetry"] is None
+    assert j["capacity"]["rows_per_owner"] == 160 and j["capacity"]["overflow_bound"] == 1
+    assert j["capacity"]["overflow_union_bound"] is None  # beta < 0: no tail bound applies
+    assert j["transport"]["stages"]["dispatch"]["recv_expected"] == 160 * (64 * 4 + 16)
+    assert j["transport"]["barrier"]["segments_per_layer"] == math.ceil(160 / 64)
+    pd = j["padding"]
+    assert pd["dropped"] == sum(max(0, m - 40) for m in pd["counts"]) > 0
+    assert pd["max_owner_load"] <= 160
+    assert not any("segment of" in w for w in j["warnings"])  # idle ranks do not count
+
+
+def test_plan_is_pure_and_frozen():
+    spec = rdepc.load(EX / "nvl72_e128.rdep").spec
+    a, b = plan(spec), plan(spec)
+    assert a == b and to_json(a) == to_json(b)
+    with pytest.raises(AttributeError):
+        a.strategy = "bulk"
+    assert json.loads(json.dumps(to_json(a, formulas=True)))["formulas"]["mu"] == "K*T*W/E"
