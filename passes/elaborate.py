@@ -104,6 +104,9 @@ def _params(module: S.Module, overrides: dict, diags: Diagnostics) -> tuple[dict
         if p.name in ROUTE_VARS:
             diags.error(f"'{p.name}' is reserved for route_row expressions", p.name_span)
             continue
+        if p.name == "x":  # '2 x swiglu(...)' makes x a keyword where a value may follow
+            diags.error("'x' is reserved (it counts shared experts: '2 x swiglu(...)')", p.name_span)
+            continue
         where[p.name] = p.name_span
         given = overrides.pop(p.name, None)
         if given is not None and abs(given) > MAX_VALUE:
@@ -520,9 +523,14 @@ class _Layer:
                 opts["moe_layers"].span,
             )
             return None
-        if vals["dense_layers"] and vals["layers"] and vals["dense_layers"].value > vals["layers"].value:
-            self.diags.error("dense_layers is more than the model's layers", opts["dense_layers"].span)
-            return None
+        if vals["dense_layers"] and vals["layers"]:
+            moe, dense, total = (int(vals[k].value) for k in ("moe_layers", "dense_layers", "layers"))
+            if moe + dense > total:
+                self.diags.error(
+                    f"moe_layers {moe} + dense_layers {dense} is more than the model's {total} layers",
+                    opts["dense_layers"].span,
+                )
+                return None
         return Model(**vals)
 
     def route_row(self, st: S.Stmt | None, sb: S.Stmt | None, shape: Shape, prec: Precision | None) -> RouteRow | None:
@@ -587,7 +595,7 @@ class _Layer:
                 ok = self._min(coeffs[v] - coeffs[prev] * extents[prev]) >= 0
             if not ok:
                 self.diags.error(
-                    "route_row id is not injective: two route rows could share an id",
+                    "cannot prove route_row id injective: it is not a mixed-radix form over rank, token, slot",
                     span,
                     "use a mixed-radix form such as (rank * T + token) * K + slot",
                 )
@@ -730,7 +738,7 @@ class _Layer:
             for k in ("drop", "weights"):
                 if k in opts:
                     self.diags.warning(f"'{k}' has no effect with dropless capacity", opts[k].span)
-            return Capacity("dropless", None, None, drop, weights)
+            return Capacity("dropless", None, None, "arrival", weights)  # nothing is ever dropped
         if policy == "factor":
             f, span = self.expr(opts["factor"], "capacity factor")
             if f is None:
@@ -795,7 +803,8 @@ class _Layer:
         per = spec.ownership.experts_per_rank(W)
         if min(per) == 0:
             idle = [q for q in range(W) if per[q] == 0]
-            d.warning(f"{_ranges(idle, 'rank')} own no experts", spec.span_of("owner"))
+            verb = "owns" if len(idle) == 1 else "own"
+            d.warning(f"{_ranges(idle, 'rank')} {verb} no experts", spec.span_of("owner"))
         elif spec.ownership.policy == "balanced" and E % W:
             hi, lo = max(per), min(per)
             d.note(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rdepc import __version__
 from rdepc.api import UsageError, parse_override
-from rdepc.diagnostics import SpecError
+from rdepc.diagnostics import Severity, SpecError
 
 
 def _color(stream) -> bool:
@@ -192,7 +192,7 @@ def cmd_check(args) -> int:
             raise UsageError(f"no parameter {', '.join(unknown)} in {f} (declared: {', '.join(sorted(declared))})")
         specs, diags = elaborate(module, args.layer, overrides, sympy=False)
         _print_diags(sorted(diags.items, key=_pos), diags.sources)
-        if diags.errors or (args.werror and diags.items):
+        if diags.errors or (args.werror and any(d.severity is Severity.WARNING for d in diags.items)):
             status = 1
             continue
         for s in specs:
@@ -268,6 +268,8 @@ def cmd_viz(args) -> int:
                 wrote.append(viz.write_dot(sched.graph, args.dot, sched=sched, full=args.full))
             except ValueError as e:  # --full on a spec too large for a tile graph
                 raise UsageError(f"--dot --full: {e}") from None
+    except BrokenPipeError:
+        raise
     except OSError as e:
         print(f"rdepc: error: cannot write {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 1

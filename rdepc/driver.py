@@ -31,6 +31,8 @@ class Pass:
     # Features of a LayerSpec (LayerSpec.features) this pass does not implement yet.
     unsupported: frozenset[str] = frozenset()
     dump: Callable[[Any], str] | None = None
+    # The pass whose output this one takes (default: the pass before it).
+    source: str | None = None
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Options:
     overrides: dict = field(default_factory=dict)
     dump_after: tuple[str, ...] = ()
     time_passes: bool = False
+    schedule: str | None = None  # --schedule: overrides the spec's schedule statement
+    cut: str | None = None  # --cut: overrides the segment statement's cut
+    hw: str = "h100"  # hardware profile of the cost model
 
 
 @dataclass
@@ -65,34 +70,44 @@ def _plain(x: Any) -> Any:
     return x if isinstance(x, int | float | str | bool | type(None)) else str(x)
 
 
-def spec_passes() -> list[Pass]:
+def spec_passes(options: Options | None = None) -> list[Pass]:
     """Passes over the checked LayerSpec, in order. Later stages append here."""
-    return []
+    from rdepc.passes import cost, graph, memplan, schedule
+
+    o = options or Options()
+    return [
+        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw), dump=graph.dump, source="elaborate"),
+        Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source="graph"),
+        Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source="cost"),
+        Pass("memplan", memplan.MemPlanPass(), dump=memplan.dump, source="schedule"),
+    ]
 
 
 def compile_file(
-    path: str | Path, options: Options, out: TextIO = sys.stdout, passes: list[Pass] | None = None
+    path: str | Path, options: Options, out: TextIO | None = None, passes: list[Pass] | None = None
 ) -> Result:
+    out = out or sys.stdout
     times: dict[str, float] = {}
     outputs: dict[str, Any] = {}
 
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
+    def timed(name: str, fn: Callable[[], Any], dump: Callable[[Any], str] | None = None) -> Any:
         t0 = time.perf_counter()
         value = fn()
         times[name] = time.perf_counter() - t0
         outputs[name] = value
         if name in options.dump_after:
             print(f"// ----- IR after {name}", file=out)
-            print(_DUMPS.get(name, dump_json)(value), file=out)
+            print((dump or _DUMPS.get(name, dump_json))(value), file=out)
         return value
 
     module: S.Module = timed("parse", lambda: parse_file(path))
     spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
     outputs["elaborate"] = spec
     ir: Any = spec
-    for p in spec_passes() if passes is None else passes:
+    for p in spec_passes(options) if passes is None else passes:
         _check_supported(p, spec)
-        ir = timed(p.name, lambda p=p, ir=ir: p.run(ir))
+        src = outputs[p.source] if p.source is not None else ir
+        ir = timed(p.name, lambda p=p, src=src: p.run(src), p.dump)
     if options.time_passes:
         total = sum(times.values())
         print("// pass timings", file=out)

@@ -93,9 +93,12 @@ def test_check_symbolic_and_defines(main, tmp_path):
 
 def test_check_werror(main):
     assert main("check", "--werror", "examples/tiny.rdep")[0] == 0
-    # docs/language.md: --werror fails on any warning or note
+    # a note is not a warning: nvl72's non-uniform ownership note passes --werror
     status, out, err = main("check", "--werror", "examples/nvl72_e128.rdep")
-    assert status == 1 and out == "" and "note: non-uniform ownership" in err
+    assert status == 0 and "note: non-uniform ownership" in err and "layer nvl72_e128: ok" in out
+    # a warning fails it (capacity factor below 1)
+    status, out, err = main("check", "--werror", "tests/corpus/91_warn_capacity_factor_below_one.rdep")
+    assert status == 1 and "warning:" in err and out == ""
 
 
 def test_check_reports_every_corpus_expectation(main):
