@@ -1,0 +1,227 @@
+"""The cost model: what each task of a graph costs on one hardware profile.
+
+Rates come from ``passes/hardware.py`` (every value with its source) plus two figures the
+program split needs, each cited below: how many programs a GPU keeps resident (one per SM)
+and how many bytes per second one communication program moves over NVLink.
+
+In an overlapped (segmented) schedule a rank's programs are split into two roles
+(ARCHITECTURE.md, decision 2): ``p`` communication programs (scan, dispatch, return,
+unpack) and ``N − p`` compute programs (route, expert GEMMs, combine tiles). Bulk has
+nothing to overlap, so all ``N`` programs take every task in turn (the unified mode). With
+a split
+
+* NVLink bytes move at ``min(link, p · link_per_sm)`` — injection saturates with a few
+  dozen programs, which is why overlap pays: the programs bulk leaves idle during its
+  transport can run expert GEMMs instead;
+* local memory traffic (a rank's rows to itself, unpack copies, combine) moves at the
+  role's share of HBM bandwidth, ``hbm · programs / N``;
+* an expert GEMM costs ``max(FLOPs / (flops · (N−p)/N), bytes / (hbm · (N−p)/N))`` with
+  FLOPs counted over launched m-tiles (a partial tile costs a whole one) and bytes the
+  expert weights it reads plus its rows in and out (a roofline);
+* a flag crossing ranks costs ``latency`` (Prop. B.7's 50–100 ns per peer touch); the
+  scan costs two peer-visible barrier sweeps, ``2 · W · latency`` (appendix A.2, phases 1–2).
+
+Rows per task come from a routing: the expected one (each source spreads T·K rows evenly,
+eq. 9) unless the caller gives one. The model is a fluid one: a role's programs share its
+rate and run its tasks one after another, in the global order (a task's tiles occupy every
+program of the role before the next task's do). What it leaves out: the 3-phase protocol's
+software overheads beyond the barrier sweeps, kernel launches, L2 effects, GEMM efficiency
+falling for short expert groups, and HBM bandwidth a compute-bound GEMM leaves unused (the
+communication role is charged its proportional share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from rdepc.passes.graph import admit, expected_counts, segment_load, task_rows
+from rdepc.passes.hardware import Value, profile
+
+from rdepc.ir.graph import BM, CostModel, Rates, TaskGraph
+
+# Programs one GPU keeps resident: one per SM.
+SMS: dict[str, Value] = {
+    "h100": Value(132, "SM", "datasheet", "NVIDIA H100 SXM: 132 SMs (NVIDIA/cudnn-frontend PR #650, anchors-perf.md)"),
+    "h200": Value(132, "SM", "datasheet", "NVIDIA H200 SXM: the GH100 die of the H100 SXM, 132 SMs"),
+    "b200": Value(148, "SM", "datasheet", "NVIDIA B200: 74 SMs enabled per die, 148 SMs (Chips and Cheese, B200)"),
+    "gb300": Value(160, "SM", "datasheet", "NVIDIA Blackwell Ultra GB300: 160 SMs (NVIDIA, Hot Chips 2025)"),
+}
+
+# Bytes/s one communication program (SM) moves over NVLink. Measured on SM100; Hopper runs
+# the same copy path (TMA bulk copies, NVLink 4) and is charged the same per-SM rate, which
+# saturates H100's 371 GB/s with 14 programs. (DeepEP V1's 153 GB/s with 20 SMs on H800 is
+# link-bound, so it only bounds the per-SM rate from below.)
+_LINK_PER_SM = Value(
+    26.8e9,
+    "B/s",
+    "measured",
+    "DeepEP V2, EP8 over SM100 NVLink: 643 GB/s with 24 SMs (deepseek-ai/DeepEP V2 release, anchors-comm.md)",
+)
+LINK_PER_SM: dict[str, Value] = dict.fromkeys(("h100", "h200", "b200", "gb300"), _LINK_PER_SM)
+
+
+def rates(hw: str) -> Rates:
+    p = profile(hw)
+    return Rates(
+        hw=hw,
+        sms=int(SMS[hw].value),
+        flops=p.flops.value,
+        link=p.link.value,
+        link_per_sm=LINK_PER_SM[hw].value,
+        hbm=p.hbm_bw.value,
+        latency=p.barrier_per_peer.value,
+    )
+
+
+def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] | None = None) -> CostModel:
+    """Work per task of ``tg`` under ``counts`` ([source][expert] rows routed, before
+    capacity; None: the expected routing)."""
+    geo = tg.geometry
+    given = counts is not None
+    load = segment_load(geo, admit(geo, counts if given else expected_counts(geo)))
+    rows = task_rows(tg, load)
+    row_d = geo.H * geo.d + geo.sb
+    row_a = geo.H * geo.a
+    weights = (3 if geo.act == "swiglu" else 2) * geo.H * geo.F * geo.a
+    R = rates(hw)
+    n = len(tg.tasks)
+    link_b, mem_b, flops, wbytes, fixed = [0] * n, [0] * n, [0] * n, [0] * n, [0.0] * n
+    for t, k in zip(tg.tasks, rows, strict=True):
+        i = t.id
+        match t.stage:
+            case "route":
+                mem_b[i] = k * (geo.sb + 16)  # read expert ids and gates, write order and sideband
+            case "scan":
+                mem_b[i] = t.bytes
+                fixed[i] = 2 * geo.W * R.latency
+            case "dispatch" | "return":
+                rb = row_d if t.stage == "dispatch" else row_a
+                if t.src == t.owner:
+                    mem_b[i] = 2 * k * rb  # to itself: a copy through HBM
+                else:
+                    link_b[i] = k * rb
+            case "compute":
+                d = load.experts.get((t.owner, t.segment), {})
+                m = sum(-(-x // BM) for x in d.values())
+                flops[i] = geo.flop_coef * m * BM * geo.H * geo.F
+                wbytes[i] = weights * sum(1 for x in d.values() if x)
+                mem_b[i] = k * (row_d + row_a)
+            case "combine":
+                if t.detail == "unpack":
+                    mem_b[i] = 2 * k * row_a
+                elif t.detail == "tile":
+                    mem_b[i] = k * (geo.K * row_a + row_a + 8 * geo.K)
+    return CostModel(
+        tg,
+        R,
+        "given" if given else "uniform",
+        tuple(rows),
+        tuple(link_b),
+        tuple(mem_b),
+        tuple(flops),
+        tuple(wbytes),
+        tuple(fixed),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    comm: int  # communication programs per rank
+    compute: int
+
+    def __str__(self) -> str:
+        return f"{self.comm} communication + {self.compute} compute programs"
+
+
+def durations(cm: CostModel, comm: int | None) -> np.ndarray:
+    """Seconds per task when ``comm`` of a rank's programs communicate and the rest
+    compute; ``comm=None``: unified, every program takes every task (bulk: nothing to
+    overlap, so each stage has the whole GPU)."""
+    R = cm.rates
+    N = R.sms
+    if comm is None:
+        comm = comp = N
+    else:
+        comp = N - comm
+        if not 0 < comm < N:
+            raise ValueError(f"communication programs must be in 1..{N - 1}, got {comm}")
+    link = min(R.link, comm * R.link_per_sm)
+    is_comm = np.fromiter((t.role == "comm" for t in cm.graph.tasks), bool, len(cm.graph.tasks))
+    link_b = np.asarray(cm.link_bytes, float)
+    mem_b = np.asarray(cm.mem_bytes, float)
+    flops = np.asarray(cm.flops, float)
+    wb = np.asarray(cm.weight_bytes, float)
+    fixed = np.asarray(cm.fixed, float)
+    comm_t = link_b / link + mem_b / (R.hbm * comm / N)
+    comp_t = np.maximum(flops / (R.flops * comp / N), (mem_b + wb) / (R.hbm * comp / N))
+    return np.where(is_comm, comm_t, comp_t) + fixed
+
+
+def role_work(cm: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per rank: NVLink bytes and local bytes of the communication role, and the compute
+    role's seconds on a whole GPU; plus fixed seconds per rank. ``comm_seconds(p)`` and
+    ``compute_seconds(p)`` follow from these without touching every task again."""
+    R = cm.rates
+    W = cm.graph.geometry.W
+    link = np.zeros(W)
+    mem = np.zeros(W)
+    comp = np.zeros(W)
+    fixed = np.zeros(W)
+    for t in cm.graph.tasks:
+        i = t.id
+        if t.role == "comm":
+            link[t.rank] += cm.link_bytes[i]
+            mem[t.rank] += cm.mem_bytes[i]
+        else:
+            comp[t.rank] += max(cm.flops[i] / R.flops, (cm.mem_bytes[i] + cm.weight_bytes[i]) / R.hbm)
+        fixed[t.rank] += cm.fixed[i]
+    return link, mem, comp, fixed
+
+
+def estimate(cm: CostModel, work, comm: int, overlapped: bool) -> float:
+    """A quick makespan estimate for a program split: the busiest rank's roles, summed when
+    nothing overlaps (bulk), their maximum when the schedule overlaps them."""
+    R = cm.rates
+    N = R.sms
+    link, mem, comp, fixed = work
+    comm_s = link / min(R.link, comm * R.link_per_sm) + mem / (R.hbm * comm / N)
+    comp_s = comp * N / (N - comm)
+    per = np.maximum(comm_s, comp_s) if overlapped else comm_s + comp_s
+    return float(np.max(per + fixed)) if len(per) else 0.0
+
+
+def best_split(cm: CostModel, overlapped: bool) -> tuple[Split, float]:
+    """The program split that minimises :func:`estimate`, searched over every split."""
+    N = cm.rates.sms
+    work = role_work(cm)
+    best = min(range(1, N), key=lambda p: (estimate(cm, work, p, overlapped), p))
+    return Split(best, N - best), estimate(cm, work, best, overlapped)
+
+
+__all__ = ["LINK_PER_SM", "SMS", "Split", "best_split", "cost_model", "durations", "estimate", "rates", "role_work"]
+
+
+def dump(cm: CostModel) -> str:
+    """``--dump-after cost``: the rates and each stage's work on the busiest rank."""
+    R = cm.rates
+    lines = [
+        f"// cost model on {R.hw}: {R.sms} programs per rank (SMs), {R.flops / 1e12:.1f} TFLOP/s, "
+        f"NVLink {R.link / 1e9:.0f} GB/s ({R.link_per_sm / 1e9:.1f} GB/s per program), HBM {R.hbm / 1e12:.2f} TB/s, "
+        f"flag latency {R.latency * 1e9:.0f} ns",
+        f"// routing: {cm.load}",
+    ]
+    per: dict[str, dict[int, list[float]]] = {}
+    for t in cm.graph.tasks:
+        key = t.stage if not t.detail else f"{t.stage} {t.detail}"
+        row = per.setdefault(key, {}).setdefault(t.rank, [0, 0, 0, 0])
+        row[0] += cm.rows[t.id]
+        row[1] += cm.link_bytes[t.id]
+        row[2] += cm.mem_bytes[t.id] + cm.weight_bytes[t.id]
+        row[3] += cm.flops[t.id]
+    lines.append(f"// {'stage':<16} {'rows':>10} {'NVLink B':>14} {'memory B':>14} {'FLOPs':>16}  (busiest rank)")
+    for key, ranks in per.items():
+        r = max(ranks.values(), key=lambda v: (v[1], v[2], v[3], v[0]))
+        lines.append(f"   {key:<16} {r[0]:>10,} {r[1]:>14,} {r[2]:>14,} {r[3]:>16,}")
+    return "\n".join(lines)

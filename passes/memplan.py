@@ -1,0 +1,292 @@
+"""The memory plan: every buffer of the symmetric heap at its offset, with lifetimes.
+
+The layout is docs/memory.md's, region by region (control, payload, sideband, return, then
+the backward regions), each buffer padded to ``ALIGN`` = 256 bytes, computed here from the
+schedule's own S, B and R_ret — independently of the planner (``rdepc plan``), whose
+``symmetric_plan`` a test checks it against.
+
+Lifetimes are given in task-table indices and in predicted seconds: the control words live
+for the whole layer; the payload and sideband rings from the first dispatch to the last
+compute; the return ring from the first return to the last unpack (the landing, in bulk or
+when the ring holds every returned row, until the last combine tile). The backward regions
+are not used by the forward schedule.
+
+Ring slots are checked generation by generation: a slot's next contents (segment s + B on
+the payload ring, claim j + B on a front-end's return ring, segment s + B on an owner's
+private staging ring) are written only after the previous contents were consumed — in the
+global order and in predicted time — and no owner ever holds more than B live payload slots.
+Any violation is a compiler bug and is reported as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
+
+ALIGN = 256  # docs/memory.md: every symmetric buffer is padded to a multiple of this
+EPS = 1e-12  # seconds: predicted times compare with this slack (float sums)
+
+_WHAT = {
+    "barrier": "int64 epoch tag per peer (phase barrier, RDEP A.1)",
+    "counts": "int32 rows each source sends to each local expert (phase 1)",
+    "offsets": "int32 write base per (owner, local expert) published back (phase 2)",
+    "admitted": "int32 admitted rows per (owner, local expert): the accepted set",
+    "flags": "int64 epoch-tagged ready flags: payload slot filled (source, slot), return slot filled (owner, slot)",
+    "credits": "int64 epoch-tagged credits: payload slot free (owner, slot), return slot free (front-end, slot)",
+    "payload": "dispatched rows, expert-contiguous within a slot",
+    "sideband": "row_id, local expert, gate (and fp8 scale) per payload row",
+    "return": "expert outputs landing at the front-end",
+    "bwd_payload": "dL/dy rows, front-end → owner",
+    "bwd_return": "dL/dx rows, owner → front-end",
+}
+
+
+def pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class MemPlanPass:
+    """Schedule → MemoryPlan."""
+
+    name: str = "memplan"
+
+    def __call__(self, sched: Schedule) -> MemoryPlan:
+        mp = memory_plan(sched)
+        if mp.problems:
+            raise AssertionError("memory plan violates its own invariants:\n  " + "\n  ".join(mp.problems))
+        return mp
+
+
+def memory_plan(sched: Schedule) -> MemoryPlan:
+    tg = sched.graph
+    geo = tg.geometry
+    W, S, B, H, T, K = geo.W, geo.S, geo.B, geo.H, geo.T, geo.K
+    E_max = max(geo.experts, default=0)
+    R_ret = B * S if geo.segmented else T * K
+    pos, start, end = sched.position, sched.start, sched.end
+    n = len(sched.order)
+    by_stage: dict[str, list[int]] = {}
+    for t in tg.tasks:
+        key = t.stage if t.stage != "combine" else f"combine {t.detail}"
+        by_stage.setdefault(key, []).append(t.id)
+
+    def live(*stages: str) -> tuple[tuple[int, int] | None, tuple[float, float] | None]:
+        ids = [u for s in stages for u in by_stage.get(s, [])]
+        if not ids:
+            return None, None
+        return (min(pos[u] for u in ids), max(pos[u] for u in ids)), (
+            min(start[u] for u in ids),
+            max(end[u] for u in ids),
+        )
+
+    whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
+    ring = geo.return_ring
+    spec_rows = [
+        ("control", "barrier", W * 8, 1, 0, whole),
+        ("control", "counts", W * E_max * 4, 1, 0, whole),
+        ("control", "offsets", W * E_max * 4, 1, 0, whole),
+        ("control", "admitted", W * E_max * 4, 1, 0, whole),
+        ("control", "flags", 2 * W * B * 8, 1, 0, whole),
+        ("control", "credits", 2 * W * B * 8, 1, 0, whole),
+        ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute")),
+        ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute")),
+        (
+            "return",
+            "return",
+            R_ret * H * geo.a,
+            B if ring else 1,
+            S * H * geo.a if ring else R_ret * H * geo.a,
+            live("return", "combine unpack") if ring else live("return", "combine tile"),
+        ),
+        ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, (None, None)),
+        ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, 0, (None, None)),
+    ]
+    buffers = []
+    off = 0
+    for region, name, nbytes, slots, slot_bytes, (lv, lv_s) in spec_rows:
+        size = pad(nbytes)
+        what = _WHAT[name]
+        if name == "return":
+            what += f" ({'a ring of B slots of S rows' if ring else 'every row at its (token, slot) place'})"
+        buffers.append(Buffer(name, region, off, nbytes, size, slots, slot_bytes, what, lv, lv_s))
+        off += size
+    regions_fwd: dict[str, int] = {"control": 0, "payload": 0, "sideband": 0, "return": 0}
+    regions_fb: dict[str, int] = {}
+    for b in buffers:
+        if b.region in regions_fwd:
+            regions_fwd[b.region] += b.size
+        regions_fb[b.region] = regions_fb.get(b.region, 0) + b.size
+    fwd = {**regions_fwd, "total": sum(regions_fwd.values())}
+    fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", "bwd_payload", "bwd_return")}
+    fb["total"] = sum(fb.values())
+
+    private = [
+        Buffer(
+            "staging",
+            "private",
+            0,
+            B * S * H * geo.a,
+            pad(B * S * H * geo.a),
+            B,
+            S * H * geo.a,
+            "owner's expert outputs per segment, read by its returns (private, not symmetric)",
+            *live("compute", "return"),
+        )
+    ]
+    if ring:
+        private.append(
+            Buffer(
+                "landing",
+                "private",
+                private[-1].size,
+                T * K * H * geo.a,
+                pad(T * K * H * geo.a),
+                1,
+                0,
+                "front-end's returned rows at their (token, slot) places, filled by unpacks (private)",
+                *live("combine unpack", "combine tile"),
+            )
+        )
+
+    uses = _slot_uses(sched)
+    problems = _check(buffers, uses, B)
+    max_live = _max_live(uses, "payload")
+    if max_live > B:
+        problems.append(f"an owner holds {max_live} live payload slots, more than B = {B}")
+    return MemoryPlan(
+        layer=sched.layer,
+        strategy=sched.strategy,
+        S=S,
+        B=B,
+        R_ret=R_ret,
+        align=ALIGN,
+        buffers=tuple(buffers),
+        private=tuple(private),
+        forward=tuple(fwd.items()),
+        forward_backward=tuple(fb.items()),
+        uses=tuple(uses),
+        max_live_payload=max_live,
+        problems=tuple(problems),
+    )
+
+
+def _slot_uses(sched: Schedule) -> list[SlotUse]:
+    """Every generation of every ring slot: first writer to last reader."""
+    tg = sched.graph
+    geo = tg.geometry
+    pos, start, end = sched.position, sched.start, sched.end
+    writers: dict[tuple, list[int]] = {}
+    readers: dict[tuple, list[int]] = {}
+    for t in tg.tasks:
+        if not geo.segmented:
+            break
+        if t.stage == "dispatch":
+            writers.setdefault(("payload", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+        elif t.stage == "compute":
+            readers.setdefault(("payload", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+            writers.setdefault(("staging", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+        elif t.stage == "return":
+            readers.setdefault(("staging", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+            if geo.return_ring:
+                writers.setdefault(("return", t.src, t.slot, t.claim), []).append(t.id)
+        elif t.detail == "unpack":
+            readers.setdefault(("return", t.src, t.slot, t.claim), []).append(t.id)
+    uses = []
+    for key, ws in writers.items():
+        rs = readers.get(key, [])
+        ids = ws + rs
+        uses.append(
+            SlotUse(
+                key[0],
+                key[1],
+                key[2],
+                key[3],
+                min(pos[u] for u in ws),
+                max(pos[u] for u in (rs or ws)),
+                min(start[u] for u in ws),
+                max(end[u] for u in ids),
+            )
+        )
+    uses.sort(key=lambda u: (u.ring, u.rank, u.slot, u.generation))
+    return uses
+
+
+def _check(buffers: list[Buffer], uses: list[SlotUse], B: int) -> list[str]:
+    problems = []
+    prev_end = 0
+    for b in buffers:
+        if b.offset % ALIGN or b.size % ALIGN or b.size < b.bytes:
+            problems.append(f"{b.name}: offset {b.offset} / size {b.size} not padded to {ALIGN}")
+        if b.offset < prev_end:
+            problems.append(f"{b.name} at {b.offset} overlaps the buffer before it (ends at {prev_end})")
+        if b.slots * b.slot_bytes > b.bytes:
+            problems.append(f"{b.name}: {b.slots} slots of {b.slot_bytes} bytes do not fit in {b.bytes}")
+        prev_end = b.offset + b.size
+    last: dict[tuple, SlotUse] = {}
+    for u in uses:
+        key = (u.ring, u.rank, u.slot)
+        p = last.get(key)
+        if p is not None:
+            if not p.last < u.first:
+                problems.append(
+                    f"{u.ring} slot {u.slot} of rank {u.rank}: generation {u.generation} is written (task-table "
+                    f"index {u.first}) before generation {p.generation} is consumed (index {p.last})"
+                )
+            if u.start < p.end - EPS:
+                problems.append(
+                    f"{u.ring} slot {u.slot} of rank {u.rank}: generation {u.generation} starts at {u.start:.3e} s, "
+                    f"before generation {p.generation} is consumed at {p.end:.3e} s"
+                )
+        last[key] = u
+    return problems
+
+
+def _max_live(uses: list[SlotUse], ring: str) -> int:
+    """Most generations of one rank's ``ring`` live at once (in predicted time, and in
+    task-table order)."""
+    best = 0
+    per: dict[int, list[SlotUse]] = {}
+    for u in uses:
+        if u.ring == ring:
+            per.setdefault(u.rank, []).append(u)
+    for lst in per.values():
+        for key in (lambda u: (u.start, u.end), lambda u: (u.first, u.last)):
+            events = []
+            for u in lst:
+                s, e = key(u)
+                if e > s:
+                    events += [(s, 1), (e, -1)]
+            events.sort(key=lambda x: (x[0], x[1]))
+            live = 0
+            for _, d in events:
+                live += d
+                best = max(best, live)
+    return best
+
+
+__all__ = ["ALIGN", "MemPlanPass", "dump", "memory_plan", "pad"]
+
+
+def dump(mp: MemoryPlan) -> str:
+    """``--dump-after memplan``: the heap, buffer by buffer, and its regions."""
+    lines = [
+        f"// symmetric heap of layer {mp.layer} per rank: {mp.strategy}, S={mp.S}, B={mp.B}, R_ret={mp.R_ret}, "
+        f"aligned to {mp.align} B",
+        f"// {'offset':>12} {'size':>12} {'bytes':>12}  {'region':<11} {'buffer':<11} slots  live (task-table index)",
+    ]
+    for b in (*mp.buffers, *mp.private):
+        live = "-" if b.live is None else f"{b.live[0]}..{b.live[1]}"
+        lines.append(
+            f"   {b.offset:>12,} {b.size:>12,} {b.bytes:>12,}  {b.region:<11} {b.name:<11} {b.slots:>5}  {live}"
+            f"  {b.what}"
+        )
+    lines.append("// forward          " + ", ".join(f"{k} {v:,}" for k, v in mp.forward))
+    lines.append("// forward+backward " + ", ".join(f"{k} {v:,}" for k, v in mp.forward_backward))
+    lines.append(
+        f"// ring generations checked: {len(mp.uses)}; most live payload slots of one owner: "
+        f"{mp.max_live_payload} (B = {mp.B})"
+    )
+    lines += [f"// PROBLEM: {p}" for p in mp.problems]
+    return "\n".join(lines)

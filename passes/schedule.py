@@ -1,0 +1,749 @@
+"""The scheduler: resources, program split, a global topological order, and its timeline.
+
+Every task goes to one resource of the rank that runs it: its communication programs
+(scan, dispatch, return, unpack) or its compute programs (route, expert GEMMs, combine).
+How many programs communication gets is decided here, from the cost model
+(:func:`rdepc.passes.cost.best_split`, refined on the predicted timeline).
+
+The global order is a topological order of the graph (Kahn's algorithm, ties broken by the
+strategy's intended order, which is the order the graph was built in). Persistent programs
+that take tasks in that order — per resource, or all from one ticket counter — can never
+deadlock: the earliest unfinished task always has its inputs done and a program free to
+take it (ARCHITECTURE.md, decision 2). :func:`simulate` checks that with random task times.
+
+Strategies (RDEP section 3.5):
+
+* ``bulk`` — one segment per owner sized for its worst case, no overlap;
+* ``pipelined`` — B = 2 semantics: in step s, dispatch s | compute s−1 | return s−2;
+* ``deep`` — B > 2: dispatch runs up to B−1 segments ahead of compute.
+
+``auto`` lets the cost model choose; the precedence is command line (``--schedule``) over
+the spec's ``schedule`` statement over the cost model, and the same for the segment cut
+(``--cut``, ``segment ..., cut expert|source``). Without a segment statement a segmented
+strategy's S and B are the cost model's choice too.
+
+The timeline is the cost model's prediction: each resource runs its tasks one after
+another in the global order; a task starts when its resource is free and its inputs are
+done (plus a flag's latency when they were produced on another rank).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from rdepc.passes.cost import Split, best_split, cost_model, durations
+from rdepc.passes.graph import STRATEGIES, build_graph
+
+from rdepc.diagnostics import SpecError
+from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
+from rdepc.ir.spec import LayerSpec
+
+SEGMENT_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
+REFINE_LIMIT = 60_000  # tasks: below this the split is refined on the timeline itself
+
+
+ORDERS = ("returns-first", "dispatch-first")
+
+
+def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
+    """The strategy's intended position of every task: route, scan, then step by step —
+    in step t, dispatch segment t, compute t − L, and the returns (with their unpacks) of
+    t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
+    dispatches come first on the communication programs."""
+    geo = tg.geometry
+    L = geo.lookahead
+    rank = {"B": 0, "A": 1, "C": 2} if variant == "returns-first" else {"C": 0, "A": 1, "B": 2}
+    keys = []
+    for t in tg.tasks:
+        match t.stage:
+            case "route":
+                k = (0, 0, 0)
+            case "scan":
+                k = (1, 0, 0)
+            case "dispatch":
+                k = (2, t.segment, rank["C"])
+            case "compute":
+                k = (2, t.segment + L, rank["A"])
+            case "return":
+                k = (2, t.segment + L + 1, rank["B"])
+            case _ if t.detail == "unpack":
+                k = (2, t.segment + L + 1, rank["B"])
+            case _:
+                k = (3, 0, 0)
+        keys.append((*k, t.id))
+    return keys
+
+
+def topo_order(tg: TaskGraph, key: Sequence | None = None) -> list[int]:
+    """A topological order of ``tg``: among ready tasks, the smallest ``key`` (default:
+    the task built first) goes first. When sorting by ``key`` alone already gives a
+    topological order (the usual case: the graph is built in its strategy's order), that
+    order is returned without running Kahn's algorithm."""
+    tasks = tg.tasks
+    n = len(tasks)
+    order = list(range(n)) if key is None else sorted(range(n), key=key.__getitem__)
+    pos = [0] * n
+    for i, u in enumerate(order):
+        pos[u] = i
+    if all(pos[d] < pos[t.id] for t in tasks for d in t.deps):
+        return order
+    key = list(range(n)) if key is None else key
+    indeg = [len(t.deps) for t in tasks]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for t in tasks:
+        for d in t.deps:
+            succ[d].append(t.id)
+    ready = [(key[i], i) for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(ready, (key[v], v))
+    if len(order) != n:
+        raise ValueError("the task graph has a cycle")
+    return order
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    start: np.ndarray
+    end: np.ndarray
+    makespan: float
+    critical_path: float
+
+
+def timeline(
+    tg: TaskGraph,
+    order: Sequence[int],
+    dur: np.ndarray,
+    latency: float,
+    unified: bool = False,
+    empty: Sequence[bool] | None = None,
+) -> Timeline:
+    """Start and end of every task when each resource — a rank's communication programs
+    and its compute programs, or (``unified``) all of a rank's programs — runs its tasks one
+    after another in ``order``. A flag crossing ranks costs ``latency``, except into a task
+    that is ``empty`` under the routing: after the scan every rank knows which tasks are
+    empty and resolves them locally (they still wait for their dependencies, so a ring
+    slot's reuse order is kept)."""
+    tasks = tg.tasks
+    n = len(tasks)
+    start = [0.0] * n
+    end = [0.0] * n
+    cp = [0.0] * n
+    free: dict[tuple[int, str], float] = {}
+    d = dur.tolist()
+    no_lat = empty if empty is not None else [False] * n
+    for u in order:
+        t = tasks[u]
+        ready = 0.0
+        longest = 0.0
+        lat_in = 0.0 if no_lat[u] else latency
+        for p in t.deps:
+            lat = lat_in if tasks[p].rank != t.rank else 0.0
+            x = end[p] + lat
+            if x > ready:
+                ready = x
+            y = cp[p] + lat
+            if y > longest:
+                longest = y
+        key = (t.rank, "all" if unified else t.role)
+        s = max(ready, free.get(key, 0.0))
+        start[u] = s
+        end[u] = s + d[u]
+        free[key] = end[u]
+        cp[u] = longest + d[u]
+    return Timeline(np.asarray(start), np.asarray(end), max(end, default=0.0), max(cp, default=0.0))
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Measure of the union of intervals ``a`` minus the union of intervals ``b``
+    (each list sorted by start and non-overlapping)."""
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while cur < e:
+            if k >= len(b) or b[k][0] >= e:
+                total += e - cur
+                break
+            bs, be = b[k]
+            if bs > cur:
+                total += bs - cur
+            cur = max(cur, be)
+            k += 1
+    return total
+
+
+def schedule(
+    tg: TaskGraph,
+    hw: str = "h100",
+    counts=None,
+    comm: int | None = None,
+    decisions: Sequence[Decision] = (),
+    refine: bool | None = None,
+) -> Schedule:
+    """Schedule ``tg`` on ``hw``: choose the program split (unless ``comm`` is given), the
+    global order, and predict the timeline under ``counts`` (None: expected routing)."""
+    return schedule_costed(cost_model(tg, hw, counts), comm, decisions, refine)
+
+
+@dataclass
+class _Plan:
+    split: Split | None  # None: unified (bulk)
+    variant: str
+    order: list[int]
+    tl: Timeline
+    dur: np.ndarray
+    decisions: list[Decision]
+
+
+def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | None) -> _Plan:
+    """Choose the program split and the order within a step; predict the timeline."""
+    tg = cm.graph
+    geo = tg.geometry
+    lat = cm.rates.latency
+    N = cm.rates.sms
+    empty = empty_mask(cm)
+    if not geo.segmented and comm is None:
+        order = topo_order(tg, priority(tg))
+        dur = durations(cm, None)
+        tl = timeline(tg, order, dur, lat, unified=True, empty=empty)
+        d = Decision("programs", f"all {N} programs take every task (unified)", "bulk: nothing to overlap")
+        return _Plan(None, "returns-first", order, tl, dur, [d])
+    variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]
+    orders = {v: topo_order(tg, priority(tg, v)) for v in variants}
+    if comm is not None:
+        dur = durations(cm, comm)
+        tls = {v: timeline(tg, o, dur, lat, empty=empty) for v, o in orders.items()}
+        v = min(tls, key=lambda v: (tls[v].makespan, ORDERS.index(v)))
+        ds = [Decision("programs", f"{comm} comm / {N - comm} compute of {N}", "given")]
+        if len(tls) > 1:
+            ds.append(_order_decision(v, tls))
+        return _Plan(Split(comm, N - comm), v, orders[v], tls[v], dur, ds)
+    split, est = best_split(cm, True)
+    tls = {v: timeline(tg, o, durations(cm, split.comm), lat, empty=empty) for v, o in orders.items()}
+    v = min(tls, key=lambda v: (tls[v].makespan, ORDERS.index(v)))
+    best = split.comm
+    tried = {best: tls[v]}
+    if refine if refine is not None else len(tg.tasks) <= REFINE_LIMIT:
+        # A local search on the timeline itself, from the analytic split, halving the step.
+        step = max(1, N // 8)
+        while step >= 1:
+            moved = False
+            for p in (best - step, best + step):
+                if 0 < p < N and p not in tried:
+                    tried[p] = timeline(tg, orders[v], durations(cm, p), lat, empty=empty)
+                if 0 < p < N and tried[p].makespan < tried[best].makespan:
+                    best, moved = p, True
+            if not moved:
+                step //= 2
+    tl = tried[best]
+    tls[v] = tl
+    ds = [
+        Decision(
+            "programs",
+            f"{best} comm / {N - best} compute of {N}",
+            f"cost model: roles balanced at {est * 1e3:.3f} ms on the busiest rank with {split.comm}, "
+            f"timeline {tl.makespan * 1e3:.3f} ms with {best}",
+        )
+    ]
+    if len(tls) > 1:
+        ds.append(_order_decision(v, tls))
+    return _Plan(Split(best, N - best), v, orders[v], tl, durations(cm, best), ds)
+
+
+def schedule_costed(
+    cm: CostModel,
+    comm: int | None = None,
+    decisions: Sequence[Decision] = (),
+    refine: bool | None = None,
+    variant: str | None = None,
+) -> Schedule:
+    """:func:`schedule` of a graph whose cost model is already built. ``comm`` fixes the
+    communication programs per rank (then bulk too runs on that split); ``variant`` fixes
+    the order within a step (see :func:`priority`)."""
+    pl = _plan(cm, comm, refine, variant)
+    return _finish(cm.graph, cm, pl.order, pl.split, pl.tl, pl.dur, [*decisions, *pl.decisions])
+
+
+def _order_decision(v: str, tls: dict) -> Decision:
+    alt = ", ".join(f"{k} {tls[k].makespan * 1e3:.3f} ms" for k in ORDERS if k in tls)
+    return Decision("order", v, f"cost model: {alt}")
+
+
+def _role_intervals(tasks, order, tl: Timeline, dur, W: int):
+    comm: list[list[tuple[float, float]]] = [[] for _ in range(W)]
+    comp: list[list[tuple[float, float]]] = [[] for _ in range(W)]
+    for u in order:
+        if dur[u] > 0:
+            t = tasks[u]
+            (comm if t.role == "comm" else comp)[t.rank].append((float(tl.start[u]), float(tl.end[u])))
+    for lst in (*comm, *comp):
+        lst.sort()
+    return comm, comp
+
+
+def _union(a: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in a:
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, decisions) -> Schedule:
+    geo = tg.geometry
+    W = geo.W
+    N = cm.rates.sms
+    tasks = tg.tasks
+    if split is None:  # unified: one resource per rank
+        resources = tuple(Resource(r, r, "all", N) for r in range(W))
+        res_of = [t.rank for t in tasks]
+    else:
+        resources = tuple(
+            Resource(2 * r + k, r, role, split.comm if role == "comm" else split.compute)
+            for r in range(W)
+            for k, role in enumerate(("comm", "compute"))
+        )
+        res_of = [2 * t.rank + (t.role == "compute") for t in tasks]
+    position = [0] * len(tasks)
+    for i, u in enumerate(order):
+        position[u] = i
+    busy = np.zeros(len(resources))
+    np.add.at(busy, np.asarray(res_of, int), dur)
+    comm_iv, comp_iv = _role_intervals(tasks, order, tl, dur, W)
+    transport = [0.0] * W
+    compute = [0.0] * W
+    for t in tasks:
+        if t.role == "comm":
+            transport[t.rank] += float(dur[t.id])
+        else:
+            compute[t.rank] += float(dur[t.id])
+    exposed = tuple(_minus(_union(comm_iv[r]), _union(comp_iv[r])) for r in range(W))
+    # fill: the scan, the first segment's dispatch and the flag that hands it to compute;
+    # drain: the returns and unpacks of each owner's last non-empty segment (under the
+    # routing the timeline was made for) and the flag that hands them on.
+    last = [-1] * W
+    for t in tasks:
+        if t.stage == "compute" and cm.rows[t.id] > 0:
+            last[t.owner] = max(last[t.owner], t.segment)
+    fill = [cm.rates.latency] * W
+    drain = [cm.rates.latency] * W
+    for t in tasks:
+        if t.role != "comm":
+            continue
+        if t.stage == "scan" or (t.stage == "dispatch" and t.segment == 0):
+            fill[t.rank] += float(dur[t.id])
+        elif t.stage in ("return", "combine") and t.segment == last[t.owner]:
+            drain[t.rank] += float(dur[t.id])
+    per_stage: dict[str, np.ndarray] = {}
+    for t in tasks:
+        key = t.stage if t.stage != "combine" or t.detail != "unpack" else "unpack"
+        per_stage.setdefault(key, np.zeros(W))[t.rank] += dur[t.id]
+    stage_busy = tuple((k, float(v.max())) for k, v in per_stage.items())
+    table = []
+    for i, u in enumerate(order):
+        t = tasks[u]
+        deps = [position[d] for d in t.deps]
+        deps.sort()
+        table.append(
+            Entry(
+                i,
+                u,
+                t.stage,
+                t.detail,
+                t.rank,
+                res_of[u],
+                t.segment,
+                t.slot,
+                t.claim,
+                t.src,
+                t.owner,
+                t.tiles,
+                tuple(deps),
+                t.empty_if,
+            )
+        )
+    return Schedule(
+        layer=tg.layer,
+        strategy=geo.strategy,
+        cut=geo.cut,
+        S=geo.S,
+        B=geo.B,
+        lookahead=geo.lookahead,
+        hw=cm.rates.hw,
+        programs=(N, N) if split is None else (split.comm, split.compute),
+        unified=split is None,
+        resources=resources,
+        order=tuple(order),
+        position=tuple(position),
+        resource_of=tuple(res_of),
+        start=tuple(tl.start.tolist()),
+        end=tuple(tl.end.tolist()),
+        makespan=tl.makespan,
+        critical_path=tl.critical_path,
+        busy=tuple(busy.tolist()),
+        transport=tuple(transport),
+        compute=tuple(compute),
+        exposed=exposed,
+        fill=tuple(fill),
+        drain=tuple(drain),
+        stage_busy=stage_busy,
+        decisions=tuple(tg.decisions) + tuple(decisions),
+        table=tuple(table),
+        graph=tg,
+        cost=cm,
+    )
+
+
+# --- choosing the strategy, the cut, S and B ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    strategy: str
+    cut: str
+    S: int | None
+    B: int | None
+    decisions: tuple[Decision, ...]
+
+
+def quick_makespan(tg: TaskGraph, hw: str) -> float:
+    """The predicted makespan of ``tg`` as :func:`schedule` would find it, without building
+    the task table: what the strategy and cut choices compare."""
+    return _plan(cost_model(tg, hw), None, None, None).tl.makespan
+
+
+def empty_mask(cm: CostModel) -> list[bool]:
+    """Tasks that move nothing under the cost model's routing (their predicate holds)."""
+    return [bool(t.empty_if) and r == 0 for t, r in zip(cm.graph.tasks, cm.rows, strict=True)]
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f} ms"
+
+
+def resolve(spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100") -> Choice:
+    """Strategy, cut, S and B: command line over spec over the cost model."""
+    return _resolve(spec, strategy, cut, hw)[0]
+
+
+def _resolve(spec, strategy, cut, hw) -> tuple[Choice, TaskGraph | None]:
+    decisions: list[Decision] = []
+    if strategy is not None and strategy not in (*STRATEGIES, "auto"):
+        raise ValueError(f"unknown schedule '{strategy}' (known: auto, {', '.join(STRATEGIES)})")
+    seg = spec.segment
+    # None: not given on the command line; "auto" given there: the cost model decides.
+    if strategy is not None:
+        fixed_strategy, why = (None, "") if strategy == "auto" else (strategy, "command line --schedule")
+    elif spec.schedule != "auto":
+        fixed_strategy, why = spec.schedule, f"spec: schedule {spec.schedule}"
+    else:
+        fixed_strategy, why = None, ""
+    if cut is not None:
+        fixed_cut, cut_why = (None, "") if cut == "auto" else (cut, "command line --cut")
+    elif seg is not None and seg.cut != "auto":
+        fixed_cut, cut_why = seg.cut, f"spec: segment ..., cut {seg.cut}"
+    else:
+        fixed_cut, cut_why = None, ""
+    if cut is not None and cut not in ("auto", "expert", "source"):
+        raise ValueError(f"unknown cut '{cut}' (known: auto, expert, source)")
+
+    candidates: list[tuple[str, int | None, int | None]] = []
+    strategies = [fixed_strategy] if fixed_strategy else list(STRATEGIES)
+    for st in strategies:
+        if st == "bulk":
+            candidates.append(("bulk", None, None))
+        elif seg is not None:
+            if st == "deep" and fixed_strategy is None and int(seg.buffers) < 3:
+                continue  # deep with B < 3 is pipelined
+            candidates.append((st, None, None))
+        else:
+            for S in SEGMENT_CANDIDATES:
+                candidates.append((st, S, 2 if st == "pipelined" else 3))
+    cuts = [fixed_cut] if fixed_cut else ["expert", "source"]
+    keys = [(st, c, S, B) for st, S, B in candidates for c in (cuts if st != "bulk" else ["expert"])]
+    results: dict[tuple[str, str, int | None, int | None], float] = {}
+    graphs: dict[tuple, TaskGraph] = {}
+    first_error: SpecError | None = None
+    built: dict[tuple, TaskGraph] = {}
+    for k in keys:
+        st, c, S, B = k
+        try:  # the cut changes which rows land in which segment, never the tasks
+            base = built.get((st, S, B)) or build_graph(spec, st, c, S, B)
+        except SpecError as e:  # too many tasks: not a candidate
+            first_error = first_error or e
+            continue
+        built[(st, S, B)] = base
+        tg = base if base.geometry.cut == c else replace(base, geometry=replace(base.geometry, cut=c))
+        graphs[k] = tg
+        results[k] = quick_makespan(tg, hw) if len(keys) > 1 else 0.0
+    if not results:
+        assert first_error is not None
+        raise first_error
+    key = min(results, key=lambda k: (results[k], STRATEGIES.index(k[0]), k[1], k[2] or 0))
+    st, c, S, B = key
+    if fixed_strategy:
+        decisions.append(Decision("strategy", st, why))
+    else:
+        others = ", ".join(
+            f"{k[0]}{'' if k[2] is None else f' S={k[2]}'}{'' if k[0] == 'bulk' else ' cut ' + k[1]}: {_ms(v)}"
+            for k, v in sorted(results.items(), key=lambda kv: kv[1])
+        )
+        decisions.append(Decision("strategy", st, f"cost model: {others}"))
+    if st != "bulk":
+        if fixed_cut:
+            decisions.append(Decision("cut", c, cut_why))
+        else:
+            alt = {k[1]: v for k, v in results.items() if k[0] == st and k[2] == S}
+            decisions.append(
+                Decision("cut", c, "cost model: " + ", ".join(f"{k} {_ms(v)}" for k, v in sorted(alt.items())))
+            )
+        g = graphs[key].geometry
+        src = "spec: segment statement" if S is None else "cost model: no segment statement"
+        decisions.append(Decision("segment", f"S={g.S}, B={g.B}", src))
+    choice = Choice(st, c if st != "bulk" else "expert", S, B, tuple(decisions))
+    return choice, graphs[key]
+
+
+def build_for(spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100") -> TaskGraph:
+    """The graph of ``spec`` with every choice resolved (see :func:`resolve`)."""
+    ch, tg = _resolve(spec, strategy, cut, hw)
+    return replace(tg, decisions=ch.decisions)
+
+
+def compare(spec: LayerSpec, hw: str = "h100", cut: str | None = None) -> dict[str, Schedule]:
+    """Schedules of every strategy the spec admits (for reports and plots)."""
+    out = {}
+    for st in STRATEGIES:
+        if st != "bulk" and spec.segment is None:
+            continue
+        if st == "deep" and spec.segment is not None and int(spec.segment.buffers) < 3:
+            continue
+        out[st] = schedule(build_for(spec, st, cut, hw), hw)
+    return out
+
+
+# --- a discrete-event simulation of persistent programs ---------------------------------
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+def simulate(
+    sched: Schedule,
+    duration: Callable[[int], float],
+    programs: int | tuple[int, int] = 1,
+    mode: str = "roles",
+    order: Sequence[int] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Run the task table with persistent programs and random task times.
+
+    ``mode="roles"``: each (rank, role) resource has its own ticket counter and
+    ``programs`` programs (an int, or (comm, compute)). ``mode="unified"``: one ticket
+    counter over all ranks and roles (one launch covering all W ranks, as under Triton's
+    interpreter) and ``programs`` programs in all. A program takes the next ticket of its
+    counter, waits until every dependency is done, runs the task for ``duration(task)``
+    and marks it done. Returns (start, end) per task id; raises :class:`DeadlockError` when no
+    program can make progress while tasks remain. ``order`` replaces the schedule's order
+    (to show that a bad order deadlocks).
+    """
+    tg = sched.graph
+    tasks = tg.tasks
+    order = list(sched.order if order is None else order)
+    n = len(tasks)
+    if mode == "roles":
+        queues: dict[object, list[int]] = {}
+        for u in order:
+            queues.setdefault(sched.resource_of[u], []).append(u)
+        counts = programs if isinstance(programs, tuple) else (programs, programs)
+        per_role = {"comm": counts[0], "compute": counts[1], "all": max(counts)}
+        progs = {q: per_role[sched.resources[q].role] for q in queues}
+    elif mode == "unified":
+        queues = {0: order}
+        progs = {0: programs if isinstance(programs, int) else sum(programs)}
+    else:
+        raise ValueError(f"unknown mode '{mode}'")
+    done = [False] * n
+    start = [-1.0] * n
+    end = [-1.0] * n
+    nxt = dict.fromkeys(queues, 0)
+    held: dict[object, list[int]] = {q: [] for q in queues}  # tickets held by waiting programs
+    idle = dict(progs)
+    running: list[tuple[float, int, object]] = []
+    now = 0.0
+    finished = 0
+
+    def try_start(q, u) -> bool:
+        if all(done[d] for d in tasks[u].deps):
+            start[u] = now
+            heapq.heappush(running, (now + duration(u), u, q))
+            return True
+        return False
+
+    while finished < n:
+        progressed = True
+        while progressed:
+            progressed = False
+            for q in queues:
+                while idle[q] > 0 and nxt[q] < len(queues[q]):
+                    u = queues[q][nxt[q]]
+                    nxt[q] += 1
+                    idle[q] -= 1
+                    if not try_start(q, u):
+                        held[q].append(u)
+                    progressed = True
+                still = []
+                for u in held[q]:
+                    if not try_start(q, u):
+                        still.append(u)
+                    else:
+                        progressed = True
+                held[q] = still
+        if not running:
+            stuck = [tasks[u].name for q in held for u in held[q]][:5]
+            raise DeadlockError(f"{n - finished} tasks left and no program can run; waiting: {', '.join(stuck)}")
+        t_end, u, q = heapq.heappop(running)
+        now = t_end
+        end[u] = now
+        done[u] = True
+        finished += 1
+        idle[q] += 1
+    return start, end
+
+
+def random_durations(sched: Schedule, seed: int = 0, empty: float = 0.0) -> Callable[[int], float]:
+    """Task times: the predicted time scaled by a random factor in [0.25, 4), plus a small
+    random delay; ``empty`` for tasks the prediction says take no time."""
+    rng = random.Random(seed)
+    pred = [e - s for s, e in zip(sched.start, sched.end, strict=True)]
+    scale = max(pred, default=1.0) or 1.0
+    table = [(p * rng.uniform(0.25, 4.0) if p > 0 else empty) + rng.uniform(0, 0.05 * scale) for p in pred]
+    return table.__getitem__
+
+
+# --- passes -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """LayerSpec → TaskGraph, every choice resolved (command line over spec over cost model)."""
+
+    strategy: str | None = None
+    cut: str | None = None
+    hw: str = "h100"
+    name: str = "graph"
+
+    def __call__(self, spec: LayerSpec) -> TaskGraph:
+        return build_for(spec, self.strategy, self.cut, self.hw)
+
+
+@dataclass(frozen=True)
+class CostPass:
+    """TaskGraph → CostModel: work per task under the expected routing, on one profile."""
+
+    hw: str = "h100"
+    name: str = "cost"
+
+    def __call__(self, tg: TaskGraph) -> CostModel:
+        return cost_model(tg, self.hw)
+
+
+@dataclass(frozen=True)
+class SchedulePass:
+    """CostModel → Schedule: program split, global order, predicted timeline, task table."""
+
+    name: str = "schedule"
+
+    def __call__(self, cm: CostModel) -> Schedule:
+        return schedule_costed(cm)
+
+
+__all__ = [
+    "ORDERS",
+    "Choice",
+    "CostPass",
+    "DeadlockError",
+    "GraphPass",
+    "SchedulePass",
+    "build_for",
+    "compare",
+    "priority",
+    "random_durations",
+    "resolve",
+    "schedule",
+    "schedule_costed",
+    "simulate",
+    "timeline",
+    "topo_order",
+]
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:,.1f} µs"
+
+
+def report(sched: Schedule) -> str:
+    """A short human-readable account of a schedule: choices, prediction, breakdown."""
+    W = len(sched.transport)
+    r = max(range(W), key=lambda i: (sched.transport[i] + sched.compute[i], -i)) if W else 0
+    prog = (
+        f"all {sched.programs[0]} programs per rank take every task"
+        if sched.unified
+        else f"{sched.programs[0]} communication + {sched.programs[1]} compute programs per rank"
+    )
+    lines = [
+        f"layer {sched.layer}: {sched.strategy} schedule, cut {sched.cut}, S={sched.S}, B={sched.B}, on {sched.hw}",
+        f"  programs        {prog}",
+        f"  makespan        {_us(sched.makespan)} predicted (critical path {_us(sched.critical_path)})",
+        f"  busiest rank    r{r}: transport {_us(sched.transport[r])}, compute {_us(sched.compute[r])}, "
+        f"exposed transport {_us(sched.exposed[r])}",
+        "  per stage       " + ", ".join(f"{k} {_us(v)}" for k, v in sched.stage_busy if v > 0),
+        f"  task table      {len(sched.table):,} tasks",
+    ]
+    lines += [f"  decision        {d.name} = {d.value}  ({d.why})" for d in sched.decisions]
+    return "\n".join(lines)
+
+
+def dump(sched: Schedule) -> str:
+    """``--dump-after schedule``: the report, then the task table in global order."""
+    lines = ["// " + line for line in report(sched).splitlines()]
+    lines.append(f"// {'index':>7} {'resource':<10} {'start µs':>10} {'end µs':>10}  task  deps")
+    res = sched.resources
+    for e in sched.table:
+        deps = list(e.deps) if len(e.deps) <= 8 else f"[{e.deps[0]}, ... {len(e.deps)} entries]"
+        t = sched.graph.tasks[e.task]
+        lines.append(
+            f"   {e.index:>7} {res[e.resource].name:<10} {sched.start[e.task] * 1e6:>10.2f} "
+            f"{sched.end[e.task] * 1e6:>10.2f}  {t.name}  slot={e.slot} deps={deps}"
+        )
+    return "\n".join(lines)
+
+
+def annotate(sched: Schedule):
+    """The schedule's graph as networkx, each node annotated with its predicted ``cost``
+    (seconds), ``start``, ``end``, ``resource`` and global ``position``."""
+    g = sched.graph.graph
+    res = sched.resources
+    for u in range(len(sched.order)):
+        a = g.nodes[u]
+        a["cost"] = sched.end[u] - sched.start[u]
+        a["start"] = sched.start[u]
+        a["end"] = sched.end[u]
+        a["resource"] = res[sched.resource_of[u]].name
+        a["position"] = sched.position[u]
+    return g

@@ -1,0 +1,335 @@
+"""The scheduled-graph IR: geometry, tasks, cost inputs, schedule, memory plan.
+
+Frozen dataclasses, one record per level:
+
+* :class:`Geometry` — the static bounds a graph is built over (RDEP's routing is known only
+  at run time; capacity bounds it): rows an owner may hold, segments per owner, m-tile
+  slots per (owner, segment).
+* :class:`Task` and :class:`TaskGraph` — the hierarchical graph: one task per (rank,
+  segment, stage) (per (source, owner, segment) for the transport stages) carrying its
+  bounds as attributes, never one node per tile. ``TaskGraph.graph`` is the same graph as
+  a networkx DiGraph.
+* :class:`CostModel` — what each task costs under one routing (the expected one unless a
+  routing is given), before the program split is known.
+* :class:`Schedule` — resources, the program split, the global order (a topological order
+  of the graph), the predicted timeline and the task table the code generator consumes.
+* :class:`MemoryPlan` — every buffer of the symmetric heap at its offset, with lifetimes.
+
+Names follow the RDEP paper: route row, owner, front-end, segment, accepted set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from rdepc.ir.spec import LayerSpec
+
+# The stages of one MoE layer (RDEP section 3.4, Listing 1), in pipeline order.
+STAGES = ("route", "scan", "dispatch", "compute", "return", "combine")
+ROLES = ("comm", "compute")
+BM = 128  # rows of one grouped-GEMM m-tile (the planner's BM; a test checks they agree)
+MAX_TASKS = 2_000_000  # beyond this a task table is a spec mistake, not a plan
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One choice a pass made, and why (command line, spec, or the cost model's numbers)."""
+
+    name: str
+    value: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The bounds one graph is built over; all plain ints (T at its bound when symbolic)."""
+
+    strategy: str  # bulk | pipelined | deep
+    cut: str  # expert | source
+    W: int
+    T: int
+    H: int
+    F: int
+    E: int
+    K: int
+    act: str
+    d: int  # dispatch dtype bytes (payload rows on the wire)
+    a: int  # dtype bytes (returned rows)
+    sb: int  # sideband bytes per row
+    S: int  # rows of one ring slot (bulk: S_bulk = max_q R_q)
+    B: int  # ring slots (bulk: 1)
+    lookahead: int  # segments dispatch runs ahead of compute (pipelined 1, deep B-1)
+    owner: tuple[int, ...]  # π(e)
+    local: tuple[int, ...]  # λ(e)
+    experts: tuple[int, ...]  # E_loc(q)
+    cap_e: int | None  # rows admitted per expert; None when dropless
+    rows_max: tuple[int, ...]  # R_q: rows owner q may hold
+    segments: tuple[int, ...]  # ceil(R_q / S)
+    m_slots: tuple[int, ...]  # ceil(S/BM) + E_loc(q) - 1: m-tiles one (q, segment) may need
+    token_tiles: int  # ceil(T / BM): combine tiles per rank
+
+    @property
+    def segmented(self) -> bool:
+        return self.strategy != "bulk"
+
+    @property
+    def return_ring(self) -> bool:
+        """Returns land in a ring of B slots, claimed and freed by unpacks. When the B·S rows
+        of the ring hold all T·K rows a front-end gets back, they land at their (token,
+        slot) places directly, as in bulk: no claims, no unpack."""
+        return self.segmented and self.B * self.S < self.T * self.K
+
+    @property
+    def flop_coef(self) -> int:
+        """FLOPs per (row, H, F): 6 for a gated (SwiGLU) expert, 4 for gelu/relu."""
+        return 6 if self.act == "swiglu" else 4
+
+    @property
+    def steps(self) -> int:
+        return max(self.segments, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One node of the hierarchical graph. Bounds (rows, tiles, bytes, flops) hold for
+    every routing; ``empty_if`` is the run-time predicate under which the task moves nothing."""
+
+    id: int
+    stage: str  # one of STAGES
+    detail: str  # combine: "unpack" | "wait" | "tile"; else ""
+    rank: int  # the rank whose programs run it
+    role: str  # comm | compute
+    src: int  # front-end rank whose rows it moves (dispatch, return, unpack); -1 otherwise
+    owner: int  # owner rank (dispatch, compute, return, unpack); -1 otherwise
+    segment: int  # -1 when not per segment
+    slot: int  # ring slot it fills or reads (see the table in docs), -1 when none
+    claim: int  # return/unpack: claim index at the front-end ring; combine tile: token tile; else -1
+    rows: int
+    tiles: int
+    bytes: int
+    flops: int
+    deps: tuple[int, ...]
+    war: tuple[int, ...]  # the deps that are write-after-read (buffer reuse) edges
+    empty_if: str  # "" when never empty
+
+    @property
+    def name(self) -> str:
+        s = f" s{self.segment}" if self.segment >= 0 else ""
+        match self.stage:
+            case "route" | "scan":
+                return f"{self.stage} r{self.rank}"
+            case "dispatch":
+                return f"dispatch{s} r{self.src}→r{self.owner}"
+            case "compute":
+                return f"compute{s} r{self.owner}"
+            case "return":
+                return f"return{s} r{self.owner}→r{self.src}"
+        if self.detail == "unpack":
+            return f"combine unpack{s} r{self.owner}→r{self.src}"
+        if self.detail == "tile":
+            return f"combine tile{self.claim} r{self.rank}"
+        return f"combine wait r{self.rank}"
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    layer: str
+    file: str
+    geometry: Geometry
+    tasks: tuple[Task, ...]  # in construction order, which is the strategy's intended order
+    decisions: tuple[Decision, ...]
+    spec: LayerSpec = field(compare=False, repr=False)
+
+    @cached_property
+    def graph(self) -> nx.DiGraph:
+        """The same graph as a networkx DiGraph (built on first use): node = task id with
+        the task's bounds as attributes, edge kind "data" or "war" (buffer reuse)."""
+        from rdepc.passes.graph import to_networkx
+
+        return to_networkx(self.tasks)
+
+    def count(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tasks:
+            key = t.stage if not t.detail else f"{t.stage} {t.detail}"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """The hardware figures the cost model charges at (sources in passes/hardware.py and
+    passes/cost.py)."""
+
+    hw: str
+    sms: int  # programs one rank can keep resident (one per SM)
+    flops: float  # FLOP/s of grouped expert GEMMs, whole GPU
+    link: float  # bytes/s one GPU injects over NVLink
+    link_per_sm: float  # bytes/s one communication program moves
+    hbm: float  # bytes/s of GPU memory, whole GPU
+    latency: float  # seconds for a flag to become visible on another rank
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-task work under one routing: expected rows, bytes over NVLink, bytes through
+    local memory, FLOPs (launched m-tiles × BM rows) and expert-weight bytes; latencies."""
+
+    graph: TaskGraph = field(repr=False)
+    rates: Rates
+    load: str  # "uniform" (expected routing) or "given"
+    rows: tuple[int, ...]
+    link_bytes: tuple[int, ...]
+    mem_bytes: tuple[int, ...]
+    flops: tuple[int, ...]
+    weight_bytes: tuple[int, ...]
+    fixed: tuple[float, ...]  # seconds that do not scale with programs (barrier sweeps)
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    index: int
+    rank: int
+    role: str
+    programs: int
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rank}.{self.role}"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One row of the task table: the expansion the code generator consumes. Programs of
+    ``resource`` take entries in ``index`` order and wait on ``deps`` (indices of earlier
+    entries) before running them."""
+
+    index: int
+    task: int
+    stage: str
+    detail: str
+    rank: int
+    resource: int
+    segment: int
+    slot: int
+    claim: int
+    src: int
+    owner: int
+    tiles: int
+    deps: tuple[int, ...]
+    empty_if: str
+
+
+@dataclass(frozen=True)
+class Schedule:
+    layer: str
+    strategy: str
+    cut: str
+    S: int
+    B: int
+    lookahead: int
+    hw: str
+    programs: tuple[int, int]  # (communication, compute) programs per rank
+    unified: bool  # every program takes every task (bulk): one resource per rank
+    resources: tuple[Resource, ...]
+    order: tuple[int, ...]  # task ids in global order (a topological order)
+    position: tuple[int, ...]  # task id → index in ``order``
+    resource_of: tuple[int, ...]  # task id → resource index
+    start: tuple[float, ...]  # task id → predicted start (s)
+    end: tuple[float, ...]
+    makespan: float
+    critical_path: float
+    busy: tuple[float, ...]  # per resource
+    transport: tuple[float, ...]  # per rank: time of its communication tasks
+    compute: tuple[float, ...]  # per rank: time of its compute tasks
+    exposed: tuple[float, ...]  # per rank: communication while no compute task runs
+    fill: tuple[float, ...]  # per rank: communication of the first step (scan, first dispatch)
+    drain: tuple[float, ...]  # per rank: communication of the last step (last returns)
+    stage_busy: tuple[tuple[str, float], ...]  # busiest rank's time per stage
+    decisions: tuple[Decision, ...]
+    table: tuple[Entry, ...] = field(repr=False)
+    graph: TaskGraph = field(compare=False, repr=False)
+    cost: CostModel = field(compare=False, repr=False)
+
+    @property
+    def exposed_max(self) -> float:
+        return max(self.exposed, default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One buffer: its offset in the symmetric heap (or in the rank's private memory),
+    bytes before padding, padded size, ring slots and when it is live (task-table indices
+    and predicted seconds; None when it is not used by the forward schedule)."""
+
+    name: str
+    region: str
+    offset: int
+    bytes: int
+    size: int
+    slots: int
+    slot_bytes: int
+    what: str
+    live: tuple[int, int] | None
+    live_s: tuple[float, float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotUse:
+    """One generation of one ring slot: which segment (or return claim) fills it and when."""
+
+    ring: str  # payload | return | staging
+    rank: int  # the rank holding the ring
+    slot: int
+    generation: int  # segment (payload, staging) or claim index (return)
+    first: int  # task-table index of the first writer
+    last: int  # task-table index of the last reader
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    layer: str
+    strategy: str
+    S: int
+    B: int
+    R_ret: int
+    align: int
+    buffers: tuple[Buffer, ...]  # the symmetric heap, in offset order
+    private: tuple[Buffer, ...]  # per-rank private buffers (not symmetric), for reference
+    forward: tuple[tuple[str, int], ...]  # regions and total, as docs/memory.md
+    forward_backward: tuple[tuple[str, int], ...]
+    uses: tuple[SlotUse, ...] = field(repr=False)
+    max_live_payload: int = 0  # most payload slots any owner holds at once (predicted)
+    problems: tuple[str, ...] = ()
+
+    def regions(self, phase: str = "forward") -> dict[str, int]:
+        return dict(getattr(self, phase))
+
+
+def summary(x: Any) -> dict:
+    """A short plain-data view of any IR above (what ``--dump-after`` prints first)."""
+    if isinstance(x, TaskGraph):
+        g = x.geometry
+        return {
+            "layer": x.layer,
+            "strategy": g.strategy,
+            "cut": g.cut,
+            "S": g.S,
+            "B": g.B,
+            "lookahead": g.lookahead,
+            "rows_max": list(g.rows_max),
+            "segments": list(g.segments),
+            "m_slots": list(g.m_slots),
+            "tasks": len(x.tasks),
+            "edges": sum(len(t.deps) for t in x.tasks),
+            "by_stage": x.count(),
+            "decisions": [f"{d.name} = {d.value} ({d.why})" for d in x.decisions],
+        }
+    raise TypeError(type(x).__name__)
