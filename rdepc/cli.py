@@ -239,14 +239,21 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def cmd_viz(args) -> int:
+def _load_spec(args):
+    """Parse and check ``args.file``'s chosen layer; print its warnings with their source lines."""
     from rdepc.api import elaborate_layer
     from rdepc.parser import parse_file
-    from rdepc.passes.schedule import build_for, report, schedule
 
     module = parse_file(args.file)
     spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
-    _print_diags(warnings, {})
+    _print_diags(warnings, {module.file: module.text})
+    return spec
+
+
+def cmd_viz(args) -> int:
+    from rdepc.passes.schedule import build_for, report, schedule
+
+    spec = _load_spec(args)
     if args.ranks < 1:
         raise UsageError(f"--ranks {args.ranks}: expected a positive number")
     sched = schedule(build_for(spec, args.schedule, args.cut, args.hw), args.hw)
@@ -281,14 +288,10 @@ def cmd_viz(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from rdepc.api import elaborate_layer
-    from rdepc.parser import parse_file
     from rdepc.passes.plan import PlanOptions, parse_probs, plan, to_json
     from rdepc.report import render
 
-    module = parse_file(args.file)
-    spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
-    _print_diags(warnings, {})
+    spec = _load_spec(args)
     probs = None
     if args.probs is not None:
         try:
