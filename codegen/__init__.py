@@ -1,0 +1,180 @@
+"""rdepc.codegen: a scheduled, memory-planned layer → one readable Triton file.
+
+The ``codegen`` stage is the driver's last pass (``rdepc.driver.spec_passes``): it takes the
+scheduler's Schedule, lowers it with its memory plan into a kernel plan
+(:mod:`rdepc.codegen.lower`: the task table with work items, heap offsets, ownership
+tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.sm90`
+compiles the emitted file to sm_90 cubins without a GPU.
+
+Scope: the forward pass, the ``bulk`` schedule, the ``emulated`` transport. What the stage
+does not implement yet is reported with the driver's "not supported yet" diagnostic at the
+construct (``UNSUPPORTED``). The spec's ``transport nvshmem`` is the eventual target, not a
+blocker: the kernels are generated for the backend asked for (``emulated``). A
+``pipelined`` or ``deep`` schedule (from the spec, ``--schedule`` or the cost model) is
+planned as asked — ``--dump-after schedule`` and ``rdepc viz`` show it — but the kernels
+are generated for the bulk schedule of the same layer, with a warning. Shared experts are
+computed densely on the front-end by ``rdepc.RDEPMoE``, outside the routed kernels;
+symbolic tokens (``param T <= N``) run with the call's T'.
+
+Generating source needs neither torch nor triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from rdepc.codegen.emit import content_hash, generate, kernel_args
+from rdepc.codegen.lower import KernelPlan, Tiles, Work, lower
+
+from rdepc.diagnostics import Diagnostic, Severity
+from rdepc.ir.graph import Decision, MemoryPlan, Schedule
+
+# LayerSpec.features() the code generator does not implement (see the module docstring).
+UNSUPPORTED = frozenset(
+    {
+        "fp8 dispatch",
+        "dedup of rows a token sends to one rank",
+        "drop lowest_gate",
+        "a route_row encoding other than eq. 7",
+    }
+)
+SEGMENTED = ("pipelined", "deep")
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The codegen stage's output: the kernel plan, the source, and the schedule and memory
+    plan they came from (``schedule.table`` is the task table the kernel runs)."""
+
+    kernel: KernelPlan
+    source: str
+    schedule: Schedule
+    memory: MemoryPlan
+    notes: tuple[Diagnostic, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.kernel.layer
+
+
+@dataclass(frozen=True)
+class CodegenPass:
+    """Schedule → Generated. ``schedule`` is the strategy the user asked for explicitly
+    (command line or API), None when it came from the spec or the cost model; it only
+    words the warning when a segmented schedule is compiled as bulk."""
+
+    schedule: str | None = None
+    hw: str = "h100"
+    transport: str = "emulated"
+    name: str = "codegen"
+
+    def __call__(self, sched: Schedule) -> Generated:
+        from rdepc.passes.graph import build_graph
+        from rdepc.passes.memplan import memory_plan
+        from rdepc.passes.schedule import schedule
+
+        spec = sched.graph.spec
+        notes: list[Diagnostic] = []
+        if sched.strategy != "bulk":
+            asked = self.schedule in SEGMENTED
+            from_spec = not asked and spec.schedule == sched.strategy
+            why = "--schedule" if asked else "the spec's schedule statement" if from_spec else "the cost model"
+            notes.append(
+                Diagnostic(
+                    Severity.WARNING if asked or from_spec else Severity.NOTE,
+                    f"not supported yet: the {sched.strategy} schedule (the 'codegen' stage implements bulk): "
+                    f"{why} chose {sched.strategy}; the kernels run the bulk schedule",
+                    spec.span_of("schedule") if from_spec else None,
+                    "rdepc viz draws the planned schedule; --schedule bulk silences this",
+                )
+            )
+            why_bulk = f"codegen: the {sched.strategy} schedule is not generated yet"
+            sched = schedule(build_graph(spec, "bulk", decisions=(Decision("strategy", "bulk", why_bulk),)), self.hw)
+        mp = memory_plan(sched)
+        if mp.problems:
+            raise AssertionError("memory plan violates its own invariants:\n  " + "\n  ".join(mp.problems))
+        options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
+        plan = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
+        return Generated(plan, generate(plan), sched, mp, tuple(notes))
+
+
+def generate_spec(spec, schedule: str | None = None, hw: str = "h100") -> Generated:
+    """Run the driver's passes over a checked LayerSpec up to and including codegen (the
+    "not supported yet" checks included). ``schedule`` as ``--schedule``."""
+    from rdepc.driver import Options, _check_supported, spec_passes
+
+    outputs = {"elaborate": spec}
+    out = None
+    for p in spec_passes(Options(schedule=schedule, hw=hw)):
+        _check_supported(p, spec)
+        out = outputs[p.name] = p.run(outputs[p.source])
+    return out
+
+
+def dump(g: Generated) -> str:
+    """``--dump-after codegen``: the generated source."""
+    return g.source.rstrip("\n")
+
+
+def write_module(g: Generated, out: Path) -> list[Path]:
+    """Write the importable module of ``g`` into ``out``: the kernels (``LAYER_kernels.py``),
+    the kernel plan (``LAYER.plan.json``) and a small wrapper (``LAYER.py``) whose
+    ``module(backend, device)`` builds the runtime module. Atomic writes (tmp + replace)."""
+    name = g.kernel.layer
+    files = {
+        f"{name}_kernels.py": g.source,
+        f"{name}.plan.json": g.kernel.to_json() + "\n",
+        f"{name}.py": wrapper_source(g.kernel),
+    }
+    written = []
+    for fname, text in files.items():
+        target = out / fname
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(target)
+        written.append(target)
+    return written
+
+
+def wrapper_source(plan: KernelPlan) -> str:
+    name = plan.layer
+    return f'''"""Layer {name}, compiled by rdepc {plan.rdepc} from {plan.file}.
+
+    import {name}
+    layer = {name}.module(device="cpu")  # the emulated backend; "cpu" runs the Triton interpreter
+    y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [W, T', H] -> y [W, T', H]
+
+The kernels are in {name}_kernels.py, their plan in {name}.plan.json.
+"""
+
+from pathlib import Path
+
+from rdepc.runtime import load_compiled
+
+HERE = Path(__file__).resolve().parent
+
+
+def module(backend="emulated", device="cpu", **options):
+    """The compiled layer as an ``rdepc.runtime.RDEPModule`` (see its ``forward``)."""
+    plan, kernels = HERE / "{name}.plan.json", HERE / "{name}_kernels.py"
+    return load_compiled(plan, kernels, backend=backend, device=device, **options)
+'''
+
+
+__all__ = [
+    "UNSUPPORTED",
+    "CodegenPass",
+    "Generated",
+    "KernelPlan",
+    "Tiles",
+    "Work",
+    "content_hash",
+    "dump",
+    "generate",
+    "generate_spec",
+    "kernel_args",
+    "lower",
+    "write_module",
+]

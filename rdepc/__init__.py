@@ -1,7 +1,9 @@
 """rdepc: a compiler for sparse Mixture-of-Experts layers executed the RDEP way.
 
-``rdepc.load(path)`` checks a ``.rdep`` spec and returns a layer object; ``rdepc.parse``
-gives the syntax tree. Importing rdepc imports neither torch nor triton.
+``rdepc.load(path)`` checks a ``.rdep`` spec and returns a layer object (``.plan``,
+``.source`` and ``.module()`` compile it); ``rdepc.parse`` gives the syntax tree;
+``rdepc.RDEPMoE`` is a drop-in MoE block running the compiled kernels. Importing rdepc
+imports neither torch nor triton.
 """
 
 __version__ = "0.1.0"
@@ -9,4 +11,14 @@ __version__ = "0.1.0"
 from rdepc.api import Layer, UsageError, load, parse
 from rdepc.diagnostics import SpecError
 
-__all__ = ["Layer", "SpecError", "UsageError", "__version__", "load", "parse"]
+
+def __getattr__(name: str):
+    """``rdepc.RDEPMoE`` (a torch.nn.Module) is imported on first use, with torch."""
+    if name == "RDEPMoE":
+        from rdepc.runtime.moe import RDEPMoE
+
+        return RDEPMoE
+    raise AttributeError(f"module 'rdepc' has no attribute {name!r}")
+
+
+__all__ = ["Layer", "RDEPMoE", "SpecError", "UsageError", "__version__", "load", "parse"]

@@ -89,11 +89,68 @@ def _override_value(name: str, v) -> int | Fraction:
 
 
 class Layer:
-    """A loaded layer: ``.spec`` (the LayerSpec) and ``.shapes`` (its sizes as ints)."""
+    """A loaded layer: ``.spec`` (the LayerSpec) and ``.shapes`` (its sizes as ints).
+
+    Compiling is lazy, on first use of ``.plan``, ``.source`` or ``.module()``:
+    ``.plan`` is the compiled plan (``.schedule`` with its task table, ``.memory`` the
+    symmetric heap, ``.kernel`` the lowered kernel plan); ``.source`` the generated Triton
+    file; ``.module(backend="emulated", device=...)`` the runnable layer
+    (:class:`rdepc.runtime.RDEPModule`). Generated kernels are cached on disk
+    (``$RDEPC_CACHE_DIR``, default ``~/.cache/rdepc``), keyed by a hash of the spec, the
+    options, the rdepc/torch/triton versions, the target and the interpreter flag.
+    """
 
     def __init__(self, spec: LayerSpec, warnings: tuple[Diagnostic, ...] = ()):
         self.spec = spec
         self.warnings = warnings
+        self._plans: dict = {}
+        self._compiled: dict = {}
+
+    def compile(
+        self, *, schedule: str | None = None, backend: str = "emulated", hw: str = "h100", interpret: bool = True
+    ):
+        """The generated kernels of this layer (from the cache when they are there): an
+        ``rdepc.runtime.cache.Compiled`` with ``.source``, ``.kernel`` and ``.module()``.
+        ``schedule`` overrides the spec's (as ``--schedule``); raises SpecError for what
+        the code generator does not support yet."""
+        key = (schedule, backend, hw, interpret)
+        if key not in self._compiled:
+            from rdepc.runtime.cache import compile_layer
+
+            compiled = compile_layer(self.spec, schedule, hw, backend, interpret)
+            for d in compiled.kernel.decisions:
+                if d.startswith("strategy = bulk (codegen:"):
+                    import warnings
+
+                    warnings.warn(
+                        f"rdepc: layer {self.spec.name}: {d}; the kernels run the bulk schedule", stacklevel=2
+                    )
+            self._compiled[key] = compiled
+        return self._compiled[key]
+
+    @property
+    def plan(self):
+        """The compiled plan: ``.schedule`` (its ``.table`` is the task table the kernel
+        runs), ``.memory`` (the symmetric heap), ``.kernel`` (the kernel plan), ``.source``."""
+        if None not in self._plans:
+            from rdepc.codegen import generate_spec
+
+            self._plans[None] = generate_spec(self.spec)
+        return self._plans[None]
+
+    @property
+    def source(self) -> str:
+        """The generated Triton source of this layer's kernels."""
+        return self.compile().source
+
+    def module(self, backend: str = "emulated", device=None, *, schedule: str | None = None, **options):
+        """The layer as a runnable module: ``forward(x, topk_ids, topk_weights, w_gate, w_up,
+        w_down) -> y`` on the ``emulated`` backend, on ``device`` "cpu" (the Triton
+        interpreter, the default) or "cuda". ``options``: ``tiles``, ``programs``,
+        ``spin_bound`` (see rdepc.runtime.RDEPModule)."""
+        interpret = device is None or str(device).startswith("cpu")
+        compiled = self.compile(schedule=schedule, backend=backend, interpret=interpret)
+        return compiled.module(backend=backend, device=device, **options)
 
     @property
     def shapes(self) -> dict[str, int]:

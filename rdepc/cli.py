@@ -60,14 +60,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(
-        "compile", help="compile a layer", description="Compile one layer; writes the elaborated spec as JSON."
+        "compile",
+        help="compile a layer",
+        description="Compile one layer: writes the elaborated spec as JSON (LAYER.spec.json), the generated Triton "
+        "kernels (LAYER_kernels.py), their plan (LAYER.plan.json) and an importable module (LAYER.py).",
     )
     _common(p)
     p.add_argument("-o", dest="out", metavar="DIR", help="output directory (default: build/LAYER)")
     p.add_argument("--dump-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--time-passes", action="store_true", help="print each pass's time")
+    p.add_argument(
+        "--target",
+        choices=["sm_90"],
+        help="also compile every kernel to a cubin for this GPU (LAYER.KERNEL.sm_90.cubin; no GPU needed)",
+    )
     _schedule_options(p)
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "run",
+        help="run a compiled layer on random inputs against the reference",
+        description="Compile one layer, run it on random inputs (rdepc.reference.random_inputs) and compare the "
+        "result with the reference operator (rdepc.reference, in fp32 on the same rounded inputs): prints the max "
+        "relative error max|y - ref| / max|ref| and the run's statistics. On --device cpu the kernels run under "
+        "the Triton interpreter.",
+    )
+    _common(p)
+    p.add_argument("--backend", default="emulated", metavar="NAME", help="transport backend (default: emulated)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the Triton interpreter (default)")
+    p.add_argument(
+        "--routing",
+        default="uniform",
+        type=_run_routing,
+        metavar="uniform|zipf:A|hot|one",
+        help="how tokens pick experts (default: uniform)",
+    )
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the random inputs (default: 0)")
+    p.add_argument(
+        "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
+    )
+    p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
+    p.add_argument("--check", action="store_true", help="exit 1 unless the result matches the reference")
+    p.add_argument(
+        "--tol",
+        type=float,
+        metavar="X",
+        help="max relative error --check accepts (default: 1e-5 for fp32, 5e-3 for fp16, 2e-2 for bf16)",
+    )
+    p.set_defaults(func=cmd_run)
 
     from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
 
@@ -157,6 +197,20 @@ def _routing(text: str) -> tuple[str, float]:
     raise argparse.ArgumentTypeError(f"{text!r}: expected uniform or zipf:ALPHA with ALPHA >= 0")
 
 
+def _run_routing(text: str) -> str:
+    if text in ("uniform", "hot", "one"):
+        return text
+    kind, colon, alpha = text.partition(":")
+    if kind == "zipf" and colon:
+        try:
+            a = float(alpha)
+        except ValueError:
+            a = -1.0
+        if a >= 0 and a == a and a != float("inf"):
+            return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected uniform, zipf:ALPHA with ALPHA >= 0, hot or one")
+
+
 def _seed(text: str) -> int:
     try:
         v = int(text)
@@ -224,7 +278,10 @@ def cmd_compile(args) -> int:
     )
     # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
     result = compile_file(args.file, opts, sys.stdout)
+    generated = result.outputs["codegen"]
+    sources = _sources(result.spec.file)
     _print_diags(result.warnings, {})
+    _print_diags(generated.notes, sources)
     out = Path(args.out or Path("build") / result.spec.name)
     target = out / f"{result.spec.name}.spec.json"
     try:
@@ -232,11 +289,135 @@ def cmd_compile(args) -> int:
         tmp = target.with_suffix(".tmp")
         tmp.write_text(dump_json(result.spec) + "\n", encoding="utf-8")
         tmp.replace(target)
+        from rdepc.codegen import write_module
+
+        wrote = [target, *write_module(generated, out)]
     except OSError as e:  # -o names a file, an unwritable place, ...
         print(f"rdepc: error: cannot write {e.filename or target}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(f"wrote {target}")
+    if args.target:
+        from rdepc.codegen.sm90 import compile_cubins
+
+        name = result.spec.name
+        for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
+            wrote.append(Path(r["cubin"]))
+            print(
+                f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
+                f"{r['shared']:,} bytes of shared memory"
+            )
+    for path in wrote:
+        print(f"wrote {path}")
     return 0
+
+
+def _sources(file: str) -> dict[str, str]:
+    try:
+        return {file: Path(file).read_text(encoding="utf-8")}
+    except (OSError, UnicodeDecodeError):
+        return {}
+
+
+TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
+
+
+def cmd_run(args) -> int:
+    import time
+
+    from rdepc.api import Layer, elaborate_layer
+    from rdepc.parser import parse_file
+
+    module = parse_file(args.file)
+    spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
+    _print_diags(warnings, {})
+    layer = Layer(spec, warnings)
+    sh = layer.shapes
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    tokens = T if args.tokens is None else args.tokens
+    if not 1 <= tokens <= T:
+        raise UsageError(f"--tokens {tokens}: expected 1 <= T' <= {T} (the spec's T)")
+    from rdepc.runtime import transport
+
+    try:
+        transport.get(args.backend)
+    except (NotImplementedError, ValueError) as e:
+        raise UsageError(f"--backend {args.backend}: {e}") from None
+    import torch
+
+    from rdepc.reference import random_inputs, reference_for
+    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (--device cpu runs the Triton interpreter)")
+    with _quiet_warnings():
+        kernels = layer.module(args.backend, args.device, schedule=args.schedule)
+    dtype_name = spec.precision.dtype.value
+    inputs = random_inputs(
+        W,
+        tokens,
+        H,
+        F,
+        E,
+        K,
+        routing=args.routing,
+        seed=args.seed,
+        dtype=TORCH_DTYPES[dtype_name],
+        gated=spec.expert.gated,
+        device=args.device,
+    )
+    t0 = time.perf_counter()
+    y = kernels(*inputs)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    as_fp32 = [None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in inputs]
+    ref, accepted_ref = reference_for(spec)(*as_fp32)
+    err = max_relative_error(y, ref)
+    st = kernels.last_stats
+    same = bool(torch.equal(st["accepted"].cpu(), accepted_ref.cpu()))
+    tol = TOLERANCE[dtype_name] if args.tol is None else args.tol
+    n_rows = W * tokens * K
+    where = f"{args.device} (Triton interpreter)" if kernels.interpret else args.device
+    cap = "dropless" if st["capacity"] is None else f"cap_e = {st['capacity']} rows per expert"
+    backend = f"{kernels.transport.name} backend on {where}, {kernels.plan.strategy} schedule"
+    print(f"layer {spec.name} ({spec.file}): {backend}")
+    shape = f"W={W} T'={tokens} H={H} F={F} E={E} K={K}"
+    print(f"  inputs          {shape}, {dtype_name}, routing {args.routing}, seed {args.seed}")
+    print(f"  max rel. error  {err:.3g}  (max|y - ref| / max|ref|, rdepc.reference in fp32; tolerance {tol:g})")
+    accepted = int(st["accepted"].sum())
+    agree = "matches the reference" if same else "DIFFERS from the reference"
+    print(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")
+    print(f"  rows per expert {st['rows_per_expert'].tolist()}")
+    print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
+    print(f"  dropped rows    {st['dropped_rows']} ({cap})")
+    print(f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {kernels.tiles.bm}, padding-free)")
+    print(
+        f"  kernel          {st['launches']} launch, grid ({kernels.programs},), {kernels.work.n_items} work items "
+        f"over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s"
+    )
+    if not args.check:
+        return 0
+    if err <= tol and same:
+        print("check passed")
+        return 0
+    why = []
+    if not err <= tol:
+        why.append(f"max relative error {err:.3g} > {tol:g}")
+    if not same:
+        why.append("the accepted set differs from the reference's")
+    print(f"check FAILED: {'; '.join(why)}")
+    return 1
+
+
+@contextlib.contextmanager
+def _quiet_warnings():
+    """The codegen's Python warnings are printed as diagnostics by the commands instead."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        print(f"rdepc: warning: {str(w.message).removeprefix('rdepc: ')}", file=sys.stderr)
 
 
 def _load_spec(args):

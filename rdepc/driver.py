@@ -72,6 +72,7 @@ def _plain(x: Any) -> Any:
 
 def spec_passes(options: Options | None = None) -> list[Pass]:
     """Passes over the checked LayerSpec, in order. Later stages append here."""
+    from rdepc import codegen
     from rdepc.passes import cost, graph, memplan, schedule
 
     o = options or Options()
@@ -80,6 +81,13 @@ def spec_passes(options: Options | None = None) -> list[Pass]:
         Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source="graph"),
         Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source="cost"),
         Pass("memplan", memplan.MemPlanPass(), dump=memplan.dump, source="schedule"),
+        Pass(
+            "codegen",
+            codegen.CodegenPass(o.schedule, o.hw),
+            unsupported=codegen.UNSUPPORTED,
+            dump=codegen.dump,
+            source="schedule",
+        ),
     ]
 
 

@@ -1,0 +1,125 @@
+"""The compilation cache: generated kernels and their plan, keyed by what produced them.
+
+The key is a SHA-256 over the elaborated spec (``spec_to_json``), the codegen options, the
+rdepc, torch and triton versions (and a digest of the generator's own source), the target
+(the backend) and whether the kernels run under the interpreter. An entry is a directory holding ``kernels.py`` and
+``plan.json``; every file is written to a temporary name and moved into place
+(``os.replace``), and a ``complete`` marker written last, so a reader never sees half an
+entry. The directory is ``$RDEPC_CACHE_DIR``, default ``~/.cache/rdepc``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import rdepc
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RDEPC_CACHE_DIR") or Path.home() / ".cache" / "rdepc")
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def generator_digest() -> str:
+    """SHA-256 of the code generator's own source (codegen/ and the transports): a changed
+    generator never reuses kernels it emitted before, even at the same rdepc version."""
+    from rdepc.runtime import transport
+
+    from rdepc import codegen
+
+    h = hashlib.sha256()
+    for path in [*sorted(Path(codegen.__file__).parent.glob("*.py")), Path(transport.__file__)]:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(spec_json: dict, options: dict, target: str, interpret: bool) -> str:
+    data = {
+        "spec": spec_json,
+        "options": options,
+        "rdepc": rdepc.__version__,
+        "generator": generator_digest(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "target": target,
+        "interpret": interpret,
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def entry(key: str, build: Callable[[], dict[str, str]]) -> tuple[Path, bool]:
+    """The cache directory of ``key``, built by ``build()`` (file name → text) on a miss.
+    Returns (directory, hit)."""
+    d = cache_dir() / key[:2] / key
+    if (d / "complete").is_file():
+        return d, True
+    files = build()
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        write_atomic(d / name, text)
+    write_atomic(d / "complete", key + "\n")
+    return d, False
+
+
+class Compiled:
+    """One compilation of a layer, in the cache: the generated kernels (``source``, at
+    ``kernels_path``) and their kernel plan (``kernel``)."""
+
+    def __init__(self, directory: Path, hit: bool):
+        from rdepc.codegen.lower import KernelPlan
+
+        self.directory = directory
+        self.hit = hit
+        self.kernels_path = directory / "kernels.py"
+        self.kernel = KernelPlan.from_json((directory / "plan.json").read_text(encoding="utf-8"))
+
+    @property
+    def source(self) -> str:
+        return self.kernels_path.read_text(encoding="utf-8")
+
+    def module(self, backend: str = "emulated", device=None, **options):
+        """An ``rdepc.runtime.RDEPModule`` running these kernels (``device`` "cpu": the
+        Triton interpreter; "cuda": natively)."""
+        from rdepc.runtime.module import RDEPModule
+
+        return RDEPModule(self.kernel, self.kernels_path, backend=backend, device=device, **options)
+
+
+def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", interpret=True):
+    """Generate ``spec``'s kernels (or find them in the cache) and return them as
+    :class:`Compiled`. Raises SpecError for what the code generator does not support."""
+    from rdepc.codegen import generate_spec
+    from rdepc.runtime.transport import get
+
+    from rdepc.ir.spec import spec_to_json
+
+    get(backend)  # a clear error for a backend not built yet, before any work
+    options = {"schedule": schedule, "hw": hw, "backend": backend}
+    key = cache_key(spec_to_json(spec), options, backend, interpret)
+
+    def build() -> dict[str, str]:
+        g = generate_spec(spec, schedule, hw)
+        return {"kernels.py": g.source, "plan.json": g.kernel.to_json() + "\n"}
+
+    directory, hit = entry(key, build)
+    return Compiled(directory, hit)
+
+
+__all__ = ["Compiled", "cache_dir", "cache_key", "compile_layer", "entry", "write_atomic"]

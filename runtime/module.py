@@ -1,0 +1,347 @@
+"""RDEPModule: a generated layer, runnable from PyTorch on a transport backend.
+
+The emulated backend (the only one today) holds all W ranks in one process: ``forward``
+takes every rank's tokens at once,
+
+    forward(x, topk_ids, topk_weights, w_gate, w_up, w_down) -> y
+        x             [W, T', H]   the layer's dtype, any T' <= T (the spec's bound)
+        topk_ids      [W, T', K]   int64 (int32 accepted), each token's K distinct experts
+        topk_weights  [W, T', K]   the gates g (any float dtype; used in fp32)
+        w_gate, w_up  [E, H, F]    every expert's weights (w_gate None for gelu/relu experts)
+        w_down        [E, F, H]
+        y             [W, T', H]   the routed part of the layer, sum_k g'_k f_{e_k}(x)
+
+and launches exactly one kernel per call. The later ``nvshmem`` backend runs one process
+per rank with the per-rank signature ``forward(x [T', H], topk_ids [T', K], topk_weights
+[T', K], w_gate [E_loc, H, F], w_up [E_loc, H, F], w_down [E_loc, F, H])`` — each rank its
+own tokens and only its local experts' weights (the kernel indexes weights through the
+plan's ``weight_of`` table, which that backend fills with local indices).
+
+After each call ``last_stats`` holds ``rows_per_expert`` [E] (admitted), ``received_per_expert``
+[E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W], ``dropped_rows``, ``accepted`` [W, T', K]
+(bool: the accepted set), ``m_tiles`` [W] (m-tiles the grouped GEMM ran per owner),
+``capacity`` (cap_e at this T', None when dropless) and ``launches``; ``last_context`` the
+routing context backward will need: the accepted set, each accepted row's slot in its
+owner's payload (-1 when dropped) and the combine weights g'. Backward is not supported yet:
+differentiating through ``forward`` raises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rdepc.codegen.lower import ERRORS, INT32_MAX, KernelPlan, Tiles
+from rdepc.runtime import transport as transports
+from rdepc.runtime.launch import Launcher, import_kernels
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    """What the forward's accepted set looked like, for a backward that walks it (appendix
+    A.3, condition 4): per (rank, token, slot) whether it was accepted, its row's slot in
+    its owner's payload (-1 when dropped), and its combine weight g'."""
+
+    topk_ids: torch.Tensor
+    accepted: torch.Tensor
+    slot: torch.Tensor
+    gprime: torch.Tensor
+
+
+class _Routed(torch.autograd.Function):
+    """forward runs the kernel; backward is not generated yet and says so."""
+
+    @staticmethod
+    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down):
+        y, context = module._run(x, topk_ids, gates, w_gate, w_up, w_down)
+        ctx.save_for_backward(context.topk_ids, context.accepted, context.slot, context.gprime)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        raise NotImplementedError(
+            "rdepc: backward of the routed RDEP layer is not supported yet (the code generator emits the forward "
+            "pass only); the forward kept its routing context (accepted set, payload slots, g') for it"
+        )
+
+
+class RDEPModule:
+    """One generated layer on one backend and device (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: KernelPlan,
+        kernels_path: str | Path,
+        *,
+        backend: str = "emulated",
+        device=None,
+        tiles: Tiles | None = None,
+        programs: int | None = None,
+        spin_bound: int | None = None,
+    ):
+        self.plan = plan
+        self.kernels_path = Path(kernels_path)
+        self.transport = transports.get(backend)
+        if plan.transport != self.transport.name:
+            raise ValueError(f"{self.kernels_path} was generated for the {plan.transport} backend, not {backend}")
+        device = torch.device(device if device is not None else "cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.interpret = device.type == "cpu"
+        self.kernels = import_kernels(self.kernels_path, self.interpret)
+        p = plan
+        self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
+        self.work = p.work(self.tiles)
+        if programs is None:
+            programs = 2 if self.interpret else torch.cuda.get_device_properties(device).multi_processor_count
+        self.programs = max(1, min(programs, self.work.n_items))
+        self.spin_bound = spin_bound if spin_bound is not None else (10_000 if self.interpret else 1 << 26)
+        self.dtype = TORCH_DTYPES[p.dtype]
+        self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
+
+        def i32(values) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+        self.tables = {
+            "table": i32(v for row in self.work.table for v in row),
+            "deps": i32(p.deps or (0,)),
+            "first_item": i32(self.work.first_item),
+            "owner_of": i32(p.owner),
+            "local_of": i32(p.local),
+            "n_local": i32(p.n_local),
+            "weight_of": i32(p.weight_of),
+            "order": i32(p.order),
+            "owner_first": i32(p.owner_first),
+            "rows_max": i32(p.rows_max),
+        }
+        self.private = {}
+        for name, dt, shape in p.private:
+            torch_dt = TORCH_DTYPES.get(dt) or INT_DTYPES[dt]
+            self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
+        self._owner = torch.tensor(p.owner, dtype=torch.long)
+        self._local = torch.tensor(p.local, dtype=torch.long)
+        self.epoch = 0
+        self.launcher = Launcher(self.interpret)
+        self.last_stats: dict | None = None
+        self.last_context: RoutingContext | None = None
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+        return self.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+    def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
+        """y = the routed layer of every rank's tokens (see the module docstring)."""
+        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
+
+    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+        p = self.plan
+        W, Tn, K = p.W, x.shape[1], p.K
+        x = x.detach().contiguous()
+        ids = topk_ids.detach().to(torch.int64).contiguous()
+        gates = topk_weights.detach().to(torch.float32).contiguous()
+        weights = [w.detach().contiguous() for w in (w_gate, w_up, w_down) if w is not None]
+        y = torch.empty((W, Tn, p.H), dtype=self.dtype, device=self.device)
+        accepted = torch.zeros((W, Tn, K), dtype=torch.int8, device=self.device)
+        slot = torch.full((W, Tn, K), -1, dtype=torch.int32, device=self.device)
+        gprime = torch.zeros((W, Tn, K), dtype=torch.float32, device=self.device)
+        cap = p.cap_at(Tn)
+        launches = self.launcher.launches
+        rid_rank, rid_token = p.row_id_radix(Tn)
+        self.epoch += 1
+        base = (self.epoch - 1) * (self.work.n_items + self.programs)
+        t, v = self.tables, self.private
+
+        def arg(a: torch.Tensor) -> torch.Tensor:  # a call with T' = 0 still launches: no null pointers
+            return a if a.numel() else a.new_zeros(1)
+
+        args = (
+            self.heap,
+            arg(x),
+            arg(ids),
+            arg(gates),
+            *weights,
+            arg(y),
+            arg(accepted),
+            arg(slot),
+            arg(gprime),
+            t["table"],
+            t["deps"],
+            t["first_item"],
+            t["owner_of"],
+            t["local_of"],
+            t["n_local"],
+            t["weight_of"],
+            t["order"],
+            t["owner_first"],
+            t["rows_max"],
+            v["rowpos"],
+            v["sorted_rows"],
+            v["route_scratch"],
+            v["send"],
+            v["recv"],
+            v["group"],
+            v["hbuf"],
+            v["staging"],
+            v["stats"],
+            v["ctl"],
+            Tn,
+            self.epoch,
+            base,
+            INT32_MAX if cap is None else cap,
+            rid_rank,
+            rid_token,
+            self.spin_bound,
+            self.work.n_items,
+            self.work.n_entries,
+        )
+        tl = self.tiles
+        meta = {
+            "BM": tl.bm,
+            "BLOCK_H": tl.block_h,
+            "BLOCK_F": tl.block_f,
+            "BLOCK_R": tl.block_r,
+            "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
+        }
+        if not self.interpret:
+            meta["num_warps"] = tl.num_warps
+        self.launcher(self.kernels.rdep_forward, (self.programs,), args, meta)
+        self._raise_on_error()
+        accepted = accepted.bool()
+        self.last_stats = self._stats(accepted, cap, self.launcher.launches - launches)
+        self.last_context = RoutingContext(ids, accepted, slot, gprime)
+        return y, self.last_context
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
+        p = self.plan
+        W, T, H, F, E, K = p.W, p.T, p.H, p.F, p.E, p.K
+        name = f"rdepc layer {p.layer}"
+        for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if x.dim() != 3 or x.shape[0] != W or x.shape[2] != H:
+            raise ValueError(f"{name}: x must be [W={W}, T', H={H}], got {tuple(x.shape)}")
+        Tn = x.shape[1]
+        if Tn > T:
+            raise ValueError(f"{name}: x has T'={Tn} tokens per rank, more than the layer's bound T={T}")
+        want = (W, Tn, K)
+        if tuple(topk_ids.shape) != want:
+            raise ValueError(f"{name}: topk_ids must be [W, T', K] = {list(want)}, got {tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != want:
+            raise ValueError(f"{name}: topk_weights must be [W, T', K] = {list(want)}, got {tuple(topk_weights.shape)}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"{name}: x must be {self.dtype} (the spec's dtype {p.dtype}), got {x.dtype}")
+        if topk_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name}: topk_ids must be int64 (or int32), got {topk_ids.dtype}")
+        if not topk_weights.dtype.is_floating_point:
+            raise TypeError(f"{name}: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+        experts = {"w_up": (w_up, (E, H, F)), "w_down": (w_down, (E, F, H))}
+        if p.gated:
+            if w_gate is None:
+                raise ValueError(f"{name}: {p.act} experts are gated: w_gate [E={E}, H={H}, F={F}] is required")
+            experts["w_gate"] = (w_gate, (E, H, F))
+        elif w_gate is not None:
+            raise ValueError(f"{name}: {p.act} experts are not gated: pass w_gate=None")
+        for arg, (w, shape) in experts.items():
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(w).__name__}")
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{name}: {arg} must be {list(shape)}, got {tuple(w.shape)}")
+            if w.dtype != self.dtype:
+                raise TypeError(f"{name}: {arg} must be {self.dtype} (the spec's dtype {p.dtype}), got {w.dtype}")
+        tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights}
+        tensors.update({k: v for k, (v, _) in experts.items()})
+        for arg, t in tensors.items():
+            if t.device != self.device:
+                raise ValueError(f"{name}: {arg} is on {t.device}, the module on {self.device}")
+        if topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= E:
+                raise ValueError(f"{name}: expert ids must lie in [0, {E}), got [{lo}, {hi}]")
+            if K > 1 and bool((topk_ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+                raise ValueError(
+                    f"{name}: a token lists one expert twice in its top-K; the plan bounds an owner's rows by "
+                    "W*T*min(K, E_loc), which holds for distinct top-K experts"
+                )
+        if topk_weights.numel() and bool(torch.isnan(topk_weights).any()):
+            raise ValueError(f"{name}: topk_weights contains NaN gates")
+
+    # ------------------------------------------------------------------ results
+    def _raise_on_error(self) -> None:
+        ctl = self.private["ctl"]
+        code, entry, info, rank, epoch = (int(v) for v in ctl[1:6].tolist())
+        if code == 0:
+            return
+        p = self.plan
+        task = f"task #{entry} ({p.names[entry]})" if 0 <= entry < len(p.names) else f"task #{entry}"
+        if code == 1:
+            dep = f"task #{info} ({p.names[info]})" if 0 <= info < len(p.names) else f"task #{info}"
+            what = f"{task} on rank {rank} waited longer than {self.spin_bound} spins for {dep}"
+        elif code == 2:
+            what = f"owner r{rank} admitted {info} rows, more than the plan's bound R_q = {p.rows_max[rank]}"
+        elif code == 3:
+            what = f"{task}: row_id {info} decodes to another rank than r{rank}"
+        else:
+            what = f"{task}: {ERRORS.get(code, f'error code {code}')}"
+        # The programs stopped early: their tickets and flags are off the count. Start afresh.
+        self.private["ctl"].zero_()
+        self.epoch = 0
+        raise RuntimeError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}")
+
+    def _stats(self, accepted: torch.Tensor, cap, launches: int) -> dict:
+        p = self.plan
+        st = self.private["stats"].to("cpu", torch.long)
+        arrived = st[self._owner, self._local]
+        admitted = st[self._owner, p.E_MAX + self._local]
+        dropped = arrived - admitted
+        return {
+            "rows_per_expert": admitted,
+            "received_per_expert": arrived,
+            "dropped_per_expert": dropped,
+            "rows_per_owner": st[:, p.E_MAX : 2 * p.E_MAX].sum(dim=1),
+            "dropped_rows": int(dropped.sum()),
+            "accepted": accepted,
+            "m_tiles": st[:, 2 * p.E_MAX].clone(),
+            "capacity": cap,
+            "launches": launches,
+        }
+
+    @property
+    def source(self) -> str:
+        return self.kernels_path.read_text(encoding="utf-8")
+
+    def __repr__(self) -> str:
+        p = self.plan
+        return (
+            f"<rdepc.RDEPModule {p.layer} on {self.transport.name}/{self.device}"
+            f"{' (interpreter)' if self.interpret else ''}: W={p.W} T<={p.T} H={p.H} F={p.F} E={p.E} K={p.K}, "
+            f"{self.work.n_items} work items, grid ({self.programs},)>"
+        )
+
+
+def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
+    """The module of a compiled layer directory (``rdepc compile FILE -o DIR``)."""
+    plan = KernelPlan.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    return RDEPModule(plan, kernels_path, **options)
+
+
+def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|y - ref| / max|ref| (0 when both are zero), in float64."""
+    y, ref = y.double(), ref.double()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    err = float((y - ref).abs().max()) if ref.numel() else 0.0
+    if scale == 0:
+        return 0.0 if err == 0 else math.inf
+    return err / scale
+
+
+__all__ = ["RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]

@@ -1,0 +1,536 @@
+"""The generated kernels running under the Triton interpreter (TRITON_INTERPRET=1, set by
+the runtime only while it imports and launches them), checked against rdepc.reference.
+
+Small shapes, large tiles, few programs: the interpreter costs ~0.4 ms per program and
+1–3 ms per tl.dot. Every spec here is compiled for the bulk schedule and the emulated
+backend; the hypothesis profile is the deterministic "ci" one (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import ROOT
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from rdepc.codegen import Tiles
+from rdepc.runtime.module import TORCH_DTYPES, RDEPModule, max_relative_error
+
+import rdepc
+from rdepc.api import Layer, elaborate_layer
+from rdepc.parser import parse_text
+from rdepc.reference import random_inputs, reference_for
+
+TOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
+BIG = Tiles(bm=64, block_h=64, block_f=64, block_r=64)
+SMALL = Tiles(bm=32, block_h=32, block_f=32, block_r=16, rows_per_item=16)  # several items per transfer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
+        yield
+
+
+@dataclass(frozen=True)
+class Run:
+    """One layer and one call: the spec's sizes and policies, the routing and the tiles."""
+
+    W: int
+    E: int
+    K: int
+    T: int
+    tokens: int | None = None  # T' (default T)
+    H: int = 32
+    F: int = 32
+    capacity: str = "dropless"
+    owner: str = "balanced"
+    act: str = "swiglu"
+    dtype: str = "fp32"
+    routing: str = "uniform"
+    seed: int = 0
+    tiles: Tiles = BIG
+    programs: int = 2
+
+    def text(self) -> str:
+        return (
+            "layer t {\n"
+            f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
+            f"  expert    {self.act}(ffn = {self.F})\n"
+            f"  dtype     {self.dtype}\n"
+            f"  owner     {self.owner}\n"
+            f"  capacity  {self.capacity}\n"
+            "  schedule  bulk\n"
+            "}\n"
+        )
+
+    def spec(self):
+        spec, _ = elaborate_layer(parse_text(self.text(), "run.rdep"), None, {})
+        return spec
+
+
+def routing_ids(run: Run, spec, tokens: int) -> torch.Tensor | None:
+    """topk_ids for the routings random_inputs does not draw: "skip" (the last owner
+    receives nothing, when top-K allows it). None: use random_inputs' own."""
+    if run.routing != "skip":
+        return None
+    rng = random.Random(run.seed)
+    last = max(spec.ownership.owner)
+    pool = [e for e in range(run.E) if spec.ownership.owner[e] != last]
+    pool = pool if len(pool) >= run.K else list(range(run.E))
+    ids = [[rng.sample(pool, run.K) for _ in range(tokens)] for _ in range(run.W)]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def execute(run: Run, module: RDEPModule | None = None):
+    """(module, inputs, y, ref, accepted_ref) for one call of ``run``."""
+    spec = run.spec()
+    if module is None:
+        module = Layer(spec).module(tiles=run.tiles, programs=run.programs)
+    tokens = run.T if run.tokens is None else run.tokens
+    kind = "uniform" if run.routing == "skip" else run.routing
+    dtype = TORCH_DTYPES[run.dtype]
+    inputs = random_inputs(
+        run.W, tokens, run.H, run.F, run.E, run.K, routing=kind, seed=run.seed, dtype=dtype, gated=run.act == "swiglu"
+    )
+    ids = routing_ids(run, spec, tokens)
+    if ids is not None:
+        inputs = inputs._replace(topk_ids=ids)
+    y = module(*inputs)
+    fp32 = [None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in inputs]
+    ref, accepted = reference_for(spec)(*fp32)
+    return module, inputs, y, ref, accepted
+
+
+def check_run(run: Run, module=None):
+    module, inputs, y, ref, accepted = execute(run, module)
+    p = module.plan
+    W, K, E = p.W, p.K, p.E
+    tokens = inputs.x.shape[1]
+    st_ = module.last_stats
+    err = max_relative_error(y, ref)
+    assert err <= TOL[run.dtype], f"max relative error {err:.3g} for {run}"
+    assert y.dtype == inputs.x.dtype and y.shape == inputs.x.shape
+    assert torch.equal(st_["accepted"], accepted), "the accepted set differs from the reference's"
+    # Accounting (eqs. 10, 12, minus drops) and the per-expert counts of the accepted set.
+    ids = inputs.topk_ids
+    want = torch.bincount(ids[accepted].flatten(), minlength=E)
+    assert torch.equal(st_["rows_per_expert"], want)
+    assert torch.equal(st_["received_per_expert"], torch.bincount(ids.flatten(), minlength=E))
+    assert int(st_["rows_per_expert"].sum()) == W * tokens * K - st_["dropped_rows"]
+    assert int(st_["rows_per_owner"].sum()) == int(st_["rows_per_expert"].sum())
+    assert st_["launches"] == 1
+    # Padding-free: each owner ran exactly sum_e ceil(m_e / BM) m-tiles.
+    bm = module.tiles.bm
+    for q in range(W):
+        mine = [e for e in range(E) if p.owner[e] == q]
+        assert int(st_["m_tiles"][q]) == sum(math.ceil(int(want[e]) / bm) for e in mine)
+    check_placement(module, inputs)
+    return module, err
+
+
+def check_placement(module: RDEPModule, inputs) -> None:
+    """Every accepted row sits in its owner's payload at the slot of the routing context,
+    with a row_id that decodes to its own (rank, token, slot), its local expert and its x."""
+    p = module.plan
+    ctx = module.last_context
+    off = dict(p.heap)
+    tokens = inputs.x.shape[1]
+    rid_rank, rid_token = p.row_id_radix(tokens)
+    assert torch.equal(ctx.slot >= 0, ctx.accepted)
+    heap = module.heap.cpu()
+    wire = TORCH_DTYPES[p.dispatch]
+    for r, t, k in ctx.accepted.nonzero().tolist():
+        e = int(inputs.topk_ids[r, t, k])
+        q, slot = p.owner[e], int(ctx.slot[r, t, k])
+        rank_heap = heap[q]
+        row_id = int(
+            rank_heap[off["sideband_row_id"] + 8 * slot : off["sideband_row_id"] + 8 * slot + 8].view(torch.int64)
+        )
+        assert (row_id // rid_rank, row_id % rid_rank // rid_token, row_id % rid_token) == (r, t, k)
+        if "sideband_local_expert" in off:
+            at = off["sideband_local_expert"] + 4 * slot
+            assert int(rank_heap[at : at + 4].view(torch.int32)) == p.local[e]
+        nbytes = wire.itemsize * p.H
+        row = rank_heap[off["payload"] + slot * nbytes : off["payload"] + (slot + 1) * nbytes].view(wire)
+        assert torch.equal(row, inputs.x[r, t].to(wire))
+
+
+@st.composite
+def runs(draw) -> Run:
+    W = draw(st.integers(1, 3))
+    per = draw(st.integers(1, 2))
+    E = W * per + (draw(st.integers(0, 1)) if W > 1 else 0)
+    owner = "balanced"
+    if W > 1 and draw(st.booleans()):  # non-uniform: rank 0 owns more, maybe the last rank none
+        idle = W > 2 and draw(st.booleans())
+        ranks = list(range(W - 1 if idle else W))
+        first = draw(st.integers(1, E - len(ranks) + 1))
+        assign = {q: [] for q in ranks}
+        assign[0] = list(range(first))
+        for i, e in enumerate(range(first, E)):
+            assign[ranks[1 + i % (len(ranks) - 1)] if len(ranks) > 1 else 0].append(e)
+        owner = "map { " + "; ".join(f"{q}: {', '.join(map(str, es))}" for q, es in assign.items() if es) + " }"
+    K = draw(st.integers(1, min(E, 3)))
+    T = draw(st.integers(1, 24))
+    capacity = draw(st.sampled_from(["dropless", "factor 1.0", "factor 0.5", "rows 2", "factor 0.75, weights zero"]))
+    return Run(
+        W=W,
+        E=E,
+        K=K,
+        T=T,
+        tokens=draw(st.integers(1, T)),
+        H=draw(st.sampled_from([32, 64])),
+        F=draw(st.sampled_from([32, 64])),
+        capacity=capacity,
+        owner=owner,
+        act=draw(st.sampled_from(["swiglu", "swiglu", "gelu", "relu"])),
+        routing=draw(st.sampled_from(["uniform", "zipf:1.5", "hot", "one", "skip"])),
+        seed=draw(st.integers(0, 2**16)),
+        tiles=draw(st.sampled_from([BIG, SMALL])),
+        programs=draw(st.sampled_from([1, 2, 3])),
+    )
+
+
+@settings(max_examples=40)
+@given(runs())
+@example(Run(W=1, E=3, K=2, T=13, tokens=11))  # W = 1
+@example(Run(W=3, E=3, K=2, T=9, routing="hot", tiles=SMALL))  # E_loc = 1
+@example(Run(W=2, E=3, K=3, T=7, owner="map { 0: 0, 1; 1: 2 }"))  # K = E
+@example(Run(W=2, E=6, K=2, T=10, routing="one"))  # empty experts (only 0 and 1 are chosen)
+@example(Run(W=3, E=6, K=2, T=8, routing="skip", programs=3))  # an owner that receives nothing
+@example(Run(W=1, E=2, K=1, T=35, tiles=SMALL, routing="zipf:1.2"))  # T not a multiple of the tile height
+@example(Run(W=3, E=6, K=2, T=20, capacity="factor 0.5", routing="hot"))  # capacity binds
+@example(Run(W=3, E=5, K=2, T=11, owner="map { 0: 0, 1, 2; 1: 3; 2: 4 }", routing="zipf:1.5"))  # non-uniform map
+@example(Run(W=2, E=4, K=1, T=20, routing="one", capacity="rows 7"))  # every row to one expert, dropped
+@example(Run(W=2, E=4, K=2, T=12, act="gelu", capacity="factor 0.5, weights zero", routing="hot"))
+@example(Run(W=1, E=2, K=2, T=64, tiles=SMALL))  # experts of whole m-tiles (rows a multiple of BM)
+def test_parity_with_the_reference(run):
+    check_run(run)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        Run(W=2, E=4, K=2, T=12, dtype="fp16"),
+        Run(W=3, E=5, K=2, T=10, dtype="fp16", capacity="factor 0.75", owner="map { 0: 0, 1, 2; 1: 3; 2: 4 }"),
+        Run(W=2, E=4, K=2, T=12, dtype="bf16", H=64, F=64),
+        Run(W=2, E=3, K=2, T=16, dtype="bf16", capacity="factor 0.5", routing="hot", act="relu", tiles=SMALL),
+    ],
+    ids=["fp16", "fp16-capacity-map", "bf16", "bf16-capacity-relu"],
+)
+def test_half_precision_against_an_fp32_reference(run):
+    """fp16 within 5e-3, bf16 within 2e-2 of the fp32 reference fed the same rounded inputs."""
+    check_run(run)
+
+
+def test_a_narrower_wire_dtype(tmp_path):
+    """dtype fp32, dispatch bf16: rows travel in bf16 and are computed in fp32."""
+    run = Run(W=2, E=4, K=2, T=10)
+    spec, _ = elaborate_layer(
+        parse_text(run.text().replace("dtype     fp32", "dtype     fp32, dispatch bf16")), None, {}
+    )
+    module = Layer(spec).module()
+    inputs = random_inputs(2, 10, 32, 32, 4, 2, seed=3)
+    y = module(*inputs)
+    rounded = inputs._replace(x=inputs.x.bfloat16().float())
+    ref, _ = reference_for(spec)(*rounded)
+    assert max_relative_error(y, ref) <= 1e-5
+    check_placement(module, inputs)
+
+
+def test_padding_free_m_tiles():
+    """Per-expert rows [1, 10*BM] run exactly 1 + 10 m-tiles (the counter), not the
+    2 x 10 of padding to the tallest group, within the plan's ceil(R/BM) + E_loc - 1 slots."""
+    bm = 32
+    run = Run(W=1, E=2, K=1, T=1 + 10 * bm, tiles=Tiles(bm=bm, block_h=32, block_f=32, block_r=64))
+    module = Layer(run.spec()).module(tiles=run.tiles)
+    inputs = random_inputs(1, run.T, run.H, run.F, 2, 1, seed=5)
+    ids = torch.ones((1, run.T, 1), dtype=torch.int64)
+    ids[0, 0, 0] = 0
+    y = module(inputs.x, ids, *inputs[2:])
+    ref, _ = reference_for(run.spec())(inputs.x, ids, *inputs[2:])
+    assert max_relative_error(y, ref) <= 1e-5
+    assert module.last_stats["rows_per_expert"].tolist() == [1, 10 * bm]
+    assert int(module.last_stats["m_tiles"][0]) == 1 + 10
+    assert module.work.m_slots == (math.ceil(run.T / bm) + 2 - 1,)
+
+
+def test_one_launch_per_call_whatever_the_tokens_and_routing():
+    run = Run(W=2, E=4, K=2, T=16, capacity="factor 1.0")
+    module = Layer(run.spec()).module()
+    calls = []
+    inner = module.launcher
+
+    class Counting:
+        launches = 0
+
+        def __call__(self, kernel, grid, args, meta):
+            calls.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
+            inner(kernel, grid, args, meta)
+            Counting.launches = inner.launches
+
+    module.launcher = Counting()
+    for tokens, routing in ((16, "uniform"), (1, "hot"), (7, "one"), (16, "zipf:2")):
+        check_run(dataclasses.replace(run, tokens=tokens, routing=routing), module)
+    assert calls == [("rdep_forward", (module.programs,))] * 4
+
+
+def test_bitwise_deterministic_across_calls_and_modules():
+    run = Run(W=2, E=4, K=2, T=12, capacity="factor 0.75", routing="hot", programs=3, tiles=SMALL)
+    module, inputs, y1, _, _ = execute(run)
+    y2 = module(*inputs)
+    fresh = Layer(run.spec()).module(tiles=SMALL, programs=1)
+    y3 = fresh(*inputs)
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+    assert torch.equal(module.last_context.gprime, fresh.last_context.gprime)
+
+
+def test_symbolic_tokens_use_the_calls_T():
+    text = Run(W=2, E=4, K=2, T=8, capacity="factor 1.0").text().replace("tokens 8", "tokens T")
+    spec, _ = elaborate_layer(parse_text("param T <= 20\n" + text), None, {})
+    module = Layer(spec).module()
+    for tokens in (20, 9):
+        inputs = random_inputs(2, tokens, 32, 32, 4, 2, routing="hot", seed=tokens)
+        y = module(*inputs)
+        ref, accepted = reference_for(spec)(*inputs)
+        assert max_relative_error(y, ref) <= 1e-5
+        assert torch.equal(module.last_stats["accepted"], accepted)
+        assert module.last_stats["capacity"] == math.ceil(2 * tokens * 2 / 4)
+        check_placement(module, inputs)
+
+
+def test_zero_tokens_still_one_launch():
+    module = Layer(Run(W=2, E=4, K=2, T=8).spec()).module()
+    inputs = random_inputs(2, 3, 32, 32, 4, 2)
+    empty = [t[:, :0] if i < 3 else t for i, t in enumerate(inputs)]
+    y = module(*empty)
+    assert y.shape == (2, 0, 32) and module.last_stats["launches"] == 1
+    assert module.last_stats["rows_per_expert"].tolist() == [0] * 4 and module.last_stats["dropped_rows"] == 0
+    check_run(Run(W=2, E=4, K=2, T=8, tokens=3), module)  # and the next call is whole
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.fixture(scope="module")
+def tiny_module():
+    return rdepc.load(ROOT / "examples" / "tiny.rdep").module()
+
+
+def _bad(name: str, inputs):
+    x, ids, g, wg, wu, wd = inputs
+    match name:
+        case "x shape":
+            return (x[:, :, :-1], ids, g, wg, wu, wd), r"x must be \[W=4, T', H=64\], got \(4, 16, 63\)"
+        case "too many tokens":
+            return (torch.cat([x, x], 1), torch.cat([ids, ids], 1), torch.cat([g, g], 1), wg, wu, wd), (
+                r"x has T'=32 tokens per rank, more than the layer's bound T=16"
+            )
+        case "x dtype":
+            return (x.double(), ids, g, wg, wu, wd), r"x must be torch.float32 \(the spec's dtype fp32\)"
+        case "ids dtype":
+            return (x, ids.float(), g, wg, wu, wd), "topk_ids must be int64 \\(or int32\\), got torch.float32"
+        case "ids shape":
+            return (x, ids[..., :1], g, wg, wu, wd), r"topk_ids must be \[W, T', K\] = \[4, 16, 2\]"
+        case "expert out of range":
+            return (x, ids + 8, g, wg, wu, wd), r"expert ids must lie in \[0, 8\), got \[8, 15\]"
+        case "duplicate expert":
+            return (x, ids[..., :1].expand(-1, -1, 2), g, wg, wu, wd), "a token lists one expert twice"
+        case "NaN gate":
+            g = g.clone()
+            g[1, 2, 0] = float("nan")
+            return (x, ids, g, wg, wu, wd), "topk_weights contains NaN gates"
+        case "missing w_gate":
+            return (x, ids, g, None, wu, wd), "swiglu experts are gated: w_gate"
+        case "w_down shape":
+            return (x, ids, g, wg, wu, wd.transpose(1, 2)), r"w_down must be \[8, 128, 64\]"
+        case "weights dtype":
+            return (x, ids, g, wg.half(), wu, wd), "w_gate must be torch.float32"
+        case "device":
+            return (x.to("meta"), ids, g, wg, wu, wd), "x is on meta, the module on cpu"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "x shape",
+        "too many tokens",
+        "x dtype",
+        "ids dtype",
+        "ids shape",
+        "expert out of range",
+        "duplicate expert",
+        "NaN gate",
+        "missing w_gate",
+        "w_down shape",
+        "weights dtype",
+        "device",
+    ],
+)
+def test_inputs_are_checked(tiny_module, case):
+    inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=1)
+    args, message = _bad(case, inputs)
+    with pytest.raises((ValueError, TypeError), match=message):
+        tiny_module(*args)
+    assert tiny_module.launcher.launches == 0  # nothing was launched for a bad call
+
+
+def test_backward_is_not_supported_yet(tiny_module):
+    inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=2)
+    gates = inputs.topk_weights.clone().requires_grad_(True)
+    y = tiny_module(inputs.x, inputs.topk_ids, gates, *inputs[3:])
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match="backward of the routed RDEP layer is not supported yet"):
+        y.sum().backward()
+    ctx = tiny_module.last_context  # the routing context backward will walk
+    assert ctx.accepted.all() and (ctx.slot >= 0).all() and torch.allclose(ctx.gprime, inputs.topk_weights)
+
+
+def test_a_wait_that_expires_is_reported_not_hung():
+    """A task table whose order is not topological (entry 0 waits on the last entry): the
+    sequential interpreter would hang; the bounded wait reports the task and its dependency."""
+    layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
+    compiled = layer.compile()
+    plan = compiled.kernel
+    last = len(plan.table) - 1
+    first = (*plan.table[0][:7], len(plan.deps), 1, plan.table[0][9])
+    broken = dataclasses.replace(plan, table=(first, *plan.table[1:]), deps=(*plan.deps, last))
+    module = RDEPModule(broken, compiled.kernels_path, spin_bound=20)
+    inputs = random_inputs(4, 16, 64, 128, 8, 2)
+    message = (
+        r"the forward kernel stopped in call 1: task #0 \(route r0\) on rank 0 waited longer than 20 spins "
+        r"for task #51 \(combine tile0 r3\)"
+    )
+    for _ in range(2):  # the control block is reset after an error: the next call fails the same way
+        with pytest.raises(RuntimeError, match=message):
+            module(*inputs)
+
+
+def test_an_owner_overflow_is_reported():
+    """More rows than the plan's bound (duplicate top-K ids, which forward() rejects, sent
+    straight to the kernel): the scan admits none and reports instead of writing past S."""
+    module = Layer(Run(W=2, E=2, K=2, T=4).spec()).module()
+    inputs = random_inputs(2, 4, 32, 32, 2, 2)
+    ids = torch.zeros((2, 4, 2), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=r"owner r0 admitted 16 rows, more than the plan's bound R_q = 8"):
+        module._run(inputs.x, ids, *inputs[2:])
+
+
+# ------------------------------------------------------------------ API and CLI
+
+
+def test_rdepmoe_runs_the_kernels_and_adds_shared_experts():
+    text = Run(W=2, E=4, K=2, T=6).text().replace("  owner", "  shared    2 x swiglu(ffn = 16)\n  owner")
+    spec, _ = elaborate_layer(parse_text(text, "moe.rdep"), None, {})
+    moe = rdepc.RDEPMoE(Layer(spec), generator=torch.Generator().manual_seed(0))
+    assert isinstance(moe, torch.nn.Module)
+    names = {n for n, _ in moe.named_parameters()}
+    assert names == {"router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    y = moe(x)
+    ids, gates = moe.route(x)
+    assert torch.allclose(gates.sum(-1), torch.ones(2, 6)) and ids.dtype == torch.int64
+    probs = torch.softmax(x @ moe.router, -1)
+    assert torch.equal(ids, probs.topk(2, dim=-1).indices)
+    with torch.no_grad():
+        routed, _ = reference_for(spec)(x, ids, gates, moe.w_gate, moe.w_up, moe.w_down)
+        shared = sum(
+            (torch.nn.functional.silu(x @ moe.shared_gate[j]) * (x @ moe.shared_up[j])) @ moe.shared_down[j]
+            for j in range(2)
+        )
+    assert max_relative_error(y.detach(), routed + shared) <= 1e-5
+    assert moe.last_stats["launches"] == 1
+    with pytest.raises(NotImplementedError, match="not supported yet"):
+        y.sum().backward()  # the router's parameters ask for a gradient through the routed part
+
+
+def test_load_compiles_through_the_cache(tiny_module):
+    layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
+    compiled = layer.compile()
+    assert compiled.hit  # tiny_module compiled it first
+    assert tiny_module.kernels_path == compiled.kernels_path
+    assert layer.source == compiled.source and "def rdep_forward(" in layer.source
+    assert layer.plan.kernel == compiled.kernel
+    assert str(tiny_module).startswith("<rdepc.RDEPModule tiny on emulated/cpu (interpreter): W=4 T<=16")
+
+
+def test_compiled_directory_is_importable(tmp_path, monkeypatch):
+    from rdepc import cli
+
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["compile", "examples/tiny.rdep", "-o", str(tmp_path)]) == 0
+    spec = importlib.util.spec_from_file_location("tiny_compiled", tmp_path / "tiny.py")
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    module = wrapper.module(device="cpu")
+    inputs = random_inputs(4, 11, 64, 128, 8, 2, routing="zipf:1.0", seed=4)
+    y = module(*inputs)
+    ref, accepted = reference_for(rdepc.load("examples/tiny.rdep"))(*inputs)
+    assert max_relative_error(y, ref) <= 1e-5 and torch.equal(module.last_stats["accepted"], accepted)
+    assert module.kernels_path == tmp_path / "tiny_kernels.py"
+
+
+def test_cli_run_check(monkeypatch, capsys):
+    from rdepc import cli
+
+    monkeypatch.chdir(ROOT)
+    status = cli.main(["run", "examples/tiny.rdep", "--check", "--routing", "zipf:1.2", "--tokens", "13"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "layer tiny (examples/tiny.rdep): emulated backend on cpu (Triton interpreter), bulk schedule"
+    assert lines[1] == "  inputs          W=4 T'=13 H=64 F=128 E=8 K=2, fp32, routing zipf:1.2, seed 0"
+    err = float(lines[2].split()[3])
+    assert 0 <= err <= 1e-5
+    assert lines[3] == "  accepted set    matches the reference (104 of 104 route rows accepted)"
+    assert lines[-1] == "check passed"
+    assert any(line.startswith("  rows per expert [") for line in lines)
+
+
+def test_cli_run_check_fails_when_the_result_disagrees(monkeypatch, capsys):
+    """The check compares with rdepc.reference: a reference that disagrees fails it (exit 1)."""
+    import rdepc.reference as reference
+    from rdepc import cli
+
+    monkeypatch.chdir(ROOT)
+    real = reference.reference_for
+
+    def off_by_a_little(layer):
+        fn = real(layer)
+
+        def shifted(*args):
+            y, accepted = fn(*args)
+            return y * 1.001, accepted
+
+        return shifted
+
+    monkeypatch.setattr(reference, "reference_for", off_by_a_little)
+    assert cli.main(["run", "examples/tiny.rdep", "--check"]) == 1
+    assert "check FAILED: max relative error" in capsys.readouterr().out
+
+
+def test_cli_run_usage_errors(monkeypatch, capsys):
+    from rdepc import cli
+
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["run", "examples/tiny.rdep", "--tokens", "17"]) == 2
+    assert "--tokens 17: expected 1 <= T' <= 16" in capsys.readouterr().err
+    assert cli.main(["run", "examples/tiny.rdep", "--backend", "nvshmem"]) == 2
+    assert "not supported yet: the 'nvshmem' backend" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main(["run", "examples/tiny.rdep", "--device", "cuda"]) == 2
+
+
+def test_the_interpreter_flag_does_not_leak(tiny_module):
+    assert os.environ.get("TRITON_INTERPRET") in (None, "0")
+    assert tiny_module.interpret
