@@ -6,15 +6,14 @@ scheduler's Schedule, lowers it with its memory plan into a kernel plan
 tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.sm90`
 compiles the emitted file to sm_90 cubins without a GPU.
 
-Scope: the forward pass, the ``bulk`` schedule, the ``emulated`` transport. What the stage
-does not implement yet is reported with the driver's "not supported yet" diagnostic at the
-construct (``UNSUPPORTED``). The spec's ``transport nvshmem`` is the eventual target, not a
-blocker: the kernels are generated for the backend asked for (``emulated``). A
-``pipelined`` or ``deep`` schedule (from the spec, ``--schedule`` or the cost model) is
-planned as asked — ``--dump-after schedule`` and ``rdepc viz`` show it — but the kernels
-are generated for the bulk schedule of the same layer, with a warning. Shared experts are
-computed densely on the front-end by ``rdepc.RDEPMoE``, outside the routed kernels;
-symbolic tokens (``param T <= N``) run with the call's T'.
+Scope: the forward pass, every schedule (``bulk``, ``pipelined``, ``deep``: the kernels run
+the scheduler's task table, B-slot rings included), the ``emulated`` transport. What the
+stage does not implement yet is reported with the driver's "not supported yet" diagnostic
+at the construct (``UNSUPPORTED``). The spec's ``transport nvshmem`` is the eventual
+target, not a blocker: the kernels are generated for the backend asked for (``emulated``).
+One generated file serves both kernel modes (unified and role-split, a constexpr chosen at
+launch). Shared experts are computed densely on the front-end by ``rdepc.RDEPMoE``, outside
+the routed kernels; symbolic tokens (``param T <= N``) run with the call's T'.
 
 Generating source needs neither torch nor triton.
 """
@@ -28,8 +27,7 @@ from pathlib import Path
 from rdepc.codegen.emit import content_hash, generate, kernel_args
 from rdepc.codegen.lower import KernelPlan, Tiles, Work, lower
 
-from rdepc.diagnostics import Diagnostic, Severity
-from rdepc.ir.graph import Decision, MemoryPlan, Schedule
+from rdepc.ir.graph import MemoryPlan, Schedule
 
 # LayerSpec.features() the code generator does not implement (see the module docstring).
 UNSUPPORTED = frozenset(
@@ -40,7 +38,6 @@ UNSUPPORTED = frozenset(
         "a route_row encoding other than eq. 7",
     }
 )
-SEGMENTED = ("pipelined", "deep")
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,6 @@ class Generated:
     source: str
     schedule: Schedule
     memory: MemoryPlan
-    notes: tuple[Diagnostic, ...] = ()
 
     @property
     def name(self) -> str:
@@ -62,42 +58,28 @@ class Generated:
 @dataclass(frozen=True)
 class CodegenPass:
     """Schedule → Generated. ``schedule`` is the strategy the user asked for explicitly
-    (command line or API), None when it came from the spec or the cost model; it only
-    words the warning when a segmented schedule is compiled as bulk."""
+    (command line or API), None when it came from the spec or the cost model (it is
+    recorded in the generated header). ``guard``: bytes of guard band around every heap
+    buffer (a test fills them with a pattern); 0 lays the heap out exactly as planned."""
 
     schedule: str | None = None
     hw: str = "h100"
     transport: str = "emulated"
+    guard: int = 0
     name: str = "codegen"
 
     def __call__(self, sched: Schedule) -> Generated:
-        from rdepc.passes.graph import build_graph
         from rdepc.passes.memplan import memory_plan
-        from rdepc.passes.schedule import schedule
 
         spec = sched.graph.spec
-        notes: list[Diagnostic] = []
-        if sched.strategy != "bulk":
-            asked = self.schedule in SEGMENTED
-            from_spec = not asked and spec.schedule == sched.strategy
-            why = "--schedule" if asked else "the spec's schedule statement" if from_spec else "the cost model"
-            notes.append(
-                Diagnostic(
-                    Severity.WARNING if asked or from_spec else Severity.NOTE,
-                    f"not supported yet: the {sched.strategy} schedule (the 'codegen' stage implements bulk): "
-                    f"{why} chose {sched.strategy}; the kernels run the bulk schedule",
-                    spec.span_of("schedule") if from_spec else None,
-                    "rdepc viz draws the planned schedule; --schedule bulk silences this",
-                )
-            )
-            why_bulk = f"codegen: the {sched.strategy} schedule is not generated yet"
-            sched = schedule(build_graph(spec, "bulk", decisions=(Decision("strategy", "bulk", why_bulk),)), self.hw)
         mp = memory_plan(sched)
         if mp.problems:
             raise AssertionError("memory plan violates its own invariants:\n  " + "\n  ".join(mp.problems))
         options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
-        plan = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
-        return Generated(plan, generate(plan), sched, mp, tuple(notes))
+        if self.guard:
+            options += (("guard", str(self.guard)),)
+        plan = dataclasses.replace(lower(spec, sched, mp, self.transport, guard=self.guard), options=options)
+        return Generated(plan, generate(plan), sched, mp)
 
 
 def generate_spec(spec, schedule: str | None = None, hw: str = "h100") -> Generated:

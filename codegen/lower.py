@@ -1,33 +1,50 @@
-"""Lowering: a bulk Schedule and its MemoryPlan → the kernel plan the generated code runs.
+"""Lowering: a Schedule and its MemoryPlan → the kernel plan the generated code runs.
 
 The kernel plan (:class:`KernelPlan`) is plain data — ints, strings and lists, written to
 JSON beside the generated kernels — holding everything the persistent kernel and its host
 side need: the layer's sizes, the symmetric-heap layout of the memory plan, the ownership
 tables, the capacity rule, the tile sizes, and the task table.
 
-The task table is the scheduler's own (``Schedule.table``), consumed as is: one row per
-task, in the scheduler's global topological order, with its dependencies. What lowering
-adds is the expansion of each task into **work items**, the unit a persistent program takes
-with one ticket (ARCHITECTURE.md, decision 1: "expand tiles only into the kernel's task
-table"):
+The task table is the scheduler's own (``Schedule.table``), consumed as is, for any
+strategy (bulk, pipelined, deep): one row per task, in the scheduler's global topological
+order, with its dependencies — the data edges and the write-after-read edges of the B-slot
+rings (a slot's next segment waits for the consumer of its previous one: the credits).
+What lowering adds is the expansion of each task into **work items**, the unit a
+persistent program takes with one ticket (ARCHITECTURE.md, decision 1: "expand tiles only
+into the kernel's task table"):
 
 ============== ====================================================================
 task           work items
 ============== ====================================================================
 route r        1 (the per-expert prefix count over r's rows is sequential)
 scan q         1
-dispatch r→q   ⌈rows r may send q / rows_per_item⌉, each striding over row blocks
-compute q      the m-tile slots of owner q: ⌈R_q / BM⌉ + E_loc(q) − 1, each bound at
-               run time to (local expert, rows) — padding-free grouped GEMM
-return q→r     as dispatch
+dispatch r→q s ⌈rows r may place in segment s of q / rows_per_item⌉, striding over blocks
+compute q s    the m-tile slots of one segment: ⌈min(R_q, S) / BM⌉ + 2·E_loc(q) − 1 (bulk:
+               ⌈R_q / BM⌉ + E_loc(q) − 1), each bound at run time to (local expert, rows)
+               — padding-free grouped GEMM, tiles aligned to each expert's rows
+return q→r s   as dispatch
+unpack r j     as dispatch (return ring only: claim j copied out of its slot)
 combine wait r 1 (no work: it only joins the returns into rank r)
 combine tile   1 (the scheduler's token tiles of ``rdepc.ir.graph.BM`` tokens)
 ============== ====================================================================
 
 A task's done flag counts its finished items; a dependent waits until the count reaches
-``epoch × items``. Items are numbered in table order, so the ticket order is the
-scheduler's topological order refined by item index — still topological, which is what
-makes the persistent kernel deadlock-free even when its programs run one at a time.
+``epoch × items`` (the epoch is the call count: nothing is reset between calls). Items are
+numbered in table order, so the ticket order is the scheduler's topological order refined
+by item index — still topological, which is what makes the persistent kernel
+deadlock-free even when its programs run one at a time as in the interpreter.
+
+Two kernel modes take the same table. **Unified**: one ticket counter, every program runs
+any task. **Role-split**: one queue per (rank, role) as the scheduler assigned the tasks
+(communication: scan, dispatch, return, unpack; compute: route, compute, combine), each
+with its own ticket counter and programs; it needs every queue to have a running program.
+
+Two dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
+``(epoch − 1) × items``), so that under a transport with one process per rank a fast
+rank's call cannot overwrite what a slow rank still reads: a route waits for the previous
+call's scans (the counts it overwrites at every owner) and its own rank's combine tiles
+(its row order); a scan waits for every combine tile of the previous call — all of the
+previous call's work — before it publishes offsets that start the rings over.
 
 Compute items also carry a *guard*: the scan of their owner. An m-tile slot first waits
 for that scan (which fixes how many rows each local expert holds); a slot that is empty
@@ -46,15 +63,28 @@ from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.spec import LayerSpec
 
 # Task kinds of the generated kernel, one device function each.
-KINDS = ("route", "scan", "dispatch", "compute", "return", "combine_wait", "combine")
-# Columns of one task-table row (int32).
-COLUMNS = ("kind", "rank", "src", "owner", "segment", "tile", "items", "dep_start", "dep_count", "guard")
+KINDS = ("route", "scan", "dispatch", "compute", "return", "unpack", "combine_wait", "combine")
+# Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
+# or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode.
+COLUMNS = (
+    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource"
+)  # fmt: skip
+MODES = ("unified", "role-split")
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
-# Layout of the private control block (int64): ticket counter, error record, then done flags.
-CONTROL = ("ticket", "err_code", "err_entry", "err_info", "err_rank", "err_epoch")
-CTL_DONE = 8  # first done flag (the error record is padded to 8 words)
+# The private control block (int64): a logical clock, the error record, then (from
+# CTL_TICKETS) one ticket counter per queue, 2·W of them, then (from ctl_done(W)) the done
+# flags, one per task-table entry.
+CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
+CONTROL += ("err_seen", "err_expected")
+CTL_TICKETS = 16
 INT32_MAX = 2**31 - 1
+ROLE_INDEX = {"comm": 0, "compute": 1}
+
+
+def ctl_done(W: int) -> int:
+    """Index of the first done flag in the control block (after 2·W ticket counters)."""
+    return CTL_TICKETS + 2 * W
 
 
 def next_pow2(n: int, least: int = 2) -> int:
@@ -122,7 +152,10 @@ class KernelPlan:
     E: int
     K: int
     E_MAX: int
-    S: int
+    S: int  # rows of one ring slot (bulk: max_q R_q)
+    B: int  # ring slots (bulk: 1)
+    ring: bool  # returns land in a ring of B slots at the front-end and are unpacked
+    unified: bool  # the schedule gives every program every task (bulk): one queue per rank
     act: str
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
@@ -145,12 +178,15 @@ class KernelPlan:
     # the symmetric heap (one rank's slice) and the private buffers
     heap_bytes: int
     heap: tuple[tuple[str, int], ...]  # name → byte offset
-    layout: tuple[tuple[str, str, int, int], ...]  # the memory plan's forward buffers: (name, region, offset, size)
+    layout: tuple[tuple[str, str, int, int], ...]  # the heap's buffers: (name, region, offset, size)
     private: tuple[tuple[str, str, tuple[int, ...]], ...]  # per-rank private buffers: (name, dtype, shape)
     # the task table: the scheduler's entries in its global order (``items`` filled by work())
     table: tuple[tuple[int, ...], ...]  # rows of COLUMNS
-    deps: tuple[int, ...]
-    names: tuple[str, ...]  # task names, for error messages
+    deps: tuple[int, ...]  # dependency entries; -(d + 1): entry d of the previous call
+    names: tuple[str, ...]  # task names, for error messages and profiles
+    tasks: tuple[int, ...]  # the graph's task id of each entry
+    programs: tuple[int, int] = (1, 1)  # the schedule's (communication, compute) programs per rank
+    guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
     combine_tokens: int = COMBINE_TOKENS
     options: tuple[tuple[str, str], ...] = ()  # the codegen options it was generated with
 
@@ -158,26 +194,44 @@ class KernelPlan:
     def n_entries(self) -> int:
         return len(self.table)
 
-    def work(self, tiles: Tiles) -> Work:
-        """The work items of every entry under ``tiles`` (see the module docstring)."""
-        m_slots = tuple(-(-r // tiles.bm) + n - 1 if n else 0 for r, n in zip(self.rows_max, self.n_local, strict=True))
+    def work(self, tiles: Tiles, mode: str = "unified") -> Work:
+        """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
+        docstring)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
+        # m-tiles stay aligned to each expert's rows: a segment boundary may cut one tile per
+        # expert in two (emit.m_tile), hence 2·E_loc − 1 rather than E_loc − 1 when segmented.
+        bulk = max(self.rows_max, default=0) <= self.S
+        m_slots = tuple(
+            -(-min(r, self.S) // tiles.bm) + (1 if bulk else 2) * n - 1 if n else 0
+            for r, n in zip(self.rows_max, self.n_local, strict=True)
+        )
 
         def split(rows: int) -> int:
             return max(1, min(-(-rows // tiles.rows_per_item), -(-rows // tiles.block_r)))
 
         col = {c: i for i, c in enumerate(COLUMNS)}
-        table, first = [], [0]
+        table = []
         for row in self.table:
             kind = KINDS[row[col["kind"]]]
             owner = row[col["owner"]]
             items = 1
-            if kind in ("dispatch", "return"):
-                items = split(self.from_one[owner])
+            if kind in ("dispatch", "return", "unpack"):
+                items = split(min(self.S, self.from_one[owner]))
             elif kind == "compute":
                 items = m_slots[owner]
             table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
-            first.append(first[-1] + items)
-        return Work(tuple(table), tuple(first), m_slots)
+        n_queues = 1 if mode == "unified" else 2 * self.W
+        queues: list[list[int]] = [[] for _ in range(n_queues)]
+        for i, row in enumerate(table):
+            queues[0 if mode == "unified" else row[col["resource"]]].append(i)
+        queue = tuple(i for q in queues for i in q)
+        first, bounds = [0], []
+        for q in queues:
+            bounds.append((len(first) - 1, len(first) - 1 + len(q)))
+            for i in q:
+                first.append(first[-1] + table[i][col["items"]])
+        return Work(mode, tuple(table), queue, tuple(first), tuple(bounds), m_slots)
 
     @property
     def gated(self) -> bool:
@@ -219,11 +273,16 @@ class KernelPlan:
 
 @dataclass(frozen=True)
 class Work:
-    """The task table with each entry's work items, under one choice of tiles."""
+    """The task table with each entry's work items, under one choice of tiles, and its
+    queues: entries grouped by queue (one queue in unified mode, one per (rank, role) in
+    role-split mode), each queue in the table's order."""
 
+    mode: str
     table: tuple[tuple[int, ...], ...]
-    first_item: tuple[int, ...]  # [entries + 1]: first work item of each entry
-    m_slots: tuple[int, ...]  # m-tile slots per owner: ceil(R_q / bm) + E_loc(q) - 1
+    queue: tuple[int, ...]  # entries, queue after queue
+    first_item: tuple[int, ...]  # [entries + 1]: first work item of each queue position
+    bounds: tuple[tuple[int, int], ...]  # per queue: its [first, last) positions in ``queue``
+    m_slots: tuple[int, ...]  # m-tile slots per owner and segment (KernelPlan.work)
 
     @property
     def n_items(self) -> int:
@@ -233,6 +292,17 @@ class Work:
     def n_entries(self) -> int:
         return len(self.table)
 
+    def items_of(self, q: int) -> int:
+        lo, hi = self.bounds[q]
+        return self.first_item[hi] - self.first_item[lo]
+
+    def entry_items(self) -> list[tuple[int, int]]:
+        """(first work item, items) of every entry, in table order."""
+        out = [(0, 0)] * len(self.table)
+        for pos, i in enumerate(self.queue):
+            out[i] = (self.first_item[pos], self.first_item[pos + 1] - self.first_item[pos])
+        return out
+
 
 def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
@@ -240,24 +310,48 @@ def _tuples(v):
 
 def _kind(stage: str, detail: str) -> int:
     if stage == "combine":
-        if detail == "unpack":
-            raise ValueError("the code generator implements the bulk schedule only (no return ring to unpack)")
-        return KINDS.index("combine_wait" if detail == "wait" else "combine")
+        return KINDS.index({"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}[detail])
     return KINDS.index(stage)
 
 
-def lower(spec: LayerSpec, sched: Schedule, mp: MemoryPlan, transport: str = "emulated") -> KernelPlan:
-    """The kernel plan of ``spec`` scheduled as ``sched`` (bulk) with heap ``mp``."""
-    if sched.strategy != "bulk" or sched.B != 1:
-        raise ValueError(f"the code generator implements the bulk schedule only, got '{sched.strategy}'")
+def _previous_call(sched: Schedule) -> dict[int, tuple[int, ...]]:
+    """Entry → the previous call's entries it waits for (module docstring)."""
+    scans = [e.index for e in sched.table if e.stage == "scan"]
+    tiles: dict[int, list[int]] = {}
+    for e in sched.table:
+        if e.stage == "combine" and e.detail == "tile":
+            tiles.setdefault(e.rank, []).append(e.index)
+    every_tile = tuple(sorted(i for v in tiles.values() for i in v))
+    out = {}
+    for e in sched.table:
+        if e.stage == "route":
+            out[e.index] = (*scans, *tiles.get(e.rank, ()))
+        elif e.stage == "scan":
+            out[e.index] = every_tile
+    return out
+
+
+def lower(
+    spec: LayerSpec,
+    sched: Schedule,
+    mp: MemoryPlan,
+    transport: str = "emulated",
+    order: tuple[int, ...] | None = None,
+    guard: int = 0,
+) -> KernelPlan:
+    """The kernel plan of ``spec`` scheduled as ``sched`` with heap ``mp``.
+
+    ``order`` renumbers the task table (entry ``order[i]`` of the schedule becomes entry i);
+    it must still be topological. ``guard`` puts that many bytes before every heap buffer
+    and after the last (guard bands a test fills with a pattern)."""
     geo = sched.graph.geometry
-    W, T, H, F, E, K, S = geo.W, geo.T, geo.H, geo.F, geo.E, geo.K, geo.S
+    W, T, H, F, E, K, S, B = geo.W, geo.T, geo.H, geo.F, geo.E, geo.K, geo.S, geo.B
     E_MAX = max(geo.experts)
     owner, local = geo.owner, geo.local
     weight_of = [0] * (W * E_MAX)
     for e in range(E):
         weight_of[owner[e] * E_MAX + local[e]] = e
-    order = sorted(range(E), key=lambda e: (owner[e], local[e]))
+    by_owner = sorted(range(E), key=lambda e: (owner[e], local[e]))
     owner_first, pos = [], 0
     for q in range(W):
         owner_first.append(pos)
@@ -265,40 +359,65 @@ def lower(spec: LayerSpec, sched: Schedule, mp: MemoryPlan, transport: str = "em
     owner_first.append(E)
     # Rows one source may send one owner (distinct top-K), capped by the owner's capacity.
     from_one = tuple(min(T * min(K, geo.experts[q]), geo.rows_max[q]) for q in range(W))
-    scan_of = {e.rank: e.index for e in sched.table if e.stage == "scan"}
-    table, deps, names = [], [], []
-    for e in sched.table:
-        kind = _kind(e.stage, e.detail)
-        guard = scan_of[e.owner] if KINDS[kind] == "compute" else -1
-        tile = e.claim if KINDS[kind] == "combine" else -1
-        if any(d >= e.index for d in e.deps):
-            raise ValueError(f"task table entry {e.index} depends on a later entry: the order is not topological")
-        table.append((kind, e.rank, e.src, e.owner, e.segment, tile, 0, len(deps), len(e.deps), guard))
-        deps.extend(e.deps)
-        names.append(sched.graph.tasks[e.task].name)
 
-    buf = {b.name: b for b in mp.buffers}
-    heap = [(n, buf[n].offset) for n in ("barrier", "counts", "offsets", "admitted", "flags", "credits")]
-    heap += [("payload", buf["payload"].offset), ("return", buf["return"].offset)]
-    sb = buf["sideband"].offset
+    n = len(sched.table)
+    order = tuple(range(n)) if order is None else tuple(order)
+    if sorted(order) != list(range(n)):
+        raise ValueError("order must be a permutation of the task table's entries")
+    new = [0] * n
+    for i, old in enumerate(order):
+        new[old] = i
+    previous = _previous_call(sched)
+    scan_of = {e.rank: new[e.index] for e in sched.table if e.stage == "scan"}
+    table, deps, names, tasks = [], [], [], []
+    for i, old in enumerate(order):
+        e = sched.table[old]
+        kind = _kind(e.stage, e.detail)
+        guard_dep = scan_of[e.owner] if KINDS[kind] == "compute" else -1
+        mine = [new[d] for d in e.deps]
+        if any(d >= i for d in mine):
+            raise ValueError(f"task table entry {i} depends on a later entry: the order is not topological")
+        task = sched.graph.tasks[e.task]
+        resource = 2 * e.rank + ROLE_INDEX[task.role]
+        before = [-(new[d] + 1) for d in previous.get(old, ())]
+        table.append((kind, e.rank, e.src, e.owner, e.segment, e.claim, 0, len(deps), len(mine) + len(before)))
+        table[-1] += (guard_dep, resource)
+        deps.extend(mine + before)
+        names.append(task.name)
+        tasks.append(e.task)
+
+    # The heap: the memory plan's forward buffers, at its offsets (shifted by guard bands).
+    fwd = [b for b in mp.buffers if not b.region.startswith("bwd")]
+    place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(fwd)}
+    heap_bytes = mp.regions()["total"] + guard * (len(fwd) + 1)
+    names_heap = ("barrier", "counts", "offsets", "admitted", "flags", "credits", "payload", "return")
+    heap = [(name, place[name]) for name in names_heap]
+    if "return_ids" in place:
+        heap.append(("return_ids", place["return_ids"]))
+    sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))
-        sb += S * {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}[f]
-    layout = tuple((b.name, b.region, b.offset, b.size) for b in mp.buffers if not b.region.startswith("bwd"))
+        sb += B * S * {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}[f]
+    layout = tuple((b.name, b.region, place[b.name], b.size) for b in fwd)
     E_PAD = next_pow2(E)
     adt = spec.precision.dtype.value
-    private = (
+    ring = geo.return_ring
+    private = [
         ("rowpos", "int32", (W, T * K)),  # position of each route row within its (source, expert) run
         ("sorted_rows", "int32", (W, T * K)),  # each source's rows bucketed by (owner, local expert)
-        ("route_scratch", "int32", (W, 2 * E_PAD + 2)),
-        ("send", "int32", (W, W, 2)),  # (first bucketed row, rows) per (source, owner)
+        ("route_scratch", "int32", (W, 2 * E_PAD + 2)),  # bucket base per expert, then per (owner, local)
         ("recv", "int32", (W, W, E_MAX, 2)),  # the owner's split table: (payload offset, admitted)
         ("group", "int32", (W, E_MAX, 2)),  # (first payload row, rows) per (owner, local expert)
-        ("hbuf", adt, (W, S, F)),  # silu(x·Wg) ⊙ (x·Wu) per payload row: GEMM1 → GEMM2
-        ("staging", adt, (W, S, H)),  # expert outputs per payload row (memory plan: private staging)
+        ("hbuf", adt, (W, B * S, F)),  # silu(x·Wg) ⊙ (x·Wu) per payload ring row: GEMM1 → GEMM2
+        ("staging", adt, (W, B * S, H)),  # expert outputs per payload ring row (the memory plan's staging ring)
+        ("staging_rid", "int64", (W, B * S)),  # their row ids: the payload slot is refilled before the return
+    ]
+    if ring:
+        private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
+    private += [
         ("stats", "int32", (W, 2 * E_MAX + 1)),  # rows arrived, admitted per local expert; m-tiles run
-        ("ctl", "int64", (CTL_DONE + len(table),)),  # ticket, error record, done flags per entry
-    )
+        ("ctl", "int64", (ctl_done(W) + len(table),)),  # clock, error record, tickets, done flags
+    ]
     cap = spec.capacity
     cap_factor = cap_rows = None
     if cap.policy == "factor":
@@ -324,6 +443,9 @@ def lower(spec: LayerSpec, sched: Schedule, mp: MemoryPlan, transport: str = "em
         K=K,
         E_MAX=E_MAX,
         S=S,
+        B=B,
+        ring=ring,
+        unified=sched.unified,
         act=spec.expert.act,
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
@@ -337,18 +459,34 @@ def lower(spec: LayerSpec, sched: Schedule, mp: MemoryPlan, transport: str = "em
         local=tuple(local),
         n_local=tuple(geo.experts),
         weight_of=tuple(weight_of),
-        order=tuple(order),
+        order=tuple(by_owner),
         owner_first=tuple(owner_first),
         rows_max=tuple(geo.rows_max),
         from_one=from_one,
-        heap_bytes=mp.regions()["total"],
+        heap_bytes=heap_bytes,
         heap=tuple(heap),
         layout=layout,
-        private=private,
+        private=tuple(private),
         table=tuple(table),
         deps=tuple(deps),
         names=tuple(names),
+        tasks=tuple(tasks),
+        programs=tuple(sched.programs),
+        guard=guard,
     )
 
 
-__all__ = ["COLUMNS", "CONTROL", "CTL_DONE", "ERRORS", "INT32_MAX", "KINDS", "KernelPlan", "Tiles", "Work", "lower"]
+__all__ = [
+    "COLUMNS",
+    "CONTROL",
+    "CTL_TICKETS",
+    "ERRORS",
+    "INT32_MAX",
+    "KINDS",
+    "MODES",
+    "KernelPlan",
+    "Tiles",
+    "Work",
+    "ctl_done",
+    "lower",
+]

@@ -26,7 +26,8 @@ from pathlib import Path
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import KernelPlan, Tiles
 
-KERNELS = ("rdep_forward",)  # the kernels of one generated file
+# The kernels of one generated file: rdep_forward in each kernel mode (a constexpr).
+KERNELS = {"rdep_forward": {"ROLE_SPLIT": False}, "rdep_forward.role_split": {"ROLE_SPLIT": True}}
 H100_SHARED = 227 * 1024
 
 
@@ -35,16 +36,21 @@ def cubin_name(layer: str, kernel: str, arch: int) -> str:
 
 
 def compile_cubins(
-    jobs: list[tuple[Path, Path, Path]], arch: int = 90, parallel: int = 1, timeout: float = 900
+    jobs: list[tuple[Path, Path, Path]],
+    arch: int = 90,
+    parallel: int = 1,
+    timeout: float = 900,
+    profile: bool = False,
 ) -> list[dict]:
     """Compile every kernel of each (kernels.py, plan.json, out_dir) job, in ``parallel``
-    subprocesses (jobs dealt round-robin); results in job order."""
+    subprocesses (jobs dealt round-robin); results in job order. ``profile``: with the
+    profile's %globaltimer stamps compiled in."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     batches = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
     procs = []
     for batch in batches:
-        payload = json.dumps({"arch": arch, "jobs": [[str(x) for x in jobs[i]] for i in batch]})
+        payload = json.dumps({"arch": arch, "profile": profile, "jobs": [[str(x) for x in jobs[i]] for i in batch]})
         cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
         p = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -65,7 +71,7 @@ def compile_cubins(
     return [r for i in range(len(jobs)) for r in results[i]]
 
 
-def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int) -> list[dict]:
+def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile: bool = False) -> list[dict]:
     import importlib.util
 
     import triton
@@ -80,12 +86,12 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int) -> list
     spec.loader.exec_module(module)
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
     constexprs = {"BM": tiles.bm, "BLOCK_H": tiles.block_h, "BLOCK_F": tiles.block_f, "BLOCK_R": tiles.block_r}
-    constexprs["CAST_F32"] = False
+    constexprs |= {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile}
     out = []
-    for kernel in KERNELS:
-        fn = getattr(module, kernel)
+    for kernel, mode in KERNELS.items():
+        fn = module.rdep_forward
         t0 = time.perf_counter()
-        src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs)
+        src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs | mode)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.num_warps})
         seconds = time.perf_counter() - t0
         target = Path(out_dir) / cubin_name(plan.layer, kernel, arch)
@@ -105,6 +111,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int) -> list
                 "wgmma": "wgmma" in ptx,
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
+                "globaltimer": "%globaltimer" in ptx,
                 "tiles": [tiles.bm, tiles.block_h, tiles.block_f, tiles.block_r, tiles.num_warps],
             }
         )
@@ -113,7 +120,8 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int) -> list
 
 def main() -> int:
     request = json.loads(sys.stdin.read())
-    results = [_compile(kernels, plan, out, request["arch"]) for kernels, plan, out in request["jobs"]]
+    arch, profile = request["arch"], request.get("profile", False)
+    results = [_compile(kernels, plan, out, arch, profile) for kernels, plan, out in request["jobs"]]
     print(json.dumps(results))
     return 0
 

@@ -7,9 +7,10 @@ schedule's own S, B and R_ret — independently of the planner (``rdepc plan``),
 
 Lifetimes are given in task-table indices and in predicted seconds: the control words live
 for the whole layer; the payload and sideband rings from the first dispatch to the last
-compute; the return ring from the first return to the last unpack (the landing, in bulk or
-when the ring holds every returned row, until the last combine tile). The backward regions
-are not used by the forward schedule.
+compute; the return ring and its row ids (``return_ids``, one int64 per ring row, which the
+unpacks decode) from the first return to the last unpack (the landing, in bulk or when the
+ring holds every returned row, until the last combine tile; ``return_ids`` is then empty).
+The backward regions are not used by the forward schedule.
 
 Ring slots are checked generation by generation: a slot's next contents (segment s + B on
 the payload ring, claim j + B on a front-end's return ring, segment s + B on an owner's
@@ -37,6 +38,7 @@ _WHAT = {
     "payload": "dispatched rows, expert-contiguous within a slot",
     "sideband": "row_id, local expert, gate (and fp8 scale) per payload row",
     "return": "expert outputs landing at the front-end",
+    "return_ids": "int64 row_id per return-ring row: the unpack places each row by it",
     "bwd_payload": "dL/dy rows, front-end → owner",
     "bwd_return": "dL/dx rows, owner → front-end",
 }
@@ -100,6 +102,14 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
             S * H * geo.a if ring else R_ret * H * geo.a,
             live("return", "combine unpack") if ring else live("return", "combine tile"),
         ),
+        (
+            "return",
+            "return_ids",
+            R_ret * 8 if ring else 0,
+            B if ring else 1,
+            S * 8 if ring else 0,
+            live("return", "combine unpack") if ring else (None, None),
+        ),
         ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, (None, None)),
         ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, 0, (None, None)),
     ]
@@ -110,6 +120,8 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         what = _WHAT[name]
         if name == "return":
             what += f" ({'a ring of B slots of S rows' if ring else 'every row at its (token, slot) place'})"
+        elif name == "return_ids" and not ring:
+            what += " (empty: rows land at their (token, slot) places, nothing to decode)"
         buffers.append(Buffer(name, region, off, nbytes, size, slots, slot_bytes, what, lv, lv_s))
         off += size
     regions_fwd: dict[str, int] = {"control": 0, "payload": 0, "sideband": 0, "return": 0}

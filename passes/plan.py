@@ -443,8 +443,11 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
     Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`)."""
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
+        # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
+        ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
     elif strategy == "bulk":
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
+        ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
     else:
         raise ValueError(f"unknown strategy '{strategy}'")
     buf = {
@@ -457,11 +460,13 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         "payload": _pad(Bx * Sx * H * d),
         "sideband": _pad(Bx * Sx * sb),
         "return": _pad(R_ret * H * a),
+        "return_ids": _pad(ids),
         "bwd_payload": _pad(Bx * Sx * H * a),
         "bwd_return": _pad(R_ret * H * a),
     }
     control = sum((buf[k] for k in ("barrier", "counts", "offsets", "admitted", "flags", "credits")), sp.Integer(0))
-    fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": buf["return"]}
+    ret = buf["return"] + buf["return_ids"]
+    fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
     fb = {k: v for k, v in fwd.items() if k != "total"}
     fb["bwd_payload"] = buf["bwd_payload"]
@@ -480,6 +485,7 @@ _BUFFER_WHAT = {
     "payload": "B·S dispatched rows of H·d bytes",
     "sideband": "B·S rows of sb bytes (row_id, local expert, gate, scale)",
     "return": "R_ret returned rows of H·a bytes",
+    "return_ids": "int64 row_id per return-ring row (R_ret·8 if the ring rotates, else 0): unpacks place rows by it",
     "bwd_payload": "B·S dL/dy rows of H·a bytes, front-end → owner",
     "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
 }
@@ -488,7 +494,7 @@ _REGION_WHAT = {
     "control": "barrier, counts, offsets, admitted, flags, credits (each padded)",
     "payload": _BUFFER_WHAT["payload"],
     "sideband": _BUFFER_WHAT["sideband"],
-    "return": _BUFFER_WHAT["return"],
+    "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
     "bwd_payload": _BUFFER_WHAT["bwd_payload"],
     "bwd_return": _BUFFER_WHAT["bwd_return"],
     "total": "sum of the regions",

@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
     )
+    p.add_argument(
+        "--mode",
+        choices=["unified", "role-split"],
+        default="unified",
+        help="kernel mode: unified (any program runs any task; default) or role-split (communication and compute "
+        "programs per rank, as scheduled; needs concurrent programs: --device cuda)",
+    )
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--check", action="store_true", help="exit 1 unless the result matches the reference")
     p.add_argument(
@@ -106,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="X",
         help="max relative error --check accepts (default: 1e-5 for fp32, 5e-3 for fp16, 2e-2 for bf16)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="OUT.json",
+        help="write the call's measured timeline as Chrome/Perfetto trace-event JSON, in the shape of viz --trace "
+        "(one event per task-table entry; on cpu a logical clock that orders the tasks, on cuda %%globaltimer)",
     )
     p.set_defaults(func=cmd_run)
 
@@ -279,9 +292,7 @@ def cmd_compile(args) -> int:
     # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
     result = compile_file(args.file, opts, sys.stdout)
     generated = result.outputs["codegen"]
-    sources = _sources(result.spec.file)
     _print_diags(result.warnings, {})
-    _print_diags(generated.notes, sources)
     out = Path(args.out or Path("build") / result.spec.name)
     target = out / f"{result.spec.name}.spec.json"
     try:
@@ -308,13 +319,6 @@ def cmd_compile(args) -> int:
     for path in wrote:
         print(f"wrote {path}")
     return 0
-
-
-def _sources(file: str) -> dict[str, str]:
-    try:
-        return {file: Path(file).read_text(encoding="utf-8")}
-    except (OSError, UnicodeDecodeError):
-        return {}
 
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
@@ -348,8 +352,20 @@ def cmd_run(args) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available (--device cpu runs the Triton interpreter)")
+    if args.profile is not None:  # before the run, which may take long: a path that cannot be written
+        out = Path(args.profile)
+        if out.is_dir():
+            raise UsageError(f"--profile {args.profile}: is a directory (expected a file name, e.g. OUT.json)")
+        if not out.parent.is_dir():
+            raise UsageError(f"--profile {args.profile}: no such directory {out.parent}")
+    if args.mode == "role-split" and args.device == "cpu":
+        raise UsageError(
+            "--mode role-split needs its communication and compute programs to run concurrently; the Triton "
+            "interpreter (--device cpu) runs programs one after another: use --device cuda, or --mode unified"
+        )
+    options = {"mode": args.mode} | ({"profile": True} if args.profile is not None else {})
     with _quiet_warnings():
-        kernels = layer.module(args.backend, args.device, schedule=args.schedule)
+        kernels = layer.module(args.backend, args.device, schedule=args.schedule, **options)
     dtype_name = spec.precision.dtype.value
     inputs = random_inputs(
         W,
@@ -391,9 +407,22 @@ def cmd_run(args) -> int:
     print(f"  dropped rows    {st['dropped_rows']} ({cap})")
     print(f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {kernels.tiles.bm}, padding-free)")
     print(
-        f"  kernel          {st['launches']} launch, grid ({kernels.programs},), {kernels.work.n_items} work items "
+        f"  kernel          {st['launches']} launch, {kernels.mode} mode, grid ({kernels.grid},), "
+        f"{kernels.work.n_items} work items "
         f"over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s"
     )
+    if args.profile is not None:
+        from rdepc.runtime.profile import write_measured_trace
+
+        prof = kernels.last_profile
+        try:
+            programs = kernels.grid if kernels.mode == "unified" else kernels.per_queue[:2]
+            path = write_measured_trace(kernels.plan, prof, args.profile, programs=programs)
+        except OSError as e:
+            print(f"rdepc: error: cannot write {e.filename or args.profile}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        clock = "logical clock: an order, not durations" if prof["clock"] == "logical" else "%globaltimer"
+        print(f"  profile         {len(prof['events'])} task events ({clock}) → {path}")
     if not args.check:
         return 0
     if err <= tol and same:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rdepc.codegen.lower import ERRORS, INT32_MAX, KernelPlan, Tiles
+from rdepc.codegen.emit import kernel_args
+from rdepc.codegen.lower import COLUMNS, ERRORS, INT32_MAX, MODES, KernelPlan, Tiles
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import Launcher, import_kernels
 
@@ -70,8 +71,27 @@ class _Routed(torch.autograd.Function):
         )
 
 
+class KernelError(RuntimeError):
+    """The forward kernel stopped on an error it recorded; ``record`` holds the kernel's own
+    record: code, what, call (epoch), entry and task, rank, queue (role), segment and, for
+    an expired wait, the flag waited for with the value seen and the value expected."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
+
+
 class RDEPModule:
-    """One generated layer on one backend and device (see the module docstring)."""
+    """One generated layer on one backend and device (see the module docstring).
+
+    ``mode``: ``unified`` (default: every program takes any task, one ticket counter) or
+    ``role-split`` (per rank a communication queue and a compute queue, each with its own
+    programs; it needs them to run concurrently, so it runs on a GPU only). ``programs``:
+    the grid's size, by default two under the interpreter and one per SM on a GPU (every
+    program resident); role-split gives each rank an equal share, split between its two
+    queues in the ratio of the schedule's communication and compute programs.
+    ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
+    ``profile``: record the start and end of every work item (``last_profile``)."""
 
     def __init__(
         self,
@@ -83,12 +103,16 @@ class RDEPModule:
         tiles: Tiles | None = None,
         programs: int | None = None,
         spin_bound: int | None = None,
+        mode: str = "unified",
+        profile: bool = False,
     ):
         self.plan = plan
         self.kernels_path = Path(kernels_path)
         self.transport = transports.get(backend)
         if plan.transport != self.transport.name:
             raise ValueError(f"{self.kernels_path} was generated for the {plan.transport} backend, not {backend}")
+        if mode not in MODES:
+            raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         device = torch.device(device if device is not None else "cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
@@ -96,14 +120,32 @@ class RDEPModule:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.interpret = device.type == "cpu"
+        if mode == "role-split" and self.interpret:
+            raise ValueError(
+                "the role-split kernel mode needs its communication and compute programs to run concurrently; the "
+                "Triton interpreter runs programs one after another: run it on a GPU (device='cuda'), or use "
+                "mode='unified' on the CPU"
+            )
+        self.mode = mode
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         p = plan
         self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
-        self.work = p.work(self.tiles)
+        self.work = p.work(self.tiles, mode)
         if programs is None:
             programs = 2 if self.interpret else torch.cuda.get_device_properties(device).multi_processor_count
-        self.programs = max(1, min(programs, self.work.n_items))
+        if mode == "unified":
+            programs = max(1, min(programs, self.work.n_items))
+            per_queue = [programs]
+        else:  # the W ranks share the GPU: each its slice, split between roles as the scheduler did
+            comm, compute = p.programs
+            share = max(2, programs // p.W)
+            n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
+            per_queue = [n_comm, share - n_comm] * p.W
+        self.programs = programs  # the grid's budget: every program resident at once on a GPU
+        self.per_queue = tuple(per_queue)
+        self.grid = sum(per_queue)
         self.spin_bound = spin_bound if spin_bound is not None else (10_000 if self.interpret else 1 << 26)
+        self.profiling = profile
         self.dtype = TORCH_DTYPES[p.dtype]
         self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
 
@@ -113,7 +155,10 @@ class RDEPModule:
         self.tables = {
             "table": i32(v for row in self.work.table for v in row),
             "deps": i32(p.deps or (0,)),
+            "queue": i32(self.work.queue),
             "first_item": i32(self.work.first_item),
+            "queues": i32(v for (lo, hi), n in zip(self.work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
+            "program_queue": i32(q for q, n in enumerate(per_queue) for _ in range(n if mode != "unified" else 1)),
             "owner_of": i32(p.owner),
             "local_of": i32(p.local),
             "n_local": i32(p.n_local),
@@ -126,12 +171,15 @@ class RDEPModule:
         for name, dt, shape in p.private:
             torch_dt = TORCH_DTYPES.get(dt) or INT_DTYPES[dt]
             self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
+        self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0
         self.launcher = Launcher(self.interpret)
         self.last_stats: dict | None = None
         self.last_context: RoutingContext | None = None
+        self.last_profile: dict | None = None
+        self._withheld: int | None = None
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
@@ -142,13 +190,21 @@ class RDEPModule:
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
         return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
 
+    def withhold(self, entry: int) -> None:
+        """Fault injection: in the next call only, task-table entry ``entry`` runs nothing and
+        never signals its done flag, as if its producer were lost. The call fails with the
+        kernel's error record once a dependent's wait expires."""
+        if not 0 <= entry < self.work.n_entries:
+            raise ValueError(f"task-table entry {entry} out of range [0, {self.work.n_entries})")
+        self._withheld = entry
+
     def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
         p = self.plan
         W, Tn, K = p.W, x.shape[1], p.K
         x = x.detach().contiguous()
         ids = topk_ids.detach().to(torch.int64).contiguous()
         gates = topk_weights.detach().to(torch.float32).contiguous()
-        weights = [w.detach().contiguous() for w in (w_gate, w_up, w_down) if w is not None]
+        weights = dict(zip(("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down), strict=True))
         y = torch.empty((W, Tn, p.H), dtype=self.dtype, device=self.device)
         accepted = torch.zeros((W, Tn, K), dtype=torch.int8, device=self.device)
         slot = torch.full((W, Tn, K), -1, dtype=torch.int32, device=self.device)
@@ -157,52 +213,21 @@ class RDEPModule:
         launches = self.launcher.launches
         rid_rank, rid_token = p.row_id_radix(Tn)
         self.epoch += 1
-        base = (self.epoch - 1) * (self.work.n_items + self.programs)
-        t, v = self.tables, self.private
+        table = self.tables["table"]
+        if self._withheld is not None:
+            table = table.clone()
+            table[self._withheld * len(COLUMNS) + COLUMNS.index("kind")] = -1
+            self._withheld = None
 
         def arg(a: torch.Tensor) -> torch.Tensor:  # a call with T' = 0 still launches: no null pointers
             return a if a.numel() else a.new_zeros(1)
 
-        args = (
-            self.heap,
-            arg(x),
-            arg(ids),
-            arg(gates),
-            *weights,
-            arg(y),
-            arg(accepted),
-            arg(slot),
-            arg(gprime),
-            t["table"],
-            t["deps"],
-            t["first_item"],
-            t["owner_of"],
-            t["local_of"],
-            t["n_local"],
-            t["weight_of"],
-            t["order"],
-            t["owner_first"],
-            t["rows_max"],
-            v["rowpos"],
-            v["sorted_rows"],
-            v["route_scratch"],
-            v["send"],
-            v["recv"],
-            v["group"],
-            v["hbuf"],
-            v["staging"],
-            v["stats"],
-            v["ctl"],
-            Tn,
-            self.epoch,
-            base,
-            INT32_MAX if cap is None else cap,
-            rid_rank,
-            rid_token,
-            self.spin_bound,
-            self.work.n_items,
-            self.work.n_entries,
-        )
+        given = {"heap": self.heap, "x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted}
+        given |= {"slot": slot, "gprime": gprime}
+        given |= {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
+        given |= self.tables | {"table": table} | self.private
+        given |= {"n_tokens": Tn, "epoch": self.epoch, "cap": INT32_MAX if cap is None else cap}
+        given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
         tl = self.tiles
         meta = {
             "BM": tl.bm,
@@ -210,15 +235,35 @@ class RDEPModule:
             "BLOCK_F": tl.block_f,
             "BLOCK_R": tl.block_r,
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
+            "ROLE_SPLIT": self.mode == "role-split",
+            "PROFILE": self.profiling,
+            "GLOBALTIMER": self.profiling and not self.interpret,
         }
+        args = tuple(
+            arg(given[name]) if isinstance(given[name], torch.Tensor) else given[name]
+            for name, kind in kernel_args(p)
+            if kind != "constexpr"
+        )
         if not self.interpret:
             meta["num_warps"] = tl.num_warps
-        self.launcher(self.kernels.rdep_forward, (self.programs,), args, meta)
+        self.launcher(self.kernels.rdep_forward, (self.grid,), args, meta)
         self._raise_on_error()
         accepted = accepted.bool()
         self.last_stats = self._stats(accepted, cap, self.launcher.launches - launches)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
+        if self.profiling:
+            self.last_profile = self._profile()
         return y, self.last_context
+
+    def _profile(self) -> dict:
+        """Per entry that ran: its first item's start and its last item's end."""
+        at = self.private["profile"].view(-1, 2).to("cpu").tolist()
+        events = []
+        for entry, (first, items) in enumerate(self.work.entry_items()):
+            if items:
+                span = at[first : first + items]
+                events.append((entry, min(s for s, _ in span), max(e for _, e in span)))
+        return {"clock": "logical" if self.interpret else "globaltimer", "mode": self.mode, "events": events}
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
@@ -278,24 +323,47 @@ class RDEPModule:
     # ------------------------------------------------------------------ results
     def _raise_on_error(self) -> None:
         ctl = self.private["ctl"]
-        code, entry, info, rank, epoch = (int(v) for v in ctl[1:6].tolist())
+        code, entry, dep, rank, epoch, queue, segment, seen, expected = (int(v) for v in ctl[1:10].tolist())
         if code == 0:
             return
         p = self.plan
-        task = f"task #{entry} ({p.names[entry]})" if 0 <= entry < len(p.names) else f"task #{entry}"
+
+        def task(i: int) -> str:
+            return f"task #{i} ({p.names[i]})" if 0 <= i < len(p.names) else f"task #{i}"
+
+        role = "any task (unified)" if self.mode == "unified" else ("communication", "compute")[queue % 2]
+        seg = f", segment {segment}" if segment >= 0 else ""
         if code == 1:
-            dep = f"task #{info} ({p.names[info]})" if 0 <= info < len(p.names) else f"task #{info}"
-            what = f"{task} on rank {rank} waited longer than {self.spin_bound} spins for {dep}"
+            what = (
+                f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {self.spin_bound} spins for the done "
+                f"flag of {task(dep)}: saw {seen}, expected {expected}"
+            )
         elif code == 2:
-            what = f"owner r{rank} admitted {info} rows, more than the plan's bound R_q = {p.rows_max[rank]}"
+            what = f"owner r{rank} admitted {seen} rows, more than the plan's bound R_q = {expected}"
         elif code == 3:
-            what = f"{task}: row_id {info} decodes to another rank than r{rank}"
+            what = f"{task(entry)}{seg}: row_id {seen} decodes to another rank than r{rank}"
         else:
-            what = f"{task}: {ERRORS.get(code, f'error code {code}')}"
-        # The programs stopped early: their tickets and flags are off the count. Start afresh.
+            what = f"{task(entry)}: {ERRORS.get(code, f'error code {code}')}"
+        record = {
+            "code": code,
+            "what": ERRORS.get(code, f"error code {code}"),
+            "call": epoch,
+            "entry": entry,
+            "task": p.names[entry] if 0 <= entry < len(p.names) else None,
+            "rank": rank,
+            "queue": queue,
+            "role": role,
+            "segment": segment,
+            "flag": dep if code == 1 else None,
+            "flag_task": p.names[dep] if code == 1 and 0 <= dep < len(p.names) else None,
+            "seen": seen,
+            "expected": expected,
+        }
+        # The programs stopped early: their tickets and flags are off the count. The next call
+        # starts afresh from epoch 1 on a zeroed control block, never on stale flags.
         self.private["ctl"].zero_()
         self.epoch = 0
-        raise RuntimeError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}")
+        raise KernelError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}", record)
 
     def _stats(self, accepted: torch.Tensor, cap, launches: int) -> dict:
         p = self.plan
@@ -324,7 +392,7 @@ class RDEPModule:
         return (
             f"<rdepc.RDEPModule {p.layer} on {self.transport.name}/{self.device}"
             f"{' (interpreter)' if self.interpret else ''}: W={p.W} T<={p.T} H={p.H} F={p.F} E={p.E} K={p.K}, "
-            f"{self.work.n_items} work items, grid ({self.programs},)>"
+            f"{self.work.n_items} work items, {self.mode} mode, grid ({self.grid},)>"
         )
 
 
@@ -344,4 +412,4 @@ def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return err / scale
 
 
-__all__ = ["RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]
+__all__ = ["KernelError", "RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]

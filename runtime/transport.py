@@ -13,7 +13,8 @@ kernel body is the same whatever moves the bytes —
     release one unit on a done flag: every store the program made before is visible to
     whoever acquires it;
 ``wait(flag, target, bound)``
-    acquire-spin until ``flag >= target`` or ``bound`` spins have passed; 1 if reached.
+    acquire-spin until ``flag >= target`` or ``bound`` spins have passed; returns the value
+    last seen (``>= target`` when reached), which an expired wait reports.
 
 Its *host* half allocates the heap. Only ``emulated`` exists today:
 
@@ -66,15 +67,16 @@ def signal(flag):
 
 @triton.jit
 def wait(flag, target, bound):
-    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; 1 if reached. The
-    barrier after it lets every warp of the program see what the acquire made visible."""
+    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
+    seen. The barrier after it lets every warp of the program see what the acquire made
+    visible."""
     seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
     spins = 0
     while (seen < target) & (spins < bound):
         seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
         spins += 1
     tl.debug_barrier()
-    return (seen >= target).to(tl.int32)
+    return seen
 '''
 
 

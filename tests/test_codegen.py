@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLES, ROOT
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from moe_cases import CORNERS, Case, cases
 from rdepc.codegen import UNSUPPORTED, Tiles, content_hash, generate_spec
 from rdepc.codegen.emit import HASH_FIELD, kernel_args
 from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
 
 import rdepc
-from rdepc.diagnostics import Severity, SpecError
+from rdepc.diagnostics import SpecError
 from rdepc.driver import Options, compile_file, spec_passes
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
-TASK_KINDS = ("route", "scan", "dispatch", "compute", "return_rows", "combine")
+TASK_KINDS = ("route", "scan", "dispatch", "compute", "return_rows", "combine")  # and unpack, with a return ring
 TRANSPORT = ("peer", "put", "signal", "wait")
 
 SPEC = """layer f {{
@@ -83,7 +84,7 @@ def test_header_names_spec_options_version_and_its_own_hash(tiny):
     assert lines[0] == origin + " Do not edit: recompile the spec."
     header = "\n".join(lines[:12])
     assert "W=4 T=16 H=64 F=128 E=8 K=2, swiglu experts, fp32 (dispatch fp32), capacity dropless" in header
-    assert "# schedule:  bulk, S=128 payload rows per owner; 52 task-table entries:" in header
+    assert "# schedule:  bulk, S=128 rows per ring slot, B=1 slots; 52 task-table entries:" in header
     assert "4 route, 4 scan, 16 dispatch, 4 compute, 16 return, 4 combine_wait, 4 combine" in header
     assert "# options:   schedule from the spec, hw h100, backend emulated" in header
     assert "# decision:  strategy = bulk (spec: schedule bulk)" in header
@@ -126,7 +127,8 @@ def _generated_sources(tmp_path: Path) -> dict[str, str]:
         for ex in EXAMPLES:
             spec = rdepc.load(f"examples/{ex.name}").spec
             if not {f for f, _ in spec.features()} & UNSUPPORTED:
-                out[ex.stem] = generate_spec(spec, schedule="bulk").source
+                out[ex.stem] = generate_spec(spec).source  # the spec's schedule (moonlight: a return ring)
+                out[f"{ex.stem}_bulk"] = generate_spec(spec, schedule="bulk").source
     finally:
         os.chdir(cwd)
     variants = {
@@ -228,22 +230,17 @@ def test_supported_features_generate(tmp_path):
     assert g.kernel.row_id_radix(10) == (20, 2) and g.kernel.row_id_radix(24) == (48, 2)
 
 
-def test_segmented_schedule_is_planned_but_compiled_bulk(monkeypatch):
+def test_segmented_schedules_are_compiled_as_planned(monkeypatch):
     monkeypatch.chdir(ROOT)
-    out = io.StringIO()
-    r = compile_file("examples/moonlight.rdep", Options(dump_after=("schedule",)), out=out)
-    assert r.outputs["schedule"].strategy == "pipelined"  # what the scheduler planned, and dumped
-    assert "pipelined schedule" in out.getvalue()
+    r = compile_file("examples/moonlight.rdep", Options(), out=io.StringIO())
     g = r.outputs["codegen"]
-    assert g.kernel.strategy == "bulk" and g.schedule.strategy == "bulk" and g.schedule.B == 1
-    (note,) = g.notes
-    assert note.severity is Severity.WARNING
-    assert note.message.startswith("not supported yet: the pipelined schedule (the 'codegen' stage implements bulk)")
-    assert (note.span.line, note.span.col) == (20, 3)  # the schedule statement
-    assert any(d.startswith("strategy = bulk (codegen:") for d in g.kernel.decisions)
-    explicit = compile_file("examples/tiny.rdep", Options(schedule="pipelined"), out=io.StringIO())
-    (note,) = explicit.outputs["codegen"].notes
-    assert "--schedule chose pipelined" in note.message and note.span is None
+    assert r.outputs["schedule"].strategy == g.kernel.strategy == "pipelined"
+    assert (g.kernel.S, g.kernel.B, g.kernel.ring) == (4096, 2, True)  # B·S = 8,192 < T·K = 24,576
+    assert "def unpack(" in g.source and "RETURN_IDS = tl.constexpr(" in g.source
+    assert g.kernel.heap_bytes == g.memory.regions()["total"]
+    deep = compile_file("examples/tiny.rdep", Options(schedule="deep"), out=io.StringIO()).outputs["codegen"]
+    assert deep.kernel.strategy == "deep" and not deep.kernel.ring  # B·S = 64 >= T·K = 32: rows land in place
+    assert "def unpack(" not in deep.source and "RETURN_IDS" not in deep.source
 
 
 # ------------------------------------------------------------------- the lowering
@@ -255,39 +252,59 @@ def _check_lowering(g, tiles: Tiles) -> None:
     col = {c: i for i, c in enumerate(COLUMNS)}
     assert len(k.table) == len(sched.table)
     work = k.work(tiles)
-    assert work.n_entries == len(k.table)
+    assert work.n_entries == len(k.table) and work.queue == tuple(range(len(k.table)))
+    tiles_of = {e.index for e in sched.table if e.stage == "combine" and e.detail == "tile"}
+    scans = {e.index for e in sched.table if e.stage == "scan"}
     for i, (row, e) in enumerate(zip(work.table, sched.table, strict=True)):
         kind = KINDS[row[col["kind"]]]
-        assert kind == {"combine": "combine_wait" if e.detail == "wait" else "combine"}.get(e.stage, e.stage)
+        detail = {"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}
+        assert kind == (detail[e.detail] if e.stage == "combine" else e.stage)
         deps = k.deps[row[col["dep_start"]] : row[col["dep_start"]] + row[col["dep_count"]]]
-        assert tuple(deps) == e.deps and all(d < i for d in deps), "the table must stay topological"
+        now = tuple(d for d in deps if d >= 0)
+        before = {-d - 1 for d in deps if d < 0}  # the previous call's entries
+        assert now == e.deps and all(d < i for d in now), "the table must stay topological"
+        if e.stage == "route":
+            assert before == scans | {t for t in tiles_of if sched.table[t].rank == e.rank}
+        elif e.stage == "scan":
+            assert before == tiles_of
+        else:
+            assert not before
         assert work.first_item[i + 1] - work.first_item[i] == row[col["items"]] >= 1
+        assert row[col["resource"]] == 2 * e.rank + ("comm", "compute").index(sched.graph.tasks[e.task].role)
         guard = row[col["guard"]]
         if kind == "compute":
             q = e.owner
-            assert row[col["items"]] == math.ceil(k.rows_max[q] / tiles.bm) + k.n_local[q] - 1
+            per = 1 if max(k.rows_max) <= k.S else 2  # one segment holds every row: no cut tiles
+            assert row[col["items"]] == math.ceil(min(k.rows_max[q], k.S) / tiles.bm) + per * k.n_local[q] - 1
             assert KINDS[work.table[guard][col["kind"]]] == "scan" and work.table[guard][col["rank"]] == q
             assert guard < i
         else:
             assert guard == -1
     off = dict(k.heap)
-    assert off["return"] + k.T * k.K * k.H * {"fp32": 4, "fp16": 2, "bf16": 2}[k.dtype] <= k.heap_bytes
+    landing = (k.B * k.S if k.ring else k.T * k.K) * k.H * {"fp32": 4, "fp16": 2, "bf16": 2}[k.dtype]
+    assert off["return"] + landing <= k.heap_bytes
     for f in k.sideband:
         assert off["payload"] < off[f"sideband_{f}"] < off["return"]
+    split = k.work(tiles, "role-split")
+    assert len(split.bounds) == 2 * k.W and sorted(split.queue) == list(range(len(k.table)))
+    for q, (lo, hi) in enumerate(split.bounds):
+        mine = split.queue[lo:hi]
+        assert list(mine) == sorted(mine) and all(work.table[i][col["resource"]] == q for i in mine)
 
 
 @settings(max_examples=30)
-@given(cases(max_W=4))
-def test_lowering_keeps_the_scheduler_order_and_expands_work_items(case):
-    case = Case(**{**case.__dict__, "schedule": "bulk"})
+@given(cases(max_W=4), st.sampled_from(["bulk", "pipelined", "deep"]))
+def test_lowering_keeps_the_scheduler_order_and_expands_work_items(case, strategy):
+    case = Case(**{**case.__dict__, "schedule": strategy})
     g = generate_spec(case.spec())
     _check_lowering(g, Tiles(bm=32, block_r=16, rows_per_item=16))
 
 
 @pytest.mark.parametrize("name", sorted(CORNERS))
 def test_lowering_corner_cases(name):
-    g = generate_spec(CORNERS[name].spec(), schedule="bulk")
-    _check_lowering(g, Tiles())
+    for strategy in ("bulk", "pipelined"):
+        g = generate_spec(CORNERS[name].spec(), schedule=strategy)
+        _check_lowering(g, Tiles())
 
 
 def test_kernel_plan_round_trips_through_json(tiny):
@@ -325,18 +342,6 @@ def test_dump_after_codegen_prints_the_source(monkeypatch, tmp_path, capsys):
     plan = json.loads((tmp_path / "tiny.plan.json").read_text(encoding="utf-8"))
     assert plan["layer"] == "tiny" and len(plan["table"]) == 52
     assert 'def module(backend="emulated", device="cpu"' in (tmp_path / "tiny.py").read_text(encoding="utf-8")
-
-
-def test_compile_warns_when_it_compiles_a_segmented_schedule_as_bulk(monkeypatch, tmp_path, capsys):
-    from rdepc import cli
-
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("NO_COLOR", "1")
-    assert cli.main(["compile", "examples/qwen3_30b_a3b.rdep", "-o", str(tmp_path)]) == 0
-    err = capsys.readouterr().err
-    assert "examples/qwen3_30b_a3b.rdep:17:3: warning: not supported yet: the deep schedule" in err
-    assert "schedule  deep" in err  # the source line with a caret
-    assert (tmp_path / "qwen3_30b_a3b_kernels.py").is_file()
 
 
 def test_import_rdepc_and_generating_source_import_neither_torch_nor_triton():

@@ -1,9 +1,10 @@
 """Every generated kernel of every example compiles to an sm_90 cubin, without a GPU.
 
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
-interpreter for the other tests, and Triton fixes its mode at first import. One compile per
-distinct kernel: each example's file holds one kernel, ``rdep_forward``; the examples are
-dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
+interpreter for the other tests, and Triton fixes its mode at first import. Each example is
+compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
+deep), its one kernel ``rdep_forward`` in both kernel modes (unified and role-split); the
+examples are dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
 as not supported yet; its shapes are compiled with bf16 dispatch instead.
 """
 
@@ -26,7 +27,7 @@ SCALE = ("sideband  row_id, local_expert, gate, scale", "sideband  row_id, local
 
 
 def _generate(tmp_path):
-    """(layer name, dtype, Generated) for every example, compiled for the bulk schedule."""
+    """(layer name, dtype, Generated) for every example, compiled for its own schedule."""
     out = []
     for ex in EXAMPLES:
         spec = rdepc.load(f"examples/{ex.name}").spec
@@ -38,7 +39,7 @@ def _generate(tmp_path):
             variant = tmp_path / f"{ex.stem}_bf16.rdep"
             variant.write_text(text.replace(*FP8).replace(*SCALE), encoding="utf-8")
             spec = rdepc.load(variant).spec
-        out.append((spec.name, spec.precision.dtype.value, generate_spec(spec, schedule="bulk")))
+        out.append((spec.name, spec.precision.dtype.value, generate_spec(spec)))
     return out
 
 
@@ -74,7 +75,21 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     cubin = tmp_path / "tiny.rdep_forward.sm_90.cubin"
     assert cubin.stat().st_size > 0
+    split = tmp_path / "tiny.rdep_forward.role_split.sm_90.cubin"
+    assert split.stat().st_size > 0
     assert "compiled rdep_forward for sm_90a in " in out and f"wrote {cubin}" in out
+    assert "compiled rdep_forward.role_split for sm_90a in " in out
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name]
+        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name]
     )
+
+
+def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
+    """With PROFILE and GLOBALTIMER the work items are stamped with %globaltimer (ns)."""
+    monkeypatch.chdir(ROOT)
+    g = generate_spec(rdepc.load("examples/tiny.rdep").spec, schedule="pipelined")
+    write_module(g, tmp_path)
+    job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.plan.json", tmp_path)
+    results = compile_cubins([job], arch=90, profile=True)
+    assert [r["kernel"] for r in results] == list(KERNELS)
+    assert all(r["globaltimer"] and r["acquire"] and r["release"] for r in results)

@@ -37,6 +37,8 @@ def check(spec, sched) -> M.MemoryPlan:
     assert mp.regions("forward_backward") == want["forward_backward"]
     assert {b.name: b.size for b in mp.buffers} == want["buffers"]
     assert (mp.S, mp.B, mp.R_ret) == (want["S"], want["B"], want["R_ret"])
+    ids = next(b for b in mp.buffers if b.name == "return_ids")  # row ids travel only with a rotating ring
+    assert ids.bytes == (mp.R_ret * 8 if sched.graph.geometry.return_ring else 0)
     end = 0
     for b in mp.buffers:
         assert b.offset == end and b.offset % ALIGN == 0 and b.size % ALIGN == 0 and b.size >= b.bytes
@@ -62,6 +64,15 @@ def test_moonlight_heap_and_lifetimes():
     buf = {b.name: b for b in mp.buffers}
     assert buf["payload"].bytes == 2 * 4096 * 2048 * 2 and buf["payload"].slots == 2
     assert buf["return"].bytes == 2 * 4096 * 2048 * 2  # R_ret = B·S rows, segmented
+    # B·S = 8192 < T·K = 24576: the return ring rotates, and its row ids travel with the rows
+    assert sched.graph.geometry.return_ring
+    ids = buf["return_ids"]
+    assert (ids.region, ids.bytes, ids.size, ids.slots, ids.slot_bytes) == ("return", 8192 * 8, 65536, 2, 4096 * 8)
+    assert ids.offset == buf["return"].offset + buf["return"].size
+    assert (ids.live, ids.live_s) == (buf["return"].live, buf["return"].live_s)
+    assert mp.regions("forward")["return"] == 2 * 4096 * 2048 * 2 + 65536
+    assert mp.regions("forward")["total"] == 67_307_008
+    assert mp.regions("forward_backward")["total"] == 134_415_872
     assert buf["barrier"].live == (0, len(sched.order) - 1)
     first, last = buf["payload"].live
     pos = {sched.graph.tasks[u].stage: [] for u in sched.order}
@@ -73,6 +84,37 @@ def test_moonlight_heap_and_lifetimes():
     assert {b.name for b in mp.private} == {"staging", "landing"}
     gens = [u for u in mp.uses if u.ring == "payload" and u.rank == 0 and u.slot == 0]
     assert [u.generation for u in gens] == list(range(0, 48, 2))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "S", "B", "ring"),
+    [
+        ("pipelined", 8, 2, True),  # B·S = 16 < T·K = 32: a ring of B slots, claimed and unpacked
+        ("deep", 8, 3, True),
+        ("pipelined", 16, 2, False),  # B·S = T·K: every returned row lands at its place
+        ("pipelined", 32, 2, False),  # tiny's own segment statement
+        ("deep", 16, 3, False),
+        ("bulk", None, None, False),
+    ],
+)
+def test_return_ids(strategy, S, B, ring):
+    spec = rdepc.load(ROOT / "examples/tiny.rdep").spec  # T·K = 16·2 = 32
+    sched = schedule(build_graph(spec, strategy, S=S, B=B), "h100")
+    assert sched.graph.geometry.return_ring == ring
+    mp = check(spec, sched)
+    names = [b.name for b in mp.buffers]
+    assert names.index("return_ids") == names.index("return") + 1
+    buf = {b.name: b for b in mp.buffers}
+    ret, ids = buf["return"], buf["return_ids"]
+    assert ids.region == "return" and ids.offset == ret.offset + ret.size
+    assert mp.regions("forward")["return"] == ret.size + ids.size
+    if ring:
+        assert mp.R_ret == B * S and ids.bytes == B * S * 8 and ids.size == M.pad(B * S * 8) == 256
+        assert (ids.slots, ids.slot_bytes) == (B, S * 8)
+        assert ids.live is not None and (ids.live, ids.live_s) == (ret.live, ret.live_s)
+    else:
+        assert ids.bytes == ids.size == 0 and ids.live is None  # pad(0) = 0: the layout as without it
+        assert buf["bwd_payload"].offset == ret.offset + ret.size
 
 
 def test_the_checks_can_fail():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import sympy as sp
 from conftest import ROOT
 from rdepc.passes import plan as P
 from rdepc.passes.plan import BM, PlanOptions, plan, symmetric_plan, to_json
@@ -326,7 +327,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
         "control": control,
         "payload": pad(B * S * H * d),
         "sideband": pad(B * S * sb),
-        "return": pad(R_ret * H * a),
+        "return": pad(R_ret * H * a),  # + pad(return_ids) = 0: bulk rows land at their places
     }
     fwd["total"] = sum(fwd.values())
     fb = {k: v for k, v in fwd.items() if k != "total"}
@@ -341,6 +342,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     assert got["forward_backward"] == fb
     assert fb["total"] == 85504
     assert got["buffers"]["barrier"] == 256 and got["buffers"]["flags"] == 256
+    assert got["buffers"]["return_ids"] == 0
 
 
 def test_symmetric_plan_tiny_segmented_by_hand():
@@ -357,7 +359,44 @@ def test_symmetric_plan_tiny_segmented_by_hand():
     assert got["forward_backward"]["bwd_payload"] == 2 * 32 * 64 * 4
     assert got["forward_backward"]["bwd_return"] == 64 * 64 * 4
     assert got["forward_backward"]["total"] == 35328 + 16384 + 16384
+    assert got["buffers"]["return_ids"] == 0  # B·S = 64 >= T·K = 32: rows land at their places
     assert symmetric_plan(spec, "deep") == {**got, "strategy": "deep"}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "rows", "buffers", "ids"),
+    [
+        ("pipelined", 8, 2, 16 * 8),  # B·S = 16 < T·K = 32: the return ring rotates
+        ("deep", 5, 3, 15 * 8),
+        ("pipelined", 16, 2, 0),  # B·S = T·K
+        ("deep", 32, 3, 0),
+        ("bulk", None, None, 0),
+    ],
+)
+def test_symmetric_plan_return_ids(strategy, rows, buffers, ids):
+    spec = rdepc.load(EX / "tiny.rdep").spec  # T·K = 16·2 = 32
+    got = symmetric_plan(spec, strategy, rows=rows, buffers=buffers)
+    if ids:
+        assert got["R_ret"] * 8 == ids
+    assert got["buffers"]["return_ids"] == pad(ids)
+    assert list(got["buffers"]).index("return_ids") == list(got["buffers"]).index("return") + 1
+    for phase in ("forward", "forward_backward"):
+        assert got[phase]["return"] == got["buffers"]["return"] + pad(ids)
+    assert got["forward_backward"]["bwd_return"] == got["buffers"]["bwd_return"]  # backward carries no ids yet
+
+
+def test_return_ids_formula():
+    fm = P.symmetric_formulas("pipelined")
+    ids = fm["buffers"]["return_ids"]
+    assert ids.has(sp.Piecewise) and ids.free_symbols == {P.B, P.S, P.T, P.K}
+    at = {P.B: 2, P.S: 4096}
+    assert ids.subs({**at, P.T: 4096, P.K: 6}) == 8192 * 8  # moonlight: B·S = 8192 < T·K = 24576
+    assert ids.subs({**at, P.T: 4097, P.K: 2}) == 8192 * 8  # 8192 < 8194
+    assert ids.subs({**at, P.T: 4096, P.K: 2}) == 0  # B·S = T·K: no ring
+    assert ids.subs({**at, P.T: 1000, P.K: 2}) == 0
+    assert ids.subs({P.B: 3, P.S: 5, P.T: 16, P.K: 2}) == 256  # 15 ids of 8 bytes, padded
+    assert fm["forward"]["return"] == fm["buffers"]["return"] + ids
+    assert P.symmetric_formulas("bulk")["buffers"]["return_ids"] == 0
 
 
 def test_symmetric_plan_padding_and_overrides():
@@ -383,7 +422,11 @@ def test_moonlight_plan_regions(moonlight):
     assert p["strategy"] == "pipelined" and (p["S"], p["B"]) == (4096, 2)
     assert p["forward"]["payload"] == 2 * 4096 * 2048 * 2
     assert p["forward"]["sideband"] == 2 * 4096 * 16
-    assert p["forward"]["return"] == 2 * 4096 * 2048 * 2
+    # the return ring (B·S = 8192 < T·K = 24576 rows) and one int64 row id per ring row
+    assert p["buffers"]["return_ids"] == 8192 * 8
+    assert p["forward"]["return"] == 2 * 4096 * 2048 * 2 + 8192 * 8
+    assert p["forward"]["total"] == 67_307_008 and p["forward_backward"]["total"] == 134_415_872
+    assert moonlight["symmetric_bytes"]["plan_bulk"]["buffers"]["return_ids"] == 0
     assert p["forward"]["control"] == pad(8 * 8) + 3 * pad(8 * 8 * 4) + 2 * pad(2 * 8 * 2 * 8)
     assert p["private_total"] == 27 * p["forward_backward"]["total"]
     assert p["shared_total"] == p["forward_backward"]["total"]
@@ -523,6 +566,8 @@ def test_report_symbolic(capsys):
     assert "  routing_context_bytes = 8*K*L*T*W" in out
     assert "  cv_uniform = sqrt(1 - K/E)/sqrt(mu)" in out
     assert "transport.min_ffn = 5*F_gpu/(9*B_eff)" in out
+    assert "symmetric_bytes.plan.buffers.return_ids = 256*ceiling(Piecewise((8*B*S, B*S < K*T), (0, True))/256)" in out
+    assert "symmetric_bytes.plan_bulk.buffers.return_ids = 0" in out
     render(plan(rdepc.load(EX / "qwen3_30b_a3b.rdep").spec), symbolic=True)
 
 

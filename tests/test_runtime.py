@@ -21,7 +21,7 @@ from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rdepc.codegen import Tiles
-from rdepc.runtime.module import TORCH_DTYPES, RDEPModule, max_relative_error
+from rdepc.runtime.module import TORCH_DTYPES, KernelError, RDEPModule, max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer
@@ -403,17 +403,18 @@ def test_a_wait_that_expires_is_reported_not_hung():
     compiled = layer.compile()
     plan = compiled.kernel
     last = len(plan.table) - 1
-    first = (*plan.table[0][:7], len(plan.deps), 1, plan.table[0][9])
+    first = (*plan.table[0][:7], len(plan.deps), 1, *plan.table[0][9:])
     broken = dataclasses.replace(plan, table=(first, *plan.table[1:]), deps=(*plan.deps, last))
     module = RDEPModule(broken, compiled.kernels_path, spin_bound=20)
     inputs = random_inputs(4, 16, 64, 128, 8, 2)
     message = (
-        r"the forward kernel stopped in call 1: task #0 \(route r0\) on rank 0 waited longer than 20 spins "
-        r"for task #51 \(combine tile0 r3\)"
+        r"the forward kernel stopped in call 1: task #0 \(route r0\) on rank 0 \(any task \(unified\) programs\) "
+        r"waited 20 spins for the done flag of task #51 \(combine tile0 r3\): saw 0, expected 1"
     )
     for _ in range(2):  # the control block is reset after an error: the next call fails the same way
-        with pytest.raises(RuntimeError, match=message):
+        with pytest.raises(KernelError, match=message) as e:
             module(*inputs)
+        assert e.value.record["flag"] == last and e.value.record["call"] == 1
 
 
 def test_an_owner_overflow_is_reported():

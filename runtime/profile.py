@@ -1,0 +1,160 @@
+"""The measured timeline of one call, as Chrome trace-event JSON (``rdepc run --profile``).
+
+An :class:`~rdepc.runtime.module.RDEPModule` built with ``profile=True`` records, per
+task-table entry that ran, the clock at its first work item's start and at its last item's
+end (``last_profile``). :func:`measured_trace` turns that into the same shape of trace as
+the scheduler's prediction (``rdepc viz --trace``, :func:`rdepc.viz.trace`), so the two open
+side by side in https://ui.perfetto.dev:
+
+* one complete event (``ph: "X"``) per entry, named after its task, ``pid`` = rank, ``tid``
+  0 when the schedule is unified (bulk: every program does every stage), else 0 for the
+  rank's communication tasks and 1 for its compute tasks; ``cat`` the stage (``route``,
+  ``scan``, ``dispatch``, ``compute``, ``return``, ``combine``; unpack and the combine wait
+  are stage ``combine`` with ``detail`` ``unpack`` / ``wait``, as in the prediction);
+* the same process and thread name metadata events (``rank r``; ``all programs``, or
+  ``communication`` and ``compute``);
+* ``args``: the entry, the graph's task id, the entry's segment, claim, owner and source
+  where they apply, and the raw clock values.
+
+Clocks (``otherData.clock`` / ``otherData.unit``): on a GPU ``globaltimer``, %globaltimer
+in ns, written as µs from the earliest start — real durations. Under the Triton interpreter
+``logical``: an atomic counter the kernel bumps at every work item's start and end, written
+as is, one tick per µs of the trace, from the earliest start. Logical ticks order the
+tasks (an entry starts after every entry it depends on has ended); they are not durations.
+
+An entry's span runs from its first item's start to its last item's end, so it may overlap
+other entries' spans when items of several entries interleave. One exception to the order
+above: a compute m-tile slot found empty at run time skips its dispatch dependencies (only
+its owner's scan guards it), so where programs run concurrently (a GPU) a compute entry may
+start before a dispatch it depends on has ended.
+
+Pure Python: neither torch nor triton is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
+
+_COL = {c: i for i, c in enumerate(COLUMNS)}
+# Task-table kind → (stage, detail), as the task graph names them (rdepc.ir.graph.Task).
+STAGE_OF = {
+    "route": ("route", ""),
+    "scan": ("scan", ""),
+    "dispatch": ("dispatch", ""),
+    "compute": ("compute", ""),
+    "return": ("return", ""),
+    "unpack": ("combine", "unpack"),
+    "combine_wait": ("combine", "wait"),
+    "combine": ("combine", "tile"),
+}
+CLOCKS = {
+    "logical": (
+        "tick",
+        "logical clock (Triton interpreter): ts and dur are ticks of an atomic counter the kernel bumps at every "
+        "work item's start and end, shown as 1 µs per tick from the earliest start; they order the tasks, they are "
+        "not durations",
+    ),
+    "globaltimer": ("us", "%globaltimer (ns) converted to µs from the earliest start: measured durations"),
+}
+
+
+def _thread_names(plan: KernelPlan, mode: str, programs) -> list[tuple[int, str]]:
+    if mode == "role-split":  # programs: (communication, compute) programs of one rank
+        comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
+        return [
+            (0, "communication" + (f" ({comm} programs)" if comm else "")),
+            (1, "compute" + (f" ({compute} programs)" if compute else "")),
+        ]
+    if plan.unified:
+        return [(0, "all programs" + (f" ({programs})" if programs else ""))]
+    # A role-split schedule run by the unified kernel: every program takes tasks of both roles.
+    shared = f" (unified kernel: any of {programs} programs)" if programs else " (unified kernel)"
+    return [(0, f"communication{shared}"), (1, f"compute{shared}")]
+
+
+def measured_trace(plan: KernelPlan, profile: dict, programs=None) -> dict:
+    """The measured profile of one call (``RDEPModule.last_profile``) of the kernels of
+    ``plan`` as Chrome trace-event JSON (a dict), in the shape of :func:`rdepc.viz.trace`.
+    ``programs``: the kernel's programs (the grid in unified mode; one rank's
+    (communication, compute) programs in role-split mode), shown in the thread names when
+    given."""
+    clock = profile.get("clock")
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown profile clock {clock!r} (known: {', '.join(CLOCKS)})")
+    mode = profile.get("mode", "unified")
+    spans = list(profile.get("events", ()))
+    n = plan.n_entries
+    for entry, start, end in spans:
+        if not 0 <= entry < n:
+            raise ValueError(f"profile event for task-table entry {entry}, out of range [0, {n})")
+        if end < start:
+            raise ValueError(f"profile event for entry {entry} ({plan.names[entry]}) ends before it starts")
+    unit, note = CLOCKS[clock]
+    origin = min((s for _, s, _ in spans), default=0)
+    last = max((e for _, _, e in spans), default=origin)
+    scale = 1e-3 if clock == "globaltimer" else 1  # ns → µs; ticks as they are
+
+    events: list[dict] = []
+    threads = _thread_names(plan, mode, programs)
+    for r in range(plan.W):
+        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        for tid, name in threads:
+            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
+    for entry, start, end in spans:
+        row = plan.table[entry]
+        kind = KINDS[row[_COL["kind"]]]
+        stage, detail = STAGE_OF[kind]
+        role = row[_COL["resource"]] % 2  # resource = 2·rank + role; role 0 communication, 1 compute
+        args = {"entry": entry, "task": plan.tasks[entry], "kind": kind}
+        for key in ("segment", "claim", "owner", "src"):
+            v = row[_COL[key]]
+            if v >= 0:
+                args["source" if key == "src" else key] = v
+        if detail:
+            args["detail"] = detail
+        args["clock_start"] = start
+        args["clock_end"] = end
+        dur = (end - start) * scale if clock == "globaltimer" else max(end - start, 1)
+        events.append(
+            {
+                "name": plan.names[entry],
+                "cat": stage,
+                "ph": "X",
+                "pid": row[_COL["rank"]],
+                "tid": 0 if plan.unified else role,
+                "ts": (start - origin) * scale,
+                "dur": dur,
+                "args": args,
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {
+            "measured": True,
+            "layer": plan.layer,
+            "strategy": plan.strategy,
+            "mode": mode,
+            "clock": clock,
+            "unit": unit,
+            "note": note,
+            "span": (last - origin) * scale,
+            "tasks": len(spans),
+            "entries": n,
+            "programs": programs,
+        },
+    }
+
+
+def write_measured_trace(plan: KernelPlan, profile: dict, path: str | Path, programs=None) -> Path:
+    """Write :func:`measured_trace` to ``path`` (JSON); returns the path. Raises OSError."""
+    path = Path(path)
+    path.write_text(json.dumps(measured_trace(plan, profile, programs)), encoding="utf-8")
+    return path
+
+
+__all__ = ["CLOCKS", "STAGE_OF", "measured_trace", "write_measured_trace"]

@@ -1,0 +1,288 @@
+"""The segmented pipeline executed: B-slot rings, epochs, bounded waits, both kernel modes.
+
+Under the Triton interpreter (programs run one after another, in ticket order): every
+strategy — bulk, pipelined, deep — gives the reference's result and bitwise the same
+result as the others, over random layers, routings and B in {1, 2, 3}; a withheld
+producer trips its dependent's bounded wait with the kernel's own error record and the
+next call succeeds; guard bands between the heap's buffers stay intact; the heap is the
+planner's size; any topological order of the task table gives the same result.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from rdepc.codegen import generate
+from rdepc.codegen.lower import Tiles, lower
+from rdepc.passes.memplan import memory_plan
+from rdepc.passes.plan import symmetric_plan
+from rdepc.runtime.module import KernelError, RDEPModule, max_relative_error
+
+import rdepc
+from rdepc.api import Layer, elaborate_layer
+from rdepc.parser import parse_text
+from rdepc.reference import random_inputs, reference_for
+
+STRATEGIES = ("bulk", "pipelined", "deep")
+TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=16)  # small tiles: segments cut m-tiles
+
+
+SPECS = Path()  # where the module's variant specs are written (a temporary directory)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache(tmp_path_factory):
+    global SPECS
+    SPECS = tmp_path_factory.mktemp("specs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
+        yield
+
+
+@dataclass(frozen=True)
+class Seg:
+    """One segmented layer and one call."""
+
+    W: int
+    E: int
+    K: int
+    T: int
+    S: int
+    B: int
+    H: int = 32
+    F: int = 32
+    capacity: str = "dropless"
+    owner: str = "balanced"
+    routing: str = "uniform"
+    seed: int = 0
+
+    def text(self) -> str:
+        return (
+            "layer seg {\n"
+            f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
+            f"  expert    swiglu(ffn = {self.F})\n"
+            "  dtype     fp32\n"
+            f"  owner     {self.owner}\n"
+            f"  capacity  {self.capacity}\n"
+            f"  segment   rows {self.S}, buffers {self.B}\n"
+            "  schedule  pipelined\n"
+            "}\n"
+        )
+
+    def layer(self) -> Layer:
+        spec, _ = elaborate_layer(parse_text(self.text(), "seg.rdep"), None, {})
+        return Layer(spec)
+
+    def inputs(self):
+        return random_inputs(self.W, self.T, self.H, self.F, self.E, self.K, routing=self.routing, seed=self.seed)
+
+
+@st.composite
+def segs(draw) -> Seg:
+    W = draw(st.integers(1, 3))
+    E = W * draw(st.integers(1, 2)) + (draw(st.integers(0, 1)) if W > 1 else 0)
+    K = draw(st.integers(1, min(E, 3)))
+    return Seg(
+        W=W,
+        E=E,
+        K=K,
+        T=draw(st.integers(1, 16)),
+        S=draw(st.sampled_from([3, 5, 8, 16, 40])),
+        B=draw(st.sampled_from([1, 2, 3])),
+        capacity=draw(st.sampled_from(["dropless", "factor 1.0", "factor 0.5, weights zero", "rows 3"])),
+        owner=draw(st.sampled_from(["balanced", "balanced", f"map {{ 0: 0..{E} }}"])),
+        routing=draw(st.sampled_from(["uniform", "zipf:1.5"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def run_all(case: Seg) -> dict[str, RDEPModule]:
+    layer = case.layer()
+    inputs = case.inputs()
+    ref, accepted = reference_for(layer.spec)(*inputs)
+    ys, modules = {}, {}
+    for strategy in STRATEGIES:
+        m = layer.module(schedule=strategy, tiles=TILES)
+        assert m.plan.strategy == strategy and (strategy == "bulk" or m.plan.B == case.B)
+        ys[strategy] = m(*inputs)
+        err = max_relative_error(ys[strategy], ref)
+        assert err <= 1e-5, f"{strategy}: max relative error {err:.3g} for {case}"
+        assert torch.equal(m.last_stats["accepted"], accepted), f"{strategy}: accepted set differs for {case}"
+        modules[strategy] = m
+    for strategy in STRATEGIES[1:]:
+        assert torch.equal(ys[strategy], ys["bulk"]), f"{strategy} is not bitwise bulk's result for {case}"
+    return modules
+
+
+@settings(max_examples=6)
+@given(segs())
+@example(Seg(W=2, E=4, K=2, T=12, S=5, B=1, routing="zipf:1.5"))  # B = 1: every segment reuses the one slot
+@example(Seg(W=3, E=6, K=2, T=10, S=8, B=3, capacity="factor 0.5, weights zero"))  # deep, drops
+@example(Seg(W=2, E=3, K=2, T=16, S=3, B=2, owner="map { 0: 0, 1; 1: 2 }"))  # a return ring of 6 rows
+def test_every_strategy_matches_the_reference_and_each_other(case):
+    modules = run_all(case)
+    seg = modules["pipelined"]
+    rows = case.W * case.T * case.K
+    if seg.plan.B * seg.plan.S < case.T * case.K:
+        assert seg.plan.ring  # returns went through the ring and its unpacks
+    assert int(seg.last_stats["rows_per_expert"].sum()) == rows - seg.last_stats["dropped_rows"]
+
+
+def test_tiny_every_strategy_and_B(monkeypatch):
+    """tiny.rdep itself (S = 32, B = 2) under every strategy, and with B = 1, 2, 3 slots of
+    8 rows, where returns go through a ring: one result, bitwise."""
+    monkeypatch.chdir(ROOT)
+    base = rdepc.load("examples/tiny.rdep")
+    inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=3)
+    ref, _ = reference_for(base.spec)(*inputs)
+    runs = [(base, s) for s in STRATEGIES] + [(rdepc.load(_tiny(B)), s) for B, s in ((1, "pipelined"), (2, "deep"))]
+    runs.append((rdepc.load(_tiny(3)), "deep"))
+    want = None
+    for layer, strategy in runs:
+        m = layer.module(schedule=strategy)
+        y = m(*inputs)
+        assert max_relative_error(y, ref) <= 1e-5
+        want = y if want is None else want
+        assert torch.equal(y, want), f"{layer.spec.file} {strategy}"
+        if layer is not base:
+            assert m.plan.ring and m.plan.S == 8 and m.plan.strategy == strategy
+
+
+def _tiny(B: int) -> Path:
+    """tiny.rdep with B ring slots of 8 rows (B·S < T·K = 32: returns go through a ring)."""
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8")
+    path = SPECS / f"tiny_B{B}.rdep"
+    if not path.exists():
+        text = text.replace("segment   rows 32, buffers 2", f"segment   rows 8, buffers {B}")
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------ faults and epochs
+
+
+def small(B: int = 2) -> Seg:
+    """Two ranks, 8 tokens, slots of 6 rows: 3 segments per owner (B = 1: a return ring)."""
+    return Seg(W=2, E=4, K=2, T=8, S=6, B=B, routing="zipf:1.2", seed=B)
+
+
+def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
+    case = small(1)
+    layer = case.layer()
+    m = layer.module(schedule="pipelined", spin_bound=50)
+    inputs = case.inputs()
+    ref, _ = reference_for(layer.spec)(*inputs)
+    good = m(*inputs)
+    names = m.plan.names
+    victim = next(i for i, n in enumerate(names) if n.startswith("dispatch s1 "))
+    m.withhold(victim)
+    with pytest.raises(KernelError) as e:
+        m(*inputs)
+    rec = e.value.record
+    assert rec["what"] == "wait expired" and rec["call"] == 2
+    assert rec["flag"] == victim and rec["flag_task"] == names[victim]
+    assert rec["task"].startswith("compute s1 ") and rec["segment"] == 1  # the dispatch's consumer
+    assert rec["seen"] < rec["expected"] and rec["expected"] == 2 * m.work.table[victim][6]
+    assert f"waited 50 spins for the done flag of task #{victim} ({names[victim]})" in str(e.value)
+    again = m(*inputs)  # re-initialised: call 1 of a fresh epoch, no stale flags
+    assert m.epoch == 1 and torch.equal(again, good) and max_relative_error(again, ref) <= 1e-5
+    assert torch.equal(m(*inputs), good) and m.epoch == 2
+
+
+def test_role_split_refuses_the_sequential_interpreter(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match="role-split kernel mode needs its communication and compute programs"):
+        rdepc.load("examples/tiny.rdep").module(schedule="pipelined", mode="role-split")
+
+
+# ------------------------------------------------------------------ the heap
+
+
+def _module(spec, strategy: str, tmp_path: Path, guard: int = 0, order=None, **options) -> RDEPModule:
+    from rdepc.passes.graph import build_graph
+    from rdepc.passes.schedule import schedule
+
+    sched = schedule(build_graph(spec, strategy), "h100")
+    plan = lower(spec, sched, memory_plan(sched), guard=guard, order=order)
+    path = tmp_path / f"{strategy}_{guard}_{abs(hash(order))}_kernels.py"
+    path.write_text(generate(plan), encoding="utf-8")
+    return RDEPModule(plan, path, **options)
+
+
+def test_the_heap_is_the_planners(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    for name in ("tiny", "moonlight", "qwen3_30b_a3b"):
+        spec = rdepc.load(f"examples/{name}.rdep").spec
+        for strategy in STRATEGIES:
+            g = rdepc.load(f"examples/{name}.rdep").compile(schedule=strategy).kernel
+            planned = symmetric_plan(spec, strategy)["forward"]["total"]
+            assert g.heap_bytes == planned, f"{name} {strategy}: heap {g.heap_bytes} != plan {planned}"
+    spec = rdepc.load(_tiny(2)).spec
+    m = _module(spec, "pipelined", tmp_path)
+    assert tuple(m.heap.shape) == (4, symmetric_plan(spec, "pipelined")["forward"]["total"])
+
+
+@pytest.mark.parametrize("B", [1, 2, 3])
+def test_guard_bands_around_every_heap_buffer_stay_intact(tmp_path, B):
+    case = small(B)
+    spec = case.layer().spec
+    inputs = case.inputs()
+    ref, _ = reference_for(spec)(*inputs)
+    guard = 256
+    for strategy in STRATEGIES:
+        m = _module(spec, strategy, tmp_path, guard=guard)
+        bands = [(off - guard, off) for _, _, off, _ in m.plan.layout]
+        last = m.plan.layout[-1]
+        bands.append((last[2] + last[3], m.plan.heap_bytes))
+        assert all(hi - lo == guard for lo, hi in bands)
+        pattern = torch.tensor([0xA5, 0x5A], dtype=torch.uint8).repeat(guard // 2)
+        for lo, hi in bands:
+            m.heap[:, lo:hi] = pattern
+        y = m(*inputs)
+        assert max_relative_error(y, ref) <= 1e-5
+        for (lo, hi), (name, *_rest) in zip(bands, [*m.plan.layout, ("end",)], strict=True):
+            assert torch.equal(m.heap[:, lo:hi], pattern.expand(case.W, -1)), f"{strategy}: guard before {name} hit"
+
+
+def test_a_shuffled_topological_order_gives_the_same_result(tmp_path):
+    case = small(2)
+    spec = case.layer().spec
+    inputs = case.inputs()
+    base = _module(spec, "pipelined", tmp_path)
+    want = base(*inputs)
+    from rdepc.passes.graph import build_graph
+    from rdepc.passes.schedule import schedule
+
+    table = schedule(build_graph(spec, "pipelined"), "h100").table
+    rng = random.Random(0)
+    for _ in range(2):
+        order, placed, ready = [], set(), [e.index for e in table if not e.deps]
+        waiting = {e.index: set(e.deps) for e in table}
+        while ready:  # Kahn's algorithm, a random ready entry each step
+            i = ready.pop(rng.randrange(len(ready)))
+            order.append(i)
+            placed.add(i)
+            for e in table:
+                if e.index not in placed and e.index not in ready and waiting[e.index] <= placed:
+                    ready.append(e.index)
+        assert len(order) == len(table) and order != sorted(order)
+        m = _module(spec, "pipelined", tmp_path, order=tuple(order))
+        assert torch.equal(m(*inputs), want)
+    with pytest.raises(ValueError, match="not topological"):
+        _module(spec, "pipelined", tmp_path, order=tuple(reversed(range(len(table)))))
+
+
+def test_cli_role_split_needs_concurrent_programs(monkeypatch, capsys):
+    from rdepc import cli
+
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["run", "examples/tiny.rdep", "--mode", "role-split"]) == 2
+    err = capsys.readouterr().err
+    assert "--mode role-split needs its communication and compute programs to run concurrently" in err

@@ -1,0 +1,173 @@
+"""``rdepc run --profile``: the measured timeline as Chrome trace JSON, in the shape of the
+predicted one (``rdepc viz --trace``), and in an order that respects the task graph."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+from conftest import ROOT
+from rdepc.codegen import generate_spec
+from rdepc.codegen.lower import COLUMNS
+from rdepc.runtime.profile import measured_trace
+
+import rdepc
+from rdepc import cli, viz
+
+TINY = ROOT / "examples" / "tiny.rdep"
+COL = {c: i for i, c in enumerate(COLUMNS)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
+        mp.setenv("NO_COLOR", "1")
+        yield
+
+
+def cli_main(*argv: str) -> tuple[int, str, str]:
+    """rdepc.cli.main in-process: (status, stdout, stderr), never a traceback."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = cli.main(list(argv))
+        except SystemExit as e:
+            status = e.code
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module", params=["bulk", "pipelined"])
+def profiled(request, tmp_path_factory):
+    """tiny run once per schedule with --profile: (schedule, stdout, trace, kernel plan, predicted schedule)."""
+    strategy = request.param
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    status, out, err = cli_main("run", str(TINY), "--schedule", strategy, "--profile", str(path), "--check")
+    assert status == 0, out + err
+    trace = json.loads(path.read_text(encoding="utf-8"))
+    layer = rdepc.load(TINY)
+    plan = layer.compile(schedule=strategy).kernel  # the cache entry the run used
+    generated = generate_spec(layer.spec, strategy)
+    assert generated.kernel.names == plan.names and generated.kernel.tasks == plan.tasks
+    return strategy, out, trace, plan, generated.schedule
+
+
+def xs(trace: dict) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X"]
+
+
+def test_one_event_per_entry_named_as_predicted(profiled):
+    strategy, out, trace, plan, sched = profiled
+    events = xs(trace)
+    assert sorted(e["args"]["entry"] for e in events) == list(range(plan.n_entries))
+    assert f"  profile         {plan.n_entries} task events (logical clock" in out
+    predicted = {e["args"]["task"]: e for e in xs(viz.trace(sched, empty=True))}
+    for e in events:
+        p = predicted[e["args"]["task"]]
+        assert e["args"]["task"] == plan.tasks[e["args"]["entry"]]
+        assert (e["name"], e["cat"], e["pid"], e["tid"]) == (p["name"], p["cat"], p["pid"], p["tid"])
+        for key in ("segment", "claim", "owner", "source", "detail"):
+            assert e["args"].get(key) == p["args"].get(key), (e, p)
+    other = trace["otherData"]
+    assert (other["layer"], other["strategy"], other["mode"]) == ("tiny", strategy, "unified")
+    assert (other["clock"], other["unit"], other["tasks"]) == ("logical", "tick", plan.n_entries)
+    assert "not durations" in other["note"]
+
+
+def test_metadata_as_predicted(profiled):
+    _, _, trace, _, sched = profiled
+    measured = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    predicted = [e for e in viz.trace(sched)["traceEvents"] if e["ph"] == "M"]
+    assert [e for e in measured if e["name"] != "thread_name"] == [e for e in predicted if e["name"] != "thread_name"]
+    assert [(e["pid"], e["tid"]) for e in measured if e["name"] == "thread_name"] == [
+        (e["pid"], e["tid"]) for e in predicted if e["name"] == "thread_name"
+    ]
+
+
+def test_measured_order_respects_the_task_graph(profiled):
+    """Every entry starts (logical clock) after every entry it depends on in this call has ended."""
+    _, _, trace, plan, _ = profiled
+    at = {e["args"]["entry"]: (e["args"]["clock_start"], e["args"]["clock_end"]) for e in xs(trace)}
+    checked = 0
+    for entry, row in enumerate(plan.table):
+        first = row[COL["dep_start"]]
+        for d in plan.deps[first : first + row[COL["dep_count"]]]:
+            if d < 0:  # an entry of the previous call
+                continue
+            assert at[d][1] < at[entry][0], f"{plan.names[entry]} started before {plan.names[d]} ended"
+            checked += 1
+        assert at[entry][0] < at[entry][1]
+    assert checked > plan.n_entries  # the graph has edges; every entry but the routes has some
+    for e in xs(trace):
+        assert e["ts"] == e["args"]["clock_start"] - min(s for s, _ in at.values()) and e["dur"] >= 1
+
+
+def test_threads_follow_the_role_split(profiled):
+    strategy, _, trace, plan, _ = profiled
+    roles = {0: {"scan", "dispatch", "return"}, 1: {"route", "compute"}}
+    tids = set()
+    for e in xs(trace):
+        row = plan.table[e["args"]["entry"]]
+        tids.add(e["tid"])
+        if strategy == "bulk":
+            assert e["tid"] == 0
+            continue
+        assert e["tid"] == row[COL["resource"]] % 2
+        assert e["pid"] == row[COL["resource"]] // 2
+        if e["cat"] in roles[0] | roles[1]:
+            assert e["cat"] in roles[e["tid"]]
+        elif e["args"]["detail"] == "unpack":
+            assert e["tid"] == 0
+        else:
+            assert e["tid"] == 1  # combine wait and tiles
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    if strategy == "bulk":
+        assert tids == {0} and threads == {"all programs (2)"}
+    else:
+        assert tids == {0, 1}
+        assert {t.split()[0] for t in threads} == {"communication", "compute"}
+
+
+def test_globaltimer_ns_to_us(profiled):
+    _, _, _, plan, _ = profiled
+    profile = {
+        "clock": "globaltimer",
+        "mode": "role-split",
+        "events": [(0, 5_000_000_000, 5_000_002_500), (1, 5_000_001_000, 5_000_004_000)],
+    }
+    tr = measured_trace(plan, profile, programs=3)
+    a, b = xs(tr)
+    assert (a["ts"], a["dur"], b["ts"], b["dur"]) == (0.0, 2.5, 1.0, 3.0)
+    assert (a["name"], b["name"]) == plan.names[:2]
+    other = tr["otherData"]
+    assert (other["clock"], other["unit"], other["span"], other["tasks"]) == ("globaltimer", "us", 4.0, 2)
+    threads = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == ({"all programs (3)"} if plan.unified else {"communication (3 programs)", "compute (3 programs)"})
+    with pytest.raises(ValueError, match="clock"):
+        measured_trace(plan, {"clock": "wall", "events": []})
+    with pytest.raises(ValueError, match="out of range"):
+        measured_trace(plan, {"clock": "logical", "events": [(plan.n_entries, 0, 1)]})
+
+
+def test_profile_path_checked_before_the_run(tmp_path):
+    status, out, err = cli_main("run", str(TINY), "--profile", str(tmp_path / "no" / "p.json"))
+    assert status == 2 and out == ""
+    assert err == f"rdepc: error: --profile {tmp_path / 'no' / 'p.json'}: no such directory {tmp_path / 'no'}\n"
+    status, out, err = cli_main("run", str(TINY), "--profile", str(tmp_path))
+    assert status == 2 and "is a directory" in err and err.count("\n") == 1
+
+
+def test_profile_write_error_is_one_line(tmp_path, monkeypatch):
+    from rdepc.runtime import profile
+
+    def refuse(plan, prof, path, programs=None):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(profile, "write_measured_trace", refuse)
+    target = tmp_path / "p.json"
+    status, out, err = cli_main("run", str(TINY), "--tokens", "1", "--profile", str(target))
+    assert status == 1 and "max rel. error" in out
+    assert err == f"rdepc: error: cannot write {target}: Permission denied\n"
