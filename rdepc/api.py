@@ -117,15 +117,7 @@ class Layer:
         if key not in self._compiled:
             from rdepc.runtime.cache import compile_layer
 
-            compiled = compile_layer(self.spec, schedule, hw, backend, interpret)
-            for d in compiled.kernel.decisions:
-                if d.startswith("strategy = bulk (codegen:"):
-                    import warnings
-
-                    warnings.warn(
-                        f"rdepc: layer {self.spec.name}: {d}; the kernels run the bulk schedule", stacklevel=2
-                    )
-            self._compiled[key] = compiled
+            self._compiled[key] = compile_layer(self.spec, schedule, hw, backend, interpret)
         return self._compiled[key]
 
     @property

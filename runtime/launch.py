@@ -16,8 +16,10 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import threading
 from pathlib import Path
 
 
@@ -96,4 +98,53 @@ class Launcher:
             kernel[grid](*args, **meta)
 
 
-__all__ = ["Launcher", "import_kernels", "interpreter_env", "triton_mode"]
+class ConcurrentInterpreter(Launcher):
+    """Runs an interpreted launch with its programs concurrent: one Python thread per
+    program, all started together, instead of the interpreter's one-after-another loop. What
+    the role-split kernel needs on a CPU: a communication program waiting on a compute
+    program must not hold the only turn. Each thread runs the kernel as program 0 of a grid
+    of 1 with ``program_base`` = its index (the kernel finds its queue by ``program_base +
+    program_id``). The threads interleave preemptively under the GIL; the interpreter's
+    atomics are single C++ calls under the GIL, so they stay atomic.
+
+    It drives the interpreter's own pieces (``GridExecutor``'s argument copies, the language
+    patch, ``interpreter_builder``), as Triton 3.6 defines them; another Triton fails with a
+    clear error rather than running programs one at a time."""
+
+    def __call__(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        try:
+            from triton.runtime.interpreter import GridExecutor, _implicit_cvt, _patch_lang, interpreter_builder
+        except ImportError as e:  # pragma: no cover - Triton is pinned
+            raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
+        self.launches += 1
+        with interpreter_env(True):
+            fn = kernel.rewrite()
+            executor = GridExecutor(fn, kernel.arg_names, (1,), [])
+            host_args, host_meta = executor._init_args_hst(args, meta)
+            scope = _patch_lang(fn)
+            try:
+                call = inspect.getcallargs(fn, *host_args, **host_meta)
+                given = {n: a if n in executor.constexprs else _implicit_cvt(a) for n, a in call.items()}
+                interpreter_builder.set_grid_dim(1, 1, 1)
+                interpreter_builder.set_grid_idx(0, 0, 0)
+                errors: list[BaseException] = []
+
+                def program(i: int) -> None:
+                    try:
+                        fn(**(given | {"program_base": _implicit_cvt(i)}))
+                    except BaseException as e:  # re-raised on the host below
+                        errors.append(e)
+
+                threads = [threading.Thread(target=program, args=(i,), daemon=True) for i in range(grid[0])]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if errors:
+                    raise errors[0]
+            finally:
+                scope.restore()
+            executor._restore_args_dev(args, host_args, meta, host_meta)
+
+
+__all__ = ["ConcurrentInterpreter", "Launcher", "import_kernels", "interpreter_env", "triton_mode"]

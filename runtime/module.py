@@ -36,7 +36,7 @@ import torch
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import COLUMNS, ERRORS, INT32_MAX, MODES, KernelPlan, Tiles
 from rdepc.runtime import transport as transports
-from rdepc.runtime.launch import Launcher, import_kernels
+from rdepc.runtime.launch import ConcurrentInterpreter, Launcher, import_kernels
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -86,10 +86,11 @@ class RDEPModule:
 
     ``mode``: ``unified`` (default: every program takes any task, one ticket counter) or
     ``role-split`` (per rank a communication queue and a compute queue, each with its own
-    programs; it needs them to run concurrently, so it runs on a GPU only). ``programs``:
-    the grid's size, by default two under the interpreter and one per SM on a GPU (every
-    program resident); role-split gives each rank an equal share, split between its two
-    queues in the ratio of the schedule's communication and compute programs.
+    programs; they must run concurrently: on a GPU every program is resident, on the CPU
+    each interpreted program runs in its own thread, ``ConcurrentInterpreter``). ``programs``:
+    the grid's size, by default two under the interpreter (role-split: one per queue, 2·W)
+    and one per SM on a GPU; role-split gives each rank an equal share, split between its
+    two queues in the ratio of the schedule's communication and compute programs.
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
     ``profile``: record the start and end of every work item (``last_profile``)."""
 
@@ -120,19 +121,16 @@ class RDEPModule:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.interpret = device.type == "cpu"
-        if mode == "role-split" and self.interpret:
-            raise ValueError(
-                "the role-split kernel mode needs its communication and compute programs to run concurrently; the "
-                "Triton interpreter runs programs one after another: run it on a GPU (device='cuda'), or use "
-                "mode='unified' on the CPU"
-            )
         self.mode = mode
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         p = plan
         self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
         self.work = p.work(self.tiles, mode)
         if programs is None:
-            programs = 2 if self.interpret else torch.cuda.get_device_properties(device).multi_processor_count
+            if self.interpret:  # role-split: one program (one thread) per queue
+                programs = 2 if mode == "unified" else 2 * p.W
+            else:
+                programs = torch.cuda.get_device_properties(device).multi_processor_count
         if mode == "unified":
             programs = max(1, min(programs, self.work.n_items))
             per_queue = [programs]
@@ -144,7 +142,11 @@ class RDEPModule:
         self.programs = programs  # the grid's budget: every program resident at once on a GPU
         self.per_queue = tuple(per_queue)
         self.grid = sum(per_queue)
-        self.spin_bound = spin_bound if spin_bound is not None else (10_000 if self.interpret else 1 << 26)
+        # Spins are cheap on a GPU and slow under the interpreter; concurrent interpreted programs
+        # wait for each other's turns under the GIL, so they get more.
+        if spin_bound is None:
+            spin_bound = 1 << 26 if not self.interpret else 10_000 if mode == "unified" else 1 << 22
+        self.spin_bound = spin_bound
         self.profiling = profile
         self.dtype = TORCH_DTYPES[p.dtype]
         self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
@@ -175,7 +177,8 @@ class RDEPModule:
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0
-        self.launcher = Launcher(self.interpret)
+        concurrent = self.interpret and mode == "role-split"
+        self.launcher = ConcurrentInterpreter(True) if concurrent else Launcher(self.interpret)
         self.last_stats: dict | None = None
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None

@@ -7,8 +7,8 @@ the scheduler's prediction (``rdepc viz --trace``, :func:`rdepc.viz.trace`), so 
 side by side in https://ui.perfetto.dev:
 
 * one complete event (``ph: "X"``) per entry, named after its task, ``pid`` = rank, ``tid``
-  0 when the schedule is unified (bulk: every program does every stage), else 0 for the
-  rank's communication tasks and 1 for its compute tasks; ``cat`` the stage (``route``,
+  0 when the schedule is unified (bulk: every program does every stage) and the kernel ran
+  unified, else 0 for the rank's communication tasks and 1 for its compute tasks; ``cat`` the stage (``route``,
   ``scan``, ``dispatch``, ``compute``, ``return``, ``combine``; unpack and the combine wait
   are stage ``combine`` with ``detail`` ``unpack`` / ``wait``, as in the prediction);
 * the same process and thread name metadata events (``rank r``; ``all programs``, or
@@ -125,7 +125,7 @@ def measured_trace(plan: KernelPlan, profile: dict, programs=None) -> dict:
                 "cat": stage,
                 "ph": "X",
                 "pid": row[_COL["rank"]],
-                "tid": 0 if plan.unified else role,
+                "tid": 0 if plan.unified and mode != "role-split" else role,
                 "ts": (start - origin) * scale,
                 "dur": dur,
                 "args": args,

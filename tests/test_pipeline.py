@@ -20,7 +20,7 @@ from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rdepc.codegen import generate
-from rdepc.codegen.lower import Tiles, lower
+from rdepc.codegen.lower import COLUMNS, Tiles, lower
 from rdepc.passes.memplan import memory_plan
 from rdepc.passes.plan import symmetric_plan
 from rdepc.runtime.module import KernelError, RDEPModule, max_relative_error
@@ -196,10 +196,25 @@ def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
     assert torch.equal(m(*inputs), good) and m.epoch == 2
 
 
-def test_role_split_refuses_the_sequential_interpreter(monkeypatch):
-    monkeypatch.chdir(ROOT)
-    with pytest.raises(ValueError, match="role-split kernel mode needs its communication and compute programs"):
-        rdepc.load("examples/tiny.rdep").module(schedule="pipelined", mode="role-split")
+@pytest.mark.parametrize("B", [1, 2])
+def test_role_split_runs_concurrently_and_matches_unified(B):
+    """One thread per (rank, role) queue under the interpreter: communication and compute
+    programs overlap in time (the logical clock interleaves them) and the result is bitwise
+    the unified kernel's, call after call."""
+    case = small(B)
+    layer = case.layer()
+    inputs = case.inputs()
+    want = layer.module(schedule="pipelined")(*inputs)
+    m = layer.module(schedule="pipelined", mode="role-split", profile=True)
+    assert m.grid == 2 * case.W and m.per_queue == (1, 1) * case.W
+    for _ in range(2):
+        assert torch.equal(m(*inputs), want)
+    col = COLUMNS.index("resource")  # 2 * rank + role
+    spans = {role: [] for role in (0, 1)}
+    for entry, start, end in m.last_profile["events"]:
+        spans[m.plan.table[entry][col] % 2].append((start, end))
+    overlaps = sum(1 for a in spans[0] for b in spans[1] if a[0] < b[1] and b[0] < a[1])
+    assert overlaps > 0, "communication and compute tasks never overlapped"
 
 
 # ------------------------------------------------------------------ the heap
@@ -279,10 +294,10 @@ def test_a_shuffled_topological_order_gives_the_same_result(tmp_path):
         _module(spec, "pipelined", tmp_path, order=tuple(reversed(range(len(table)))))
 
 
-def test_cli_role_split_needs_concurrent_programs(monkeypatch, capsys):
+def test_cli_runs_role_split(monkeypatch, capsys):
     from rdepc import cli
 
     monkeypatch.chdir(ROOT)
-    assert cli.main(["run", "examples/tiny.rdep", "--mode", "role-split"]) == 2
-    err = capsys.readouterr().err
-    assert "--mode role-split needs its communication and compute programs to run concurrently" in err
+    assert cli.main(["run", "examples/tiny.rdep", "--schedule", "pipelined", "--mode", "role-split", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "role-split mode, grid (8,)" in out and "check passed" in out

@@ -145,7 +145,8 @@ def test_globaltimer_ns_to_us(profiled):
     other = tr["otherData"]
     assert (other["clock"], other["unit"], other["span"], other["tasks"]) == ("globaltimer", "us", 4.0, 2)
     threads = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
-    assert threads == ({"all programs (3)"} if plan.unified else {"communication (3 programs)", "compute (3 programs)"})
+    assert threads == {"communication (3 programs)", "compute (3 programs)"}  # role-split: a thread per role
+    assert {e["tid"] for e in xs(tr)} <= {0, 1}
     with pytest.raises(ValueError, match="clock"):
         measured_trace(plan, {"clock": "wall", "events": []})
     with pytest.raises(ValueError, match="out of range"):
