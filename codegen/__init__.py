@@ -59,13 +59,11 @@ class Generated:
 class CodegenPass:
     """Schedule → Generated. ``schedule`` is the strategy the user asked for explicitly
     (command line or API), None when it came from the spec or the cost model (it is
-    recorded in the generated header). ``guard``: bytes of guard band around every heap
-    buffer (a test fills them with a pattern); 0 lays the heap out exactly as planned."""
+    recorded in the generated header)."""
 
     schedule: str | None = None
     hw: str = "h100"
     transport: str = "emulated"
-    guard: int = 0
     name: str = "codegen"
 
     def __call__(self, sched: Schedule) -> Generated:
@@ -76,9 +74,7 @@ class CodegenPass:
         if mp.problems:
             raise AssertionError("memory plan violates its own invariants:\n  " + "\n  ".join(mp.problems))
         options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
-        if self.guard:
-            options += (("guard", str(self.guard)),)
-        plan = dataclasses.replace(lower(spec, sched, mp, self.transport, guard=self.guard), options=options)
+        plan = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
         return Generated(plan, generate(plan), sched, mp)
 
 

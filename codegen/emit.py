@@ -356,9 +356,20 @@ def locate(u, lo, n, local):
 
 
 @triton.jit
-def ring_row(row, s):
-    """Where payload row ``row`` of segment s sits in its owner's B-slot rings."""
-    return row - s * S + (s % B) * S
+def ring_row(row, s, slot):
+    """Where payload row ``row`` of segment s sits in a ring of B slots of S rows, in slot
+    ``slot % B``: the owner's rings use slot s, a front-end's return ring the piece's claim."""
+    return row - s * S + (slot % B) * S
+
+
+@triton.jit
+def owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s):
+    """The live rows whose row_id decodes to rank r; one that decodes to another rank is
+    reported, never moved."""
+    bad = live & (rid // rid_rank != r)
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
+    return live & (rid // rid_rank == r)
 '''
 
 
@@ -427,7 +438,7 @@ def dispatch(
         i = tl.load(rows + tl.sum(tl.where(at_expert, bucket[None, :], 0), axis=1) + p, mask=keep, other=0)
         t = i // K  # route row t*K + k of rank r
         k = i % K
-        at = ring_row(row, s)
+        at = ring_row(row, s, s)
         src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
         to = payload + tl.cast(at, tl.int64) * H
         for h in range(0, H, BLOCK_H):
@@ -564,7 +575,7 @@ def compute(
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        row = tl.cast(ring_row(row0 + m, s), tl.int64)
+        row = tl.cast(ring_row(row0 + m, s, s), tl.int64)
         me = peer(heap, q)
         rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + row, mask=live, other=0)
         tl.store(staging_rid + tl.cast(q, tl.int64) * (B * S) + row, rid, mask=live)
@@ -605,7 +616,7 @@ def compute(
 
 def _return(p: KernelPlan) -> str:
     if p.ring:
-        land = """        at = (claim % B) * S + row - s * S  # the claim's slot of r's return ring
+        land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
         to = landing + tl.cast(at, tl.int64) * H
         put((peer(heap, r) + RETURN_IDS).to(tl.pointer_type(tl.int64)) + at, rid, ok)
 """
@@ -658,13 +669,9 @@ def return_rows(
         start += items * BLOCK_R
         live = u < n
         _, row = locate(u, lo, count, local)
-        frm = ring_row(row, s)
+        frm = ring_row(row, s, s)
         rid = tl.load(row_ids + frm, mask=live, other=0)
-        src = rid // rid_rank
-        bad = live & (src != r)
-        if tl.sum(bad.to(tl.int32), axis=0) > 0:
-            report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
-        ok = live & (src == r)
+        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
 @@LAND@@        frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
@@ -714,15 +721,11 @@ def unpack(
         start += items * BLOCK_R
         live = u < n
         _, row = locate(u, lo, count, local)
-        at = (claim % B) * S + row - s * S
+        at = ring_row(row, s, claim)
         rid = tl.load(ids + at, mask=live, other=0)
-        src = rid // rid_rank
+        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
         t = (rid % rid_rank) // rid_token
         k = rid % rid_token
-        bad = live & (src != r)
-        if tl.sum(bad.to(tl.int32), axis=0) > 0:
-            report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
-        ok = live & (src == r)
         frm = ring + tl.cast(at, tl.int64) * H
         to = mine + (t * K + k) * H
         for h in range(0, H, BLOCK_H):

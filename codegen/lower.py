@@ -292,10 +292,6 @@ class Work:
     def n_entries(self) -> int:
         return len(self.table)
 
-    def items_of(self, q: int) -> int:
-        lo, hi = self.bounds[q]
-        return self.first_item[hi] - self.first_item[lo]
-
     def entry_items(self) -> list[tuple[int, int]]:
         """(first work item, items) of every entry, in table order."""
         out = [(0, 0)] * len(self.table)

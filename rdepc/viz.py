@@ -51,23 +51,26 @@ def _tid(sched: Schedule, t) -> int:
     return 0 if sched.unified or t.role == "comm" else 1
 
 
-def trace(sched: Schedule, empty: bool = False) -> dict:
-    """The predicted schedule as Chrome trace-event JSON (a dict)."""
-    tg = sched.graph
-    W = tg.geometry.W
+def rank_metadata(W: int, threads: list[tuple[int, str]]) -> list[dict]:
+    """Trace metadata: one process per rank, in rank order, holding ``threads`` (tid, name)
+    (shared by the predicted trace and the measured one, rdepc.runtime.profile)."""
     events: list[dict] = []
     for r in range(W):
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        if sched.unified:
-            names = [(0, f"all programs ({sched.programs[0]})")]
-        else:
-            names = [
-                (0, f"communication ({sched.programs[0]} programs)"),
-                (1, f"compute ({sched.programs[1]} programs)"),
-            ]
-        for tid, name in names:
+        for tid, name in threads:
             events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
+    return events
+
+
+def trace(sched: Schedule, empty: bool = False) -> dict:
+    """The predicted schedule as Chrome trace-event JSON (a dict)."""
+    tg = sched.graph
+    if sched.unified:
+        names = [(0, f"all programs ({sched.programs[0]})")]
+    else:
+        names = [(0, f"communication ({sched.programs[0]} programs)"), (1, f"compute ({sched.programs[1]} programs)")]
+    events = rank_metadata(tg.geometry.W, names)
     rows = sched.cost.rows
     skipped = 0
     for i, u in enumerate(sched.order):

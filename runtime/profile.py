@@ -38,6 +38,8 @@ from pathlib import Path
 
 from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
 
+from rdepc.viz import rank_metadata
+
 _COL = {c: i for i, c in enumerate(COLUMNS)}
 # Task-table kind → (stage, detail), as the task graph names them (rdepc.ir.graph.Task).
 STAGE_OF = {
@@ -97,13 +99,7 @@ def measured_trace(plan: KernelPlan, profile: dict, programs=None) -> dict:
     last = max((e for _, _, e in spans), default=origin)
     scale = 1e-3 if clock == "globaltimer" else 1  # ns → µs; ticks as they are
 
-    events: list[dict] = []
-    threads = _thread_names(plan, mode, programs)
-    for r in range(plan.W):
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for tid, name in threads:
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
+    events = rank_metadata(plan.W, _thread_names(plan, mode, programs))
     for entry, start, end in spans:
         row = plan.table[entry]
         kind = KINDS[row[_COL["kind"]]]
