@@ -7,10 +7,11 @@ tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.s
 compiles the emitted file to sm_90 cubins without a GPU.
 
 Scope: the forward pass, every schedule (``bulk``, ``pipelined``, ``deep``: the kernels run
-the scheduler's task table, B-slot rings included), the ``emulated`` transport. What the
+the scheduler's task table, B-slot rings included), every transport (``emulated``: all
+ranks in one process; ``emulated-mp`` and ``nvshmem``: one process per rank). What the
 stage does not implement yet is reported with the driver's "not supported yet" diagnostic
-at the construct (``UNSUPPORTED``). The spec's ``transport nvshmem`` is the eventual
-target, not a blocker: the kernels are generated for the backend asked for (``emulated``).
+at the construct (``UNSUPPORTED``). The kernels are generated for the backend asked for,
+whatever the spec's ``transport`` statement names.
 One generated file serves both kernel modes (unified and role-split, a constexpr chosen at
 launch). Shared experts are computed densely on the front-end by ``rdepc.RDEPMoE``, outside
 the routed kernels; symbolic tokens (``param T <= N``) run with the call's T'.
@@ -78,14 +79,15 @@ class CodegenPass:
         return Generated(plan, generate(plan), sched, mp)
 
 
-def generate_spec(spec, schedule: str | None = None, hw: str = "h100") -> Generated:
+def generate_spec(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated") -> Generated:
     """Run the driver's passes over a checked LayerSpec up to and including codegen (the
-    "not supported yet" checks included). ``schedule`` as ``--schedule``."""
+    "not supported yet" checks included). ``schedule`` as ``--schedule``, ``backend`` the
+    transport the kernels are generated for."""
     from rdepc.driver import Options, _check_supported, spec_passes
 
     outputs = {"elaborate": spec}
     out = None
-    for p in spec_passes(Options(schedule=schedule, hw=hw)):
+    for p in spec_passes(Options(schedule=schedule, hw=hw, backend=backend)):
         _check_supported(p, spec)
         out = outputs[p.name] = p.run(outputs[p.source])
     return out

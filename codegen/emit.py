@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import textwrap
 
-from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, ctl_done, next_pow2
+from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2
 from rdepc.runtime.transport import get as get_transport
 
 HASH_FIELD = "# content-sha256: "
@@ -43,7 +43,7 @@ def generate(plan: KernelPlan) -> str:
     parts = [
         _header(plan),
         _docstring(plan),
-        "import triton\nimport triton.language as tl\n",
+        "import triton\nimport triton.language as tl\n" + (transport.imports + "\n" if transport.imports else ""),
         _constants(plan),
         transport.device_source.strip("\n") + "\n",
         _helpers(plan),
@@ -87,13 +87,14 @@ def _header(p: KernelPlan) -> str:
 def _docstring(p: KernelPlan) -> str:
     return f'''"""Forward kernels of the RDEP layer ``{p.layer}``: one persistent Triton kernel, ``rdep_forward``.
 
-One launch covers all W = {p.W} ranks. Its programs take work items with a ticket (an atomic
-counter) in the task table's order, which is a topological order of the scheduler's task
-graph: the earliest unfinished item always has its inputs done, so the kernel makes
-progress with any number of programs, even when they run one at a time as in Triton's
-interpreter. Each item waits on its dependencies' done flags (bounded spins; on expiry it
-records an error and the program stops), runs its task kind's function and signals its
-own flag with release semantics.
+{_launches(p)}
+Its programs take work items with a ticket (an atomic counter) in the task table's order,
+which is a topological order of the scheduler's task graph: the earliest unfinished item
+always has its inputs done, so the kernel makes progress with any number of programs,
+even when they run one at a time as in Triton's interpreter. Each item waits on its
+dependencies' done flags (bounded spins; on expiry it records an error and the program
+stops), runs its task kind's function and signals its own flag with release semantics.
+The done flags are symmetric, each in the heap slice of the rank that runs the entry.
 
 Task kinds (RDEP section 3.4 and appendix A.2):
   route     front-end r: route rows (t, k), their order per expert, counts to the owners
@@ -107,6 +108,12 @@ Done flags, the ticket counter and the heap persist across calls: flags count fi
 items cumulatively, so a call with epoch c waits for c * items and no reset kernel runs.
 """
 '''
+
+
+def _launches(p: KernelPlan) -> str:
+    if get_transport(p.transport).processes == "one":
+        return f"One launch covers all W = {p.W} ranks."
+    return f"Each of the W = {p.W} ranks launches it in its own process, on its own entries."
 
 
 def _c(name: str, value, comment: str = "") -> str:
@@ -145,9 +152,11 @@ def _constants(p: KernelPlan) -> str:
         "# The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)",
         "# ---------------------------------------------------------------------------------------",
         _c("HEAP_BYTES", p.heap_bytes, "one rank's slice: the forward regions"),
+        _c("TOKENS", off["tokens"], "int64 [W] at the owner: the tokens T' each front-end brings to the call"),
         _c("COUNTS", off["counts"], "int32 [W, E_MAX] at the owner: rows each source sends each local expert"),
         _c("OFFSETS", off["offsets"], "int32 [W, E_MAX] at the source: write base per (owner, local expert)"),
         _c("ADMITTED", off["admitted"], "int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)"),
+        _c("FLAGS", off["flags"], "int64 done counters of the entries this rank runs (task-table column flag)"),
         _c("PAYLOAD", off["payload"], "DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source"),
     ]
     sizes = {"row_id": "int64 [B*S]", "local_expert": "int32 [B*S]", "gate": "fp32 [B*S]", "scale": "fp32 [B*S]"}
@@ -169,14 +178,14 @@ def _constants(p: KernelPlan) -> str:
     lines.append(_c("NCOL", len(COLUMNS)))
     lines += [_c(f"CTL_{c.upper()}", i) for i, c in enumerate(CONTROL)]
     lines.append(_c("CTL_TICKETS", CTL_TICKETS, "ticket counters, one per queue (2*W), cumulative over calls"))
-    lines.append(_c("CTL_DONE", ctl_done(p.W), "done flags: finished work items per entry, cumulative over calls"))
     names = ("WAIT", "OVERFLOW", "ROW_ID")
     lines += [_c(f"ERR_{n}", code, ERRORS[code]) for code, n in zip(ERRORS, names, strict=True)]
     lines += [
         _c("ST_ARRIVED", 0, "stats [W, ST_COLS]: rows arrived per local expert,"),
         _c("ST_ADMITTED", p.E_MAX, "rows admitted per local expert,"),
-        _c("ST_MTILES", 2 * p.E_MAX, "m-tiles the grouped GEMM ran"),
-        _c("ST_COLS", 2 * p.E_MAX + 1),
+        _c("ST_MTILES", 2 * p.E_MAX, "m-tiles the grouped GEMM ran,"),
+        _c("ST_CAP", 2 * p.E_MAX + 1, "the capacity cap_e the scan applied"),
+        _c("ST_COLS", 2 * p.E_MAX + 2),
     ]
     return "\n".join(lines) + "\n"
 
@@ -218,6 +227,14 @@ def report(ctl, code, entry, dep, rank, epoch, queue, segment, seen, expected):
         tl.store(ctl + CTL_ERR_SEGMENT, tl.cast(segment, tl.int64))
         tl.store(ctl + CTL_ERR_SEEN, tl.cast(seen, tl.int64))
         tl.store(ctl + CTL_ERR_EXPECTED, tl.cast(expected, tl.int64))
+
+
+@triton.jit
+def done_flag(heap, table, entry):
+    """Entry ``entry``'s done counter: symmetric, in the heap slice of the rank that runs it,
+    so a waiter on any rank reads it where its producer signals it."""
+    row = table + entry * NCOL
+    return (peer(heap, tl.load(row + C_RANK)) + FLAGS).to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
 
 
 @triton.jit
@@ -284,15 +301,20 @@ def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratc
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
     put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
+    # ... and how many tokens r brings to the call: capacity follows the total (ranks may differ).
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
+    put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
 '''
 
 
 def _scan() -> str:
     return '''@triton.jit
-def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap):
+def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
-    Each local expert admits at most ``cap`` rows, in arrival order: ascending row_id, which
+    Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
+    published with their counts, in arrival order: ascending row_id, which
     with eq. 7 is source by source, so what a source gets admitted is a prefix of its run
     and admission is one running sum per expert. Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
@@ -301,6 +323,10 @@ def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap)
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.load((peer(heap, q) + TOKENS).to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+    cap = tl.load(caps + tl.sum(tokens, axis=0))
+    policy = cap
     counts = (peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32))
     arrived = tl.zeros([EL_PAD], tl.int32)
     for src in range(0, W):
@@ -332,6 +358,7 @@ def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap)
     tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
     tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
     tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_CAP, policy)
 '''
 
 
@@ -818,7 +845,7 @@ def combine(
     )
 
 
-RUNTIME_SCALARS = ("n_tokens", "epoch", "cap", "rid_rank", "rid_token", "bound", "program_base")
+RUNTIME_SCALARS = ("n_tokens", "epoch", "rank0", "rid_rank", "rid_token", "bound", "program_base")
 CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_R", "CAST_F32", "ROLE_SPLIT", "PROFILE", "GLOBALTIMER")
 
 
@@ -835,9 +862,10 @@ def rdep_forward(
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
     run, signal.
 
-    Unified mode (ROLE_SPLIT False): one queue, the whole table; any program runs any task.
-    Role-split mode: program ``program_base + program_id`` serves the (rank, role) queue
-    ``program_queue`` names, taking only that queue's tasks, in the table's order.
+    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
+    entries its rank runs); any program runs any task. Role-split mode: program
+    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
+    taking only that queue's tasks, in the table's order.
     Tickets and done flags count up across calls: a queue's tickets of call ``epoch`` start
     at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
     wait that expires records the error (entry, rank, queue, segment, flag, value seen and
@@ -846,7 +874,26 @@ def rdep_forward(
     its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
     injection): it runs nothing and never signals.
     """
-    done = ctl + CTL_DONE
+    # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
+    # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
+    # With every rank in one process rank0 is 0 and nothing moves.
+    me = tl.cast(rank0, tl.int64)
+    x -= me * n_tokens * H
+    y -= me * n_tokens * H
+    topk_ids -= me * n_tokens * K
+    gates -= me * n_tokens * K
+    accepted -= me * n_tokens * K
+    slot -= me * n_tokens * K
+    gprime -= me * n_tokens * K
+    rowpos -= me * (T * K)
+    sorted_rows -= me * (T * K)
+    route_scratch -= me * (2 * E_PAD + 2)
+    recv -= me * (W * E_MAX * 2)
+    group -= me * (E_MAX * 2)
+    hbuf -= me * (B * S * F)
+    staging -= me * (B * S * H)
+    staging_rid -= me * (B * S)
+@@LANDING_REBASE@@    stats -= me * ST_COLS
     target = tl.cast(epoch, tl.int64)
     queue_id = 0
     if ROLE_SPLIT:
@@ -882,7 +929,7 @@ def rdep_forward(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # compute items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done + guard, want, bound)
+            got = wait(done_flag(heap, table, guard), want, bound)
             if got < want:
                 blocked = guard
                 seen = got
@@ -899,7 +946,7 @@ def rdep_forward(
                 before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
                 dep = tl.where(dep < 0, -dep - 1, dep)
                 want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                got = wait(done + dep, want, bound)
+                got = wait(done_flag(heap, table, dep), want, bound)
                 if got < want:
                     blocked = dep
                     seen = got
@@ -914,7 +961,7 @@ def rdep_forward(
                 if kind == KIND_ROUTE:
                     route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, rank, n_tokens)
                 elif kind == KIND_SCAN:
-                    scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, rank, cap)
+                    scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
@@ -940,10 +987,12 @@ def rdep_forward(
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
-            signal(done + entry)
+            signal(done_flag(heap, table, entry))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
-'''.replace("@@UNPACK@@", _unpack_call() if p.ring else "")
+'''.replace("@@UNPACK@@", _unpack_call() if p.ring else "").replace(
+        "@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else ""
+    )
 
 
 def _unpack_call() -> str:
@@ -966,14 +1015,14 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     args += [("w_up", f"*{dt}"), ("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
     tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
-    tables += ("weight_of", "order", "owner_first", "rows_max")
+    tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
     args += [(n, "*i32") for n in tables]
     args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
     args += [("hbuf", f"*{dt}"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
     if plan.ring:
         args.append(("landing", f"*{dt}"))
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64")]
-    args += [("n_tokens", "i32"), ("epoch", "i64"), ("cap", "i32"), ("rid_rank", "i32"), ("rid_token", "i32")]
+    args += [("n_tokens", "i32"), ("epoch", "i64"), ("rank0", "i32"), ("rid_rank", "i32"), ("rid_token", "i32")]
     args += [("bound", "i32"), ("program_base", "i32")]
     args += [(c, "constexpr") for c in CONSTEXPRS]
     return args

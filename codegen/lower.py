@@ -65,16 +65,17 @@ from rdepc.ir.spec import LayerSpec
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "compute", "return", "unpack", "combine_wait", "combine")
 # Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
-# or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode.
+# or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode;
+# ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
 COLUMNS = (
-    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource"
+    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource", "flag"
 )  # fmt: skip
 MODES = ("unified", "role-split")
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
 # The private control block (int64): a logical clock, the error record, then (from
-# CTL_TICKETS) one ticket counter per queue, 2·W of them, then (from ctl_done(W)) the done
-# flags, one per task-table entry.
+# CTL_TICKETS) one ticket counter per queue, 2·W of them. The done flags are symmetric:
+# each rank's in its own heap slice (``flags``), where every peer can read them.
 CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
 CONTROL += ("err_seen", "err_expected")
 CTL_TICKETS = 16
@@ -82,8 +83,8 @@ INT32_MAX = 2**31 - 1
 ROLE_INDEX = {"comm": 0, "compute": 1}
 
 
-def ctl_done(W: int) -> int:
-    """Index of the first done flag in the control block (after 2·W ticket counters)."""
+def ctl_words(W: int) -> int:
+    """Words of the private control block: the clock and error record, 2·W ticket counters."""
     return CTL_TICKETS + 2 * W
 
 
@@ -194,11 +195,14 @@ class KernelPlan:
     def n_entries(self) -> int:
         return len(self.table)
 
-    def work(self, tiles: Tiles, mode: str = "unified") -> Work:
+    def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None) -> Work:
         """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
-        docstring)."""
+        docstring). ``rank``: only the queues of that rank (a transport with one process per
+        rank): unified, one queue of every entry the rank runs; role-split, its two."""
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
+        if rank is not None and not 0 <= rank < self.W:
+            raise ValueError(f"rank {rank} out of range [0, {self.W})")
         # m-tiles stay aligned to each expert's rows: a segment boundary may cut one tile per
         # expert in two (emit.m_tile), hence 2·E_loc − 1 rather than E_loc − 1 when segmented.
         bulk = max(self.rows_max, default=0) <= self.S
@@ -225,6 +229,11 @@ class KernelPlan:
         queues: list[list[int]] = [[] for _ in range(n_queues)]
         for i, row in enumerate(table):
             queues[0 if mode == "unified" else row[col["resource"]]].append(i)
+        if rank is not None:  # this rank's entries only (resource = 2·rank + role)
+            if mode == "unified":
+                queues = [[i for i in queues[0] if table[i][col["rank"]] == rank]]
+            else:
+                queues = queues[2 * rank : 2 * rank + 2]
         queue = tuple(i for q in queues for i in q)
         first, bounds = [0], []
         for q in queues:
@@ -251,6 +260,21 @@ class KernelPlan:
         if isinstance(self.cap_rows, tuple):
             return self.cap_rows[T]
         return self.cap_rows
+
+    def caps(self) -> tuple[int, ...]:
+        """cap_e for every total n = Σ_r T'_r of tokens the W ranks bring to a call, n in
+        [0, W·T]: the scan reads it at the owner, which learns n from the ``tokens`` words
+        every front-end published. With equal T' this is :meth:`cap_at` (T' = n / W);
+        symbolic row tables are read at ⌈n / W⌉. Dropless: INT32_MAX."""
+        W, out = self.W, []
+        for n in range(W * self.T + 1):
+            if self.capacity == "factor":
+                p, q = self.cap_factor
+                out.append(-(-p * n * self.K // (q * self.E)))
+            else:
+                cap = self.cap_at(-(-n // W))
+                out.append(INT32_MAX if cap is None else cap)
+        return tuple(out)
 
     def row_id_radix(self, T: int) -> tuple[int, int]:
         """(rank, token) coefficients of eq. 7 at a call with T' tokens: (T·K, K), with the
@@ -366,6 +390,7 @@ def lower(
     previous = _previous_call(sched)
     scan_of = {e.rank: new[e.index] for e in sched.table if e.stage == "scan"}
     table, deps, names, tasks = [], [], [], []
+    runs = [0] * W  # entries each rank runs so far: the next one's done counter
     for i, old in enumerate(order):
         e = sched.table[old]
         kind = _kind(e.stage, e.detail)
@@ -376,17 +401,22 @@ def lower(
         task = sched.graph.tasks[e.task]
         resource = 2 * e.rank + ROLE_INDEX[task.role]
         before = [-(new[d] + 1) for d in previous.get(old, ())]
+        flag = runs[e.rank]
+        runs[e.rank] += 1
         table.append((kind, e.rank, e.src, e.owner, e.segment, e.claim, 0, len(deps), len(mine) + len(before)))
-        table[-1] += (guard_dep, resource)
+        table[-1] += (guard_dep, resource, flag)
         deps.extend(mine + before)
         names.append(task.name)
         tasks.append(e.task)
 
     # The heap: the memory plan's forward buffers, at its offsets (shifted by guard bands).
     fwd = [b for b in mp.buffers if not b.region.startswith("bwd")]
+    slots = next(b.bytes for b in fwd if b.name == "flags") // 8
+    if max(runs, default=0) > slots:
+        raise AssertionError(f"a rank runs {max(runs)} task-table entries, more than its {slots} done flags")
     place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(fwd)}
     heap_bytes = mp.regions()["total"] + guard * (len(fwd) + 1)
-    names_heap = ("barrier", "counts", "offsets", "admitted", "flags", "credits", "payload", "return")
+    names_heap = ("tokens", "counts", "offsets", "admitted", "flags", "payload", "return")
     heap = [(name, place[name]) for name in names_heap]
     if "return_ids" in place:
         heap.append(("return_ids", place["return_ids"]))
@@ -411,8 +441,8 @@ def lower(
     if ring:
         private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
     private += [
-        ("stats", "int32", (W, 2 * E_MAX + 1)),  # rows arrived, admitted per local expert; m-tiles run
-        ("ctl", "int64", (ctl_done(W) + len(table),)),  # clock, error record, tickets, done flags
+        ("stats", "int32", (W, 2 * E_MAX + 2)),  # rows arrived, admitted per local expert; m-tiles; cap_e
+        ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
     ]
     cap = spec.capacity
     cap_factor = cap_rows = None
@@ -483,6 +513,6 @@ __all__ = [
     "KernelPlan",
     "Tiles",
     "Work",
-    "ctl_done",
+    "ctl_words",
     "lower",
 ]

@@ -10,8 +10,10 @@ the very file the interpreter tests import. Jobs are batched so one subprocess (
 
 A result records the cubin's path, the compile time, the shared memory the kernel needs
 (an H100 gives a block at most 227 KiB) and a few facts read from the PTX: the target,
-whether the grouped GEMM uses ``wgmma``, and the acquire loads and release atomics of the
-flag protocol.
+whether the grouped GEMM uses ``wgmma``, the acquire loads and release atomics of the
+flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
+``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
+needs the ``nvidia-nvshmem-cu13`` wheel but no GPU.
 """
 
 from __future__ import annotations
@@ -87,12 +89,18 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
     constexprs = {"BM": tiles.bm, "BLOCK_H": tiles.block_h, "BLOCK_F": tiles.block_f, "BLOCK_R": tiles.block_r}
     constexprs |= {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile}
+    options: dict = {"num_warps": tiles.num_warps}
+    if plan.transport == "nvshmem":
+        # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
+        from rdepc.runtime.nvshmem import EXTERN_LIB, bitcode_path
+
+        options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
     for kernel, mode in KERNELS.items():
         fn = module.rdep_forward
         t0 = time.perf_counter()
         src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs | mode)
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.num_warps})
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         seconds = time.perf_counter() - t0
         target = Path(out_dir) / cubin_name(plan.layer, kernel, arch)
         tmp = target.with_name(target.name + ".tmp")
@@ -112,6 +120,9 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,
+                # NVSHMEM's code inlined from the bitcode (its device state, which
+                # nvshmem.core.module_init fills, is then a .const of the module).
+                "nvshmem": "nvshmem" in ptx,
                 "tiles": [tiles.bm, tiles.block_h, tiles.block_f, tiles.block_r, tiles.num_warps],
             }
         )

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
 
 ALIGN = 256  # docs/memory.md: every symmetric buffer is padded to a multiple of this
 EPS = 1e-12  # seconds: predicted times compare with this slack (float sums)
 
 _WHAT = {
-    "barrier": "int64 epoch tag per peer (phase barrier, RDEP A.1)",
+    "tokens": "int64 per peer: the tokens T' that front-end brings to the call (phase 1, with the counts)",
     "counts": "int32 rows each source sends to each local expert (phase 1)",
     "offsets": "int32 write base per (owner, local expert) published back (phase 2)",
     "admitted": "int32 admitted rows per (owner, local expert): the accepted set",
-    "flags": "int64 epoch-tagged ready flags: payload slot filled (source, slot), return slot filled (owner, slot)",
-    "credits": "int64 epoch-tagged credits: payload slot free (owner, slot), return slot free (front-end, slot)",
+    "flags": "int64 done counters of the tasks this rank runs, cumulative over calls: ready flags and credits",
     "payload": "dispatched rows, expert-contiguous within a slot",
     "sideband": "row_id, local expert, gate (and fp8 scale) per payload row",
     "return": "expert outputs landing at the front-end",
@@ -42,6 +42,16 @@ _WHAT = {
     "bwd_payload": "dL/dy rows, front-end → owner",
     "bwd_return": "dL/dx rows, owner → front-end",
 }
+
+
+def flag_slots(W: int, T: int, segments: int, ring: bool) -> int:
+    """Done counters one rank's heap slice holds: a bound on the task-table entries one rank
+    runs when the busiest owner runs ``segments`` segments — its route, scan and combine
+    wait, one combine tile per COMBINE_TOKENS tokens, a dispatch to every owner's segments
+    (W·n), its own computes (n) and returns to every front-end (W·n), and with a return
+    ring an unpack per piece it receives (W·n). docs/memory.md and the planner
+    give the same formula."""
+    return 3 + -(-T // COMBINE_TOKENS) + (2 * W + 1) * segments + (W * segments if ring else 0)
 
 
 def pad(n: int) -> int:
@@ -86,12 +96,11 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
     ring = geo.return_ring
     spec_rows = [
-        ("control", "barrier", W * 8, 1, 0, whole),
+        ("control", "tokens", W * 8, 1, 0, whole),
         ("control", "counts", W * E_max * 4, 1, 0, whole),
         ("control", "offsets", W * E_max * 4, 1, 0, whole),
         ("control", "admitted", W * E_max * 4, 1, 0, whole),
-        ("control", "flags", 2 * W * B * 8, 1, 0, whole),
-        ("control", "credits", 2 * W * B * 8, 1, 0, whole),
+        ("control", "flags", flag_slots(W, T, max(geo.segments, default=0), ring) * 8, 1, 0, whole),
         ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute")),
         ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute")),
         (

@@ -25,6 +25,7 @@ import sympy as sp
 from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
 
 from rdepc.diagnostics import Diagnostics, Span
+from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.spec import LayerSpec
 
 ALIGN = 256  # bytes: every symmetric buffer is padded to a multiple of this (docs/memory.md)
@@ -441,22 +442,28 @@ def beta_needed_expr() -> sp.Expr:
 def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`)."""
+    # Done counters per rank (memplan.flag_slots): route, scan, combine wait, the combine
+    # tiles, W·n dispatches, n computes, W·n returns and, with a rotating return ring, W·n
+    # unpacks, where n is the busiest owner's segments.
+    tiles = 3 + sp.ceiling(T / COMBINE_TOKENS)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
         # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
         ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
+        n = sp.ceiling(R_max / S)
+        done = tiles + (2 * W + 1) * n + sp.Piecewise((W * n, B * S < T * K), (sp.Integer(0), True))
     elif strategy == "bulk":
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
         ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
+        done = tiles + 2 * W + 1
     else:
         raise ValueError(f"unknown strategy '{strategy}'")
     buf = {
-        "barrier": _pad(W * INT64),
+        "tokens": _pad(W * INT64),
         "counts": _pad(W * E_max * INT32),
         "offsets": _pad(W * E_max * INT32),
         "admitted": _pad(W * E_max * INT32),
-        "flags": _pad(2 * W * Bx * INT64),
-        "credits": _pad(2 * W * Bx * INT64),
+        "flags": _pad(done * INT64),
         "payload": _pad(Bx * Sx * H * d),
         "sideband": _pad(Bx * Sx * sb),
         "return": _pad(R_ret * H * a),
@@ -464,7 +471,7 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         "bwd_payload": _pad(Bx * Sx * H * a),
         "bwd_return": _pad(R_ret * H * a),
     }
-    control = sum((buf[k] for k in ("barrier", "counts", "offsets", "admitted", "flags", "credits")), sp.Integer(0))
+    control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "flags")), sp.Integer(0))
     ret = buf["return"] + buf["return_ids"]
     fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
@@ -476,12 +483,12 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
 
 
 _BUFFER_WHAT = {
-    "barrier": "W int64 epoch tags, one per peer (phase barrier)",
+    "tokens": "W int64: the tokens T' each front-end brings to the call",
     "counts": "W·E_max int32 rows each source sends to each local expert",
     "offsets": "W·E_max int32 write bases published back to each source",
     "admitted": "W·E_max int32 admitted rows per (owner, local expert)",
-    "flags": "2·W·B int64 ready flags (payload slot filled, return slot filled)",
-    "credits": "2·W·B int64 credits (payload slot free, return slot free)",
+    "flags": "int64 done counters of the tasks one rank runs (ready flags and credits): "
+    "3 + ⌈T/128⌉ + (2W+1)·n + W·n if the return ring rotates, n = ⌈R_max/S⌉ segments (bulk: 1)",
     "payload": "B·S dispatched rows of H·d bytes",
     "sideband": "B·S rows of sb bytes (row_id, local expert, gate, scale)",
     "return": "R_ret returned rows of H·a bytes",
@@ -491,7 +498,7 @@ _BUFFER_WHAT = {
 }
 
 _REGION_WHAT = {
-    "control": "barrier, counts, offsets, admitted, flags, credits (each padded)",
+    "control": "tokens, counts, offsets, admitted, flags (each padded)",
     "payload": _BUFFER_WHAT["payload"],
     "sideband": _BUFFER_WHAT["sideband"],
     "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",

@@ -347,6 +347,8 @@ def cmd_run(args) -> int:
         raise UsageError(f"--backend {args.backend}: {e}") from None
     import torch
 
+    if transport.get(args.backend).per_rank:
+        return _run_per_rank(args, layer, tokens)
     from rdepc.reference import random_inputs, reference_for
     from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
 
@@ -429,6 +431,63 @@ def cmd_run(args) -> int:
         why.append("the accepted set differs from the reference's")
     print(f"check FAILED: {'; '.join(why)}")
     return 1
+
+
+def _run_per_rank(args, layer, tokens: int) -> int:
+    """``rdepc run`` on a per-rank backend: under torchrun this process is one rank; without
+    it, ``emulated-mp`` starts its W processes itself (``nvshmem`` needs torchrun's GPUs)."""
+    import os
+
+    import torch
+
+    from rdepc.runtime import per_rank, ranks
+
+    spec, W = layer.spec, layer.shapes["W"]
+    gpu = args.backend == "nvshmem"
+    if gpu and not torch.cuda.is_available():
+        raise UsageError("--backend nvshmem needs a CUDA GPU and none is visible (on a CPU: --backend emulated-mp)")
+    if not gpu and args.device != "cpu":
+        raise UsageError("--backend emulated-mp runs on --device cpu (its heap is host shared memory)")
+    if args.profile is not None:
+        raise UsageError(f"--profile: not supported yet with the per-rank backend {args.backend} (use emulated)")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not torchrun and gpu:
+        raise UsageError(
+            f"--backend nvshmem runs one process per GPU rank: torchrun --nproc-per-node {W} -m rdepc run ..."
+        )
+    case = per_rank.Case(
+        file=str(layer.spec.file),
+        layer=spec.name,
+        overrides=tuple(_overrides(args).items()),
+        backend=args.backend,
+        device="cuda" if gpu else "cpu",
+        schedule=args.schedule,
+        mode=args.mode,
+        routing=args.routing,
+        seed=args.seed,
+        tokens=tokens,
+    )
+    job = per_rank.Job((case,))
+    tol = TOLERANCE[spec.precision.dtype.value] if args.tol is None else args.tol
+    try:
+        if torchrun:
+            rank, _ = ranks.process_group(W)
+            results = per_rank.run_rank(rank, W, job)[0:1]
+        else:
+            print(f"starting {W} rank processes ({args.backend}, Triton interpreter) ...", flush=True)
+            results = [r[0] for r in ranks.spawn(per_rank.run_rank, W, job)]
+    except ranks.RanksError as e:  # a rank that could not run (a kernel error is reported per rank below)
+        print(f"rdepc: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    where = "cuda (one process per GPU rank)" if gpu else "cpu (Triton interpreter, one process per rank)"
+    print(f"layer {spec.name} ({spec.file}): {args.backend} backend on {where}, {args.mode} mode")
+    print(f"  inputs          W={W} T'={tokens}, routing {args.routing}, seed {args.seed}; each rank checks its slice")
+    lines, ok = per_rank.report(results, tol)
+    print("\n".join(lines))
+    if not args.check:
+        return 0
+    print("check passed" if ok else "check FAILED")
+    return 0 if ok else 1
 
 
 def _load_spec(args):

@@ -44,6 +44,7 @@ class Options:
     schedule: str | None = None  # --schedule: overrides the spec's schedule statement
     cut: str | None = None  # --cut: overrides the segment statement's cut
     hw: str = "h100"  # hardware profile of the cost model
+    backend: str = "emulated"  # --backend: the transport the kernels are generated for
 
 
 @dataclass
@@ -83,7 +84,7 @@ def spec_passes(options: Options | None = None) -> list[Pass]:
         Pass("memplan", memplan.MemPlanPass(), dump=memplan.dump, source="schedule"),
         Pass(
             "codegen",
-            codegen.CodegenPass(o.schedule, o.hw),
+            codegen.CodegenPass(o.schedule, o.hw, o.backend),
             unsupported=codegen.UNSUPPORTED,
             dump=codegen.dump,
             source="schedule",

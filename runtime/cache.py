@@ -39,7 +39,11 @@ def generator_digest() -> str:
     from rdepc import codegen
 
     h = hashlib.sha256()
-    for path in [*sorted(Path(codegen.__file__).parent.glob("*.py")), Path(transport.__file__)]:
+    for path in [
+        *sorted(Path(codegen.__file__).parent.glob("*.py")),
+        Path(transport.__file__),
+        Path(transport.__file__).with_name("nvshmem.py"),
+    ]:
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -110,12 +114,12 @@ def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: 
 
     from rdepc.ir.spec import spec_to_json
 
-    get(backend)  # a clear error for a backend not built yet, before any work
+    get(backend)  # a clear error for an unknown backend, before any work
     options = {"schedule": schedule, "hw": hw, "backend": backend}
     key = cache_key(spec_to_json(spec), options, backend, interpret)
 
     def build() -> dict[str, str]:
-        g = generate_spec(spec, schedule, hw)
+        g = generate_spec(spec, schedule, hw, backend)
         return {"kernels.py": g.source, "plan.json": g.kernel.to_json() + "\n"}
 
     directory, hit = entry(key, build)

@@ -11,16 +11,23 @@ takes every rank's tokens at once,
         w_down        [E, F, H]
         y             [W, T', H]   the routed part of the layer, sum_k g'_k f_{e_k}(x)
 
-and launches exactly one kernel per call. The later ``nvshmem`` backend runs one process
-per rank with the per-rank signature ``forward(x [T', H], topk_ids [T', K], topk_weights
-[T', K], w_gate [E_loc, H, F], w_up [E_loc, H, F], w_down [E_loc, F, H])`` — each rank its
-own tokens and only its local experts' weights (the kernel indexes weights through the
-plan's ``weight_of`` table, which that backend fills with local indices).
+and launches exactly one kernel per call. The per-rank backends (``emulated-mp``,
+``nvshmem``) run one process per rank, each with its own module and the per-rank signature
+
+    forward(x [T', H], topk_ids [T', K], topk_weights [T', K],
+            w_gate [E_loc, H, F], w_up [E_loc, H, F], w_down [E_loc, F, H]) -> y [T', H]
+
+— each rank its own tokens (ranks may bring different T' <= T, zero included) and only
+its local experts' weights, in local order (expert e is local expert λ(e) of owner
+π(e); ``local_experts`` lists them). The kernel is the same; each process launches it on
+its rank's queue(s) and the capacity follows the tokens all ranks bring, which the route
+stage publishes beside its counts.
 
 After each call ``last_stats`` holds ``rows_per_expert`` [E] (admitted), ``received_per_expert``
 [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W], ``dropped_rows``, ``accepted`` [W, T', K]
 (bool: the accepted set), ``m_tiles`` [W] (m-tiles the grouped GEMM ran per owner),
-``capacity`` (cap_e at this T', None when dropless) and ``launches``; ``last_context`` the
+``capacity`` (cap_e at this T', None when dropless) and ``launches`` (per-rank backends:
+the same for the rank's own experts, ``[E_loc]``, and its own tokens, ``[T', K]``); ``last_context`` the
 routing context backward will need: the accepted set, each accepted row's slot in its
 owner's payload (-1 when dropped) and the combine weights g'. Backward is not supported yet:
 differentiating through ``forward`` raises.
@@ -35,6 +42,7 @@ from pathlib import Path
 import torch
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import COLUMNS, ERRORS, INT32_MAX, MODES, KernelPlan, Tiles
+from rdepc.runtime import ranks
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import ConcurrentInterpreter, Launcher, import_kernels
 
@@ -80,6 +88,9 @@ class KernelError(RuntimeError):
         super().__init__(message)
         self.record = record
 
+    def __reduce__(self):  # crosses processes (rdepc.runtime.ranks.spawn) with its record
+        return (KernelError, (str(self), self.record))
+
 
 class RDEPModule:
     """One generated layer on one backend and device (see the module docstring).
@@ -114,42 +125,68 @@ class RDEPModule:
             raise ValueError(f"{self.kernels_path} was generated for the {plan.transport} backend, not {backend}")
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
+        self.per_rank = self.transport.per_rank
+        self.rank = None  # per-rank backends: this process's rank
+        self._nvshmem = None
+        if backend == "nvshmem":
+            from rdepc.runtime.nvshmem import NvshmemWorld
+
+            self._nvshmem = NvshmemWorld.start()
+            asked = None if device is None else torch.device(device)
+            if asked is not None and (asked.type != "cuda" or asked.index not in (None, self._nvshmem.device.index)):
+                raise ValueError(f"the nvshmem backend runs rank {self._nvshmem.rank} on {self._nvshmem.device}")
+            device = self._nvshmem.device
         device = torch.device(device if device is not None else "cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
+        if backend == "emulated-mp" and device.type != "cpu":
+            raise ValueError(
+                "the emulated-mp backend runs on 'cpu' (its heap is host shared memory): use nvshmem on GPUs"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if self.per_rank:
+            self.rank, _ = ranks.process_group(plan.W)
         self.device = device
         self.interpret = device.type == "cpu"
         self.mode = mode
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         p = plan
         self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
-        self.work = p.work(self.tiles, mode)
+        self.work = p.work(self.tiles, mode, rank=self.rank)
         if programs is None:
             if self.interpret:  # role-split: one program (one thread) per queue
-                programs = 2 if mode == "unified" else 2 * p.W
+                programs = 2 if mode == "unified" else len(self.work.bounds)
             else:
                 programs = torch.cuda.get_device_properties(device).multi_processor_count
         if mode == "unified":
             programs = max(1, min(programs, self.work.n_items))
             per_queue = [programs]
-        else:  # the W ranks share the GPU: each its slice, split between roles as the scheduler did
+        else:  # each rank its slice (one process per rank: all of it), split between roles as scheduled
             comm, compute = p.programs
-            share = max(2, programs // p.W)
+            share = max(2, programs // (1 if self.per_rank else p.W))
             n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
-            per_queue = [n_comm, share - n_comm] * p.W
+            per_queue = [n_comm, share - n_comm] * (1 if self.per_rank else p.W)
         self.programs = programs  # the grid's budget: every program resident at once on a GPU
         self.per_queue = tuple(per_queue)
         self.grid = sum(per_queue)
         # Spins are cheap on a GPU and slow under the interpreter; concurrent interpreted programs
         # wait for each other's turns under the GIL, so they get more.
+        # Across processes an interpreted wait may outlast a whole peer's stage: bounded in spins
+        # all the same (a dead peer trips it), but generously.
         if spin_bound is None:
-            spin_bound = 1 << 26 if not self.interpret else 10_000 if mode == "unified" else 1 << 22
+            spin_bound = (
+                1 << 26 if not self.interpret else 10_000 if mode == "unified" and not self.per_rank else 1 << 20
+            )
         self.spin_bound = spin_bound
         self.profiling = profile
         self.dtype = TORCH_DTYPES[p.dtype]
-        self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
+        if self._nvshmem is not None:
+            self.heap = self._nvshmem.alloc_heap(p.heap_bytes)  # this rank's copy; peers via nvshmem_ptr
+        elif backend == "emulated-mp":
+            self.heap = ranks.SharedHeap.create(p.W, p.heap_bytes).tensor  # every rank's slice, mapped
+        else:
+            self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
 
         def i32(values) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int32, device=device)
@@ -164,25 +201,34 @@ class RDEPModule:
             "owner_of": i32(p.owner),
             "local_of": i32(p.local),
             "n_local": i32(p.n_local),
-            "weight_of": i32(p.weight_of),
+            # one process per rank holds its own experts only: weights by local index
+            "weight_of": i32(p.weight_of if not self.per_rank else (i % p.E_MAX for i in range(p.W * p.E_MAX))),
             "order": i32(p.order),
             "owner_first": i32(p.owner_first),
             "rows_max": i32(p.rows_max),
+            "caps": i32(p.caps()),
         }
         self.private = {}
         for name, dt, shape in p.private:
             torch_dt = TORCH_DTYPES.get(dt) or INT_DTYPES[dt]
+            if self.per_rank and name != "ctl":  # [W, ...] buffers: only this rank's row
+                shape = (1, *shape[1:])
             self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0
         concurrent = self.interpret and mode == "role-split"
-        self.launcher = ConcurrentInterpreter(True) if concurrent else Launcher(self.interpret)
+        if self._nvshmem is not None:
+            self.launcher = self._nvshmem.launcher()
+        else:
+            self.launcher = ConcurrentInterpreter(True) if concurrent else Launcher(self.interpret)
         self.last_stats: dict | None = None
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
         self._withheld: int | None = None
+        self._broken: str | None = None  # per-rank backends: a kernel error ends the module
+        self._flags = (dict(p.heap)["flags"], next(size for name, _, _, size in p.layout if name == "flags"))
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
@@ -199,22 +245,39 @@ class RDEPModule:
         kernel's error record once a dependent's wait expires."""
         if not 0 <= entry < self.work.n_entries:
             raise ValueError(f"task-table entry {entry} out of range [0, {self.work.n_entries})")
+        if self.per_rank and self.plan.table[entry][COLUMNS.index("rank")] != self.rank:
+            raise ValueError(
+                f"task-table entry {entry} ({self.plan.names[entry]}) runs on another rank than {self.rank}"
+            )
         self._withheld = entry
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """Per-rank backends: the global ids of this rank's experts, in local order (the
+        order of the per-rank weights); otherwise every expert."""
+        p = self.plan
+        if not self.per_rank:
+            return tuple(range(p.E))
+        return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
 
     def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
         p = self.plan
-        W, Tn, K = p.W, x.shape[1], p.K
+        if self._broken:
+            raise RuntimeError(self._broken)
+        W, K = p.W, p.K
+        Tn = x.shape[-2]
+        lead = () if self.per_rank else (W,)
         x = x.detach().contiguous()
         ids = topk_ids.detach().to(torch.int64).contiguous()
         gates = topk_weights.detach().to(torch.float32).contiguous()
         weights = dict(zip(("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down), strict=True))
-        y = torch.empty((W, Tn, p.H), dtype=self.dtype, device=self.device)
-        accepted = torch.zeros((W, Tn, K), dtype=torch.int8, device=self.device)
-        slot = torch.full((W, Tn, K), -1, dtype=torch.int32, device=self.device)
-        gprime = torch.zeros((W, Tn, K), dtype=torch.float32, device=self.device)
-        cap = p.cap_at(Tn)
+        y = torch.empty((*lead, Tn, p.H), dtype=self.dtype, device=self.device)
+        accepted = torch.zeros((*lead, Tn, K), dtype=torch.int8, device=self.device)
+        slot = torch.full((*lead, Tn, K), -1, dtype=torch.int32, device=self.device)
+        gprime = torch.zeros((*lead, Tn, K), dtype=torch.float32, device=self.device)
         launches = self.launcher.launches
-        rid_rank, rid_token = p.row_id_radix(Tn)
+        # Row ids decode at the owner: one radix for all ranks, whose T' may differ per rank.
+        rid_rank, rid_token = p.row_id_radix(p.T if self.per_rank else Tn)
         self.epoch += 1
         table = self.tables["table"]
         if self._withheld is not None:
@@ -229,7 +292,7 @@ class RDEPModule:
         given |= {"slot": slot, "gprime": gprime}
         given |= {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
         given |= self.tables | {"table": table} | self.private
-        given |= {"n_tokens": Tn, "epoch": self.epoch, "cap": INT32_MAX if cap is None else cap}
+        given |= {"n_tokens": Tn, "epoch": self.epoch, "rank0": self.rank or 0}
         given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
         tl = self.tiles
         meta = {
@@ -252,7 +315,7 @@ class RDEPModule:
         self.launcher(self.kernels.rdep_forward, (self.grid,), args, meta)
         self._raise_on_error()
         accepted = accepted.bool()
-        self.last_stats = self._stats(accepted, cap, self.launcher.launches - launches)
+        self.last_stats = self._stats(accepted, self.launcher.launches - launches)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
         if self.profiling:
             self.last_profile = self._profile()
@@ -276,27 +339,34 @@ class RDEPModule:
         for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if x.dim() != 3 or x.shape[0] != W or x.shape[2] != H:
-            raise ValueError(f"{name}: x must be [W={W}, T', H={H}], got {tuple(x.shape)}")
-        Tn = x.shape[1]
+        if self.per_rank:  # one rank's tokens, its own experts' weights
+            name += f" (rank {self.rank} of {W})"
+            lead, lead_s, n_exp, E_s = (), "", len(self.local_experts), f"E_loc={len(self.local_experts)}"
+        else:
+            lead, lead_s, n_exp, E_s = (W,), "W, ", E, f"E={E}"
+        if x.dim() != len(lead) + 2 or tuple(x.shape[: len(lead)]) != lead or x.shape[-1] != H:
+            raise ValueError(f"{name}: x must be [{lead_s.replace('W', f'W={W}')}T', H={H}], got {tuple(x.shape)}")
+        Tn = x.shape[-2]
         if Tn > T:
             raise ValueError(f"{name}: x has T'={Tn} tokens per rank, more than the layer's bound T={T}")
-        want = (W, Tn, K)
+        want = (*lead, Tn, K)
         if tuple(topk_ids.shape) != want:
-            raise ValueError(f"{name}: topk_ids must be [W, T', K] = {list(want)}, got {tuple(topk_ids.shape)}")
+            raise ValueError(f"{name}: topk_ids must be [{lead_s}T', K] = {list(want)}, got {tuple(topk_ids.shape)}")
         if tuple(topk_weights.shape) != want:
-            raise ValueError(f"{name}: topk_weights must be [W, T', K] = {list(want)}, got {tuple(topk_weights.shape)}")
+            raise ValueError(
+                f"{name}: topk_weights must be [{lead_s}T', K] = {list(want)}, got {tuple(topk_weights.shape)}"
+            )
         if x.dtype != self.dtype:
             raise TypeError(f"{name}: x must be {self.dtype} (the spec's dtype {p.dtype}), got {x.dtype}")
         if topk_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name}: topk_ids must be int64 (or int32), got {topk_ids.dtype}")
         if not topk_weights.dtype.is_floating_point:
             raise TypeError(f"{name}: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
-        experts = {"w_up": (w_up, (E, H, F)), "w_down": (w_down, (E, F, H))}
+        experts = {"w_up": (w_up, (n_exp, H, F)), "w_down": (w_down, (n_exp, F, H))}
         if p.gated:
             if w_gate is None:
-                raise ValueError(f"{name}: {p.act} experts are gated: w_gate [E={E}, H={H}, F={F}] is required")
-            experts["w_gate"] = (w_gate, (E, H, F))
+                raise ValueError(f"{name}: {p.act} experts are gated: w_gate [{E_s}, H={H}, F={F}] is required")
+            experts["w_gate"] = (w_gate, (n_exp, H, F))
         elif w_gate is not None:
             raise ValueError(f"{name}: {p.act} experts are not gated: pass w_gate=None")
         for arg, (w, shape) in experts.items():
@@ -336,10 +406,11 @@ class RDEPModule:
 
         role = "any task (unified)" if self.mode == "unified" else ("communication", "compute")[queue % 2]
         seg = f", segment {segment}" if segment >= 0 else ""
+        flag_rank = p.table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(p.table) else None
         if code == 1:
             what = (
                 f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {self.spin_bound} spins for the done "
-                f"flag of {task(dep)}: saw {seen}, expected {expected}"
+                f"flag of {task(dep)} on rank {flag_rank}: saw {seen}, expected {expected}"
             )
         elif code == 2:
             what = f"owner r{rank} admitted {seen} rows, more than the plan's bound R_q = {expected}"
@@ -359,21 +430,36 @@ class RDEPModule:
             "segment": segment,
             "flag": dep if code == 1 else None,
             "flag_task": p.names[dep] if code == 1 and 0 <= dep < len(p.names) else None,
+            "flag_rank": flag_rank,
             "seen": seen,
             "expected": expected,
         }
-        # The programs stopped early: their tickets and flags are off the count. The next call
-        # starts afresh from epoch 1 on a zeroed control block, never on stale flags.
-        self.private["ctl"].zero_()
-        self.epoch = 0
-        raise KernelError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}", record)
+        message = f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}"
+        if self.per_rank:
+            # Other ranks' done flags live in their processes' slices: one rank cannot reset
+            # them, so the layer must be rebuilt on every rank.
+            self._broken = f"{message} (this per-rank module is stopped: rebuild it on every rank)"
+        else:
+            # The programs stopped early: their tickets and flags are off the count. The next
+            # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
+            self.private["ctl"].zero_()
+            at, size = self._flags
+            self.heap[:, at : at + size] = 0
+            self.epoch = 0
+        raise KernelError(message, record)
 
-    def _stats(self, accepted: torch.Tensor, cap, launches: int) -> dict:
+    def _stats(self, accepted: torch.Tensor, launches: int) -> dict:
         p = self.plan
         st = self.private["stats"].to("cpu", torch.long)
-        arrived = st[self._owner, self._local]
-        admitted = st[self._owner, p.E_MAX + self._local]
+        if self.per_rank:  # this rank's own experts, in local order
+            local = self._local[list(self.local_experts)]
+            arrived, admitted = st[0, local], st[0, p.E_MAX + local]
+        else:
+            arrived = st[self._owner, self._local]
+            admitted = st[self._owner, p.E_MAX + self._local]
         dropped = arrived - admitted
+        cap = int(st[:, 2 * p.E_MAX + 1].max())  # what the scans applied (every owner the same)
+        cap = None if cap == INT32_MAX else cap
         return {
             "rows_per_expert": admitted,
             "received_per_expert": arrived,

@@ -3,6 +3,12 @@
     moe = rdepc.RDEPMoE("examples/tiny.rdep", device="cpu")
     y = moe(x)  # x [W, T', H] -> y [W, T', H]
 
+On a per-rank backend (``backend="emulated-mp"`` or ``"nvshmem"``, one process per rank)
+each rank builds its own block: ``x`` [T', H] are its own tokens, and it holds only its
+own experts (``experts``: their global ids, in local order) — ``w_gate`` / ``w_up``
+[E_loc, H, F], ``w_down`` [E_loc, F, H]. With one seed every rank draws the same router
+and shared experts, and its experts' rows of the same full weights.
+
 Semantics, in order:
 
 1. router: ``logits = x @ router`` (``router`` [H, E], in fp32), ``p = softmax(logits)``
@@ -64,11 +70,16 @@ class RDEPMoE(nn.Module):
         device = torch.device(device if device is not None else "cpu")
         dtype = TORCH_DTYPES[s.precision.dtype.value]
         kw = {"device": device, "dtype": dtype}
+        self.kernels = self.layer.module(backend, device, schedule=schedule, **(module_options or {}))
+        device = kw["device"] = self.kernels.device  # nvshmem: this rank's GPU
+        # Per-rank backends: this rank's experts only (``experts``, global ids in local order).
+        self.experts = self.kernels.local_experts
+        n_exp = len(self.experts)
         self.router = nn.Parameter(torch.empty(self.H, self.E, **kw))
         gated = s.expert.gated
-        self.w_gate = nn.Parameter(torch.empty(self.E, self.H, self.F, **kw)) if gated else None
-        self.w_up = nn.Parameter(torch.empty(self.E, self.H, self.F, **kw))
-        self.w_down = nn.Parameter(torch.empty(self.E, self.F, self.H, **kw))
+        self.w_gate = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw)) if gated else None
+        self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
+        self.w_down = nn.Parameter(torch.empty(n_exp, self.F, self.H, **kw))
         self.shared_act = None
         self.shared_gate = self.shared_up = self.shared_down = None
         if s.shared is not None:
@@ -78,20 +89,22 @@ class RDEPMoE(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_up = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_down = nn.Parameter(torch.empty(n, Fs, self.H, **kw))
-        self.kernels = self.layer.module(backend, device, schedule=schedule, **(module_options or {}))
         self.reset_parameters(generator)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal weights scaled by 1/sqrt(fan_in), drawn in fp32 on the CPU (deterministic
-        with a seeded ``generator``)."""
+        with a seeded ``generator``). Expert weights are drawn for all E experts and each rank
+        keeps its own: with one seed, every rank's block is a slice of the same layer."""
+        experts = {id(p) for p in (self.w_gate, self.w_up, self.w_down) if p is not None}
         for p in self.parameters():
             fan_in = p.shape[-2]
-            w = torch.randn(p.shape, generator=generator) / math.sqrt(fan_in)
-            p.copy_(w.to(p.dtype))
+            shape = (self.E, *p.shape[1:]) if id(p) in experts else p.shape
+            w = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+            p.copy_((w[list(self.experts)] if id(p) in experts else w).to(p.dtype))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_ids [W, T', K] int64, gates [W, T', K] fp32): softmax over E, top-K, sum 1."""
+        """(topk_ids [..., T', K] int64, gates [..., T', K] fp32): softmax over E, top-K, sum 1."""
         probs = torch.softmax(x.float() @ self.router.float(), dim=-1)
         top, ids = probs.topk(self.K, dim=-1)
         return ids, top / top.sum(dim=-1, keepdim=True)

@@ -16,7 +16,7 @@ kernel body is the same whatever moves the bytes —
     acquire-spin until ``flag >= target`` or ``bound`` spins have passed; returns the value
     last seen (``>= target`` when reached), which an expired wait reports.
 
-Its *host* half allocates the heap. Only ``emulated`` exists today:
+Its *host* half allocates the heap. Three exist:
 
 ``emulated``
     One process holds all W ranks. The symmetric heap is one ``uint8`` tensor
@@ -27,10 +27,21 @@ Its *host* half allocates the heap. Only ``emulated`` exists today:
     a wait an acquire spin followed by a barrier. Memory scope ``gpu``: every rank is on
     the same device. Runs under ``TRITON_INTERPRET=1`` on a CPU and natively on one GPU.
 
-The later ``nvshmem`` backend keeps the contract with ``peer`` as ``nvshmem_ptr`` (NVLink
-peers are load/store addressable), signals and waits at system scope or through
-``nvshmemx_signal_op`` / ``nvshmem_signal_wait_until``, one process per rank. This module
-imports neither torch nor triton at import time.
+``emulated-mp``
+    One process per rank (``rdepc.runtime.ranks`` starts them, or ``torchrun``). The heap of
+    all W ranks is one file in shared memory (``/dev/shm``) that every process maps: the
+    same ``[W, heap_bytes]`` layout and ``peer`` as ``emulated``, so the kernel body is the
+    same, but each process runs only its rank's entries, and its signals and waits cross
+    processes (scope ``sys``; the interpreter's atomics are real atomics on the shared
+    pages). The file is unlinked as soon as every rank has mapped it: nothing outlives the
+    processes, whatever way they end.
+``nvshmem``
+    One process per GPU rank under ``torchrun``; the heap is one symmetric allocation per
+    rank, ``peer`` is ``nvshmem_ptr`` (NVLink peers are load/store addressable), signals and
+    waits at system scope (``rdepc.runtime.nvshmem``).
+
+The done flags every wait reads are symmetric: each rank's in its own slice (``flags``).
+This module imports neither torch nor triton at import time.
 """
 
 from __future__ import annotations
@@ -83,15 +94,18 @@ def wait(flag, target, bound):
 @dataclass(frozen=True)
 class Transport:
     """The interface: a name, the memory scope of its signals, its device source (the four
-    functions above) and, on the host, the symmetric heap it allocates."""
+    functions above), whether it runs all ranks in ``one`` process or one process
+    ``per-rank``, and the Python imports its device source needs beyond triton's."""
 
     name: str
     scope: str
     device_source: str
     processes: str  # "one" (all ranks in one process) or "per-rank"
+    imports: str = ""
 
-    def allocate_heap(self, W: int, heap_bytes: int, device):
-        raise NotImplementedError(f"transport {self.name}: no host side yet")
+    @property
+    def per_rank(self) -> bool:
+        return self.processes == "per-rank"
 
 
 @dataclass(frozen=True)
@@ -108,20 +122,39 @@ class Emulated(Transport):
         return torch.zeros((W, heap_bytes), dtype=torch.uint8, device=device)
 
 
-TRANSPORTS: dict[str, Transport] = {"emulated": Emulated()}
-PLANNED = ("emulated-mp", "nvshmem")  # named by ARCHITECTURE.md, not built yet
+EMULATED_MP_DEVICE = EMULATED_DEVICE.replace(
+    "# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8\n"
+    "# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.",
+    "# Transport: emulated-mp. One process per rank; the symmetric heap of all ranks is one uint8\n"
+    "# [W, HEAP_BYTES] file in shared memory that every process maps; signals cross processes.",
+).replace(
+    'SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on one device',
+    'SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: they cross processes',
+)
+
+
+@dataclass(frozen=True)
+class EmulatedMP(Transport):
+    name: str = "emulated-mp"
+    scope: str = "sys"
+    device_source: str = EMULATED_MP_DEVICE
+    processes: str = "per-rank"
+
+
+def _nvshmem() -> Transport:
+    from rdepc.runtime import nvshmem
+
+    return Transport("nvshmem", "sys", nvshmem.DEVICE_SOURCE, "per-rank", "from triton.language import core")
+
+
+TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": _nvshmem()}
 
 
 def get(name: str) -> Transport:
-    """The transport called ``name``; a clear error for the planned ones not built yet."""
+    """The transport called ``name``."""
     if name in TRANSPORTS:
         return TRANSPORTS[name]
-    if name in PLANNED:
-        raise NotImplementedError(
-            f"not supported yet: the '{name}' backend (rdepc runs the emulated backend today: "
-            "module(backend='emulated'))"
-        )
-    raise ValueError(f"unknown backend '{name}' (known: {', '.join([*TRANSPORTS, *PLANNED])})")
+    raise ValueError(f"unknown backend '{name}' (known: {', '.join(TRANSPORTS)})")
 
 
-__all__ = ["PLANNED", "TRANSPORTS", "Emulated", "Transport", "get"]
+__all__ = ["TRANSPORTS", "Emulated", "EmulatedMP", "Transport", "get"]

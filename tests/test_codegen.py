@@ -385,5 +385,8 @@ def test_layer_plan_exposes_schedule_memory_and_kernel():
     assert plan.schedule.strategy == "bulk" and len(plan.schedule.table) == 52
     assert plan.memory.regions()["total"] == plan.kernel.heap_bytes
     assert plan.source == layer.source
-    with pytest.raises(NotImplementedError, match="not supported yet: the 'nvshmem' backend"):
-        layer.compile(backend="nvshmem")
+    nv = layer.compile(backend="nvshmem")  # one process per rank: peers through nvshmem_ptr
+    assert "from triton.language import core" in nv.source and '"nvshmem_ptr"' in nv.source
+    assert 'SCOPE = tl.constexpr("sys")' in nv.source and "Each of the W = 4 ranks launches it" in nv.source
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        layer.compile(backend="mpi")

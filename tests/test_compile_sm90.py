@@ -3,7 +3,8 @@
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
 compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
-deep), its one kernel ``rdep_forward`` in both kernel modes (unified and role-split); the
+deep), its one kernel ``rdep_forward`` in both kernel modes (unified and role-split), for
+the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
 examples are dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
 as not supported yet; its shapes are compiled with bf16 dispatch instead.
 """
@@ -26,7 +27,7 @@ FP8 = ("dtype     bf16, dispatch fp8_e4m3, scale row", "dtype     bf16, dispatch
 SCALE = ("sideband  row_id, local_expert, gate, scale", "sideband  row_id, local_expert, gate")
 
 
-def _generate(tmp_path):
+def _generate(tmp_path, backend: str = "emulated"):
     """(layer name, dtype, Generated) for every example, compiled for its own schedule."""
     out = []
     for ex in EXAMPLES:
@@ -39,14 +40,17 @@ def _generate(tmp_path):
             variant = tmp_path / f"{ex.stem}_bf16.rdep"
             variant.write_text(text.replace(*FP8).replace(*SCALE), encoding="utf-8")
             spec = rdepc.load(variant).spec
-        out.append((spec.name, spec.precision.dtype.value, generate_spec(spec)))
+        out.append((spec.name, spec.precision.dtype.value, generate_spec(spec, backend=backend)))
     return out
 
 
-def test_every_example_compiles_for_sm90(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["emulated", "nvshmem"])
+def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
+    """nvshmem: one process per rank, peers through nvshmem_ptr, NVSHMEM's device bitcode
+    (the nvidia-nvshmem-cu13 wheel of the test extras, the GPU machines' 3.4.5) linked in."""
     monkeypatch.chdir(ROOT)
     jobs, dtypes = [], {}
-    for name, dtype, g in _generate(tmp_path):
+    for name, dtype, g in _generate(tmp_path, backend):
         out = tmp_path / name
         out.mkdir()
         write_module(g, out)
@@ -61,10 +65,11 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch):
         assert r["target"] == "sm_90a"
         assert r["acquire"] and r["release"], "the flag protocol must compile to acquire loads and release atomics"
         assert r["shared"] <= H100_SHARED, f"{r['layer']} needs {r['shared']} bytes of shared memory"
+        assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']}: NVSHMEM device code linked: {r['nvshmem']}"
         if dtypes[r["layer"]] != "fp32":  # bf16 grouped GEMMs on Hopper tensor cores
             assert r["wgmma"], f"{r['layer']}: no wgmma in the PTX"
     times = ", ".join(f"{r['layer']} {r['seconds']:.1f} s" for r in results)
-    print(f"sm_90 compile times: {times}")
+    print(f"sm_90 compile times ({backend}): {times}")
 
 
 def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):

@@ -71,9 +71,9 @@ def test_moonlight_heap_and_lifetimes():
     assert ids.offset == buf["return"].offset + buf["return"].size
     assert (ids.live, ids.live_s) == (buf["return"].live, buf["return"].live_s)
     assert mp.regions("forward")["return"] == 2 * 4096 * 2048 * 2 + 65536
-    assert mp.regions("forward")["total"] == 67_307_008
-    assert mp.regions("forward_backward")["total"] == 134_415_872
-    assert buf["barrier"].live == (0, len(sched.order) - 1)
+    assert mp.regions("forward")["total"] == 67_316_480
+    assert mp.regions("forward_backward")["total"] == 134_425_344
+    assert buf["tokens"].live == (0, len(sched.order) - 1)
     first, last = buf["payload"].live
     pos = {sched.graph.tasks[u].stage: [] for u in sched.order}
     for u in sched.order:

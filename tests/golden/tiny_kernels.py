@@ -6,17 +6,18 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 2998e200bc39969303fc5971d5762aa20e8b25c8fffdb46c5050f942f63f0af8
+# content-sha256: 82fe51e71a7be42bb3774048b170183550bdf19ba2179c77e20969d2e3e3f7b1
 
 """Forward kernels of the RDEP layer ``tiny``: one persistent Triton kernel, ``rdep_forward``.
 
-One launch covers all W = 4 ranks. Its programs take work items with a ticket (an atomic
-counter) in the task table's order, which is a topological order of the scheduler's task
-graph: the earliest unfinished item always has its inputs done, so the kernel makes
-progress with any number of programs, even when they run one at a time as in Triton's
-interpreter. Each item waits on its dependencies' done flags (bounded spins; on expiry it
-records an error and the program stops), runs its task kind's function and signals its
-own flag with release semantics.
+One launch covers all W = 4 ranks.
+Its programs take work items with a ticket (an atomic counter) in the task table's order,
+which is a topological order of the scheduler's task graph: the earliest unfinished item
+always has its inputs done, so the kernel makes progress with any number of programs,
+even when they run one at a time as in Triton's interpreter. Each item waits on its
+dependencies' done flags (bounded spins; on expiry it records an error and the program
+stops), runs its task kind's function and signals its own flag with release semantics.
+The done flags are symmetric, each in the heap slice of the rank that runs the entry.
 
 Task kinds (RDEP section 3.4 and appendix A.2):
   route     front-end r: route rows (t, k), their order per expert, counts to the owners
@@ -59,15 +60,17 @@ RENORMALIZE = tl.constexpr(True)  # capacity weights: renormalize over accepted 
 # ---------------------------------------------------------------------------------------
 # The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)
 # ---------------------------------------------------------------------------------------
-HEAP_BYTES = tl.constexpr(44544)  # one rank's slice: the forward regions
+HEAP_BYTES = tl.constexpr(44288)  # one rank's slice: the forward regions
+TOKENS = tl.constexpr(0)  # int64 [W] at the owner: the tokens T' each front-end brings to the call
 COUNTS = tl.constexpr(256)  # int32 [W, E_MAX] at the owner: rows each source sends each local expert
 OFFSETS = tl.constexpr(512)  # int32 [W, E_MAX] at the source: write base per (owner, local expert)
 ADMITTED = tl.constexpr(768)  # int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)
-PAYLOAD = tl.constexpr(1536)  # DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source
-SB_ROW_ID = tl.constexpr(34304)  # sideband row_id, int64 [B*S]
-SB_LOCAL_EXPERT = tl.constexpr(35328)  # sideband local_expert, int32 [B*S]
-SB_GATE = tl.constexpr(35840)  # sideband gate, fp32 [B*S]
-RETURN = tl.constexpr(36352)  # DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)
+FLAGS = tl.constexpr(1024)  # int64 done counters of the entries this rank runs (task-table column flag)
+PAYLOAD = tl.constexpr(1280)  # DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source
+SB_ROW_ID = tl.constexpr(34048)  # sideband row_id, int64 [B*S]
+SB_LOCAL_EXPERT = tl.constexpr(35072)  # sideband local_expert, int32 [B*S]
+SB_GATE = tl.constexpr(35584)  # sideband gate, fp32 [B*S]
+RETURN = tl.constexpr(36096)  # DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)
 
 # Task kinds, columns of a task-table row (int32), the control block (int64), statistics.
 KIND_ROUTE = tl.constexpr(0)
@@ -89,7 +92,8 @@ C_DEP_START = tl.constexpr(7)
 C_DEP_COUNT = tl.constexpr(8)
 C_GUARD = tl.constexpr(9)
 C_RESOURCE = tl.constexpr(10)
-NCOL = tl.constexpr(11)
+C_FLAG = tl.constexpr(11)
+NCOL = tl.constexpr(12)
 CTL_CLOCK = tl.constexpr(0)
 CTL_ERR_CODE = tl.constexpr(1)
 CTL_ERR_ENTRY = tl.constexpr(2)
@@ -101,14 +105,14 @@ CTL_ERR_SEGMENT = tl.constexpr(7)
 CTL_ERR_SEEN = tl.constexpr(8)
 CTL_ERR_EXPECTED = tl.constexpr(9)
 CTL_TICKETS = tl.constexpr(16)  # ticket counters, one per queue (2*W), cumulative over calls
-CTL_DONE = tl.constexpr(24)  # done flags: finished work items per entry, cumulative over calls
 ERR_WAIT = tl.constexpr(1)  # wait expired
 ERR_OVERFLOW = tl.constexpr(2)  # owner overflow
 ERR_ROW_ID = tl.constexpr(3)  # row_id decodes to another rank
 ST_ARRIVED = tl.constexpr(0)  # stats [W, ST_COLS]: rows arrived per local expert,
 ST_ADMITTED = tl.constexpr(2)  # rows admitted per local expert,
-ST_MTILES = tl.constexpr(4)  # m-tiles the grouped GEMM ran
-ST_COLS = tl.constexpr(5)
+ST_MTILES = tl.constexpr(4)  # m-tiles the grouped GEMM ran,
+ST_CAP = tl.constexpr(5)  # the capacity cap_e the scan applied
+ST_COLS = tl.constexpr(6)
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,6 +171,14 @@ def report(ctl, code, entry, dep, rank, epoch, queue, segment, seen, expected):
         tl.store(ctl + CTL_ERR_SEGMENT, tl.cast(segment, tl.int64))
         tl.store(ctl + CTL_ERR_SEEN, tl.cast(seen, tl.int64))
         tl.store(ctl + CTL_ERR_EXPECTED, tl.cast(expected, tl.int64))
+
+
+@triton.jit
+def done_flag(heap, table, entry):
+    """Entry ``entry``'s done counter: symmetric, in the heap slice of the rank that runs it,
+    so a waiter on any rank reads it where its producer signals it."""
+    row = table + entry * NCOL
+    return (peer(heap, tl.load(row + C_RANK)) + FLAGS).to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
 
 
 @triton.jit
@@ -230,13 +242,18 @@ def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratc
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
     put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
+    # ... and how many tokens r brings to the call: capacity follows the total (ranks may differ).
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
+    put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
 
 
 @triton.jit
-def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap):
+def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
-    Each local expert admits at most ``cap`` rows, in arrival order: ascending row_id, which
+    Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
+    published with their counts, in arrival order: ascending row_id, which
     with eq. 7 is source by source, so what a source gets admitted is a prefix of its run
     and admission is one running sum per expert. Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
@@ -245,6 +262,10 @@ def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap)
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.load((peer(heap, q) + TOKENS).to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+    cap = tl.load(caps + tl.sum(tokens, axis=0))
+    policy = cap
     counts = (peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32))
     arrived = tl.zeros([EL_PAD], tl.int32)
     for src in range(0, W):
@@ -276,6 +297,7 @@ def scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, q, cap)
     tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
     tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
     tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_CAP, policy)
 
 
 @triton.jit
@@ -615,21 +637,22 @@ def combine(
         tl.store(y_rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "epoch", "cap", "rid_rank", "rid_token", "bound", "program_base"])
+@triton.jit(do_not_specialize=["n_tokens", "epoch", "rank0", "rid_rank", "rid_token", "bound", "program_base"])
 def rdep_forward(
     heap, x, topk_ids, gates, w_gate, w_up, w_down, y, accepted, slot, gprime, table, deps, queue, first_item,
-    queues, program_queue, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, rowpos,
+    queues, program_queue, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos,
     sorted_rows, route_scratch, recv, group, hbuf, staging, staging_rid, stats, ctl, profile, n_tokens, epoch,
-    cap, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F:
+    rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F:
     tl.constexpr, BLOCK_R: tl.constexpr, CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE:
     tl.constexpr, GLOBALTIMER: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
     run, signal.
 
-    Unified mode (ROLE_SPLIT False): one queue, the whole table; any program runs any task.
-    Role-split mode: program ``program_base + program_id`` serves the (rank, role) queue
-    ``program_queue`` names, taking only that queue's tasks, in the table's order.
+    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
+    entries its rank runs); any program runs any task. Role-split mode: program
+    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
+    taking only that queue's tasks, in the table's order.
     Tickets and done flags count up across calls: a queue's tickets of call ``epoch`` start
     at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
     wait that expires records the error (entry, rank, queue, segment, flag, value seen and
@@ -638,7 +661,26 @@ def rdep_forward(
     its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
     injection): it runs nothing and never signals.
     """
-    done = ctl + CTL_DONE
+    # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
+    # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
+    # With every rank in one process rank0 is 0 and nothing moves.
+    me = tl.cast(rank0, tl.int64)
+    x -= me * n_tokens * H
+    y -= me * n_tokens * H
+    topk_ids -= me * n_tokens * K
+    gates -= me * n_tokens * K
+    accepted -= me * n_tokens * K
+    slot -= me * n_tokens * K
+    gprime -= me * n_tokens * K
+    rowpos -= me * (T * K)
+    sorted_rows -= me * (T * K)
+    route_scratch -= me * (2 * E_PAD + 2)
+    recv -= me * (W * E_MAX * 2)
+    group -= me * (E_MAX * 2)
+    hbuf -= me * (B * S * F)
+    staging -= me * (B * S * H)
+    staging_rid -= me * (B * S)
+    stats -= me * ST_COLS
     target = tl.cast(epoch, tl.int64)
     queue_id = 0
     if ROLE_SPLIT:
@@ -674,7 +716,7 @@ def rdep_forward(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # compute items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done + guard, want, bound)
+            got = wait(done_flag(heap, table, guard), want, bound)
             if got < want:
                 blocked = guard
                 seen = got
@@ -691,7 +733,7 @@ def rdep_forward(
                 before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
                 dep = tl.where(dep < 0, -dep - 1, dep)
                 want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                got = wait(done + dep, want, bound)
+                got = wait(done_flag(heap, table, dep), want, bound)
                 if got < want:
                     blocked = dep
                     seen = got
@@ -706,7 +748,7 @@ def rdep_forward(
                 if kind == KIND_ROUTE:
                     route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, rank, n_tokens)
                 elif kind == KIND_SCAN:
-                    scan(heap, n_local, rows_max, recv, group, stats, ctl, entry, epoch, rank, cap)
+                    scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
@@ -732,6 +774,6 @@ def rdep_forward(
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
-            signal(done + entry)
+            signal(done_flag(heap, table, entry))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)

@@ -1,0 +1,319 @@
+"""The ``nvshmem`` transport: one process per rank, a symmetric heap from NVSHMEM, and
+device calls into NVSHMEM's bitcode from stock Triton.
+
+Design, in brief:
+
+Device half (:data:`DEVICE_SOURCE`)
+    The same four functions as the emulated transport (``peer``, ``put``, ``signal``,
+    ``wait``; see ``rdepc.runtime.transport``), so a kernel body does not change with the
+    transport. ``peer`` is ``nvshmem_ptr``: inside one NVLink domain a peer's copy of the
+    symmetric heap is load/store addressable, so a put stays a plain ``tl.store`` (many
+    programs storing rows is where the bandwidth comes from; one ``putmem`` block call is
+    slow). Signals and waits are the emulated ones at *system* scope, because the ranks are
+    separate processes. ``nvshmem_ptr`` is declared here as a Triton extern over the
+    ``libnvshmem_device`` bitcode; Triton links that bitcode when ``extern_libs`` names it
+    (:func:`bitcode_path`), which works without a GPU, so CI compiles these kernels too.
+
+Host half (:class:`NvshmemWorld`, :class:`NvshmemLauncher`)
+    Run under ``torchrun``: ``NvshmemWorld.start()`` joins (or starts) a gloo process group,
+    picks the GPU, shares NVSHMEM's unique id from rank 0 and initialises NVSHMEM through
+    nvshmem4py; ``alloc_heap`` hands out the zeroed symmetric heap; ``launcher()`` gives an
+    ``NvshmemLauncher``, which links the bitcode and registers every compiled module with
+    NVSHMEM (``module_init``) before its first launch, filling the device state
+    ``nvshmem_ptr`` reads.
+
+Importing this module imports neither torch, triton nor nvshmem: everything heavy is
+imported inside the functions that need it, so the CPU-only parts of rdepc (and CI) can
+import it freely.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import io
+import os
+import threading
+from pathlib import Path
+
+# launch.py imports neither torch nor triton at import time either.
+from rdepc.runtime.launch import Launcher
+
+DEVICE_SOURCE = '''
+# ---------------------------------------------------------------------------------------
+# Transport: nvshmem. One process per rank; the symmetric heap is one NVSHMEM allocation
+# per PE; a peer's copy is reached through nvshmem_ptr (NVLink: plain loads and stores), a
+# signal a release atomic at system scope.
+# ---------------------------------------------------------------------------------------
+SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: the ranks are separate processes
+
+
+@core.extern
+def nvshmem_ptr(ptr, pe, _semantic=None):
+    """void *nvshmem_ptr(const void *ptr, int pe), from libnvshmem_device: the address at which
+    this PE loads and stores ``pe``'s copy of the symmetric object at ``ptr``. Pointers cross
+    as int64 (a pointer type cannot key the dispatch table); not pure: it reads NVSHMEM's
+    device state."""
+    return core.extern_elementwise(
+        "libnvshmem_device",
+        "",
+        [ptr, pe],
+        {(core.int64, core.int32): ("nvshmem_ptr", core.int64)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@triton.jit
+def peer(heap, rank):
+    """Base of rank ``rank``'s copy of the symmetric heap. nvshmem_ptr is NULL for a peer
+    that is not load/store reachable; the host checks every peer is before the first launch."""
+    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def put(ptr, value, mask):
+    """A store into a peer's copy of the heap (or our own): NVLink makes it a plain store."""
+    tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def signal(flag):
+    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
+    one thread, so without it the other warps' stores would not be ordered before it."""
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def wait(flag, target, bound):
+    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
+    seen. The barrier after it lets every warp of the program see what the acquire made
+    visible."""
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (seen < target) & (spins < bound):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    tl.debug_barrier()
+    return seen
+'''
+
+EXTERN_LIB = "libnvshmem_device"  # the library name the extern declarations above dispatch to
+INSTALL_HINT = "pip install 'rdepc[nvshmem]' (or nvidia-nvshmem-cu13 and nvshmem4py-cu13)"
+
+
+class NvshmemUnavailable(RuntimeError):  # noqa: N818 - the name says what it means: not an error in rdepc
+    """The nvshmem backend cannot run in this process; the message is one line saying why
+    and what to do instead."""
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one short line (messages from native libraries span many)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def bitcode_path(arch: int = 90) -> Path:
+    """NVSHMEM's device bitcode from the installed ``nvidia-nvshmem-cu13`` wheel:
+    ``nvidia/nvshmem/lib/libnvshmem_device_sm_{arch}.bc`` (3.8 and later split it per
+    architecture) or the single ``libnvshmem_device.bc`` (3.4.5, torch's pin). Found by
+    file location, not by importing nvshmem4py, so CI needs only the wheel with the bitcode."""
+    spec = importlib.util.find_spec("nvidia")  # a namespace package: no __init__ to run
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    names = (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc")
+    for root in roots:
+        for name in names:
+            path = Path(root) / "nvshmem" / "lib" / name
+            if path.is_file():
+                return path
+    raise NvshmemUnavailable(
+        f"rdepc: the nvshmem backend needs NVSHMEM's device bitcode ({' or '.join(names)}), "
+        f"which is not installed: {INSTALL_HINT}"
+    )
+
+
+class NvshmemWorld:
+    """This process's place in the NVSHMEM job: one per process (NVSHMEM is initialised
+    once), made by :meth:`start`. It knows its ``rank``, the ``world`` size and its CUDA
+    ``device``, hands out symmetric heaps (:meth:`alloc_heap`) and frees them, then
+    finalises NVSHMEM, at exit."""
+
+    _instance: NvshmemWorld | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, rank: int, world: int, device_index: int):
+        """Use :meth:`start`; this only records what it found."""
+        self._rank, self._world, self._index = rank, world, device_index
+        self._tensors: list = []  # every symmetric tensor handed out, freed by finalize
+        self._modules: dict[int, object] = {}  # id -> compiled kernel registered with NVSHMEM (held: ids)
+        self._finalized = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world(self) -> int:
+        return self._world
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cuda", self._index)
+
+    @classmethod
+    def start(cls) -> NvshmemWorld:
+        """The process's world, initialising NVSHMEM on first call (later calls return the
+        same world). Raises :class:`NvshmemUnavailable` with one line when it cannot."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls._boot()
+            return cls._instance
+
+    @classmethod
+    def _boot(cls) -> NvshmemWorld:
+        import torch
+
+        # Checks run cheapest and most likely first, so a CPU machine gets the GPU message.
+        if not torch.cuda.is_available():
+            raise NvshmemUnavailable(
+                "rdepc: the nvshmem backend needs a CUDA GPU; none is visible (torch.cuda.is_available() "
+                "is False): use --backend emulated or emulated-mp on a CPU"
+            )
+        try:
+            import nvshmem.core as nc
+        except (ImportError, OSError) as e:
+            raise NvshmemUnavailable(
+                f"rdepc: the nvshmem backend needs nvshmem4py ({_one_line(e)}): {INSTALL_HINT}"
+            ) from e
+        bitcode_path()  # fail here, not at the first launch, when the bitcode is missing
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+                # gloo, not NCCL: it only carries the unique id and host barriers, and NCCL
+                # refuses two ranks on one GPU, which is how single-GPU tests run.
+                dist.init_process_group("gloo", init_method="env://")
+            else:
+                raise NvshmemUnavailable(
+                    "rdepc: the nvshmem backend runs one process per rank: run under torchrun "
+                    "--nproc-per-node W (no torch.distributed group and no RANK/WORLD_SIZE/MASTER_ADDR here)"
+                )
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # Several PEs may share one GPU (NVSHMEM's multi-process-per-GPU mode), so wrap around.
+        index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        try:
+            try:
+                from cuda.core import Device
+            except ImportError:  # cuda-core before 0.4 kept it under experimental
+                from cuda.core.experimental import Device
+            device = Device(index)
+            device.set_current()
+            box = [nc.get_unique_id(empty=rank != 0)]  # only rank 0 makes a real id
+            dist.broadcast_object_list(box, src=0)
+            nc.init(device=device, uid=box[0], rank=rank, nranks=world, initializer_method="uid")
+        except Exception as e:
+            raise NvshmemUnavailable(f"rdepc: NVSHMEM init failed on rank {rank}: {_one_line(e)}") from e
+        self = cls(rank, world, index)
+        atexit.register(self.finalize)
+        return self
+
+    def launcher(self) -> NvshmemLauncher:
+        """A new launcher (its own ``launches`` count) for kernels of this world."""
+        return NvshmemLauncher(self)
+
+    def alloc_heap(self, nbytes: int):
+        """One symmetric ``uint8`` tensor of exactly ``nbytes``, zeroed on every PE before
+        any peer can write into it. Collective: every PE calls it with the same size, in the
+        same order. Checks every peer's copy is load/store reachable (what ``peer`` needs)."""
+        import nvshmem.bindings
+        import torch
+        from nvshmem.core.interop import torch as nt
+
+        if self._finalized:
+            raise RuntimeError("rdepc: NVSHMEM is finalized in this process")
+        if nbytes <= 0:
+            raise ValueError(f"rdepc: a symmetric heap needs a positive size, not {nbytes}")
+        heap = nt.tensor((nbytes,), dtype=torch.uint8)
+        self._tensors.append(heap)
+        heap.zero_()
+        self.barrier()  # zeroed everywhere before a fast peer's first put
+        for pe in range(self._world):
+            # The host twin of the kernel's nvshmem_ptr: 0 means no load/store path (another
+            # node, or P2P not available), where ``peer`` would hand the kernel NULL.
+            if not nvshmem.bindings.ptr(int(heap.data_ptr()), pe):
+                raise NvshmemUnavailable(
+                    f"rdepc: rank {self._rank} cannot load/store rank {pe}'s symmetric heap (nvshmem_ptr is NULL): "
+                    "the nvshmem backend needs every rank in one NVLink domain"
+                )
+        return heap
+
+    def barrier(self) -> None:
+        """Every PE's work so far is done before any PE goes on: this stream is synchronised,
+        then a host barrier over the process group. A host barrier rather than NVSHMEM's
+        on-stream one: it is what the probes ran with several PEs on one GPU."""
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.current_stream(self._index).synchronize()
+        dist.barrier()
+
+    def finalize(self) -> None:
+        """Free every symmetric tensor handed out, then finalise NVSHMEM (at exit; once).
+        Freeing is collective, so every PE frees the same tensors in the same order."""
+        if self._finalized:
+            return
+        import nvshmem.core as nc
+        import torch
+        from nvshmem.core.interop import torch as nt
+
+        self._finalized = True
+        torch.cuda.synchronize(self._index)  # no kernel may still use a heap being freed
+        while self._tensors:
+            nt.free_tensor(self._tensors.pop(0))
+        nc.finalize()
+
+
+class NvshmemLauncher(Launcher):
+    """Launches kernels linked against NVSHMEM's bitcode, counting them (``launches``), like
+    :class:`rdepc.runtime.launch.Launcher` does natively.
+
+    Before a compiled kernel first runs, NVSHMEM must fill the device state in its module
+    (``nvshmem.core.module_init``): without it nvshmem_ptr reads an uninitialised state. So
+    every launch first asks Triton for the compiled kernel (``warmup``: a cache lookup after
+    the first time) and registers it when it is new. Per compiled kernel, not per (kernel,
+    constexprs): Triton specialises on integer arguments equal to 1 and on pointer alignment,
+    so one kernel with the same constexprs can have several compiled modules (an ``epoch`` of
+    1 and one of 2 give two). What is registered is kept by the world, so launchers sharing
+    a kernel register it once per process."""
+
+    def __init__(self, world: NvshmemWorld | None = None):
+        super().__init__(interpret=False)
+        self.world = world if world is not None else NvshmemWorld.start()
+        self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
+
+    def __call__(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        meta = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
+        if id(compiled) not in self.world._modules:
+            self._register(compiled)
+        self.launches += 1
+        kernel[grid](*args, **meta)
+
+    def _register(self, compiled) -> None:
+        from nvshmem.core import NvshmemKernelObject, module_init
+
+        compiled._init_handles()  # loads the cubin: ``module`` is then its CUmodule handle
+        # nvshmem4py 0.4.1's module_init prints its status to stdout; keep stdout clean.
+        with contextlib.redirect_stdout(io.StringIO()):
+            module_init(NvshmemKernelObject.from_handle(compiled.module))
+        self.world._modules[id(compiled)] = compiled  # held: an id is unique only while alive
+
+
+__all__ = ["DEVICE_SOURCE", "EXTERN_LIB", "NvshmemLauncher", "NvshmemUnavailable", "NvshmemWorld", "bitcode_path"]

@@ -1,0 +1,155 @@
+"""One rank's share of a run on a per-rank backend (``emulated-mp``, ``nvshmem``).
+
+Every rank draws the same global inputs (same seed, drawn on the CPU), keeps its own
+tokens and its own experts' weights, runs its module and checks its slice of the output
+against the reference operator over the global inputs. :func:`run_rank` is what ``rdepc
+run --backend B`` does in each process — under ``torchrun``, or in the processes
+:func:`rdepc.runtime.ranks.spawn` starts for ``emulated-mp`` — and what the tests run.
+
+A :class:`Job` may hold several cases, run one after another by the same processes (each
+with a fresh module and heap): starting W processes costs seconds, a small case less.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: the layer, how it is compiled and run, its inputs, and fault injection."""
+
+    file: str
+    layer: str | None = None
+    overrides: tuple[tuple[str, int], ...] = ()
+    backend: str = "emulated-mp"
+    device: str = "cpu"
+    schedule: str | None = None
+    mode: str = "unified"
+    routing: str = "uniform"
+    seed: int = 0
+    tokens: int | None = None  # T' of every rank (default: the spec's T)
+    rank_tokens: tuple[int, ...] | None = None  # T'_r per rank (ranks may differ)
+    calls: int = 1
+    spin_bound: int | None = None
+    max_delay: float = 0.0  # each rank sleeps up to this long (seeded) before each call
+    kill: tuple[int, float] | None = None  # (rank, seconds into its first call): SIGKILL it there
+    keep_output: bool = False  # return y (bitwise comparisons in tests)
+
+
+@dataclass(frozen=True)
+class Job:
+    cases: tuple[Case, ...] = field(default_factory=tuple)
+
+
+def _slices(case: Case, W: int, T: int):
+    """(first token, T'_r) of every rank within the global [W·T_max] token list."""
+    if case.rank_tokens is not None:
+        if len(case.rank_tokens) != W:
+            raise ValueError(f"rank_tokens needs one T' per rank ({W}), got {len(case.rank_tokens)}")
+        return list(case.rank_tokens)
+    return [T if case.tokens is None else case.tokens] * W
+
+
+def run_case(case: Case, rank: int, W: int) -> dict:
+    import torch
+    from rdepc.runtime.module import TORCH_DTYPES, KernelError, max_relative_error
+
+    import rdepc
+    from rdepc.reference import random_inputs, reference_for
+
+    layer = rdepc.load(case.file, case.layer, **dict(case.overrides))
+    spec = layer.spec
+    sh = layer.shapes
+    T, H, F, E, K = (sh[k] for k in ("T", "H", "F", "E", "K"))
+    counts = _slices(case, W, T)
+    if any(not 0 <= n <= T for n in counts):
+        raise ValueError(f"every rank's T' must lie in [0, {T}], got {counts}")
+    Tmax = max(counts)
+    options = {"mode": case.mode} | ({"spin_bound": case.spin_bound} if case.spin_bound else {})
+    module = layer.module(case.backend, case.device, schedule=case.schedule, **options)
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    # Global inputs [W, T'_max]: a rank with fewer tokens keeps a prefix of its row.
+    x, ids, gates, wg, wu, wd = random_inputs(
+        W, max(Tmax, 1), H, F, E, K, routing=case.routing, seed=case.seed, dtype=dt, gated=spec.expert.gated
+    )
+    mine = list(module.local_experts)
+    dev = module.device
+    n = counts[rank]
+    args = [x[rank, :n], ids[rank, :n], gates[rank, :n], None if wg is None else wg[mine], wu[mine], wd[mine]]
+    args = [None if a is None else a.contiguous().to(dev) for a in args]
+    rng = random.Random(case.seed * 1000 + rank)
+    if case.kill is not None and case.kill[0] == rank:
+        _kill_after(case.kill[1])
+    out: dict = {"rank": rank, "tokens": n, "calls": []}
+    for _ in range(case.calls):
+        if case.max_delay:
+            time.sleep(rng.uniform(0, case.max_delay))
+        t0 = time.perf_counter()
+        try:
+            y = module(*args)
+        except KernelError as e:
+            out["error"] = e
+            return out
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out["calls"].append(time.perf_counter() - t0)
+    st = module.last_stats
+    out["stats"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    out["local_experts"] = mine
+    if case.keep_output:
+        out["y"] = y.cpu()
+    # The reference takes one T' for all ranks; dropless, a prefix of a rank's tokens is exact.
+    if len(set(counts)) == 1 or spec.capacity.policy == "dropless":
+        f32 = [
+            None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in (x, ids, gates, wg, wu, wd)
+        ]
+        ref, accepted_ref = reference_for(spec)(*f32)
+        out["error_rel"] = max_relative_error(y.cpu(), ref[rank, :n])
+        out["accepted_same"] = bool(torch.equal(st["accepted"].cpu(), accepted_ref[rank, :n]))
+    return out
+
+
+def _kill_after(seconds: float) -> None:
+    """SIGKILL this process ``seconds`` from now, wherever it is: a rank lost mid-call."""
+    import os
+    import signal
+    import threading
+
+    threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def run_rank(rank: int, W: int, job: Job) -> list[dict]:
+    """Every case of ``job`` on this rank, in order (the processes run them in step)."""
+    return [run_case(case, rank, W) for case in job.cases]
+
+
+def report(results: list[dict], tol: float) -> tuple[list[str], bool]:
+    """Lines for ``rdepc run``, one per rank, and whether every rank passed its check."""
+    lines, ok = [], True
+    for r in results:
+        head = f"  rank {r['rank']}  T'={r['tokens']:<5}"
+        if "error" in r:
+            lines.append(f"{head} FAILED: {r['error']}")
+            ok = False
+            continue
+        st = r["stats"]
+        err = r.get("error_rel")
+        if err is None:
+            check = "no reference (ranks bring different T' under a capacity policy)"
+        else:
+            same = "accepted set matches" if r["accepted_same"] else "accepted set DIFFERS"
+            check = f"max rel. error {err:.3g}, {same}"
+            ok = ok and err <= tol and r["accepted_same"]
+        rows = dict(zip(r["local_experts"], st["rows_per_expert"], strict=True))
+        times = ", ".join(f"{t:.2f}" for t in r["calls"])
+        lines.append(
+            f"{head} {check}; rows per own expert {rows}, dropped {st['dropped_rows']}, "
+            f"m-tiles {st['m_tiles']}; call {times} s"
+        )
+    return lines, ok
+
+
+__all__ = ["Case", "Job", "report", "run_case", "run_rank"]

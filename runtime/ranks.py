@@ -1,0 +1,191 @@
+"""Ranks as processes: the process group, the shared-memory heap of ``emulated-mp``, and a
+launcher that runs a function once per rank in its own OS process.
+
+Per-rank transports (``emulated-mp``, ``nvshmem``) run one process per rank, as a user does
+under ``torchrun --nproc-per-node W``. Each process joins ``torch.distributed`` (gloo: it
+only carries a handful of small host messages — the heap's name, barriers, a unique id);
+:func:`process_group` initialises it from torchrun's environment when needed.
+
+:class:`SharedHeap` is the symmetric heap of ``emulated-mp``: one file of W · heap_bytes
+bytes in ``/dev/shm``, created by rank 0, mapped by every rank, and unlinked as soon as
+all have mapped it — the mappings stay valid, and no segment is left behind however the
+processes end (an error, a kill, Ctrl-C).
+
+:func:`spawn` starts W processes that join one process group through a file store in a
+private temporary directory, runs ``fn(rank, world, *args)`` in each, and returns their
+results in rank order. A rank that raises is reported with its traceback; a rank that dies
+is reported by its exit code; a launch that outlives ``timeout`` is ended. Every child is
+terminated and joined before :func:`spawn` returns or raises, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RanksError(RuntimeError):
+    """A per-rank launch went wrong: which rank, and how."""
+
+
+def process_group(want: int | None = None):
+    """(rank, world size) of this process's ``torch.distributed`` group, initialising it
+    (gloo) from torchrun's environment if it is not yet. ``want``: the W the layer needs."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            raise RanksError(
+                "a per-rank backend runs one process per rank: start them with "
+                f"`torchrun --nproc-per-node {want or 'W'} ...` (or rdepc.runtime.ranks.spawn)"
+            )
+        dist.init_process_group("gloo", init_method="env://")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if want is not None and size != want:
+        raise RanksError(f"the layer has W = {want} ranks, but {size} processes were started (world size {size})")
+    return rank, size
+
+
+def broadcast(obj, src: int = 0):
+    """``obj`` of rank ``src``, on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@dataclass
+class SharedHeap:
+    """The ``[W, heap_bytes]`` symmetric heap of all ranks, mapped by every rank's process."""
+
+    tensor: object  # torch.Tensor, uint8 [W, heap_bytes], zeroed
+
+    @staticmethod
+    def create(W: int, heap_bytes: int) -> SharedHeap:
+        """Collective: every rank of the process group calls it."""
+        import torch
+
+        rank, _ = process_group(W)
+        path = None
+        if rank == 0:
+            path = _shm_dir() / f"rdepc-heap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, W * heap_bytes)  # a new file reads as zeros
+            finally:
+                os.close(fd)
+        path = broadcast(str(path) if path else None)
+        try:
+            flat = torch.from_file(path, shared=True, size=W * heap_bytes, dtype=torch.uint8)
+            barrier()  # every rank has mapped it: the name is no longer needed
+        finally:
+            if rank == 0:
+                Path(path).unlink(missing_ok=True)
+        return SharedHeap(flat.view(W, heap_bytes))
+
+
+# ----------------------------------------------------------------------------- the launcher
+def _child(rank: int, world: int, store: str, fn, args, results: str, delay: float) -> None:
+    import torch.distributed as dist
+
+    out = Path(results) / f"{rank}.pkl"
+    try:
+        if delay:
+            time.sleep(delay)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        try:
+            value = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which raises it
+        value = ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), _picklable(e))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(value))
+    tmp.replace(out)
+
+
+def _picklable(e: BaseException):
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return None
+
+
+def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; their results in rank
+    order. ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
+    ``delays``: seconds each rank sleeps before it joins (random start times in tests).
+
+    Raises :class:`RanksError` naming the first rank that failed (its exception, when it can
+    be carried, is the ``__cause__``; its traceback is in the message) or died."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp(prefix="rdepc-ranks-"))
+    store, results = tmp / "store", tmp / "results"
+    results.mkdir()
+    procs = []
+    try:
+        for rank in range(world):
+            delay = delays[rank] if delays else 0.0
+            p = ctx.Process(target=_child, args=(rank, world, str(store), fn, args, str(results), delay), daemon=True)
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        if late:
+            raise RanksError(f"ranks {late} did not finish within {timeout:g} s; they were ended")
+        out, first = [], None
+        for rank, p in enumerate(procs):
+            f = results / f"{rank}.pkl"
+            if not f.exists():
+                first = first or RanksError(f"rank {rank} died (exit code {p.exitcode}) before it reported a result")
+                out.append(None)
+                continue
+            value = pickle.loads(f.read_bytes())
+            if value[0] == "error":
+                err = RanksError(f"rank {rank} failed: {value[1]}\n{value[2]}")
+                err.rank, err.error = rank, value[3]
+                first = first or err
+                out.append(value[3])
+            else:
+                out.append(value[1])
+        if first is not None:
+            first.results = out
+            raise first
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["RanksError", "SharedHeap", "barrier", "broadcast", "process_group", "spawn"]

@@ -1,0 +1,254 @@
+"""The emulated-mp backend: one OS process per rank, the heap in shared memory, the real
+concurrent protocol under the Triton interpreter.
+
+Each rank's output equals the one-process ``emulated`` backend's bitwise (and the
+reference within tolerance) for W = 2, 3, 4, both kernel modes, bulk and pipelined,
+several seeds and routings, with random start delays per rank; ranks may bring different
+T' (zero included); a rank killed mid-call makes every other rank fail within its bound
+with a KernelError naming the dead rank; no process or shared-memory segment outlives a
+launch, Ctrl-C included. Starting W processes costs a few seconds (each imports torch and
+triton), so one launch runs several cases.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT
+from rdepc.runtime import ranks
+from rdepc.runtime.module import KernelError
+from rdepc.runtime.per_rank import Case, Job, run_rank
+
+import rdepc
+from rdepc.reference import random_inputs
+
+TINY = str(ROOT / "examples" / "tiny.rdep")  # fp32, dropless, H=64, F=128, E=8, K=2, T=16
+RDEPC = str(Path(sys.executable).with_name("rdepc"))
+
+
+def heaps() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("rdepc-heap-*")} if shm.is_dir() else set()
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Every test: no shared-memory heap and no rank process outlives it."""
+    before = heaps()
+    yield
+    assert heaps() <= before, f"shared-memory heaps left behind: {heaps() - before}"
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
+
+
+def emulated(W: int, case: Case) -> torch.Tensor:
+    """The one-process backend's output [W, T', H] for the same global inputs."""
+    layer = rdepc.load(case.file, W=W)
+    sh = layer.shapes
+    m = layer.module("emulated", "cpu", schedule=case.schedule, mode="unified")
+    T = sh["T"] if case.tokens is None else case.tokens
+    inputs = random_inputs(W, T, sh["H"], sh["F"], sh["E"], sh["K"], routing=case.routing, seed=case.seed)
+    return m(*inputs)
+
+
+def cases(W: int) -> list[Case]:
+    out = []
+    for i, (schedule, mode, routing) in enumerate(
+        [
+            ("bulk", "unified", "uniform"),
+            ("pipelined", "role-split", "zipf:1.0"),
+            ("pipelined", "unified", "hot"),
+            ("bulk", "role-split", "one"),
+        ]
+    ):
+        out.append(
+            Case(
+                TINY,
+                overrides=(("W", W),),
+                schedule=schedule,
+                mode=mode,
+                routing=routing,
+                seed=10 * W + i,
+                tokens=16 if i % 2 == 0 else 9,
+                calls=2 if i == 1 else 1,  # a second call: epochs across processes
+                max_delay=0.3,
+                keep_output=True,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_every_rank_matches_emulated_bitwise(W):
+    job = Job(tuple(cases(W)))
+    results = ranks.spawn(run_rank, W, job, timeout=600, delays=[0.1 * r for r in range(W)])
+    for i, case in enumerate(job.cases):
+        want = emulated(W, case)
+        for rank in range(W):
+            got = results[rank][i]
+            assert "error" not in got, got["error"]
+            assert len(got["calls"]) == case.calls
+            assert got["error_rel"] <= 1e-5 and got["accepted_same"], (case, rank, got["error_rel"])
+            assert torch.equal(got["y"], want[rank]), f"{case.schedule} {case.mode} {case.routing}: rank {rank}"
+
+
+def test_ranks_may_bring_different_token_counts():
+    """T' = 16, 0, 7: the rank with no tokens still takes part (its scans, computes and
+    returns serve the others); every slice equals the reference over the same tokens."""
+    counts = (16, 0, 7)
+    job = Job(
+        tuple(Case(TINY, overrides=(("W", 3),), rank_tokens=counts, mode=m, seed=3) for m in ("unified", "role-split"))
+    )
+    for per_case in zip(*ranks.spawn(run_rank, 3, job, timeout=600), strict=True):
+        for rank, got in enumerate(per_case):
+            assert got["tokens"] == counts[rank] and "error" not in got
+            assert got["error_rel"] <= 1e-5 and got["accepted_same"]
+        received = sum(sum(got["stats"]["received_per_expert"]) for got in per_case)
+        assert received == sum(counts) * 2  # K = 2 route rows per token reach their owners
+
+
+def test_capacity_follows_the_tokens_all_ranks_bring(tmp_path):
+    """A capacity policy: each owner's cap_e comes from the T' every front-end published, so
+    all ranks agree with the one-process backend (bitwise) and the reference."""
+    text = (ROOT / "examples" / "tiny.rdep").read_text()
+    assert "capacity  dropless" in text
+    spec = tmp_path / "tiny_cap.rdep"
+    spec.write_text(text.replace("capacity  dropless", "capacity  factor 1.0, drop arrival, weights renormalize"))
+    case = Case(str(spec), overrides=(("W", 2),), routing="zipf:1.5", seed=5, tokens=12, keep_output=True)
+    results = [r[0] for r in ranks.spawn(run_rank, 2, Job((case,)), timeout=600)]
+    want = emulated(2, case)
+    for rank, got in enumerate(results):
+        assert got["stats"]["capacity"] == 6  # ceil(1.0 * W * T' * K / E) = ceil(2 * 12 * 2 / 8)
+        assert got["accepted_same"] and got["error_rel"] <= 1e-5
+        assert torch.equal(got["y"], want[rank])
+    assert sum(got["stats"]["dropped_rows"] for got in results) > 0  # zipf 1.5 overflows expert 0
+
+
+def test_a_killed_rank_fails_the_others_within_their_bound():
+    """Rank 1 is SIGKILLed 0.3 s into its call: the others' waits expire (bounded), each
+    raises a KernelError with the kernel's record, and one of them names rank 1's task."""
+    case = Case(TINY, overrides=(("W", 3),), spin_bound=5000, kill=(1, 0.3))
+    t0 = time.monotonic()
+    with pytest.raises(ranks.RanksError, match=r"rank 1 died \(exit code -9\)") as e:
+        ranks.spawn(run_rank, 3, Job((case,)), timeout=300)
+    assert time.monotonic() - t0 < 120
+    survivors = [r[0] for r in e.value.results if r is not None]
+    assert [s["rank"] for s in survivors] == [0, 2]
+    for s in survivors:
+        err = s["error"]
+        assert isinstance(err, KernelError) and err.record["code"] == 1 and err.record["rank"] == s["rank"]
+        assert "waited 5000 spins for the done flag of task" in str(err)
+    assert any(s["error"].record["flag_rank"] == 1 for s in survivors)
+
+
+CTRL_C = """
+import sys, time
+from rdepc.runtime import ranks
+from rdepc.runtime.per_rank import Case, Job, run_rank
+if __name__ == "__main__":
+    case = Case(sys.argv[1], overrides=(("W", 2),), calls=10000)
+    ranks.spawn(run_rank, 2, Job((case,)), timeout=600)
+"""
+
+
+def test_ctrl_c_leaves_no_process_and_no_heap(tmp_path):
+    """SIGINT to the whole process group mid-run (as a terminal's Ctrl-C): the launcher and
+    its ranks exit, and the heap's name is gone (it was unlinked once every rank mapped it)."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(textwrap.dedent(CTRL_C))
+    p = subprocess.Popen([sys.executable, str(script), TINY], start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_children(p.pid)) < 2:
+            time.sleep(0.2)
+        kids = _children(p.pid)
+        assert len(kids) >= 2, "the ranks did not start"
+        time.sleep(4)  # inside the calls by now (imports take ~2 s)
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    time.sleep(0.5)
+    assert not [k for k in kids if _alive(k)], "rank processes outlived Ctrl-C"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_rdepc_run_emulated_mp_checks_every_rank():
+    out = subprocess.run(
+        [RDEPC, "run", TINY, "--backend", "emulated-mp", "-D", "W=3", "--mode", "role-split", "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "emulated-mp backend on cpu (Triton interpreter, one process per rank), role-split mode" in out.stdout
+    assert [line.split()[1] for line in lines if line.startswith("  rank ")] == ["0", "1", "2"]
+    assert all("accepted set matches" in line for line in lines if line.startswith("  rank "))
+    assert lines[-1] == "check passed"
+
+
+def test_rdepc_run_per_rank_errors_are_one_line():
+    for argv, msg in [
+        (["--backend", "nvshmem"], "--backend nvshmem needs a CUDA GPU and none is visible"),
+        (["--backend", "emulated-mp", "--profile", "x.json"], "--profile: not supported yet with the per-rank"),
+        (["--backend", "mpi"], "unknown backend 'mpi'"),
+    ]:
+        out = subprocess.run([RDEPC, "run", TINY, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and msg in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_world_size_must_equal_W():
+    """Under torchrun the processes started must be the spec's W."""
+    env = dict(
+        os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000)
+    )
+    out = subprocess.run(
+        [RDEPC, "run", TINY, "--backend", "emulated-mp"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 1
+    assert "the layer has W = 4 ranks, but 1 processes were started" in out.stderr
+
+
+def moe_rank(rank: int, W: int, file: str) -> torch.Tensor:
+    """One rank's RDEPMoE block on its own tokens (a spawned rank runs this)."""
+    moe = rdepc.RDEPMoE(file, backend="emulated-mp", generator=torch.Generator().manual_seed(7), W=W)
+    x = torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8))
+    assert moe.w_up.shape == (len(moe.experts), 64, 128)
+    return moe(x[rank])
+
+
+def test_rdepmoe_per_rank_holds_its_experts_and_matches_one_process():
+    """Each rank's block holds its own experts only, routes its own tokens, and its output
+    is its slice of the one-process block's (same seed: same weights), bitwise."""
+    W = 2
+    got = ranks.spawn(moe_rank, W, TINY, timeout=300)
+    moe = rdepc.RDEPMoE(TINY, generator=torch.Generator().manual_seed(7), W=W)
+    want = moe(torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8)))
+    for rank in range(W):
+        assert torch.equal(got[rank], want[rank])

@@ -1,0 +1,146 @@
+"""The nvshmem transport without a GPU: its device half links against NVSHMEM's bitcode and
+compiles to an sm_90 cubin, and its host half says clearly why it cannot start on a CPU.
+
+The compiles run in a subprocess with TRITON_INTERPRET=0 (as rdepc.codegen.sm90 does): this
+process may run the Triton interpreter for other tests, and Triton fixes its mode at first
+import.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT
+from rdepc.runtime import nvshmem
+from rdepc.runtime.nvshmem import DEVICE_SOURCE, NvshmemUnavailable, NvshmemWorld, bitcode_path
+from rdepc.runtime.transport import EMULATED_DEVICE
+
+HEADER = "import triton\nimport triton.language as tl\nfrom triton.language import core\n\n"
+
+# A kernel over the whole contract: put into a peer's heap, signal its flag, wait on ours.
+PROBE_KERNEL = """
+
+@triton.jit
+def probe(heap, to, n, bound, out, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    dst = peer(heap, to)
+    put(dst + offs, offs.to(tl.uint8), offs < n)
+    signal((dst + 128).to(tl.pointer_type(tl.int32)))
+    seen = wait((heap + 128).to(tl.pointer_type(tl.int32)), 1, bound)
+    tl.store(out, seen)
+"""
+
+# Runs in the subprocess: compile the probe with and without the bitcode; one JSON line out.
+COMPILE = textwrap.dedent(
+    """
+    import importlib.util, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path, bitcode = sys.argv[1], sys.argv[2]
+    spec = importlib.util.spec_from_file_location("nvshmem_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = {"heap": "*u8", "to": "i32", "n": "i32", "bound": "i32", "out": "*i32", "BLOCK": "constexpr"}
+    result = {}
+    for linked in (True, False):
+        options = {"num_warps": 4}
+        if linked:
+            options["extern_libs"] = {"libnvshmem_device": bitcode}
+        src = ASTSource(fn=module.probe, signature=signature, constexprs={"BLOCK": 64})
+        try:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            result[str(linked)] = {"cubin": len(k.asm["cubin"]), "ptx": k.asm["ptx"]}
+        except Exception as e:
+            result[str(linked)] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(result))
+    """
+)
+
+
+def test_bitcode_is_the_pinned_single_file():
+    path = bitcode_path()
+    assert path.is_file() and path.name == "libnvshmem_device.bc"  # 3.4.5: one bitcode for every arch
+    assert path.parent.parts[-3:] == ("nvidia", "nvshmem", "lib")
+    assert path.stat().st_size > 1 << 20
+    assert bitcode_path(arch=80) == path
+
+
+def test_missing_bitcode_is_one_line_with_the_install_hint(monkeypatch):
+    real = nvshmem.importlib.util.find_spec
+    monkeypatch.setattr(nvshmem.importlib.util, "find_spec", lambda name: None if name == "nvidia" else real(name))
+    with pytest.raises(NvshmemUnavailable) as err:
+        bitcode_path()
+    message = str(err.value)
+    assert "\n" not in message and "pip install 'rdepc[nvshmem]'" in message and "nvidia-nvshmem-cu13" in message
+    assert isinstance(err.value, RuntimeError)
+
+
+def _functions(source: str) -> dict[str, list[str]]:
+    tree = ast.parse(HEADER + source)
+    return {f.name: [a.arg for a in f.args.args] for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+
+def test_device_source_keeps_the_emulated_contract():
+    ours, emulated = _functions(DEVICE_SOURCE), _functions(EMULATED_DEVICE)
+    assert {n: ours[n] for n in emulated} == emulated  # peer, put, signal, wait: same names and arguments
+    assert ours["nvshmem_ptr"] == ["ptr", "pe", "_semantic"]
+    assert 'SCOPE = tl.constexpr("sys")' in DEVICE_SOURCE
+    assert DEVICE_SOURCE.lstrip("\n").startswith("# " + "-" * 40)
+
+
+def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
+    kernel = tmp_path / "nvshmem_probe.py"
+    kernel.write_text(HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + DEVICE_SOURCE + PROBE_KERNEL, encoding="utf-8")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(kernel), str(bitcode_path())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+
+    linked = result["True"]
+    assert "error" not in linked, linked.get("error")
+    ptx = linked["ptx"]
+    assert linked["cubin"] > 0
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert re.search(r"\b(ld|atom)\.global\.sys\.acquire\.", ptx), "wait: an acquire at system scope"
+    assert re.search(r"\batom\.global\.sys\.release\.add\.", ptx), "signal: a release atomic at system scope"
+    assert "nvshmemi_device_state_d" in ptx  # nvshmem_ptr inlined: it reads the state module_init fills
+    assert not re.search(r"\.extern\s+\.func.*nvshmem_ptr", ptx)
+
+    unlinked = result["False"]
+    assert "nvshmem_ptr" in unlinked.get("error", ""), "without the bitcode nvshmem_ptr must stay unresolved"
+
+
+def test_world_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: start() would really initialise NVSHMEM")
+    for _ in range(2):  # a failed start leaves nothing behind: the second fails the same way
+        with pytest.raises(NvshmemUnavailable) as err:
+            NvshmemWorld.start()
+        message = str(err.value)
+        assert "\n" not in message and "GPU" in message and "emulated" in message
+
+
+def test_import_is_light():
+    heavy = ("torch", "triton", "nvshmem")
+    code = f"import sys, rdepc.runtime.nvshmem; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
