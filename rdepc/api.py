@@ -137,10 +137,12 @@ class Layer:
 
     def module(self, backend: str = "emulated", device=None, *, schedule: str | None = None, **options):
         """The layer as a runnable module: ``forward(x, topk_ids, topk_weights, w_gate, w_up,
-        w_down) -> y`` on the ``emulated`` backend, on ``device`` "cpu" (the Triton
-        interpreter, the default) or "cuda". ``options``: ``tiles``, ``programs``,
-        ``spin_bound`` (see rdepc.runtime.RDEPModule)."""
-        interpret = device is None or str(device).startswith("cpu")
+        w_down) -> y`` on ``backend`` — ``emulated`` (all ranks in this process), or one rank
+        per process with ``emulated-mp`` (CPU) and ``nvshmem`` (this rank's GPU, under
+        torchrun) — on ``device`` "cpu" (the Triton interpreter, the default) or "cuda".
+        ``options``: ``tiles``, ``programs``, ``spin_bound``, ``mode``, ``profile`` (see
+        rdepc.runtime.RDEPModule)."""
+        interpret = backend != "nvshmem" and (device is None or str(device).startswith("cpu"))
         compiled = self.compile(schedule=schedule, backend=backend, interpret=interpret)
         return compiled.module(backend=backend, device=device, **options)
 

@@ -3,7 +3,7 @@ device calls into NVSHMEM's bitcode from stock Triton.
 
 Design, in brief:
 
-Device half (:data:`DEVICE_SOURCE`)
+Device half (:data:`DEVICE_SOURCE`, kept with the other transports in ``rdepc.runtime.transport``)
     The same four functions as the emulated transport (``peer``, ``put``, ``signal``,
     ``wait``; see ``rdepc.runtime.transport``), so a kernel body does not change with the
     transport. ``peer`` is ``nvshmem_ptr``: inside one NVLink domain a peer's copy of the
@@ -39,66 +39,9 @@ from pathlib import Path
 
 # launch.py imports neither torch nor triton at import time either.
 from rdepc.runtime.launch import Launcher
+from rdepc.runtime.transport import NVSHMEM_DEVICE
 
-DEVICE_SOURCE = '''
-# ---------------------------------------------------------------------------------------
-# Transport: nvshmem. One process per rank; the symmetric heap is one NVSHMEM allocation
-# per PE; a peer's copy is reached through nvshmem_ptr (NVLink: plain loads and stores), a
-# signal a release atomic at system scope.
-# ---------------------------------------------------------------------------------------
-SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: the ranks are separate processes
-
-
-@core.extern
-def nvshmem_ptr(ptr, pe, _semantic=None):
-    """void *nvshmem_ptr(const void *ptr, int pe), from libnvshmem_device: the address at which
-    this PE loads and stores ``pe``'s copy of the symmetric object at ``ptr``. Pointers cross
-    as int64 (a pointer type cannot key the dispatch table); not pure: it reads NVSHMEM's
-    device state."""
-    return core.extern_elementwise(
-        "libnvshmem_device",
-        "",
-        [ptr, pe],
-        {(core.int64, core.int32): ("nvshmem_ptr", core.int64)},
-        is_pure=False,
-        _semantic=_semantic,
-    )
-
-
-@triton.jit
-def peer(heap, rank):
-    """Base of rank ``rank``'s copy of the symmetric heap. nvshmem_ptr is NULL for a peer
-    that is not load/store reachable; the host checks every peer is before the first launch."""
-    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
-
-
-@triton.jit
-def put(ptr, value, mask):
-    """A store into a peer's copy of the heap (or our own): NVLink makes it a plain store."""
-    tl.store(ptr, value, mask=mask)
-
-
-@triton.jit
-def signal(flag):
-    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
-    one thread, so without it the other warps' stores would not be ordered before it."""
-    tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
-
-
-@triton.jit
-def wait(flag, target, bound):
-    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
-    seen. The barrier after it lets every warp of the program see what the acquire made
-    visible."""
-    seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-    spins = 0
-    while (seen < target) & (spins < bound):
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-        spins += 1
-    tl.debug_barrier()
-    return seen
-'''
+DEVICE_SOURCE = NVSHMEM_DEVICE  # the device half, beside the other transports' (runtime/transport.py)
 
 EXTERN_LIB = "libnvshmem_device"  # the library name the extern declarations above dispatch to
 INSTALL_HINT = "pip install 'rdepc[nvshmem]' (or nvidia-nvshmem-cu13 and nvshmem4py-cu13)"

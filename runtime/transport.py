@@ -48,26 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EMULATED_DEVICE = '''
-# ---------------------------------------------------------------------------------------
-# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8
-# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.
-# ---------------------------------------------------------------------------------------
-SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on one device
-
-
-@triton.jit
-def peer(heap, rank):
-    """Base of rank ``rank``'s slice of the symmetric heap (int64: slices may exceed 2 GiB)."""
-    return heap + tl.cast(rank, tl.int64) * HEAP_BYTES
-
-
-@triton.jit
-def put(ptr, value, mask):
-    """A store into a peer's slice of the heap (or our own)."""
-    tl.store(ptr, value, mask=mask)
-
-
+# signal and wait: the same on every transport, at the transport's SCOPE.
+SIGNALS = '''
 @triton.jit
 def signal(flag):
     """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
@@ -89,6 +71,75 @@ def wait(flag, target, bound):
     tl.debug_barrier()
     return seen
 '''
+
+EMULATED_DEVICE = (
+    '''
+# ---------------------------------------------------------------------------------------
+# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8
+# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.
+# ---------------------------------------------------------------------------------------
+SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on one device
+
+
+@triton.jit
+def peer(heap, rank):
+    """Base of rank ``rank``'s slice of the symmetric heap (int64: slices may exceed 2 GiB)."""
+    return heap + tl.cast(rank, tl.int64) * HEAP_BYTES
+
+
+@triton.jit
+def put(ptr, value, mask):
+    """A store into a peer's slice of the heap (or our own)."""
+    tl.store(ptr, value, mask=mask)
+
+'''
+    + SIGNALS
+)
+
+
+# nvshmem_ptr is declared as an extern over NVSHMEM's device bitcode (libnvshmem_device),
+# which Triton links when the launch or compile names it in extern_libs (rdepc.runtime.nvshmem).
+NVSHMEM_DEVICE = (
+    '''
+# ---------------------------------------------------------------------------------------
+# Transport: nvshmem. One process per rank; the symmetric heap is one NVSHMEM allocation
+# per PE; a peer's copy is reached through nvshmem_ptr (NVLink: plain loads and stores), a
+# signal a release atomic at system scope.
+# ---------------------------------------------------------------------------------------
+SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: the ranks are separate processes
+
+
+@core.extern
+def nvshmem_ptr(ptr, pe, _semantic=None):
+    """void *nvshmem_ptr(const void *ptr, int pe), from libnvshmem_device: the address at which
+    this PE loads and stores ``pe``'s copy of the symmetric object at ``ptr``. Pointers cross
+    as int64 (a pointer type cannot key the dispatch table); not pure: it reads NVSHMEM's
+    device state."""
+    return core.extern_elementwise(
+        "libnvshmem_device",
+        "",
+        [ptr, pe],
+        {(core.int64, core.int32): ("nvshmem_ptr", core.int64)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@triton.jit
+def peer(heap, rank):
+    """Base of rank ``rank``'s copy of the symmetric heap. nvshmem_ptr is NULL for a peer
+    that is not load/store reachable; the host checks every peer is before the first launch."""
+    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def put(ptr, value, mask):
+    """A store into a peer's copy of the heap (or our own): NVLink makes it a plain store."""
+    tl.store(ptr, value, mask=mask)
+
+'''
+    + SIGNALS
+)
 
 
 @dataclass(frozen=True)
@@ -141,13 +192,16 @@ class EmulatedMP(Transport):
     processes: str = "per-rank"
 
 
-def _nvshmem() -> Transport:
-    from rdepc.runtime import nvshmem
+@dataclass(frozen=True)
+class Nvshmem(Transport):
+    name: str = "nvshmem"
+    scope: str = "sys"
+    device_source: str = NVSHMEM_DEVICE
+    processes: str = "per-rank"
+    imports: str = "from triton.language import core"  # core.extern for nvshmem_ptr
 
-    return Transport("nvshmem", "sys", nvshmem.DEVICE_SOURCE, "per-rank", "from triton.language import core")
 
-
-TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": _nvshmem()}
+TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": Nvshmem()}
 
 
 def get(name: str) -> Transport:
@@ -157,4 +211,4 @@ def get(name: str) -> Transport:
     raise ValueError(f"unknown backend '{name}' (known: {', '.join(TRANSPORTS)})")
 
 
-__all__ = ["TRANSPORTS", "Emulated", "EmulatedMP", "Transport", "get"]
+__all__ = ["TRANSPORTS", "Emulated", "EmulatedMP", "Nvshmem", "Transport", "get"]

@@ -49,6 +49,13 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
     """nvshmem: one process per rank, peers through nvshmem_ptr, NVSHMEM's device bitcode
     (the nvidia-nvshmem-cu13 wheel of the test extras, the GPU machines' 3.4.5) linked in."""
     monkeypatch.chdir(ROOT)
+    if backend == "nvshmem":
+        from rdepc.runtime.nvshmem import NvshmemUnavailable, bitcode_path
+
+        try:
+            bitcode_path()
+        except NvshmemUnavailable as e:  # the test extras bring it on Linux x86-64 (CI)
+            pytest.skip(str(e))
     jobs, dtypes = [], {}
     for name, dtype, g in _generate(tmp_path, backend):
         out = tmp_path / name

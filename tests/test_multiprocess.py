@@ -252,3 +252,14 @@ def test_rdepmoe_per_rank_holds_its_experts_and_matches_one_process():
     want = moe(torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8)))
     for rank in range(W):
         assert torch.equal(got[rank], want[rank])
+
+
+def test_under_torchrun_each_process_is_one_rank():
+    """The documented launch: torchrun starts the W processes, each joins the process group
+    from torchrun's environment, runs its rank and checks its slice."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "rdepc", "run", TINY, "--backend", "emulated-mp"]
+    out = subprocess.run([*argv, "-D", "W=2", "--check"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ranks_seen = sorted(line.split()[1] for line in out.stdout.splitlines() if line.startswith("  rank "))
+    assert ranks_seen == ["0", "1"] and out.stdout.count("check passed") == 2
