@@ -120,11 +120,18 @@ def write_module(g: Generated, out: Path) -> list[Path]:
 
 def wrapper_source(plan: KernelPlan) -> str:
     name = plan.layer
-    return f'''"""Layer {name}, compiled by rdepc {plan.rdepc} from {plan.file}.
+    if plan.transport == "emulated":
+        usage = f"""    layer = {name}.module(device="cpu")  # the emulated backend; "cpu" runs the Triton interpreter
+    y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [W, T', H] -> y [W, T', H]"""
+        device = '"cpu"'
+    else:
+        usage = f"""    layer = {name}.module()  # {plan.transport}: one process per rank (torchrun), this rank's share
+    y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [T', H] -> y [T', H]"""
+        device = '"cpu"' if plan.transport == "emulated-mp" else "None"
+    return f'''"""Layer {name}, compiled by rdepc {plan.rdepc} from {plan.file} for the {plan.transport} backend.
 
     import {name}
-    layer = {name}.module(device="cpu")  # the emulated backend; "cpu" runs the Triton interpreter
-    y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [W, T', H] -> y [W, T', H]
+{usage}
 
 The kernels are in {name}_kernels.py, their plan in {name}.plan.json.
 """
@@ -136,7 +143,7 @@ from rdepc.runtime import load_compiled
 HERE = Path(__file__).resolve().parent
 
 
-def module(backend="emulated", device="cpu", **options):
+def module(backend="{plan.transport}", device={device}, **options):
     """The compiled layer as an ``rdepc.runtime.RDEPModule`` (see its ``forward``)."""
     plan, kernels = HERE / "{name}.plan.json", HERE / "{name}_kernels.py"
     return load_compiled(plan, kernels, backend=backend, device=device, **options)

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sm_90"],
         help="also compile every kernel to a cubin for this GPU (LAYER.KERNEL.sm_90.cubin; no GPU needed)",
     )
+    p.add_argument(
+        "--backend",
+        default="emulated",
+        choices=["emulated", "emulated-mp", "nvshmem"],
+        help="the transport the kernels are generated for (default: emulated; nvshmem links NVSHMEM's bitcode)",
+    )
     _schedule_options(p)
     p.set_defaults(func=cmd_compile)
 
@@ -288,6 +294,7 @@ def cmd_compile(args) -> int:
         schedule=args.schedule,
         cut=args.cut,
         hw=args.hw,
+        backend=args.backend,
     )
     # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
     result = compile_file(args.file, opts, sys.stdout)
