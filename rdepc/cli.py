@@ -448,6 +448,7 @@ def _run_per_rank(args, layer, tokens: int) -> int:
     import torch
 
     from rdepc.runtime import per_rank, ranks
+    from rdepc.runtime.nvshmem import NvshmemUnavailable
 
     spec, W = layer.spec, layer.shapes["W"]
     gpu = args.backend == "nvshmem"
@@ -483,8 +484,8 @@ def _run_per_rank(args, layer, tokens: int) -> int:
         else:
             print(f"starting {W} rank processes ({args.backend}, Triton interpreter) ...", flush=True)
             results = [r[0] for r in ranks.spawn(per_rank.run_rank, W, job)]
-    except ranks.RanksError as e:  # a rank that could not run (a kernel error is reported per rank below)
-        print(f"rdepc: error: {str(e).splitlines()[0]}", file=sys.stderr)
+    except (ranks.RanksError, NvshmemUnavailable) as e:  # a rank could not run (kernel errors: per rank below)
+        print(f"rdepc: error: {str(e).splitlines()[0].removeprefix('rdepc: ')}", file=sys.stderr)
         return 1
     where = "cuda (one process per GPU rank)" if gpu else "cpu (Triton interpreter, one process per rank)"
     print(f"layer {spec.name} ({spec.file}): {args.backend} backend on {where}, {args.mode} mode")

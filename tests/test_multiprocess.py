@@ -68,6 +68,7 @@ def cases(W: int) -> list[Case]:
             ("pipelined", "role-split", "zipf:1.0"),
             ("pipelined", "unified", "hot"),
             ("bulk", "role-split", "one"),
+            ("deep", "unified", "uniform"),
         ]
     ):
         out.append(
@@ -241,6 +242,34 @@ def moe_rank(rank: int, W: int, file: str) -> torch.Tensor:
     x = torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8))
     assert moe.w_up.shape == (len(moe.experts), 64, 128)
     return moe(x[rank])
+
+
+def bad_inputs_rank(rank: int, W: int, file: str) -> list[str]:
+    """The errors one rank's module gives for inputs that disagree with its plan."""
+    m = rdepc.load(file, W=W).module("emulated-mp")
+    x, ids, gates, wg, wu, wd = random_inputs(W, 8, 64, 128, 8, 2)
+    mine = list(m.local_experts)
+    out = []
+    for args in [
+        (x, ids, gates, wg, wu, wd),  # every rank's tokens and every expert: the one-process signature
+        (x[rank], ids[rank], gates[rank], wg, wu, wd),  # every expert's weights
+        (x[rank], ids[rank, :, :1], gates[rank], wg[mine], wu[mine], wd[mine]),
+    ]:
+        try:
+            m(*args)
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    m(x[rank], ids[rank], gates[rank], wg[mine], wu[mine], wd[mine])  # and the module still runs
+    return out
+
+
+def test_per_rank_inputs_that_disagree_with_the_plan_are_named():
+    got = ranks.spawn(bad_inputs_rank, 2, TINY, timeout=300)
+    for rank, (whole, weights, ids) in enumerate(got):
+        assert whole == f"rdepc layer tiny (rank {rank} of 2): x must be [T', H=64], got (2, 8, 64)"
+        assert weights == f"rdepc layer tiny (rank {rank} of 2): w_up must be [4, 64, 128], got (8, 64, 128)"
+        assert ids == f"rdepc layer tiny (rank {rank} of 2): topk_ids must be [T', K] = [8, 2], got (8, 1)"
 
 
 def test_rdepmoe_per_rank_holds_its_experts_and_matches_one_process():
