@@ -39,6 +39,7 @@ from pathlib import Path
 
 # launch.py imports neither torch nor triton at import time either.
 from rdepc.runtime.launch import Launcher
+from rdepc.runtime.ranks import HOST_TIMEOUT
 from rdepc.runtime.transport import NVSHMEM_DEVICE
 
 DEVICE_SOURCE = NVSHMEM_DEVICE  # the device half, beside the other transports' (runtime/transport.py)
@@ -140,7 +141,7 @@ class NvshmemWorld:
             if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
                 # gloo, not NCCL: it only carries the unique id and host barriers, and NCCL
                 # refuses two ranks on one GPU, which is how single-GPU tests run.
-                dist.init_process_group("gloo", init_method="env://")
+                dist.init_process_group("gloo", init_method="env://", timeout=HOST_TIMEOUT)
             else:
                 raise NvshmemUnavailable(
                     "rdepc: the nvshmem backend runs one process per rank: run under torchrun "

@@ -28,7 +28,12 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+
+# Host collectives (the heap's name, barriers) are bounded too: a peer that died before them
+# fails the others after this long rather than never (gloo's default is 30 minutes).
+HOST_TIMEOUT = timedelta(minutes=5)
 
 
 class RanksError(RuntimeError):
@@ -46,7 +51,7 @@ def process_group(want: int | None = None):
                 "a per-rank backend runs one process per rank: start them with "
                 f"`torchrun --nproc-per-node {want or 'W'} ...` (or rdepc.runtime.ranks.spawn)"
             )
-        dist.init_process_group("gloo", init_method="env://")
+        dist.init_process_group("gloo", init_method="env://", timeout=HOST_TIMEOUT)
     rank, size = dist.get_rank(), dist.get_world_size()
     if want is not None and size != want:
         raise RanksError(f"the layer has W = {want} ranks, but {size} processes were started (world size {size})")
@@ -111,7 +116,9 @@ def _child(rank: int, world: int, store: str, fn, args, results: str, delay: flo
     try:
         if delay:
             time.sleep(delay)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=HOST_TIMEOUT
+        )
         try:
             value = ("ok", fn(rank, world, *args))
         finally:
