@@ -143,6 +143,7 @@ def _constants(p: KernelPlan) -> str:
         _c("K_PAD", K_PAD),
         _c("ROUTE_ROWS", route_rows, "route rows per block of the route stage's one-hot prefix count"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
+        _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
         _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
         _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
@@ -252,15 +253,53 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
 
 def _route() -> str:
     return '''@triton.jit
-def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratch, r, n_tokens):
+def note(ctl, word, bad, key):
+    """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
+    (the largest ``key``) in the word after it; nothing is written when none offends."""
+    count = tl.sum(bad.to(tl.int64), axis=0)
+    if count > 0:
+        tl.atomic_add(ctl + word, count)
+        tl.atomic_max(ctl + word + 1, tl.max(tl.where(bad, key, 0), axis=0))
+
+
+@triton.jit
+def validate(topk_ids, gates, ctl, r, n_tokens):
+    """Front-end r's routing inputs: expert ids in [0, E), K distinct experts per token,
+    finite gates. Offenders are counted into the control block with the first one (key
+    W*T*K - (r*T + t)*K - k: earliest is largest) for the host to raise after the call; the
+    call goes on (an id out of range is routed nowhere, its slot not accepted), so no rank
+    is left waiting and the next call starts clean."""
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
+    slots = tl.arange(0, K_PAD)
+    start = 0
+    while start < n_tokens:
+        t = start + tl.arange(0, VALIDATE_TOKENS)
+        start += VALIDATE_TOKENS
+        live = (t < n_tokens)[:, None] & (slots < K)[None, :]
+        i = t[:, None] * K + slots[None, :]
+        e = tl.load(topk_ids + base + i, mask=live, other=0)
+        g = tl.load(gates + base + i, mask=live, other=0.0)
+        key = tl.ravel(key0 - i)
+        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < 0) | (e >= E))), key)
+        note(ctl, CTL_BAD_GATES, tl.ravel(live & ((g - g) != 0)), key)  # NaN and +-inf: g - g is not 0
+        pair = live[:, :, None] & live[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
+        twice = tl.max(tl.max(((e[:, :, None] == e[:, None, :]) & pair).to(tl.int32), axis=2), axis=1) > 0
+        note(ctl, CTL_DUP_TOKENS, twice, key0 - t * K)
+
+
+@triton.jit
+def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, scratch, ctl, r, n_tokens):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
     Route row i = t*K + k has row_id (r*T + t)*K + k (eq. 7). Pass 1 gives every row its
     position among the rows r sends to the same expert (a running one-hot prefix count, in
     row order, which is ascending row_id) and counts the rows per expert; the counts go to
     the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
-    bucket base of each expert stays in ``scratch`` for the dispatch tasks.
+    bucket base of each expert stays in ``scratch`` for the dispatch tasks. The inputs are
+    validated first, here rather than on the host (no device→host sync in a call).
     """
+    validate(topk_ids, gates, ctl, r, n_tokens)
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
     pos = rowpos + tl.cast(r, tl.int64) * (T * K)
@@ -294,9 +333,10 @@ def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratc
     while start < n:
         i = start + tl.arange(0, ROUTE_ROWS)
         start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=0).to(tl.int32)
-        at = tl.load(by_expert + e, mask=i < n, other=0) + tl.load(pos + i, mask=i < n, other=0)
-        tl.store(bucketed + at, i, mask=i < n)
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
+        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
+        tl.store(bucketed + at, i, mask=valid)
     # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
@@ -804,6 +844,7 @@ def combine(
     i = t[:, None] * K + k[None, :]
     base = tl.cast(r, tl.int64) * n_tokens * K
     e = tl.load(topk_ids + base + i, mask=live, other=0)
+    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
     at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
     p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
     me = peer(heap, r)
@@ -814,9 +855,10 @@ def combine(
     kept = tl.where(ok, g, 0.0)
 '''
         + weights
-        + """    tl.store(accepted + base + i, ok.to(tl.int8), mask=live)
-    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=live)
-    tl.store(gprime + base + i, w, mask=live)
+        + """    real = (t < n_tokens)[:, None] & (k < K)[None, :]
+    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
+    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
+    tl.store(gprime + base + i, w, mask=real)
     tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
 @@LANDING@@    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
     real = t < n_tokens
@@ -959,7 +1001,10 @@ def rdep_forward(
                 start = now(ctl, GLOBALTIMER)
             if empty == 0:
                 if kind == KIND_ROUTE:
-                    route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, rank, n_tokens)
+                    route(
+                        heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl, rank,
+                        n_tokens,
+                    )  # fmt: skip
                 elif kind == KIND_SCAN:
                     scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:

@@ -23,14 +23,21 @@ its local experts' weights, in local order (expert e is local expert λ(e) of ow
 its rank's queue(s) and the capacity follows the tokens all ranks bring, which the route
 stage publishes beside its counts.
 
-After each call ``last_stats`` holds ``rows_per_expert`` [E] (admitted), ``received_per_expert``
-[E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W], ``dropped_rows``, ``accepted`` [W, T', K]
-(bool: the accepted set), ``m_tiles`` [W] (m-tiles the grouped GEMM ran per owner),
-``capacity`` (cap_e at this T', None when dropless) and ``launches`` (per-rank backends:
-the same for the rank's own experts, ``[E_loc]``, and its own tokens, ``[T', K]``); ``last_context`` the
-routing context backward will need: the accepted set, each accepted row's slot in its
-owner's payload (-1 when dropped) and the combine weights g'. Backward is not supported yet:
-differentiating through ``forward`` raises.
+A call has no device→host sync: the checks that need the data (expert ids in range,
+distinct top-K, finite gates) run in the kernel, and its control words — those checks'
+counts, the error record — are read under the interpreter at the end of the call, and on a
+GPU once their copy behind the kernel has landed: at the next call, at ``synchronize()``
+or when ``last_stats`` is read.
+
+After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] (admitted),
+``received_per_expert`` [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W],
+``dropped_rows``, ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
+the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless) and
+``launches`` (per-rank backends: the same for the rank's own experts, ``[E_loc]``, and its
+own tokens, ``[T', K]``); ``last_context`` the routing context backward will need: the
+accepted set, each accepted row's slot in its owner's payload (-1 when dropped) and the
+combine weights g'. Backward is not supported yet: differentiating through ``forward``
+raises.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ from pathlib import Path
 
 import torch
 from rdepc.codegen.emit import kernel_args
-from rdepc.codegen.lower import COLUMNS, ERRORS, INT32_MAX, MODES, KernelPlan, Tiles
+from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, KernelPlan, Tiles
 from rdepc.runtime import ranks
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import ConcurrentInterpreter, Launcher, import_kernels
+from rdepc.runtime.records import KernelError, input_error, kernel_error
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -77,19 +85,6 @@ class _Routed(torch.autograd.Function):
             "rdepc: backward of the routed RDEP layer is not supported yet (the code generator emits the forward "
             "pass only); the forward kept its routing context (accepted set, payload slots, g') for it"
         )
-
-
-class KernelError(RuntimeError):
-    """The forward kernel stopped on an error it recorded; ``record`` holds the kernel's own
-    record: code, what, call (epoch), entry and task, rank, queue (role), segment and, for
-    an expired wait, the flag waited for with the value seen and the value expected."""
-
-    def __init__(self, message: str, record: dict):
-        super().__init__(message)
-        self.record = record
-
-    def __reduce__(self):  # crosses processes (rdepc.runtime.ranks.spawn) with its record
-        return (KernelError, (str(self), self.record))
 
 
 class RDEPModule:
@@ -223,7 +218,9 @@ class RDEPModule:
             self.launcher = self._nvshmem.launcher()
         else:
             self.launcher = ConcurrentInterpreter(True) if concurrent else Launcher(self.interpret)
-        self.last_stats: dict | None = None
+        self._last: tuple | None = None  # what last_stats is computed from, when it is read
+        self._stats_cache: dict | None = None
+        self._pending: tuple | None = None  # a native call whose control words are still on their way
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
         self._withheld: int | None = None
@@ -236,6 +233,7 @@ class RDEPModule:
 
     def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
         """y = the routed layer of every rank's tokens (see the module docstring)."""
+        self._settle(wait=False)  # the previous native call's errors, if its record has landed
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
         return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
 
@@ -313,9 +311,9 @@ class RDEPModule:
         if not self.interpret:
             meta["num_warps"] = tl.num_warps
         self.launcher(self.kernels.rdep_forward, (self.grid,), args, meta)
-        self._raise_on_error()
         accepted = accepted.bool()
-        self.last_stats = self._stats(accepted, self.launcher.launches - launches)
+        self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
+        self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
         if self.profiling:
             self.last_profile = self._profile()
@@ -381,72 +379,72 @@ class RDEPModule:
         for arg, t in tensors.items():
             if t.device != self.device:
                 raise ValueError(f"{name}: {arg} is on {t.device}, the module on {self.device}")
-        if topk_ids.numel():
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= E:
-                raise ValueError(f"{name}: expert ids must lie in [0, {E}), got [{lo}, {hi}]")
-            if K > 1 and bool((topk_ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
-                raise ValueError(
-                    f"{name}: a token lists one expert twice in its top-K; the plan bounds an owner's rows by "
-                    "W*T*min(K, E_loc), which holds for distinct top-K experts"
-                )
-        if topk_weights.numel() and bool(torch.isnan(topk_weights).any()):
-            raise ValueError(f"{name}: topk_weights contains NaN gates")
+        # Expert ids in range, distinct top-K and finite gates need the data: the kernel checks
+        # them (validate) and the host raises from its record, with no sync in the call.
 
     # ------------------------------------------------------------------ results
-    def _raise_on_error(self) -> None:
-        ctl = self.private["ctl"]
-        code, entry, dep, rank, epoch, queue, segment, seen, expected = (int(v) for v in ctl[1:10].tolist())
-        if code == 0:
+    def _record(self, ids, gates) -> None:
+        """Read the call's control words: under the interpreter at once (host memory: no
+        sync); natively, queue their copy to pinned host memory behind the kernel and read
+        them when they have landed — at the next call, at :meth:`synchronize` or when
+        ``last_stats`` is read — so the call itself never waits for the device."""
+        words = self.private["ctl"][:CTL_TICKETS]
+        if self.interpret:
+            self._raise_from(words.tolist(), ids, gates)
             return
+        host = torch.empty(CTL_TICKETS, dtype=torch.int64, pin_memory=True)
+        host.copy_(words, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (event, host, ids, gates)
+
+    def synchronize(self) -> None:
+        """Wait for the last call and raise the error it recorded, if any (a native call's
+        errors are raised here, at the next call, or when ``last_stats`` is read)."""
+        self._settle(wait=True)
+
+    def _settle(self, wait: bool) -> None:
+        if self._pending is None:
+            return
+        event, host, ids, gates = self._pending
+        if not wait and not event.query():
+            return
+        event.synchronize()
+        self._pending = None
+        self._raise_from(host.tolist(), ids, gates)
+
+    def _raise_from(self, words: list[int], ids, gates) -> None:
         p = self.plan
+        err = kernel_error(p, words, self.mode, self.spin_bound)
+        if err is not None:
+            if self.per_rank:
+                # Other ranks' done flags live in their processes' slices: one rank cannot reset
+                # them, so the layer must be rebuilt on every rank.
+                self._broken = f"{err} (this per-rank module is stopped: rebuild it on every rank)"
+            else:
+                # The programs stopped early: their tickets and flags are off the count. The next
+                # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
+                self.private["ctl"].zero_()
+                at, size = self._flags
+                self.heap[:, at : at + size] = 0
+                self.epoch = 0
+            raise err
+        name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
+        bad = input_error(p, words, name, ids, gates, self.per_rank)
+        if bad is not None:
+            first, last = CONTROL.index("bad_ids"), CONTROL.index("dup_tokens_at")
+            self.private["ctl"][first : last + 1] = 0  # the call completed: only the counts go
+            raise bad
 
-        def task(i: int) -> str:
-            return f"task #{i} ({p.names[i]})" if 0 <= i < len(p.names) else f"task #{i}"
-
-        role = "any task (unified)" if self.mode == "unified" else ("communication", "compute")[queue % 2]
-        seg = f", segment {segment}" if segment >= 0 else ""
-        flag_rank = p.table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(p.table) else None
-        if code == 1:
-            what = (
-                f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {self.spin_bound} spins for the done "
-                f"flag of {task(dep)} on rank {flag_rank}: saw {seen}, expected {expected}"
-            )
-        elif code == 2:
-            what = f"owner r{rank} admitted {seen} rows, more than the plan's bound R_q = {expected}"
-        elif code == 3:
-            what = f"{task(entry)}{seg}: row_id {seen} decodes to another rank than r{rank}"
-        else:
-            what = f"{task(entry)}: {ERRORS.get(code, f'error code {code}')}"
-        record = {
-            "code": code,
-            "what": ERRORS.get(code, f"error code {code}"),
-            "call": epoch,
-            "entry": entry,
-            "task": p.names[entry] if 0 <= entry < len(p.names) else None,
-            "rank": rank,
-            "queue": queue,
-            "role": role,
-            "segment": segment,
-            "flag": dep if code == 1 else None,
-            "flag_task": p.names[dep] if code == 1 and 0 <= dep < len(p.names) else None,
-            "flag_rank": flag_rank,
-            "seen": seen,
-            "expected": expected,
-        }
-        message = f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}"
-        if self.per_rank:
-            # Other ranks' done flags live in their processes' slices: one rank cannot reset
-            # them, so the layer must be rebuilt on every rank.
-            self._broken = f"{message} (this per-rank module is stopped: rebuild it on every rank)"
-        else:
-            # The programs stopped early: their tickets and flags are off the count. The next
-            # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
-            self.private["ctl"].zero_()
-            at, size = self._flags
-            self.heap[:, at : at + size] = 0
-            self.epoch = 0
-        raise KernelError(message, record)
+    @property
+    def last_stats(self) -> dict | None:
+        """The last call's statistics (module docstring), copied to the host when read."""
+        if self._last is None:
+            return None
+        if self._stats_cache is None:
+            self._settle(wait=True)
+            self._stats_cache = self._stats(*self._last)
+        return self._stats_cache
 
     def _stats(self, accepted: torch.Tensor, launches: int) -> dict:
         p = self.plan

@@ -342,13 +342,27 @@ def _bad(name: str, inputs):
         case "ids shape":
             return (x, ids[..., :1], g, wg, wu, wd), r"topk_ids must be \[W, T', K\] = \[4, 16, 2\]"
         case "expert out of range":
-            return (x, ids + 8, g, wg, wu, wd), r"expert ids must lie in \[0, 8\), got \[8, 15\]"
+            ids = ids.clone()
+            ids[2, 5, 1] = 8
+            ids[3, 0, 0] = -1
+            return (x, ids, g, wg, wu, wd), (
+                r"expert ids must lie in \[0, 8\): 2 route rows out of range, the first rank 2 token 5 slot 1 \(id 8\)"
+            )
         case "duplicate expert":
-            return (x, ids[..., :1].expand(-1, -1, 2), g, wg, wu, wd), "a token lists one expert twice"
+            return (x, ids[..., :1].expand(-1, -1, 2), g, wg, wu, wd), (
+                r"64 tokens list one expert twice in their top-K, the first rank 0 token 0 \(experts \[(\d), \1\]\)"
+            )
         case "NaN gate":
             g = g.clone()
             g[1, 2, 0] = float("nan")
-            return (x, ids, g, wg, wu, wd), "topk_weights contains NaN gates"
+            return (x, ids, g, wg, wu, wd), (
+                r"topk_weights has 1 non-finite gates \(NaN or inf\), the first rank 1 token 2 slot 0 \(nan\)"
+            )
+        case "inf gate":
+            g = g.clone()
+            g[3, 7, 1] = float("-inf")
+            g[2, 9, 0] = float("inf")
+            return (x, ids, g, wg, wu, wd), r"2 non-finite gates \(NaN or inf\), the first rank 2 token 9 slot 0 \(inf"
         case "missing w_gate":
             return (x, ids, g, None, wu, wd), "swiglu experts are gated: w_gate"
         case "w_down shape":
@@ -358,6 +372,9 @@ def _bad(name: str, inputs):
         case "device":
             return (x.to("meta"), ids, g, wg, wu, wd), "x is on meta, the module on cpu"
     raise AssertionError(name)
+
+
+IN_KERNEL = ("expert out of range", "duplicate expert", "NaN gate", "inf gate")
 
 
 @pytest.mark.parametrize(
@@ -371,6 +388,7 @@ def _bad(name: str, inputs):
         "expert out of range",
         "duplicate expert",
         "NaN gate",
+        "inf gate",
         "missing w_gate",
         "w_down shape",
         "weights dtype",
@@ -378,11 +396,19 @@ def _bad(name: str, inputs):
     ],
 )
 def test_inputs_are_checked(tiny_module, case):
+    """Shapes, dtypes and devices on the host, before any launch; what needs the data (ids
+    in range, distinct top-K, finite gates) in the kernel, raised from its record after the
+    call, which completes: the next call runs clean."""
     inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=1)
     args, message = _bad(case, inputs)
+    before = tiny_module.launcher.launches
     with pytest.raises((ValueError, TypeError), match=message):
         tiny_module(*args)
-    assert tiny_module.launcher.launches == 0  # nothing was launched for a bad call
+    assert tiny_module.launcher.launches - before == (1 if case in IN_KERNEL else 0)
+    if case in IN_KERNEL:
+        y = tiny_module(*inputs)
+        ref, _ = reference_for(rdepc.load(ROOT / "examples" / "tiny.rdep"))(*inputs)
+        assert max_relative_error(y, ref) <= 1e-5
 
 
 def test_backward_is_not_supported_yet(tiny_module):

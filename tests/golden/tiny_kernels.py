@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 82fe51e71a7be42bb3774048b170183550bdf19ba2179c77e20969d2e3e3f7b1
+# content-sha256: 5332c8b69c6962db7dca58002614915fbf45bb13de1d239723c929cdfd7f3c15
 
 """Forward kernels of the RDEP layer ``tiny``: one persistent Triton kernel, ``rdep_forward``.
 
@@ -52,6 +52,7 @@ W_PAD = tl.constexpr(4)
 K_PAD = tl.constexpr(2)
 ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-hot prefix count
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
+VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows
 DISPATCH_DTYPE = tl.constexpr(tl.float32)  # payload rows on the wire
 PRECISION = tl.constexpr("ieee")  # fp32 tl.dot in IEEE fp32, not TF32
@@ -104,6 +105,12 @@ CTL_ERR_RESOURCE = tl.constexpr(6)
 CTL_ERR_SEGMENT = tl.constexpr(7)
 CTL_ERR_SEEN = tl.constexpr(8)
 CTL_ERR_EXPECTED = tl.constexpr(9)
+CTL_BAD_IDS = tl.constexpr(10)
+CTL_BAD_IDS_AT = tl.constexpr(11)
+CTL_BAD_GATES = tl.constexpr(12)
+CTL_BAD_GATES_AT = tl.constexpr(13)
+CTL_DUP_TOKENS = tl.constexpr(14)
+CTL_DUP_TOKENS_AT = tl.constexpr(15)
 CTL_TICKETS = tl.constexpr(16)  # ticket counters, one per queue (2*W), cumulative over calls
 ERR_WAIT = tl.constexpr(1)  # wait expired
 ERR_OVERFLOW = tl.constexpr(2)  # owner overflow
@@ -193,15 +200,53 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
-def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratch, r, n_tokens):
+def note(ctl, word, bad, key):
+    """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
+    (the largest ``key``) in the word after it; nothing is written when none offends."""
+    count = tl.sum(bad.to(tl.int64), axis=0)
+    if count > 0:
+        tl.atomic_add(ctl + word, count)
+        tl.atomic_max(ctl + word + 1, tl.max(tl.where(bad, key, 0), axis=0))
+
+
+@triton.jit
+def validate(topk_ids, gates, ctl, r, n_tokens):
+    """Front-end r's routing inputs: expert ids in [0, E), K distinct experts per token,
+    finite gates. Offenders are counted into the control block with the first one (key
+    W*T*K - (r*T + t)*K - k: earliest is largest) for the host to raise after the call; the
+    call goes on (an id out of range is routed nowhere, its slot not accepted), so no rank
+    is left waiting and the next call starts clean."""
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
+    slots = tl.arange(0, K_PAD)
+    start = 0
+    while start < n_tokens:
+        t = start + tl.arange(0, VALIDATE_TOKENS)
+        start += VALIDATE_TOKENS
+        live = (t < n_tokens)[:, None] & (slots < K)[None, :]
+        i = t[:, None] * K + slots[None, :]
+        e = tl.load(topk_ids + base + i, mask=live, other=0)
+        g = tl.load(gates + base + i, mask=live, other=0.0)
+        key = tl.ravel(key0 - i)
+        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < 0) | (e >= E))), key)
+        note(ctl, CTL_BAD_GATES, tl.ravel(live & ((g - g) != 0)), key)  # NaN and +-inf: g - g is not 0
+        pair = live[:, :, None] & live[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
+        twice = tl.max(tl.max(((e[:, :, None] == e[:, None, :]) & pair).to(tl.int32), axis=2), axis=1) > 0
+        note(ctl, CTL_DUP_TOKENS, twice, key0 - t * K)
+
+
+@triton.jit
+def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, scratch, ctl, r, n_tokens):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
     Route row i = t*K + k has row_id (r*T + t)*K + k (eq. 7). Pass 1 gives every row its
     position among the rows r sends to the same expert (a running one-hot prefix count, in
     row order, which is ascending row_id) and counts the rows per expert; the counts go to
     the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
-    bucket base of each expert stays in ``scratch`` for the dispatch tasks.
+    bucket base of each expert stays in ``scratch`` for the dispatch tasks. The inputs are
+    validated first, here rather than on the host (no device→host sync in a call).
     """
+    validate(topk_ids, gates, ctl, r, n_tokens)
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
     pos = rowpos + tl.cast(r, tl.int64) * (T * K)
@@ -235,9 +280,10 @@ def route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, scratc
     while start < n:
         i = start + tl.arange(0, ROUTE_ROWS)
         start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=0).to(tl.int32)
-        at = tl.load(by_expert + e, mask=i < n, other=0) + tl.load(pos + i, mask=i < n, other=0)
-        tl.store(bucketed + at, i, mask=i < n)
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
+        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
+        tl.store(bucketed + at, i, mask=valid)
     # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
@@ -604,6 +650,7 @@ def combine(
     i = t[:, None] * K + k[None, :]
     base = tl.cast(r, tl.int64) * n_tokens * K
     e = tl.load(topk_ids + base + i, mask=live, other=0)
+    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
     at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
     p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
     me = peer(heap, r)
@@ -617,9 +664,10 @@ def combine(
     survived = tl.sum(kept, axis=1)
     scale = tl.where(survived != 0, total / tl.where(survived != 0, survived, 1.0), 0.0)
     w = kept * scale[:, None]
-    tl.store(accepted + base + i, ok.to(tl.int8), mask=live)
-    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=live)
-    tl.store(gprime + base + i, w, mask=live)
+    real = (t < n_tokens)[:, None] & (k < K)[None, :]
+    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
+    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
+    tl.store(gprime + base + i, w, mask=real)
     tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
     landing = (me + RETURN).to(tl.pointer_type(DTYPE))
     y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
@@ -746,7 +794,10 @@ def rdep_forward(
                 start = now(ctl, GLOBALTIMER)
             if empty == 0:
                 if kind == KIND_ROUTE:
-                    route(heap, topk_ids, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, rank, n_tokens)
+                    route(
+                        heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl, rank,
+                        n_tokens,
+                    )  # fmt: skip
                 elif kind == KIND_SCAN:
                     scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:

@@ -1,0 +1,119 @@
+"""What a call left in its control words, read back as exceptions.
+
+The kernel writes two kinds of record into the first ``CTL_TICKETS`` words of its private
+control block (``rdepc.codegen.lower.CONTROL``):
+
+- the **error record** (``err_*``): the first fatal error — a wait that expired, an owner
+  overflow, a row_id that decodes to another rank. Every program stops at its next
+  ticket; the host raises :class:`KernelError`;
+- the **input checks** (``bad_*``, ``dup_*``): route rows whose expert id is out of range,
+  tokens that list one expert twice, non-finite gates, each counted with the first
+  offender's key. The call completes (such a row is routed nowhere); the host raises
+  ``ValueError`` naming the first offender.
+
+Nothing here touches the device: the module hands over the words once they are on the
+host (at once under the interpreter; on a GPU when the copy it queued has landed).
+"""
+
+from __future__ import annotations
+
+from rdepc.codegen.lower import COLUMNS, CONTROL, ERRORS, KernelPlan
+
+AT = {name: i for i, name in enumerate(CONTROL)}
+
+
+class KernelError(RuntimeError):
+    """The forward kernel stopped on an error it recorded; ``record`` holds the kernel's own
+    record: code, what, call (epoch), entry and task, rank, queue (role), segment and, for
+    an expired wait, the flag waited for (its task and rank) with the value seen and the
+    value expected."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
+
+    def __reduce__(self):  # crosses processes (rdepc.runtime.ranks.spawn) with its record
+        return (KernelError, (str(self), self.record))
+
+
+def kernel_error(plan: KernelPlan, words: list[int], mode: str, spin_bound: int) -> KernelError | None:
+    """The call's fatal error, or None."""
+    names = ("err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
+    code, entry, dep, rank, epoch, queue, segment = (words[AT[n]] for n in names)
+    seen, expected = words[AT["err_seen"]], words[AT["err_expected"]]
+    if code == 0:
+        return None
+    p = plan
+
+    def task(i: int) -> str:
+        return f"task #{i} ({p.names[i]})" if 0 <= i < len(p.names) else f"task #{i}"
+
+    role = "any task (unified)" if mode == "unified" else ("communication", "compute")[queue % 2]
+    seg = f", segment {segment}" if segment >= 0 else ""
+    flag_rank = p.table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(p.table) else None
+    if code == 1:
+        what = (
+            f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {spin_bound} spins for the done "
+            f"flag of {task(dep)} on rank {flag_rank}: saw {seen}, expected {expected}"
+        )
+    elif code == 2:
+        what = f"owner r{rank} admitted {seen} rows, more than the plan's bound R_q = {expected}"
+    elif code == 3:
+        what = f"{task(entry)}{seg}: row_id {seen} decodes to another rank than r{rank}"
+    else:
+        what = f"{task(entry)}: {ERRORS.get(code, f'error code {code}')}"
+    record = {
+        "code": code,
+        "what": ERRORS.get(code, f"error code {code}"),
+        "call": epoch,
+        "entry": entry,
+        "task": p.names[entry] if 0 <= entry < len(p.names) else None,
+        "rank": rank,
+        "queue": queue,
+        "role": role,
+        "segment": segment,
+        "flag": dep if code == 1 else None,
+        "flag_task": p.names[dep] if code == 1 and 0 <= dep < len(p.names) else None,
+        "flag_rank": flag_rank,
+        "seen": seen,
+        "expected": expected,
+    }
+    return KernelError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}", record)
+
+
+def input_error(plan: KernelPlan, words: list[int], name: str, ids, gates, per_rank: bool) -> ValueError | None:
+    """The call's offending inputs, or None. ``ids`` and ``gates`` are the call's own
+    ([W, T', K], or [T', K] on a per-rank backend): the first offender's value is read from
+    them (only here, on the error path)."""
+    p = plan
+    TK = p.T * p.K
+
+    def first(kind: str) -> tuple[int, int, int, tuple]:
+        idx = p.W * TK - words[AT[f"{kind}_at"]]
+        r, t, k = idx // TK, idx % TK // p.K, idx % p.K
+        at = (t,) if per_rank else (r, t)
+        return r, t, k, at
+
+    why = []
+    if n := words[AT["bad_ids"]]:
+        r, t, k, at = first("bad_ids")
+        v = int(ids[(*at, k)])
+        why.append(
+            f"expert ids must lie in [0, {p.E}): {n} route rows out of range, the first rank {r} token {t} slot {k} "
+            f"(id {v})"
+        )
+    if n := words[AT["dup_tokens"]]:
+        r, t, _, at = first("dup_tokens")
+        row = [int(v) for v in ids[at].tolist()]
+        why.append(
+            f"{n} tokens list one expert twice in their top-K, the first rank {r} token {t} (experts {row}); the plan "
+            "bounds an owner's rows by W*T*min(K, E_loc), which holds for distinct top-K experts"
+        )
+    if n := words[AT["bad_gates"]]:
+        r, t, k, at = first("bad_gates")
+        v = float(gates[(*at, k)])
+        why.append(f"topk_weights has {n} non-finite gates (NaN or inf), the first rank {r} token {t} slot {k} ({v})")
+    return ValueError(f"{name}: " + "; ".join(why)) if why else None
+
+
+__all__ = ["KernelError", "input_error", "kernel_error"]
