@@ -1,0 +1,1 @@
+"""Benchmarks: scripts, not tests (see moe_bench.py)."""
