@@ -10,7 +10,7 @@ import sys
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-from bench import moe_bench  # noqa: E402
+from bench import moe_bench
 
 
 def test_smoke_configuration_runs_every_method(tmp_path):
