@@ -198,17 +198,19 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_rdepc_run_emulated_mp_checks_every_rank():
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["unified", "role-split"])
+def test_rdepc_run_emulated_mp_checks_every_rank(W, mode):
     out = subprocess.run(
-        [RDEPC, "run", TINY, "--backend", "emulated-mp", "-D", "W=3", "--mode", "role-split", "--check"],
+        [RDEPC, "run", TINY, "--backend", "emulated-mp", "-D", f"W={W}", "--mode", mode, "--check"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "emulated-mp backend on cpu (Triton interpreter, one process per rank), role-split mode" in out.stdout
-    assert [line.split()[1] for line in lines if line.startswith("  rank ")] == ["0", "1", "2"]
+    assert f"emulated-mp backend on cpu (Triton interpreter, one process per rank), {mode} mode" in out.stdout
+    assert [line.split()[1] for line in lines if line.startswith("  rank ")] == [str(r) for r in range(W)]
     assert all("accepted set matches" in line for line in lines if line.startswith("  rank "))
     assert lines[-1] == "check passed"
 
