@@ -111,7 +111,7 @@ items cumulatively, so a call with epoch c waits for c * items and no reset kern
 
 
 def _launches(p: KernelPlan) -> str:
-    if get_transport(p.transport).processes == "one":
+    if not get_transport(p.transport).per_rank:
         return f"One launch covers all W = {p.W} ranks."
     return f"Each of the W = {p.W} ranks launches it in its own process, on its own entries."
 

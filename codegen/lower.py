@@ -74,8 +74,8 @@ MODES = ("unified", "role-split")
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
 # The private control block (int64): a logical clock, the error record, the input checks'
-# counters, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done flags are symmetric:
-# each rank's in its own heap slice (``flags``), where every peer can read them.
+# counters, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done
+# flags are symmetric: each rank's in its own heap slice (``flags``), where peers read them.
 CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
 CONTROL += ("err_seen", "err_expected")
 # Input checks (validate): offending route rows per kind, each followed by the first one's key.
@@ -87,7 +87,7 @@ ROLE_INDEX = {"comm": 0, "compute": 1}
 
 
 def ctl_words(W: int) -> int:
-    """Words of the private control block: the clock and error record, 2·W ticket counters."""
+    """Words of the private control block: CONTROL's words, then 2·W ticket counters."""
     return CTL_TICKETS + 2 * W
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from rdepc import __version__
 from rdepc.api import UsageError, parse_override
 from rdepc.diagnostics import Severity, SpecError
+from rdepc.runtime.transport import TRANSPORTS
 
 
 def _color(stream) -> bool:
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         default="emulated",
-        choices=["emulated", "emulated-mp", "nvshmem"],
+        choices=list(TRANSPORTS),
         help="the transport the kernels are generated for (default: emulated; nvshmem links NVSHMEM's bitcode)",
     )
     _schedule_options(p)
@@ -480,7 +481,7 @@ def _run_per_rank(args, layer, tokens: int) -> int:
     try:
         if torchrun:
             rank, _ = ranks.process_group(W)
-            results = per_rank.run_rank(rank, W, job)[0:1]
+            results = per_rank.run_rank(rank, W, job)
         else:
             print(f"starting {W} rank processes ({args.backend}, Triton interpreter) ...", flush=True)
             results = [r[0] for r in ranks.spawn(per_rank.run_rank, W, job)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "KernelError": "rdepc.runtime.module",
+    "KernelError": "rdepc.runtime.records",
     "RDEPModule": "rdepc.runtime.module",
     "load_compiled": "rdepc.runtime.module",
     "RDEPMoE": "rdepc.runtime.moe",

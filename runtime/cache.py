@@ -39,10 +39,7 @@ def generator_digest() -> str:
     from rdepc import codegen
 
     h = hashlib.sha256()
-    for path in [
-        *sorted(Path(codegen.__file__).parent.glob("*.py")),
-        Path(transport.__file__),
-    ]:
+    for path in [*sorted(Path(codegen.__file__).parent.glob("*.py")), Path(transport.__file__)]:
         h.update(path.read_bytes())
     return h.hexdigest()
 

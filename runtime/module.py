@@ -51,7 +51,7 @@ from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, KernelPlan, Tiles
 from rdepc.runtime import ranks
 from rdepc.runtime import transport as transports
-from rdepc.runtime.launch import ConcurrentInterpreter, Launcher, import_kernels
+from rdepc.runtime.launch import import_kernels
 from rdepc.runtime.records import KernelError, input_error, kernel_error
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -122,15 +122,14 @@ class RDEPModule:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         self.per_rank = self.transport.per_rank
         self.rank = None  # per-rank backends: this process's rank
-        self._nvshmem = None
-        if backend == "nvshmem":
+        if backend == "nvshmem":  # NVSHMEM picks this rank's GPU when it starts
             from rdepc.runtime.nvshmem import NvshmemWorld
 
-            self._nvshmem = NvshmemWorld.start()
+            world = NvshmemWorld.start()
             asked = None if device is None else torch.device(device)
-            if asked is not None and (asked.type != "cuda" or asked.index not in (None, self._nvshmem.device.index)):
-                raise ValueError(f"the nvshmem backend runs rank {self._nvshmem.rank} on {self._nvshmem.device}")
-            device = self._nvshmem.device
+            if asked is not None and (asked.type != "cuda" or asked.index not in (None, world.device.index)):
+                raise ValueError(f"the nvshmem backend runs rank {world.rank} on {world.device}")
+            device = world.device
         device = torch.device(device if device is not None else "cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
@@ -149,6 +148,10 @@ class RDEPModule:
         p = plan
         self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
         self.work = p.work(self.tiles, mode, rank=self.rank)
+        # The global ids of the experts whose weights forward takes, in that order: per rank,
+        # this rank's experts in local order; otherwise every expert.
+        mine = sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e])
+        self.local_experts = tuple(mine) if self.per_rank else tuple(range(p.E))
         if programs is None:
             if self.interpret:  # role-split: one program (one thread) per queue
                 programs = 2 if mode == "unified" else len(self.work.bounds)
@@ -176,12 +179,7 @@ class RDEPModule:
         self.spin_bound = spin_bound
         self.profiling = profile
         self.dtype = TORCH_DTYPES[p.dtype]
-        if self._nvshmem is not None:
-            self.heap = self._nvshmem.alloc_heap(p.heap_bytes)  # this rank's copy; peers via nvshmem_ptr
-        elif backend == "emulated-mp":
-            self.heap = ranks.SharedHeap.create(p.W, p.heap_bytes).tensor  # every rank's slice, mapped
-        else:
-            self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
+        self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
 
         def i32(values) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int32, device=device)
@@ -213,11 +211,7 @@ class RDEPModule:
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0
-        concurrent = self.interpret and mode == "role-split"
-        if self._nvshmem is not None:
-            self.launcher = self._nvshmem.launcher()
-        else:
-            self.launcher = ConcurrentInterpreter(True) if concurrent else Launcher(self.interpret)
+        self.launcher = self.transport.launcher(self.interpret, concurrent=mode == "role-split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
         self._pending: tuple | None = None  # a native call whose control words are still on their way
@@ -248,15 +242,6 @@ class RDEPModule:
                 f"task-table entry {entry} ({self.plan.names[entry]}) runs on another rank than {self.rank}"
             )
         self._withheld = entry
-
-    @property
-    def local_experts(self) -> tuple[int, ...]:
-        """Per-rank backends: the global ids of this rank's experts, in local order (the
-        order of the per-rank weights); otherwise every expert."""
-        p = self.plan
-        if not self.per_rank:
-            return tuple(range(p.E))
-        return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
 
     def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
         p = self.plan

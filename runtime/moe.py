@@ -67,11 +67,8 @@ class RDEPMoE(nn.Module):
         sh = self.layer.shapes
         self.W, self.T, self.H, self.F, self.E, self.K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
         self.act = s.expert.act
-        device = torch.device(device if device is not None else "cpu")
-        dtype = TORCH_DTYPES[s.precision.dtype.value]
-        kw = {"device": device, "dtype": dtype}
         self.kernels = self.layer.module(backend, device, schedule=schedule, **(module_options or {}))
-        device = kw["device"] = self.kernels.device  # nvshmem: this rank's GPU
+        kw = {"device": self.kernels.device, "dtype": TORCH_DTYPES[s.precision.dtype.value]}  # nvshmem: its GPU
         # Per-rank backends: this rank's experts only (``experts``, global ids in local order).
         self.experts = self.kernels.local_experts
         n_exp = len(self.experts)

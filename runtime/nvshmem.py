@@ -3,7 +3,7 @@ device calls into NVSHMEM's bitcode from stock Triton.
 
 Design, in brief:
 
-Device half (:data:`DEVICE_SOURCE`, kept with the other transports in ``rdepc.runtime.transport``)
+Device half (``NVSHMEM_DEVICE``, kept with the other transports in ``rdepc.runtime.transport``)
     The same four functions as the emulated transport (``peer``, ``put``, ``signal``,
     ``wait``; see ``rdepc.runtime.transport``), so a kernel body does not change with the
     transport. ``peer`` is ``nvshmem_ptr``: inside one NVLink domain a peer's copy of the
@@ -40,11 +40,8 @@ from pathlib import Path
 # launch.py imports neither torch nor triton at import time either.
 from rdepc.runtime.launch import Launcher
 from rdepc.runtime.ranks import HOST_TIMEOUT
-from rdepc.runtime.transport import NVSHMEM_DEVICE
 
-DEVICE_SOURCE = NVSHMEM_DEVICE  # the device half, beside the other transports' (runtime/transport.py)
-
-EXTERN_LIB = "libnvshmem_device"  # the library name the extern declarations above dispatch to
+EXTERN_LIB = "libnvshmem_device"  # the library nvshmem_ptr is declared over (transport.NVSHMEM_DEVICE)
 INSTALL_HINT = "pip install 'rdepc[nvshmem]' (or nvidia-nvshmem-cu13 and nvshmem4py-cu13)"
 
 
@@ -260,4 +257,4 @@ class NvshmemLauncher(Launcher):
         self.world._modules[id(compiled)] = compiled  # held: an id is unique only while alive
 
 
-__all__ = ["DEVICE_SOURCE", "EXTERN_LIB", "NvshmemLauncher", "NvshmemUnavailable", "NvshmemWorld", "bitcode_path"]
+__all__ = ["EXTERN_LIB", "NvshmemLauncher", "NvshmemUnavailable", "NvshmemWorld", "bitcode_path"]

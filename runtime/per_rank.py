@@ -44,8 +44,8 @@ class Job:
     cases: tuple[Case, ...] = field(default_factory=tuple)
 
 
-def _slices(case: Case, W: int, T: int):
-    """(first token, T'_r) of every rank within the global [W·T_max] token list."""
+def _token_counts(case: Case, W: int, T: int) -> list[int]:
+    """T'_r of every rank (each keeps a prefix of its row of the global inputs)."""
     if case.rank_tokens is not None:
         if len(case.rank_tokens) != W:
             raise ValueError(f"rank_tokens needs one T' per rank ({W}), got {len(case.rank_tokens)}")
@@ -64,7 +64,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     spec = layer.spec
     sh = layer.shapes
     T, H, F, E, K = (sh[k] for k in ("T", "H", "F", "E", "K"))
-    counts = _slices(case, W, T)
+    counts = _token_counts(case, W, T)
     if any(not 0 <= n <= T for n in counts):
         raise ValueError(f"every rank's T' must lie in [0, {T}], got {counts}")
     Tmax = max(counts)

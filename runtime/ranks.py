@@ -6,7 +6,7 @@ under ``torchrun --nproc-per-node W``. Each process joins ``torch.distributed`` 
 only carries a handful of small host messages — the heap's name, barriers, a unique id);
 :func:`process_group` initialises it from torchrun's environment when needed.
 
-:class:`SharedHeap` is the symmetric heap of ``emulated-mp``: one file of W · heap_bytes
+:func:`shared_heap` is the symmetric heap of ``emulated-mp``: one file of W · heap_bytes
 bytes in ``/dev/shm``, created by rank 0, mapped by every rank, and unlinked as soon as
 all have mapped it — the mappings stay valid, and no segment is left behind however the
 processes end (an error, a kill, Ctrl-C).
@@ -27,7 +27,6 @@ import tempfile
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,34 +77,28 @@ def _shm_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-@dataclass
-class SharedHeap:
-    """The ``[W, heap_bytes]`` symmetric heap of all ranks, mapped by every rank's process."""
+def shared_heap(W: int, heap_bytes: int):
+    """The ``[W, heap_bytes]`` symmetric heap of all ranks (uint8, zeroed), mapped by every
+    rank's process. Collective: every rank of the process group calls it."""
+    import torch
 
-    tensor: object  # torch.Tensor, uint8 [W, heap_bytes], zeroed
-
-    @staticmethod
-    def create(W: int, heap_bytes: int) -> SharedHeap:
-        """Collective: every rank of the process group calls it."""
-        import torch
-
-        rank, _ = process_group(W)
-        path = None
-        if rank == 0:
-            path = _shm_dir() / f"rdepc-heap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, W * heap_bytes)  # a new file reads as zeros
-            finally:
-                os.close(fd)
-        path = broadcast(str(path) if path else None)
+    rank, _ = process_group(W)
+    path = None
+    if rank == 0:
+        path = _shm_dir() / f"rdepc-heap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            flat = torch.from_file(path, shared=True, size=W * heap_bytes, dtype=torch.uint8)
-            barrier()  # every rank has mapped it: the name is no longer needed
+            os.ftruncate(fd, W * heap_bytes)  # a new file reads as zeros
         finally:
-            if rank == 0:
-                Path(path).unlink(missing_ok=True)
-        return SharedHeap(flat.view(W, heap_bytes))
+            os.close(fd)
+    path = broadcast(str(path) if path else None)
+    try:
+        flat = torch.from_file(path, shared=True, size=W * heap_bytes, dtype=torch.uint8)
+        barrier()  # every rank has mapped it: the name is no longer needed
+    finally:
+        if rank == 0:
+            Path(path).unlink(missing_ok=True)
+    return flat.view(W, heap_bytes)
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -124,18 +117,10 @@ def _child(rank: int, world: int, store: str, fn, args, results: str, delay: flo
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which raises it
-        value = ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), _picklable(e))
+        value = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(value))
     tmp.replace(out)
-
-
-def _picklable(e: BaseException):
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return None
 
 
 def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | None = None) -> list:
@@ -143,8 +128,8 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
     order. ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     ``delays``: seconds each rank sleeps before it joins (random start times in tests).
 
-    Raises :class:`RanksError` naming the first rank that failed (its exception, when it can
-    be carried, is the ``__cause__``; its traceback is in the message) or died."""
+    Raises :class:`RanksError` naming the first rank that failed (with its traceback) or
+    died; its ``results`` hold what the other ranks returned (None for those that did not)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -173,10 +158,8 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
                 continue
             value = pickle.loads(f.read_bytes())
             if value[0] == "error":
-                err = RanksError(f"rank {rank} failed: {value[1]}\n{value[2]}")
-                err.rank, err.error = rank, value[3]
-                first = first or err
-                out.append(value[3])
+                first = first or RanksError(f"rank {rank} failed: {value[1]}\n{value[2]}")
+                out.append(None)
             else:
                 out.append(value[1])
         if first is not None:
@@ -195,4 +178,4 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["RanksError", "SharedHeap", "barrier", "broadcast", "process_group", "spawn"]
+__all__ = ["RanksError", "barrier", "broadcast", "process_group", "shared_heap", "spawn"]

@@ -72,14 +72,20 @@ def wait(flag, target, bound):
     return seen
 '''
 
-EMULATED_DEVICE = (
-    '''
-# ---------------------------------------------------------------------------------------
-# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8
-# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.
-# ---------------------------------------------------------------------------------------
-SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on one device
+RULE = "# " + "-" * 87
 
+
+def _emulated_device(banner: str, scope: str, why: str) -> str:
+    """The device half of both emulated transports: the heap of all ranks is one ``[W,
+    HEAP_BYTES]`` array in one address space, so a peer is an offset and a put a store."""
+    return (
+        f"""
+{RULE}
+{banner}
+{RULE}
+SCOPE = tl.constexpr("{scope}")  # memory scope of signals and waits: {why}
+"""
+        + '''
 
 @triton.jit
 def peer(heap, rank):
@@ -93,7 +99,21 @@ def put(ptr, value, mask):
     tl.store(ptr, value, mask=mask)
 
 '''
-    + SIGNALS
+        + SIGNALS
+    )
+
+
+EMULATED_DEVICE = _emulated_device(
+    "# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8\n"
+    "# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.",
+    "gpu",
+    "every rank on one device",
+)
+EMULATED_MP_DEVICE = _emulated_device(
+    "# Transport: emulated-mp. One process per rank; the symmetric heap of all ranks is one uint8\n"
+    "# [W, HEAP_BYTES] file in shared memory that every process maps; signals cross processes.",
+    "sys",
+    "they cross processes",
 )
 
 
@@ -158,6 +178,18 @@ class Transport:
     def per_rank(self) -> bool:
         return self.processes == "per-rank"
 
+    def allocate_heap(self, W: int, heap_bytes: int, device):
+        """The heap the kernel's ``heap`` argument points at, zeroed (collective on a per-rank
+        transport: every rank calls it)."""
+        raise NotImplementedError
+
+    def launcher(self, interpret: bool, concurrent: bool):
+        """What launches the kernel: Triton's own launch, or under the interpreter with
+        ``concurrent`` programs (role-split) one thread per program."""
+        from rdepc.runtime.launch import ConcurrentInterpreter, Launcher
+
+        return ConcurrentInterpreter(True) if interpret and concurrent else Launcher(interpret)
+
 
 @dataclass(frozen=True)
 class Emulated(Transport):
@@ -173,23 +205,18 @@ class Emulated(Transport):
         return torch.zeros((W, heap_bytes), dtype=torch.uint8, device=device)
 
 
-EMULATED_MP_DEVICE = EMULATED_DEVICE.replace(
-    "# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8\n"
-    "# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.",
-    "# Transport: emulated-mp. One process per rank; the symmetric heap of all ranks is one uint8\n"
-    "# [W, HEAP_BYTES] file in shared memory that every process maps; signals cross processes.",
-).replace(
-    'SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on one device',
-    'SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: they cross processes',
-)
-
-
 @dataclass(frozen=True)
 class EmulatedMP(Transport):
     name: str = "emulated-mp"
     scope: str = "sys"
     device_source: str = EMULATED_MP_DEVICE
     processes: str = "per-rank"
+
+    def allocate_heap(self, W: int, heap_bytes: int, device):
+        """Every rank's slice, [W, heap_bytes], in one shared-memory file all ranks map."""
+        from rdepc.runtime.ranks import shared_heap
+
+        return shared_heap(W, heap_bytes)
 
 
 @dataclass(frozen=True)
@@ -199,6 +226,19 @@ class Nvshmem(Transport):
     device_source: str = NVSHMEM_DEVICE
     processes: str = "per-rank"
     imports: str = "from triton.language import core"  # core.extern for nvshmem_ptr
+
+    def allocate_heap(self, W: int, heap_bytes: int, device):
+        """This rank's copy, [heap_bytes], one NVSHMEM symmetric allocation; peers through
+        nvshmem_ptr."""
+        from rdepc.runtime.nvshmem import NvshmemWorld
+
+        return NvshmemWorld.start().alloc_heap(heap_bytes)
+
+    def launcher(self, interpret: bool, concurrent: bool):
+        """Links NVSHMEM's bitcode and registers each compiled kernel with NVSHMEM."""
+        from rdepc.runtime.nvshmem import NvshmemWorld
+
+        return NvshmemWorld.start().launcher()
 
 
 TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": Nvshmem()}

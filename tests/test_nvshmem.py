@@ -19,8 +19,8 @@ import textwrap
 import pytest
 from conftest import ROOT
 from rdepc.runtime import nvshmem
-from rdepc.runtime.nvshmem import DEVICE_SOURCE, NvshmemUnavailable, NvshmemWorld, bitcode_path
-from rdepc.runtime.transport import EMULATED_DEVICE
+from rdepc.runtime.nvshmem import NvshmemUnavailable, NvshmemWorld, bitcode_path
+from rdepc.runtime.transport import EMULATED_DEVICE, NVSHMEM_DEVICE
 
 HEADER = "import triton\nimport triton.language as tl\nfrom triton.language import core\n\n"
 
@@ -90,16 +90,16 @@ def _functions(source: str) -> dict[str, list[str]]:
 
 
 def test_device_source_keeps_the_emulated_contract():
-    ours, emulated = _functions(DEVICE_SOURCE), _functions(EMULATED_DEVICE)
+    ours, emulated = _functions(NVSHMEM_DEVICE), _functions(EMULATED_DEVICE)
     assert {n: ours[n] for n in emulated} == emulated  # peer, put, signal, wait: same names and arguments
     assert ours["nvshmem_ptr"] == ["ptr", "pe", "_semantic"]
-    assert 'SCOPE = tl.constexpr("sys")' in DEVICE_SOURCE
-    assert DEVICE_SOURCE.lstrip("\n").startswith("# " + "-" * 40)
+    assert 'SCOPE = tl.constexpr("sys")' in NVSHMEM_DEVICE
+    assert NVSHMEM_DEVICE.lstrip("\n").startswith("# " + "-" * 40)
 
 
 def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     kernel = tmp_path / "nvshmem_probe.py"
-    kernel.write_text(HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + DEVICE_SOURCE + PROBE_KERNEL, encoding="utf-8")
+    kernel.write_text(HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + NVSHMEM_DEVICE + PROBE_KERNEL, encoding="utf-8")
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(
