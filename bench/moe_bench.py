@@ -93,12 +93,17 @@ def timeit(fn, device, reps: int, warmup: int) -> dict:
 
 
 def stages(module, events) -> dict:
-    """Per stage: first start, last end and the sum of entry spans, from a measured profile."""
+    """Per stage (and per GEMM of the compute stage): first start, last end and the sum of
+    entry spans, from a measured profile."""
+    from rdepc.codegen.lower import KINDS
+    from rdepc.runtime.profile import STAGE_OF
+
     out: dict[str, dict] = {}
     for entry, start, end in events:
-        stage = module.plan.names[entry].split()[0]
-        s = out.setdefault(stage, {"from": start, "to": end, "sum": 0})
-        s["from"], s["to"], s["sum"] = min(s["from"], start), max(s["to"], end), s["sum"] + end - start
+        stage, detail = STAGE_OF[KINDS[module.plan.table[entry][0]]]
+        for key in (stage, detail) if stage == "compute" else (stage,):
+            s = out.setdefault(key, {"from": start, "to": end, "sum": 0})
+            s["from"], s["to"], s["sum"] = min(s["from"], start), max(s["to"], end), s["sum"] + end - start
     first = min((s["from"] for s in out.values()), default=0)
     return {k: {"from": v["from"] - first, "to": v["to"] - first, "sum": v["sum"]} for k, v in out.items()}
 

@@ -15,10 +15,12 @@ and ends in a header line with the SHA-256 of the file's own content.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import textwrap
+from pathlib import Path
 
-from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2
+from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
 from rdepc.runtime.transport import get as get_transport
 
 HASH_FIELD = "# content-sha256: "
@@ -52,7 +54,9 @@ def generate(plan: KernelPlan) -> str:
         _segment(),
         _dispatch(plan),
         _m_tile(),
-        _compute(plan),
+        _device(),
+        _gemm1(plan),
+        _gemm2(plan),
         _return(plan),
         *([_unpack()] if plan.ring else []),
         _combine(plan),
@@ -61,6 +65,18 @@ def generate(plan: KernelPlan) -> str:
     head, code = parts[:4], parts[4:]
     text = "\n\n".join(p.rstrip("\n") for p in head) + "\n\n\n" + "\n\n\n".join(p.strip("\n") for p in code) + "\n"
     return text.replace(HASH_FIELD + _ZERO, HASH_FIELD + content_hash(text), 1)
+
+
+DEVICE = Path(__file__).with_name("device.py")
+
+
+def _device() -> str:
+    """The jit functions of ``device.py``, verbatim (decorators and docstrings included),
+    read as text: the emitter imports no Triton."""
+    text = DEVICE.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    funcs = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)]
+    return "\n\n\n".join("\n".join(lines[f.decorator_list[0].lineno - 1 : f.end_lineno]) for f in funcs)
 
 
 def _header(p: KernelPlan) -> str:
@@ -100,7 +116,8 @@ Task kinds (RDEP section 3.4 and appendix A.2):
   route     front-end r: route rows (t, k), their order per expert, counts to the owners
   scan      owner q: counts → capacity decision → exact offsets, published back
   dispatch  source r → owner q: payload and sideband scattered at those offsets
-  compute   owner q, one m-tile slot: grouped SwiGLU/FFN over its pooled rows
+  gemm1     owner q, one m-tile x F-block: x [Wg Wu] (or x Wu), the activation fused
+  gemm2     owner q, one m-tile x H-block: h Wd, once GEMM1 finished that m-tile
   return    owner q → front-end r: each row to its (token, slot) place, by decoded row_id
   combine   front-end r, one token tile: y = sum_k g'_k * out_k, slots in fixed order
 
@@ -114,6 +131,14 @@ def _launches(p: KernelPlan) -> str:
     if not get_transport(p.transport).per_rank:
         return f"One launch covers all W = {p.W} ranks."
     return f"Each of the W = {p.W} ranks launches it in its own process, on its own entries."
+
+
+def tma(p: KernelPlan) -> bool:
+    """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
+    as tensor descriptors (TMA) require; otherwise the GEMMs read through block pointers."""
+    size = {"fp32": 4, "fp16": 2, "bf16": 2}
+    a, d = size[p.dtype], size[p.dispatch]
+    return all(n % 16 == 0 for n in (p.H * d, p.H * a, p.F * a))
 
 
 def _c(name: str, value, comment: str = "") -> str:
@@ -147,6 +172,9 @@ def _constants(p: KernelPlan) -> str:
         _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
         _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
         _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
+        _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
+        _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
+        _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),
         _c("RENORMALIZE", p.weights == "renormalize", "capacity weights: renormalize over accepted slots"),
         "",
         "# ---------------------------------------------------------------------------------------",
@@ -564,121 +592,113 @@ def m_tile(group, q, s, j, BM: tl.constexpr):
 '''
 
 
-def _compute(p: KernelPlan) -> str:
-    w_gate = "    w_gate,\n" if p.gated else ""
+def _gemm1(p: KernelPlan) -> str:
     if p.gated:
-        gemm1 = """            gate = tl.zeros([BM, BLOCK_F], tl.float32)
-            up = tl.zeros([BM, BLOCK_F], tl.float32)
-            for h in range(0, H, BLOCK_H):
-                ch = h + tl.arange(0, BLOCK_H)
-                a = tl.load(rows[:, None] + ch[None, :], mask=live[:, None] & (ch < H)[None, :], other=0.0)
-                w = e * H * F + ch[:, None] * F + cf[None, :]
-                wmask = (ch < H)[:, None] & (cf < F)[None, :]
-                wg = tl.load(w_gate + w, mask=wmask, other=0.0)
-                wu = tl.load(w_up + w, mask=wmask, other=0.0)
-                if CAST_F32:  # the interpreter computes bf16 on raw bits: upcast first
-                    a = a.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                else:
-                    a = a.to(DTYPE)
-                gate = tl.dot(a, wg, gate, input_precision=PRECISION)
-                up = tl.dot(a, wu, up, input_precision=PRECISION)
-            act = gate * tl.sigmoid(gate) * up  # SwiGLU: silu(x Wg) * (x Wu)
+        weights, width, cols = "w_gate_up", "2 * BLOCK_F", "2 * F"
+        what = "silu(x Wg) * (x Wu)"
+        act = """        gate, up = gate_up(acc, BM, BLOCK_F)
+        act = gate * tl.sigmoid(gate) * up  # SwiGLU
 """
-        what = "SwiGLU: silu(x Wg) * (x Wu)"
+        doc = """one [BM, 2 * BLOCK_F] tile of x [Wg Wu], whose columns interleave gate and up (the
+    weights' layout: [E, H, F, 2]), with the activation fused"""
     else:
-        act = {
-            "gelu": "0.5 * up * (1.0 + tl.math.erf(up * 0.7071067811865476))  # exact GELU",
-            "relu": "tl.maximum(up, 0.0)  # ReLU",
-        }[p.act]
-        gemm1 = f"""            up = tl.zeros([BM, BLOCK_F], tl.float32)
-            for h in range(0, H, BLOCK_H):
-                ch = h + tl.arange(0, BLOCK_H)
-                a = tl.load(rows[:, None] + ch[None, :], mask=live[:, None] & (ch < H)[None, :], other=0.0)
-                w = e * H * F + ch[:, None] * F + cf[None, :]
-                wu = tl.load(w_up + w, mask=(ch < H)[:, None] & (cf < F)[None, :], other=0.0)
-                if CAST_F32:  # the interpreter computes bf16 on raw bits: upcast first
-                    a = a.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                else:
-                    a = a.to(DTYPE)
-                up = tl.dot(a, wu, up, input_precision=PRECISION)
-            act = {act}
-"""
+        weights, width, cols = "w_up", "BLOCK_F", "F"
         what = f"{p.act}(x Wu)"
-    return (
-        (
-            f'''@triton.jit
-def compute(
+        act = {
+            "gelu": "        act = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU\n",
+            "relu": "        act = tl.maximum(acc, 0.0)  # ReLU\n",
+        }[p.act]
+        doc = "one [BM, BLOCK_F] tile of x Wu, with the activation fused"
+    tile_args = ", ".join(("rows", "B * S", "at", "w", cols, "2 * f" if p.gated else "f", "H", "BM", width))
+    return f'''@triton.jit
+def gemm1(
     heap,
-{w_gate}    w_up,
-    w_down,
+    {weights},
     weight_of,
     group,
     hbuf,
-    staging,
-    staging_rid,
+    hbuf_rid,
     stats,
     q,
     s,
-    j,
+    item,
     BM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
-    """Owner q, segment s, m-tile slot j: the grouped expert GEMM over the segment's pooled,
-    expert-contiguous rows in payload slot s % B.
-
-    GEMM1 runs over the slot's rows with the activation fused in its epilogue,
+    """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
+    ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
+    slot s % B,
         h = {what},
-    written to the owner's private workspace ``hbuf``; GEMM2 reads it back, out = h Wd, into
-    the owner's ``staging`` ring (the memory plan's private staging), with each row's row_id
-    beside it: the return reads both after dispatch may have refilled the payload slot.
+    {doc},
+    into the owner's private workspace ``hbuf``. F-block 0 also copies the rows' row_ids
+    beside them: dispatch may refill the payload slot before GEMM2 has run.
     """
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    j = item // f_blocks
+    f = item % f_blocks * BLOCK_F
     local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
+        me = peer(heap, q)
+        rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
+        w = {weights} + e * (H * {cols})
+        acc = gemm_tile({tile_args}, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+{act}        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        row = tl.cast(q, tl.int64) * (B * S) + at + m
+        store_rows(hbuf + row * F, @@ACT@@, live, F, f, BLOCK_F)
+        if f == 0:
+            rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
+            tl.store(hbuf_rid + row, rid, mask=live)
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
+'''.replace("@@ACT@@", _narrow(p, "act", "DTYPE"))
+
+
+def _gemm2(p: KernelPlan) -> str:
+    return '''@triton.jit
+def gemm2(
+    hbuf,
+    hbuf_rid,
+    w_down,
+    weight_of,
+    group,
+    staging,
+    staging_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
+    ``item // h_blocks`` of GEMM2, out = h Wd, one [BM, BLOCK_H] tile from the workspace
+    rows GEMM1 wrote into the owner's ``staging`` ring (the memory plan's private staging);
+    H-block 0 copies the rows' row_ids beside them, for the return.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    j = item // h_blocks
+    h = item % h_blocks * BLOCK_H
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        base = tl.cast(q, tl.int64) * (B * S)
+        w = w_down + e * (F * H)
+        acc = gemm_tile(hbuf + base * F, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        row = tl.cast(ring_row(row0 + m, s, s), tl.int64)
-        me = peer(heap, q)
-        rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + row, mask=live, other=0)
-        tl.store(staging_rid + tl.cast(q, tl.int64) * (B * S) + row, rid, mask=live)
-        rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE)) + row * H
-        h_rows = hbuf + (tl.cast(q, tl.int64) * (B * S) + row) * F
-        for f in range(0, F, BLOCK_F):
-            cf = f + tl.arange(0, BLOCK_F)
-'''
-            + gemm1
-            + """            keep = live[:, None] & (cf < F)[None, :]
-            tl.store(h_rows[:, None] + cf[None, :], @@ACT@@, mask=keep)
-        tl.debug_barrier()  # GEMM2 reads rows other threads of this program wrote
-        out = staging + (tl.cast(q, tl.int64) * (B * S) + row) * H
-        for h in range(0, H, BLOCK_H):
-            ch = h + tl.arange(0, BLOCK_H)
-            acc = tl.zeros([BM, BLOCK_H], tl.float32)
-            for f in range(0, F, BLOCK_F):
-                cf = f + tl.arange(0, BLOCK_F)
-                a = tl.load(h_rows[:, None] + cf[None, :], mask=live[:, None] & (cf < F)[None, :], other=0.0)
-                wd = tl.load(
-                    w_down + e * F * H + cf[:, None] * H + ch[None, :],
-                    mask=(cf < F)[:, None] & (ch < H)[None, :],
-                    other=0.0,
-                )
-                if CAST_F32:
-                    a = a.to(tl.float32)
-                    wd = wd.to(tl.float32)
-                acc = tl.dot(a, wd, acc, input_precision=PRECISION)
-            keep = live[:, None] & (ch < H)[None, :]
-            tl.store(out[:, None] + ch[None, :], @@OUT@@, mask=keep)
-        tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
-"""
-        )
-        .replace("@@ACT@@", _narrow(p, "act", "DTYPE"))
-        .replace("@@OUT@@", _narrow(p, "acc", "DTYPE"))
-    )
+        row = base + at + m
+        store_rows(staging + row * H, @@OUT@@, live, H, h, BLOCK_H)
+        if h == 0:
+            tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
+'''.replace("@@OUT@@", _narrow(p, "acc", "DTYPE"))
 
 
 def _return(p: KernelPlan) -> str:
@@ -888,11 +908,12 @@ def combine(
 
 
 RUNTIME_SCALARS = ("n_tokens", "epoch", "rank0", "rid_rank", "rid_token", "bound", "program_base")
-CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_R", "CAST_F32", "ROLE_SPLIT", "PROFILE", "GLOBALTIMER")
+CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
+CONSTEXPRS += ("GLOBALTIMER",)
 
 
 def _kernel(p: KernelPlan) -> str:
-    w_gate = "w_gate, " if p.gated else ""
+    w_up = "w_gate_up" if p.gated else "w_up"
     landing = "landing, " if p.ring else ""
     scalars = ", ".join(f'"{n}"' for n in RUNTIME_SCALARS)
     names = [n + (": tl.constexpr" if t == "constexpr" else "") for n, t in kernel_args(p)]
@@ -933,10 +954,14 @@ def rdep_forward(
     recv -= me * (W * E_MAX * 2)
     group -= me * (E_MAX * 2)
     hbuf -= me * (B * S * F)
+    hbuf_rid -= me * (B * S)
+    tile_done -= me * (SEGMENTS * TILE_SLOTS)
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
 @@LANDING_REBASE@@    stats -= me * ST_COLS
     target = tl.cast(epoch, tl.int64)
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     queue_id = 0
     if ROLE_SPLIT:
         queue_id = tl.load(program_queue + program_base + tl.program_id(0))
@@ -969,7 +994,7 @@ def rdep_forward(
         seen = target * 0
         expected = target * 0
         guard = tl.load(row + C_GUARD)
-        if guard >= 0:  # compute items: their owner's scan first
+        if guard >= 0:  # GEMM items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
             got = wait(done_flag(heap, table, guard), want, bound)
             if got < want:
@@ -977,8 +1002,10 @@ def rdep_forward(
                 seen = got
                 expected = want
         empty = 0
-        if (kind == KIND_COMPUTE) & (blocked < 0):
-            _, _, lo_row, hi_row = m_tile(group, owner, segment, item, BM)
+        mt = tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)  # a GEMM item's m-tile slot
+        tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        if (guard >= 0) & (blocked < 0):
+            _, _, lo_row, hi_row = m_tile(group, owner, segment, mt, BM)
             empty = (hi_row <= lo_row).to(tl.int32)
         if empty == 0:
             d = tl.load(row + C_DEP_START)
@@ -988,7 +1015,11 @@ def rdep_forward(
                 before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
                 dep = tl.where(dep < 0, -dep - 1, dep)
                 want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                got = wait(done_flag(heap, table, dep), want, bound)
+                flag = done_flag(heap, table, dep)
+                if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
+                    want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
+                    flag = tile
+                got = wait(flag, want, bound)
                 if got < want:
                     blocked = dep
                     seen = got
@@ -1012,10 +1043,15 @@ def rdep_forward(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
                         item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32,
                     )  # fmt: skip
-                elif kind == KIND_COMPUTE:
-                    compute(
-                        heap, {w_gate}w_up, w_down, weight_of, group, hbuf, staging, staging_rid, stats, owner, segment,
-                        item, BM, BLOCK_H, BLOCK_F, CAST_F32,
+                elif kind == KIND_GEMM1:
+                    gemm1(
+                        heap, {w_up}, weight_of, group, hbuf, hbuf_rid, stats, owner, segment, item, BM, BLOCK_F,
+                        BLOCK_K, STAGES, CAST_F32,
+                    )  # fmt: skip
+                elif kind == KIND_GEMM2:
+                    gemm2(
+                        hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
+                        BLOCK_H, BLOCK_K, STAGES, CAST_F32,
                     )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
@@ -1032,6 +1068,8 @@ def rdep_forward(
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
+            if kind == KIND_GEMM1:
+                signal(tile)
             signal(done_flag(heap, table, entry))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
@@ -1055,15 +1093,15 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     compiles use the types."""
     dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
     args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
-    if plan.gated:
-        args.append(("w_gate", f"*{dt}"))
-    args += [("w_up", f"*{dt}"), ("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
+    args.append(("w_gate_up" if plan.gated else "w_up", f"*{dt}"))
+    args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
     tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
     args += [(n, "*i32") for n in tables]
     args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
-    args += [("hbuf", f"*{dt}"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
+    args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
+    args.append(("tile_done", "*i64"))
     if plan.ring:
         args.append(("landing", f"*{dt}"))
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64")]

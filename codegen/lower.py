@@ -19,7 +19,10 @@ task           work items
 route r        1 (the per-expert prefix count over r's rows is sequential)
 scan q         1
 dispatch r→q s ⌈rows r may place in segment s of q / rows_per_item⌉, striding over blocks
-compute q s    the m-tile slots of one segment: ⌈min(R_q, S) / BM⌉ + 2·E_loc(q) − 1 (bulk:
+gemm1 q s      m-tile slots × ⌈F / block_f⌉ F-blocks, m-tile major: one [BM, 2·block_f]
+               tile of x·[Wg Wu] with the activation fused (gelu/relu: [BM, block_f])
+gemm2 q s      m-tile slots × ⌈H / block_h⌉ H-blocks: one [BM, block_h] tile of h·Wd
+               m-tile slots per segment: ⌈min(R_q, S) / BM⌉ + 2·E_loc(q) − 1 (bulk:
                ⌈R_q / BM⌉ + E_loc(q) − 1), each bound at run time to (local expert, rows)
                — padding-free grouped GEMM, tiles aligned to each expert's rows
 return q→r s   as dispatch
@@ -46,10 +49,13 @@ call's scans (the counts it overwrites at every owner) and its own rank's combin
 (its row order); a scan waits for every combine tile of the previous call — all of the
 previous call's work — before it publishes offsets that start the rings over.
 
-Compute items also carry a *guard*: the scan of their owner. An m-tile slot first waits
-for that scan (which fixes how many rows each local expert holds); a slot that is empty
-under the routing skips its W dispatch dependencies and finishes at once (the task
-graph's ``empty_if`` predicate, evaluated per tile).
+GEMM items also carry a *guard*: the scan of their owner. An m-tile slot first waits for
+that scan (which fixes how many rows each local expert holds); a slot that is empty under
+the routing skips its dependencies and finishes at once (the task graph's ``empty_if``
+predicate, evaluated per tile). A GEMM2 item waits for its m-tile of the segment's GEMM1,
+not the whole entry: every GEMM1 item also counts into a per-(owner, segment, m-tile)
+counter (``tile_done``, private to the owner), and the GEMM2 items of m-tile j wait for
+``epoch × ⌈F / block_f⌉`` there.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.spec import LayerSpec
 
 # Task kinds of the generated kernel, one device function each.
-KINDS = ("route", "scan", "dispatch", "compute", "return", "unpack", "combine_wait", "combine")
+KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine")
 # Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
 # or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode;
 # ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
@@ -91,6 +97,16 @@ def ctl_words(W: int) -> int:
     return CTL_TICKETS + 2 * W
 
 
+def tile_slots(rows_max, n_local, S: int, bm: int = 16) -> int:
+    """m-tile slots of the busiest (owner, segment) at ``bm`` rows per m-tile (default: the
+    smallest legal one, so that ``tile_done`` fits every choice of tiles)."""
+    bulk = max(rows_max, default=0) <= S
+    slots = (
+        -(-min(r, S) // bm) + (1 if bulk else 2) * n - 1 if n else 0 for r, n in zip(rows_max, n_local, strict=True)
+    )
+    return max(slots, default=0)
+
+
 def next_pow2(n: int, least: int = 2) -> int:
     p = least
     while p < n:
@@ -102,11 +118,13 @@ def next_pow2(n: int, least: int = 2) -> int:
 class Tiles:
     """Tile sizes of the generated kernel (constexprs at launch; not part of the source).
 
-    ``bm`` rows per m-tile of the grouped GEMM; ``block_h`` / ``block_f`` the hidden / ffn
-    chunks (GEMM1 is [bm, block_h] x [block_h, block_f], GEMM2 [bm, block_f] x [block_f,
-    block_h]); ``block_r`` rows per dispatch/return block; ``rows_per_item`` rows one
-    dispatch or return work item moves at most (more rows: more items, striding);
-    ``num_warps`` for native launches."""
+    ``bm`` rows per m-tile of the grouped GEMMs; ``block_f`` the F columns of one GEMM1 tile
+    (a gated expert's gate and up make its operand 2·block_f wide); ``block_h`` the H
+    columns of one GEMM2 tile, and of one row chunk of dispatch, return and combine;
+    ``block_k`` the reduction chunk of both GEMMs (GEMM1 over H, GEMM2 over F);
+    ``block_r`` rows per dispatch/return block; ``rows_per_item`` rows one dispatch or
+    return work item moves at most (more rows: more items, striding); ``num_warps`` and
+    ``num_stages`` (software-pipelined operand loads of the GEMM loops) for native launches."""
 
     bm: int = 64
     block_h: int = 64
@@ -114,16 +132,29 @@ class Tiles:
     block_r: int = 64
     rows_per_item: int = 1 << 30
     num_warps: int = 4
+    block_k: int = 64
+    num_stages: int = 2
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"tile size {f.name} must be a positive int, got {v!r}")
-        for name in ("bm", "block_h", "block_f", "block_r"):
+        for name in ("bm", "block_h", "block_f", "block_r", "block_k"):
             v = getattr(self, name)
             if v & (v - 1) or v < 16:
                 raise ValueError(f"tile size {name} must be a power of two >= 16, got {v}")
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's tile constexprs (``emit.CONSTEXPRS``) these sizes set."""
+        return {
+            "BM": self.bm,
+            "BLOCK_H": self.block_h,
+            "BLOCK_F": self.block_f,
+            "BLOCK_K": self.block_k,
+            "BLOCK_R": self.block_r,
+            "STAGES": self.num_stages,
+        }
 
     @staticmethod
     def default(H: int, F: int, dtype: str, interpret: bool) -> Tiles:
@@ -131,10 +162,11 @@ class Tiles:
         almost independent of the tile's size). Native: tiles whose operands fit an H100's
         shared memory with room for software pipelining."""
         if interpret:
-            return Tiles(64, min(128, next_pow2(H, 16)), min(128, next_pow2(F, 16)), 64, 1 << 30, 4)
+            h, f = min(128, next_pow2(H, 16)), min(128, next_pow2(F, 16))
+            return Tiles(64, h, f, 64, 1 << 30, 4, max(h, f), 1)
         if dtype == "fp32":
-            return Tiles(64, 32, 64, 64, 4096, 4)
-        return Tiles(128, 64, 64, 64, 4096, 4)
+            return Tiles(64, 64, 64, 64, 4096, 4, 32, 2)
+        return Tiles(128, 128, 128, 64, 4096, 8, 64, 3)
 
 
 @dataclass(frozen=True)
@@ -225,8 +257,10 @@ class KernelPlan:
             items = 1
             if kind in ("dispatch", "return", "unpack"):
                 items = split(min(self.S, self.from_one[owner]))
-            elif kind == "compute":
-                items = m_slots[owner]
+            elif kind == "gemm1":
+                items = m_slots[owner] * -(-self.F // tiles.block_f)
+            elif kind == "gemm2":
+                items = m_slots[owner] * -(-self.H // tiles.block_h)
             table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
         n_queues = 1 if mode == "unified" else 2 * self.W
         queues: list[list[int]] = [[] for _ in range(n_queues)]
@@ -332,8 +366,8 @@ def _tuples(v):
 
 
 def _kind(stage: str, detail: str) -> int:
-    if stage == "combine":
-        return KINDS.index({"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}[detail])
+    if stage in ("combine", "compute"):
+        return KINDS.index({"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}.get(detail, detail))
     return KINDS.index(stage)
 
 
@@ -397,7 +431,7 @@ def lower(
     for i, old in enumerate(order):
         e = sched.table[old]
         kind = _kind(e.stage, e.detail)
-        guard_dep = scan_of[e.owner] if KINDS[kind] == "compute" else -1
+        guard_dep = scan_of[e.owner] if e.stage == "compute" else -1
         mine = [new[d] for d in e.deps]
         if any(d >= i for d in mine):
             raise ValueError(f"task table entry {i} depends on a later entry: the order is not topological")
@@ -438,8 +472,10 @@ def lower(
         ("recv", "int32", (W, W, E_MAX, 2)),  # the owner's split table: (payload offset, admitted)
         ("group", "int32", (W, E_MAX, 2)),  # (first payload row, rows) per (owner, local expert)
         ("hbuf", adt, (W, B * S, F)),  # silu(x·Wg) ⊙ (x·Wu) per payload ring row: GEMM1 → GEMM2
+        ("hbuf_rid", "int64", (W, B * S)),  # their row ids: the payload slot is refilled before GEMM2
         ("staging", adt, (W, B * S, H)),  # expert outputs per payload ring row (the memory plan's staging ring)
-        ("staging_rid", "int64", (W, B * S)),  # their row ids: the payload slot is refilled before the return
+        ("staging_rid", "int64", (W, B * S)),  # their row ids, for the return
+        ("tile_done", "int64", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S))),
     ]
     if ring:
         private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places

@@ -9,9 +9,11 @@ the very file the interpreter tests import. Jobs are batched so one subprocess (
 ``import torch, triton``) compiles many layers; each distinct kernel compiles once.
 
 A result records the cubin's path, the compile time, the shared memory the kernel needs
-(an H100 gives a block at most 227 KiB) and a few facts read from the PTX: the target,
-whether the grouped GEMM uses ``wgmma``, the acquire loads and release atomics of the
-flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
+(an H100 gives a block at most 227 KiB), registers per thread and local memory (spills)
+read from the cubin (``cuobjdump --dump-resource-usage``, bundled with Triton), and a few
+facts read from the PTX: the target, the ``wgmma`` shapes of the grouped GEMMs, whether
+their operands arrive by TMA (``cp.async.bulk.tensor``), the acquire loads and release
+atomics of the flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
 ``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
 needs the ``nvidia-nvshmem-cu13`` wheel but no GPU.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,6 +76,25 @@ def compile_cubins(
     return [r for i in range(len(jobs)) for r in results[i]]
 
 
+def resources(cubin: Path) -> dict:
+    """Registers per thread and local memory per thread (spill slots, stack) of a cubin's
+    kernel, from ``cuobjdump --dump-resource-usage``."""
+    from triton import knobs
+
+    text = subprocess.run(
+        [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text))
+    return {
+        "registers": int(got.get("REG", -1)),
+        "local_bytes": int(got.get("LOCAL", -1)),
+        "stack": int(got.get("STACK", -1)),
+    }
+
+
 def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile: bool = False) -> list[dict]:
     import importlib.util
 
@@ -87,8 +109,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
     sys.modules[name] = module
     spec.loader.exec_module(module)
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    constexprs = {"BM": tiles.bm, "BLOCK_H": tiles.block_h, "BLOCK_F": tiles.block_f, "BLOCK_R": tiles.block_r}
-    constexprs |= {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile}
+    constexprs = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile}
     options: dict = {"num_warps": tiles.num_warps}
     if plan.transport == "nvshmem":
         # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
@@ -107,6 +128,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
         tmp.write_bytes(k.asm["cubin"])
         tmp.replace(target)
         ptx = k.asm["ptx"]
+        wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
         out.append(
             {
                 "layer": plan.layer,
@@ -117,13 +139,16 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
                 "shared": int(k.metadata.shared),
                 "target": next((line.split()[1] for line in ptx.splitlines() if line.startswith(".target")), ""),
                 "wgmma": "wgmma" in ptx,
+                "wgmma_shapes": wgmma,
+                "tma": "cp.async.bulk.tensor" in ptx,
+                **resources(target),
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,
                 # NVSHMEM's code inlined from the bitcode (its device state, which
                 # nvshmem.core.module_init fills, is then a .const of the module).
                 "nvshmem": "nvshmem" in ptx,
-                "tiles": [tiles.bm, tiles.block_h, tiles.block_f, tiles.block_r, tiles.num_warps],
+                "tiles": {**tiles.constexprs(), "num_warps": tiles.num_warps},
             }
         )
     return out

@@ -85,6 +85,7 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
     row_d = geo.H * geo.d + geo.sb
     row_a = geo.H * geo.a
     weights = (3 if geo.act == "swiglu" else 2) * geo.H * geo.F * geo.a
+    down = geo.H * geo.F * geo.a  # GEMM2's weights per expert
     R = rates(hw)
     n = len(tg.tasks)
     link_b, mem_b, flops, wbytes, fixed = [0] * n, [0] * n, [0] * n, [0] * n, [0.0] * n
@@ -102,12 +103,13 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
                     mem_b[i] = 2 * k * rb  # to itself: a copy through HBM
                 else:
                     link_b[i] = k * rb
-            case "compute":
+            case "compute":  # GEMM1: gate and up (x·[Wg Wu]); GEMM2: the down projection
                 d = load.experts.get((t.owner, t.segment), {})
                 m = sum(-(-x // BM) for x in d.values())
-                flops[i] = geo.flop_coef * m * BM * geo.H * geo.F
-                wbytes[i] = weights * sum(1 for x in d.values() if x)
-                mem_b[i] = k * (row_d + row_a)
+                first = t.detail == "gemm1"
+                flops[i] = (geo.flop_coef - 2 if first else 2) * m * BM * geo.H * geo.F
+                wbytes[i] = (weights - down if first else down) * sum(1 for x in d.values() if x)
+                mem_b[i] = k * ((row_d if first else row_a) + geo.F * geo.a)
             case "combine":
                 if t.detail == "unpack":
                     mem_b[i] = 2 * k * row_a

@@ -18,8 +18,12 @@ scan     owner q                     counts published (phase 1), exclusive scan 
                                      local expert), capacity decision, offsets and admitted
                                      counts published back (phase 2)
 dispatch (source r, owner q, seg s)  payload + sideband scatter into q's ring slot s mod B
-compute  (owner q, segment s)        grouped expert GEMM (SwiGLU: 6·rows·H·F FLOPs) into
-                                     q's private staging slot s mod B
+gemm1    (owner q, segment s)        grouped up projection with the activation fused
+                                     (SwiGLU: gate and up, 4·rows·H·F FLOPs) into q's private
+                                     workspace slot s mod B (stage compute)
+gemm2    (owner q, segment s)        grouped down projection (2·rows·H·F FLOPs) into q's
+                                     private staging slot s mod B; m-tile j of it waits only
+                                     for m-tile j of the segment's gemm1 (stage compute)
 return   (owner q, segment s, r)     the rows of (q, s) that came from r, into a slot of r's
                                      return ring (bulk: straight to their T·K landing place)
 combine  unpack (r, claim)           return ring only: copy a return slot to r's private
@@ -43,8 +47,10 @@ there is no ring to rotate.
 
 Buffer-reuse (write-after-read) edges, the B-slot rings:
 
-* payload ring at owner q: dispatch(·, q, s) waits for compute(q, s − B);
-* staging ring at owner q (expert outputs, private): compute(q, s) waits for every
+* payload ring at owner q: dispatch(·, q, s) waits for gemm1(q, s − B);
+* workspace ring at owner q (GEMM1's activations, private): gemm1(q, s) waits for
+  gemm2(q, s − B);
+* staging ring at owner q (expert outputs, private): gemm2(q, s) waits for every
   return(q, s − B, ·);
 * return ring at front-end r: the piece with claim j waits for the unpack of claim j − B.
 
@@ -142,7 +148,7 @@ def task_count(geo: Geometry) -> int:
     """Tasks of the graph of ``geo``, computed before building it."""
     W = geo.W
     pieces = sum(geo.segments)
-    per_piece = 2 * W + 1 + (W if geo.return_ring else 0)  # dispatch, return, compute, unpack
+    per_piece = 2 * W + 2 + (W if geo.return_ring else 0)  # dispatch, return, gemm1, gemm2, unpack
     return 2 * W + pieces * per_piece + W + W * geo.token_tiles
 
 
@@ -175,7 +181,9 @@ def build_tasks(geo: Geometry) -> list[Task]:
     ring = geo.return_ring
     row_d = H * geo.d + geo.sb  # one payload row on the wire, with its sideband
     row_a = H * geo.a  # one returned row
-    coef = geo.flop_coef * H * F
+    row_h = F * geo.a  # one row of the GEMM1 → GEMM2 workspace
+    up = (geo.flop_coef - 2) * H * F  # GEMM1 FLOPs per row (gate and up: 4·H·F)
+    down = 2 * H * F
     tasks: list[Task] = []
     append = tasks.append
 
@@ -222,7 +230,8 @@ def build_tasks(geo: Geometry) -> list[Task]:
         for q in range(W)
     ]
     disp: dict[tuple[int, int, int], int] = {}
-    comp: dict[tuple[int, int], int] = {}
+    gemm1: dict[tuple[int, int], int] = {}
+    gemm2: dict[tuple[int, int], int] = {}
     ret: dict[tuple[int, int, int], int] = {}
     claim_of: dict[int, int] = {}
     unpack: dict[tuple[int, int], int] = {}
@@ -261,7 +270,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                         -(-n // BM),
                         n * row_a,
                         0,
-                        (comp[(q, s)],),
+                        (gemm2[(q, s)],),
                         war,
                         f"back({q},{s},{r}) == 0",
                     )
@@ -297,18 +306,19 @@ def build_tasks(geo: Geometry) -> list[Task]:
                         )
                         unpack[(r, j)] = u
                         landed[r].append(u)
-        s = t - L  # compute segment s
+        s = t - L  # compute segment s: GEMM1 (up projection + activation), then GEMM2
         if s >= 0:
             for q in range(W):
                 if s >= segs[q]:
                     continue
                 n = seg_rows[q][s]
                 deps = tuple(disp[((q - i) % W, q, s)] for i in range(W))
-                war = tuple(ret[(q, s - B, (q + i) % W)] for i in range(W)) if s >= B else ()
                 tiles = min(geo.m_slots[q], -(-n // BM) + per[q] - 1)
-                comp[(q, s)] = add(
+                empty = f"rows({q}) <= {s * S}"
+                war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot
+                gemm1[(q, s)] = add(
                     "compute",
-                    "",
+                    "gemm1",
                     q,
                     "compute",
                     -1,
@@ -318,11 +328,30 @@ def build_tasks(geo: Geometry) -> list[Task]:
                     -1,
                     n,
                     tiles,
-                    n * (row_d + row_a),
-                    coef * n,
+                    n * (row_d + row_h),
+                    up * n,
                     deps,
                     war,
-                    f"rows({q}) <= {s * S}",
+                    empty,
+                )
+                war = tuple(ret[(q, s - B, (q + i) % W)] for i in range(W)) if s >= B else ()  # its staging slot
+                gemm2[(q, s)] = add(
+                    "compute",
+                    "gemm2",
+                    q,
+                    "compute",
+                    -1,
+                    q,
+                    s,
+                    s % B,
+                    -1,
+                    n,
+                    tiles,
+                    n * (row_h + row_a),
+                    down * n,
+                    (gemm1[(q, s)],),
+                    war,
+                    empty,
                 )
         s = t  # dispatch segment s, source r to owner (r + i) mod W: a permutation per i
         if s < top:
@@ -332,7 +361,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                     if s >= segs[q]:
                         continue
                     n = piece[q][s]
-                    war = (comp[(q, s - B)],) if s >= B else ()
+                    war = (gemm1[(q, s - B)],) if s >= B else ()
                     disp[(r, q, s)] = add(
                         "dispatch",
                         "",
@@ -547,7 +576,8 @@ FULL_LIMIT = 200_000
 def expand_tiles(tg: TaskGraph, limit: int = FULL_LIMIT):
     """A tile-level networkx DiGraph: each task's tiles (m-tile slots for compute, row tiles
     for transport) and one flag node per task that its tiles raise and its dependents'
-    tiles wait on. Refuses (ValueError) beyond ``limit`` nodes: use the hierarchical graph."""
+    tiles wait on — except GEMM2's m-tile j, which waits for m-tile j of its GEMM1 only.
+    Refuses (ValueError) beyond ``limit`` nodes: use the hierarchical graph."""
     import networkx as nx
 
     n = sum(t.tiles + 1 for t in tg.tasks)
@@ -559,14 +589,17 @@ def expand_tiles(tg: TaskGraph, limit: int = FULL_LIMIT):
     g = nx.DiGraph()
     for t in tg.tasks:
         flag = ("flag", t.id)
-        g.add_node(flag, name=f"{t.name} done", stage=t.stage, rank=t.rank, kind="flag")
+        g.add_node(flag, name=f"{t.name} done", stage=t.stage, detail=t.detail, rank=t.rank, kind="flag")
         for i in range(t.tiles):
             node = ("tile", t.id, i)
-            g.add_node(node, name=f"{t.name} #{i}", stage=t.stage, rank=t.rank, kind="tile", task=t.id)
+            g.add_node(node, name=f"{t.name} #{i}", stage=t.stage, detail=t.detail, rank=t.rank, kind="tile", task=t.id)
             g.add_edge(node, flag, kind="done")
             war = set(t.war)
             for d in t.deps:
-                g.add_edge(("flag", d), node, kind="war" if d in war else "data")
+                if t.detail == "gemm2" and d not in war:
+                    g.add_edge(("tile", d, i), node, kind="data")
+                else:
+                    g.add_edge(("flag", d), node, kind="war" if d in war else "data")
     return g
 
 

@@ -48,10 +48,10 @@ def flag_slots(W: int, T: int, segments: int, ring: bool) -> int:
     """Done counters one rank's heap slice holds: a bound on the task-table entries one rank
     runs when the busiest owner runs ``segments`` segments — its route, scan and combine
     wait, one combine tile per COMBINE_TOKENS tokens, a dispatch to every owner's segments
-    (W·n), its own computes (n) and returns to every front-end (W·n), and with a return
+    (W·n), its own GEMM1s and GEMM2s (2n) and returns to every front-end (W·n), and with a return
     ring an unpack per piece it receives (W·n). docs/memory.md and the planner
     give the same formula."""
-    return 3 + -(-T // COMBINE_TOKENS) + (2 * W + 1) * segments + (W * segments if ring else 0)
+    return 3 + -(-T // COMBINE_TOKENS) + (2 * W + 2) * segments + (W * segments if ring else 0)
 
 
 def pad(n: int) -> int:
@@ -81,7 +81,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     n = len(sched.order)
     by_stage: dict[str, list[int]] = {}
     for t in tg.tasks:
-        key = t.stage if t.stage != "combine" else f"combine {t.detail}"
+        key = f"{t.stage} {t.detail}" if t.detail else t.stage
         by_stage.setdefault(key, []).append(t.id)
 
     def live(*stages: str) -> tuple[tuple[int, int] | None, tuple[float, float] | None]:
@@ -101,8 +101,8 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         ("control", "offsets", W * E_max * 4, 1, 0, whole),
         ("control", "admitted", W * E_max * 4, 1, 0, whole),
         ("control", "flags", flag_slots(W, T, max(geo.segments, default=0), ring) * 8, 1, 0, whole),
-        ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute")),
-        ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute")),
+        ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute gemm1")),
+        ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute gemm1")),
         (
             "return",
             "return",
@@ -143,25 +143,37 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", "bwd_payload", "bwd_return")}
     fb["total"] = sum(fb.values())
 
+    F = geo.F
     private = [
+        Buffer(
+            "workspace",
+            "private",
+            0,
+            B * S * (F * geo.a + 8),
+            pad(B * S * (F * geo.a + 8)),
+            B,
+            S * (F * geo.a + 8),
+            "owner's GEMM1 activations and their row_ids per segment, read by its GEMM2 (private)",
+            *live("compute gemm1", "compute gemm2"),
+        ),
         Buffer(
             "staging",
             "private",
-            0,
-            B * S * H * geo.a,
-            pad(B * S * H * geo.a),
+            pad(B * S * (F * geo.a + 8)),
+            B * S * (H * geo.a + 8),
+            pad(B * S * (H * geo.a + 8)),
             B,
-            S * H * geo.a,
-            "owner's expert outputs per segment, read by its returns (private, not symmetric)",
-            *live("compute", "return"),
-        )
+            S * (H * geo.a + 8),
+            "owner's expert outputs and their row_ids per segment, read by its returns (private, not symmetric)",
+            *live("compute gemm2", "return"),
+        ),
     ]
     if ring:
         private.append(
             Buffer(
                 "landing",
                 "private",
-                private[-1].size,
+                private[-1].offset + private[-1].size,
                 T * K * H * geo.a,
                 pad(T * K * H * geo.a),
                 1,
@@ -205,8 +217,11 @@ def _slot_uses(sched: Schedule) -> list[SlotUse]:
             break
         if t.stage == "dispatch":
             writers.setdefault(("payload", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
-        elif t.stage == "compute":
+        elif t.detail == "gemm1":
             readers.setdefault(("payload", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+            writers.setdefault(("workspace", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
+        elif t.detail == "gemm2":
+            readers.setdefault(("workspace", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
             writers.setdefault(("staging", t.owner, t.segment % geo.B, t.segment), []).append(t.id)
         elif t.stage == "return":
             readers.setdefault(("staging", t.owner, t.segment % geo.B, t.segment), []).append(t.id)

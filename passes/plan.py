@@ -443,7 +443,7 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`)."""
     # Done counters per rank (memplan.flag_slots): route, scan, combine wait, the combine
-    # tiles, W·n dispatches, n computes, W·n returns and, with a rotating return ring, W·n
+    # tiles, W·n dispatches, n GEMM1s and n GEMM2s, W·n returns and, with a rotating return ring, W·n
     # unpacks, where n is the busiest owner's segments.
     tiles = 3 + sp.ceiling(T / COMBINE_TOKENS)
     if strategy in SEGMENTED:
@@ -451,11 +451,11 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
         ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
         n = sp.ceiling(R_max / S)
-        done = tiles + (2 * W + 1) * n + sp.Piecewise((W * n, B * S < T * K), (sp.Integer(0), True))
+        done = tiles + (2 * W + 2) * n + sp.Piecewise((W * n, B * S < T * K), (sp.Integer(0), True))
     elif strategy == "bulk":
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
         ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
-        done = tiles + 2 * W + 1
+        done = tiles + 2 * W + 2
     else:
         raise ValueError(f"unknown strategy '{strategy}'")
     buf = {
@@ -488,7 +488,7 @@ _BUFFER_WHAT = {
     "offsets": "W·E_max int32 write bases published back to each source",
     "admitted": "W·E_max int32 admitted rows per (owner, local expert)",
     "flags": "int64 done counters of the tasks one rank runs (ready flags and credits): "
-    "3 + ⌈T/128⌉ + (2W+1)·n + W·n if the return ring rotates, n = ⌈R_max/S⌉ segments (bulk: 1)",
+    "3 + ⌈T/128⌉ + (2W+2)·n + W·n if the return ring rotates, n = ⌈R_max/S⌉ segments (bulk: 1)",
     "payload": "B·S dispatched rows of H·d bytes",
     "sideband": "B·S rows of sb bytes (row_id, local expert, gate, scale)",
     "return": "R_ret returned rows of H·a bytes",

@@ -132,6 +132,25 @@ def build_parser() -> argparse.ArgumentParser:
     from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
 
     p = sub.add_parser(
+        "tune",
+        help="choose a layer's tile sizes on a GPU and record them",
+        description="Run the compiled layer natively with every candidate tile size that fits the GPU's shared "
+        "memory (emulated backend, uniform routing), time each, and record the fastest beside the layer's kernel "
+        "plan, keyed by plan, device and triton version; native runs of that plan then use it.",
+    )
+    _common(p)
+    p.add_argument("--device", default="cuda", choices=["cuda"], help="the GPU to tune on (default: cuda)")
+    p.add_argument(
+        "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
+    )
+    p.add_argument(
+        "--mode", choices=["unified", "role-split"], default="unified", help="kernel mode (default: unified)"
+    )
+    p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
+    p.add_argument("--reps", type=int, default=10, metavar="N", help="timed calls per candidate (default: 10)")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser(
         "plan",
         help="capacity, memory, transport and padding arithmetic of a layer",
         description="Plan one layer: pooling, capacity and overflow bounds, symmetric memory (the paper's "
@@ -410,6 +429,11 @@ def cmd_run(args) -> int:
     print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
     print(f"  dropped rows    {st['dropped_rows']} ({cap})")
     print(f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {kernels.tiles.bm}, padding-free)")
+    t = kernels.tiles
+    print(
+        f"  tiles           BM {t.bm}, F-block {t.block_f}, H-block {t.block_h}, K-chunk {t.block_k}, "
+        f"{t.num_warps} warps, {t.num_stages} stages: {kernels.tiles_source}"
+    )
     print(
         f"  kernel          {st['launches']} launch, {kernels.mode} mode, grid ({kernels.grid},), "
         f"{kernels.work.n_items} work items "
@@ -508,6 +532,35 @@ def _load_spec(args):
     spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
     _print_diags(warnings, {module.file: module.text})
     return spec
+
+
+def cmd_tune(args) -> int:
+    from rdepc.api import Layer, elaborate_layer
+    from rdepc.parser import parse_file
+
+    module = parse_file(args.file)
+    spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
+    _print_diags(warnings, {})
+    layer = Layer(spec, warnings)
+    T = layer.shapes["T"]
+    if args.tokens is not None and not 1 <= args.tokens <= T:
+        raise UsageError(f"--tokens {args.tokens}: expected 1 <= T' <= {T} (the spec's T)")
+    if args.reps < 1:
+        raise UsageError(f"--reps {args.reps}: expected at least 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (tuning measures native kernels on a GPU)")
+    from rdepc.runtime.tune import tune_layer
+
+    print(f"tuning layer {spec.name} ({spec.file}) on {torch.cuda.get_device_name()}:")
+    best, results, path = tune_layer(
+        layer, args.device, schedule=args.schedule, mode=args.mode, tokens=args.tokens, reps=args.reps,
+        progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    ms = min(r["ms"] for r in results if "ms" in r)
+    print(f"fastest: {best} at {ms:.3f} ms; recorded in {path}")
+    return 0
 
 
 def cmd_viz(args) -> int:

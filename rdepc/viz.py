@@ -27,7 +27,8 @@ STAGE_COLORS = {
     "route": "#8c8c8c",
     "scan": "#9467bd",
     "dispatch": "#1f77b4",
-    "compute": "#ff7f0e",
+    "gemm1": "#ff7f0e",
+    "gemm2": "#ffbb78",
     "return": "#2ca02c",
     "unpack": "#17becf",
     "combine": "#8c564b",
@@ -36,7 +37,8 @@ STAGE_WORDS = {
     "route": "route: order each rank's token rows by owner",
     "scan": "scan: owners agree on exact write offsets",
     "dispatch": "dispatch: send rows to the GPU owning their expert",
-    "compute": "compute: expert feed-forward (grouped GEMM)",
+    "gemm1": "GEMM1: gate and up projection, activation fused",
+    "gemm2": "GEMM2: down projection",
     "return": "return: send expert outputs back",
     "unpack": "unpack: free a return slot (copy rows out)",
     "combine": "combine: gate-weighted sum per token",
@@ -44,7 +46,7 @@ STAGE_WORDS = {
 
 
 def _color_key(t) -> str:
-    return "unpack" if t.detail == "unpack" else t.stage
+    return t.detail if t.detail in ("unpack", "gemm1", "gemm2") else t.stage
 
 
 def _tid(sched: Schedule, t) -> int:
@@ -208,8 +210,9 @@ def write_png(
         for s, e, key, seg in runs:
             used.add(key)
             ax.barh(lane, e - s, left=s, height=0.72, color=STAGE_COLORS[key], edgecolor="white", linewidth=0.4)
-            if seg >= 0 and e - s > span * (0.03 if key == "compute" else 0.022):
-                label = f"seg {seg}" if key == "compute" else f"s{seg}"
+            gemm = key in ("gemm1", "gemm2")
+            if seg >= 0 and e - s > span * (0.03 if gemm else 0.022):
+                label = f"seg {seg}" if gemm else f"s{seg}"
                 ax.text(
                     (s + e) / 2,
                     lane,
@@ -217,7 +220,7 @@ def write_png(
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="black" if key in ("compute", "unpack") else "white",
+                    color="black" if gemm or key == "unpack" else "white",
                 )
     for r in ranks:
         lane = lane_of[(r, None if sched.unified else "comm")]
@@ -299,7 +302,7 @@ def dot(tg: TaskGraph, sched: Schedule | None = None, full: bool = False) -> str
             lines.append(f"  subgraph cluster_r{r} {{ label={_q(f'rank {r}')};")
             for n, a in items:
                 shape = ", shape=point" if a["kind"] == "flag" else ""
-                color = STAGE_COLORS["unpack" if "unpack" in a["name"] else a["stage"]]
+                color = STAGE_COLORS[a["detail"] if a["detail"] in STAGE_COLORS else a["stage"]]
                 lines.append(f"    n{ids[n]} [label={_q(a['name'])}, fillcolor={_q(color)}{shape}];")
             lines.append("  }")
         for u, v, a in g.edges(data=True):

@@ -38,6 +38,11 @@ own tokens, ``[T', K]``); ``last_context`` the routing context backward will nee
 accepted set, each accepted row's slot in its owner's payload (-1 when dropped) and the
 combine weights g'. Backward is not supported yet: differentiating through ``forward``
 raises.
+
+A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
+[E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
+tensor (``w[..., 0]``, ``w[..., 1]``, as ``RDEPMoE`` holds them) and nothing is copied;
+separate tensors are interleaved into a new one at every call.
 """
 
 from __future__ import annotations
@@ -49,13 +54,37 @@ from pathlib import Path
 import torch
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, KernelPlan, Tiles
-from rdepc.runtime import ranks
+from rdepc.runtime import ranks, tune
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import import_kernels
 from rdepc.runtime.records import KernelError, input_error, kernel_error
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """[E, H, F] gate and up weights as the one [E, H, F, 2] operand GEMM1 reads (column 2f
+    gate f, 2f + 1 up f): a view when they are already the halves of one such tensor,
+    otherwise a new tensor."""
+    shape = (*w_gate.shape, 2)
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    halves = (
+        w_up.shape == w_gate.shape
+        and w_up.dtype == w_gate.dtype
+        and w_up.device == w_gate.device
+        and w_gate.stride() == w_up.stride() == tuple(strides[:-1])
+        and w_gate.untyped_storage().data_ptr() == w_up.untyped_storage().data_ptr()
+        and w_up.data_ptr() == w_gate.data_ptr() + w_gate.element_size()
+    )
+    return w_gate.as_strided(shape, strides) if halves else torch.stack((w_gate, w_up), dim=-1)
+
+
+def aligned(w: torch.Tensor) -> torch.Tensor:
+    """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires."""
+    return w if w.data_ptr() % 16 == 0 else w.clone()
 
 
 @dataclass(frozen=True)
@@ -146,7 +175,7 @@ class RDEPModule:
         self.mode = mode
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         p = plan
-        self.tiles = tiles or Tiles.default(p.H, p.F, p.dtype, self.interpret)
+        self.tiles, self.tiles_source = self._tiles(tiles)
         self.work = p.work(self.tiles, mode, rank=self.rank)
         # The global ids of the experts whose weights forward takes, in that order: per rank,
         # this rank's experts in local order; otherwise every expert.
@@ -253,7 +282,10 @@ class RDEPModule:
         x = x.detach().contiguous()
         ids = topk_ids.detach().to(torch.int64).contiguous()
         gates = topk_weights.detach().to(torch.float32).contiguous()
-        weights = dict(zip(("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down), strict=True))
+        if p.gated:
+            weights = {"w_gate_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
+        else:
+            weights = {"w_up": w_up, "w_down": w_down}
         y = torch.empty((*lead, Tn, p.H), dtype=self.dtype, device=self.device)
         accepted = torch.zeros((*lead, Tn, K), dtype=torch.int8, device=self.device)
         slot = torch.full((*lead, Tn, K), -1, dtype=torch.int32, device=self.device)
@@ -273,16 +305,12 @@ class RDEPModule:
 
         given = {"heap": self.heap, "x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted}
         given |= {"slot": slot, "gprime": gprime}
-        given |= {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
+        given |= {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
         given |= self.tables | {"table": table} | self.private
         given |= {"n_tokens": Tn, "epoch": self.epoch, "rank0": self.rank or 0}
         given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
         tl = self.tiles
-        meta = {
-            "BM": tl.bm,
-            "BLOCK_H": tl.block_h,
-            "BLOCK_F": tl.block_f,
-            "BLOCK_R": tl.block_r,
+        meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
             "ROLE_SPLIT": self.mode == "role-split",
             "PROFILE": self.profiling,
@@ -313,6 +341,19 @@ class RDEPModule:
                 span = at[first : first + items]
                 events.append((entry, min(s for s, _ in span), max(e for _, e in span)))
         return {"clock": "logical" if self.interpret else "globaltimer", "mode": self.mode, "events": events}
+
+    def _tiles(self, given: Tiles | None) -> tuple[Tiles, str]:
+        """The tiles to launch with, and where they come from: given, the interpreter's own,
+        ``rdepc tune``'s record for this plan on this GPU, or the defaults."""
+        p = self.plan
+        if given is not None:
+            return given, "given"
+        if self.interpret:
+            return Tiles.default(p.H, p.F, p.dtype, True), "the interpreter's (few, large tiles)"
+        found = tune.lookup(p, torch.cuda.get_device_name(self.device))
+        if found is not None:
+            return found
+        return Tiles.default(p.H, p.F, p.dtype, False), "defaults (not tuned: rdepc tune FILE --device cuda)"
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
@@ -410,6 +451,7 @@ class RDEPModule:
                 # The programs stopped early: their tickets and flags are off the count. The next
                 # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
                 self.private["ctl"].zero_()
+                self.private["tile_done"].zero_()
                 at, size = self._flags
                 self.heap[:, at : at + size] = 0
                 self.epoch = 0

@@ -19,10 +19,12 @@ Semantics, in order:
 3. shared experts (the spec's ``shared N x act(ffn = F)``): computed densely on the
    front-end rank, replicated, and added.
 
-Experts are ``nn.Parameter``s: ``w_gate`` / ``w_up`` [E, H, F] (``w_gate`` None for gelu and
-relu experts), ``w_down`` [E, F, H], and ``shared_gate`` / ``shared_up`` [N, H, F_s],
-``shared_down`` [N, F_s, H]. The compiled kernels are bound to the device given at
-construction; build the block on the device it runs on. Backward through the routed
+Experts are ``nn.Parameter``s: a gated expert's ``w_gate_up`` [E, H, F, 2] (gate and up
+interleaved, the operand GEMM1 reads: ``w_gate`` and ``w_up`` are its two halves, views),
+gelu and relu experts' ``w_up`` [E, H, F] (``w_gate`` None), ``w_down`` [E, F, H], and
+``shared_gate`` / ``shared_up`` [N, H, F_s], ``shared_down`` [N, F_s, H]. The compiled
+kernels are bound to the device given at construction; build the block on the device it
+runs on. Backward through the routed
 part is not supported yet (it raises); the router and shared experts are plain torch.
 """
 
@@ -74,8 +76,11 @@ class RDEPMoE(nn.Module):
         n_exp = len(self.experts)
         self.router = nn.Parameter(torch.empty(self.H, self.E, **kw))
         gated = s.expert.gated
-        self.w_gate = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw)) if gated else None
-        self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
+        if gated:  # w_gate and w_up: its halves (__getattr__)
+            self.w_gate_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, 2, **kw))
+        else:
+            self.w_gate = None
+            self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
         self.w_down = nn.Parameter(torch.empty(n_exp, self.F, self.H, **kw))
         self.shared_act = None
         self.shared_gate = self.shared_up = self.shared_down = None
@@ -93,12 +98,19 @@ class RDEPMoE(nn.Module):
         """Normal weights scaled by 1/sqrt(fan_in), drawn in fp32 on the CPU (deterministic
         with a seeded ``generator``). Expert weights are drawn for all E experts and each rank
         keeps its own: with one seed, every rank's block is a slice of the same layer."""
-        experts = {id(p) for p in (self.w_gate, self.w_up, self.w_down) if p is not None}
-        for p in self.parameters():
-            fan_in = p.shape[-2]
-            shape = (self.E, *p.shape[1:]) if id(p) in experts else p.shape
-            w = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
-            p.copy_((w[list(self.experts)] if id(p) in experts else w).to(p.dtype))
+        experts = ("w_gate_up", "w_up", "w_down")
+        for name, p in self.named_parameters():
+            for w in (p[..., 0], p[..., 1]) if name == "w_gate_up" else (p,):  # gate, then up
+                fan_in = w.shape[-2]
+                shape = (self.E, *w.shape[1:]) if name in experts else w.shape
+                full = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+                w.copy_((full[list(self.experts)] if name in experts else full).to(w.dtype))
+
+    def __getattr__(self, name: str):
+        params = self.__dict__.get("_parameters", {})
+        if name in ("w_gate", "w_up") and "w_gate_up" in params:  # a gated expert's halves: views
+            return params["w_gate_up"][..., 0 if name == "w_gate" else 1]
+        return super().__getattr__(name)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [..., T', K] int64, gates [..., T', K] fp32): softmax over E, top-K, sum 1."""

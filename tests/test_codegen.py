@@ -29,7 +29,7 @@ from rdepc.diagnostics import SpecError
 from rdepc.driver import Options, compile_file, spec_passes
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
-TASK_KINDS = ("route", "scan", "dispatch", "compute", "return_rows", "combine")  # and unpack, with a return ring
+TASK_KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return_rows", "combine")  # and unpack, with a return ring
 TRANSPORT = ("peer", "put", "signal", "wait")
 
 SPEC = """layer f {{
@@ -84,8 +84,8 @@ def test_header_names_spec_options_version_and_its_own_hash(tiny):
     assert lines[0] == origin + " Do not edit: recompile the spec."
     header = "\n".join(lines[:12])
     assert "W=4 T=16 H=64 F=128 E=8 K=2, swiglu experts, fp32 (dispatch fp32), capacity dropless" in header
-    assert "# schedule:  bulk, S=128 rows per ring slot, B=1 slots; 52 task-table entries:" in header
-    assert "4 route, 4 scan, 16 dispatch, 4 compute, 16 return, 4 combine_wait, 4 combine" in header
+    assert "# schedule:  bulk, S=128 rows per ring slot, B=1 slots; 56 task-table entries:" in header
+    assert "4 route, 4 scan, 16 dispatch, 4 gemm1, 4 gemm2, 16 return, 4 combine_wait, 4 combine" in header
     assert "# options:   schedule from the spec, hw h100, backend emulated" in header
     assert "# decision:  strategy = bulk (spec: schedule bulk)" in header
     assert "# transport: emulated (the spec's transport statement: emulated)" in header
@@ -103,7 +103,7 @@ def test_one_jit_function_per_task_kind_and_the_transport(tiny):
         for f in tree.body
         if isinstance(f, ast.FunctionDef) and any("triton.jit" in ast.unparse(d) for d in f.decorator_list)
     }
-    assert {*TASK_KINDS, *TRANSPORT, "m_tile", "rdep_forward"} <= jitted
+    assert {*TASK_KINDS, *TRANSPORT, "m_tile", "gemm_tile", "rdep_forward"} <= jitted
     kernel = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "rdep_forward")
     assert [a.arg for a in kernel.args.args] == [name for name, _ in kernel_args(tiny.kernel)]
     assert ast.get_docstring(tree).startswith("Forward kernels of the RDEP layer ``tiny``")
@@ -164,7 +164,7 @@ def test_emitted_variants_follow_the_spec(tmp_path):
     gelu = generate_spec(rdepc.load(spec_file(tmp_path, expert="gelu(ffn = 64)")).spec).source
     assert "tl.math.erf" in gelu and "w_gate" not in gelu and "tl.sigmoid" not in gelu
     relu = generate_spec(rdepc.load(spec_file(tmp_path, expert="relu(ffn = 64)", name="r.rdep")).spec).source
-    assert "tl.maximum(up, 0.0)" in relu
+    assert "tl.maximum(acc, 0.0)" in relu and "= gate_up(acc" not in relu and "w_up + e * (H * F)" in relu
     zero = spec_file(tmp_path, extra="capacity factor 1.0, weights zero", name="z.rdep")
     src = generate_spec(rdepc.load(zero).spec).source
     assert "w = kept  # weights zero" in src and "survived" not in src
@@ -257,8 +257,8 @@ def _check_lowering(g, tiles: Tiles) -> None:
     scans = {e.index for e in sched.table if e.stage == "scan"}
     for i, (row, e) in enumerate(zip(work.table, sched.table, strict=True)):
         kind = KINDS[row[col["kind"]]]
-        detail = {"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}
-        assert kind == (detail[e.detail] if e.stage == "combine" else e.stage)
+        detail = {"wait": "combine_wait", "tile": "combine", "unpack": "unpack", "gemm1": "gemm1", "gemm2": "gemm2"}
+        assert kind == (detail[e.detail] if e.detail else e.stage)
         deps = k.deps[row[col["dep_start"]] : row[col["dep_start"]] + row[col["dep_count"]]]
         now = tuple(d for d in deps if d >= 0)
         before = {-d - 1 for d in deps if d < 0}  # the previous call's entries
@@ -272,10 +272,12 @@ def _check_lowering(g, tiles: Tiles) -> None:
         assert work.first_item[i + 1] - work.first_item[i] == row[col["items"]] >= 1
         assert row[col["resource"]] == 2 * e.rank + ("comm", "compute").index(sched.graph.tasks[e.task].role)
         guard = row[col["guard"]]
-        if kind == "compute":
+        if kind in ("gemm1", "gemm2"):
             q = e.owner
             per = 1 if max(k.rows_max) <= k.S else 2  # one segment holds every row: no cut tiles
-            assert row[col["items"]] == math.ceil(min(k.rows_max[q], k.S) / tiles.bm) + per * k.n_local[q] - 1
+            m_tiles = math.ceil(min(k.rows_max[q], k.S) / tiles.bm) + per * k.n_local[q] - 1
+            blocks = math.ceil(k.F / tiles.block_f) if kind == "gemm1" else math.ceil(k.H / tiles.block_h)
+            assert row[col["items"]] == m_tiles * blocks
             assert KINDS[work.table[guard][col["kind"]]] == "scan" and work.table[guard][col["rank"]] == q
             assert guard < i
         else:
@@ -318,7 +320,7 @@ def test_tiles_are_validated():
         Tiles(bm=48)
     with pytest.raises(ValueError, match="positive int"):
         Tiles(rows_per_item=0)
-    assert Tiles.default(64, 128, "fp32", interpret=True) == Tiles(64, 64, 128, 64, 1 << 30, 4)
+    assert Tiles.default(64, 128, "fp32", interpret=True) == Tiles(64, 64, 128, 64, 1 << 30, 4, 128, 1)
     assert Tiles.default(2048, 1408, "bf16", interpret=False).bm == 128
 
 
@@ -340,7 +342,7 @@ def test_dump_after_codegen_prints_the_source(monkeypatch, tmp_path, capsys):
     assert "// ----- IR after codegen" in out and "def rdep_forward(" in out
     assert (tmp_path / "tiny_kernels.py").read_text(encoding="utf-8") == GOLDEN.read_text(encoding="utf-8")
     plan = json.loads((tmp_path / "tiny.plan.json").read_text(encoding="utf-8"))
-    assert plan["layer"] == "tiny" and len(plan["table"]) == 52
+    assert plan["layer"] == "tiny" and len(plan["table"]) == 56
     assert 'def module(backend="emulated", device="cpu"' in (tmp_path / "tiny.py").read_text(encoding="utf-8")
 
 
@@ -382,7 +384,7 @@ def test_cache_is_keyed_atomic_and_configurable(tmp_path, monkeypatch):
 def test_layer_plan_exposes_schedule_memory_and_kernel():
     layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
     plan = layer.plan
-    assert plan.schedule.strategy == "bulk" and len(plan.schedule.table) == 52
+    assert plan.schedule.strategy == "bulk" and len(plan.schedule.table) == 56
     assert plan.memory.regions()["total"] == plan.kernel.heap_bytes
     assert plan.source == layer.source
     nv = layer.compile(backend="nvshmem")  # one process per rank: peers through nvshmem_ptr

@@ -90,13 +90,21 @@ def check_structure(tg):
     for t in tasks:
         if t.stage == "compute":
             q, s = t.owner, t.segment
-            assert t.flops == geo.flop_coef * t.rows * geo.H * geo.F
+            up = geo.flop_coef - 2 if t.detail == "gemm1" else 2
+            assert t.flops == up * t.rows * geo.H * geo.F
             assert t.tiles <= -(-geo.S // BM) + geo.experts[q] - 1
             assert t.rows == min(geo.S, geo.rows_max[q] - s * geo.S) > 0
             assert t.empty_if == f"rows({q}) <= {s * geo.S}"
-            srcs = {tasks[d].src for d in t.deps if tasks[d].stage == "dispatch"}
-            assert srcs == set(range(geo.W))
-            if s >= geo.B:  # the private staging ring: compute s waits for every return of s − B
+            data = [tasks[d] for d in t.deps if d not in t.war]
+            if t.detail == "gemm1":
+                assert all(u.stage == "dispatch" and (u.owner, u.segment) == (q, s) for u in data)
+                assert {u.src for u in data} == set(range(geo.W))
+            else:  # GEMM2: its segment's GEMM1
+                assert [(u.detail, u.owner, u.segment) for u in data] == [("gemm1", q, s)]
+            if s >= geo.B and t.detail == "gemm1":  # the workspace ring: GEMM1 s waits for GEMM2 s − B
+                (w,) = t.war
+                assert (tasks[w].detail, tasks[w].owner, tasks[w].segment) == ("gemm2", q, s - geo.B)
+            elif s >= geo.B:  # the private staging ring: GEMM2 s waits for every return of s − B
                 assert {tasks[d].src for d in t.war} == set(range(geo.W))
                 assert all(tasks[d].stage == "return" and tasks[d].segment == s - geo.B for d in t.war)
             else:
@@ -104,9 +112,9 @@ def check_structure(tg):
         elif t.stage == "dispatch":
             q, s = t.owner, t.segment
             assert t.slot == s % geo.B
-            if s >= geo.B:  # the payload ring: dispatch of s waits for the compute of s − B
+            if s >= geo.B:  # the payload ring: dispatch of s waits for the GEMM1 of s − B
                 (w,) = t.war
-                assert tasks[w].stage == "compute" and (tasks[w].owner, tasks[w].segment) == (q, s - geo.B)
+                assert tasks[w].detail == "gemm1" and (tasks[w].owner, tasks[w].segment) == (q, s - geo.B)
             else:
                 assert not t.war
         elif t.stage == "return" and geo.return_ring:
@@ -212,7 +220,8 @@ def test_flops_per_activation():
     for act, coef in (("swiglu", 6), ("gelu", 4), ("relu", 4)):
         tg = build_graph(Case(W=2, T=8, H=16, E=2, K=1, F=32, S=8, act=act).spec(), "pipelined")
         comp = [t for t in tg.tasks if t.stage == "compute"]
-        assert comp and all(t.flops == coef * t.rows * 16 * 32 for t in comp)
+        assert comp and all(t.flops == (coef - 2 if t.detail == "gemm1" else 2) * t.rows * 16 * 32 for t in comp)
+        assert sum(t.flops for t in comp) == coef * sum(t.rows for t in comp if t.detail == "gemm1") * 16 * 32
 
 
 def test_too_many_tasks_is_a_diagnostic_at_the_segment_statement():

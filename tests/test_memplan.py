@@ -71,17 +71,19 @@ def test_moonlight_heap_and_lifetimes():
     assert ids.offset == buf["return"].offset + buf["return"].size
     assert (ids.live, ids.live_s) == (buf["return"].live, buf["return"].live_s)
     assert mp.regions("forward")["return"] == 2 * 4096 * 2048 * 2 + 65536
-    assert mp.regions("forward")["total"] == 67_316_480
-    assert mp.regions("forward_backward")["total"] == 134_425_344
+    assert mp.regions("forward")["total"] == 67_316_992
+    assert mp.regions("forward_backward")["total"] == 134_425_856
     assert buf["tokens"].live == (0, len(sched.order) - 1)
     first, last = buf["payload"].live
-    pos = {sched.graph.tasks[u].stage: [] for u in sched.order}
+    pos = {sched.graph.tasks[u].detail or sched.graph.tasks[u].stage: [] for u in sched.order}
     for u in sched.order:
-        pos[sched.graph.tasks[u].stage].append(sched.position[u])
-    assert first == min(pos["dispatch"]) and last == max(pos["compute"])
+        pos[sched.graph.tasks[u].detail or sched.graph.tasks[u].stage].append(sched.position[u])
+    assert first == min(pos["dispatch"]) and last == max(pos["gemm1"])
     assert buf["bwd_payload"].live is None
     assert mp.max_live_payload == 2
-    assert {b.name for b in mp.private} == {"staging", "landing"}
+    assert {b.name for b in mp.private} == {"workspace", "staging", "landing"}
+    gens = [u for u in mp.uses if u.ring == "workspace" and u.rank == 0 and u.slot == 1]
+    assert [u.generation for u in gens] == list(range(1, 48, 2))
     gens = [u for u in mp.uses if u.ring == "payload" and u.rank == 0 and u.slot == 0]
     assert [u.generation for u in gens] == list(range(0, 48, 2))
 

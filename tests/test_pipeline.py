@@ -188,7 +188,7 @@ def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
     rec = e.value.record
     assert rec["what"] == "wait expired" and rec["call"] == 2
     assert rec["flag"] == victim and rec["flag_task"] == names[victim]
-    assert rec["task"].startswith("compute s1 ") and rec["segment"] == 1  # the dispatch's consumer
+    assert rec["task"].startswith("gemm1 s1 ") and rec["segment"] == 1  # the dispatch's consumer
     assert rec["seen"] < rec["expected"] and rec["expected"] == 2 * m.work.table[victim][6]
     assert f"waited 50 spins for the done flag of task #{victim} ({names[victim]})" in str(e.value)
     again = m(*inputs)  # re-initialised: call 1 of a fresh epoch, no stale flags

@@ -322,7 +322,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     W, T, H, K, E_max, a, d, sb = 4, 16, 64, 2, 2, 4, 4, 16
     S = W * T * min(K, E_max)  # S_bulk, dropless: 128 rows
     B, R_ret = 1, T * K
-    done = 3 + 1 + (2 * W + 1) * 1  # route, scan, combine wait, 1 token tile, W dispatches, compute, W returns
+    done = 3 + 1 + (2 * W + 2) * 1  # route, scan, combine wait, 1 token tile, W dispatches, gemm1, gemm2, W returns
     control = pad(W * 8) + 3 * pad(W * E_max * 4) + pad(done * 8)
     fwd = {
         "control": control,
@@ -404,9 +404,9 @@ def test_symmetric_plan_padding_and_overrides():
     spec = rdepc.load(EX / "tiny.rdep").spec
     got = symmetric_plan(spec, "pipelined", rows=5, buffers=3)
     # 3·5·64·4 = 3840 -> 3840; sideband 3·5·16 = 240 -> 256; flags: n = ⌈128/5⌉ = 26 segments,
-    # the ring rotates (15 < 32): 3 + 1 + 9·26 + 4·26 = 342 done counters, 2736 -> 2816 bytes
+    # the ring rotates (15 < 32): 3 + 1 + 10·26 + 4·26 = 368 done counters, 2944 -> 3072 bytes
     assert got["buffers"]["payload"] == 3840 and got["buffers"]["sideband"] == 256
-    assert got["buffers"]["flags"] == 2816 and got["R_ret"] == 15
+    assert got["buffers"]["flags"] == 3072 and got["R_ret"] == 15
     assert all(v % 256 == 0 for v in got["buffers"].values())
 
 
@@ -427,11 +427,11 @@ def test_moonlight_plan_regions(moonlight):
     # the return ring (B·S = 8192 < T·K = 24576 rows) and one int64 row id per ring row
     assert p["buffers"]["return_ids"] == 8192 * 8
     assert p["forward"]["return"] == 2 * 4096 * 2048 * 2 + 8192 * 8
-    assert p["forward"]["total"] == 67_316_480 and p["forward_backward"]["total"] == 134_425_344
+    assert p["forward"]["total"] == 67_316_992 and p["forward_backward"]["total"] == 134_425_856
     assert moonlight["symmetric_bytes"]["plan_bulk"]["buffers"]["return_ids"] == 0
     # 48 segments of the busiest owner (R_max = 196,608 rows / S = 4096), ring rotating:
-    # 3 + 32 token tiles + 17·48 + 8·48 = 1235 done counters
-    assert p["forward"]["control"] == pad(8 * 8) + 3 * pad(8 * 8 * 4) + pad(1235 * 8)
+    # 3 + 32 token tiles + 18·48 + 8·48 = 1283 done counters
+    assert p["forward"]["control"] == pad(8 * 8) + 3 * pad(8 * 8 * 4) + pad(1283 * 8)
     assert p["private_total"] == 27 * p["forward_backward"]["total"]
     assert p["shared_total"] == p["forward_backward"]["total"]
     assert moonlight["symmetric_bytes"]["plan_bulk"]["S"] == 8 * 4096 * 6

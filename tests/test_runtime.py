@@ -435,7 +435,7 @@ def test_a_wait_that_expires_is_reported_not_hung():
     inputs = random_inputs(4, 16, 64, 128, 8, 2)
     message = (
         r"the forward kernel stopped in call 1: task #0 \(route r0\) on rank 0 \(any task \(unified\) programs\) "
-        r"waited 20 spins for the done flag of task #51 \(combine tile0 r3\) on rank 3: saw 0, expected 1"
+        r"waited 20 spins for the done flag of task #55 \(combine tile0 r3\) on rank 3: saw 0, expected 1"
     )
     for _ in range(2):  # the control block is reset after an error: the next call fails the same way
         with pytest.raises(KernelError, match=message) as e:
@@ -462,7 +462,7 @@ def test_rdepmoe_runs_the_kernels_and_adds_shared_experts():
     moe = rdepc.RDEPMoE(Layer(spec), generator=torch.Generator().manual_seed(0))
     assert isinstance(moe, torch.nn.Module)
     names = {n for n, _ in moe.named_parameters()}
-    assert names == {"router", "w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"}
+    assert names == {"router", "w_gate_up", "w_down", "shared_gate", "shared_up", "shared_down"}
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     y = moe(x)
     ids, gates = moe.route(x)

@@ -194,7 +194,7 @@ def test_schedule_properties(case, kind, seed, hw):
 
 
 def replay(sched, case: Case, route, start, end) -> None:
-    """Move every accepted route row through the payload ring, the owner's staging ring, the
+    """Move every accepted route row through the payload ring, the owner's workspace and staging rings, the
     return ring (or landing) and the combine, in simulated time; fail on any overwrite of a
     slot before its reader finished, any row delivered or returned twice, or any missing."""
     geo = sched.graph.geometry
@@ -206,6 +206,7 @@ def replay(sched, case: Case, route, start, end) -> None:
         seg.setdefault((q, s), set()).add(row)
         piece.setdefault((row[0], q, s), set()).add(row)
     payload: dict[tuple[int, int], dict] = {}
+    workspace: dict[tuple[int, int], dict] = {}
     staging: dict[tuple[int, int], dict] = {}
     ring: dict[tuple[int, int], dict] = {}
     version: dict[tuple, int] = {}
@@ -226,17 +227,18 @@ def replay(sched, case: Case, route, start, end) -> None:
             slot = payload.setdefault((t.owner, t.slot), {})
             slot.update(dict.fromkeys(rows, t.segment))
             bump(("p", t.owner, t.slot))
-        elif t.stage == "compute":
-            key = ("p", t.owner, t.slot)
+        elif t.stage == "compute":  # GEMM1: payload slot → workspace slot; GEMM2: workspace → staging
+            src, dst = (("p", payload), ("h", workspace)) if t.detail == "gemm1" else (("h", workspace), ("s", staging))
+            key = (src[0], t.owner, t.slot)
             if is_start:
-                slot = payload.get((t.owner, t.slot), {})
+                slot = src[1].get((t.owner, t.slot), {})
                 got = {r for r, s in slot.items() if s == t.segment}
                 assert got == seg.get((t.owner, t.segment), set()), f"{t.name} reads an incomplete slot"
                 seen[u] = version.get(key, 0)
             else:
-                assert version.get(key, 0) == seen[u], f"{t.name}: its payload slot was overwritten while read"
-                bump(("s", t.owner, t.slot))
-                staging[(t.owner, t.slot)] = dict.fromkeys(seg.get((t.owner, t.segment), set()), t.segment)
+                assert version.get(key, 0) == seen[u], f"{t.name}: its {src[0]} slot was overwritten while read"
+                bump((dst[0], t.owner, t.slot))
+                dst[1][(t.owner, t.slot)] = dict.fromkeys(seg.get((t.owner, t.segment), set()), t.segment)
         elif t.stage == "return":
             key = ("s", t.owner, t.segment % geo.B)
             rows = piece.get((t.src, t.owner, t.segment), set())

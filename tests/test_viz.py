@@ -37,7 +37,7 @@ def test_trace_events(moonlight):
     tasks = moonlight.graph.tasks
     for e in xs:
         t = tasks[e["args"]["task"]]
-        assert e["name"].split()[0] == t.stage in STAGES
+        assert e["name"].split()[0] == (t.detail if t.stage == "compute" else t.stage) and t.stage in STAGES
         assert e["pid"] == t.rank and e["tid"] == (0 if t.role == "comm" else 1)
         assert e["ts"] == pytest.approx(moonlight.start[t.id] * 1e6)
         assert e["dur"] == pytest.approx((moonlight.end[t.id] - moonlight.start[t.id]) * 1e6)

@@ -101,7 +101,7 @@ class Task:
 
     id: int
     stage: str  # one of STAGES
-    detail: str  # combine: "unpack" | "wait" | "tile"; else ""
+    detail: str  # compute: "gemm1" | "gemm2"; combine: "unpack" | "wait" | "tile"; else ""
     rank: int  # the rank whose programs run it
     role: str  # comm | compute
     src: int  # front-end rank whose rows it moves (dispatch, return, unpack); -1 otherwise
@@ -126,7 +126,7 @@ class Task:
             case "dispatch":
                 return f"dispatch{s} r{self.src}→r{self.owner}"
             case "compute":
-                return f"compute{s} r{self.owner}"
+                return f"{self.detail}{s} r{self.owner}"
             case "return":
                 return f"return{s} r{self.owner}→r{self.src}"
         if self.detail == "unpack":

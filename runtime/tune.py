@@ -1,0 +1,193 @@
+"""Tile sizes per layer and device: the tuning step, its cache, and the choice a module makes.
+
+``rdepc tune FILE --device cuda`` runs the compiled layer natively with every candidate
+:class:`~rdepc.codegen.lower.Tiles` that fits the device's shared memory, times each, and
+records the fastest beside the layer's kernel plan: one JSON file per (kernel plan, device,
+triton version) under ``$RDEPC_CACHE_DIR/tuning`` (default ``~/.cache/rdepc/tuning``),
+with every candidate's time. A native module built without explicit ``tiles`` takes the
+recorded choice when there is one (``RDEPModule.tiles_source`` says which), and
+``Tiles.default`` otherwise. The interpreter keeps its own few-large-tiles choice: what
+is fast there says nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+from rdepc.codegen.lower import KernelPlan, Tiles
+from rdepc.runtime.cache import _version, cache_dir, write_atomic
+
+SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
+ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def shared_bytes(plan: KernelPlan, t: Tiles) -> int:
+    """Shared memory the pipelined GEMM loops need: ``num_stages`` copies of one A and one B
+    chunk, for the wider of GEMM1 (gate and up: 2·block_f columns) and GEMM2."""
+    a, d = ELEMENT[plan.dtype], ELEMENT[plan.dispatch]
+    up = (2 if plan.gated else 1) * t.block_f
+    gemm1 = t.bm * t.block_k * d + t.block_k * up * a
+    gemm2 = t.bm * t.block_k * a + t.block_k * t.block_h * a
+    return t.num_stages * max(gemm1, gemm2)
+
+
+def candidates(plan: KernelPlan) -> list[Tiles]:
+    """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 or 128 wide
+    (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
+    with room to spare (the rest of the kernel uses some too)."""
+    wide = (32, 64) if plan.dtype == "fp32" else (64, 128)
+    k = 32 if plan.dtype == "fp32" else 64
+    out = []
+    for bm in (64, 128):
+        for block_f in wide:
+            for block_h in wide:
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        t = Tiles(bm, block_h, block_f, 64, 4096, warps, k, stages)
+                        if shared_bytes(plan, t) <= SHARED_BYTES * 7 // 8:
+                            out.append(t)
+    return out
+
+
+def key(plan: KernelPlan, device_name: str) -> str:
+    """What a tuning result is valid for: the kernel plan, the device and Triton's version."""
+    text = json.dumps([plan.to_json(), device_name, _version("triton")])
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def _path(plan: KernelPlan, device_name: str) -> Path:
+    return cache_dir() / "tuning" / f"{plan.layer}-{key(plan, device_name)}.json"
+
+
+def lookup(plan: KernelPlan, device_name: str) -> tuple[Tiles, str] | None:
+    """The recorded tiles for ``plan`` on ``device_name`` and where they come from, or None."""
+    path = _path(plan, device_name)
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+        tiles = Tiles(**rec["tiles"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, or unreadable: a damaged record never breaks a run
+    return tiles, f"tuned on {rec['device']} ({rec['date']}, {rec['ms']:.3f} ms)"
+
+
+def record(plan: KernelPlan, device_name: str, best: Tiles, results: list[dict]) -> Path:
+    """Write the tuning result for ``plan`` on ``device_name``; its path."""
+    ms = min(r["ms"] for r in results if r["tiles"] == asdict(best))
+    rec = {
+        "layer": plan.layer,
+        "strategy": plan.strategy,
+        "device": device_name,
+        "triton": _version("triton"),
+        "date": dt.date.today().isoformat(),
+        "tiles": asdict(best),
+        "ms": ms,
+        "results": results,
+    }
+    path = _path(plan, device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(rec, indent=1) + "\n")
+    return path
+
+
+def tune(
+    plan: KernelPlan,
+    time_tiles: Callable[[Tiles], float],
+    tried: Iterable[Tiles],
+    progress: Callable[[str], None] = lambda line: None,
+) -> tuple[Tiles, list[dict]]:
+    """Time every candidate with ``time_tiles`` (milliseconds of one call; it raises when a
+    candidate cannot run, which is recorded and skipped); the fastest, and every result."""
+    results: list[dict] = []
+    tried = list(tried)
+    for i, t in enumerate(tried):
+        try:
+            ms = time_tiles(t)
+            results.append({"tiles": asdict(t), "ms": ms})
+            line = f"{ms:9.3f} ms"
+        except Exception as e:  # a candidate that does not compile or run is skipped, not fatal
+            results.append({"tiles": asdict(t), "error": f"{type(e).__name__}: {e}"[:300]})
+            line = f"failed: {type(e).__name__}"
+        progress(f"  [{i + 1}/{len(tried)}] {_short(t)}  {line}")
+    timed = [r for r in results if "ms" in r]
+    if not timed:
+        raise RuntimeError(f"rdepc tune: no candidate tiles ran for layer {plan.layer}: " + results[0]["error"])
+    best = min(timed, key=lambda r: r["ms"])
+    return Tiles(**best["tiles"]), results
+
+
+def _short(t: Tiles) -> str:
+    return (
+        f"BM {t.bm:>3} F-block {t.block_f:>3} H-block {t.block_h:>3} K {t.block_k:>3} "
+        f"warps {t.num_warps} stages {t.num_stages}"
+    )
+
+
+def tune_layer(
+    layer,
+    device: str = "cuda",
+    *,
+    schedule: str | None = None,
+    mode: str = "unified",
+    tokens: int | None = None,
+    reps: int = 10,
+    warmup: int = 3,
+    tried: Iterable[Tiles] | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> tuple[Tiles, list[dict], Path]:
+    """Tune ``layer`` (an ``rdepc.Layer``) on ``device``, on the emulated backend at T' =
+    ``tokens`` (default: the spec's T) with uniform routing: every candidate is run ``warmup``
+    times, then timed ``reps`` times (CUDA events; wall clock on the CPU), its median kept.
+    Records the fastest (:func:`record`); returns it, every result and the record's path."""
+    import time
+
+    import torch
+    from rdepc.runtime.module import TORCH_DTYPES, gate_up
+
+    from rdepc.reference import random_inputs
+
+    sh = layer.shapes
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    spec = layer.spec
+    plan = layer.module("emulated", device, schedule=schedule, mode=mode, tiles=Tiles()).plan
+    x, ids, gates, w_gate, w_up, w_down = random_inputs(
+        W, tokens or T, H, F, E, K, dtype=TORCH_DTYPES[spec.precision.dtype.value], gated=spec.expert.gated,
+        device=device,
+    )  # fmt: skip
+    if w_gate is not None:  # the [E, H, F, 2] operand once, so that no call interleaves it again
+        packed = gate_up(w_gate, w_up)
+        w_gate, w_up = packed[..., 0], packed[..., 1]
+    inputs = (x, ids, gates, w_gate, w_up, w_down)
+    cuda = torch.device(device).type == "cuda"
+    name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu (Triton interpreter)"
+
+    def time_tiles(t: Tiles) -> float:
+        m = layer.module("emulated", device, schedule=schedule, mode=mode, tiles=t)
+        for _ in range(warmup):
+            m(*inputs)
+        m.synchronize()  # a candidate whose run fails raises here, before it is timed
+        times = []
+        for _ in range(reps):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                m(*inputs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                m(*inputs)
+                times.append((time.perf_counter() - t0) * 1e3)
+        m.synchronize()
+        return sorted(times)[len(times) // 2]
+
+    best, results = tune(plan, time_tiles, tried if tried is not None else candidates(plan), progress)
+    return best, results, record(plan, name, best, results)
+
+
+__all__ = ["SHARED_BYTES", "candidates", "key", "lookup", "record", "shared_bytes", "tune", "tune_layer"]

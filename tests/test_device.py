@@ -1,0 +1,95 @@
+"""codegen/device.py, the spec-independent device code, on its own under the interpreter:
+one GEMM tile through tensor descriptors and through block pointers, overhanging every
+edge of both operands; the gate/up split; masked row stores. The functions are taken the
+way the emitter takes them (``emit._device``), into a kernel file of their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rdepc.codegen.emit import _device
+from rdepc.runtime.launch import Launcher, import_kernels
+
+KERNELS = """
+import triton
+import triton.language as tl
+
+
+@@DEVICE@@
+
+
+@triton.jit
+def tile(a, a_rows, row0, w, n_cols, col0, out, K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+         BK: tl.constexpr, TMA: tl.constexpr, CAST_F32: tl.constexpr):
+    acc = gemm_tile(a, a_rows, row0, w, n_cols, col0, K_DIM, BM, BN, BK, 2, TMA, CAST_F32, "ieee")
+    m = tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    tl.store(out + m[:, None] * BN + n[None, :], acc)
+
+
+@triton.jit
+def split(acc, gate, up, live_lo, live_hi, n_cols, col0, BM: tl.constexpr, BN: tl.constexpr):
+    m = tl.arange(0, BM)
+    n = tl.arange(0, 2 * BN)
+    g, u = gate_up(tl.load(acc + m[:, None] * (2 * BN) + n[None, :]), BM, BN)
+    live = (m >= live_lo) & (m < live_hi)
+    store_rows(gate + m * n_cols, g, live, n_cols, col0, BN)
+    store_rows(up + m * n_cols, u, live, n_cols, col0, BN)
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    path = tmp_path_factory.mktemp("device") / "device_kernels.py"
+    path.write_text(KERNELS.replace("@@DEVICE@@", _device()), encoding="utf-8")
+    return import_kernels(path, interpret=True)
+
+
+def expected(a, row0, w, col0, BM, BN):
+    """The tile with every out-of-range row and column as zero."""
+    rows = torch.zeros(BM, a.shape[1])
+    for i in range(BM):
+        if 0 <= row0 + i < a.shape[0]:
+            rows[i] = a[row0 + i].float()
+    cols = torch.zeros(w.shape[0], BN)
+    for j in range(BN):
+        if col0 + j < w.shape[1]:
+            cols[:, j] = w[:, col0 + j].float()
+    return rows @ cols
+
+
+@pytest.mark.parametrize(
+    ("dtype", "K", "N", "tma"),
+    [
+        (torch.float32, 48, 80, True),  # rows 192 B, 320 B: tensor descriptors
+        (torch.bfloat16, 48, 80, True),
+        (torch.float32, 20, 36, False),  # rows 80 B, 144 B: block pointers work too
+        (torch.float32, 5, 7, False),  # rows of 20 B and 28 B: only block pointers
+    ],
+)
+@pytest.mark.parametrize("row0", [-8, 0, 30])
+def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, row0):
+    g = torch.Generator().manual_seed(K * 100 + N)
+    a = torch.randn(40, K, generator=g).to(dtype)
+    w = torch.randn(K, N, generator=g).to(dtype)
+    BM, BN, BK = 32, 32, 32  # K and N not multiples of the tile: the last chunks overhang
+    for col0 in (0, 64 if N > 64 else N - 3):
+        out = torch.full((BM, BN), float("nan"))
+        Launcher(interpret=True)(
+            kernels.tile, (1,), (a, a.shape[0], row0, w, N, col0, out), dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma,
+                                                                             CAST_F32=True)
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected(a, row0, w, col0, BM, BN), rtol=1e-5, atol=1e-5)
+
+
+def test_gate_up_splits_interleaved_columns_and_stores_only_live_rows(kernels):
+    BM, BN, n_cols = 16, 16, 24
+    acc = torch.randn(BM, 2 * BN, generator=torch.Generator().manual_seed(1))
+    gate = torch.full((BM, n_cols), -1.0)
+    up = torch.full((BM, n_cols), -1.0)
+    Launcher(interpret=True)(kernels.split, (1,), (acc, gate, up, 3, 11, n_cols, 16), dict(BM=BM, BN=BN))
+    want_gate = torch.full((BM, n_cols), -1.0)
+    want_up = torch.full((BM, n_cols), -1.0)
+    want_gate[3:11, 16:] = acc[3:11, 0 : 2 * (n_cols - 16) : 2]  # column 2f is gate f, 2f + 1 up f
+    want_up[3:11, 16:] = acc[3:11, 1 : 2 * (n_cols - 16) : 2]
+    assert torch.equal(gate, want_gate) and torch.equal(up, want_up)

@@ -1,0 +1,99 @@
+"""Tile sizes per layer and device (runtime/tune.py): candidates, the tuning loop, its record,
+and the packed gate/up operand the tiles read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from conftest import ROOT
+from rdepc.codegen.lower import Tiles
+from rdepc.runtime import tune
+from rdepc.runtime.module import gate_up
+
+import rdepc
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def plan_of(name: str, **overrides):
+    return rdepc.load(ROOT / "examples" / f"{name}.rdep", **overrides).compile().kernel
+
+
+@pytest.mark.parametrize("name", ["tiny", "moonlight", "mixtral_8x7b"])
+def test_candidates_fit_shared_memory_and_cover_both_tile_widths(name):
+    plan = plan_of(name)
+    got = tune.candidates(plan)
+    assert got and all(tune.shared_bytes(plan, t) <= tune.SHARED_BYTES for t in got)
+    assert {t.bm for t in got} == {64, 128} and {t.num_warps for t in got} == {4, 8}
+    assert len({t.block_f for t in got}) == 2 and len(set(got)) == len(got)
+
+
+def test_the_fastest_candidate_wins_and_failures_are_recorded():
+    plan = plan_of("tiny")
+    tried = [Tiles(bm=64), Tiles(bm=128), Tiles(bm=32)]
+    ms = {64: 3.0, 128: 2.0}
+    lines = []
+
+    def time_tiles(t):
+        if t.bm not in ms:
+            raise RuntimeError("out of resources")
+        return ms[t.bm]
+
+    best, results = tune.tune(plan, time_tiles, tried, progress=lines.append)
+    assert best == Tiles(bm=128)
+    assert [r.get("ms") for r in results] == [3.0, 2.0, None]
+    assert "RuntimeError: out of resources" in results[2]["error"]
+    assert len(lines) == 3 and lines[2].startswith("  [3/3]") and "failed" in lines[2]
+    with pytest.raises(RuntimeError, match="no candidate tiles ran"):
+        tune.tune(plan, lambda t: 1 / 0, [Tiles()])
+
+
+def test_a_record_is_found_for_its_plan_and_device_only(cache):
+    plan = plan_of("tiny")
+    best = Tiles(bm=128, block_f=64, num_stages=3)
+    results = [{"tiles": asdict(best), "ms": 1.5}, {"tiles": asdict(Tiles()), "ms": 2.0}]
+    path = tune.record(plan, "NVIDIA H100 80GB HBM3", best, results)
+    assert path.parent == cache / "tuning" and json.loads(path.read_text())["results"] == results
+    tiles, source = tune.lookup(plan, "NVIDIA H100 80GB HBM3")
+    assert tiles == best and source.startswith("tuned on NVIDIA H100 80GB HBM3") and "1.500 ms" in source
+    assert tune.lookup(plan, "NVIDIA H200") is None
+    assert tune.lookup(plan_of("tiny", T=32), "NVIDIA H100 80GB HBM3") is None  # another plan
+    path.write_text("{not json")
+    assert tune.lookup(plan, "NVIDIA H100 80GB HBM3") is None  # a damaged record is ignored
+
+
+def test_tune_layer_runs_every_candidate_and_records_the_fastest(cache):
+    layer = rdepc.load(ROOT / "examples/tiny.rdep")
+    tried = [Tiles(bm=64, block_f=64, block_k=64), Tiles(bm=32, block_f=128, block_k=128)]
+    best, results, path = tune.tune_layer(layer, "cpu", tried=tried, reps=1, warmup=1)
+    assert best in tried and all(r["ms"] > 0 for r in results) and path.is_file()
+    assert tune.lookup(layer.compile().kernel, "cpu (Triton interpreter)")[0] == best
+    # the interpreter keeps its own tiles, whatever was recorded
+    assert layer.module("emulated", "cpu").tiles_source == "the interpreter's (few, large tiles)"
+
+
+def test_gate_and_up_halves_of_one_tensor_are_passed_without_a_copy():
+    w = torch.randn(3, 8, 16, 2)
+    packed = gate_up(w[..., 0], w[..., 1])
+    assert packed.data_ptr() == w.data_ptr() and torch.equal(packed, w)
+    g, u = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
+    fresh = gate_up(g, u)
+    assert torch.equal(fresh[..., 0], g) and torch.equal(fresh[..., 1], u)
+    assert torch.equal(gate_up(w[..., 1], w[..., 0]), torch.stack((w[..., 1], w[..., 0]), -1))  # swapped: a copy
+    assert torch.equal(gate_up(w[1:, ..., 0], w[1:, ..., 1]), w[1:])  # a slice of experts is still a view
+
+
+def test_the_moe_block_holds_gate_and_up_as_one_parameter():
+    moe = rdepc.RDEPMoE(ROOT / "examples/tiny.rdep", device="cpu", generator=torch.Generator().manual_seed(0))
+    names = dict(moe.named_parameters())
+    assert "w_gate_up" in names and "w_gate" not in names and "w_up" not in names
+    assert moe.w_gate.data_ptr() == moe.w_gate_up.data_ptr()
+    assert gate_up(moe.w_gate, moe.w_up).data_ptr() == moe.w_gate_up.data_ptr()
+    assert moe.w_gate.std() > 0 and not torch.equal(moe.w_gate, moe.w_up)
