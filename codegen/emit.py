@@ -907,7 +907,7 @@ def combine(
     )
 
 
-RUNTIME_SCALARS = ("n_tokens", "epoch", "rank0", "rid_rank", "rid_token", "bound", "program_base")
+RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base")
 CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
 CONSTEXPRS += ("GLOBALTIMER",)
 
@@ -929,7 +929,8 @@ def rdep_forward(
     entries its rank runs); any program runs any task. Role-split mode: program
     ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
     taking only that queue's tasks, in the table's order.
-    Tickets and done flags count up across calls: a queue's tickets of call ``epoch`` start
+    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
+    control block holds, plus one; a queue's tickets of call ``epoch`` start
     at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
     wait that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
@@ -959,7 +960,8 @@ def rdep_forward(
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
 @@LANDING_REBASE@@    stats -= me * ST_COLS
-    target = tl.cast(epoch, tl.int64)
+    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
+    target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     queue_id = 0
@@ -1073,6 +1075,10 @@ def rdep_forward(
             signal(done_flag(heap, table, entry))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    # The last of the launch's n_programs programs out closes the call: the next launch reads
+    # its epoch from the count, so no argument changes from call to call.
+    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
+        tl.atomic_add(ctl + CTL_CALLS, 1)
 '''.replace("@@UNPACK@@", _unpack_call() if p.ring else "").replace(
         "@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else ""
     )
@@ -1105,7 +1111,7 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     if plan.ring:
         args.append(("landing", f"*{dt}"))
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64")]
-    args += [("n_tokens", "i32"), ("epoch", "i64"), ("rank0", "i32"), ("rid_rank", "i32"), ("rid_token", "i32")]
+    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32"), ("rid_rank", "i32"), ("rid_token", "i32")]
     args += [("bound", "i32"), ("program_base", "i32")]
     args += [(c, "constexpr") for c in CONSTEXPRS]
     return args

@@ -80,13 +80,17 @@ MODES = ("unified", "role-split")
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
 # The private control block (int64): a logical clock, the error record, the input checks'
-# counters, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done
+# counters, the call count, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done
 # flags are symmetric: each rank's in its own heap slice (``flags``), where peers read them.
 CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
 CONTROL += ("err_seen", "err_expected")
 # Input checks (validate): offending route rows per kind, each followed by the first one's key.
 CONTROL += ("bad_ids", "bad_ids_at", "bad_gates", "bad_gates_at", "dup_tokens", "dup_tokens_at")
-CTL_TICKETS = 16
+# The call count on the device: a launch's epoch is ``calls`` + 1, and its last program out
+# (``exits``) closes the call, so that a launch carries no per-call argument and a captured
+# CUDA graph replays correctly.
+CONTROL += ("calls", "exits")
+CTL_TICKETS = 20
 assert len(CONTROL) <= CTL_TICKETS
 INT32_MAX = 2**31 - 1
 ROLE_INDEX = {"comm": 0, "compute": 1}

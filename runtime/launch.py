@@ -95,7 +95,25 @@ class Launcher:
             with interpreter_env(True):
                 kernel[grid](*args, **meta)
         else:
+            scratch_allocator()
             kernel[grid](*args, **meta)
+
+
+def _scratch(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def scratch_allocator() -> None:
+    """Give Triton an allocator for the global scratch of native launches, unless the
+    program set its own: tensor descriptors made on the device (the GEMMs' TMA operands)
+    live there. Memory comes from torch's caching allocator on the current device and
+    stream (no synchronization; CUDA-graph capture takes it from the graph's pool)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        _allocation.set_allocator(_scratch)
 
 
 class ConcurrentInterpreter(Launcher):

@@ -239,7 +239,7 @@ class RDEPModule:
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
-        self.epoch = 0
+        self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
         self.launcher = self.transport.launcher(self.interpret, concurrent=mode == "role-split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
@@ -307,7 +307,7 @@ class RDEPModule:
         given |= {"slot": slot, "gprime": gprime}
         given |= {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
         given |= self.tables | {"table": table} | self.private
-        given |= {"n_tokens": Tn, "epoch": self.epoch, "rank0": self.rank or 0}
+        given |= {"n_tokens": Tn, "n_programs": self.grid, "rank0": self.rank or 0}
         given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
         tl = self.tiles
         meta = tl.constexprs() | {
@@ -418,24 +418,38 @@ class RDEPModule:
         if self.interpret:
             self._raise_from(words.tolist(), ids, gates)
             return
+        if self._capturing():
+            # Captured into a CUDA graph: its replays run no host code, so the words are read
+            # where the user asks for them — synchronize() copies them then.
+            self._pending = (None, words, ids, gates)
+            return
         host = torch.empty(CTL_TICKETS, dtype=torch.int64, pin_memory=True)
         host.copy_(words, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._pending = (event, host, ids, gates)
 
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def synchronize(self) -> None:
         """Wait for the last call and raise the error it recorded, if any (a native call's
-        errors are raised here, at the next call, or when ``last_stats`` is read)."""
+        errors are raised here, at the next call, or when ``last_stats`` is read; a call
+        captured into a CUDA graph — and so each of its replays — only here)."""
         self._settle(wait=True)
 
     def _settle(self, wait: bool) -> None:
-        if self._pending is None:
+        if self._pending is None or self._capturing():  # nothing is read while a graph is captured
             return
         event, host, ids, gates = self._pending
-        if not wait and not event.query():
+        if event is None:  # a captured call: only an explicit synchronize() reads its words
+            if not wait:
+                return
+            torch.cuda.current_stream(self.device).synchronize()
+        elif not wait and not event.query():
             return
-        event.synchronize()
+        else:
+            event.synchronize()
         self._pending = None
         self._raise_from(host.tolist(), ids, gates)
 

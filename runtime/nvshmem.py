@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 
 # launch.py imports neither torch nor triton at import time either.
-from rdepc.runtime.launch import Launcher
+from rdepc.runtime.launch import Launcher, scratch_allocator
 from rdepc.runtime.ranks import HOST_TIMEOUT
 
 EXTERN_LIB = "libnvshmem_device"  # the library nvshmem_ptr is declared over (transport.NVSHMEM_DEVICE)
@@ -245,6 +245,7 @@ class NvshmemLauncher(Launcher):
         if id(compiled) not in self.world._modules:
             self._register(compiled)
         self.launches += 1
+        scratch_allocator()
         kernel[grid](*args, **meta)
 
     def _register(self, compiled) -> None:

@@ -93,3 +93,26 @@ def test_gate_up_splits_interleaved_columns_and_stores_only_live_rows(kernels):
     want_gate[3:11, 16:] = acc[3:11, 0 : 2 * (n_cols - 16) : 2]  # column 2f is gate f, 2f + 1 up f
     want_up[3:11, 16:] = acc[3:11, 1 : 2 * (n_cols - 16) : 2]
     assert torch.equal(gate, want_gate) and torch.equal(up, want_up)
+
+
+def test_native_launches_get_a_scratch_allocator_unless_the_program_has_one():
+    """Tensor descriptors made on the device live in Triton's global scratch, which needs an
+    allocator: the launchers give theirs, never replacing one the program set."""
+    import contextvars
+
+    import triton
+    from rdepc.runtime.launch import _scratch, scratch_allocator
+    from triton.runtime import _allocation
+
+    def fresh():
+        scratch_allocator()
+        return _allocation._allocator.get()
+
+    def own():
+        mine = lambda size, alignment, stream: None  # noqa: E731
+        triton.set_allocator(mine)
+        scratch_allocator()
+        return _allocation._allocator.get() is mine
+
+    assert contextvars.Context().run(fresh) is _scratch
+    assert contextvars.Context().run(own)

@@ -20,7 +20,7 @@ from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rdepc.codegen import generate
-from rdepc.codegen.lower import COLUMNS, Tiles, lower
+from rdepc.codegen.lower import COLUMNS, CONTROL, Tiles, lower
 from rdepc.passes.memplan import memory_plan
 from rdepc.passes.plan import symmetric_plan
 from rdepc.runtime.module import KernelError, RDEPModule, max_relative_error
@@ -194,6 +194,33 @@ def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
     again = m(*inputs)  # re-initialised: call 1 of a fresh epoch, no stale flags
     assert m.epoch == 1 and torch.equal(again, good) and max_relative_error(again, ref) <= 1e-5
     assert torch.equal(m(*inputs), good) and m.epoch == 2
+
+
+def test_a_launch_replayed_as_is_computes_the_next_call():
+    """What replaying a captured CUDA graph does: the very same launch, every argument and
+    output buffer unchanged. The epoch is counted on the device, so the replay is call 3 —
+    it waits for call 3's flags and takes call 3's tickets — and recomputes the output."""
+    case = small(2)
+    m = case.layer().module(schedule="pipelined")
+    inputs = case.inputs()
+    launches = []
+    launch = m.launcher
+
+    def record(kernel, grid, args, meta):
+        launches.append((kernel, grid, args, meta))
+        launch(kernel, grid, args, meta)
+
+    m.launcher = record
+    m.launcher.launches = 0
+    first, second = m(*inputs), m(*inputs)
+    assert torch.equal(first, second)
+    (_, _, args1, meta1), (kernel, grid, args2, meta2) = launches
+    scalars = [(a, b) for a, b in zip(args1, args2, strict=True) if not isinstance(a, torch.Tensor)]
+    assert scalars and all(a == b for a, b in scalars) and meta1 == meta2, "a per-call argument"
+    second.zero_()
+    launch(kernel, grid, args2, meta2)  # the replay, into call 2's own output buffer
+    assert torch.equal(second, first)
+    assert m.private["ctl"][CONTROL.index("calls")] == 3 and torch.equal(m(*inputs), first)
 
 
 @pytest.mark.parametrize("B", [1, 2])

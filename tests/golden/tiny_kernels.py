@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 967eb37e0c662f9cdd275a1e852778c470f29f915688028d8afaf9b7295b29ed
+# content-sha256: 7315853e8d4cddc02f25c869511e63b83db613c16fd319595bfb01e46b7cf3e3
 
 """Forward kernels of the RDEP layer ``tiny``: one persistent Triton kernel, ``rdep_forward``.
 
@@ -116,7 +116,9 @@ CTL_BAD_GATES = tl.constexpr(12)
 CTL_BAD_GATES_AT = tl.constexpr(13)
 CTL_DUP_TOKENS = tl.constexpr(14)
 CTL_DUP_TOKENS_AT = tl.constexpr(15)
-CTL_TICKETS = tl.constexpr(16)  # ticket counters, one per queue (2*W), cumulative over calls
+CTL_CALLS = tl.constexpr(16)
+CTL_EXITS = tl.constexpr(17)
+CTL_TICKETS = tl.constexpr(20)  # ticket counters, one per queue (2*W), cumulative over calls
 ERR_WAIT = tl.constexpr(1)  # wait expired
 ERR_OVERFLOW = tl.constexpr(2)  # owner overflow
 ERR_ROW_ID = tl.constexpr(3)  # row_id decodes to another rank
@@ -775,12 +777,12 @@ def combine(
         tl.store(y_rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "epoch", "rank0", "rid_rank", "rid_token", "bound", "program_base"])
+@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base"])
 def rdep_forward(
     heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, table, deps, queue, first_item,
     queues, program_queue, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos,
     sorted_rows, route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
-    profile, n_tokens, epoch, rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H:
+    profile, n_tokens, n_programs, rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H:
     tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
 ):  # fmt: skip
@@ -791,7 +793,8 @@ def rdep_forward(
     entries its rank runs); any program runs any task. Role-split mode: program
     ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
     taking only that queue's tasks, in the table's order.
-    Tickets and done flags count up across calls: a queue's tickets of call ``epoch`` start
+    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
+    control block holds, plus one; a queue's tickets of call ``epoch`` start
     at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
     wait that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
@@ -821,7 +824,8 @@ def rdep_forward(
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
     stats -= me * ST_COLS
-    target = tl.cast(epoch, tl.int64)
+    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
+    target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     queue_id = 0
@@ -935,3 +939,7 @@ def rdep_forward(
             signal(done_flag(heap, table, entry))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    # The last of the launch's n_programs programs out closes the call: the next launch reads
+    # its epoch from the count, so no argument changes from call to call.
+    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
+        tl.atomic_add(ctl + CTL_CALLS, 1)
