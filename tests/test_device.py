@@ -1,13 +1,13 @@
 """codegen/device.py, the spec-independent device code, on its own under the interpreter:
 one GEMM tile through tensor descriptors and through block pointers, overhanging every
 edge of both operands; the gate/up split; masked row stores. The functions are taken the
-way the emitter takes them (``emit._device``), into a kernel file of their own."""
+way the emitter takes them (``compute.device_source``), into a kernel file of their own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rdepc.codegen.emit import _device
+from rdepc.codegen.compute import device_source
 from rdepc.runtime.launch import Launcher, import_kernels
 
 KERNELS = """
@@ -41,7 +41,7 @@ def split(acc, gate, up, live_lo, live_hi, n_cols, col0, BM: tl.constexpr, BN: t
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     path = tmp_path_factory.mktemp("device") / "device_kernels.py"
-    path.write_text(KERNELS.replace("@@DEVICE@@", _device()), encoding="utf-8")
+    path.write_text(KERNELS.replace("@@DEVICE@@", device_source()), encoding="utf-8")
     return import_kernels(path, interpret=True)
 
 

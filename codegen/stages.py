@@ -1,0 +1,556 @@
+"""Templates of the task kinds that move rows and count them — route, scan, dispatch,
+return, unpack, combine — and the helpers they share, as the emitter writes them into a
+generated kernel file (``emit.generate``). Each returns formatted source text: what depends
+on the spec (the sideband fields carried, the capacity weights, the payload dtype, a
+return ring) is decided here, the rest is fixed text that uses the file's constexprs.
+"""
+
+from __future__ import annotations
+
+from rdepc.codegen.lower import KernelPlan
+
+NARROW = '''@triton.jit
+def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
+    """fp32 ``x`` in ``dtype``, rounded to nearest even. The interpreter truncates fp32 to
+    bf16, so under it (CAST_F32) the rounding is done on the bits first."""
+    if CAST_F32 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+'''
+
+
+def narrowed(p: KernelPlan, expr: str, dtype: str) -> str:
+    """``expr`` (fp32) converted to the constexpr dtype ``dtype`` ("DTYPE" or "DISPATCH_DTYPE")."""
+    if (p.dtype if dtype == "DTYPE" else p.dispatch) == "bf16":
+        return f"narrow({expr}, {dtype}, CAST_F32)"
+    return f"{expr}.to({dtype})"
+
+
+def helpers_source(p: KernelPlan) -> str:
+    return (
+        (NARROW + "\n\n" if "bf16" in (p.dtype, p.dispatch) else "")
+        + '''@triton.jit
+def report(ctl, code, entry, dep, rank, epoch, queue, segment, seen, expected):
+    """Record the call's first error for the host to raise (later ones are dropped): what
+    happened, in which task-table entry, on which rank and queue, for which segment, and
+    for a wait the flag (entry ``dep``) with the value seen versus the one expected."""
+    zero = tl.zeros([], tl.int64)
+    if tl.atomic_cas(ctl + CTL_ERR_CODE, zero, zero + code) == 0:
+        tl.store(ctl + CTL_ERR_ENTRY, tl.cast(entry, tl.int64))
+        tl.store(ctl + CTL_ERR_DEP, tl.cast(dep, tl.int64))
+        tl.store(ctl + CTL_ERR_RANK, tl.cast(rank, tl.int64))
+        tl.store(ctl + CTL_ERR_EPOCH, tl.cast(epoch, tl.int64))
+        tl.store(ctl + CTL_ERR_RESOURCE, tl.cast(queue, tl.int64))
+        tl.store(ctl + CTL_ERR_SEGMENT, tl.cast(segment, tl.int64))
+        tl.store(ctl + CTL_ERR_SEEN, tl.cast(seen, tl.int64))
+        tl.store(ctl + CTL_ERR_EXPECTED, tl.cast(expected, tl.int64))
+
+
+@triton.jit
+def done_flag(heap, table, entry):
+    """Entry ``entry``'s done counter: symmetric, in the heap slice of the rank that runs it,
+    so a waiter on any rank reads it where its producer signals it."""
+    row = table + entry * NCOL
+    return (peer(heap, tl.load(row + C_RANK)) + FLAGS).to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
+
+
+@triton.jit
+def now(ctl, GLOBALTIMER: tl.constexpr):
+    """A timestamp for the profile: %globaltimer (ns) on a GPU, else a logical clock (an
+    atomic counter: an order, not a duration)."""
+    if GLOBALTIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.atomic_add(ctl + CTL_CLOCK, 1)
+    return t
+'''
+    )
+
+
+def route_source() -> str:
+    return '''@triton.jit
+def note(ctl, word, bad, key):
+    """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
+    (the largest ``key``) in the word after it; nothing is written when none offends."""
+    count = tl.sum(bad.to(tl.int64), axis=0)
+    if count > 0:
+        tl.atomic_add(ctl + word, count)
+        tl.atomic_max(ctl + word + 1, tl.max(tl.where(bad, key, 0), axis=0))
+
+
+@triton.jit
+def validate(topk_ids, gates, ctl, r, n_tokens):
+    """Front-end r's routing inputs: expert ids in [0, E), K distinct experts per token,
+    finite gates. Offenders are counted into the control block with the first one (key
+    W*T*K - (r*T + t)*K - k: earliest is largest) for the host to raise after the call; the
+    call goes on (an id out of range is routed nowhere, its slot not accepted), so no rank
+    is left waiting and the next call starts clean."""
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
+    slots = tl.arange(0, K_PAD)
+    start = 0
+    while start < n_tokens:
+        t = start + tl.arange(0, VALIDATE_TOKENS)
+        start += VALIDATE_TOKENS
+        live = (t < n_tokens)[:, None] & (slots < K)[None, :]
+        i = t[:, None] * K + slots[None, :]
+        e = tl.load(topk_ids + base + i, mask=live, other=0)
+        g = tl.load(gates + base + i, mask=live, other=0.0)
+        key = tl.ravel(key0 - i)
+        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < 0) | (e >= E))), key)
+        note(ctl, CTL_BAD_GATES, tl.ravel(live & ((g - g) != 0)), key)  # NaN and +-inf: g - g is not 0
+        pair = live[:, :, None] & live[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
+        twice = tl.max(tl.max(((e[:, :, None] == e[:, None, :]) & pair).to(tl.int32), axis=2), axis=1) > 0
+        note(ctl, CTL_DUP_TOKENS, twice, key0 - t * K)
+
+
+@triton.jit
+def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, scratch, ctl, r, n_tokens):
+    """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
+
+    Route row i = t*K + k has row_id (r*T + t)*K + k (eq. 7). Pass 1 gives every row its
+    position among the rows r sends to the same expert (a running one-hot prefix count, in
+    row order, which is ascending row_id) and counts the rows per expert; the counts go to
+    the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
+    bucket base of each expert stays in ``scratch`` for the dispatch tasks. The inputs are
+    validated first, here rather than on the host (no device→host sync in a call).
+    """
+    validate(topk_ids, gates, ctl, r, n_tokens)
+    n = n_tokens * K
+    ids = topk_ids + tl.cast(r, tl.int64) * n
+    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
+    by_expert = scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2)
+    by_order = by_expert + E_PAD
+    experts = tl.arange(0, E_PAD)
+    real = experts < E
+    counts = tl.zeros([E_PAD], tl.int32)
+    start = 0
+    while start < n:  # while, not range: the interpreter cannot index a range by a runtime scalar
+        i = start + tl.arange(0, ROUTE_ROWS)
+        start += ROUTE_ROWS
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
+        tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
+        counts += tl.sum(onehot, axis=0)
+    # Bucket bases: exclusive prefix sums of the counts with the experts in (owner, local) order.
+    tl.store(by_expert + experts, counts)
+    tl.debug_barrier()
+    ordered = tl.load(order + experts, mask=real, other=0)
+    c = tl.load(by_expert + ordered, mask=real, other=0)
+    ends = tl.cumsum(c, axis=0)
+    tl.store(by_order + 1 + experts, ends, mask=real)
+    tl.store(by_order + experts, 0, mask=experts == 0)
+    tl.debug_barrier()
+    tl.store(by_expert + ordered, ends - c, mask=real)
+    tl.debug_barrier()
+    bucketed = sorted_rows + tl.cast(r, tl.int64) * (T * K)
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, ROUTE_ROWS)
+        start += ROUTE_ROWS
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
+        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
+        tl.store(bucketed + at, i, mask=valid)
+    # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
+    q = tl.load(owner_of + experts, mask=real, other=0)
+    local = tl.load(local_of + experts, mask=real, other=0)
+    put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
+    # ... and how many tokens r brings to the call: capacity follows the total (ranks may differ).
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
+    put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
+'''
+
+
+def scan_source() -> str:
+    return '''@triton.jit
+def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
+    """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
+
+    Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
+    published with their counts, in arrival order: ascending row_id, which
+    with eq. 7 is source by source, so what a source gets admitted is a prefix of its run
+    and admission is one running sum per expert. Rows land grouped by local expert and,
+    within an expert, by source: each (source, local expert) gets the exact offset of its
+    span. Offsets and admitted counts are published back to the sources; the owner keeps
+    them as its split table (``recv``) for the return.
+    """
+    local = tl.arange(0, EL_PAD)
+    mine = local < tl.load(n_local + q)
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.load((peer(heap, q) + TOKENS).to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+    cap = tl.load(caps + tl.sum(tokens, axis=0))
+    policy = cap
+    counts = (peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32))
+    arrived = tl.zeros([EL_PAD], tl.int32)
+    for src in range(0, W):
+        arrived += tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+    admitted = tl.minimum(arrived, cap)
+    total = tl.sum(admitted, axis=0)
+    over = total > tl.load(rows_max + q)
+    if over:  # more rows than the plan sized this owner for (it bounds R_q): admit none, report
+        report(ctl, ERR_OVERFLOW, entry, -1, q, epoch, -1, -1, total, tl.load(rows_max + q))
+    cap = tl.where(over, 0, cap)
+    admitted = tl.minimum(arrived, cap)
+    first = tl.cumsum(admitted, axis=0) - admitted
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    tl.store(grp, first, mask=mine)
+    tl.store(grp + 1, admitted, mask=mine)
+    before = tl.zeros([EL_PAD], tl.int32)
+    for src in range(0, W):
+        c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+        take = tl.minimum(tl.maximum(cap - before, 0), c)
+        offset = first + tl.minimum(before, cap)
+        split = recv + (tl.cast(q, tl.int64) * W + src) * (E_MAX * 2) + local * 2
+        tl.store(split, offset, mask=mine)
+        tl.store(split + 1, take, mask=mine)
+        back = peer(heap, src)
+        put((back + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, offset, mine)
+        put((back + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, take, mine)
+        before += c
+    st = stats + tl.cast(q, tl.int64) * ST_COLS
+    tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
+    tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
+    tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_CAP, policy)
+'''
+
+
+def segment_source() -> str:
+    return '''@triton.jit
+def clip(first, rows, s):
+    """Spans [first, first + rows) of an owner's payload rows (one per local expert), cut to
+    segment s: rows [s*S, s*S + S), which live in ring slot s % B. Returns their first rows
+    and counts."""
+    lo = tl.maximum(first, s * S)
+    return lo, tl.maximum(tl.minimum(first + rows, s * S + S) - lo, 0)
+
+
+@triton.jit
+def locate(u, lo, n, local):
+    """The u-th row of a piece made of spans (lo, n) per local expert: its span and its
+    payload row."""
+    ends = tl.cumsum(n, axis=0)
+    which = tl.sum((ends[None, :] <= u[:, None]).to(tl.int32), axis=1)
+    row = tl.sum(tl.where(which[:, None] == local[None, :], (lo - ends + n)[None, :], 0), axis=1) + u
+    return which, row
+
+
+@triton.jit
+def ring_row(row, s, slot):
+    """Where payload row ``row`` of segment s sits in a ring of B slots of S rows, in slot
+    ``slot % B``: the owner's rings use slot s, a front-end's return ring the piece's claim."""
+    return row - s * S + (slot % B) * S
+
+
+@triton.jit
+def owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s):
+    """The live rows whose row_id decodes to rank r; one that decodes to another rank is
+    reported, never moved."""
+    bad = live & (rid // rid_rank != r)
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
+    return live & (rid // rid_rank == r)
+'''
+
+
+def dispatch_source(p: KernelPlan) -> str:
+    sideband = ["        put((dst + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at, row_id, keep)"]
+    if "local_expert" in p.sideband:
+        sideband.append("        put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)")
+    if "gate" in p.sideband:
+        sideband += [
+            "        gate = tl.load(gates + base + i, mask=keep, other=0.0)",
+            "        put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)",
+        ]
+    carried = ", ".join(p.sideband)
+    return (
+        '''@triton.jit
+def dispatch(
+    heap,
+    x,
+    gates,
+    order,
+    owner_first,
+    n_local,
+    sorted_rows,
+    scratch,
+    r,
+    q,
+    s,
+    item,
+    items,
+    n_tokens,
+    rid_rank,
+    rid_token,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Source r → owner q, segment s (dispatch phase 3): the admitted rows of r that fall in
+    the segment, payload and sideband, into q's ring slot s % B.
+
+    Every row goes to the exact offset q published for its (source, local expert) span plus
+    its position in the span; payload and sideband share that one split table (appendix
+    A.3, condition 2). Spans are disjoint by construction, so placement needs no atomics.
+    Work item ``item`` of ``items`` takes every items-th block of BLOCK_R rows.
+    """
+    local = tl.arange(0, EL_PAD)
+    mine = local < tl.load(n_local + q)
+    me = peer(heap, r)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=mine, other=0)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=mine, other=0)
+    lo, count = clip(offset, admitted, s)
+    n = tl.sum(count, axis=0)
+    expert = tl.load(order + tl.load(owner_first + q) + local, mask=mine, other=0)
+    bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
+    dst = peer(heap, q)
+    payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
+    rows = sorted_rows + tl.cast(r, tl.int64) * (T * K)
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        keep = u < n
+        which, row = locate(u, lo, count, local)
+        at_expert = which[:, None] == local[None, :]
+        p = row - tl.sum(tl.where(at_expert, offset[None, :], 0), axis=1)  # position in r's run
+        i = tl.load(rows + tl.sum(tl.where(at_expert, bucket[None, :], 0), axis=1) + p, mask=keep, other=0)
+        t = i // K  # route row t*K + k of rank r
+        k = i % K
+        at = ring_row(row, s, s)
+        src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
+        to = payload + tl.cast(at, tl.int64) * H
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = keep[:, None] & (c < H)[None, :]
+            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+            put(to[:, None] + c[None, :], @@PAYLOAD@@, m)
+        # The sideband: '''
+        + carried
+        + """.
+        row_id = tl.cast(r, tl.int64) * rid_rank + tl.cast(t, tl.int64) * rid_token + k  # eq. 7
+"""
+        + "\n".join(sideband)
+        + "\n"
+    ).replace("@@PAYLOAD@@", _payload(p))
+
+
+def _payload(p: KernelPlan) -> str:
+    load = "rows_h"
+    if p.dispatch == p.dtype:
+        return load
+    if p.dispatch == "bf16":
+        return narrowed(p, load + ".to(tl.float32)", "DISPATCH_DTYPE")
+    return load + ".to(DISPATCH_DTYPE)"
+
+
+def return_source(p: KernelPlan) -> str:
+    if p.ring:
+        land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
+        to = landing + tl.cast(at, tl.int64) * H
+        put((peer(heap, r) + RETURN_IDS).to(tl.pointer_type(tl.int64)) + at, rid, ok)
+"""
+        doc = """into
+    the slot of r's return ring that this piece claimed (claim % B), each row with its row_id;
+    r's unpack places them."""
+    else:
+        land = """        t = (rid % rid_rank) // rid_token
+        k = rid % rid_token
+        to = landing + (t * K + k) * H
+"""
+        doc = """each
+    to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
+    condition 3)."""
+    return '''@triton.jit
+def return_rows(
+    heap,
+    recv,
+    staging,
+    staging_rid,
+    ctl,
+    entry,
+    epoch,
+    q,
+    r,
+    s,
+    claim,
+    item,
+    items,
+    rid_rank,
+    rid_token,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Owner q → front-end r, segment s: the outputs of r's rows in the segment, @@DOC@@
+
+    The rows are found by the owner's saved split table (one span per local expert), cut to
+    the segment. A row_id that decodes to another rank is reported, not written.
+    """
+    local = tl.arange(0, EL_PAD)
+    split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
+    lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
+    n = tl.sum(count, axis=0)
+    landing = (peer(heap, r) + RETURN).to(tl.pointer_type(DTYPE))
+    out = staging + tl.cast(q, tl.int64) * (B * S) * H
+    row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        live = u < n
+        _, row = locate(u, lo, count, local)
+        frm = ring_row(row, s, s)
+        rid = tl.load(row_ids + frm, mask=live, other=0)
+        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
+@@LAND@@        frm = out + tl.cast(frm, tl.int64) * H
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (c < H)[None, :]
+            put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+'''.replace("@@DOC@@", doc).replace("@@LAND@@", land)
+
+
+def unpack_source() -> str:
+    return '''@triton.jit
+def unpack(
+    heap,
+    landing,
+    ctl,
+    entry,
+    epoch,
+    r,
+    q,
+    s,
+    claim,
+    item,
+    items,
+    rid_rank,
+    rid_token,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Front-end r: copy the piece owner q returned for segment s out of its return-ring
+    slot (claim % B) to each row's (token, slot) place in r's private landing, by the row's
+    decoded row_id (appendix A.3, condition 3); done, the slot is free for claim + B.
+
+    Which slot rows hold the piece follows from what q published to r: the admitted spans
+    (offset, count) per local expert, cut to the segment.
+    """
+    local = tl.arange(0, EL_PAD)
+    me = peer(heap, r)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=local < E_MAX, other=0)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=local < E_MAX, other=0)
+    lo, count = clip(offset, admitted, s)
+    n = tl.sum(count, axis=0)
+    ring = (me + RETURN).to(tl.pointer_type(DTYPE))
+    ids = (me + RETURN_IDS).to(tl.pointer_type(tl.int64))
+    mine = landing + tl.cast(r, tl.int64) * (T * K) * H
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        live = u < n
+        _, row = locate(u, lo, count, local)
+        at = ring_row(row, s, claim)
+        rid = tl.load(ids + at, mask=live, other=0)
+        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
+        t = (rid % rid_rank) // rid_token
+        k = rid % rid_token
+        frm = ring + tl.cast(at, tl.int64) * H
+        to = mine + (t * K + k) * H
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (c < H)[None, :]
+            tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
+'''
+
+
+def combine_source(p: KernelPlan) -> str:
+    if p.weights == "renormalize":
+        weights = """    # g' = g * sum_j g_j / sum_{j accepted} g_j on accepted slots, 0 elsewhere; 0 if none survived.
+    total = tl.sum(g, axis=1)
+    survived = tl.sum(kept, axis=1)
+    scale = tl.where(survived != 0, total / tl.where(survived != 0, survived, 1.0), 0.0)
+    w = kept * scale[:, None]
+"""
+    else:
+        weights = "    w = kept  # weights zero: accepted slots keep g, dropped ones get 0\n"
+    text = (
+        '''@triton.jit
+def combine(
+    heap,
+@@LANDING_ARG@@    topk_ids,
+    gates,
+    y,
+    accepted,
+    slot,
+    gprime,
+    owner_of,
+    local_of,
+    rowpos,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
+
+    A slot is accepted iff its position in its (source, expert) run is below the count its
+    owner admitted and published back. No float atomics: bitwise deterministic. The
+    routing context backward will need (accepted set, payload slot at the owner, g') is
+    written beside y.
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    live = (t < n_tokens)[:, None] & (k < K)[None, :]
+    i = t[:, None] * K + k[None, :]
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    e = tl.load(topk_ids + base + i, mask=live, other=0)
+    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
+    at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
+    me = peer(heap, r)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    ok = live & (p < admitted)
+    g = tl.load(gates + base + i, mask=live, other=0.0)
+    kept = tl.where(ok, g, 0.0)
+'''
+        + weights
+        + """    real = (t < n_tokens)[:, None] & (k < K)[None, :]
+    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
+    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
+    tl.store(gprime + base + i, w, mask=real)
+    tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
+@@LANDING@@    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+    real = t < n_tokens
+    for h in range(0, H, BLOCK_H):
+        c = h + tl.arange(0, BLOCK_H)
+        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):
+            wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+            ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+            m = ok_k[:, None] & (c < H)[None, :]
+            out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+            acc += wk[:, None] * out.to(tl.float32)
+        keep = real[:, None] & (c < H)[None, :]
+        tl.store(y_rows[:, None] + c[None, :], @@Y@@, mask=keep)
+"""
+    )
+    landing = (
+        "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
+        if p.ring
+        else "    landing = (me + RETURN).to(tl.pointer_type(DTYPE))\n"
+    )
+    return (
+        text.replace("@@Y@@", narrowed(p, "acc", "DTYPE"))
+        .replace("@@LANDING_ARG@@", "    landing,\n" if p.ring else "")
+        .replace("@@LANDING@@", landing)
+    )
