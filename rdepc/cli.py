@@ -339,9 +339,11 @@ def cmd_compile(args) -> int:
         name = result.spec.name
         for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
             wrote.append(Path(r["cubin"]))
+            mma = ", ".join(r["wgmma_shapes"]) or "no wgmma"
             print(
                 f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
-                f"{r['shared']:,} bytes of shared memory"
+                f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
+                f"stack per thread; GEMMs: {mma}, {'TMA' if r['tma'] else 'no TMA'}"
             )
     for path in wrote:
         print(f"wrote {path}")

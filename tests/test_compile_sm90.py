@@ -73,8 +73,12 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         assert r["acquire"] and r["release"], "the flag protocol must compile to acquire loads and release atomics"
         assert r["shared"] <= H100_SHARED, f"{r['layer']} needs {r['shared']} bytes of shared memory"
         assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']}: NVSHMEM device code linked: {r['nvshmem']}"
+        assert r["tma"], f"{r['layer']}: the GEMM operands do not arrive by TMA"
+        assert 0 < r["registers"] <= 255 and r["local_bytes"] >= 0 and r["stack"] >= 0
         if dtypes[r["layer"]] != "fp32":  # bf16 grouped GEMMs on Hopper tensor cores
             assert r["wgmma"], f"{r['layer']}: no wgmma in the PTX"
+            # GEMM1: gate and up as one operand, 2·block_f = 256 wide; GEMM2 block_h = 128
+            assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
     times = ", ".join(f"{r['layer']} {r['seconds']:.1f} s" for r in results)
     print(f"sm_90 compile times ({backend}): {times}")
 
@@ -91,6 +95,7 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     assert split.stat().st_size > 0
     assert "compiled rdep_forward for sm_90a in " in out and f"wrote {cubin}" in out
     assert "compiled rdep_forward.role_split for sm_90a in " in out
+    assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name]
     )
