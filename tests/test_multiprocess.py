@@ -166,7 +166,11 @@ def test_ctrl_c_leaves_no_process_and_no_heap(tmp_path):
     its ranks exit, and the heap's name is gone (it was unlinked once every rank mapped it)."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(textwrap.dedent(CTRL_C))
-    p = subprocess.Popen([sys.executable, str(script), TINY], start_new_session=True, stderr=subprocess.PIPE)
+    # stderr to a file, not a pipe: the ranks' KeyboardInterrupt tracebacks could fill a pipe
+    # nobody reads while the test waits, and block the processes it waits for.
+    log = tmp_path / "stderr.log"
+    with log.open("wb") as err:
+        p = subprocess.Popen([sys.executable, str(script), TINY], start_new_session=True, stderr=err)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(_children(p.pid)) < 2:
@@ -175,7 +179,10 @@ def test_ctrl_c_leaves_no_process_and_no_heap(tmp_path):
         assert len(kids) >= 2, "the ranks did not start"
         time.sleep(4)  # inside the calls by now (imports take ~2 s)
         os.killpg(p.pid, signal.SIGINT)
-        p.wait(60)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the launcher outlived Ctrl-C by 60 s; its stderr ends:\n" + log.read_text()[-3000:])
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
