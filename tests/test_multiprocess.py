@@ -152,7 +152,10 @@ def test_a_killed_rank_fails_the_others_within_their_bound():
 
 
 CTRL_C = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as in a terminal, even when the suite itself runs in the background (a shell starts
+# background jobs with SIGINT ignored, and processes inherit that)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from rdepc.runtime import ranks
 from rdepc.runtime.per_rank import Case, Job, run_rank
 if __name__ == "__main__":
