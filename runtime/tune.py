@@ -153,7 +153,8 @@ def tune_layer(
     sh = layer.shapes
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
     spec = layer.spec
-    plan = layer.module("emulated", device, schedule=schedule, mode=mode, tiles=Tiles()).plan
+    cuda = torch.device(device).type == "cuda"
+    plan = layer.compile(schedule=schedule, interpret=not cuda).kernel  # what the modules below run
     x, ids, gates, w_gate, w_up, w_down = random_inputs(
         W, tokens or T, H, F, E, K, dtype=TORCH_DTYPES[spec.precision.dtype.value], gated=spec.expert.gated,
         device=device,
@@ -162,7 +163,6 @@ def tune_layer(
         packed = gate_up(w_gate, w_up)
         w_gate, w_up = packed[..., 0], packed[..., 1]
     inputs = (x, ids, gates, w_gate, w_up, w_down)
-    cuda = torch.device(device).type == "cuda"
     name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu (Triton interpreter)"
 
     def time_tiles(t: Tiles) -> float:
