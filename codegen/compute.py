@@ -73,8 +73,9 @@ def gemm1_source(p: KernelPlan) -> str:
             "relu": "        act = tl.maximum(acc, 0.0)  # ReLU\n",
         }[p.act]
         doc = "one [BM, BLOCK_F] tile of x Wu, with the activation fused"
+    save = {"@@COLS@@": cols, "@@COL0@@": "2 * f" if p.gated else "f", "@@WIDTH@@": width}
     tile_args = ", ".join(("rows", "B * S", "at", "w", cols, "2 * f" if p.gated else "f", "H", "BM", width))
-    return f'''@triton.jit
+    text = f'''@triton.jit
 def gemm1(
     heap,
     {weights},
@@ -83,6 +84,8 @@ def gemm1(
     hbuf,
     hbuf_rid,
     stats,
+    saved_x,
+    saved_pre,
     q,
     s,
     item,
@@ -91,6 +94,7 @@ def gemm1(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
     ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
@@ -98,7 +102,9 @@ def gemm1(
         h = {what},
     {doc},
     into the owner's private workspace ``hbuf``. F-block 0 also copies the rows' row_ids
-    beside them: dispatch may refill the payload slot before GEMM2 has run.
+    beside them: dispatch may refill the payload slot before GEMM2 has run. With ``SAVE``
+    (a forward that backward will walk) the pre-activations and, from F-block 0, the input
+    rows are kept at the rows' places among the owner's rows, for the backward.
     """
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
     j = item // f_blocks
@@ -115,11 +121,20 @@ def gemm1(
         live = (m >= lo) & (m < hi)
         row = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(hbuf + row * F, @@ACT@@, live, F, f, BLOCK_F)
+        if SAVE:
+            kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
+            store_rows(saved_pre + kept * @@COLS@@, @@PRE@@, live, @@COLS@@, @@COL0@@, @@WIDTH@@)
+            if f == 0:
+                first = tl.cast(q, tl.int64) * R_MAX + row0
+                copy_rows(rows + tl.cast(at, tl.int64) * H, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
-'''.replace("@@ACT@@", narrowed(p, "act", "DTYPE"))
+'''
+    for k, v in {**save, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}.items():
+        text = text.replace(k, v)
+    return text
 
 
 def gemm2_source(p: KernelPlan) -> str:

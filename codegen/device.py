@@ -52,11 +52,14 @@ def gemm_tile(
     TMA: tl.constexpr,
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    TRANS_B: tl.constexpr = False,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
     A is [a_rows, K_DIM] at ``a``, B is [K_DIM, n_cols] at ``w`` (one expert's weights), both
-    row-major; the reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
+    row-major; with ``TRANS_B``, B is the transpose of the row-major [n_cols, K_DIM] matrix
+    at ``w`` (the backward's dL/dy·Wdᵀ and dH·[Wg Wu]ᵀ read the forward's weights as they
+    are). The reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
     deep. Out-of-range rows and columns count as zero.
     """
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -64,18 +67,61 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+        if TRANS_B:
+            w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+        else:
+            w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
-            acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
+            if TRANS_B:
+                acc = mma(a_desc.load([row0, k]), tl.trans(w_desc.load([col0, k])), acc, CAST_F32, PRECISION)
+            else:
+                acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
     else:
         a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
-        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        if TRANS_B:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
+        else:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
         for _ in tl.range(0, K_DIM, BK, num_stages=STAGES):
             x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
             acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
+    return acc
+
+
+@triton.jit
+def gemm_rows_tn(
+    a,
+    a_cols,
+    col_a,
+    b,
+    b_cols,
+    col_b,
+    first,
+    n_rows,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One [BM, BN] fp32 tile of Aᵀ·B over rows first .. first + n_rows of the row-major
+    matrices A [*, a_cols] at ``a`` (its columns col_a .. col_a + BM) and B [*, b_cols] at
+    ``b`` (columns col_b .. col_b + BN): a weight gradient, summed over one expert's rows in
+    chunks of BK from its first row — a fixed order whatever the schedule, no atomics."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    ca = col_a + tl.arange(0, BM)
+    cb = col_b + tl.arange(0, BN)
+    r0 = 0
+    while r0 < n_rows:  # while, not range: the interpreter cannot take a runtime bound in a range
+        rows = tl.cast(first + r0 + tl.arange(0, BK), tl.int64)
+        live = r0 + tl.arange(0, BK) < n_rows
+        x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
+        y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
+        acc = mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
+        r0 += BK
     return acc
 
 
@@ -96,4 +142,16 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
     tl.store(ptr[:, None] + c[None, :], tile, mask=live[:, None] & (c < n_cols)[None, :])
 
 
-__all__ = ["gate_up", "gemm_tile", "mma", "proxy_fence", "store_rows"]
+@triton.jit
+def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr):
+    """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
+    ``dst`` (converted to ``dst``'s dtype), BC columns at a time."""
+    m = tl.arange(0, BM)
+    for c0 in range(0, n_cols, BC):
+        c = c0 + tl.arange(0, BC)
+        mask = live[:, None] & (c < n_cols)[None, :]
+        at = m[:, None] * n_cols + c[None, :]
+        tl.store(dst + at, tl.load(src + at, mask=mask).to(dst.dtype.element_ty), mask=mask)
+
+
+__all__ = ["copy_rows", "gate_up", "gemm_rows_tn", "gemm_tile", "mma", "proxy_fence", "store_rows"]

@@ -4,7 +4,7 @@ The file holds the layer's sizes and symmetric-heap offsets as ``tl.constexpr`` 
 the transport's four device functions (``runtime/transport.py``), one ``@triton.jit``
 function per task kind — ``route``, ``scan``, ``dispatch``, ``return_rows``, ``unpack``,
 ``combine`` (``stages.py``), ``gemm1``, ``gemm2`` (``compute.py``, around the GEMM tile of
-``device.py``) — and the persistent kernel ``rdep_forward`` that takes work items with a
+``device.py``) — and the persistent kernel ``rdep_layer`` that takes work items with a
 ticket, waits on their dependencies' done flags and runs them. What depends on the spec is
 emitted only where it applies (the activation, the sideband fields carried, the weights
 policy, a gated expert's second weight); tile sizes and the interpreter's fp32 upcast are
@@ -19,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import textwrap
 
+from rdepc.codegen.backward import bgemm1_source, bgemm2_source, combine_grad_source, wgrad_source
 from rdepc.codegen.compute import device_source, gemm1_source, gemm2_source, m_tile_source
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
 from rdepc.codegen.stages import (
     combine_source,
     dispatch_source,
     helpers_source,
+    return_regions_source,
     return_source,
     route_source,
     scan_source,
@@ -67,9 +69,14 @@ def generate(plan: KernelPlan) -> str:
         device_source(),
         gemm1_source(plan),
         gemm2_source(plan),
+        return_regions_source(plan),
         return_source(plan),
         *([unpack_source()] if plan.ring else []),
         combine_source(plan),
+        bgemm1_source(plan),
+        bgemm2_source(plan),
+        combine_grad_source(plan),
+        wgrad_source(plan),
         _kernel(plan),
     ]
     head, code = parts[:4], parts[4:]
@@ -99,7 +106,8 @@ def _header(p: KernelPlan) -> str:
 
 
 def _docstring(p: KernelPlan) -> str:
-    return f'''"""Forward kernels of the RDEP layer ``{p.layer}``: one persistent Triton kernel, ``rdep_forward``.
+    return f'''"""Forward and backward kernels of the RDEP layer ``{p.layer}``: one persistent Triton kernel,
+``rdep_layer``, whose constexpr BACKWARD picks the pass.
 
 {_launches(p)}
 Its programs take work items with a ticket (an atomic counter) in the task table's order,
@@ -118,6 +126,12 @@ Task kinds (RDEP section 3.4 and appendix A.2):
   gemm2     owner q, one m-tile x H-block: h Wd, once GEMM1 finished that m-tile
   return    owner q → front-end r: each row to its (token, slot) place, by decoded row_id
   combine   front-end r, one token tile: y = sum_k g'_k * out_k, slots in fixed order
+
+The backward walks the same table over the forward's routing (RDEP appendix A.3): its
+dispatch sends g'·dL/dy to the forward's places, gemm1 is dA = dO Wdᵀ and the activation's
+backward (dH), gemm2 dX = dH [Wg Wu]ᵀ, the return brings dL/dx rows home by row_id and
+combine sums them per token and takes dL/dg' = dL/dy · out; then
+  wgrad     owner q, one tile of a local expert's dW, its rows summed in a fixed order
 
 Done flags, the ticket counter and the heap persist across calls: flags count finished
 items cumulatively, so a call with epoch c waits for c * items and no reset kernel runs.
@@ -174,11 +188,12 @@ def _constants(p: KernelPlan) -> str:
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
         _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),
         _c("RENORMALIZE", p.weights == "renormalize", "capacity weights: renormalize over accepted slots"),
+        _c("R_MAX", p.R_MAX, "rows of the busiest owner: the backward's saved rows per owner"),
         "",
         "# ---------------------------------------------------------------------------------------",
         "# The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)",
         "# ---------------------------------------------------------------------------------------",
-        _c("HEAP_BYTES", p.heap_bytes, "one rank's slice: the forward regions"),
+        _c("HEAP_BYTES", p.heap_bytes, "one rank's slice: the forward's regions, then the backward's"),
         _c("TOKENS", off["tokens"], "int64 [W] at the owner: the tokens T' each front-end brings to the call"),
         _c("COUNTS", off["counts"], "int32 [W, E_MAX] at the owner: rows each source sends each local expert"),
         _c("OFFSETS", off["offsets"], "int32 [W, E_MAX] at the source: write base per (owner, local expert)"),
@@ -196,6 +211,14 @@ def _constants(p: KernelPlan) -> str:
         ]
     else:
         lines.append(_c("RETURN", off["return"], "DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)"))
+    lines += [
+        _c("BWD_FLAGS", off["bwd_flags"], "int64 the backward's done counters"),
+        _c("BWD_PAYLOAD", off["bwd_payload"], "DTYPE [B*S, H]: g'·dL/dy rows at the forward's places"),
+        _c("BWD_ROW_IDS", off["bwd_row_ids"], "int64 [B*S]: their row_ids"),
+        _c("BWD_RETURN", off["bwd_return"], "DTYPE: dL/dx rows at the front-end, laid out as RETURN"),
+    ]
+    if p.ring:
+        lines.append(_c("BWD_RETURN_IDS", off["bwd_return_ids"], "int64 [B*S]: their row_ids"))
     lines += [
         "",
         "# Task kinds, columns of a task-table row (int32), the control block (int64), statistics.",
@@ -219,21 +242,26 @@ def _constants(p: KernelPlan) -> str:
 
 RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base")
 CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
-CONSTEXPRS += ("GLOBALTIMER",)
+CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
 
 
 def _kernel(p: KernelPlan) -> str:
     w_up = "w_gate_up" if p.gated else "w_up"
     landing = "landing, " if p.ring else ""
+    pre = "2 * F" if p.gated else "F"
     scalars = ", ".join(f'"{n}"' for n in RUNTIME_SCALARS)
     names = [n + (": tl.constexpr" if t == "constexpr" else "") for n, t in kernel_args(p)]
     signature = textwrap.fill(", ".join(names) + ",", 112, initial_indent="    ", subsequent_indent="    ")
     return f'''@triton.jit(do_not_specialize=[{scalars}])
-def rdep_forward(
+def rdep_layer(
 {signature}
 ):  # fmt: skip
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
-    run, signal.
+    run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
+    backward's table (the forward's entries, then the weight gradients) with its own
+    control words, done counters and heap regions, over the routing tables the forward left
+    (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
+    route and scan entries only keep the table's order, nothing is routed again.
 
     Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
     entries its rank runs); any program runs any task. Role-split mode: program
@@ -254,11 +282,20 @@ def rdep_forward(
     me = tl.cast(rank0, tl.int64)
     x -= me * n_tokens * H
     y -= me * n_tokens * H
+    dy -= me * n_tokens * H
+    dx -= me * n_tokens * H
     topk_ids -= me * n_tokens * K
     gates -= me * n_tokens * K
     accepted -= me * n_tokens * K
     slot -= me * n_tokens * K
     gprime -= me * n_tokens * K
+    dgprime -= me * n_tokens * K
+    saved_out -= me * n_tokens * K * H
+    saved_x -= me * R_MAX * H
+    saved_pre -= me * R_MAX * {pre}
+    dh -= me * R_MAX * {pre}
+    act_rows -= me * R_MAX * F
+    do_rows -= me * R_MAX * H
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
@@ -270,6 +307,9 @@ def rdep_forward(
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
 @@LANDING_REBASE@@    stats -= me * ST_COLS
+    if BACKWARD:  # dL/dy goes where x went, scaled by g'
+        x = dy
+        gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
@@ -308,7 +348,7 @@ def rdep_forward(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard), want, bound)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
             if got < want:
                 blocked = guard
                 seen = got
@@ -327,7 +367,7 @@ def rdep_forward(
                 before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
                 dep = tl.where(dep < 0, -dep - 1, dep)
                 want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                flag = done_flag(heap, table, dep)
+                flag = done_flag(heap, table, dep, BACKWARD)
                 if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
                     want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
                     flag = tile
@@ -344,37 +384,63 @@ def rdep_forward(
                 start = now(ctl, GLOBALTIMER)
             if empty == 0:
                 if kind == KIND_ROUTE:
-                    route(
-                        heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl, rank,
-                        n_tokens,
-                    )  # fmt: skip
+                    if not BACKWARD:
+                        route(
+                            heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl,
+                            rank, n_tokens,
+                        )  # fmt: skip
                 elif kind == KIND_SCAN:
-                    scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
+                    if not BACKWARD:
+                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32,
+                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
-                    gemm1(
-                        heap, {w_up}, weight_of, group, hbuf, hbuf_rid, stats, owner, segment, item, BM, BLOCK_F,
-                        BLOCK_K, STAGES, CAST_F32,
-                    )  # fmt: skip
+                    if BACKWARD:
+                        bgemm1(
+                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
+                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        gemm1(
+                            heap, {w_up}, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
+                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                        )  # fmt: skip
                 elif kind == KIND_GEMM2:
-                    gemm2(
-                        hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                        BLOCK_H, BLOCK_K, STAGES, CAST_F32,
-                    )  # fmt: skip
+                    if BACKWARD:
+                        bgemm2(
+                            dh, {w_up}, weight_of, group, hbuf_rid, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        gemm2(
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_rank, rid_token, BLOCK_R, BLOCK_H,
+                        rid_rank, rid_token, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
-@@UNPACK@@                elif kind == KIND_COMBINE:
-                    combine(
-                        heap, {landing}topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of, rowpos, rank,
-                        claim, n_tokens, BLOCK_H, CAST_F32,
-                    )  # fmt: skip
+@@UNPACK@@                elif kind == KIND_WGRAD:  # the backward's table only
+                    if BACKWARD:
+                        wgrad(
+                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
+                            BLOCK_F, BLOCK_K, CAST_F32,
+                        )  # fmt: skip
+                elif kind == KIND_COMBINE:
+                    if BACKWARD:
+                        combine_grad(
+                            heap, {landing}dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens, BLOCK_H,
+                            CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        combine(
+                            heap, {landing}topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
+                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
+                        )  # fmt: skip
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
@@ -382,7 +448,7 @@ def rdep_forward(
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             if kind == KIND_GEMM1:
                 signal(tile)
-            signal(done_flag(heap, table, entry))
+            signal(done_flag(heap, table, entry, BACKWARD))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     # The last of the launch's n_programs programs out closes the call: the next launch reads
@@ -398,13 +464,13 @@ def _unpack_call() -> str:
     return """                elif kind == KIND_UNPACK:
                     unpack(
                         heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_rank, rid_token,
-                        BLOCK_R, BLOCK_H,
+                        BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
 """
 
 
 def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
-    """(name, Triton type) of ``rdep_forward``'s arguments, in order: the kernel's
+    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's
     signature is generated from it, the host passes arguments by these names, and sm_90
     compiles use the types."""
     dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
@@ -412,6 +478,12 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     args.append(("w_gate_up" if plan.gated else "w_up", f"*{dt}"))
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
+    # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
+    # pre-activations at the owner, expert outputs at the front-end); its working rows (dH,
+    # the activation, g'·dL/dy at the owner) and the weight gradients.
+    args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
+    args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
+    args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
     tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
     args += [(n, "*i32") for n in tables]

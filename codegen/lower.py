@@ -69,7 +69,7 @@ from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.spec import LayerSpec
 
 # Task kinds of the generated kernel, one device function each.
-KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine")
+KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
 # Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
 # or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode;
 # ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
@@ -225,6 +225,11 @@ class KernelPlan:
     deps: tuple[int, ...]  # dependency entries; -(d + 1): entry d of the previous call
     names: tuple[str, ...]  # task names, for error messages and profiles
     tasks: tuple[int, ...]  # the graph's task id of each entry
+    # the backward's task table: the forward's entries (same order, dependencies and done
+    # counters, in the backward's own flags), then one weight-gradient entry per owner
+    bwd_table: tuple[tuple[int, ...], ...] = ()
+    bwd_deps: tuple[int, ...] = ()
+    bwd_names: tuple[str, ...] = ()
     programs: tuple[int, int] = (1, 1)  # the schedule's (communication, compute) programs per rank
     guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
     combine_tokens: int = COMBINE_TOKENS
@@ -234,10 +239,16 @@ class KernelPlan:
     def n_entries(self) -> int:
         return len(self.table)
 
-    def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None) -> Work:
+    @property
+    def R_MAX(self) -> int:
+        """Rows of the busiest owner: the rows the backward's saved activations hold per owner."""
+        return max(self.rows_max, default=0)
+
+    def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None, backward: bool = False) -> Work:
         """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
         docstring). ``rank``: only the queues of that rank (a transport with one process per
-        rank): unified, one queue of every entry the rank runs; role-split, its two."""
+        rank): unified, one queue of every entry the rank runs; role-split, its two.
+        ``backward``: of the backward's table."""
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         if rank is not None and not 0 <= rank < self.W:
@@ -255,7 +266,8 @@ class KernelPlan:
 
         col = {c: i for i, c in enumerate(COLUMNS)}
         table = []
-        for row in self.table:
+        h_blocks, f_blocks = -(-self.H // tiles.block_h), -(-self.F // tiles.block_f)
+        for row in self.bwd_table if backward else self.table:
             kind = KINDS[row[col["kind"]]]
             owner = row[col["owner"]]
             items = 1
@@ -264,7 +276,9 @@ class KernelPlan:
             elif kind == "gemm1":
                 items = m_slots[owner] * -(-self.F // tiles.block_f)
             elif kind == "gemm2":
-                items = m_slots[owner] * -(-self.H // tiles.block_h)
+                items = m_slots[owner] * h_blocks
+            elif kind == "wgrad":  # per local expert: dW of GEMM1's weights, then of Wd, in tiles
+                items = self.n_local[owner] * 2 * h_blocks * f_blocks
             table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
         n_queues = 1 if mode == "unified" else 2 * self.W
         queues: list[list[int]] = [[] for _ in range(n_queues)]
@@ -421,6 +435,7 @@ def lower(
     # Rows one source may send one owner (distinct top-K), capped by the owner's capacity.
     from_one = tuple(min(T * min(K, geo.experts[q]), geo.rows_max[q]) for q in range(W))
 
+    ring = geo.return_ring
     n = len(sched.table)
     order = tuple(range(n)) if order is None else tuple(order)
     if sorted(order) != list(range(n)):
@@ -450,25 +465,42 @@ def lower(
         names.append(task.name)
         tasks.append(e.task)
 
-    # The heap: the memory plan's forward buffers, at its offsets (shifted by guard bands).
-    fwd = [b for b in mp.buffers if not b.region.startswith("bwd")]
-    slots = next(b.bytes for b in fwd if b.name == "flags") // 8
-    if max(runs, default=0) > slots:
-        raise AssertionError(f"a rank runs {max(runs)} task-table entries, more than its {slots} done flags")
-    place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(fwd)}
-    heap_bytes = mp.regions()["total"] + guard * (len(fwd) + 1)
+    # The backward walks the same table (its dispatches carry g'·dL/dy, its GEMMs are the
+    # transposed ones, its returns carry dL/dx), then each owner's weight gradients, once
+    # every GEMM1 of the owner has written its rows' dH.
+    fwd_runs = max(runs, default=0)
+    bwd_table, bwd_deps, bwd_names = list(table), list(deps), list(names)
+    gemm1 = KINDS.index("gemm1")
+    for q in range(W):
+        mine = [i for i, row in enumerate(table) if row[0] == gemm1 and row[3] == q]
+        if not mine:
+            continue
+        bwd_table.append((KINDS.index("wgrad"), q, q, q, 0, 0, 0, len(bwd_deps), len(mine), -1, 2 * q + 1, runs[q]))
+        bwd_deps.extend(mine)
+        bwd_names.append(f"wgrad r{q}")
+        runs[q] += 1
+
+    # The heap: the memory plan's buffers, forward and backward, at its offsets (shifted by
+    # guard bands).
+    bufs = list(mp.buffers)
+    for name, n_runs in (("flags", fwd_runs), ("bwd_flags", max(runs, default=0))):
+        slots = next(b.bytes for b in bufs if b.name == name) // 8
+        if n_runs > slots:
+            raise AssertionError(f"a rank runs {n_runs} task-table entries, more than its {slots} {name} counters")
+    place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(bufs)}
+    heap_bytes = mp.regions("forward_backward")["total"] + guard * (len(bufs) + 1)
     names_heap = ("tokens", "counts", "offsets", "admitted", "flags", "payload", "return")
+    names_heap += ("bwd_flags", "bwd_payload", "bwd_row_ids", "bwd_return")
     heap = [(name, place[name]) for name in names_heap]
-    if "return_ids" in place:
-        heap.append(("return_ids", place["return_ids"]))
+    if ring:
+        heap += [("return_ids", place["return_ids"]), ("bwd_return_ids", place["bwd_return_ids"])]
     sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))
         sb += B * S * {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}[f]
-    layout = tuple((b.name, b.region, place[b.name], b.size) for b in fwd)
+    layout = tuple((b.name, b.region, place[b.name], b.size) for b in bufs)
     E_PAD = next_pow2(E)
     adt = spec.precision.dtype.value
-    ring = geo.return_ring
     private = [
         ("rowpos", "int32", (W, T * K)),  # position of each route row within its (source, expert) run
         ("sorted_rows", "int32", (W, T * K)),  # each source's rows bucketed by (owner, local expert)
@@ -480,12 +512,14 @@ def lower(
         ("staging", adt, (W, B * S, H)),  # expert outputs per payload ring row (the memory plan's staging ring)
         ("staging_rid", "int64", (W, B * S)),  # their row ids, for the return
         ("tile_done", "int64", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S))),
+        ("bwd_tile_done", "int64", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S))),
     ]
     if ring:
         private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
     private += [
         ("stats", "int32", (W, 2 * E_MAX + 2)),  # rows arrived, admitted per local expert; m-tiles; cap_e
         ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
+        ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
     ]
     cap = spec.capacity
     cap_factor = cap_rows = None
@@ -540,6 +574,9 @@ def lower(
         deps=tuple(deps),
         names=tuple(names),
         tasks=tuple(tasks),
+        bwd_table=tuple(bwd_table),
+        bwd_deps=tuple(bwd_deps),
+        bwd_names=tuple(bwd_names),
         programs=tuple(sched.programs),
         guard=guard,
     )

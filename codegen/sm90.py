@@ -31,8 +31,8 @@ from pathlib import Path
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import KernelPlan, Tiles
 
-# The kernels of one generated file: rdep_forward in each kernel mode (a constexpr).
-KERNELS = {"rdep_forward": {"ROLE_SPLIT": False}, "rdep_forward.role_split": {"ROLE_SPLIT": True}}
+# The kernels of one generated file: rdep_layer in each kernel mode (a constexpr).
+KERNELS = {"rdep_layer": {"ROLE_SPLIT": False}, "rdep_layer.role_split": {"ROLE_SPLIT": True}}
 H100_SHARED = 227 * 1024
 
 
@@ -118,7 +118,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
     for kernel, mode in KERNELS.items():
-        fn = module.rdep_forward
+        fn = module.rdep_layer
         t0 = time.perf_counter()
         src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs | mode)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

@@ -25,7 +25,7 @@ def narrowed(p: KernelPlan, expr: str, dtype: str) -> str:
     """``expr`` (fp32) converted to the constexpr dtype ``dtype`` ("DTYPE" or "DISPATCH_DTYPE")."""
     if (p.dtype if dtype == "DTYPE" else p.dispatch) == "bf16":
         return f"narrow({expr}, {dtype}, CAST_F32)"
-    return f"{expr}.to({dtype})"
+    return f"{expr}.to({dtype})" if expr.replace(".", "_").isidentifier() else f"({expr}).to({dtype})"
 
 
 def helpers_source(p: KernelPlan) -> str:
@@ -49,11 +49,17 @@ def report(ctl, code, entry, dep, rank, epoch, queue, segment, seen, expected):
 
 
 @triton.jit
-def done_flag(heap, table, entry):
+def done_flag(heap, table, entry, BACKWARD: tl.constexpr):
     """Entry ``entry``'s done counter: symmetric, in the heap slice of the rank that runs it,
-    so a waiter on any rank reads it where its producer signals it."""
+    so a waiter on any rank reads it where its producer signals it. The backward counts in
+    its own words."""
     row = table + entry * NCOL
-    return (peer(heap, tl.load(row + C_RANK)) + FLAGS).to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
+    at = peer(heap, tl.load(row + C_RANK))
+    if BACKWARD:
+        at += BWD_FLAGS
+    else:
+        at += FLAGS
+    return at.to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
 
 
 @triton.jit
@@ -268,7 +274,7 @@ def dispatch_source(p: KernelPlan) -> str:
             "        put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)",
         ]
     carried = ", ".join(p.sideband)
-    return (
+    text = (
         '''@triton.jit
 def dispatch(
     heap,
@@ -290,9 +296,14 @@ def dispatch(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Source r → owner q, segment s (dispatch phase 3): the admitted rows of r that fall in
     the segment, payload and sideband, into q's ring slot s % B.
+
+    The backward sends along the same offsets (the forward's accepted set, never routed
+    again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
+    dtype into q's backward payload ring, and its row_id beside it.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -309,7 +320,10 @@ def dispatch(
     expert = tl.load(order + tl.load(owner_first + q) + local, mask=mine, other=0)
     bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
     dst = peer(heap, q)
-    payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
+    if BACKWARD:
+        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+    else:
+        payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
     rows = sorted_rows + tl.cast(r, tl.int64) * (T * K)
     base = tl.cast(r, tl.int64) * n_tokens * K
     start = item * BLOCK_R
@@ -326,19 +340,26 @@ def dispatch(
         at = ring_row(row, s, s)
         src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
         to = payload + tl.cast(at, tl.int64) * H
+        if BACKWARD:
+            scale = tl.load(gates + base + i, mask=keep, other=0.0)
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = keep[:, None] & (c < H)[None, :]
             rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-            put(to[:, None] + c[None, :], @@PAYLOAD@@, m)
-        # The sideband: '''
-        + carried
-        + """.
+            if BACKWARD:
+                put(to[:, None] + c[None, :], @@SCALED@@, m)
+            else:
+                put(to[:, None] + c[None, :], @@PAYLOAD@@, m)
         row_id = tl.cast(r, tl.int64) * rid_rank + tl.cast(t, tl.int64) * rid_token + k  # eq. 7
-"""
-        + "\n".join(sideband)
+        if BACKWARD:
+            put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
+        else:  # the sideband: '''
+        + carried
+        + "\n"
+        + "\n".join("    " + line for line in sideband)
         + "\n"
     ).replace("@@PAYLOAD@@", _payload(p))
+    return text.replace("@@SCALED@@", narrowed(p, "rows_h.to(tl.float32) * scale[:, None]", "DTYPE"))
 
 
 def _payload(p: KernelPlan) -> str:
@@ -350,11 +371,23 @@ def _payload(p: KernelPlan) -> str:
     return load + ".to(DISPATCH_DTYPE)"
 
 
+def return_regions_source(p: KernelPlan) -> str:
+    ids = ("(me + BWD_RETURN_IDS)", "(me + RETURN_IDS)") if p.ring else ("me", "me")
+    return f'''@triton.jit
+def return_regions(me, BACKWARD: tl.constexpr):
+    """Where returned rows land in a front-end's heap slice ``me``, and their row_ids (a
+    return ring only): the forward's regions, or the backward's."""
+    if BACKWARD:
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE)), {ids[0]}.to(tl.pointer_type(tl.int64))
+    return (me + RETURN).to(tl.pointer_type(DTYPE)), {ids[1]}.to(tl.pointer_type(tl.int64))
+'''
+
+
 def return_source(p: KernelPlan) -> str:
     if p.ring:
         land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
         to = landing + tl.cast(at, tl.int64) * H
-        put((peer(heap, r) + RETURN_IDS).to(tl.pointer_type(tl.int64)) + at, rid, ok)
+        put(ids + at, rid, ok)
 """
         doc = """into
     the slot of r's return ring that this piece claimed (claim % B), each row with its row_id;
@@ -367,7 +400,8 @@ def return_source(p: KernelPlan) -> str:
         doc = """each
     to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
     condition 3)."""
-    return '''@triton.jit
+    return (
+        '''@triton.jit
 def return_rows(
     heap,
     recv,
@@ -386,17 +420,19 @@ def return_rows(
     rid_token,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Owner q → front-end r, segment s: the outputs of r's rows in the segment, @@DOC@@
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written.
+    the segment. A row_id that decodes to another rank is reported, not written. The
+    backward returns dL/dx rows the same way, into r's backward regions.
     """
     local = tl.arange(0, EL_PAD)
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
-    landing = (peer(heap, r) + RETURN).to(tl.pointer_type(DTYPE))
+    @@REGIONS@@ = return_regions(peer(heap, r), BACKWARD)
     out = staging + tl.cast(q, tl.int64) * (B * S) * H
     row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
     start = item * BLOCK_R
@@ -413,7 +449,10 @@ def return_rows(
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
             put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
-'''.replace("@@DOC@@", doc).replace("@@LAND@@", land)
+'''.replace("@@DOC@@", doc)
+        .replace("@@LAND@@", land)
+        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing, _")
+    )
 
 
 def unpack_source() -> str:
@@ -434,6 +473,7 @@ def unpack(
     rid_token,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Front-end r: copy the piece owner q returned for segment s out of its return-ring
     slot (claim % B) to each row's (token, slot) place in r's private landing, by the row's
@@ -448,8 +488,7 @@ def unpack(
     admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=local < E_MAX, other=0)
     lo, count = clip(offset, admitted, s)
     n = tl.sum(count, axis=0)
-    ring = (me + RETURN).to(tl.pointer_type(DTYPE))
-    ids = (me + RETURN_IDS).to(tl.pointer_type(tl.int64))
+    ring, ids = return_regions(me, BACKWARD)
     mine = landing + tl.cast(r, tl.int64) * (T * K) * H
     start = item * BLOCK_R
     while start < n:
@@ -494,18 +533,21 @@ def combine(
     owner_of,
     local_of,
     rowpos,
+    saved_out,
     r,
     tile,
     n_tokens,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
 
     A slot is accepted iff its position in its (source, expert) run is below the count its
     owner admitted and published back. No float atomics: bitwise deterministic. The
     routing context backward will need (accepted set, payload slot at the owner, g') is
-    written beside y.
+    written beside y; with ``SAVE`` also each accepted slot's expert output, for the gate
+    gradient.
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -540,6 +582,8 @@ def combine(
             m = ok_k[:, None] & (c < H)[None, :]
             out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
             acc += wk[:, None] * out.to(tl.float32)
+            if SAVE:
+                tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
         keep = real[:, None] & (c < H)[None, :]
         tl.store(y_rows[:, None] + c[None, :], @@Y@@, mask=keep)
 """

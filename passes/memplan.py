@@ -10,7 +10,9 @@ for the whole layer; the payload and sideband rings from the first dispatch to t
 compute; the return ring and its row ids (``return_ids``, one int64 per ring row, which the
 unpacks decode) from the first return to the last unpack (the landing, in bulk or when the
 ring holds every returned row, until the last combine tile; ``return_ids`` is then empty).
-The backward regions are not used by the forward schedule.
+The backward regions (its done counters, the g'·dL/dy payload ring and its row ids, the dL/dx
+return and its ids) are not used by the forward schedule: the backward runs the same task
+table over them, the forward's offsets unchanged.
 
 Ring slots are checked generation by generation: a slot's next contents (segment s + B on
 the payload ring, claim j + B on a front-end's return ring, segment s + B on an owner's
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
 
+BACKWARD_REGIONS = ("bwd_control", "bwd_payload", "bwd_return")
 ALIGN = 256  # docs/memory.md: every symmetric buffer is padded to a multiple of this
 EPS = 1e-12  # seconds: predicted times compare with this slack (float sums)
 
@@ -39,8 +42,11 @@ _WHAT = {
     "sideband": "row_id, local expert, gate (and fp8 scale) per payload row",
     "return": "expert outputs landing at the front-end",
     "return_ids": "int64 row_id per return-ring row: the unpack places each row by it",
-    "bwd_payload": "dL/dy rows, front-end → owner",
-    "bwd_return": "dL/dx rows, owner → front-end",
+    "bwd_flags": "int64 done counters of the backward's tasks (the forward's, and a weight-gradient task per owner)",
+    "bwd_payload": "g'·dL/dy rows, front-end → owner, expert-contiguous within a slot (the forward's offsets)",
+    "bwd_row_ids": "int64 row_id per backward payload row: the owner returns each dL/dx row by it",
+    "bwd_return": "dL/dx rows landing at the front-end",
+    "bwd_return_ids": "int64 row_id per backward return-ring row",
 }
 
 
@@ -94,6 +100,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         )
 
     whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
+    none = (None, None)  # the backward's buffers: not used by the forward schedule
     ring = geo.return_ring
     spec_rows = [
         ("control", "tokens", W * 8, 1, 0, whole),
@@ -119,8 +126,11 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
             S * 8 if ring else 0,
             live("return", "combine unpack") if ring else (None, None),
         ),
-        ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, (None, None)),
-        ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, 0, (None, None)),
+        ("bwd_control", "bwd_flags", (flag_slots(W, T, max(geo.segments, default=0), ring) + 1) * 8, 1, 0, none),
+        ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, none),
+        ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8, none),
+        ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, S * H * geo.a if ring else 0, none),
+        ("bwd_return", "bwd_return_ids", R_ret * 8 if ring else 0, B if ring else 1, S * 8 if ring else 0, none),
     ]
     buffers = []
     off = 0
@@ -129,7 +139,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         what = _WHAT[name]
         if name == "return":
             what += f" ({'a ring of B slots of S rows' if ring else 'every row at its (token, slot) place'})"
-        elif name == "return_ids" and not ring:
+        elif name in ("return_ids", "bwd_return_ids") and not ring:
             what += " (empty: rows land at their (token, slot) places, nothing to decode)"
         buffers.append(Buffer(name, region, off, nbytes, size, slots, slot_bytes, what, lv, lv_s))
         off += size
@@ -140,7 +150,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
             regions_fwd[b.region] += b.size
         regions_fb[b.region] = regions_fb.get(b.region, 0) + b.size
     fwd = {**regions_fwd, "total": sum(regions_fwd.values())}
-    fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", "bwd_payload", "bwd_return")}
+    fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", *BACKWARD_REGIONS)}
     fb["total"] = sum(fb.values())
 
     F = geo.F

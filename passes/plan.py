@@ -468,17 +468,21 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         "sideband": _pad(Bx * Sx * sb),
         "return": _pad(R_ret * H * a),
         "return_ids": _pad(ids),
+        "bwd_flags": _pad((done + 1) * INT64),
         "bwd_payload": _pad(Bx * Sx * H * a),
+        "bwd_row_ids": _pad(Bx * Sx * INT64),
         "bwd_return": _pad(R_ret * H * a),
+        "bwd_return_ids": _pad(ids),
     }
     control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "flags")), sp.Integer(0))
     ret = buf["return"] + buf["return_ids"]
     fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
     fb = {k: v for k, v in fwd.items() if k != "total"}
-    fb["bwd_payload"] = buf["bwd_payload"]
-    fb["bwd_return"] = buf["bwd_return"]
-    fb["total"] = fwd["total"] + buf["bwd_payload"] + buf["bwd_return"]
+    fb["bwd_control"] = buf["bwd_flags"]
+    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"]
+    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"]
+    fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     return {"S": Sx, "B": Bx, "R_ret": R_ret, "buffers": buf, "forward": fwd, "forward_backward": fb}
 
 
@@ -493,8 +497,11 @@ _BUFFER_WHAT = {
     "sideband": "B·S rows of sb bytes (row_id, local expert, gate, scale)",
     "return": "R_ret returned rows of H·a bytes",
     "return_ids": "int64 row_id per return-ring row (R_ret·8 if the ring rotates, else 0): unpacks place rows by it",
-    "bwd_payload": "B·S dL/dy rows of H·a bytes, front-end → owner",
+    "bwd_flags": "int64 done counters of the backward's tasks: the forward's, and one weight-gradient task per owner",
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, front-end → owner",
+    "bwd_row_ids": "B·S int64 row_ids of the backward payload rows",
     "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
+    "bwd_return_ids": "int64 row_id per backward return-ring row (as return_ids)",
 }
 
 _REGION_WHAT = {
@@ -502,8 +509,9 @@ _REGION_WHAT = {
     "payload": _BUFFER_WHAT["payload"],
     "sideband": _BUFFER_WHAT["sideband"],
     "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
-    "bwd_payload": _BUFFER_WHAT["bwd_payload"],
-    "bwd_return": _BUFFER_WHAT["bwd_return"],
+    "bwd_control": _BUFFER_WHAT["bwd_flags"],
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, then their int64 row_ids (each padded)",
+    "bwd_return": "R_ret dL/dx rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
     "total": "sum of the regions",
 }
 
@@ -520,7 +528,7 @@ def symmetric_plan(
 
         {"strategy", "S", "B", "R_ret", "buffers": {name: padded bytes},
          "forward": {"control", "payload", "sideband", "return", "total"},
-         "forward_backward": {... forward regions, "bwd_payload", "bwd_return", "total"}}
+         "forward_backward": {... forward regions, "bwd_control", "bwd_payload", "bwd_return", "total"}}
     """
     strategy = resolve_strategy(spec, strategy)
     env = _Env(_spec_values(spec, strategy, rows, buffers), spec.capacity.policy)

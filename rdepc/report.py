@@ -305,7 +305,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
         for fig in pl.figures():
             head, _, region = fig.key.rpartition(".")
-            if head.endswith(".forward_backward") and region not in ("bwd_payload", "bwd_return", "total"):
+            if head.endswith(".forward_backward") and region not in ("bwd_control", "bwd_payload", "bwd_return", "total"):
                 continue
             if fig.formula is not None:
                 add(f"  {fig.key} = {fig.formula}")

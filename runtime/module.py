@@ -34,10 +34,22 @@ After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] 
 ``dropped_rows``, ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
 the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless) and
 ``launches`` (per-rank backends: the same for the rank's own experts, ``[E_loc]``, and its
-own tokens, ``[T', K]``); ``last_context`` the routing context backward will need: the
+own tokens, ``[T', K]``); ``last_context`` the routing context the backward walks: the
 accepted set, each accepted row's slot in its owner's payload (-1 when dropped) and the
-combine weights g'. Backward is not supported yet: differentiating through ``forward``
-raises.
+combine weights g'.
+
+``forward`` is differentiable (``torch.autograd``): x, ``topk_weights`` and the expert
+weights get gradients, ``topk_ids`` none. A call that needs them (grad mode on and an input
+that requires grad) keeps what the generated backward walks — the routing tables (offsets,
+split tables, the accepted set, g'), each owner's input rows and pre-activations, each
+accepted slot's expert output — and the backward launches the same kernel with its
+``BACKWARD`` constexpr: g'·dL/dy to the forward's places, the expert backward and the
+weight gradients at the owners (summed over each expert's rows in a fixed order: no
+float atomics), dL/dx rows home and summed per token in slot order, dL/dg' = dL/dy·out,
+then dL/dg through the capacity weights policy on the host (torch ops, no sync). Dropped
+slots get no gradient; a token with every slot dropped gets zero. Per-rank backends: every
+rank calls backward (it is collective, like the forward), and gets its own tokens' and its
+own experts' gradients.
 
 A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
 [E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
@@ -100,20 +112,43 @@ class RoutingContext:
 
 
 class _Routed(torch.autograd.Function):
-    """forward runs the kernel; backward is not generated yet and says so."""
+    """forward runs the kernel and keeps what the backward walks; backward runs the kernel's
+    backward pass over it."""
 
     @staticmethod
     def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down):
-        y, context = module._run(x, topk_ids, gates, w_gate, w_up, w_down)
-        ctx.save_for_backward(context.topk_ids, context.accepted, context.slot, context.gprime)
+        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, save=True)
+        ctx.module, ctx.kept, ctx.context = module, kept, context
+        ctx.n_tokens = x.shape[-2]
+        ctx.save_for_backward(gates, w_gate, w_up, w_down)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        raise NotImplementedError(
-            "rdepc: backward of the routed RDEP layer is not supported yet (the code generator emits the forward "
-            "pass only); the forward kept its routing context (accepted set, payload slots, g') for it"
+        gates, w_gate, w_up, w_down = ctx.saved_tensors
+        dx, dgates, dwg, dwu, dwd = ctx.module._backward(
+            grad_y, ctx.context, ctx.kept, ctx.n_tokens, gates, w_gate, w_up, w_down
         )
+        return None, dx, None, dgates, dwg, dwu, dwd
+
+
+def gate_grad(gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor, weights: str) -> torch.Tensor:
+    """dL/dg from dL/dg' through the capacity weights policy (the combine's g'):
+    ``zero`` (and dropless) g' = g on accepted slots; ``renormalize`` g'_i = A_i g_i G / S_A
+    with G = sum_j g_j, S_A = sum_j A_j g_j (0 when S_A = 0), whose derivative is
+    dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A."""
+    g = gates.float()
+    kept = torch.where(accepted, g, 0.0)
+    if weights != "renormalize":
+        return torch.where(accepted, dgprime, 0.0)
+    total = g.sum(dim=-1, keepdim=True)
+    survived = kept.sum(dim=-1, keepdim=True)
+    ok = survived != 0
+    denom = torch.where(ok, survived, 1.0)
+    scale = total / denom
+    through = (dgprime * kept).sum(dim=-1, keepdim=True) / denom
+    dg = torch.where(accepted, dgprime * scale, 0.0) + through - torch.where(accepted, scale, 0.0) * through
+    return torch.where(ok, dg, 0.0)
 
 
 class RDEPModule:
@@ -177,6 +212,7 @@ class RDEPModule:
         p = plan
         self.tiles, self.tiles_source = self._tiles(tiles)
         self.work = p.work(self.tiles, mode, rank=self.rank)
+        self.bwd_work = p.work(self.tiles, mode, rank=self.rank, backward=True)
         # The global ids of the experts whose weights forward takes, in that order: per rank,
         # this rank's experts in local order; otherwise every expert.
         mine = sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e])
@@ -213,12 +249,17 @@ class RDEPModule:
         def i32(values) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int32, device=device)
 
-        self.tables = {
-            "table": i32(v for row in self.work.table for v in row),
-            "deps": i32(p.deps or (0,)),
-            "queue": i32(self.work.queue),
-            "first_item": i32(self.work.first_item),
-            "queues": i32(v for (lo, hi), n in zip(self.work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
+        def queued(work, deps) -> dict[str, torch.Tensor]:
+            return {
+                "table": i32(v for row in work.table for v in row),
+                "deps": i32(deps or (0,)),
+                "queue": i32(work.queue),
+                "first_item": i32(work.first_item),
+                "queues": i32(v for (lo, hi), n in zip(work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
+            }
+
+        self.bwd_tables = queued(self.bwd_work, p.bwd_deps)
+        self.tables = queued(self.work, p.deps) | {
             "program_queue": i32(q for q, n in enumerate(per_queue) for _ in range(n if mode != "unified" else 1)),
             "owner_of": i32(p.owner),
             "local_of": i32(p.local),
@@ -237,18 +278,23 @@ class RDEPModule:
                 shape = (1, *shape[1:])
             self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
+        self._unused = {dt: torch.zeros(1, dtype=dt, device=device) for dt in (self.dtype, torch.float32)}
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
         self.launcher = self.transport.launcher(self.interpret, concurrent=mode == "role-split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
-        self._pending: tuple | None = None  # a native call whose control words are still on their way
+        self._pending: list[tuple] = []  # native calls whose control words are still on their way
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
         self._withheld: int | None = None
         self._broken: str | None = None  # per-rank backends: a kernel error ends the module
-        self._flags = (dict(p.heap)["flags"], next(size for name, _, _, size in p.layout if name == "flags"))
+        sizes = {name: (at, size) for name, _, at, size in p.layout}
+        self._flags, self._bwd_flags = sizes["flags"], sizes["bwd_flags"]
+        # the heap words the backward reads from a rank's own slice: the offsets and admitted
+        # counts its owners published to it (adjacent buffers)
+        self._published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
@@ -258,21 +304,25 @@ class RDEPModule:
         """y = the routed layer of every rank's tokens (see the module docstring)."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
-        return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        inputs = (x, topk_weights, w_gate, w_up, w_down)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, save=False)[0]
 
-    def withhold(self, entry: int) -> None:
-        """Fault injection: in the next call only, task-table entry ``entry`` runs nothing and
-        never signals its done flag, as if its producer were lost. The call fails with the
-        kernel's error record once a dependent's wait expires."""
-        if not 0 <= entry < self.work.n_entries:
-            raise ValueError(f"task-table entry {entry} out of range [0, {self.work.n_entries})")
-        if self.per_rank and self.plan.table[entry][COLUMNS.index("rank")] != self.rank:
-            raise ValueError(
-                f"task-table entry {entry} ({self.plan.names[entry]}) runs on another rank than {self.rank}"
-            )
-        self._withheld = entry
+    def withhold(self, entry: int, backward: bool = False) -> None:
+        """Fault injection: in the next call only (``backward``: the next backward), task-table
+        entry ``entry`` runs nothing and never signals its done flag, as if its producer
+        were lost. The call fails with the kernel's error record once a dependent's wait
+        expires."""
+        table, names = (self.plan.bwd_table, self.plan.bwd_names) if backward else (self.plan.table, self.plan.names)
+        if not 0 <= entry < len(table):
+            raise ValueError(f"task-table entry {entry} out of range [0, {len(table)})")
+        if self.per_rank and table[entry][COLUMNS.index("rank")] != self.rank:
+            raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
+        self._withheld = (entry, backward)
 
-    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
+    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, save: bool = False):
+        """Launch the forward. ``save``: keep what the backward walks, returned third."""
         p = self.plan
         if self._broken:
             raise RuntimeError(self._broken)
@@ -282,55 +332,129 @@ class RDEPModule:
         x = x.detach().contiguous()
         ids = topk_ids.detach().to(torch.int64).contiguous()
         gates = topk_weights.detach().to(torch.float32).contiguous()
-        if p.gated:
-            weights = {"w_gate_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
-        else:
-            weights = {"w_up": w_up, "w_down": w_down}
         y = torch.empty((*lead, Tn, p.H), dtype=self.dtype, device=self.device)
         accepted = torch.zeros((*lead, Tn, K), dtype=torch.int8, device=self.device)
         slot = torch.full((*lead, Tn, K), -1, dtype=torch.int32, device=self.device)
         gprime = torch.zeros((*lead, Tn, K), dtype=torch.float32, device=self.device)
         launches = self.launcher.launches
-        # Row ids decode at the owner: one radix for all ranks, whose T' may differ per rank.
-        rid_rank, rid_token = p.row_id_radix(p.T if self.per_rank else Tn)
+        given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
+        given |= self._weights(w_gate, w_up, w_down)
+        kept = None
+        if save:  # the owners' rows (input, pre-activations) and the front-ends' expert outputs
+            rows = (1 if self.per_rank else W, p.R_MAX)
+            pre = 2 * p.F if p.gated else p.F
+            kept = {
+                "saved_x": torch.empty((*rows, p.H), dtype=self.dtype, device=self.device),
+                "saved_pre": torch.empty((*rows, pre), dtype=self.dtype, device=self.device),
+                "saved_out": torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device),
+            }
+            given |= kept
         self.epoch += 1
-        table = self.tables["table"]
-        if self._withheld is not None:
-            table = table.clone()
-            table[self._withheld * len(COLUMNS) + COLUMNS.index("kind")] = -1
-            self._withheld = None
-
-        def arg(a: torch.Tensor) -> torch.Tensor:  # a call with T' = 0 still launches: no null pointers
-            return a if a.numel() else a.new_zeros(1)
-
-        given = {"heap": self.heap, "x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted}
-        given |= {"slot": slot, "gprime": gprime}
-        given |= {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
-        given |= self.tables | {"table": table} | self.private
-        given |= {"n_tokens": Tn, "n_programs": self.grid, "rank0": self.rank or 0}
-        given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
-        tl = self.tiles
-        meta = tl.constexprs() | {
-            "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
-            "ROLE_SPLIT": self.mode == "role-split",
-            "PROFILE": self.profiling,
-            "GLOBALTIMER": self.profiling and not self.interpret,
-        }
-        args = tuple(
-            arg(given[name]) if isinstance(given[name], torch.Tensor) else given[name]
-            for name, kind in kernel_args(p)
-            if kind != "constexpr"
-        )
-        if not self.interpret:
-            meta["num_warps"] = tl.num_warps
-        self.launcher(self.kernels.rdep_forward, (self.grid,), args, meta)
+        self._launch(given, Tn, backward=False, save=save)
+        if save:  # the routing tables the backward walks, as this call left them
+            lo, hi = self._published
+            kept["published"] = self._own_heap()[:, lo:hi].clone()
+            kept |= {n: self.private[n].clone() for n in ("sorted_rows", "route_scratch", "recv", "group")}
         accepted = accepted.bool()
         self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
         self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
         if self.profiling:
             self.last_profile = self._profile()
-        return y, self.last_context
+        return y, self.last_context, kept
+
+    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, gates, w_gate, w_up, w_down):
+        """Launch the backward over a forward's routing context and what it kept; returns the
+        gradients of x, the gates and the weights (w_gate None for an ungated expert)."""
+        p = self.plan
+        if self._broken:
+            raise RuntimeError(self._broken)
+        self._settle(wait=False)
+        W, K = p.W, p.K
+        lead = () if self.per_rank else (W,)
+        rows = (1 if self.per_rank else W, p.R_MAX)
+        pre = 2 * p.F if p.gated else p.F
+        weights = self._weights(w_gate, w_up, w_down)
+        up = weights["w_gate_up" if p.gated else "w_up"]
+        new = {"device": self.device, "dtype": self.dtype}
+        given = {
+            "dy": dy.detach().to(self.dtype).contiguous(),
+            "dx": torch.empty((*lead, Tn, p.H), **new),
+            "dgprime": torch.empty((*lead, Tn, K), device=self.device, dtype=torch.float32),
+            "accepted": context.accepted.to(torch.int8),
+            "gprime": context.gprime,
+            "dh": torch.empty((*rows, pre), **new),
+            "act_rows": torch.empty((*rows, p.F), **new),
+            "do_rows": torch.empty((*rows, p.H), **new),
+            "dw_up": torch.zeros(up.shape, **new),  # an owner without rows runs no weight gradient
+            "dw_down": torch.zeros(weights["w_down"].shape, **new),
+        }
+        given |= weights | {k: v for k, v in kept.items() if k != "published"}
+        lo, hi = self._published
+        self._own_heap()[:, lo:hi] = kept["published"]  # the forward's offsets, whatever ran since
+        self._launch(given, Tn, backward=True, save=False)
+        self._record(None, None, backward=True)
+        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights).to(gates.dtype)
+        dw_up = given["dw_up"]
+        if p.gated:
+            dwg, dwu = dw_up[..., 0], dw_up[..., 1]
+        else:
+            dwg, dwu = None, dw_up
+        return given["dx"], dgates, dwg, dwu, given["dw_down"]
+
+    def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
+        if self.plan.gated:
+            weights = {"w_gate_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
+        else:
+            weights = {"w_up": w_up, "w_down": w_down}
+        return {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
+
+    def _own_heap(self) -> torch.Tensor:
+        """The heap slices this process owns, [ranks, heap_bytes]."""
+        if not self.per_rank:
+            return self.heap
+        return self.heap.view(1, -1) if self.heap.dim() == 1 else self.heap[self.rank : self.rank + 1]
+
+    def _launch(self, given: dict, Tn: int, backward: bool, save: bool) -> None:
+        """One launch of the persistent kernel: the forward, or with ``backward`` its backward
+        pass (its own task table, control words and tile counters)."""
+        p = self.plan
+        # Row ids decode at the owner: one radix for all ranks, whose T' may differ per rank.
+        rid_rank, rid_token = p.row_id_radix(p.T if self.per_rank else Tn)
+        tables = self.tables | (self.bwd_tables if backward else {})
+        if self._withheld is not None and self._withheld[1] == backward:
+            table = tables["table"].clone()
+            table[self._withheld[0] * len(COLUMNS) + COLUMNS.index("kind")] = -1
+            tables = tables | {"table": table}
+            self._withheld = None
+        private = dict(self.private)
+        if backward:
+            private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
+        given = {"heap": self.heap, **private, **tables, **given}
+        given |= {"n_tokens": Tn, "n_programs": self.grid, "rank0": self.rank or 0}
+        given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
+        tl = self.tiles
+        meta = tl.constexprs() | {
+            "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
+            "ROLE_SPLIT": self.mode == "role-split",
+            "PROFILE": self.profiling and not backward,
+            "GLOBALTIMER": self.profiling and not backward and not self.interpret,
+            "BACKWARD": backward,
+            "SAVE": save,
+        }
+
+        def arg(name: str, kind: str):
+            a = given.get(name)
+            if a is None:  # the other pass's tensors: never read
+                return self._unused[torch.float32 if kind == "*fp32" else self.dtype]
+            if isinstance(a, torch.Tensor) and not a.numel():  # a call with T' = 0 still launches
+                return a.new_zeros(1)
+            return a
+
+        args = tuple(arg(name, kind) for name, kind in kernel_args(p) if kind != "constexpr")
+        if not self.interpret:
+            meta["num_warps"] = tl.num_warps
+        self.launcher(self.kernels.rdep_layer, (self.grid,), args, meta)
 
     def _profile(self) -> dict:
         """Per entry that ran: its first item's start and its last item's end."""
@@ -409,25 +533,25 @@ class RDEPModule:
         # them (validate) and the host raises from its record, with no sync in the call.
 
     # ------------------------------------------------------------------ results
-    def _record(self, ids, gates) -> None:
+    def _record(self, ids, gates, backward: bool = False) -> None:
         """Read the call's control words: under the interpreter at once (host memory: no
         sync); natively, queue their copy to pinned host memory behind the kernel and read
         them when they have landed — at the next call, at :meth:`synchronize` or when
         ``last_stats`` is read — so the call itself never waits for the device."""
-        words = self.private["ctl"][:CTL_TICKETS]
+        words = self.private["bwd_ctl" if backward else "ctl"][:CTL_TICKETS]
         if self.interpret:
-            self._raise_from(words.tolist(), ids, gates)
+            self._raise_from(words.tolist(), ids, gates, backward)
             return
         if self._capturing():
             # Captured into a CUDA graph: its replays run no host code, so the words are read
             # where the user asks for them — synchronize() copies them then.
-            self._pending = (None, words, ids, gates)
+            self._pending.append((None, words, ids, gates, backward))
             return
         host = torch.empty(CTL_TICKETS, dtype=torch.int64, pin_memory=True)
         host.copy_(words, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending = (event, host, ids, gates)
+        self._pending.append((event, host, ids, gates, backward))
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -439,24 +563,26 @@ class RDEPModule:
         self._settle(wait=True)
 
     def _settle(self, wait: bool) -> None:
-        if self._pending is None or self._capturing():  # nothing is read while a graph is captured
-            return
-        event, host, ids, gates = self._pending
-        if event is None:  # a captured call: only an explicit synchronize() reads its words
-            if not wait:
+        """Raise the first error of the native calls whose words have landed (all, with
+        ``wait``), oldest first."""
+        while self._pending and not self._capturing():  # nothing is read while a graph is captured
+            event, host, ids, gates, backward = self._pending[0]
+            if event is None:  # a captured call: only an explicit synchronize() reads its words
+                if not wait:
+                    return
+                torch.cuda.current_stream(self.device).synchronize()
+            elif not wait and not event.query():
                 return
-            torch.cuda.current_stream(self.device).synchronize()
-        elif not wait and not event.query():
-            return
-        else:
-            event.synchronize()
-        self._pending = None
-        self._raise_from(host.tolist(), ids, gates)
+            else:
+                event.synchronize()
+            self._pending.pop(0)
+            self._raise_from(host.tolist(), ids, gates, backward)
 
-    def _raise_from(self, words: list[int], ids, gates) -> None:
+    def _raise_from(self, words: list[int], ids, gates, backward: bool = False) -> None:
         p = self.plan
-        err = kernel_error(p, words, self.mode, self.spin_bound)
+        err = kernel_error(p, words, self.mode, self.spin_bound, backward)
         if err is not None:
+            self._pending.clear()
             if self.per_rank:
                 # Other ranks' done flags live in their processes' slices: one rank cannot reset
                 # them, so the layer must be rebuilt on every rank.
@@ -464,12 +590,16 @@ class RDEPModule:
             else:
                 # The programs stopped early: their tickets and flags are off the count. The next
                 # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
-                self.private["ctl"].zero_()
-                self.private["tile_done"].zero_()
-                at, size = self._flags
+                pre = "bwd_" if backward else ""
+                self.private[pre + "ctl"].zero_()
+                self.private[pre + "tile_done"].zero_()
+                at, size = self._bwd_flags if backward else self._flags
                 self.heap[:, at : at + size] = 0
-                self.epoch = 0
+                if not backward:
+                    self.epoch = 0
             raise err
+        if backward:
+            return
         name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
         bad = input_error(p, words, name, ids, gates, self.per_rank)
         if bad is not None:

@@ -36,21 +36,25 @@ class KernelError(RuntimeError):
         return (KernelError, (str(self), self.record))
 
 
-def kernel_error(plan: KernelPlan, words: list[int], mode: str, spin_bound: int) -> KernelError | None:
-    """The call's fatal error, or None."""
+def kernel_error(
+    plan: KernelPlan, words: list[int], mode: str, spin_bound: int, backward: bool = False
+) -> KernelError | None:
+    """The call's fatal error, or None (``backward``: of a backward call, whose entries are
+    the backward's table)."""
     names = ("err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
     code, entry, dep, rank, epoch, queue, segment = (words[AT[n]] for n in names)
     seen, expected = words[AT["err_seen"]], words[AT["err_expected"]]
     if code == 0:
         return None
     p = plan
+    names, table = (p.bwd_names, p.bwd_table) if backward else (p.names, p.table)
 
     def task(i: int) -> str:
-        return f"task #{i} ({p.names[i]})" if 0 <= i < len(p.names) else f"task #{i}"
+        return f"task #{i} ({names[i]})" if 0 <= i < len(names) else f"task #{i}"
 
     role = "any task (unified)" if mode == "unified" else ("communication", "compute")[queue % 2]
     seg = f", segment {segment}" if segment >= 0 else ""
-    flag_rank = p.table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(p.table) else None
+    flag_rank = table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(table) else None
     if code == 1:
         what = (
             f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {spin_bound} spins for the done "
@@ -67,18 +71,20 @@ def kernel_error(plan: KernelPlan, words: list[int], mode: str, spin_bound: int)
         "what": ERRORS.get(code, f"error code {code}"),
         "call": epoch,
         "entry": entry,
-        "task": p.names[entry] if 0 <= entry < len(p.names) else None,
+        "pass": "backward" if backward else "forward",
+        "task": names[entry] if 0 <= entry < len(names) else None,
         "rank": rank,
         "queue": queue,
         "role": role,
         "segment": segment,
         "flag": dep if code == 1 else None,
-        "flag_task": p.names[dep] if code == 1 and 0 <= dep < len(p.names) else None,
+        "flag_task": names[dep] if code == 1 and 0 <= dep < len(names) else None,
         "flag_rank": flag_rank,
         "seen": seen,
         "expected": expected,
     }
-    return KernelError(f"rdepc layer {p.layer}: the forward kernel stopped in call {epoch}: {what}", record)
+    kernel = "backward" if backward else "forward"
+    return KernelError(f"rdepc layer {p.layer}: the {kernel} kernel stopped in call {epoch}: {what}", record)
 
 
 def input_error(plan: KernelPlan, words: list[int], name: str, ids, gates, per_rank: bool) -> ValueError | None:

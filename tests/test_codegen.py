@@ -30,6 +30,7 @@ from rdepc.driver import Options, compile_file, spec_passes
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
 TASK_KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return_rows", "combine")  # and unpack, with a return ring
+BACKWARD_KINDS = ("bgemm1", "bgemm2", "combine_grad", "wgrad")
 TRANSPORT = ("peer", "put", "signal", "wait")
 
 SPEC = """layer f {{
@@ -103,11 +104,11 @@ def test_one_jit_function_per_task_kind_and_the_transport(tiny):
         for f in tree.body
         if isinstance(f, ast.FunctionDef) and any("triton.jit" in ast.unparse(d) for d in f.decorator_list)
     }
-    assert {*TASK_KINDS, *TRANSPORT, "m_tile", "gemm_tile", "rdep_forward"} <= jitted
-    kernel = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "rdep_forward")
+    assert {*TASK_KINDS, *BACKWARD_KINDS, *TRANSPORT, "m_tile", "gemm_tile", "rdep_layer"} <= jitted
+    kernel = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "rdep_layer")
     assert [a.arg for a in kernel.args.args] == [name for name, _ in kernel_args(tiny.kernel)]
-    assert ast.get_docstring(tree).startswith("Forward kernels of the RDEP layer ``tiny``")
-    for name in (*TASK_KINDS, *TRANSPORT):
+    assert ast.get_docstring(tree).startswith("Forward and backward kernels of the RDEP layer ``tiny``")
+    for name in (*TASK_KINDS, *BACKWARD_KINDS, *TRANSPORT):
         fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name)
         assert ast.get_docstring(fn), f"{name} has no docstring"
 
@@ -221,7 +222,7 @@ def test_supported_features_generate(tmp_path):
         {"expert": "relu(ffn = 64)"},
     ):
         g = generate_spec(rdepc.load(spec_file(tmp_path, **kw)).spec)
-        assert g.kernel.transport == "emulated" and "def rdep_forward(" in g.source
+        assert g.kernel.transport == "emulated" and "def rdep_layer(" in g.source
     sym = tmp_path / "sym.rdep"
     sym.write_text("param T <= 24\n" + SPEC.format(expert="swiglu(ffn = 64)", dtype="fp32", extra="").replace(
         "tokens 8", "tokens T"), encoding="utf-8")  # fmt: skip
@@ -237,7 +238,7 @@ def test_segmented_schedules_are_compiled_as_planned(monkeypatch):
     assert r.outputs["schedule"].strategy == g.kernel.strategy == "pipelined"
     assert (g.kernel.S, g.kernel.B, g.kernel.ring) == (4096, 2, True)  # B·S = 8,192 < T·K = 24,576
     assert "def unpack(" in g.source and "RETURN_IDS = tl.constexpr(" in g.source
-    assert g.kernel.heap_bytes == g.memory.regions()["total"]
+    assert g.kernel.heap_bytes == g.memory.regions("forward_backward")["total"]
     deep = compile_file("examples/tiny.rdep", Options(schedule="deep"), out=io.StringIO()).outputs["codegen"]
     assert deep.kernel.strategy == "deep" and not deep.kernel.ring  # B·S = 64 >= T·K = 32: rows land in place
     assert "def unpack(" not in deep.source and "RETURN_IDS" not in deep.source
@@ -339,7 +340,7 @@ def test_dump_after_codegen_prints_the_source(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["compile", "examples/tiny.rdep", "-o", str(tmp_path), "--dump-after", "codegen"]) == 0
     out = capsys.readouterr().out
-    assert "// ----- IR after codegen" in out and "def rdep_forward(" in out
+    assert "// ----- IR after codegen" in out and "def rdep_layer(" in out
     assert (tmp_path / "tiny_kernels.py").read_text(encoding="utf-8") == GOLDEN.read_text(encoding="utf-8")
     plan = json.loads((tmp_path / "tiny.plan.json").read_text(encoding="utf-8"))
     assert plan["layer"] == "tiny" and len(plan["table"]) == 56
@@ -351,7 +352,7 @@ def test_import_rdepc_and_generating_source_import_neither_torch_nor_triton():
         "import sys, rdepc\n"
         "layer = rdepc.load('examples/tiny.rdep')\n"
         "src = layer.source\n"
-        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules), 'def rdep_forward' in src)\n"
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules), 'def rdep_layer' in src)\n"
         "rdepc.RDEPMoE\n"
         "print('torch' in sys.modules)\n"
     )
@@ -385,7 +386,7 @@ def test_layer_plan_exposes_schedule_memory_and_kernel():
     layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
     plan = layer.plan
     assert plan.schedule.strategy == "bulk" and len(plan.schedule.table) == 56
-    assert plan.memory.regions()["total"] == plan.kernel.heap_bytes
+    assert plan.memory.regions("forward_backward")["total"] == plan.kernel.heap_bytes
     assert plan.source == layer.source
     nv = layer.compile(backend="nvshmem")  # one process per rank: peers through nvshmem_ptr
     assert "from triton.language import core" in nv.source and '"nvshmem_ptr"' in nv.source

@@ -3,7 +3,7 @@
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
 compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
-deep), its one kernel ``rdep_forward`` in both kernel modes (unified and role-split), for
+deep), its one kernel ``rdep_layer`` in both kernel modes (unified and role-split), for
 the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
 examples are dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
 as not supported yet; its shapes are compiled with bf16 dispatch instead.
@@ -89,12 +89,12 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["compile", "examples/tiny.rdep", "-o", str(tmp_path), "--target", "sm_90"]) == 0
     out = capsys.readouterr().out
-    cubin = tmp_path / "tiny.rdep_forward.sm_90.cubin"
+    cubin = tmp_path / "tiny.rdep_layer.sm_90.cubin"
     assert cubin.stat().st_size > 0
-    split = tmp_path / "tiny.rdep_forward.role_split.sm_90.cubin"
+    split = tmp_path / "tiny.rdep_layer.role_split.sm_90.cubin"
     assert split.stat().st_size > 0
-    assert "compiled rdep_forward for sm_90a in " in out and f"wrote {cubin}" in out
-    assert "compiled rdep_forward.role_split for sm_90a in " in out
+    assert "compiled rdep_layer for sm_90a in " in out and f"wrote {cubin}" in out
+    assert "compiled rdep_layer.role_split for sm_90a in " in out
     assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name]

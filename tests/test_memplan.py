@@ -72,7 +72,10 @@ def test_moonlight_heap_and_lifetimes():
     assert (ids.live, ids.live_s) == (buf["return"].live, buf["return"].live_s)
     assert mp.regions("forward")["return"] == 2 * 4096 * 2048 * 2 + 65536
     assert mp.regions("forward")["total"] == 67_316_992
-    assert mp.regions("forward_backward")["total"] == 134_425_856
+    # + the backward's 1,284 done counters (the forward's 1,283 and a weight-gradient task),
+    # g'·dL/dy ring and its row ids, dL/dx ring and its row ids
+    assert mp.regions("forward_backward")["total"] == 67_316_992 + 10_496 + 2 * (2 * 4096 * 2048 * 2 + 65536)
+    assert mp.regions("forward_backward")["total"] == 134_567_424
     assert buf["tokens"].live == (0, len(sched.order) - 1)
     first, last = buf["payload"].live
     pos = {sched.graph.tasks[u].detail or sched.graph.tasks[u].stage: [] for u in sched.order}
@@ -116,7 +119,10 @@ def test_return_ids(strategy, S, B, ring):
         assert ids.live is not None and (ids.live, ids.live_s) == (ret.live, ret.live_s)
     else:
         assert ids.bytes == ids.size == 0 and ids.live is None  # pad(0) = 0: the layout as without it
-        assert buf["bwd_payload"].offset == ret.offset + ret.size
+        assert buf["bwd_flags"].offset == ret.offset + ret.size
+    bwd_ids = buf["bwd_return_ids"]  # the backward's return carries ids exactly when the forward's does
+    assert (bwd_ids.bytes, bwd_ids.slots) == (ids.bytes, ids.slots)
+    assert bwd_ids.offset == buf["bwd_return"].offset + buf["bwd_return"].size
 
 
 def test_the_checks_can_fail():

@@ -332,8 +332,11 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     }
     fwd["total"] = sum(fwd.values())
     fb = {k: v for k, v in fwd.items() if k != "total"}
-    fb |= {"bwd_payload": pad(B * S * H * a), "bwd_return": pad(R_ret * H * a)}
-    fb["total"] = fwd["total"] + fb["bwd_payload"] + fb["bwd_return"]
+    # the backward: its done counters (the forward's and a weight-gradient task), g'·dL/dy
+    # rows and their row ids, dL/dx rows (no ids: bulk rows land at their places)
+    fb |= {"bwd_control": pad((done + 1) * 8), "bwd_payload": pad(B * S * H * a) + pad(B * S * 8)}
+    fb |= {"bwd_return": pad(R_ret * H * a)}
+    fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     got = symmetric_plan(spec)  # the spec's schedule: bulk
     assert (got["strategy"], got["S"], got["B"], got["R_ret"]) == ("bulk", 128, 1, 32)
     assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as tiny has a segment
@@ -341,7 +344,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
         got["forward"] == fwd == {"control": 1280, "payload": 32768, "sideband": 2048, "return": 8192, "total": 44288}
     )
     assert got["forward_backward"] == fb
-    assert fb["total"] == 85248
+    assert fb["total"] == 86528
     assert got["buffers"]["tokens"] == 256 and got["buffers"]["flags"] == 256
     assert got["buffers"]["return_ids"] == 0
 
@@ -357,9 +360,11 @@ def test_symmetric_plan_tiny_segmented_by_hand():
         "return": 64 * 64 * 4,
         "total": 1536 + 16384 + 1024 + 16384,
     }
-    assert got["forward_backward"]["bwd_payload"] == 2 * 32 * 64 * 4
+    # 3 + 1 token tile + 10·n done counters, n = 4 segments: 44, and the backward's 45, padded
+    assert got["forward_backward"]["bwd_control"] == got["buffers"]["bwd_flags"] == pad(45 * 8) == 512
+    assert got["forward_backward"]["bwd_payload"] == 2 * 32 * 64 * 4 + 2 * 32 * 8
     assert got["forward_backward"]["bwd_return"] == 64 * 64 * 4
-    assert got["forward_backward"]["total"] == 35328 + 16384 + 16384
+    assert got["forward_backward"]["total"] == 35328 + 512 + 16384 + 512 + 16384
     assert got["buffers"]["return_ids"] == 0  # B·S = 64 >= T·K = 32: rows land at their places
     assert symmetric_plan(spec, "deep") == {**got, "strategy": "deep"}
 
@@ -383,7 +388,8 @@ def test_symmetric_plan_return_ids(strategy, rows, buffers, ids):
     assert list(got["buffers"]).index("return_ids") == list(got["buffers"]).index("return") + 1
     for phase in ("forward", "forward_backward"):
         assert got[phase]["return"] == got["buffers"]["return"] + pad(ids)
-    assert got["forward_backward"]["bwd_return"] == got["buffers"]["bwd_return"]  # backward carries no ids yet
+    assert got["buffers"]["bwd_return_ids"] == pad(ids)  # the backward's return carries ids as the forward's
+    assert got["forward_backward"]["bwd_return"] == got["buffers"]["bwd_return"] + pad(ids)
 
 
 def test_return_ids_formula():
@@ -427,7 +433,7 @@ def test_moonlight_plan_regions(moonlight):
     # the return ring (B·S = 8192 < T·K = 24576 rows) and one int64 row id per ring row
     assert p["buffers"]["return_ids"] == 8192 * 8
     assert p["forward"]["return"] == 2 * 4096 * 2048 * 2 + 8192 * 8
-    assert p["forward"]["total"] == 67_316_992 and p["forward_backward"]["total"] == 134_425_856
+    assert p["forward"]["total"] == 67_316_992 and p["forward_backward"]["total"] == 134_567_424
     assert moonlight["symmetric_bytes"]["plan_bulk"]["buffers"]["return_ids"] == 0
     # 48 segments of the busiest owner (R_max = 196,608 rows / S = 4096), ring rotating:
     # 3 + 32 token tiles + 18·48 + 8·48 = 1283 done counters

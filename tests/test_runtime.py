@@ -281,7 +281,7 @@ def test_one_launch_per_call_whatever_the_tokens_and_routing():
     module.launcher = Counting()
     for tokens, routing in ((16, "uniform"), (1, "hot"), (7, "one"), (16, "zipf:2")):
         check_run(dataclasses.replace(run, tokens=tokens, routing=routing), module)
-    assert calls == [("rdep_forward", (module.programs,))] * 4
+    assert calls == [("rdep_layer", (module.programs,))] * 4
 
 
 def test_bitwise_deterministic_across_calls_and_modules():
@@ -411,14 +411,16 @@ def test_inputs_are_checked(tiny_module, case):
         assert max_relative_error(y, ref) <= 1e-5
 
 
-def test_backward_is_not_supported_yet(tiny_module):
+def test_a_call_that_needs_no_gradient_keeps_nothing(tiny_module):
     inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=2)
+    y = tiny_module(*inputs)  # nothing requires grad: no graph, nothing kept for a backward
+    assert not y.requires_grad and y.grad_fn is None
     gates = inputs.topk_weights.clone().requires_grad_(True)
+    with torch.no_grad():
+        assert tiny_module(inputs.x, inputs.topk_ids, gates, *inputs[3:]).grad_fn is None
     y = tiny_module(inputs.x, inputs.topk_ids, gates, *inputs[3:])
-    assert y.requires_grad
-    with pytest.raises(NotImplementedError, match="backward of the routed RDEP layer is not supported yet"):
-        y.sum().backward()
-    ctx = tiny_module.last_context  # the routing context backward will walk
+    assert y.requires_grad and type(y.grad_fn).__name__ == "_RoutedBackward"
+    ctx = tiny_module.last_context  # the routing context the backward walks
     assert ctx.accepted.all() and (ctx.slot >= 0).all() and torch.allclose(ctx.gprime, inputs.topk_weights)
 
 
@@ -477,8 +479,22 @@ def test_rdepmoe_runs_the_kernels_and_adds_shared_experts():
         )
     assert max_relative_error(y.detach(), routed + shared) <= 1e-5
     assert moe.last_stats["launches"] == 1
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        y.sum().backward()  # the router's parameters ask for a gradient through the routed part
+    # Training: the router through the gates, the experts through the generated backward.
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    launches = moe.kernels.launcher.launches
+    (y * dy).sum().backward()
+    assert moe.kernels.launcher.launches == launches + 1  # one launch: the backward pass
+    ref = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
+    top, ids = torch.softmax(x @ ref["router"], -1).topk(2, dim=-1)
+    wgu = ref["w_gate_up"]
+    routed, _ = reference_for(spec)(x, ids, top / top.sum(-1, keepdim=True), wgu[..., 0], wgu[..., 1], ref["w_down"])
+    shared = sum(
+        (torch.nn.functional.silu(x @ ref["shared_gate"][j]) * (x @ ref["shared_up"][j])) @ ref["shared_down"][j]
+        for j in range(2)
+    )
+    ((routed + shared) * dy).sum().backward()
+    for name, p in moe.named_parameters():
+        assert max_relative_error(p.grad, ref[name].grad) <= 1e-4, name
 
 
 def test_load_compiles_through_the_cache(tiny_module):
@@ -486,7 +502,7 @@ def test_load_compiles_through_the_cache(tiny_module):
     compiled = layer.compile()
     assert compiled.hit  # tiny_module compiled it first
     assert tiny_module.kernels_path == compiled.kernels_path
-    assert layer.source == compiled.source and "def rdep_forward(" in layer.source
+    assert layer.source == compiled.source and "def rdep_layer(" in layer.source
     assert layer.plan.kernel == compiled.kernel
     assert str(tiny_module).startswith("<rdepc.RDEPModule tiny on emulated/cpu (interpreter): W=4 T<=16")
 

@@ -6,9 +6,10 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 7315853e8d4cddc02f25c869511e63b83db613c16fd319595bfb01e46b7cf3e3
+# content-sha256: ef87e76373a9c6cb53b3df7c223d625b58db3f2109ee0bc6c6c233a379b0ba3d
 
-"""Forward kernels of the RDEP layer ``tiny``: one persistent Triton kernel, ``rdep_forward``.
+"""Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
+``rdep_layer``, whose constexpr BACKWARD picks the pass.
 
 One launch covers all W = 4 ranks.
 Its programs take work items with a ticket (an atomic counter) in the task table's order,
@@ -27,6 +28,12 @@ Task kinds (RDEP section 3.4 and appendix A.2):
   gemm2     owner q, one m-tile x H-block: h Wd, once GEMM1 finished that m-tile
   return    owner q → front-end r: each row to its (token, slot) place, by decoded row_id
   combine   front-end r, one token tile: y = sum_k g'_k * out_k, slots in fixed order
+
+The backward walks the same table over the forward's routing (RDEP appendix A.3): its
+dispatch sends g'·dL/dy to the forward's places, gemm1 is dA = dO Wdᵀ and the activation's
+backward (dH), gemm2 dX = dH [Wg Wu]ᵀ, the return brings dL/dx rows home by row_id and
+combine sums them per token and takes dL/dg' = dL/dy · out; then
+  wgrad     owner q, one tile of a local expert's dW, its rows summed in a fixed order
 
 Done flags, the ticket counter and the heap persist across calls: flags count finished
 items cumulatively, so a call with epoch c waits for c * items and no reset kernel runs.
@@ -61,11 +68,12 @@ TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
 RENORMALIZE = tl.constexpr(True)  # capacity weights: renormalize over accepted slots
+R_MAX = tl.constexpr(128)  # rows of the busiest owner: the backward's saved rows per owner
 
 # ---------------------------------------------------------------------------------------
 # The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)
 # ---------------------------------------------------------------------------------------
-HEAP_BYTES = tl.constexpr(44288)  # one rank's slice: the forward regions
+HEAP_BYTES = tl.constexpr(86528)  # one rank's slice: the forward's regions, then the backward's
 TOKENS = tl.constexpr(0)  # int64 [W] at the owner: the tokens T' each front-end brings to the call
 COUNTS = tl.constexpr(256)  # int32 [W, E_MAX] at the owner: rows each source sends each local expert
 OFFSETS = tl.constexpr(512)  # int32 [W, E_MAX] at the source: write base per (owner, local expert)
@@ -76,6 +84,10 @@ SB_ROW_ID = tl.constexpr(34048)  # sideband row_id, int64 [B*S]
 SB_LOCAL_EXPERT = tl.constexpr(35072)  # sideband local_expert, int32 [B*S]
 SB_GATE = tl.constexpr(35584)  # sideband gate, fp32 [B*S]
 RETURN = tl.constexpr(36096)  # DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)
+BWD_FLAGS = tl.constexpr(44288)  # int64 the backward's done counters
+BWD_PAYLOAD = tl.constexpr(44544)  # DTYPE [B*S, H]: g'·dL/dy rows at the forward's places
+BWD_ROW_IDS = tl.constexpr(77312)  # int64 [B*S]: their row_ids
+BWD_RETURN = tl.constexpr(78336)  # DTYPE: dL/dx rows at the front-end, laid out as RETURN
 
 # Task kinds, columns of a task-table row (int32), the control block (int64), statistics.
 KIND_ROUTE = tl.constexpr(0)
@@ -87,6 +99,7 @@ KIND_RETURN = tl.constexpr(5)
 KIND_UNPACK = tl.constexpr(6)
 KIND_COMBINE_WAIT = tl.constexpr(7)
 KIND_COMBINE = tl.constexpr(8)
+KIND_WGRAD = tl.constexpr(9)
 C_KIND = tl.constexpr(0)
 C_RANK = tl.constexpr(1)
 C_SRC = tl.constexpr(2)
@@ -188,11 +201,17 @@ def report(ctl, code, entry, dep, rank, epoch, queue, segment, seen, expected):
 
 
 @triton.jit
-def done_flag(heap, table, entry):
+def done_flag(heap, table, entry, BACKWARD: tl.constexpr):
     """Entry ``entry``'s done counter: symmetric, in the heap slice of the rank that runs it,
-    so a waiter on any rank reads it where its producer signals it."""
+    so a waiter on any rank reads it where its producer signals it. The backward counts in
+    its own words."""
     row = table + entry * NCOL
-    return (peer(heap, tl.load(row + C_RANK)) + FLAGS).to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
+    at = peer(heap, tl.load(row + C_RANK))
+    if BACKWARD:
+        at += BWD_FLAGS
+    else:
+        at += FLAGS
+    return at.to(tl.pointer_type(tl.int64)) + tl.load(row + C_FLAG)
 
 
 @triton.jit
@@ -410,9 +429,14 @@ def dispatch(
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Source r → owner q, segment s (dispatch phase 3): the admitted rows of r that fall in
     the segment, payload and sideband, into q's ring slot s % B.
+
+    The backward sends along the same offsets (the forward's accepted set, never routed
+    again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
+    dtype into q's backward payload ring, and its row_id beside it.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -429,7 +453,10 @@ def dispatch(
     expert = tl.load(order + tl.load(owner_first + q) + local, mask=mine, other=0)
     bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
     dst = peer(heap, q)
-    payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
+    if BACKWARD:
+        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+    else:
+        payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
     rows = sorted_rows + tl.cast(r, tl.int64) * (T * K)
     base = tl.cast(r, tl.int64) * n_tokens * K
     start = item * BLOCK_R
@@ -446,17 +473,24 @@ def dispatch(
         at = ring_row(row, s, s)
         src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
         to = payload + tl.cast(at, tl.int64) * H
+        if BACKWARD:
+            scale = tl.load(gates + base + i, mask=keep, other=0.0)
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = keep[:, None] & (c < H)[None, :]
             rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-            put(to[:, None] + c[None, :], rows_h, m)
-        # The sideband: row_id, local_expert, gate.
+            if BACKWARD:
+                put(to[:, None] + c[None, :], (rows_h.to(tl.float32) * scale[:, None]).to(DTYPE), m)
+            else:
+                put(to[:, None] + c[None, :], rows_h, m)
         row_id = tl.cast(r, tl.int64) * rid_rank + tl.cast(t, tl.int64) * rid_token + k  # eq. 7
-        put((dst + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
-        put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)
-        gate = tl.load(gates + base + i, mask=keep, other=0.0)
-        put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+        if BACKWARD:
+            put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
+        else:  # the sideband: row_id, local_expert, gate
+            put((dst + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
+            put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)
+            gate = tl.load(gates + base + i, mask=keep, other=0.0)
+            put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
 
 
 @triton.jit
@@ -523,11 +557,14 @@ def gemm_tile(
     TMA: tl.constexpr,
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    TRANS_B: tl.constexpr = False,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
     A is [a_rows, K_DIM] at ``a``, B is [K_DIM, n_cols] at ``w`` (one expert's weights), both
-    row-major; the reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
+    row-major; with ``TRANS_B``, B is the transpose of the row-major [n_cols, K_DIM] matrix
+    at ``w`` (the backward's dL/dy·Wdᵀ and dH·[Wg Wu]ᵀ read the forward's weights as they
+    are). The reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
     deep. Out-of-range rows and columns count as zero.
     """
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -535,18 +572,61 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+        if TRANS_B:
+            w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+        else:
+            w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
-            acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
+            if TRANS_B:
+                acc = mma(a_desc.load([row0, k]), tl.trans(w_desc.load([col0, k])), acc, CAST_F32, PRECISION)
+            else:
+                acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
     else:
         a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
-        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        if TRANS_B:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
+        else:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
         for _ in tl.range(0, K_DIM, BK, num_stages=STAGES):
             x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
             acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
+    return acc
+
+
+@triton.jit
+def gemm_rows_tn(
+    a,
+    a_cols,
+    col_a,
+    b,
+    b_cols,
+    col_b,
+    first,
+    n_rows,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One [BM, BN] fp32 tile of Aᵀ·B over rows first .. first + n_rows of the row-major
+    matrices A [*, a_cols] at ``a`` (its columns col_a .. col_a + BM) and B [*, b_cols] at
+    ``b`` (columns col_b .. col_b + BN): a weight gradient, summed over one expert's rows in
+    chunks of BK from its first row — a fixed order whatever the schedule, no atomics."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    ca = col_a + tl.arange(0, BM)
+    cb = col_b + tl.arange(0, BN)
+    r0 = 0
+    while r0 < n_rows:  # while, not range: the interpreter cannot take a runtime bound in a range
+        rows = tl.cast(first + r0 + tl.arange(0, BK), tl.int64)
+        live = r0 + tl.arange(0, BK) < n_rows
+        x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
+        y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
+        acc = mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
+        r0 += BK
     return acc
 
 
@@ -568,6 +648,18 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
 
 
 @triton.jit
+def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr):
+    """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
+    ``dst`` (converted to ``dst``'s dtype), BC columns at a time."""
+    m = tl.arange(0, BM)
+    for c0 in range(0, n_cols, BC):
+        c = c0 + tl.arange(0, BC)
+        mask = live[:, None] & (c < n_cols)[None, :]
+        at = m[:, None] * n_cols + c[None, :]
+        tl.store(dst + at, tl.load(src + at, mask=mask).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gemm1(
     heap,
     w_gate_up,
@@ -576,6 +668,8 @@ def gemm1(
     hbuf,
     hbuf_rid,
     stats,
+    saved_x,
+    saved_pre,
     q,
     s,
     item,
@@ -584,6 +678,7 @@ def gemm1(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
     ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
@@ -592,7 +687,9 @@ def gemm1(
     one [BM, 2 * BLOCK_F] tile of x [Wg Wu], whose columns interleave gate and up (the
     weights' layout: [E, H, F, 2]), with the activation fused,
     into the owner's private workspace ``hbuf``. F-block 0 also copies the rows' row_ids
-    beside them: dispatch may refill the payload slot before GEMM2 has run.
+    beside them: dispatch may refill the payload slot before GEMM2 has run. With ``SAVE``
+    (a forward that backward will walk) the pre-activations and, from F-block 0, the input
+    rows are kept at the rows' places among the owner's rows, for the backward.
     """
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
     j = item // f_blocks
@@ -611,6 +708,12 @@ def gemm1(
         live = (m >= lo) & (m < hi)
         row = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(hbuf + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
+        if SAVE:
+            kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
+            store_rows(saved_pre + kept * 2 * F, acc.to(DTYPE), live, 2 * F, 2 * f, 2 * BLOCK_F)
+            if f == 0:
+                first = tl.cast(q, tl.int64) * R_MAX + row0
+                copy_rows(rows + tl.cast(at, tl.int64) * H, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -659,6 +762,15 @@ def gemm2(
 
 
 @triton.jit
+def return_regions(me, BACKWARD: tl.constexpr):
+    """Where returned rows land in a front-end's heap slice ``me``, and their row_ids (a
+    return ring only): the forward's regions, or the backward's."""
+    if BACKWARD:
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE)), me.to(tl.pointer_type(tl.int64))
+    return (me + RETURN).to(tl.pointer_type(DTYPE)), me.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
 def return_rows(
     heap,
     recv,
@@ -677,19 +789,21 @@ def return_rows(
     rid_token,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Owner q → front-end r, segment s: the outputs of r's rows in the segment, each
     to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
     condition 3).
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written.
+    the segment. A row_id that decodes to another rank is reported, not written. The
+    backward returns dL/dx rows the same way, into r's backward regions.
     """
     local = tl.arange(0, EL_PAD)
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
-    landing = (peer(heap, r) + RETURN).to(tl.pointer_type(DTYPE))
+    landing, _ = return_regions(peer(heap, r), BACKWARD)
     out = staging + tl.cast(q, tl.int64) * (B * S) * H
     row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
     start = item * BLOCK_R
@@ -723,18 +837,21 @@ def combine(
     owner_of,
     local_of,
     rowpos,
+    saved_out,
     r,
     tile,
     n_tokens,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
 
     A slot is accepted iff its position in its (source, expert) run is below the count its
     owner admitted and published back. No float atomics: bitwise deterministic. The
     routing context backward will need (accepted set, payload slot at the owner, g') is
-    written beside y.
+    written beside y; with ``SAVE`` also each accepted slot's expert output, for the gate
+    gradient.
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -773,21 +890,227 @@ def combine(
             m = ok_k[:, None] & (c < H)[None, :]
             out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
             acc += wk[:, None] * out.to(tl.float32)
+            if SAVE:
+                tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
         keep = real[:, None] & (c < H)[None, :]
         tl.store(y_rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
 
 
+@triton.jit
+def bgemm1(
+    heap,
+    w_down,
+    weight_of,
+    group,
+    saved_pre,
+    dh,
+    act_rows,
+    do_rows,
+    hbuf_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
+    m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
+    in payload slot s % B (the forward's places): dA = dO Wdᵀ, then
+        dH = [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2],
+    written at the rows' places among the owner's rows, beside the activation A the
+    forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies the
+    rows' row_ids for the return.
+    """
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    j = item // f_blocks
+    f = item % f_blocks * BLOCK_F
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        me = peer(heap, q)
+        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        w = w_down + e * (F * H)
+        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
+        c = f + tl.arange(0, BLOCK_F)
+        keep = live[:, None] & (c < F)[None, :]
+        pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+        gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+        up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+        tl.store(out, (da * up * sig * (1.0 + gate * (1.0 - sig))).to(DTYPE), mask=keep)
+        tl.store(out + 1, (da * silu).to(DTYPE), mask=keep)
+        act = silu * up
+        store_rows(act_rows + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
+        if f == 0:
+            first = tl.cast(q, tl.int64) * R_MAX + row0
+            copy_rows(rows + tl.cast(at, tl.int64) * H, do_rows + first * H, live, H, BM, BLOCK_K)
+            ring = tl.cast(q, tl.int64) * (B * S) + at + m
+            rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
+            tl.store(hbuf_rid + ring, rid, mask=live)
+
+
+@triton.jit
+def bgemm2(
+    dh,
+    w_gate_up,
+    weight_of,
+    group,
+    hbuf_rid,
+    staging,
+    staging_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of
+    m-tile slot ``item // h_blocks``, dX = dH [Wg Wu]ᵀ, one [BM, BLOCK_H] tile into the owner's
+    staging ring, once BGEMM1 finished that m-tile; H-block 0 copies the rows' row_ids
+    beside them, for the return.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    j = item // h_blocks
+    h = item % h_blocks * BLOCK_H
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        w = w_gate_up + e * (H * 2 * F)
+        grads = dh + tl.cast(q, tl.int64) * R_MAX * 2 * F
+        tile = BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+        acc = gemm_tile(grads, R_MAX, row0, w, H, h, 2 * F, *tile)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        ring = tl.cast(q, tl.int64) * (B * S) + at + m
+        store_rows(staging + ring * H, acc.to(DTYPE), live, H, h, BLOCK_H)
+        if h == 0:
+            tl.store(staging_rid + ring, tl.load(hbuf_rid + ring, mask=live, other=0), mask=live)
+
+
+@triton.jit
+def combine_grad(
+    heap,
+    dy,
+    dx,
+    accepted,
+    saved_out,
+    dgprime,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
+    slots, in fixed slot order (no float atomics), and each slot's gate gradient
+    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    real = t < n_tokens
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    landing = (peer(heap, r) + BWD_RETURN).to(tl.pointer_type(DTYPE))
+    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
+    dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+    for h in range(0, H, BLOCK_H):
+        c = h + tl.arange(0, BLOCK_H)
+        keep = real[:, None] & (c < H)[None, :]
+        d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):
+            ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+            m = ok_k[:, None] & (c < H)[None, :]
+            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+            out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+            dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+        tl.store(dx + rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
+    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
+
+
+@triton.jit
+def wgrad(
+    saved_x,
+    dh,
+    act_rows,
+    do_rows,
+    dw_up,
+    dw_down,
+    weight_of,
+    group,
+    q,
+    item,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
+    the expert's rows summed in chunks of BLOCK_K from its first row — a fixed order in
+    every schedule and no float atomics, so the result is deterministic and the same for
+    bulk, pipelined and deep. Items run expert by expert: first the
+    [BLOCK_H, 2 * BLOCK_F] tiles of dGEMM1's [Wg Wu] = Xᵀ dH, then the [BLOCK_F, BLOCK_H] tiles of
+    dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    per = h_blocks * f_blocks
+    local = item // (2 * per)
+    t = item % (2 * per)
+    e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    first = tl.load(grp)
+    n = tl.load(grp + 1)
+    base = tl.cast(q, tl.int64) * R_MAX
+    if t < per:
+        i = t // f_blocks * BLOCK_H
+        c = t % f_blocks * 2 * BLOCK_F
+        grads = dh + base * 2 * F
+        rows = saved_x + base * H
+        acc = gemm_rows_tn(rows, H, i, grads, 2 * F, c, first, n, BLOCK_H, 2 * BLOCK_F, BLOCK_K, CAST_F32, PRECISION)
+        rows = i + tl.arange(0, BLOCK_H)
+        out = dw_up + e * (H * 2 * F) + rows * 2 * F
+        store_rows(out, acc.to(DTYPE), rows < H, 2 * F, c, 2 * BLOCK_F)
+    else:
+        i = (t - per) // h_blocks * BLOCK_F
+        c = (t - per) % h_blocks * BLOCK_H
+        grads = do_rows + base * H
+        rows = act_rows + base * F
+        acc = gemm_rows_tn(rows, F, i, grads, H, c, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        rows = i + tl.arange(0, BLOCK_F)
+        out = dw_down + e * (F * H) + rows * H
+        store_rows(out, acc.to(DTYPE), rows < F, H, c, BLOCK_H)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base"])
-def rdep_forward(
-    heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, table, deps, queue, first_item,
-    queues, program_queue, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos,
-    sorted_rows, route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
-    profile, n_tokens, n_programs, rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H:
-    tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
+def rdep_layer(
+    heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
+    owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
+    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl, profile, n_tokens,
+    n_programs, rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32:
+    tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD:
+    tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
-    run, signal.
+    run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
+    backward's table (the forward's entries, then the weight gradients) with its own
+    control words, done counters and heap regions, over the routing tables the forward left
+    (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
+    route and scan entries only keep the table's order, nothing is routed again.
 
     Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
     entries its rank runs); any program runs any task. Role-split mode: program
@@ -808,11 +1131,20 @@ def rdep_forward(
     me = tl.cast(rank0, tl.int64)
     x -= me * n_tokens * H
     y -= me * n_tokens * H
+    dy -= me * n_tokens * H
+    dx -= me * n_tokens * H
     topk_ids -= me * n_tokens * K
     gates -= me * n_tokens * K
     accepted -= me * n_tokens * K
     slot -= me * n_tokens * K
     gprime -= me * n_tokens * K
+    dgprime -= me * n_tokens * K
+    saved_out -= me * n_tokens * K * H
+    saved_x -= me * R_MAX * H
+    saved_pre -= me * R_MAX * 2 * F
+    dh -= me * R_MAX * 2 * F
+    act_rows -= me * R_MAX * F
+    do_rows -= me * R_MAX * H
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
@@ -824,6 +1156,9 @@ def rdep_forward(
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
     stats -= me * ST_COLS
+    if BACKWARD:  # dL/dy goes where x went, scaled by g'
+        x = dy
+        gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
@@ -862,7 +1197,7 @@ def rdep_forward(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard), want, bound)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
             if got < want:
                 blocked = guard
                 seen = got
@@ -881,7 +1216,7 @@ def rdep_forward(
                 before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
                 dep = tl.where(dep < 0, -dep - 1, dep)
                 want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                flag = done_flag(heap, table, dep)
+                flag = done_flag(heap, table, dep, BACKWARD)
                 if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
                     want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
                     flag = tile
@@ -898,37 +1233,63 @@ def rdep_forward(
                 start = now(ctl, GLOBALTIMER)
             if empty == 0:
                 if kind == KIND_ROUTE:
-                    route(
-                        heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl, rank,
-                        n_tokens,
-                    )  # fmt: skip
+                    if not BACKWARD:
+                        route(
+                            heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl,
+                            rank, n_tokens,
+                        )  # fmt: skip
                 elif kind == KIND_SCAN:
-                    scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
+                    if not BACKWARD:
+                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32,
+                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
-                    gemm1(
-                        heap, w_gate_up, weight_of, group, hbuf, hbuf_rid, stats, owner, segment, item, BM, BLOCK_F,
-                        BLOCK_K, STAGES, CAST_F32,
-                    )  # fmt: skip
+                    if BACKWARD:
+                        bgemm1(
+                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
+                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        gemm1(
+                            heap, w_gate_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
+                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                        )  # fmt: skip
                 elif kind == KIND_GEMM2:
-                    gemm2(
-                        hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                        BLOCK_H, BLOCK_K, STAGES, CAST_F32,
-                    )  # fmt: skip
+                    if BACKWARD:
+                        bgemm2(
+                            dh, w_gate_up, weight_of, group, hbuf_rid, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        gemm2(
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_rank, rid_token, BLOCK_R, BLOCK_H,
+                        rid_rank, rid_token, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
+                elif kind == KIND_WGRAD:  # the backward's table only
+                    if BACKWARD:
+                        wgrad(
+                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
+                            BLOCK_F, BLOCK_K, CAST_F32,
+                        )  # fmt: skip
                 elif kind == KIND_COMBINE:
-                    combine(
-                        heap, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of, rowpos, rank,
-                        claim, n_tokens, BLOCK_H, CAST_F32,
-                    )  # fmt: skip
+                    if BACKWARD:
+                        combine_grad(
+                            heap, dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens, BLOCK_H,
+                            CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        combine(
+                            heap, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
+                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
+                        )  # fmt: skip
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
@@ -936,7 +1297,7 @@ def rdep_forward(
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             if kind == KIND_GEMM1:
                 signal(tile)
-            signal(done_flag(heap, table, entry))
+            signal(done_flag(heap, table, entry, BACKWARD))
         ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     # The last of the launch's n_programs programs out closes the call: the next launch reads

@@ -1,0 +1,264 @@
+"""Templates of the backward's task kinds, as the emitter writes them into a generated kernel
+file beside the forward's (``emit.generate``): the backward walks the forward's task table
+over the forward's routing, and only these kinds compute something new —
+
+  bgemm1        (the backward's gemm1 entries) dA = dO·Wdᵀ and the activation's backward
+  bgemm2        (its gemm2 entries) dX = dH·[Wg Wu]ᵀ
+  combine_grad  (its combine tiles) dL/dx per token, dL/dg' per slot
+  wgrad         each owner's weight gradients, once its dH rows are all written
+
+Its dispatch, return and unpack are the forward's (``stages.py``), over the backward's
+heap regions.
+"""
+
+from __future__ import annotations
+
+from rdepc.codegen.lower import KernelPlan
+from rdepc.codegen.stages import narrowed
+
+
+def combine_grad_source(p: KernelPlan) -> str:
+    landing = (
+        "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
+        if p.ring
+        else "    landing = (peer(heap, r) + BWD_RETURN).to(tl.pointer_type(DTYPE))\n"
+    )
+    return (
+        '''@triton.jit
+def combine_grad(
+    heap,
+@@LANDING_ARG@@    dy,
+    dx,
+    accepted,
+    saved_out,
+    dgprime,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
+    slots, in fixed slot order (no float atomics), and each slot's gate gradient
+    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    real = t < n_tokens
+    base = tl.cast(r, tl.int64) * n_tokens * K
+@@LANDING@@    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
+    dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+    for h in range(0, H, BLOCK_H):
+        c = h + tl.arange(0, BLOCK_H)
+        keep = real[:, None] & (c < H)[None, :]
+        d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):
+            ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+            m = ok_k[:, None] & (c < H)[None, :]
+            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+            out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+            dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+        tl.store(dx + rows[:, None] + c[None, :], @@DX@@, mask=keep)
+    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
+'''.replace("@@DX@@", narrowed(p, "acc", "DTYPE"))
+        .replace("@@LANDING_ARG@@", "    landing,\n" if p.ring else "")
+        .replace("@@LANDING@@", landing)
+    )
+
+
+def bgemm1_source(p: KernelPlan) -> str:
+    """Backward of GEMM2 and of the activation: dA = dO·Wdᵀ, then dH from the saved
+    pre-activations; also the activation A itself and the dO rows, for the weight gradients."""
+    if p.gated:
+        cols = "2 * F"
+        doc = "dH = [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2]"
+        grads = """        pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+        gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+        up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+        tl.store(out, @@DGATE@@, mask=keep)
+        tl.store(out + 1, @@DUP@@, mask=keep)
+        act = silu * up
+"""
+        sub = {
+            "@@DGATE@@": narrowed(p, "da * up * sig * (1.0 + gate * (1.0 - sig))", "DTYPE"),
+            "@@DUP@@": narrowed(p, "da * silu", "DTYPE"),
+        }
+    else:
+        cols = "F"
+        deriv = {
+            "gelu": (
+                "0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))",
+                "0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)",
+            ),
+            "relu": ("tl.maximum(h, 0.0)", "tl.where(h > 0.0, 1.0, 0.0)"),
+        }[p.act]
+        doc = f"dH = dA ⊙ {p.act}'(h)"
+        grads = f"""        h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
+        act = {deriv[0]}
+        slope = {deriv[1]}
+        tl.store(dh + row[:, None] * F + c[None, :], @@DH@@, mask=keep)
+"""
+        sub = {"@@DH@@": narrowed(p, "da * slope", "DTYPE")}
+    text = f'''@triton.jit
+def bgemm1(
+    heap,
+    w_down,
+    weight_of,
+    group,
+    saved_pre,
+    dh,
+    act_rows,
+    do_rows,
+    hbuf_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
+    m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
+    in payload slot s % B (the forward's places): dA = dO Wdᵀ, then
+        {doc},
+    written at the rows' places among the owner's rows, beside the activation A the
+    forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies the
+    rows' row_ids for the return.
+    """
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    j = item // f_blocks
+    f = item % f_blocks * BLOCK_F
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        me = peer(heap, q)
+        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        w = w_down + e * (F * H)
+        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
+        c = f + tl.arange(0, BLOCK_F)
+        keep = live[:, None] & (c < F)[None, :]
+{grads}        store_rows(act_rows + row * F, @@ACT@@, live, F, f, BLOCK_F)
+        if f == 0:
+            first = tl.cast(q, tl.int64) * R_MAX + row0
+            copy_rows(rows + tl.cast(at, tl.int64) * H, do_rows + first * H, live, H, BM, BLOCK_K)
+            ring = tl.cast(q, tl.int64) * (B * S) + at + m
+            rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
+            tl.store(hbuf_rid + ring, rid, mask=live)
+'''
+    for k, v in {**sub, "@@ACT@@": narrowed(p, "act", "DTYPE")}.items():
+        text = text.replace(k, v)
+    return text.replace("@@COLS@@", cols)
+
+
+def bgemm2_source(p: KernelPlan) -> str:
+    """Backward of GEMM1: dX = dH·[Wg Wu]ᵀ (or dH·Wuᵀ), into the staging ring."""
+    weights, cols = ("w_gate_up", "2 * F") if p.gated else ("w_up", "F")
+    return f'''@triton.jit
+def bgemm2(
+    dh,
+    {weights},
+    weight_of,
+    group,
+    hbuf_rid,
+    staging,
+    staging_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of
+    m-tile slot ``item // h_blocks``, dX = dH {"[Wg Wu]" if p.gated else "Wu"}ᵀ, one [BM, BLOCK_H] tile into the owner's
+    staging ring, once BGEMM1 finished that m-tile; H-block 0 copies the rows' row_ids
+    beside them, for the return.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    j = item // h_blocks
+    h = item % h_blocks * BLOCK_H
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        w = {weights} + e * (H * {cols})
+        grads = dh + tl.cast(q, tl.int64) * R_MAX * {cols}
+        tile = BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+        acc = gemm_tile(grads, R_MAX, row0, w, H, h, {cols}, *tile)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        ring = tl.cast(q, tl.int64) * (B * S) + at + m
+        store_rows(staging + ring * H, @@OUT@@, live, H, h, BLOCK_H)
+        if h == 0:
+            tl.store(staging_rid + ring, tl.load(hbuf_rid + ring, mask=live, other=0), mask=live)
+'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE"))
+
+
+def wgrad_source(p: KernelPlan) -> str:
+    """The weight gradients of one owner's experts, summed over each expert's rows."""
+    weights, cols, width = ("GEMM1's [Wg Wu]", "2 * F", "2 * BLOCK_F") if p.gated else ("Wu", "F", "BLOCK_F")
+    return f'''@triton.jit
+def wgrad(
+    saved_x,
+    dh,
+    act_rows,
+    do_rows,
+    dw_up,
+    dw_down,
+    weight_of,
+    group,
+    q,
+    item,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
+    the expert's rows summed in chunks of BLOCK_K from its first row — a fixed order in
+    every schedule and no float atomics, so the result is deterministic and the same for
+    bulk, pipelined and deep. Items run expert by expert: first the
+    [BLOCK_H, {width}] tiles of d{weights} = Xᵀ dH, then the [BLOCK_F, BLOCK_H] tiles of
+    dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    per = h_blocks * f_blocks
+    local = item // (2 * per)
+    t = item % (2 * per)
+    e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    first = tl.load(grp)
+    n = tl.load(grp + 1)
+    base = tl.cast(q, tl.int64) * R_MAX
+    if t < per:
+        i = t // f_blocks * BLOCK_H
+        c = t % f_blocks * {width}
+        grads = dh + base * {cols}
+        rows = saved_x + base * H
+        acc = gemm_rows_tn(rows, H, i, grads, {cols}, c, first, n, BLOCK_H, {width}, BLOCK_K, CAST_F32, PRECISION)
+        rows = i + tl.arange(0, BLOCK_H)
+        out = dw_up + e * (H * {cols}) + rows * {cols}
+        store_rows(out, @@ACC@@, rows < H, {cols}, c, {width})
+    else:
+        i = (t - per) // h_blocks * BLOCK_F
+        c = (t - per) % h_blocks * BLOCK_H
+        grads = do_rows + base * H
+        rows = act_rows + base * F
+        acc = gemm_rows_tn(rows, F, i, grads, H, c, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        rows = i + tl.arange(0, BLOCK_F)
+        out = dw_down + e * (F * H) + rows * H
+        store_rows(out, @@ACC@@, rows < F, H, c, BLOCK_H)
+'''.replace("@@ACC@@", narrowed(p, "acc", "DTYPE"))
