@@ -163,6 +163,9 @@ def bgemm1(
 def bgemm2_source(p: KernelPlan) -> str:
     """Backward of GEMM1: dX = dH·[Wg Wu]ᵀ (or dH·Wuᵀ), into the staging ring."""
     weights, cols = ("w_gate_up", "2 * F") if p.gated else ("w_up", "F")
+    tile = f"grads, R_MAX, row0, w, H, h, {cols}, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
+    if p.gated:  # as ruff formats a call that does not fit one line
+        tile = f"\n            {tile}\n        "
     return f'''@triton.jit
 def bgemm2(
     dh,
@@ -195,15 +198,14 @@ def bgemm2(
         at = ring_row(row0, s, s)
         w = {weights} + e * (H * {cols})
         grads = dh + tl.cast(q, tl.int64) * R_MAX * {cols}
-        tile = BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
-        acc = gemm_tile(grads, R_MAX, row0, w, H, h, {cols}, *tile)
+        acc = gemm_tile(@@TILE@@)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         ring = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(staging + ring * H, @@OUT@@, live, H, h, BLOCK_H)
         if h == 0:
             tl.store(staging_rid + ring, tl.load(hbuf_rid + ring, mask=live, other=0), mask=live)
-'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE"))
+'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE")).replace("@@TILE@@", tile)
 
 
 def wgrad_source(p: KernelPlan) -> str:
@@ -243,22 +245,20 @@ def wgrad(
     first = tl.load(grp)
     n = tl.load(grp + 1)
     base = tl.cast(q, tl.int64) * R_MAX
-    if t < per:
+    if t < per:  # (the branches share no names: a compiled kernel's branches must agree on their types)
         i = t // f_blocks * BLOCK_H
         c = t % f_blocks * {width}
-        grads = dh + base * {cols}
-        rows = saved_x + base * H
-        acc = gemm_rows_tn(rows, H, i, grads, {cols}, c, first, n, BLOCK_H, {width}, BLOCK_K, CAST_F32, PRECISION)
-        rows = i + tl.arange(0, BLOCK_H)
-        out = dw_up + e * (H * {cols}) + rows * {cols}
-        store_rows(out, @@ACC@@, rows < H, {cols}, c, {width})
+        xs = saved_x + base * H
+        ds = dh + base * {cols}
+        d_up = gemm_rows_tn(xs, H, i, ds, {cols}, c, first, n, BLOCK_H, {width}, BLOCK_K, CAST_F32, PRECISION)
+        h = i + tl.arange(0, BLOCK_H)
+        store_rows(dw_up + e * (H * {cols}) + h * {cols}, @@UP@@, h < H, {cols}, c, {width})
     else:
-        i = (t - per) // h_blocks * BLOCK_F
-        c = (t - per) % h_blocks * BLOCK_H
-        grads = do_rows + base * H
-        rows = act_rows + base * F
-        acc = gemm_rows_tn(rows, F, i, grads, H, c, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
-        rows = i + tl.arange(0, BLOCK_F)
-        out = dw_down + e * (F * H) + rows * H
-        store_rows(out, @@ACC@@, rows < F, H, c, BLOCK_H)
-'''.replace("@@ACC@@", narrowed(p, "acc", "DTYPE"))
+        j = (t - per) // h_blocks * BLOCK_F
+        k = (t - per) % h_blocks * BLOCK_H
+        a_rows = act_rows + base * F
+        o_rows = do_rows + base * H
+        d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        f = j + tl.arange(0, BLOCK_F)
+        store_rows(dw_down + e * (F * H) + f * H, @@DOWN@@, f < F, H, k, BLOCK_H)
+'''.replace("@@UP@@", narrowed(p, "d_up", "DTYPE")).replace("@@DOWN@@", narrowed(p, "d_down", "DTYPE"))

@@ -31,8 +31,13 @@ from pathlib import Path
 from rdepc.codegen.emit import kernel_args
 from rdepc.codegen.lower import KernelPlan, Tiles
 
-# The kernels of one generated file: rdep_layer in each kernel mode (a constexpr).
-KERNELS = {"rdep_layer": {"ROLE_SPLIT": False}, "rdep_layer.role_split": {"ROLE_SPLIT": True}}
+# The kernels of one generated file: rdep_layer's forward in each kernel mode (constexprs),
+# keeping what a backward walks (SAVE), and its backward pass.
+KERNELS = {
+    "rdep_layer": {"ROLE_SPLIT": False, "BACKWARD": False, "SAVE": True},
+    "rdep_layer.role_split": {"ROLE_SPLIT": True, "BACKWARD": False, "SAVE": True},
+    "rdep_layer.backward": {"ROLE_SPLIT": False, "BACKWARD": True, "SAVE": False},
+}
 H100_SHARED = 227 * 1024
 
 

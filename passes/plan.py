@@ -201,6 +201,8 @@ class MemoryPlan:
     saved_per_layer: Figure
     saved_total: Figure
     saved_expected: Figure
+    saved_outputs: Figure  # each accepted slot's expert output at its front-end (dL/dg' = dL/dy·out)
+    saved_outputs_total: Figure
     dense_params: Figure | None
     dense_bytes: Figure | None
 
@@ -882,6 +884,13 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             "B",
             "the same for the expected load min(E_max·μ, R_max), one layer",
         ),
+        env.fig(
+            "saved_activations.outputs_per_layer",
+            T * K * H * a,
+            "B",
+            "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
+        ),
+        env.fig("saved_activations.outputs_total", T * K * H * a * L, "B", "× L MoE layers"),
         dense_params,
         dense_bytes,
     )
@@ -924,9 +933,11 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         budgets.append(("paper segmented, all layers (Table 4)", memory.segmented_total.value))
     budgets.append(("routing context (eq. 20)", memory.routing_context.value))
     budgets.append(("owner activations saved for backward, all layers", memory.saved_total.value))
+    budgets.append(("expert outputs saved for the gate gradient, all layers", memory.saved_outputs_total.value))
     if dense_bytes is not None:
         budgets.append(("replicated dense weights, lower bound (eq. 21)", dense_bytes.value))
     together = sym.private_total.value + memory.routing_context.value + memory.saved_total.value
+    together += memory.saved_outputs_total.value
     together += dense_bytes.value if dense_bytes is not None else 0
     budgets.append(
         (
@@ -1249,6 +1260,8 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "per_layer": j(mem.saved_per_layer),
             "total": j(mem.saved_total),
             "per_layer_expected": j(mem.saved_expected),
+            "outputs_per_layer": j(mem.saved_outputs),
+            "outputs_total": j(mem.saved_outputs_total),
         },
         "dense_lower_bound": None
         if mem.dense_params is None

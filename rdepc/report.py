@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rdepc.passes.memplan import BACKWARD_REGIONS
 from rdepc.passes.plan import BM, SYMBOLS_DOC, Figure, Plan, SymmetricPlan
 
 GIB = 2**30
@@ -214,6 +215,8 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ("saved activations per layer", mem.saved_per_layer),
             ("  expected load instead", mem.saved_expected),
             (f"saved activations x {v['L']}", mem.saved_total),
+            ("saved expert outputs per layer", mem.saved_outputs),
+            (f"saved expert outputs x {v['L']}", mem.saved_outputs_total),
             ("dense params lower bound", mem.dense_params),
             ("dense weights lower bound", mem.dense_bytes),
         ]
@@ -305,7 +308,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
         for fig in pl.figures():
             head, _, region = fig.key.rpartition(".")
-            if head.endswith(".forward_backward") and region not in ("bwd_control", "bwd_payload", "bwd_return", "total"):
+            if head.endswith(".forward_backward") and region not in (*BACKWARD_REGIONS, "total"):
                 continue
             if fig.formula is not None:
                 add(f"  {fig.key} = {fig.formula}")

@@ -137,7 +137,8 @@ def gate_grad(gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor
     ``zero`` (and dropless) g' = g on accepted slots; ``renormalize`` g'_i = A_i g_i G / S_A
     with G = sum_j g_j, S_A = sum_j A_j g_j (0 when S_A = 0), whose derivative is
     dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A."""
-    g = gates.float()
+    g = gates.to(torch.promote_types(gates.dtype, torch.float32))
+    dgprime = dgprime.to(g.dtype)
     kept = torch.where(accepted, g, 0.0)
     if weights != "renormalize":
         return torch.where(accepted, dgprime, 0.0)
@@ -274,7 +275,7 @@ class RDEPModule:
         self.private = {}
         for name, dt, shape in p.private:
             torch_dt = TORCH_DTYPES.get(dt) or INT_DTYPES[dt]
-            if self.per_rank and name != "ctl":  # [W, ...] buffers: only this rank's row
+            if self.per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
                 shape = (1, *shape[1:])
             self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)

@@ -24,8 +24,8 @@ interleaved, the operand GEMM1 reads: ``w_gate`` and ``w_up`` are its two halves
 gelu and relu experts' ``w_up`` [E, H, F] (``w_gate`` None), ``w_down`` [E, F, H], and
 ``shared_gate`` / ``shared_up`` [N, H, F_s], ``shared_down`` [N, F_s, H]. The compiled
 kernels are bound to the device given at construction; build the block on the device it
-runs on. Backward through the routed
-part is not supported yet (it raises); the router and shared experts are plain torch.
+runs on. The block trains: the router through the gates and the shared experts in plain
+torch, the routed experts through the compiled backward kernels (``RDEPModule``).
 """
 
 from __future__ import annotations

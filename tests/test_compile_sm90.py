@@ -3,7 +3,8 @@
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
 compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
-deep), its one kernel ``rdep_layer`` in both kernel modes (unified and role-split), for
+deep), its one kernel ``rdep_layer`` — the forward in both kernel modes (unified and
+role-split), keeping what a backward walks, and the backward pass — for
 the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
 examples are dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
 as not supported yet; its shapes are compiled with bf16 dispatch instead.
@@ -95,9 +96,11 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     assert split.stat().st_size > 0
     assert "compiled rdep_layer for sm_90a in " in out and f"wrote {cubin}" in out
     assert "compiled rdep_layer.role_split for sm_90a in " in out
+    backward = tmp_path / "tiny.rdep_layer.backward.sm_90.cubin"
+    assert backward.stat().st_size > 0 and "compiled rdep_layer.backward for sm_90a in " in out
     assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name]
+        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name, backward.name]
     )
 
 

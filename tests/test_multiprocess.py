@@ -248,12 +248,23 @@ def test_world_size_must_equal_W():
     assert "the layer has W = 4 ranks, but 1 processes were started" in out.stderr
 
 
-def moe_rank(rank: int, W: int, file: str) -> torch.Tensor:
-    """One rank's RDEPMoE block on its own tokens (a spawned rank runs this)."""
+def moe_step(moe, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """y and the gradients of sum(y · dy) (a fixed dy) for x and every parameter."""
+    x = x.clone().requires_grad_(True)
+    y = moe(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(9))
+    (y * dy).sum().backward()
+    return y.detach(), {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+
+
+def moe_rank(rank: int, W: int, file: str) -> tuple[torch.Tensor, dict]:
+    """One rank's RDEPMoE block on its own tokens, forward and backward (a spawned rank runs this)."""
     moe = rdepc.RDEPMoE(file, backend="emulated-mp", generator=torch.Generator().manual_seed(7), W=W)
     x = torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8))
     assert moe.w_up.shape == (len(moe.experts), 64, 128)
-    return moe(x[rank])
+    torch.manual_seed(rank)
+    y, grads = moe_step(moe, x[rank])
+    return y, grads | {"experts": list(moe.experts)}
 
 
 def bad_inputs_rank(rank: int, W: int, file: str) -> list[str]:
@@ -286,13 +297,25 @@ def test_per_rank_inputs_that_disagree_with_the_plan_are_named():
 
 def test_rdepmoe_per_rank_holds_its_experts_and_matches_one_process():
     """Each rank's block holds its own experts only, routes its own tokens, and its output
-    is its slice of the one-process block's (same seed: same weights), bitwise."""
+    is its slice of the one-process block's (same seed: same weights), bitwise; so are the
+    gradients the per-rank backward gives its tokens and its experts. The router's gradient
+    is each rank's share of the one-process one (they sum to it)."""
     W = 2
     got = ranks.spawn(moe_rank, W, TINY, timeout=300)
     moe = rdepc.RDEPMoE(TINY, generator=torch.Generator().manual_seed(7), W=W)
-    want = moe(torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8)))
-    for rank in range(W):
-        assert torch.equal(got[rank], want[rank])
+    x = torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8))
+    dy = torch.cat([torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(9)) for _ in range(W)])
+    x.requires_grad_(True)
+    want = moe(x)
+    (want * dy).sum().backward()
+    for rank, (y, grads) in enumerate(got):
+        assert torch.equal(y, want[rank])
+        assert torch.equal(grads["x"], x.grad[rank])
+        mine = grads["experts"]
+        assert torch.equal(grads["w_gate_up"], moe.w_gate_up.grad[mine])
+        assert torch.equal(grads["w_down"], moe.w_down.grad[mine])
+    router = sum(grads["router"] for _, grads in got)
+    assert torch.allclose(router, moe.router.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_under_torchrun_each_process_is_one_rank():

@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: ef87e76373a9c6cb53b3df7c223d625b58db3f2109ee0bc6c6c233a379b0ba3d
+# content-sha256: d62199343d87a0059cb99854a1176d5f691909f35de31e2776be2dd7aa165690
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -990,8 +990,9 @@ def bgemm2(
         at = ring_row(row0, s, s)
         w = w_gate_up + e * (H * 2 * F)
         grads = dh + tl.cast(q, tl.int64) * R_MAX * 2 * F
-        tile = BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
-        acc = gemm_tile(grads, R_MAX, row0, w, H, h, 2 * F, *tile)
+        acc = gemm_tile(
+            grads, R_MAX, row0, w, H, h, 2 * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+        )
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         ring = tl.cast(q, tl.int64) * (B * S) + at + m
@@ -1074,24 +1075,22 @@ def wgrad(
     first = tl.load(grp)
     n = tl.load(grp + 1)
     base = tl.cast(q, tl.int64) * R_MAX
-    if t < per:
+    if t < per:  # (the branches share no names: a compiled kernel's branches must agree on their types)
         i = t // f_blocks * BLOCK_H
         c = t % f_blocks * 2 * BLOCK_F
-        grads = dh + base * 2 * F
-        rows = saved_x + base * H
-        acc = gemm_rows_tn(rows, H, i, grads, 2 * F, c, first, n, BLOCK_H, 2 * BLOCK_F, BLOCK_K, CAST_F32, PRECISION)
-        rows = i + tl.arange(0, BLOCK_H)
-        out = dw_up + e * (H * 2 * F) + rows * 2 * F
-        store_rows(out, acc.to(DTYPE), rows < H, 2 * F, c, 2 * BLOCK_F)
+        xs = saved_x + base * H
+        ds = dh + base * 2 * F
+        d_up = gemm_rows_tn(xs, H, i, ds, 2 * F, c, first, n, BLOCK_H, 2 * BLOCK_F, BLOCK_K, CAST_F32, PRECISION)
+        h = i + tl.arange(0, BLOCK_H)
+        store_rows(dw_up + e * (H * 2 * F) + h * 2 * F, d_up.to(DTYPE), h < H, 2 * F, c, 2 * BLOCK_F)
     else:
-        i = (t - per) // h_blocks * BLOCK_F
-        c = (t - per) % h_blocks * BLOCK_H
-        grads = do_rows + base * H
-        rows = act_rows + base * F
-        acc = gemm_rows_tn(rows, F, i, grads, H, c, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
-        rows = i + tl.arange(0, BLOCK_F)
-        out = dw_down + e * (F * H) + rows * H
-        store_rows(out, acc.to(DTYPE), rows < F, H, c, BLOCK_H)
+        j = (t - per) // h_blocks * BLOCK_F
+        k = (t - per) % h_blocks * BLOCK_H
+        a_rows = act_rows + base * F
+        o_rows = do_rows + base * H
+        d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        f = j + tl.arange(0, BLOCK_F)
+        store_rows(dw_down + e * (F * H) + f * H, d_down.to(DTYPE), f < F, H, k, BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base"])

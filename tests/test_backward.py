@@ -1,0 +1,240 @@
+"""The generated backward: gradients of x, the gates and every expert weight through
+``torch.autograd``, against autograd through ``rdepc.reference``, under every capacity
+policy and schedule (and bitwise the same across schedules); the accepted set it walks is
+the forward's; a withheld backward task trips with the kernel's record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from rdepc.codegen.lower import Tiles
+from rdepc.passes.plan import symmetric_plan
+from rdepc.runtime.module import KernelError, gate_grad
+
+from rdepc.api import Layer, elaborate_layer
+from rdepc.parser import parse_text
+from rdepc.reference import combine_weights, random_inputs, reference_for
+
+STRATEGIES = ("bulk", "pipelined", "deep")
+TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
+NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+
+
+@dataclass(frozen=True)
+class Case:
+    W: int = 2
+    E: int = 4
+    K: int = 2
+    T: int = 12
+    S: int = 8
+    B: int = 2
+    H: int = 32
+    F: int = 32
+    act: str = "swiglu"
+    capacity: str = "dropless"
+    routing: str = "uniform"
+    seed: int = 0
+
+    def layer(self) -> Layer:
+        text = (
+            "layer grad {\n"
+            f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
+            f"  expert    {self.act}(ffn = {self.F})\n"
+            "  dtype     fp32\n"
+            "  owner     balanced\n"
+            f"  capacity  {self.capacity}\n"
+            f"  segment   rows {self.S}, buffers {self.B}\n"
+            "  schedule  pipelined\n"
+            "}\n"
+        )
+        spec, _ = elaborate_layer(parse_text(text, "grad.rdep"), None, {})
+        return Layer(spec)
+
+    def inputs(self):
+        gated = self.act == "swiglu"
+        return random_inputs(
+            self.W, self.T, self.H, self.F, self.E, self.K, gated=gated, routing=self.routing, seed=self.seed
+        )
+
+
+def grads(fn, inputs, dy=None):
+    """(y, accepted or None, {name: grad}) of sum(y * dy) through ``fn``."""
+    x, ids, g, wg, wu, wd = inputs
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
+    out = fn(leaves[0], ids, *leaves[1:])
+    y, accepted = out if isinstance(out, tuple) else (out, None)
+    if dy is None:
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
+    (y * dy).sum().backward()
+    return y.detach(), accepted, dy, {n: t.grad for n, t in zip(NAMES, leaves, strict=True) if t is not None}
+
+
+def check(case: Case, strategies=STRATEGIES, tol: float = 1e-4) -> dict:
+    layer = case.layer()
+    inputs = case.inputs()
+    _, accepted, dy, want = grads(reference_for(layer.spec), inputs)
+    got_all = {}
+    for strategy in strategies:
+        m = layer.module(schedule=strategy, tiles=TILES)
+        y, _, _, got = grads(m, inputs, dy)
+        assert torch.equal(m.last_stats["accepted"], accepted), f"{strategy}: accepted set differs for {case}"
+        assert torch.equal(m.last_context.accepted, accepted)
+        for name, w in want.items():
+            scale = float(w.abs().max()) or 1.0
+            err = float((got[name] - w).abs().max()) / scale
+            assert err <= tol, f"{strategy}: d{name} relative error {err:.3g} for {case}"
+        got_all[strategy] = (y, got)
+    first = strategies[0]
+    for strategy in strategies[1:]:
+        for name in want:
+            assert torch.equal(got_all[strategy][1][name], got_all[first][1][name]), (
+                f"{strategy}: d{name} is not bitwise {first}'s for {case}"
+            )
+    return got_all
+
+
+# ------------------------------------------------------------------ parity with autograd
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(),  # dropless, B·S = 16 < W·T·K: segments reuse the ring
+        Case(capacity="factor 0.5", routing="zipf:1.5"),  # drop by arrival, renormalize
+        Case(W=3, E=6, T=10, B=3, capacity="factor 0.5, weights zero", routing="zipf:1.5"),  # zero weights
+        Case(act="gelu", capacity="rows 3"),
+        Case(act="relu", E=3, T=8, S=3, B=2),  # one owner holds two experts, a return ring of 6 rows
+    ],
+    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring"],
+)
+def test_gradients_match_autograd_through_the_reference_in_every_schedule(case):
+    check(case)
+
+
+def test_an_all_dropped_token_gets_zero_gradients():
+    """rows 1: each expert admits one row, so most tokens lose every slot."""
+    case = Case(capacity="rows 1", routing="hot")
+    got = check(case, ("bulk",))["bulk"][1]
+    layer = case.layer()
+    inputs = case.inputs()
+    _, accepted = reference_for(layer.spec)(*inputs)
+    none = ~accepted.any(dim=-1)  # tokens with every slot dropped
+    assert int(none.sum()) > 0
+    assert not got["x"][none].any() and not got["topk_weights"][none].any()
+    # weights zero: a dropped slot's gate gets no gradient at all (renormalize: it may, through
+    # the token's total, which its gate is part of)
+    zero = Case(capacity="rows 1, weights zero", routing="hot")
+    g0 = check(zero, ("bulk",))["bulk"][1]["topk_weights"]
+    assert not g0[~accepted].any()
+
+
+def test_gate_gradient_through_renormalize_by_hand():
+    g = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.7, 0.2, 0.1]], dtype=torch.float64, requires_grad=True)
+    accepted = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+    up = torch.tensor([[1.0, -2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
+    for policy in ("renormalize", "zero"):
+        g.grad = None
+        (combine_weights(g, accepted, policy) * up).sum().backward()
+        got = gate_grad(g.detach(), accepted, up, policy)
+        assert torch.allclose(got, g.grad, rtol=0, atol=1e-12), policy
+    assert not got[1].any()  # nothing accepted: no gradient
+
+
+def test_finite_differences_in_fp32():
+    """No fp64 layer dtype exists (fp32, fp16, bf16), so no float64 gradcheck: a central
+    difference in fp32 of sum(y · dy) along random directions of x, the gates and every weight
+    agrees with the backward's directional derivative."""
+    case = Case(T=6, capacity="factor 0.75", routing="zipf:1.5")
+    layer = case.layer()
+    m = layer.module(schedule="pipelined", tiles=TILES)
+    inputs = case.inputs()
+    _, _, dy, got = grads(m, inputs)
+    x, ids, g, wg, wu, wd = inputs
+    base = {"x": x, "topk_weights": g, "w_gate": wg, "w_up": wu, "w_down": wd}
+    gen = torch.Generator().manual_seed(3)
+    for name in NAMES:
+        v = torch.randn(base[name].shape, generator=gen)
+        eps = 1e-2 * float(base[name].abs().max()) / float(v.abs().max())
+
+        def loss(sign, name=name, v=v, eps=eps):
+            args = dict(base) | {name: base[name] + sign * eps * v}
+            with torch.no_grad():
+                y = m(args["x"], ids, args["topk_weights"], args["w_gate"], args["w_up"], args["w_down"])
+            return float((y.double() * dy.double()).sum())
+
+        fd = (loss(1) - loss(-1)) / (2 * eps)
+        an = float((got[name].double() * v.double()).sum())
+        assert abs(fd - an) <= 2e-3 * max(abs(an), 1.0), f"d{name}: finite difference {fd:.6g}, backward {an:.6g}"
+
+
+# ------------------------------------------------------------------ the routing it walks
+
+
+def test_the_backward_walks_its_own_forward_when_another_ran_since():
+    """Two forwards, then their backwards in reverse order (as with two micro-batches): each
+    backward walks the routing its own forward kept, not the module's latest."""
+    case = Case(capacity="factor 0.75", routing="zipf:1.5")
+    layer = case.layer()
+    m = layer.module(schedule="pipelined", tiles=TILES)
+    first, second = case.inputs(), Case(capacity="factor 0.75", routing="uniform", seed=5).inputs()
+    alone = grads(m, first)[3]
+    x, ids, g, wg, wu, wd = first
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
+    y1 = m(leaves[0], ids, *leaves[1:])
+    accepted_first = m.last_context.accepted
+    y2 = m(*(t.detach().clone().requires_grad_(True) if t.is_floating_point() else t for t in second))
+    assert not torch.equal(m.last_context.accepted, accepted_first)  # the second routed otherwise
+    dy = torch.randn(y1.shape, generator=torch.Generator().manual_seed(7))
+    y2.sum().backward()
+    (y1 * dy).sum().backward()
+    for name, t in zip(NAMES, leaves, strict=True):
+        assert torch.equal(t.grad, alone[name]), name
+
+
+def test_the_heap_is_the_plans_forward_backward_figure():
+    for strategy in STRATEGIES:
+        layer = Case(act="relu", E=3, T=8, S=3).layer()
+        m = layer.module(schedule=strategy, tiles=TILES)
+        want = symmetric_plan(layer.spec, strategy)["forward_backward"]["total"]
+        assert tuple(m.heap.shape) == (2, want) == (2, m.plan.heap_bytes), strategy
+
+
+def test_a_withheld_backward_task_trips_with_the_kernels_record_and_the_next_backward_recovers():
+    case = Case()
+    layer = case.layer()
+    m = layer.module(schedule="pipelined", tiles=TILES, spin_bound=200)
+    entry = next(i for i, n in enumerate(m.plan.bwd_names) if n.startswith("gemm1"))
+    m.withhold(entry, backward=True)
+    with pytest.raises(KernelError, match=r"the backward kernel stopped in call 1: .* waited 200 spins") as err:
+        grads(m, case.inputs())
+    record = err.value.record
+    assert record["pass"] == "backward" and record["flag_task"] == m.plan.bwd_names[entry]
+    # The backward's control words were reset: the next backward runs, and its gradients are right.
+    check_again = grads(m, case.inputs())[3]
+    want = grads(reference_for(layer.spec), case.inputs(), dy=None)[3]
+    for name in want:
+        assert float((check_again[name] - want[name]).abs().max()) <= 1e-4 * float(want[name].abs().max())
+
+
+def test_what_the_forward_keeps_is_the_planners_saved_activations():
+    from rdepc.passes.plan import plan
+
+    layer = Case(capacity="factor 1.0").layer()
+    m = layer.module(schedule="pipelined", tiles=TILES)
+    x, ids, g, wg, wu, wd = Case(capacity="factor 1.0").inputs()
+    y = m(x.requires_grad_(True), ids, g, wg, wu, wd)
+    kept = y.grad_fn.kept
+    figures = {f.key: f.value for f in plan(layer.spec).figures()}
+    per_owner = (kept["saved_x"][0].numel() + kept["saved_pre"][0].numel()) * kept["saved_x"].element_size()
+    assert per_owner == figures["saved_activations.per_layer"]
+    assert (
+        kept["saved_out"][0].numel() * kept["saved_out"].element_size()
+        == figures["saved_activations.outputs_per_layer"]
+    )
