@@ -451,7 +451,7 @@ def return_rows(
             put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
 '''.replace("@@DOC@@", doc)
         .replace("@@LAND@@", land)
-        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing, _")
+        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing, _ids")
     )
 
 

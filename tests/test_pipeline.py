@@ -264,11 +264,11 @@ def test_the_heap_is_the_planners(monkeypatch, tmp_path):
         spec = rdepc.load(f"examples/{name}.rdep").spec
         for strategy in STRATEGIES:
             g = rdepc.load(f"examples/{name}.rdep").compile(schedule=strategy).kernel
-            planned = symmetric_plan(spec, strategy)["forward"]["total"]
+            planned = symmetric_plan(spec, strategy)["forward_backward"]["total"]
             assert g.heap_bytes == planned, f"{name} {strategy}: heap {g.heap_bytes} != plan {planned}"
     spec = rdepc.load(_tiny(2)).spec
     m = _module(spec, "pipelined", tmp_path)
-    assert tuple(m.heap.shape) == (4, symmetric_plan(spec, "pipelined")["forward"]["total"])
+    assert tuple(m.heap.shape) == (4, symmetric_plan(spec, "pipelined")["forward_backward"]["total"])
 
 
 @pytest.mark.parametrize("B", [1, 2, 3])

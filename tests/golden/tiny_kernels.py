@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: d62199343d87a0059cb99854a1176d5f691909f35de31e2776be2dd7aa165690
+# content-sha256: 51064a597938de378ff109ac0abdcfb7c7158ba81d6a336b73ffc7f78c2ba46c
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -803,7 +803,7 @@ def return_rows(
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
-    landing, _ = return_regions(peer(heap, r), BACKWARD)
+    landing, _ids = return_regions(peer(heap, r), BACKWARD)
     out = staging + tl.cast(q, tl.int64) * (B * S) * H
     row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
     start = item * BLOCK_R
