@@ -3,12 +3,12 @@ file beside the forward's (``emit.generate``): the backward walks the forward's 
 over the forward's routing, and only these kinds compute something new —
 
   bgemm1        (the backward's gemm1 entries) dA = dO·Wdᵀ and the activation's backward
-  bgemm2        (its gemm2 entries) dX = dH·[Wg Wu]ᵀ
   combine_grad  (its combine tiles) dL/dx per token, dL/dg' per slot
   wgrad         each owner's weight gradients, once its dH rows are all written
 
 Its dispatch, return and unpack are the forward's (``stages.py``), over the backward's
-heap regions.
+heap regions, and so is its gemm2 (``compute.py``: dX = dH·[Wg Wu]ᵀ, the weights read
+transposed).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def combine_grad_source(p: KernelPlan) -> str:
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
         if p.ring
-        else "    landing = (peer(heap, r) + BWD_RETURN).to(tl.pointer_type(DTYPE))\n"
+        else "    landing = return_regions(peer(heap, r), True)\n"
     )
     return (
         '''@triton.jit
@@ -158,54 +158,6 @@ def bgemm1(
     for k, v in {**sub, "@@ACT@@": narrowed(p, "act", "DTYPE")}.items():
         text = text.replace(k, v)
     return text.replace("@@COLS@@", cols)
-
-
-def bgemm2_source(p: KernelPlan) -> str:
-    """Backward of GEMM1: dX = dH·[Wg Wu]ᵀ (or dH·Wuᵀ), into the staging ring."""
-    weights, cols = ("w_gate_up", "2 * F") if p.gated else ("w_up", "F")
-    tile = f"grads, R_MAX, row0, w, H, h, {cols}, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
-    if p.gated:  # as ruff formats a call that does not fit one line
-        tile = f"\n            {tile}\n        "
-    return f'''@triton.jit
-def bgemm2(
-    dh,
-    {weights},
-    weight_of,
-    group,
-    hbuf_rid,
-    staging,
-    staging_rid,
-    q,
-    s,
-    item,
-    BM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr,
-):
-    """Backward, owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of
-    m-tile slot ``item // h_blocks``, dX = dH {"[Wg Wu]" if p.gated else "Wu"}ᵀ, one [BM, BLOCK_H] tile into the owner's
-    staging ring, once BGEMM1 finished that m-tile; H-block 0 copies the rows' row_ids
-    beside them, for the return.
-    """
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    j = item // h_blocks
-    h = item % h_blocks * BLOCK_H
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
-    if hi > lo:
-        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
-        at = ring_row(row0, s, s)
-        w = {weights} + e * (H * {cols})
-        grads = dh + tl.cast(q, tl.int64) * R_MAX * {cols}
-        acc = gemm_tile(@@TILE@@)
-        m = tl.arange(0, BM)
-        live = (m >= lo) & (m < hi)
-        ring = tl.cast(q, tl.int64) * (B * S) + at + m
-        store_rows(staging + ring * H, @@OUT@@, live, H, h, BLOCK_H)
-        if h == 0:
-            tl.store(staging_rid + ring, tl.load(hbuf_rid + ring, mask=live, other=0), mask=live)
-'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE")).replace("@@TILE@@", tile)
 
 
 def wgrad_source(p: KernelPlan) -> str:

@@ -138,11 +138,15 @@ def gemm1(
 
 
 def gemm2_source(p: KernelPlan) -> str:
-    return '''@triton.jit
+    cols = "2 * F" if p.gated else "F"
+    grad = f"rows, R_MAX, row0, w, H, h, {cols}, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
+    if p.gated:  # as ruff formats a call that does not fit one line
+        grad = f"\n                {grad}\n            "
+    return f'''@triton.jit
 def gemm2(
-    hbuf,
+    rows,
     hbuf_rid,
-    w_down,
+    w,
     weight_of,
     group,
     staging,
@@ -155,11 +159,14 @@ def gemm2(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
-    ``item // h_blocks`` of GEMM2, out = h Wd, one [BM, BLOCK_H] tile from the workspace
-    rows GEMM1 wrote into the owner's ``staging`` ring (the memory plan's private staging);
-    H-block 0 copies the rows' row_ids beside them, for the return.
+    ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
+    ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
+    plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
+    return. The backward's: dX = dH {"[Wg Wu]" if p.gated else "Wu"}ᵀ, ``rows`` the dH its GEMM1 wrote at the
+    rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     j = item // h_blocks
@@ -169,12 +176,18 @@ def gemm2(
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
         base = tl.cast(q, tl.int64) * (B * S)
-        w = w_down + e * (F * H)
-        acc = gemm_tile(hbuf + base * F, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+        if BACKWARD:
+            rows += tl.cast(q, tl.int64) * R_MAX * {cols}
+            w += e * (H * {cols})
+            acc = gemm_tile(@@GRAD@@)
+        else:
+            rows += base * F
+            w += e * (F * H)
+            acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
         store_rows(staging + row * H, @@OUT@@, live, H, h, BLOCK_H)
         if h == 0:
             tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
-'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE"))
+'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE")).replace("@@GRAD@@", grad)

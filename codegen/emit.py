@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import textwrap
 
-from rdepc.codegen.backward import bgemm1_source, bgemm2_source, combine_grad_source, wgrad_source
+from rdepc.codegen.backward import bgemm1_source, combine_grad_source, wgrad_source
 from rdepc.codegen.compute import device_source, gemm1_source, gemm2_source, m_tile_source
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
 from rdepc.codegen.stages import (
@@ -74,7 +74,6 @@ def generate(plan: KernelPlan) -> str:
         *([unpack_source()] if plan.ring else []),
         combine_source(plan),
         bgemm1_source(plan),
-        bgemm2_source(plan),
         combine_grad_source(plan),
         wgrad_source(plan),
         _kernel(plan),
@@ -409,15 +408,15 @@ def rdep_layer(
                             segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_GEMM2:
-                    if BACKWARD:
-                        bgemm2(
-                            dh, {w_up}, weight_of, group, hbuf_rid, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
+                        gemm2(
+                            dh, hbuf_rid, {w_up}, weight_of, group, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
                         )  # fmt: skip
                     else:
                         gemm2(
                             hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(

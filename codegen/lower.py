@@ -225,11 +225,10 @@ class KernelPlan:
     deps: tuple[int, ...]  # dependency entries; -(d + 1): entry d of the previous call
     names: tuple[str, ...]  # task names, for error messages and profiles
     tasks: tuple[int, ...]  # the graph's task id of each entry
-    # the backward's task table: the forward's entries (same order, dependencies and done
-    # counters, in the backward's own flags), then one weight-gradient entry per owner
-    bwd_table: tuple[tuple[int, ...], ...] = ()
-    bwd_deps: tuple[int, ...] = ()
-    bwd_names: tuple[str, ...] = ()
+    # the backward's own entries, after the forward's (``bwd_table``): one weight-gradient
+    # entry per owner, its dependencies numbered after the forward's (``bwd_deps``)
+    wgrad_table: tuple[tuple[int, ...], ...] = ()
+    wgrad_deps: tuple[int, ...] = ()
     programs: tuple[int, int] = (1, 1)  # the schedule's (communication, compute) programs per rank
     guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
     combine_tokens: int = COMBINE_TOKENS
@@ -238,6 +237,20 @@ class KernelPlan:
     @property
     def n_entries(self) -> int:
         return len(self.table)
+
+    @property
+    def bwd_table(self) -> tuple[tuple[int, ...], ...]:
+        """The backward's task table: the forward's entries (same order, dependencies and done
+        counters, counted in the backward's own words), then the weight gradients."""
+        return self.table + self.wgrad_table
+
+    @property
+    def bwd_deps(self) -> tuple[int, ...]:
+        return self.deps + self.wgrad_deps
+
+    @property
+    def bwd_names(self) -> tuple[str, ...]:
+        return self.names + tuple(f"wgrad r{row[COLUMNS.index('owner')]}" for row in self.wgrad_table)
 
     @property
     def R_MAX(self) -> int:
@@ -469,15 +482,15 @@ def lower(
     # transposed ones, its returns carry dL/dx), then each owner's weight gradients, once
     # every GEMM1 of the owner has written its rows' dH.
     fwd_runs = max(runs, default=0)
-    bwd_table, bwd_deps, bwd_names = list(table), list(deps), list(names)
+    wgrad_table, wgrad_deps = [], []
     gemm1 = KINDS.index("gemm1")
     for q in range(W):
         mine = [i for i, row in enumerate(table) if row[0] == gemm1 and row[3] == q]
         if not mine:
             continue
-        bwd_table.append((KINDS.index("wgrad"), q, q, q, 0, 0, 0, len(bwd_deps), len(mine), -1, 2 * q + 1, runs[q]))
-        bwd_deps.extend(mine)
-        bwd_names.append(f"wgrad r{q}")
+        start = len(deps) + len(wgrad_deps)
+        wgrad_table.append((KINDS.index("wgrad"), q, q, q, 0, 0, 0, start, len(mine), -1, 2 * q + 1, runs[q]))
+        wgrad_deps.extend(mine)
         runs[q] += 1
 
     # The heap: the memory plan's buffers, forward and backward, at its offsets (shifted by
@@ -574,9 +587,8 @@ def lower(
         deps=tuple(deps),
         names=tuple(names),
         tasks=tuple(tasks),
-        bwd_table=tuple(bwd_table),
-        bwd_deps=tuple(bwd_deps),
-        bwd_names=tuple(bwd_names),
+        wgrad_table=tuple(wgrad_table),
+        wgrad_deps=tuple(wgrad_deps),
         programs=tuple(sched.programs),
         guard=guard,
     )

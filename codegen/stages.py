@@ -372,14 +372,22 @@ def _payload(p: KernelPlan) -> str:
 
 
 def return_regions_source(p: KernelPlan) -> str:
-    ids = ("(me + BWD_RETURN_IDS)", "(me + RETURN_IDS)") if p.ring else ("me", "me")
-    return f'''@triton.jit
+    if not p.ring:
+        return '''@triton.jit
 def return_regions(me, BACKWARD: tl.constexpr):
-    """Where returned rows land in a front-end's heap slice ``me``, and their row_ids (a
-    return ring only): the forward's regions, or the backward's."""
+    """Where returned rows land in a front-end's heap slice ``me``, each at its (token,
+    slot) place: the forward's region, or the backward's."""
     if BACKWARD:
-        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE)), {ids[0]}.to(tl.pointer_type(tl.int64))
-    return (me + RETURN).to(tl.pointer_type(DTYPE)), {ids[1]}.to(tl.pointer_type(tl.int64))
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
+    return (me + RETURN).to(tl.pointer_type(DTYPE))
+'''
+    return '''@triton.jit
+def return_regions(me, BACKWARD: tl.constexpr):
+    """Where returned rows land in a front-end's heap slice ``me`` (a return ring) and their
+    row_ids: the forward's regions, or the backward's."""
+    if BACKWARD:
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE)), (me + BWD_RETURN_IDS).to(tl.pointer_type(tl.int64))
+    return (me + RETURN).to(tl.pointer_type(DTYPE)), (me + RETURN_IDS).to(tl.pointer_type(tl.int64))
 '''
 
 
@@ -451,7 +459,7 @@ def return_rows(
             put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
 '''.replace("@@DOC@@", doc)
         .replace("@@LAND@@", land)
-        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing, _ids")
+        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing")
     )
 
 
@@ -591,7 +599,7 @@ def combine(
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
         if p.ring
-        else "    landing = (me + RETURN).to(tl.pointer_type(DTYPE))\n"
+        else "    landing = return_regions(me, False)\n"
     )
     return (
         text.replace("@@Y@@", narrowed(p, "acc", "DTYPE"))

@@ -87,12 +87,7 @@ class MoELM(nn.Module):
         self.head = nn.Linear(self.H, VOCAB)
         nn.init.zeros_(self.head.weight)  # the first loss: exactly log(VOCAB)
         nn.init.zeros_(self.head.bias)
-        for name, module in self.named_children():  # the MoE blocks are already on their device
-            if name != "blocks":
-                module.to(device=device, dtype=dtype)
-        for b in self.blocks:
-            for m in (b.mix_norm, b.mix, b.moe_norm):
-                m.to(device=device, dtype=dtype)
+        self.to(device=device, dtype=dtype)  # the MoE blocks already are: a no-op for them
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [W, T'] -> logits [W, T', V]
         x = self.embed(tokens)

@@ -139,9 +139,9 @@ def gate_grad(gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor
     dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A."""
     g = gates.to(torch.promote_types(gates.dtype, torch.float32))
     dgprime = dgprime.to(g.dtype)
-    kept = torch.where(accepted, g, 0.0)
     if weights != "renormalize":
         return torch.where(accepted, dgprime, 0.0)
+    kept = torch.where(accepted, g, 0.0)
     total = g.sum(dim=-1, keepdim=True)
     survived = kept.sum(dim=-1, keepdim=True)
     ok = survived != 0
@@ -289,7 +289,7 @@ class RDEPModule:
         self._pending: list[tuple] = []  # native calls whose control words are still on their way
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
-        self._withheld: int | None = None
+        self._withheld: tuple[int, bool] | None = None  # (entry, in the backward)
         self._broken: str | None = None  # per-rank backends: a kernel error ends the module
         sizes = {name: (at, size) for name, _, at, size in p.layout}
         self._flags, self._bwd_flags = sizes["flags"], sizes["bwd_flags"]
@@ -342,11 +342,9 @@ class RDEPModule:
         given |= self._weights(w_gate, w_up, w_down)
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the front-ends' expert outputs
-            rows = (1 if self.per_rank else W, p.R_MAX)
-            pre = 2 * p.F if p.gated else p.F
             kept = {
-                "saved_x": torch.empty((*rows, p.H), dtype=self.dtype, device=self.device),
-                "saved_pre": torch.empty((*rows, pre), dtype=self.dtype, device=self.device),
+                "saved_x": self._owner_rows(p.H),
+                "saved_pre": self._owner_rows(2 * p.F if p.gated else p.F),
                 "saved_out": torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device),
             }
             given |= kept
@@ -371,22 +369,19 @@ class RDEPModule:
         if self._broken:
             raise RuntimeError(self._broken)
         self._settle(wait=False)
-        W, K = p.W, p.K
-        lead = () if self.per_rank else (W,)
-        rows = (1 if self.per_rank else W, p.R_MAX)
-        pre = 2 * p.F if p.gated else p.F
+        lead = () if self.per_rank else (p.W,)
         weights = self._weights(w_gate, w_up, w_down)
         up = weights["w_gate_up" if p.gated else "w_up"]
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": dy.detach().to(self.dtype).contiguous(),
             "dx": torch.empty((*lead, Tn, p.H), **new),
-            "dgprime": torch.empty((*lead, Tn, K), device=self.device, dtype=torch.float32),
+            "dgprime": torch.empty((*lead, Tn, p.K), device=self.device, dtype=torch.float32),
             "accepted": context.accepted.to(torch.int8),
             "gprime": context.gprime,
-            "dh": torch.empty((*rows, pre), **new),
-            "act_rows": torch.empty((*rows, p.F), **new),
-            "do_rows": torch.empty((*rows, p.H), **new),
+            "dh": self._owner_rows(2 * p.F if p.gated else p.F),
+            "act_rows": self._owner_rows(p.F),
+            "do_rows": self._owner_rows(p.H),
             "dw_up": torch.zeros(up.shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
@@ -402,6 +397,12 @@ class RDEPModule:
         else:
             dwg, dwu = None, dw_up
         return given["dx"], dgates, dwg, dwu, given["dw_down"]
+
+    def _owner_rows(self, cols: int) -> torch.Tensor:
+        """[owners, R_max, cols] rows in the layer's dtype, one block per owner this process
+        runs: where the owners' rows sit for the backward, at their places among their rows."""
+        owners = 1 if self.per_rank else self.plan.W
+        return torch.empty((owners, self.plan.R_MAX, cols), dtype=self.dtype, device=self.device)
 
     def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
         if self.plan.gated:

@@ -30,7 +30,7 @@ from rdepc.driver import Options, compile_file, spec_passes
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
 TASK_KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return_rows", "combine")  # and unpack, with a return ring
-BACKWARD_KINDS = ("bgemm1", "bgemm2", "combine_grad", "wgrad")
+BACKWARD_KINDS = ("bgemm1", "combine_grad", "wgrad")
 TRANSPORT = ("peer", "put", "signal", "wait")
 
 SPEC = """layer f {{

@@ -262,7 +262,6 @@ def moe_rank(rank: int, W: int, file: str) -> tuple[torch.Tensor, dict]:
     moe = rdepc.RDEPMoE(file, backend="emulated-mp", generator=torch.Generator().manual_seed(7), W=W)
     x = torch.randn(W, 16, 64, generator=torch.Generator().manual_seed(8))
     assert moe.w_up.shape == (len(moe.experts), 64, 128)
-    torch.manual_seed(rank)
     y, grads = moe_step(moe, x[rank])
     return y, grads | {"experts": list(moe.experts)}
 

@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 51064a597938de378ff109ac0abdcfb7c7158ba81d6a336b73ffc7f78c2ba46c
+# content-sha256: 1e98831f9d6609ff85fc861eefa2c83b143102f940e0443ce58bbd3c2e59ebce
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -722,9 +722,9 @@ def gemm1(
 
 @triton.jit
 def gemm2(
-    hbuf,
+    rows,
     hbuf_rid,
-    w_down,
+    w,
     weight_of,
     group,
     staging,
@@ -737,11 +737,14 @@ def gemm2(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
-    ``item // h_blocks`` of GEMM2, out = h Wd, one [BM, BLOCK_H] tile from the workspace
-    rows GEMM1 wrote into the owner's ``staging`` ring (the memory plan's private staging);
-    H-block 0 copies the rows' row_ids beside them, for the return.
+    ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
+    ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
+    plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
+    return. The backward's: dX = dH [Wg Wu]ᵀ, ``rows`` the dH its GEMM1 wrote at the
+    rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     j = item // h_blocks
@@ -751,8 +754,16 @@ def gemm2(
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
         base = tl.cast(q, tl.int64) * (B * S)
-        w = w_down + e * (F * H)
-        acc = gemm_tile(hbuf + base * F, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+        if BACKWARD:
+            rows += tl.cast(q, tl.int64) * R_MAX * 2 * F
+            w += e * (H * 2 * F)
+            acc = gemm_tile(
+                rows, R_MAX, row0, w, H, h, 2 * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+            )
+        else:
+            rows += base * F
+            w += e * (F * H)
+            acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
@@ -763,11 +774,11 @@ def gemm2(
 
 @triton.jit
 def return_regions(me, BACKWARD: tl.constexpr):
-    """Where returned rows land in a front-end's heap slice ``me``, and their row_ids (a
-    return ring only): the forward's regions, or the backward's."""
+    """Where returned rows land in a front-end's heap slice ``me``, each at its (token,
+    slot) place: the forward's region, or the backward's."""
     if BACKWARD:
-        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE)), me.to(tl.pointer_type(tl.int64))
-    return (me + RETURN).to(tl.pointer_type(DTYPE)), me.to(tl.pointer_type(tl.int64))
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
+    return (me + RETURN).to(tl.pointer_type(DTYPE))
 
 
 @triton.jit
@@ -803,7 +814,7 @@ def return_rows(
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
-    landing, _ids = return_regions(peer(heap, r), BACKWARD)
+    landing = return_regions(peer(heap, r), BACKWARD)
     out = staging + tl.cast(q, tl.int64) * (B * S) * H
     row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
     start = item * BLOCK_R
@@ -878,7 +889,7 @@ def combine(
     tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
     tl.store(gprime + base + i, w, mask=real)
     tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
-    landing = (me + RETURN).to(tl.pointer_type(DTYPE))
+    landing = return_regions(me, False)
     y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
     real = t < n_tokens
     for h in range(0, H, BLOCK_H):
@@ -959,49 +970,6 @@ def bgemm1(
 
 
 @triton.jit
-def bgemm2(
-    dh,
-    w_gate_up,
-    weight_of,
-    group,
-    hbuf_rid,
-    staging,
-    staging_rid,
-    q,
-    s,
-    item,
-    BM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr,
-):
-    """Backward, owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of
-    m-tile slot ``item // h_blocks``, dX = dH [Wg Wu]ᵀ, one [BM, BLOCK_H] tile into the owner's
-    staging ring, once BGEMM1 finished that m-tile; H-block 0 copies the rows' row_ids
-    beside them, for the return.
-    """
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    j = item // h_blocks
-    h = item % h_blocks * BLOCK_H
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
-    if hi > lo:
-        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
-        at = ring_row(row0, s, s)
-        w = w_gate_up + e * (H * 2 * F)
-        grads = dh + tl.cast(q, tl.int64) * R_MAX * 2 * F
-        acc = gemm_tile(
-            grads, R_MAX, row0, w, H, h, 2 * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
-        )
-        m = tl.arange(0, BM)
-        live = (m >= lo) & (m < hi)
-        ring = tl.cast(q, tl.int64) * (B * S) + at + m
-        store_rows(staging + ring * H, acc.to(DTYPE), live, H, h, BLOCK_H)
-        if h == 0:
-            tl.store(staging_rid + ring, tl.load(hbuf_rid + ring, mask=live, other=0), mask=live)
-
-
-@triton.jit
 def combine_grad(
     heap,
     dy,
@@ -1023,7 +991,7 @@ def combine_grad(
     k = tl.arange(0, K_PAD)
     real = t < n_tokens
     base = tl.cast(r, tl.int64) * n_tokens * K
-    landing = (peer(heap, r) + BWD_RETURN).to(tl.pointer_type(DTYPE))
+    landing = return_regions(peer(heap, r), True)
     rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
     dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
     for h in range(0, H, BLOCK_H):
@@ -1257,15 +1225,15 @@ def rdep_layer(
                             segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_GEMM2:
-                    if BACKWARD:
-                        bgemm2(
-                            dh, w_gate_up, weight_of, group, hbuf_rid, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
+                        gemm2(
+                            dh, hbuf_rid, w_gate_up, weight_of, group, staging, staging_rid, owner, segment, item, BM,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
                         )  # fmt: skip
                     else:
                         gemm2(
                             hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32,
+                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
