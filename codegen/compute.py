@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 from rdepc.codegen.lower import KernelPlan
-from rdepc.codegen.stages import narrowed
+from rdepc.codegen.stages import call, narrowed
 
 DEVICE = Path(__file__).with_name("device.py")
 
@@ -115,9 +115,8 @@ def gemm1(
         at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
         me = peer(heap, q)
         rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
-        w = {weights} + e * (H * {cols})
-        acc = gemm_tile({tile_args}, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
-{act}        m = tl.arange(0, BM)
+@@SCALES@@        w = {weights} + e * (H * {cols})
+@@GEMM@@{act}        m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(hbuf + row * F, @@ACT@@, live, F, f, BLOCK_F)
@@ -126,13 +125,21 @@ def gemm1(
             store_rows(saved_pre + kept * @@COLS@@, @@PRE@@, live, @@COLS@@, @@COL0@@, @@WIDTH@@)
             if f == 0:
                 first = tl.cast(q, tl.int64) * R_MAX + row0
-                copy_rows(rows + tl.cast(at, tl.int64) * H, saved_x + first * H, live, H, BM, BLOCK_K)
-        if f == 0:
+@@COPY@@        if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
 '''
-    for k, v in {**save, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}.items():
+    gemm = [*tile_args.split(", "), "BLOCK_K", "STAGES", "TMA", "CAST_F32", "PRECISION"]
+    copy = ["rows + tl.cast(at, tl.int64) * H", "saved_x + first * H", "live", "H", "BM", "BLOCK_K"]
+    fp8 = {"@@SCALES@@": ""}
+    if p.scale_cols:  # fp8 rows: their scales are in the sideband beside them
+        gemm += ["False", "scales", "SCALE_COLS"]
+        copy += ["scales + tl.cast(at, tl.int64) * SCALES", "SCALE_COLS"]
+        fp8 = {"@@SCALES@@": "        scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]\n"}
+    fp8 |= {"@@GEMM@@": call("acc = gemm_tile", gemm, 8), "@@COPY@@": call("copy_rows", copy, 16)}
+    subst = {**save, **fp8, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}
+    for k, v in subst.items():
         text = text.replace(k, v)
     return text
 

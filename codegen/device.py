@@ -53,6 +53,8 @@ def gemm_tile(
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     TRANS_B: tl.constexpr = False,
+    a_scale=None,
+    SCALE_COLS: tl.constexpr = 0,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -61,7 +63,15 @@ def gemm_tile(
     at ``w`` (the backward's dL/dy·Wdᵀ and dH·[Wg Wu]ᵀ read the forward's weights as they
     are). The reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
     deep. Out-of-range rows and columns count as zero.
+
+    With ``SCALE_COLS`` (fp8 rows) A is quantised: its true value is A · its scales, fp32
+    [a_rows, ceil(K_DIM / SCALE_COLS)] at ``a_scale``, one per row and SCALE_COLS columns.
+    One scale per row (SCALE_COLS >= K_DIM) scales the finished tile; finer scales scale
+    each chunk's product before it is added, so BK must divide SCALE_COLS.
     """
+    PER_CHUNK: tl.constexpr = SCALE_COLS > 0 and SCALE_COLS < K_DIM
+    if PER_CHUNK:
+        tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if TMA:
         if not CAST_F32:  # natively (see mma)
@@ -73,22 +83,68 @@ def gemm_tile(
             w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             if TRANS_B:
-                acc = mma(a_desc.load([row0, k]), tl.trans(w_desc.load([col0, k])), acc, CAST_F32, PRECISION)
+                b = tl.trans(w_desc.load([col0, k]))
             else:
-                acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
+                b = w_desc.load([k, col0])
+            if PER_CHUNK:
+                part = mma(a_desc.load([row0, k]), b, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(a_desc.load([row0, k]), b, acc, CAST_F32, PRECISION)
     else:
         a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
         if TRANS_B:
             w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
         else:
             w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
-        for _ in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
-            acc = mma(x, y, acc, CAST_F32, PRECISION)
+            if PER_CHUNK:
+                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
+    if SCALE_COLS >= K_DIM:
+        acc *= row_scales(a_scale, a_rows, row0, 0, K_DIM, BM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def row_scales(scales, n_rows, row0, group, n_cols, BM: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The scales of column group ``group`` of rows row0 .. row0 + BM of a quantised matrix
+    of ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
+    ``scales``); rows outside the matrix get 0."""
+    rows = row0 + tl.arange(0, BM)
+    live = (rows >= 0) & (rows < n_rows)
+    per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
+    return tl.load(scales + tl.cast(rows, tl.int64) * per_row + group, mask=live, other=0.0)
+
+
+@triton.jit
+def fp8_scale(amax):
+    """The fp32 scale that maps a row (block) whose largest magnitude is ``amax`` onto fp8
+    e4m3's range [-448, 448]; 1 for an all-zero one."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+
+
+@triton.jit
+def to_e4m3(x, scale, CAST_F32: tl.constexpr):
+    """fp32 ``x`` / ``scale`` in fp8 e4m3, rounded to nearest even, clamped to +-448. The
+    interpreter's conversion does not carry a rounding into the exponent, so under it
+    (CAST_F32) the value is first rounded on its bits: normal numbers to e4m3's 3
+    mantissa bits, subnormal ones (below 2^-6) to multiples of 2^-9."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    if CAST_F32:
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        mag = tl.abs(v)
+        sub = (mag + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14, whose fp32 ulp is 2^-9
+        sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # keeps -0
+        v = tl.where(mag < 0.015625, sub, normal)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -143,15 +199,32 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
 
 
 @triton.jit
-def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr):
+def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0):
     """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
-    ``dst`` (converted to ``dst``'s dtype), BC columns at a time."""
+    ``dst`` (converted to ``dst``'s dtype), BC columns at a time. With ``SCALE_COLS`` the
+    rows are quantised and leave dequantised: times their scales (as in ``gemm_tile``)."""
     m = tl.arange(0, BM)
     for c0 in range(0, n_cols, BC):
         c = c0 + tl.arange(0, BC)
         mask = live[:, None] & (c < n_cols)[None, :]
         at = m[:, None] * n_cols + c[None, :]
-        tl.store(dst + at, tl.load(src + at, mask=mask).to(dst.dtype.element_ty), mask=mask)
+        rows = tl.load(src + at, mask=mask)
+        if SCALE_COLS > 0:
+            per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
+            s = tl.load(scales + m[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
+            rows = rows.to(tl.float32) * s
+        tl.store(dst + at, rows.to(dst.dtype.element_ty), mask=mask)
 
 
-__all__ = ["copy_rows", "gate_up", "gemm_rows_tn", "gemm_tile", "mma", "proxy_fence", "store_rows"]
+__all__ = [
+    "copy_rows",
+    "fp8_scale",
+    "gate_up",
+    "gemm_rows_tn",
+    "gemm_tile",
+    "mma",
+    "proxy_fence",
+    "row_scales",
+    "store_rows",
+    "to_e4m3",
+]

@@ -24,6 +24,7 @@ from rdepc.codegen.compute import device_source, gemm1_source, gemm2_source, m_t
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
 from rdepc.codegen.stages import (
     combine_source,
+    decode_source,
     dispatch_source,
     helpers_source,
     return_regions_source,
@@ -37,7 +38,7 @@ from rdepc.runtime.transport import get as get_transport
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
-TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16"}
+TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
 
 
@@ -61,9 +62,10 @@ def generate(plan: KernelPlan) -> str:
         _constants(plan),
         transport.device_source.strip("\n") + "\n",
         helpers_source(plan),
-        route_source(),
-        scan_source(),
+        route_source(plan),
+        scan_source(plan),
         segment_source(),
+        decode_source(plan),
         dispatch_source(plan),
         m_tile_source(),
         device_source(),
@@ -147,7 +149,7 @@ def _launches(p: KernelPlan) -> str:
 def tma(p: KernelPlan) -> bool:
     """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
     as tensor descriptors (TMA) require; otherwise the GEMMs read through block pointers."""
-    size = {"fp32": 4, "fp16": 2, "bf16": 2}
+    size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
     a, d = size[p.dtype], size[p.dispatch]
     return all(n % 16 == 0 for n in (p.H * d, p.H * a, p.F * a))
 
@@ -178,10 +180,19 @@ def _constants(p: KernelPlan) -> str:
         _c("W_PAD", W_PAD),
         _c("K_PAD", K_PAD),
         _c("ROUTE_ROWS", route_rows, "route rows per block of the route stage's one-hot prefix count"),
+        *([_c("KEY_ROWS", 64, "admission keys per block of the scan's count")] if p.keyed else []),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
         _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
+    ]
+    if p.scale_cols:
+        what = "one per row" if p.dispatch_scale == "row" else "one per SCALE_COLS columns"
+        lines += [
+            _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({what})"),
+            _c("SCALES", p.scales, "fp32 scales per payload row, in the sideband"),
+        ]
+    lines += [
         _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
         _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
@@ -197,10 +208,12 @@ def _constants(p: KernelPlan) -> str:
         _c("COUNTS", off["counts"], "int32 [W, E_MAX] at the owner: rows each source sends each local expert"),
         _c("OFFSETS", off["offsets"], "int32 [W, E_MAX] at the source: write base per (owner, local expert)"),
         _c("ADMITTED", off["admitted"], "int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)"),
+        *([_c("KEYS", off["keys"], "int64 [W, T*K] at the owner: each source's admission keys")] if p.keyed else []),
         _c("FLAGS", off["flags"], "int64 done counters of the entries this rank runs (task-table column flag)"),
         _c("PAYLOAD", off["payload"], "DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source"),
     ]
-    sizes = {"row_id": "int64 [B*S]", "local_expert": "int32 [B*S]", "gate": "fp32 [B*S]", "scale": "fp32 [B*S]"}
+    sizes = {"row_id": "int64 [B*S]", "local_expert": "int32 [B*S]", "gate": "fp32 [B*S]"}
+    sizes["scale"] = "fp32 [B*S, SCALES]"
     for f in p.sideband:
         lines.append(_c(f"SB_{f.upper()}", off[f"sideband_{f}"], f"sideband {f}, {sizes[f]}"))
     if p.ring:
@@ -239,7 +252,7 @@ def _constants(p: KernelPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base")
+RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base")
 CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
 CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
 
@@ -251,7 +264,9 @@ def _kernel(p: KernelPlan) -> str:
     scalars = ", ".join(f'"{n}"' for n in RUNTIME_SCALARS)
     names = [n + (": tl.constexpr" if t == "constexpr" else "") for n, t in kernel_args(p)]
     signature = textwrap.fill(", ".join(names) + ",", 112, initial_indent="    ", subsequent_indent="    ")
-    return f'''@triton.jit(do_not_specialize=[{scalars}])
+    return f'''@triton.jit(
+    do_not_specialize=[{scalars}]
+)
 def rdep_layer(
 {signature}
 ):  # fmt: skip
@@ -385,8 +400,8 @@ def rdep_layer(
                 if kind == KIND_ROUTE:
                     if not BACKWARD:
                         route(
-                            heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl,
-                            rank, n_tokens,
+                            heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
+                            route_scratch, ctl, rank, n_tokens,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if not BACKWARD:
@@ -394,7 +409,7 @@ def rdep_layer(
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
                     if BACKWARD:
@@ -421,7 +436,7 @@ def rdep_layer(
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_rank, rid_token, BLOCK_R, BLOCK_H, BACKWARD,
+                        rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
 @@UNPACK@@                elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
@@ -462,8 +477,8 @@ def rdep_layer(
 def _unpack_call() -> str:
     return """                elif kind == KIND_UNPACK:
                     unpack(
-                        heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_rank, rid_token,
-                        BLOCK_R, BLOCK_H, BACKWARD,
+                        heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
+                        rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
 """
 
@@ -492,7 +507,8 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     if plan.ring:
         args.append(("landing", f"*{dt}"))
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64")]
-    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32"), ("rid_rank", "i32"), ("rid_token", "i32")]
+    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
+    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]
     args += [("bound", "i32"), ("program_base", "i32")]
     args += [(c, "constexpr") for c in CONSTEXPRS]
     return args

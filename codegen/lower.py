@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass, fields
 from rdepc import __version__
 from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.graph import MemoryPlan, Schedule
-from rdepc.ir.spec import LayerSpec
+from rdepc.ir.spec import ROUTE_VARS, SCALE_BLOCK, SIDEBAND_BYTES, LayerSpec
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
@@ -199,13 +199,24 @@ class KernelPlan:
     act: str
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
+    dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None
+    scales: int  # fp32 scales per payload row (fp8 dispatch)
     sideband: tuple[str, ...]
     symbolic_tokens: bool  # row ids and capacity use the call's T' (param T <= bound)
+    # the route-row identity id = c + a_rank·rank + a_token·token + a_slot·slot: (c, a_rank,
+    # a_token, a_slot), one per T' = 0..T when T is symbolic; and the variables whose extent
+    # can exceed 1 by descending coefficient (decoding reads them in this order)
+    row_id: tuple[tuple[int, int, int, int], ...]
+    row_id_order: tuple[str, ...]
+    # owners admit by key (``drop lowest_gate``, or arrival when ascending row_id is not
+    # rank, then token, then slot order): each source publishes its rows' keys
+    keyed: bool
     # capacity: policy, factor (p, q), rows (int, or one per T' when T is symbolic), weights (drop: arrival)
     capacity: str
     cap_factor: tuple[int, int] | None
     cap_rows: int | tuple[int, ...] | None
     weights: str
+    drop: str  # arrival | lowest_gate
     # ownership tables
     owner: tuple[int, ...]  # π(e)
     local: tuple[int, ...]  # λ(e)
@@ -314,6 +325,11 @@ class KernelPlan:
     def gated(self) -> bool:
         return self.act == "swiglu"
 
+    @property
+    def scale_cols(self) -> int:
+        """Payload columns one fp8 scale covers (0 without fp8 dispatch)."""
+        return {"row": self.H, "block": SCALE_BLOCK}.get(self.dispatch_scale, 0)
+
     def offset(self, name: str) -> int:
         return dict(self.heap)[name]
 
@@ -344,11 +360,10 @@ class KernelPlan:
                 out.append(INT32_MAX if cap is None else cap)
         return tuple(out)
 
-    def row_id_radix(self, T: int) -> tuple[int, int]:
-        """(rank, token) coefficients of eq. 7 at a call with T' tokens: (T·K, K), with the
-        spec's T, or T' when the spec's T is symbolic."""
-        t = max(T, 1) if self.symbolic_tokens else self.T
-        return t * self.K, self.K
+    def row_id_radix(self, T: int) -> tuple[int, int, int, int]:
+        """(c, a_rank, a_token, a_slot) of the route-row identity at a call with T' tokens:
+        the spec's T, or T' when the spec's T is symbolic."""
+        return self.row_id[min(T, self.T) if self.symbolic_tokens else 0]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -502,7 +517,7 @@ def lower(
             raise AssertionError(f"a rank runs {n_runs} task-table entries, more than its {slots} {name} counters")
     place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(bufs)}
     heap_bytes = mp.regions("forward_backward")["total"] + guard * (len(bufs) + 1)
-    names_heap = ("tokens", "counts", "offsets", "admitted", "flags", "payload", "return")
+    names_heap = ("tokens", "counts", "offsets", "admitted", "keys", "flags", "payload", "return")
     names_heap += ("bwd_flags", "bwd_payload", "bwd_row_ids", "bwd_return")
     heap = [(name, place[name]) for name in names_heap]
     if ring:
@@ -510,7 +525,7 @@ def lower(
     sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))
-        sb += B * S * {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}[f]
+        sb += B * S * SIDEBAND_BYTES[f] * (spec.route_row.scales if f == "scale" else 1)
     layout = tuple((b.name, b.region, place[b.name], b.size) for b in bufs)
     E_PAD = next_pow2(E)
     adt = spec.precision.dtype.value
@@ -534,7 +549,14 @@ def lower(
         ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
         ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
     ]
+    rr = spec.route_row
+    at_T = [{spec.shape.T: t} for t in range(T + 1)] if spec.shape.symbolic else [{}]
+    row_id = tuple((_at(rr.offset, v), *(_at(rr.coefficient(x), v) for x in ROUTE_VARS)) for v in at_T)
+    row_id_order = tuple(v for v, _ in reversed(rr.radix))
     cap = spec.capacity
+    keyed = spec.keyed_admission
+    if keyed and W * T * K >= 2**31:
+        raise ValueError(f"keyed admission needs W·T·K < 2^31 route rows, got {W * T * K}")
     cap_factor = cap_rows = None
     if cap.policy == "factor":
         cap_factor = (int(cap.factor.p), int(cap.factor.q))
@@ -565,12 +587,18 @@ def lower(
         act=spec.expert.act,
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
+        dispatch_scale=spec.precision.dispatch_scale,
+        scales=spec.route_row.scales,
         sideband=tuple(spec.route_row.sideband),
         symbolic_tokens=spec.shape.symbolic,
+        row_id=row_id,
+        row_id_order=row_id_order,
+        keyed=keyed,
         capacity=cap.policy,
         cap_factor=cap_factor,
         cap_rows=cap_rows,
         weights=cap.weights,
+        drop=cap.drop,
         owner=tuple(owner),
         local=tuple(local),
         n_local=tuple(geo.experts),
@@ -592,6 +620,11 @@ def lower(
         programs=tuple(sched.programs),
         guard=guard,
     )
+
+
+def _at(expr, subs: dict) -> int:
+    """An integer, or a sympy expression in T evaluated at ``subs``."""
+    return int(expr.subs(subs)) if hasattr(expr, "subs") else int(expr)
 
 
 __all__ = [

@@ -28,6 +28,17 @@ def narrowed(p: KernelPlan, expr: str, dtype: str) -> str:
     return f"{expr}.to({dtype})" if expr.replace(".", "_").isidentifier() else f"({expr}).to({dtype})"
 
 
+def call(head: str, args: list[str], indent: int) -> str:
+    """``head(args)`` at ``indent`` spaces, laid out as ruff formats it: on one line if it
+    fits in 120 columns, else one argument per line."""
+    pad = " " * indent
+    line = f"{pad}{head}({', '.join(args)})"
+    if len(line) <= 120:
+        return line + "\n"
+    inner = "".join(f"{pad}    {a},\n" for a in args)
+    return f"{pad}{head}(\n{inner}{pad})\n"
+
+
 def helpers_source(p: KernelPlan) -> str:
     return (
         (NARROW + "\n\n" if "bf16" in (p.dtype, p.dispatch) else "")
@@ -75,8 +86,8 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
     )
 
 
-def route_source() -> str:
-    return '''@triton.jit
+def route_source(p: KernelPlan) -> str:
+    text = '''@triton.jit
 def note(ctl, word, bad, key):
     """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
     (the largest ``key``) in the word after it; nothing is written when none offends."""
@@ -113,12 +124,13 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
 
 
 @triton.jit
-def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, scratch, ctl, r, n_tokens):
+def route(
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, ctl, r, n_tokens
+):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
-    Route row i = t*K + k has row_id (r*T + t)*K + k (eq. 7). Pass 1 gives every row its
-    position among the rows r sends to the same expert (a running one-hot prefix count, in
-    row order, which is ascending row_id) and counts the rows per expert; the counts go to
+    Route row i = t*K + k of token t, slot k. Pass 1 gives every row its
+    @@ORDER@@ and counts the rows per expert; the counts go to
     the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
     bucket base of each expert stays in ``scratch`` for the dispatch tasks. The inputs are
     validated first, here rather than on the host (no device→host sync in a call).
@@ -126,7 +138,7 @@ def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows,
     validate(topk_ids, gates, ctl, r, n_tokens)
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
-    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
+@@RGATES@@    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
     by_expert = scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2)
     by_order = by_expert + E_PAD
     experts = tl.arange(0, E_PAD)
@@ -138,9 +150,7 @@ def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows,
         start += ROUTE_ROWS
         e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
-        tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
-        counts += tl.sum(onehot, axis=0)
+@@POSITION@@        counts += tl.sum(onehot, axis=0)
     # Bucket bases: exclusive prefix sums of the counts with the experts in (owner, local) order.
     tl.store(by_expert + experts, counts)
     tl.debug_barrier()
@@ -161,7 +171,7 @@ def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows,
         valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
         at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
         tl.store(bucketed + at, i, mask=valid)
-    # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
+@@KEYS@@    # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
     put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
@@ -170,17 +180,86 @@ def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows,
     tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
     put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
 '''
+    if not p.keyed:
+        position = """        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
+        tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
+"""
+        doc = (
+            "position among the rows r sends to the same expert (a running one-hot prefix count, in\n"
+            "    row order, which is ascending row_id)"
+        )
+        return (
+            text.replace("@@POSITION@@", position)
+            .replace("@@KEYS@@", "")
+            .replace("@@ORDER@@", doc)
+            .replace("@@RGATES@@", "")
+        )
+    position = """        key = row_key(rgates, r, i, i < n)
+        before = tl.zeros([ROUTE_ROWS], tl.int32)
+        j0 = 0
+        while j0 < n:  # the rows of r to the same expert with a smaller key come first
+            j = j0 + tl.arange(0, ROUTE_ROWS)
+            j0 += ROUTE_ROWS
+            ej = tl.load(ids + j, mask=j < n, other=-2).to(tl.int32)
+            smaller = (ej[None, :] == e[:, None]) & (row_key(rgates, r, j, j < n)[None, :] < key[:, None])
+            before += tl.sum(smaller.to(tl.int32), axis=1)
+        tl.store(pos + i, before, mask=i < n)
+"""
+    keys = """        # ... and the keys, into the owner's run for (r, local expert): ascending, as the positions
+        q = tl.load(owner_of + e, mask=valid, other=0)
+        first = tl.load(by_order + tl.load(owner_first + q, mask=valid, other=0), mask=valid, other=0)
+        key = row_key(rgates, r, i, valid)
+        put((peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64)) + r * (T * K) + at - first, key, valid)
+"""
+    doc = (
+        "position among the rows r sends to the same expert in admission-key order (row_key;\n"
+        "    the owner admits the smallest keys, scan)"
+    )
+    text = text.replace("@@RGATES@@", "    rgates = gates + tl.cast(r, tl.int64) * n\n")
+    return (
+        row_key_source(p)
+        + "\n\n"
+        + text.replace("@@POSITION@@", position).replace("@@KEYS@@", keys).replace("@@ORDER@@", doc)
+    )
 
 
-def scan_source() -> str:
-    return '''@triton.jit
+def row_key_source(p: KernelPlan) -> str:
+    """The admission key of a route row: its row_id's order as a dense index (< W·T·K), below
+    the gate's descending order under ``drop lowest_gate``."""
+    extent = {"rank": "W", "token": "T", "slot": "K"}
+    dense = ""
+    for v in p.row_id_order:
+        dense = f"({dense}) * {extent[v]} + {v}" if dense else v
+    dense = dense.replace("(rank) ", "rank ").replace("(token) ", "token ").replace("(slot) ", "slot ")
+    if p.drop == "lowest_gate":
+        body = f"""    g = tl.load(gates + i, mask=live, other=0.0) + 0.0  # -0 as +0: equal gates tie on row_id
+    bits = g.to(tl.int32, bitcast=True)
+    up = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # the fp32 order, in [0, 2^32)
+    return (4294967295 - up) * 2147483648 + {dense or "0"}  # highest gate first, then ascending row_id
+"""
+        what = "the gate, highest first, then ascending row_id"
+    else:
+        body = f"    return {dense or 'rank * 0'}\n"
+        what = "ascending row_id (its order as a dense index)"
+    return f'''@triton.jit
+def row_key(gates, r, i, live):
+    """Admission keys of route rows i = t*K + k of rank r, smallest admitted first:
+    {what}. Unique per row, below 2^63."""
+    t = tl.cast(i // K, tl.int64)
+    k = tl.cast(i % K, tl.int64)
+    rank = t * 0 + r
+    token = t
+    slot = k
+{body}'''
+
+
+def scan_source(p: KernelPlan) -> str:
+    text = '''@triton.jit
 def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
-    published with their counts, in arrival order: ascending row_id, which
-    with eq. 7 is source by source, so what a source gets admitted is a prefix of its run
-    and admission is one running sum per expert. Rows land grouped by local expert and,
+    published with their counts, @@POLICY@@ Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
     span. Offsets and admitted counts are published back to the sources; the owner keeps
     them as its split table (``recv``) for the return.
@@ -206,23 +285,75 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
-    before = tl.zeros([EL_PAD], tl.int32)
-    for src in range(0, W):
-        c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
-        take = tl.minimum(tl.maximum(cap - before, 0), c)
-        offset = first + tl.minimum(before, cap)
-        split = recv + (tl.cast(q, tl.int64) * W + src) * (E_MAX * 2) + local * 2
+@@TAKE@@        split = recv + (tl.cast(q, tl.int64) * W + src) * (E_MAX * 2) + local * 2
         tl.store(split, offset, mask=mine)
         tl.store(split + 1, take, mask=mine)
         back = peer(heap, src)
         put((back + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, offset, mine)
         put((back + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, take, mine)
-        before += c
-    st = stats + tl.cast(q, tl.int64) * ST_COLS
+@@NEXT@@    st = stats + tl.cast(q, tl.int64) * ST_COLS
     tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
     tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
     tl.store(st + ST_MTILES, 0)
     tl.store(st + ST_CAP, policy)
+'''
+    if not p.keyed:
+        policy = """in arrival order: ascending row_id, which
+    is source by source (rank, then token, then slot), so what a source gets admitted is a
+    prefix of its run and admission is one running sum per expert."""
+        take = """    before = tl.zeros([EL_PAD], tl.int32)
+    for src in range(0, W):
+        c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+        take = tl.minimum(tl.maximum(cap - before, 0), c)
+        offset = first + tl.minimum(before, cap)
+"""
+        return text.replace("@@POLICY@@", policy).replace("@@TAKE@@", take).replace("@@NEXT@@", "        before += c\n")
+    what = "highest gate first, then ascending row_id" if p.drop == "lowest_gate" else "ascending row_id"
+    policy = f"""{what}: the cap smallest of
+    the keys every source published (row_key), a global step over all arrivals. Each
+    source's keys for an expert are one ascending run (its route positions), so what it
+    gets admitted is a prefix of its run: the keys up to the expert's cap-th smallest,
+    found bit by bit."""
+    take = """    keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
+    kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
+    for b in range(0, 63):
+        trial = kth + (tl.full([EL_PAD], 1, tl.int64) << (62 - b))
+        below = tl.zeros([EL_PAD], tl.int32)
+        for src in range(0, W):
+            below += keys_below(keys, counts, src, local, mine, trial)
+        kth = tl.where(below < cap, trial, kth)
+    taken = tl.zeros([EL_PAD], tl.int32)
+    for src in range(0, W):
+        c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+        take = tl.where(arrived <= cap, c, keys_below(keys, counts, src, local, mine, kth + 1))
+        take = tl.where(cap > 0, take, 0)
+        offset = first + taken
+"""
+    return (
+        KEYS_BELOW
+        + "\n\n"
+        + text.replace("@@POLICY@@", policy).replace("@@TAKE@@", take).replace("@@NEXT@@", "        taken += take\n")
+    )
+
+
+KEYS_BELOW = '''@triton.jit
+def keys_below(keys, counts, src, local, mine, bound):
+    """Per local expert of the owner, how many of the keys source ``src`` published for it
+    are below ``bound``: the source's keys sit at row src of ``keys``, one ascending run per
+    local expert, in local order, as long as its published counts."""
+    c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+    first = tl.cumsum(c, axis=0) - c
+    run = keys + tl.cast(src, tl.int64) * (T * K)
+    below = tl.zeros([EL_PAD], tl.int32)
+    longest = tl.max(c, axis=0)
+    u0 = 0
+    while u0 < longest:
+        u = u0 + tl.arange(0, KEY_ROWS)
+        u0 += KEY_ROWS
+        live = u[None, :] < c[:, None]
+        key = tl.load(run + first[:, None] + u[None, :], mask=live, other=0)
+        below += tl.sum((live & (key < bound[:, None])).to(tl.int32), axis=1)
+    return below
 '''
 
 
@@ -254,13 +385,33 @@ def ring_row(row, s, slot):
 
 
 @triton.jit
-def owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s):
-    """The live rows whose row_id decodes to rank r; one that decodes to another rank is
-    reported, never moved."""
-    bad = live & (rid // rid_rank != r)
+def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
+    """The live rows whose row_id ``rid`` decodes to ``rank`` r; one that decodes to another
+    rank is reported, never moved."""
+    bad = live & (rank != r)
     if tl.sum(bad.to(tl.int32), axis=0) > 0:
         report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
-    return live & (rid // rid_rank == r)
+    return live & (rank == r)
+'''
+
+
+def decode_source(p: KernelPlan) -> str:
+    """The route-row identity read back: the spec's mixed-radix encoding, from its largest
+    coefficient down."""
+    coef = {"rank": "rid_r", "token": "rid_t", "slot": "rid_k"}
+    lines = ["    v = rid - rid_c"]
+    for i, var in enumerate(p.row_id_order):
+        lines.append(f"    {var} = v // {coef[var]}")
+        if i + 1 < len(p.row_id_order):
+            lines.append(f"    v = v % {coef[var]}")
+    lines += [f"    {var} = rid * 0  # extent 1" for var in ("rank", "token", "slot") if var not in p.row_id_order]
+    formula = " + ".join(["c", *(f"a_{v}·{v}" for v in p.row_id_order)])
+    return f'''@triton.jit
+def decode(rid, rid_c, rid_r, rid_t, rid_k):
+    """(rank, token, slot) of route row ``rid`` = {formula}, a mixed-radix number
+    (docs/language.md, route_row): each variable from the largest coefficient down."""
+{chr(10).join(lines)}
+    return rank, token, slot
 '''
 
 
@@ -291,8 +442,10 @@ def dispatch(
     item,
     items,
     n_tokens,
-    rid_rank,
-    rid_token,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
@@ -342,15 +495,13 @@ def dispatch(
         to = payload + tl.cast(at, tl.int64) * H
         if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            m = keep[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-            if BACKWARD:
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], @@SCALED@@, m)
-            else:
-                put(to[:, None] + c[None, :], @@PAYLOAD@@, m)
-        row_id = tl.cast(r, tl.int64) * rid_rank + tl.cast(t, tl.int64) * rid_token + k  # eq. 7
+        else:
+@@FORWARD@@        row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
             put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
         else:  # the sideband: '''
@@ -358,17 +509,50 @@ def dispatch(
         + "\n"
         + "\n".join("    " + line for line in sideband)
         + "\n"
-    ).replace("@@PAYLOAD@@", _payload(p))
+    ).replace("@@FORWARD@@", _payload_rows(p))
     return text.replace("@@SCALED@@", narrowed(p, "rows_h.to(tl.float32) * scale[:, None]", "DTYPE"))
 
 
-def _payload(p: KernelPlan) -> str:
-    load = "rows_h"
-    if p.dispatch == p.dtype:
-        return load
-    if p.dispatch == "bf16":
-        return narrowed(p, load + ".to(tl.float32)", "DISPATCH_DTYPE")
-    return load + ".to(DISPATCH_DTYPE)"
+def _payload_rows(p: KernelPlan) -> str:
+    """The forward dispatch's payload rows: as they are, narrowed to the dispatch dtype, or
+    quantised to fp8 with their scales into the sideband."""
+    scales = "(dst + SB_SCALE).to(tl.pointer_type(tl.float32))"
+    if p.dispatch_scale == "row":
+        return f"""            # fp8 e4m3, one scale per row: the row's largest magnitude first
+            amax = tl.zeros([BLOCK_R], tl.float32)
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(rows_h), axis=1))
+            qscale = fp8_scale(amax)
+            put({scales} + at, qscale, keep)
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+"""
+    if p.dispatch_scale == "block":
+        return f"""            for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
+                c = h + tl.arange(0, SCALE_COLS)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
+                put({scales} + tl.cast(at, tl.int64) * SCALES + h // SCALE_COLS, qscale, keep)
+                put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+"""
+    rows = "rows_h"
+    if p.dispatch == "bf16" and p.dtype != "bf16":
+        rows = narrowed(p, "rows_h.to(tl.float32)", "DISPATCH_DTYPE")
+    elif p.dispatch != p.dtype:
+        rows = "rows_h.to(DISPATCH_DTYPE)"
+    return f"""            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+                put(to[:, None] + c[None, :], {rows}, m)
+"""
 
 
 def return_regions_source(p: KernelPlan) -> str:
@@ -401,9 +585,7 @@ def return_source(p: KernelPlan) -> str:
     the slot of r's return ring that this piece claimed (claim % B), each row with its row_id;
     r's unpack places them."""
     else:
-        land = """        t = (rid % rid_rank) // rid_token
-        k = rid % rid_token
-        to = landing + (t * K + k) * H
+        land = """        to = landing + (t * K + k) * H
 """
         doc = """each
     to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
@@ -424,8 +606,10 @@ def return_rows(
     claim,
     item,
     items,
-    rid_rank,
-    rid_token,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BACKWARD: tl.constexpr,
@@ -451,7 +635,8 @@ def return_rows(
         _, row = locate(u, lo, count, local)
         frm = ring_row(row, s, s)
         rid = tl.load(row_ids + frm, mask=live, other=0)
-        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
+        @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
 @@LAND@@        frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
@@ -460,6 +645,7 @@ def return_rows(
 '''.replace("@@DOC@@", doc)
         .replace("@@LAND@@", land)
         .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing")
+        .replace("@@DECODED@@", "rank, _t, _k" if p.ring else "rank, t, k")
     )
 
 
@@ -477,8 +663,10 @@ def unpack(
     claim,
     item,
     items,
-    rid_rank,
-    rid_token,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BACKWARD: tl.constexpr,
@@ -506,9 +694,8 @@ def unpack(
         _, row = locate(u, lo, count, local)
         at = ring_row(row, s, claim)
         rid = tl.load(ids + at, mask=live, other=0)
-        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
-        t = (rid % rid_rank) // rid_token
-        k = rid % rid_token
+        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
         frm = ring + tl.cast(at, tl.int64) * H
         to = mine + (t * K + k) * H
         for h in range(0, H, BLOCK_H):

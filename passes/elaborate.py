@@ -17,6 +17,7 @@ from rdepc.diagnostics import Diagnostics, Span, did_you_mean
 from rdepc.ir.exact import Poly
 from rdepc.ir.spec import (
     ROUTE_VARS,
+    SCALE_BLOCK,
     SIDEBAND_BYTES,
     Capacity,
     Dtype,
@@ -499,7 +500,8 @@ class _Layer:
             dispatch = DTYPES[name]
         scale = "row" if dispatch is Dtype.FP8_E4M3 else None
         if "scale" in opts:
-            if self.choice(opts["scale"], ("row",), "scale") is None:
+            scale = self.choice(opts["scale"], ("row", "block"), "scale")
+            if scale is None:
                 return None
             if dispatch is not Dtype.FP8_E4M3:
                 self.diags.error("a dispatch scale is only used with fp8 dispatch", opts["scale"].span)
@@ -567,7 +569,10 @@ class _Layer:
         if radix is None:
             return None
         offset, coeffs = radix
-        return RouteRow(formula, coeffs, offset, sideband, is_eq7=formula == eq7)
+        scales = 1
+        if prec is not None and prec.dispatch_scale == "block":
+            scales = -(-int(shape.H.value) // SCALE_BLOCK)
+        return RouteRow(formula, coeffs, offset, sideband, is_eq7=formula == eq7, scales=scales)
 
     def radix(self, formula: Poly, shape: Shape, span: Span | None):
         """Prove the encoding injective: a mixed-radix number over (rank, token, slot)."""
@@ -625,7 +630,7 @@ class _Layer:
             )
             return None
         if fp8 and "scale" not in fields:
-            self.diags.error("fp8 dispatch needs 'scale' in the sideband (one scale per row)", st.keyword_span)
+            self.diags.error("fp8 dispatch needs 'scale' in the sideband (its rows' scales)", st.keyword_span)
             return None
         if not fp8 and "scale" in fields:
             self.diags.warning("'scale' is only used with fp8 dispatch; it is carried but unused", opts["scale"].span)

@@ -37,6 +37,8 @@ _WHAT = {
     "counts": "int32 rows each source sends to each local expert (phase 1)",
     "offsets": "int32 write base per (owner, local expert) published back (phase 2)",
     "admitted": "int32 admitted rows per (owner, local expert): the accepted set",
+    "keys": "int64 [W, T·K] at the owner: each source's admission keys, one ascending run per local expert"
+    " (keyed admission only)",
     "flags": "int64 done counters of the tasks this rank runs, cumulative over calls: ready flags and credits",
     "payload": "dispatched rows, expert-contiguous within a slot",
     "sideband": "row_id, local expert, gate (and fp8 scale) per payload row",
@@ -107,6 +109,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         ("control", "counts", W * E_max * 4, 1, 0, whole),
         ("control", "offsets", W * E_max * 4, 1, 0, whole),
         ("control", "admitted", W * E_max * 4, 1, 0, whole),
+        ("control", "keys", W * T * K * 8 if tg.spec.keyed_admission else 0, 1, 0, whole),
         ("control", "flags", flag_slots(W, T, max(geo.segments, default=0), ring) * 8, 1, 0, whole),
         ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute gemm1")),
         ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute gemm1")),

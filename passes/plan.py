@@ -441,7 +441,7 @@ def beta_needed_expr() -> sp.Expr:
     )
 
 
-def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
+def symmetric_formulas(strategy: str, keyed: bool = False) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`)."""
     # Done counters per rank (memplan.flag_slots): route, scan, combine wait, the combine
@@ -465,6 +465,7 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         "counts": _pad(W * E_max * INT32),
         "offsets": _pad(W * E_max * INT32),
         "admitted": _pad(W * E_max * INT32),
+        "keys": _pad(W * T * K * INT64) if keyed else sp.Integer(0),  # keyed admission (LayerSpec)
         "flags": _pad(done * INT64),
         "payload": _pad(Bx * Sx * H * d),
         "sideband": _pad(Bx * Sx * sb),
@@ -476,7 +477,7 @@ def symmetric_formulas(strategy: str) -> dict[str, dict[str, sp.Expr]]:
         "bwd_return": _pad(R_ret * H * a),
         "bwd_return_ids": _pad(ids),
     }
-    control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "flags")), sp.Integer(0))
+    control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "keys", "flags")), sp.Integer(0))
     ret = buf["return"] + buf["return_ids"]
     fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
@@ -493,6 +494,7 @@ _BUFFER_WHAT = {
     "counts": "W·E_max int32 rows each source sends to each local expert",
     "offsets": "W·E_max int32 write bases published back to each source",
     "admitted": "W·E_max int32 admitted rows per (owner, local expert)",
+    "keys": "W·T·K int64 admission keys published to the owner (keyed admission; else 0)",
     "flags": "int64 done counters of the tasks one rank runs (ready flags and credits): "
     "3 + ⌈T/128⌉ + (2W+2)·n + W·n if the return ring rotates, n = ⌈R_max/S⌉ segments (bulk: 1)",
     "payload": "B·S dispatched rows of H·d bytes",
@@ -534,7 +536,7 @@ def symmetric_plan(
     """
     strategy = resolve_strategy(spec, strategy)
     env = _Env(_spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
-    fm = symmetric_formulas(strategy)
+    fm = symmetric_formulas(strategy, spec.keyed_admission)
     return {
         "strategy": strategy,
         "S": env.value(fm["S"]),
@@ -546,8 +548,8 @@ def symmetric_plan(
     }
 
 
-def _symmetric(env: _Env, strategy: str, key: str, sideband: tuple[str, ...]) -> SymmetricPlan:
-    fm = symmetric_formulas(strategy)
+def _symmetric(env: _Env, strategy: str, key: str, sideband: tuple[str, ...], keyed: bool) -> SymmetricPlan:
+    fm = symmetric_formulas(strategy, keyed)
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED
@@ -825,12 +827,12 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     has_seg = spec.segment is not None
     t4 = "Table 4: 4 routed row tensors (dispatch, return; fwd, bwd)"
     sb_fields = spec.route_row.sideband
-    sym = _symmetric(env, strategy, "symmetric_bytes.plan", sb_fields)
+    sym = _symmetric(env, strategy, "symmetric_bytes.plan", sb_fields, spec.keyed_admission)
     alt = None
     if strategy in SEGMENTED:
-        alt = _symmetric(env, "bulk", "symmetric_bytes.plan_bulk", sb_fields)
+        alt = _symmetric(env, "bulk", "symmetric_bytes.plan_bulk", sb_fields, spec.keyed_admission)
     elif has_seg:
-        alt = _symmetric(env, "pipelined", "symmetric_bytes.plan_segmented", sb_fields)
+        alt = _symmetric(env, "pipelined", "symmetric_bytes.plan_segmented", sb_fields, spec.keyed_admission)
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )

@@ -424,6 +424,12 @@ def cmd_run(args) -> int:
     shape = f"W={W} T'={tokens} H={H} F={F} E={E} K={K}"
     print(f"  inputs          {shape}, {dtype_name}, routing {args.routing}, seed {args.seed}")
     print(f"  max rel. error  {err:.3g}  (max|y - ref| / max|ref|, rdepc.reference in fp32; tolerance {tol:g})")
+    if spec.precision.dispatch_scale is not None:  # the reference above saw the rows fp8 dispatch sends
+        exact, _ = reference_for(spec, dispatch_rounding=False)(*as_fp32)
+        scales = f"{spec.route_row.scales} fp32 scale{'s' if spec.route_row.scales > 1 else ''} per row"
+        print(
+            f"  fp8 dispatch    e4m3 rows, {scales}; {max_relative_error(y, exact):.3g} from the unquantised operator"
+        )
     accepted = int(st["accepted"].sum())
     agree = "matches the reference" if same else "DIFFERS from the reference"
     print(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")

@@ -63,6 +63,33 @@ def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, 
     raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
 
 
+FP8_MAX = 448.0  # the largest finite fp8 e4m3 (e4m3fn) value
+SCALE_BLOCK = 128  # columns per scale under ``scale block``
+
+
+def fp8_dispatch(x: torch.Tensor, scale: str = "row", block: int = SCALE_BLOCK) -> torch.Tensor:
+    """``x`` [..., H] as an owner receives it under fp8 dispatch, dequantised, in fp32.
+
+    Each row (``scale="row"``) or each run of ``block`` columns of a row (``"block"``) gets
+    the scale s = amax / 448 (1 when it is all zero), is divided by it, clamped to ±448
+    and rounded to nearest even in e4m3; the owner computes with q · s. The gradient passes
+    straight through the rounding (d q·s / dx = 1), as the compiled backward takes it.
+    """
+    if scale not in ("row", "block"):
+        raise ValueError(f"unknown fp8 scale {scale!r}; expected row or block")
+    xf = x.to(torch.float32)
+    H = xf.shape[-1]
+    step = H if scale == "row" else block
+    out = torch.empty_like(xf)
+    for c in range(0, H, step):
+        part = xf[..., c : c + step]
+        amax = part.abs().amax(dim=-1, keepdim=True)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (part / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        out[..., c : c + step] = q * s
+    return xf + (out - xf).detach()
+
+
 def eq7_row_id(T: int, K: int) -> RowId:
     """RDEP eq. 7: row_id = (rank · T + token) · K + slot."""
     return lambda r, t, k: (r * T + t) * K + k
@@ -261,14 +288,15 @@ def row_id_for(spec, T: int) -> RowId:
     return lambda r, t, k: off + cr * r + ct * t + ck * k
 
 
-def reference_for(layer_or_spec) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``moe_reference`` configured from a loaded layer (``rdepc.load``) or its LayerSpec.
 
     Reads W, E, K, H, F, the expert activation, the capacity policy (cap_e evaluated at the
     actual T' of each call), the drop and weights policies, the ownership map and the
     route-row encoding. Returns ``fn(x, topk_ids, topk_weights, w_gate, w_up, w_down) ->
-    (y, accepted)``. Shared experts, the dispatch dtype and dedup are not part of it: it is
-    the routed operator of eq. 4, computed exactly.
+    (y, accepted)``. With fp8 dispatch the experts see x as ``fp8_dispatch`` quantises it
+    (``dispatch_rounding=False``: the unquantised x). Shared experts, other dispatch dtypes
+    and dedup are not part of it: it is the routed operator of eq. 4, computed exactly.
     """
     spec = getattr(layer_or_spec, "spec", layer_or_spec)
     sh = spec.shape
@@ -285,6 +313,8 @@ def reference_for(layer_or_spec) -> Callable[..., tuple[torch.Tensor, torch.Tens
             raise ValueError(f"{spec.name}: topk_ids must be [{W}, {T}, K={K}], got {tuple(topk_ids.shape)}")
         if w_up.shape != (E, H, F):
             raise ValueError(f"{spec.name}: w_up must be [E={E}, H={H}, F={F}], got {tuple(w_up.shape)}")
+        if dispatch_rounding and spec.precision.dispatch_scale is not None:
+            x = fp8_dispatch(x, spec.precision.dispatch_scale)
         return moe_reference(
             x,
             topk_ids,
@@ -389,6 +419,7 @@ __all__ = [
     "combine_weights",
     "eq7_row_id",
     "expert_fn",
+    "fp8_dispatch",
     "moe_reference",
     "random_inputs",
     "reference_for",

@@ -422,7 +422,7 @@ class RDEPModule:
         pass (its own task table, control words and tile counters)."""
         p = self.plan
         # Row ids decode at the owner: one radix for all ranks, whose T' may differ per rank.
-        rid_rank, rid_token = p.row_id_radix(p.T if self.per_rank else Tn)
+        rid_c, rid_r, rid_t, rid_k = p.row_id_radix(p.T if self.per_rank else Tn)
         tables = self.tables | (self.bwd_tables if backward else {})
         if self._withheld is not None and self._withheld[1] == backward:
             table = tables["table"].clone()
@@ -434,7 +434,8 @@ class RDEPModule:
             private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
         given = {"heap": self.heap, **private, **tables, **given}
         given |= {"n_tokens": Tn, "n_programs": self.grid, "rank0": self.rank or 0}
-        given |= {"rid_rank": rid_rank, "rid_token": rid_token, "bound": self.spin_bound, "program_base": 0}
+        given |= {"rid_c": rid_c, "rid_r": rid_r, "rid_t": rid_t, "rid_k": rid_k}
+        given |= {"bound": self.spin_bound, "program_base": 0}
         tl = self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand

@@ -23,7 +23,7 @@ from rdepc.codegen.lower import KernelPlan, Tiles
 from rdepc.runtime.cache import _version, cache_dir, write_atomic
 
 SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
-ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
+ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 
 
 def shared_bytes(plan: KernelPlan, t: Tiles) -> int:

@@ -180,13 +180,7 @@ def test_emitted_variants_follow_the_spec(tmp_path):
 
 
 FEATURES = {
-    "fp8 dispatch": ({"dtype": "bf16, dispatch fp8_e4m3"}, "fp8_e4m3"),
     "dedup of rows a token sends to one rank": ({"extra": "transport emulated, dedup"}, "dedup"),
-    "drop lowest_gate": ({"extra": "capacity factor 1.0, drop lowest_gate"}, "lowest_gate"),
-    "a route_row encoding other than eq. 7": (
-        {"extra": "route_row id = (token * 2 + rank) * 2 + slot"},
-        "(token * 2 + rank) * 2 + slot",
-    ),
 }
 
 
@@ -206,10 +200,27 @@ def test_unsupported_features_are_reported_at_their_construct(tmp_path, feature)
     assert text in line[d.span.col - 1 :]
 
 
-def test_deepseek_fp8_is_not_supported_yet(monkeypatch):
+def test_fp8_dispatch_generates_quantising_dispatch_and_scaled_gemm(monkeypatch, tmp_path):
+    """deepseek_v3 (fp8 e4m3, one scale per row) and a block-scaled variant: the dispatch
+    quantises with the scales into the sideband, GEMM1 reads the payload as fp8 and applies
+    them, the saved input rows leave dequantised."""
     monkeypatch.chdir(ROOT)
-    with pytest.raises(SpecError, match=r"not supported yet: fp8 dispatch \(the 'codegen' stage"):
-        compile_file("examples/deepseek_v3.rdep", Options(), out=io.StringIO())
+    row = generate_spec(rdepc.load("examples/deepseek_v3.rdep").spec)
+    assert "DISPATCH_DTYPE = tl.constexpr(tl.float8e4nv)" in row.source
+    assert "SCALE_COLS = tl.constexpr(7168)" in row.source and "SCALES = tl.constexpr(1)" in row.source
+    assert "qscale = fp8_scale(amax)" in row.source and "to_e4m3(rows_h, qscale[:, None], CAST_F32)" in row.source
+    assert row.kernel.scale_cols == 7168 and row.kernel.dispatch_scale == "row"
+    text = (ROOT / "examples/deepseek_v3.rdep").read_text().replace("scale row", "scale block")
+    (tmp_path / "ds.rdep").write_text(text)
+    block = generate_spec(rdepc.load(tmp_path / "ds.rdep").spec)
+    assert "SCALE_COLS = tl.constexpr(128)" in block.source and "SCALES = tl.constexpr(56)" in block.source
+    assert "for h in range(0, H, SCALE_COLS):" in block.source
+    assert block.source.count("SCALE_COLS,\n") == 2  # gemm_tile and copy_rows take the scales
+    assert "scales + tl.cast(at, tl.int64) * SCALES," in block.source
+    sb = dict(block.kernel.heap)
+    assert sb["sideband_scale"] - sb["sideband_gate"] == block.kernel.B * block.kernel.S * 4
+    (buf,) = (b for b in block.memory.buffers if b.name == "sideband")
+    assert buf.bytes == block.kernel.B * block.kernel.S * (8 + 4 + 4 + 56 * 4)
 
 
 def test_supported_features_generate(tmp_path):
@@ -228,7 +239,7 @@ def test_supported_features_generate(tmp_path):
         "tokens 8", "tokens T"), encoding="utf-8")  # fmt: skip
     g = generate_spec(rdepc.load(sym).spec)
     assert g.kernel.symbolic_tokens and g.kernel.T == 24
-    assert g.kernel.row_id_radix(10) == (20, 2) and g.kernel.row_id_radix(24) == (48, 2)
+    assert g.kernel.row_id_radix(10) == (0, 20, 2, 1) and g.kernel.row_id_radix(24) == (0, 48, 2, 1)
 
 
 def test_segmented_schedules_are_compiled_as_planned(monkeypatch):

@@ -6,13 +6,11 @@ compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring
 deep), its one kernel ``rdep_layer`` — the forward in both kernel modes (unified and
 role-split), keeping what a backward walks, and the backward pass — for
 the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
-examples are dealt over two processes. deepseek_v3 dispatches in fp8, which the code generator reports
-as not supported yet; its shapes are compiled with bf16 dispatch instead.
+examples are dealt over two processes (deepseek_v3 with its fp8 dispatch).
 """
 
 from __future__ import annotations
 
-import io
 import os
 
 import pytest
@@ -21,11 +19,6 @@ from rdepc.codegen import UNSUPPORTED, generate_spec, write_module
 from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
 
 import rdepc
-from rdepc.diagnostics import SpecError
-from rdepc.driver import Options, compile_file
-
-FP8 = ("dtype     bf16, dispatch fp8_e4m3, scale row", "dtype     bf16, dispatch bf16")
-SCALE = ("sideband  row_id, local_expert, gate, scale", "sideband  row_id, local_expert, gate")
 
 
 def _generate(tmp_path, backend: str = "emulated"):
@@ -33,14 +26,7 @@ def _generate(tmp_path, backend: str = "emulated"):
     out = []
     for ex in EXAMPLES:
         spec = rdepc.load(f"examples/{ex.name}").spec
-        if {f for f, _ in spec.features()} & UNSUPPORTED:
-            with pytest.raises(SpecError, match="not supported yet: fp8 dispatch"):
-                compile_file(f"examples/{ex.name}", Options(schedule="bulk"), out=io.StringIO())
-            text = ex.read_text(encoding="utf-8")
-            assert FP8[0] in text and SCALE[0] in text
-            variant = tmp_path / f"{ex.stem}_bf16.rdep"
-            variant.write_text(text.replace(*FP8).replace(*SCALE), encoding="utf-8")
-            spec = rdepc.load(variant).spec
+        assert not {f for f, _ in spec.features()} & UNSUPPORTED, ex.name
         out.append((spec.name, spec.precision.dtype.value, generate_spec(spec, backend=backend)))
     return out
 

@@ -28,6 +28,22 @@ def tile(a, a_rows, row0, w, n_cols, col0, out, K_DIM: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
+def scaled_tile(a, a_rows, row0, w, n_cols, col0, scales, out, K_DIM: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, SCALE_COLS: tl.constexpr):
+    acc = gemm_tile(a, a_rows, row0, w, n_cols, col0, K_DIM, BM, BN, BK, 1, TMA, True, "ieee", False, scales,
+                    SCALE_COLS)
+    m = tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    tl.store(out + m[:, None] * BN + n[None, :], acc)
+
+
+@triton.jit
+def quantise(x, y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, to_e4m3(tl.load(x + i), 1.0, True))
+
+
+@triton.jit
 def split(acc, gate, up, live_lo, live_hi, n_cols, col0, BM: tl.constexpr, BN: tl.constexpr):
     m = tl.arange(0, BM)
     n = tl.arange(0, 2 * BN)
@@ -80,6 +96,38 @@ def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, r
                                                                              CAST_F32=True)
         )  # fmt: skip
         torch.testing.assert_close(out, expected(a, row0, w, col0, BM, BN), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("K", "scale_cols", "tma"), [(96, 96, True), (96, 32, True), (80, 32, False)])
+def test_gemm_tile_applies_fp8_row_and_block_scales(kernels, K, scale_cols, tma):
+    """An fp8 A with one scale per row (scale_cols = K) or per 32 columns: the tile is
+    (A · its scales) · B; rows outside A, scales included, count as zero."""
+    g = torch.Generator().manual_seed(K + scale_cols)
+    a = (torch.randn(40, K, generator=g) * 50).to(torch.float8_e4m3fn)
+    groups = -(-K // scale_cols)
+    scales = torch.rand(40, groups, generator=g) + 0.5
+    w = torch.randn(K, 48, generator=g).to(torch.bfloat16)
+    deq = a.float() * scales.repeat_interleave(scale_cols, dim=1)[:, :K]
+    BM, BN, BK = 32, 32, 32
+    for row0 in (-8, 20):
+        out = torch.full((BM, BN), float("nan"))
+        Launcher(interpret=True)(
+            kernels.scaled_tile, (1,), (a, 40, row0, w, 48, 16, scales, out),
+            dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, SCALE_COLS=scale_cols),
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected(deq, row0, w, 16, BM, BN), rtol=1e-5, atol=1e-4)
+
+
+def test_e4m3_rounding_is_torchs_bit_for_bit(kernels):
+    """Under the interpreter the rounding is done on the bits (its own conversion does not
+    carry into the exponent): normal, subnormal, halfway, signed-zero and clamped values."""
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([1.9688, 1.96875, 2.0625, 0.0, -0.0, 448.0, -448.0, 2**-6, 2**-10, 3 * 2**-10, 15 * 2**-10])
+    x = torch.cat([torch.randn(4096, generator=g) * 100, torch.randn(4085, generator=g) * 0.01, edges])
+    x = x.clamp(-448.0, 448.0)
+    y = torch.empty(x.numel(), dtype=torch.float8_e4m3fn)
+    Launcher(interpret=True)(kernels.quantise, (1,), (x, y), dict(N=x.numel()))
+    assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def test_gate_up_splits_interleaved_columns_and_stores_only_live_rows(kernels):

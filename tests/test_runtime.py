@@ -144,7 +144,7 @@ def check_placement(module: RDEPModule, inputs) -> None:
     ctx = module.last_context
     off = dict(p.heap)
     tokens = inputs.x.shape[1]
-    rid_rank, rid_token = p.row_id_radix(tokens)
+    c, a_rank, a_token, a_slot = p.row_id_radix(tokens)
     assert torch.equal(ctx.slot >= 0, ctx.accepted)
     heap = module.heap.cpu()
     wire = TORCH_DTYPES[p.dispatch]
@@ -155,7 +155,7 @@ def check_placement(module: RDEPModule, inputs) -> None:
         row_id = int(
             rank_heap[off["sideband_row_id"] + 8 * slot : off["sideband_row_id"] + 8 * slot + 8].view(torch.int64)
         )
-        assert (row_id // rid_rank, row_id % rid_rank // rid_token, row_id % rid_token) == (r, t, k)
+        assert row_id == c + a_rank * r + a_token * t + a_slot * k  # the spec's (injective) encoding
         if "sideband_local_expert" in off:
             at = off["sideband_local_expert"] + 4 * slot
             assert int(rank_heap[at : at + 4].view(torch.int32)) == p.local[e]

@@ -31,8 +31,12 @@ class Dtype(enum.Enum):
         return {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}[self.value]
 
 
-# Sideband fields a route row may carry, with their element size in bytes.
+# Sideband fields a route row may carry, with their element size in bytes ("scale": per
+# scale; a row carries ``RouteRow.scales`` of them).
 SIDEBAND_BYTES = {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}
+
+# Columns one fp8 scale covers under ``scale block`` (DeepEP's block of 128 elements).
+SCALE_BLOCK = 128
 
 ROUTE_VARS = ("rank", "token", "slot")
 
@@ -84,7 +88,7 @@ class Shared:
 class Precision:
     dtype: Dtype  # weights, activations, returned rows
     dispatch: Dtype  # payload rows on the wire
-    dispatch_scale: str | None  # "row" for fp8 dispatch (MegaScale-MoE per-row scale)
+    dispatch_scale: str | None  # fp8 dispatch: "row" (one scale per row) or "block" (per SCALE_BLOCK columns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +109,14 @@ class RouteRow:
     offset: sp.Expr
     sideband: tuple[str, ...]
     is_eq7: bool
+    scales: int = 1  # fp32 scales per row in the "scale" field (``scale block``: ceil(H / SCALE_BLOCK))
 
     def coefficient(self, var: str) -> sp.Expr | int:
         return dict(self.radix).get(var, 0)
 
     @property
     def sideband_bytes(self) -> int:
-        return sum(SIDEBAND_BYTES[f] for f in self.sideband)
+        return sum(SIDEBAND_BYTES[f] * (self.scales if f == "scale" else 1) for f in self.sideband)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,18 @@ class LayerSpec:
                 return table[key]
             key = key.rpartition(".")[0]
         return self.span
+
+    @property
+    def keyed_admission(self) -> bool:
+        """Whether owners admit by key: under a capacity, with ``drop lowest_gate`` (gate,
+        then row_id) or when ascending row_id is not rank, then token, then slot order (an
+        owner cannot take each source's rows as one prefix in source order)."""
+        if self.capacity.policy == "dropless":
+            return False
+        if self.capacity.drop == "lowest_gate":
+            return True
+        order = [v for v, _ in reversed(self.route_row.radix)]
+        return [v for v in ROUTE_VARS if v in order] != order
 
     def features(self) -> tuple[tuple[str, str], ...]:
         """(feature, span key) for every construct a later stage may not implement yet."""

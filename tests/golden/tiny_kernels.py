@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 1e98831f9d6609ff85fc861eefa2c83b143102f940e0443ce58bbd3c2e59ebce
+# content-sha256: aea2bf3106377b73f934e9a0094ee611dba5e582dcb370459e9f48abf4627f11
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -262,10 +262,12 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
 
 
 @triton.jit
-def route(heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, scratch, ctl, r, n_tokens):
+def route(
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, ctl, r, n_tokens
+):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
-    Route row i = t*K + k has row_id (r*T + t)*K + k (eq. 7). Pass 1 gives every row its
+    Route row i = t*K + k of token t, slot k. Pass 1 gives every row its
     position among the rows r sends to the same expert (a running one-hot prefix count, in
     row order, which is ascending row_id) and counts the rows per expert; the counts go to
     the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
@@ -326,8 +328,8 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
     published with their counts, in arrival order: ascending row_id, which
-    with eq. 7 is source by source, so what a source gets admitted is a prefix of its run
-    and admission is one running sum per expert. Rows land grouped by local expert and,
+    is source by source (rank, then token, then slot), so what a source gets admitted is a
+    prefix of its run and admission is one running sum per expert. Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
     span. Offsets and admitted counts are published back to the sources; the owner keeps
     them as its split table (``recv``) for the return.
@@ -399,13 +401,26 @@ def ring_row(row, s, slot):
 
 
 @triton.jit
-def owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s):
-    """The live rows whose row_id decodes to rank r; one that decodes to another rank is
-    reported, never moved."""
-    bad = live & (rid // rid_rank != r)
+def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
+    """The live rows whose row_id ``rid`` decodes to ``rank`` r; one that decodes to another
+    rank is reported, never moved."""
+    bad = live & (rank != r)
     if tl.sum(bad.to(tl.int32), axis=0) > 0:
         report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
-    return live & (rid // rid_rank == r)
+    return live & (rank == r)
+
+
+@triton.jit
+def decode(rid, rid_c, rid_r, rid_t, rid_k):
+    """(rank, token, slot) of route row ``rid`` = c + a_rank·rank + a_token·token + a_slot·slot, a mixed-radix number
+    (docs/language.md, route_row): each variable from the largest coefficient down."""
+    v = rid - rid_c
+    rank = v // rid_r
+    v = v % rid_r
+    token = v // rid_t
+    v = v % rid_t
+    slot = v // rid_k
+    return rank, token, slot
 
 
 @triton.jit
@@ -424,8 +439,10 @@ def dispatch(
     item,
     items,
     n_tokens,
-    rid_rank,
-    rid_token,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
@@ -475,15 +492,18 @@ def dispatch(
         to = payload + tl.cast(at, tl.int64) * H
         if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            m = keep[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-            if BACKWARD:
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], (rows_h.to(tl.float32) * scale[:, None]).to(DTYPE), m)
-            else:
+        else:
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], rows_h, m)
-        row_id = tl.cast(r, tl.int64) * rid_rank + tl.cast(t, tl.int64) * rid_token + k  # eq. 7
+        row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
             put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
         else:  # the sideband: row_id, local_expert, gate
@@ -558,6 +578,8 @@ def gemm_tile(
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     TRANS_B: tl.constexpr = False,
+    a_scale=None,
+    SCALE_COLS: tl.constexpr = 0,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -566,7 +588,15 @@ def gemm_tile(
     at ``w`` (the backward's dL/dy·Wdᵀ and dH·[Wg Wu]ᵀ read the forward's weights as they
     are). The reduction runs over K_DIM in chunks of BK, its loads pipelined ``STAGES``
     deep. Out-of-range rows and columns count as zero.
+
+    With ``SCALE_COLS`` (fp8 rows) A is quantised: its true value is A · its scales, fp32
+    [a_rows, ceil(K_DIM / SCALE_COLS)] at ``a_scale``, one per row and SCALE_COLS columns.
+    One scale per row (SCALE_COLS >= K_DIM) scales the finished tile; finer scales scale
+    each chunk's product before it is added, so BK must divide SCALE_COLS.
     """
+    PER_CHUNK: tl.constexpr = SCALE_COLS > 0 and SCALE_COLS < K_DIM
+    if PER_CHUNK:
+        tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if TMA:
         if not CAST_F32:  # natively (see mma)
@@ -578,22 +608,68 @@ def gemm_tile(
             w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             if TRANS_B:
-                acc = mma(a_desc.load([row0, k]), tl.trans(w_desc.load([col0, k])), acc, CAST_F32, PRECISION)
+                b = tl.trans(w_desc.load([col0, k]))
             else:
-                acc = mma(a_desc.load([row0, k]), w_desc.load([k, col0]), acc, CAST_F32, PRECISION)
+                b = w_desc.load([k, col0])
+            if PER_CHUNK:
+                part = mma(a_desc.load([row0, k]), b, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(a_desc.load([row0, k]), b, acc, CAST_F32, PRECISION)
     else:
         a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
         if TRANS_B:
             w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
         else:
             w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
-        for _ in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
-            acc = mma(x, y, acc, CAST_F32, PRECISION)
+            if PER_CHUNK:
+                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
+    if SCALE_COLS >= K_DIM:
+        acc *= row_scales(a_scale, a_rows, row0, 0, K_DIM, BM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def row_scales(scales, n_rows, row0, group, n_cols, BM: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The scales of column group ``group`` of rows row0 .. row0 + BM of a quantised matrix
+    of ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
+    ``scales``); rows outside the matrix get 0."""
+    rows = row0 + tl.arange(0, BM)
+    live = (rows >= 0) & (rows < n_rows)
+    per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
+    return tl.load(scales + tl.cast(rows, tl.int64) * per_row + group, mask=live, other=0.0)
+
+
+@triton.jit
+def fp8_scale(amax):
+    """The fp32 scale that maps a row (block) whose largest magnitude is ``amax`` onto fp8
+    e4m3's range [-448, 448]; 1 for an all-zero one."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+
+
+@triton.jit
+def to_e4m3(x, scale, CAST_F32: tl.constexpr):
+    """fp32 ``x`` / ``scale`` in fp8 e4m3, rounded to nearest even, clamped to +-448. The
+    interpreter's conversion does not carry a rounding into the exponent, so under it
+    (CAST_F32) the value is first rounded on its bits: normal numbers to e4m3's 3
+    mantissa bits, subnormal ones (below 2^-6) to multiples of 2^-9."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    if CAST_F32:
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        mag = tl.abs(v)
+        sub = (mag + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14, whose fp32 ulp is 2^-9
+        sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # keeps -0
+        v = tl.where(mag < 0.015625, sub, normal)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -648,15 +724,21 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
 
 
 @triton.jit
-def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr):
+def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0):
     """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
-    ``dst`` (converted to ``dst``'s dtype), BC columns at a time."""
+    ``dst`` (converted to ``dst``'s dtype), BC columns at a time. With ``SCALE_COLS`` the
+    rows are quantised and leave dequantised: times their scales (as in ``gemm_tile``)."""
     m = tl.arange(0, BM)
     for c0 in range(0, n_cols, BC):
         c = c0 + tl.arange(0, BC)
         mask = live[:, None] & (c < n_cols)[None, :]
         at = m[:, None] * n_cols + c[None, :]
-        tl.store(dst + at, tl.load(src + at, mask=mask).to(dst.dtype.element_ty), mask=mask)
+        rows = tl.load(src + at, mask=mask)
+        if SCALE_COLS > 0:
+            per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
+            s = tl.load(scales + m[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
+            rows = rows.to(tl.float32) * s
+        tl.store(dst + at, rows.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -796,8 +878,10 @@ def return_rows(
     claim,
     item,
     items,
-    rid_rank,
-    rid_token,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BACKWARD: tl.constexpr,
@@ -825,9 +909,8 @@ def return_rows(
         _, row = locate(u, lo, count, local)
         frm = ring_row(row, s, s)
         rid = tl.load(row_ids + frm, mask=live, other=0)
-        ok = owned_by(rid, live, r, rid_rank, ctl, entry, epoch, s)
-        t = (rid % rid_rank) // rid_token
-        k = rid % rid_token
+        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
         to = landing + (t * K + k) * H
         frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
@@ -1061,13 +1144,15 @@ def wgrad(
         store_rows(dw_down + e * (F * H) + f * H, d_down.to(DTYPE), f < F, H, k, BLOCK_H)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_rank", "rid_token", "bound", "program_base"])
+@triton.jit(
+    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base"]
+)
 def rdep_layer(
     heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
     owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
     route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl, profile, n_tokens,
-    n_programs, rank0, rid_rank, rid_token, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr,
+    n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32:
     tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD:
     tl.constexpr, SAVE: tl.constexpr,
@@ -1202,8 +1287,8 @@ def rdep_layer(
                 if kind == KIND_ROUTE:
                     if not BACKWARD:
                         route(
-                            heap, topk_ids, gates, order, owner_of, local_of, rowpos, sorted_rows, route_scratch, ctl,
-                            rank, n_tokens,
+                            heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
+                            route_scratch, ctl, rank, n_tokens,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if not BACKWARD:
@@ -1211,7 +1296,7 @@ def rdep_layer(
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_rank, rid_token, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
                     if BACKWARD:
@@ -1238,7 +1323,7 @@ def rdep_layer(
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_rank, rid_token, BLOCK_R, BLOCK_H, BACKWARD,
+                        rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
