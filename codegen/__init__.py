@@ -8,8 +8,9 @@ compiles the emitted file to sm_90 cubins without a GPU.
 
 Scope: the forward and backward passes, fp8 dispatch (row or block scales), any route-row
 encoding, admission by arrival or by lowest gate, every schedule (``bulk``, ``pipelined``,
-``deep``: the kernels run the scheduler's task table, B-slot rings included), every transport (``emulated``: all
-ranks in one process; ``emulated-mp`` and ``nvshmem``: one process per rank). What the
+``deep``: the kernels run the scheduler's task table, B-slot rings included), every
+transport (``emulated``: all ranks in one process; ``emulated-mp`` and ``nvshmem``: one
+process per rank). What the
 stage does not implement yet is reported with the driver's "not supported yet" diagnostic
 at the construct (``UNSUPPORTED``). The kernels are generated for the backend asked for,
 whatever the spec's ``transport`` statement names.

@@ -36,6 +36,8 @@ from rdepc.codegen.stages import (
 )
 from rdepc.runtime.transport import get as get_transport
 
+from rdepc.ir.spec import Dtype
+
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
@@ -149,8 +151,7 @@ def _launches(p: KernelPlan) -> str:
 def tma(p: KernelPlan) -> bool:
     """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
     as tensor descriptors (TMA) require; otherwise the GEMMs read through block pointers."""
-    size = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
-    a, d = size[p.dtype], size[p.dispatch]
+    a, d = Dtype(p.dtype).bytes, Dtype(p.dispatch).bytes
     return all(n % 16 == 0 for n in (p.H * d, p.H * a, p.F * a))
 
 

@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass, fields
 from rdepc import __version__
 from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.graph import MemoryPlan, Schedule
-from rdepc.ir.spec import ROUTE_VARS, SCALE_BLOCK, SIDEBAND_BYTES, LayerSpec
+from rdepc.ir.spec import ROUTE_VARS, SCALE_BLOCK, LayerSpec
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
@@ -525,7 +525,7 @@ def lower(
     sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))
-        sb += B * S * SIDEBAND_BYTES[f] * (spec.route_row.scales if f == "scale" else 1)
+        sb += B * S * spec.route_row.field_bytes(f)
     layout = tuple((b.name, b.region, place[b.name], b.size) for b in bufs)
     E_PAD = next_pow2(E)
     adt = spec.precision.dtype.value

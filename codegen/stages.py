@@ -228,9 +228,8 @@ def row_key_source(p: KernelPlan) -> str:
     the gate's descending order under ``drop lowest_gate``."""
     extent = {"rank": "W", "token": "T", "slot": "K"}
     dense = ""
-    for v in p.row_id_order:
-        dense = f"({dense}) * {extent[v]} + {v}" if dense else v
-    dense = dense.replace("(rank) ", "rank ").replace("(token) ", "token ").replace("(slot) ", "slot ")
+    for v in p.row_id_order:  # mixed radix over the extents, largest coefficient first
+        dense = v if not dense else f"{dense if ' ' not in dense else f'({dense})'} * {extent[v]} + {v}"
     if p.drop == "lowest_gate":
         body = f"""    g = tl.load(gates + i, mask=live, other=0.0) + 0.0  # -0 as +0: equal gates tie on row_id
     bits = g.to(tl.int32, bitcast=True)

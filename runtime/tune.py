@@ -22,14 +22,15 @@ from pathlib import Path
 from rdepc.codegen.lower import KernelPlan, Tiles
 from rdepc.runtime.cache import _version, cache_dir, write_atomic
 
+from rdepc.ir.spec import Dtype
+
 SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
-ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 
 
 def shared_bytes(plan: KernelPlan, t: Tiles) -> int:
     """Shared memory the pipelined GEMM loops need: ``num_stages`` copies of one A and one B
     chunk, for the wider of GEMM1 (gate and up: 2·block_f columns) and GEMM2."""
-    a, d = ELEMENT[plan.dtype], ELEMENT[plan.dispatch]
+    a, d = Dtype(plan.dtype).bytes, Dtype(plan.dispatch).bytes
     up = (2 if plan.gated else 1) * t.block_f
     gemm1 = t.bm * t.block_k * d + t.block_k * up * a
     gemm2 = t.bm * t.block_k * a + t.block_k * t.block_h * a

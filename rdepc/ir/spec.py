@@ -114,9 +114,13 @@ class RouteRow:
     def coefficient(self, var: str) -> sp.Expr | int:
         return dict(self.radix).get(var, 0)
 
+    def field_bytes(self, field: str) -> int:
+        """Bytes one row carries in sideband field ``field`` (``scale``: all its scales)."""
+        return SIDEBAND_BYTES[field] * (self.scales if field == "scale" else 1)
+
     @property
     def sideband_bytes(self) -> int:
-        return sum(SIDEBAND_BYTES[f] * (self.scales if f == "scale" else 1) for f in self.sideband)
+        return sum(self.field_bytes(f) for f in self.sideband)
 
 
 @dataclass(frozen=True, slots=True)
