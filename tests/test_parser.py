@@ -61,7 +61,8 @@ def test_examples_parse_with_exact_spans(example):
     assert module.file == str(example)
     assert module.text == text
     assert module.layer_names == (example.stem,)
-    assert [p.name for p in module.params] == ["W", "T", "K", "L"]
+    narrowable = ["E", "H", "F"] if example.stem == "deepseek_v3" else []  # too large to draw on a CPU at full size
+    assert [p.name for p in module.params] == ["W", "T", "K", "L", *narrowable]
     count = 0
     for n in nodes(module):
         match n:
