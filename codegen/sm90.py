@@ -150,6 +150,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,
+                "fp8": "e4m3x2" in ptx,  # fp8 e4m3 conversions (the forward's quantise and GEMM1 operand)
                 # NVSHMEM's code inlined from the bitcode (its device state, which
                 # nvshmem.core.module_init fills, is then a .const of the module).
                 "nvshmem": "nvshmem" in ptx,

@@ -62,6 +62,8 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']}: NVSHMEM device code linked: {r['nvshmem']}"
         assert r["tma"], f"{r['layer']}: the GEMM operands do not arrive by TMA"
         assert 0 < r["registers"] <= 255 and r["local_bytes"] >= 0 and r["stack"] >= 0
+        fp8 = r["layer"] == "deepseek_v3" and not r["kernel"].endswith("backward")  # the backward sends no fp8
+        assert r["fp8"] == fp8, f"{r['layer']} {r['kernel']}: fp8 e4m3 conversions: {r['fp8']}"
         if dtypes[r["layer"]] != "fp32":  # bf16 grouped GEMMs on Hopper tensor cores
             assert r["wgmma"], f"{r['layer']}: no wgmma in the PTX"
             # GEMM1: gate and up as one operand, 2·block_f = 256 wide; GEMM2 block_h = 128
