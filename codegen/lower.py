@@ -555,8 +555,6 @@ def lower(
     row_id_order = tuple(v for v, _ in reversed(rr.radix))
     cap = spec.capacity
     keyed = spec.keyed_admission
-    if keyed and W * T * K >= 2**31:
-        raise ValueError(f"keyed admission needs W·T·K < 2^31 route rows, got {W * T * K}")
     cap_factor = cap_rows = None
     if cap.policy == "factor":
         cap_factor = (int(cap.factor.p), int(cap.factor.q))

@@ -393,7 +393,16 @@ class _Layer:
             spans=tuple(sorted(self.spans.items())),
         )
         self.warn(spec)
-        return self.to_ir(spec)
+        ir = self.to_ir(spec)
+        rows = int(ir.shape.W) * ir.shape.T_max * int(ir.shape.K)
+        if ir.keyed_admission and rows >= 1 << 31:  # a key is (gate order) << 31 | dense row index
+            self.diags.error(
+                f"this capacity admits route rows by key, which needs W·T·K < 2^31 route rows; got {rows:,}",
+                self.spans.get("capacity"),
+                "admit in arrival order with the route row in rank, token, slot order, or use fewer tokens",
+            )
+            return None
+        return ir
 
     def _usage_req(self, kw: str) -> str:
         return {

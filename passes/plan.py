@@ -23,6 +23,7 @@ from typing import Any
 
 import sympy as sp
 from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
+from rdepc.passes.routing import owners_per_token_expr, sample_counts, sample_routing
 
 from rdepc.diagnostics import Diagnostics, Span
 from rdepc.ir.graph import BM as COMBINE_TOKENS
@@ -236,6 +237,18 @@ class TransportPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class DedupPlan:
+    """What ``dedup`` saves under uniform routing: one payload row per (token, owner)
+    instead of one per slot, out and back."""
+
+    enabled: bool  # the spec's transport statement asks for it
+    owners_per_token: Figure
+    redundant: Figure
+    dispatch_send: Figure
+    return_recv: Figure
+
+
+@dataclass(frozen=True, slots=True)
 class PaddingPlan:
     """One sampled routing (numpy, deterministic by seed)."""
 
@@ -251,6 +264,8 @@ class PaddingPlan:
     rho_tallest: Figure
     rho_tallest_max: Figure
     rho_tiled: Figure
+    owners_per_token: Figure
+    redundant: Figure
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +293,7 @@ class Plan:
     capacity: CapacityPlan
     memory: MemoryPlan
     transport: TransportPlan
+    dedup: DedupPlan
     padding: PaddingPlan | None
     verdicts: tuple[Verdict, ...]
     warnings: tuple[str, ...] = field(default=())
@@ -672,29 +688,6 @@ def parse_probs(text: str, file: str, experts: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def sample_counts(W: int, T: int, E: int, K: int, routing: str, alpha: float, seed: int):
-    """Rows per expert for one routing: W·T tokens each pick K distinct experts, uniformly or
-    with weights ∝ 1/(rank+1)^α where expert e has rank e (Gumbel top-K: sampling without
-    replacement). Deterministic by seed. Returns a numpy int64 array of length E."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    if routing == "uniform" or alpha == 0:
-        logw = np.zeros(E)
-    else:
-        logw = -alpha * np.log(np.arange(1, E + 1, dtype=np.float64))
-    counts = np.zeros(E, dtype=np.int64)
-    n = W * T
-    chunk = max(1, (1 << 21) // E)
-    with np.errstate(divide="ignore"):
-        for start in range(0, n, chunk):
-            rows = min(chunk, n - start)
-            keys = logw - np.log(-np.log(1.0 - rng.random((rows, E))))
-            top = np.argpartition(-keys, K - 1, axis=1)[:, :K]
-            counts += np.bincount(top.ravel(), minlength=E)
-    return counts
-
-
 # --- the planner -----------------------------------------------------------------------
 
 
@@ -965,6 +958,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         capacity,
         memory,
         transport,
+        _dedup(env, spec, per_rank),
         padding,
         verdicts,
         tuple(warnings),
@@ -1116,6 +1110,32 @@ def _transport(env: _Env, strategy: str) -> TransportPlan:
     )
 
 
+def _dedup(env: _Env, spec: LayerSpec, per_rank: Sequence[int]) -> DedupPlan:
+    owners = owners_per_token_expr(E, K, per_rank)
+    return DedupPlan(
+        spec.dedup,
+        env.fig(
+            "dedup.owners_per_token",
+            owners,
+            "",
+            "expected distinct owners of a token's K experts, uniform routing: Σ_q 1 - C(E - E_q, K)/C(E, K)",
+        ),
+        env.fig("dedup.redundant", 1 - owners / K, "frac", "route rows that repeat a (token, owner) pair"),
+        env.fig(
+            "dedup.dispatch_send",
+            T * owners * (H * d + sb),
+            "B",
+            "bytes a front-end dispatches with dedup, one row per (token, owner) (without: T·K rows)",
+        ),
+        env.fig(
+            "dedup.return_recv",
+            T * owners * H * a,
+            "B",
+            "bytes a front-end receives back with dedup, one summed row per (token, owner)",
+        ),
+    )
+
+
 def _padding(
     spec: LayerSpec, opts: PlanOptions, values: dict, per_rank, seg_rows: int | None, cap: float
 ) -> PaddingPlan:
@@ -1124,7 +1144,10 @@ def _padding(
     routing = opts.routing
     if routing not in ("uniform", "zipf"):
         raise ValueError(f"unknown routing '{routing}' (uniform or zipf:ALPHA)")
-    m = sample_counts(values[W], values[T], values[E], values[K], routing, opts.alpha, opts.seed)
+    m, pairs = sample_routing(
+        values[W], values[T], values[E], values[K], routing, opts.alpha, opts.seed, spec.ownership.owner
+    )
+    tokens = values[W] * values[T]
     # routing statistics on the routed rows M_e; owner loads and padding on the admitted rows
     admitted = [int(x) if math.isinf(cap) else min(int(x), int(cap)) for x in m]
     dropped = int(m.sum()) - sum(admitted)
@@ -1162,6 +1185,14 @@ def _padding(
             launched_tiled / useful if useful else 1.0,
             "x",
             f"rdepc's padding-free tiling: each expert's rows in a segment rounded up to BM = {BM} only",
+        ),
+        Figure(f"{key}.owners_per_token", None, pairs / tokens, "", "distinct owners of a token's K experts, mean"),
+        Figure(
+            f"{key}.redundant",
+            None,
+            1 - pairs / (tokens * values[K]),
+            "frac",
+            "routed rows that repeat a (token, owner) pair: what dedup does not send",
         ),
     )
 
@@ -1309,6 +1340,15 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "rho_tallest": j(pl.padding.rho_tallest),
             "rho_tallest_max": j(pl.padding.rho_tallest_max),
             "rho_tiled": j(pl.padding.rho_tiled),
+            "owners_per_token": j(pl.padding.owners_per_token),
+            "redundant": j(pl.padding.redundant),
+        },
+        "dedup": {
+            "enabled": pl.dedup.enabled,
+            "owners_per_token": j(pl.dedup.owners_per_token),
+            "redundant": j(pl.dedup.redundant),
+            "dispatch_send": j(pl.dedup.dispatch_send),
+            "return_recv": j(pl.dedup.return_recv),
         },
         "verdicts": [
             {"budget": v.budget, "bytes": v.bytes, "hbm": v.hbm, "fits": v.fits, "margin": v.margin}
@@ -1334,6 +1374,7 @@ __all__ = [
     "PlanOptions",
     "bisect_decreasing",
     "chernoff_union_bound",
+    "owners_per_token_expr",
     "parse_probs",
     "plan",
     "resolve_strategy",

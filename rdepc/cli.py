@@ -378,7 +378,8 @@ def cmd_run(args) -> int:
 
     if transport.get(args.backend).per_rank:
         return _run_per_rank(args, layer, tokens)
-    from rdepc.reference import random_inputs, reference_for
+    from rdepc.passes.routing import owners_per_token_expr
+    from rdepc.reference import owner_pairs, random_inputs, reference_for
     from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -433,6 +434,13 @@ def cmd_run(args) -> int:
     accepted = int(st["accepted"].sum())
     agree = "matches the reference" if same else "DIFFERS from the reference"
     print(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")
+    pairs = owner_pairs(inputs[1], st["accepted"], spec.ownership.owner)
+    uniform = float(owners_per_token_expr(E, K, spec.ownership.experts_per_rank(W))) / K
+    print(
+        f"  redundancy      {accepted - pairs} of {accepted} accepted route rows repeat a (token, owner) pair "
+        f"({100 * (1 - pairs / max(accepted, 1)):.1f} %; uniform routing: {100 * (1 - uniform):.1f} %), "
+        "rows dedup would not send"
+    )
     print(f"  rows per expert {st['rows_per_expert'].tolist()}")
     print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
     print(f"  dropped rows    {st['dropped_rows']} ({cap})")

@@ -350,6 +350,16 @@ class Inputs(NamedTuple):
     w_down: torch.Tensor
 
 
+def owner_pairs(topk_ids: torch.Tensor, accepted: torch.Tensor, owner: Sequence[int]) -> int:
+    """Distinct (token, owner) pairs among the accepted route rows: the rows ``dedup`` sends,
+    one per pair, where the accepted rows are what goes out without it. ``topk_ids`` and
+    ``accepted`` are [W, T, K]; ``owner[e]`` is the rank that owns expert e."""
+    owner_of = torch.as_tensor(list(owner), dtype=torch.int64, device=topk_ids.device)
+    hits = torch.zeros(*topk_ids.shape[:2], int(owner_of.max()) + 1, dtype=torch.int64, device=topk_ids.device)
+    hits.scatter_add_(2, owner_of[topk_ids.long()], accepted.to(torch.int64))
+    return int((hits > 0).sum())
+
+
 def random_inputs(
     W: int,
     T: int,
@@ -421,6 +431,7 @@ __all__ = [
     "expert_fn",
     "fp8_dispatch",
     "moe_reference",
+    "owner_pairs",
     "random_inputs",
     "reference_for",
     "row_id_for",

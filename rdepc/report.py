@@ -275,6 +275,21 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     rows.append(["expert ffn / minimum", fmt(tr.ffn_margin), f"F = {tr.ffn.value:,}"])
     out += table(rows, ["figure", "value", "accounting"])
 
+    # -- dedup -------------------------------------------------------------------------------
+    dd = pl.dedup
+    add("")
+    state = "on in this spec" if dd.enabled else "off in this spec"
+    add(f"Dedup (one payload row per (token, owner), out and back; uniform routing): {state}")
+    rows = _fig_rows(
+        [
+            ("owners per token", dd.owners_per_token),
+            ("redundant route rows", dd.redundant),
+            ("dispatch send, dedup", dd.dispatch_send),
+            ("return recv, dedup", dd.return_recv),
+        ]
+    )
+    out += table(rows, ["figure", "value", "accounting"])
+
     # -- padding -----------------------------------------------------------------------------
     if pl.padding is not None:
         pd = pl.padding
@@ -291,6 +306,8 @@ def render(pl: Plan, symbolic: bool = False) -> str:
                 ("rho, padded to tallest", pd.rho_tallest),
                 ("rho, worst owner", pd.rho_tallest_max),
                 (f"rdepc tiling (BM = {BM})", pd.rho_tiled),
+                ("owners per token", pd.owners_per_token),
+                ("redundant route rows", pd.redundant),
             ]
         )
         out += table(rows, ["figure", "value", "accounting"])

@@ -38,24 +38,6 @@ def run(*args: str, cwd: Path = ROOT, **kw) -> subprocess.CompletedProcess:
     return p
 
 
-@pytest.fixture
-def main(capsys, monkeypatch):
-    """rdepc.cli.main(argv) in-process, from the repo root: (status, stdout, stderr)."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setenv("NO_COLOR", "1")
-
-    def call(*argv: str) -> tuple[int, str, str]:
-        try:
-            status = cli.main(list(argv))
-        except SystemExit as e:  # argparse's own usage errors, --help and --version
-            status = e.code
-        out, err = capsys.readouterr()
-        assert "Traceback" not in out + err
-        return status, out, err
-
-    return call
-
-
 def one_line_error(err: str, path: str, message: str) -> None:
     assert err.count("\n") == 1, err
     assert err == f"{path}:1:1: error: {message}\n"
@@ -71,8 +53,8 @@ def test_check_every_example(main):
     assert len(out.splitlines()) == len(EXAMPLES)
     assert "examples/moonlight.rdep: layer moonlight: ok (W=8 T=4096 H=2048 E=64 K=6, swiglu F=1408)" in out
     # the one note of the examples, on stderr, with its excerpt
-    assert err.startswith("examples/nvl72_e128.rdep:14:3: note: non-uniform ownership: 56 ranks own 2 experts")
-    assert "   14 |   owner     balanced" in err
+    assert err.startswith("examples/nvl72_e128.rdep:16:3: note: non-uniform ownership: 56 ranks own 2 experts")
+    assert "   16 |   owner     balanced" in err
 
 
 def test_check_symbolic_and_defines(main, tmp_path):

@@ -631,3 +631,43 @@ def test_plan_is_pure_and_frozen():
     with pytest.raises(AttributeError):
         a.strategy = "bulk"
     assert json.loads(json.dumps(to_json(a, formulas=True)))["formulas"]["mu"] == "K*T*W/E"
+
+
+def test_dedup_owners_per_token_is_exact():
+    """Σ_q 1 - C(E - E_q, K)/C(E, K) against every K-set of a small uneven ownership."""
+    import itertools
+
+    owner = [0, 0, 0, 1, 1, 2, 2, 3]  # E_q = 3, 2, 2, 1
+    for k in (1, 2, 3, 5):
+        sets = list(itertools.combinations(range(8), k))
+        brute = sp.Rational(sum(len({owner[e] for e in s}) for s in sets), len(sets))
+        expr = P.owners_per_token_expr(sp.Integer(8), sp.Integer(k), [3, 2, 2, 1])
+        assert sp.nsimplify(expr) == brute
+
+
+def test_dedup_plan_against_a_sampled_routing(capsys):
+    """Moonlight (E = 64 over 8 owners, K = 6): a token's experts fall on 4.54 owners, so
+    24.4 % of its route rows repeat a (token, owner) pair; one sampled uniform routing of
+    W·T = 32,768 tokens agrees to 0.01 owners, a zipf one repeats more."""
+    j = run_json(capsys, EX / "moonlight.rdep", "--routing", "uniform")
+    dd, pd = j["dedup"], j["padding"]
+    assert dd["enabled"] is False
+    assert abs(dd["owners_per_token"] - 4.5355) < 1e-4 and abs(dd["redundant"] - (1 - 4.5355 / 6)) < 1e-4
+    assert abs(pd["owners_per_token"] - dd["owners_per_token"]) < 0.01
+    assert dd["dispatch_send"] == pytest.approx(4096 * dd["owners_per_token"] * (2048 * 2 + 16), abs=1)
+    assert dd["return_recv"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2, abs=1)
+    z = run_json(capsys, EX / "moonlight.rdep", "--routing", "zipf:1.2")["padding"]
+    assert z["redundant"] > pd["redundant"] + 0.1
+
+
+def test_owner_pairs_counts_accepted_rows_once_per_owner():
+    import torch
+
+    from rdepc.reference import owner_pairs
+
+    ids = torch.tensor([[[0, 1, 2], [3, 0, 2]]])  # owners of experts 0..3: 0, 0, 1, 1
+    accepted = torch.tensor([[[1, 1, 1], [1, 0, 0]]], dtype=torch.bool)
+    # token 0: owners {0, 1} (experts 0 and 1 share owner 0); token 1: only expert 3 → owner 1
+    assert owner_pairs(ids, accepted, [0, 0, 1, 1]) == 3
+    assert owner_pairs(ids, torch.ones_like(accepted), [0, 0, 1, 1]) == 4
+    assert owner_pairs(ids, torch.zeros_like(accepted), [0, 0, 1, 1]) == 0
