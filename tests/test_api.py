@@ -134,7 +134,7 @@ def test_override_changes_tokens_and_route_row_radix():
     assert layer.shapes["T"] == 8192 and layer.spec.shape.T == 8192
     assert dict(base.spec.route_row.radix)["rank"] == 4096 * 6
     assert layer.spec.route_row.radix == (("slot", 1), ("token", 6), ("rank", 8192 * 6))
-    assert {p.name: p.overridden for p in layer.spec.params} == {"W": False, "T": True, "K": False, "L": False}
+    assert {p.name: p.overridden for p in layer.spec.params} == {"W": False, "T": True, "K": False, "L": False, "H": False, "F": False}
     # a decimal override is exact; a non-whole size is an error
     assert rdepc.load(MOONLIGHT, T=4096.0).shapes["T"] == 4096
     with pytest.raises(rdepc.SpecError, match="tokens must be a whole number, got 8193/2"):

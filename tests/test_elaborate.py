@@ -125,7 +125,7 @@ def test_nvl72_ownership_note():
     (note,) = diags.items
     assert note.severity is Severity.NOTE
     assert note.message.startswith("non-uniform ownership: 56 ranks own 2 experts and 16 own 1 (2x")
-    assert (note.span.line, note.span.col) == (14, 3)  # the 'owner' statement
+    assert (note.span.line, note.span.col) == (16, 3)  # the 'owner' statement
     own = specs[0].ownership
     assert own.experts_per_rank(72) == (2,) * 56 + (1,) * 16
     for q in range(56):
