@@ -289,8 +289,8 @@ def cmd_check(args) -> int:
             status = 1
             continue
         for s in specs:
-            t = f"{s.shape.T}" + (f"<={s.shape.T_max}" if s.shape.symbolic else "")
-            dims = f"W={s.shape.W} T={t} H={s.shape.H} E={s.shape.E} K={s.shape.K}"
+            t = f"<={s.shape.T_max}" if s.shape.symbolic else f"={s.shape.T}"  # a bounded T as T<=8192
+            dims = f"W={s.shape.W} T{t} H={s.shape.H} E={s.shape.E} K={s.shape.K}"
             print(f"{f}: layer {s.name}: ok ({dims}, {s.expert.act} F={s.expert.F})")
     return status
 

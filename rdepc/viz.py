@@ -133,9 +133,9 @@ def _shown_ranks(sched: Schedule, limit: int) -> list[int]:
     if limit >= W:
         return list(range(W))
     load = sorted(range(W), key=lambda r: (-(sched.transport[r] + sched.compute[r]), r))
-    least = min(range(W), key=lambda r: (sched.transport[r] + sched.compute[r], r))
-    keep = {0, least, *load[: limit - 2]}
-    return sorted(keep)[:limit]
+    # rank 0, the least loaded, then the busiest: exactly ``limit`` distinct ranks
+    keep = dict.fromkeys([0, load[-1], *load])
+    return sorted(list(keep)[:limit])
 
 
 def _exposed_intervals(sched: Schedule, r: int) -> list[tuple[float, float]]:

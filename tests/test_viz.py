@@ -116,3 +116,21 @@ def test_compile_cli_accepts_schedule_options(tmp_path, capsys):
     rc = cli_main([*args, "--dump-after", "schedule"])
     assert rc == 0
     assert "layer tiny: bulk schedule" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("limit", range(1, 10))
+@pytest.mark.parametrize("transport", [[5, 4, 3, 2, 1, 6, 7, 8], [9, 4, 3, 2, 1, 6, 7, 8], [1] * 8])
+def test_png_ranks_shows_exactly_n(limit, transport):
+    """Regression: --ranks 2 and 3 drew one or two ranks, 7 drew five (rank 0 or the least
+    loaded rank counted among the busiest). Shown: rank 0, the least loaded, the busiest."""
+
+    class Loads:
+        compute = [0] * 8
+
+    Loads.transport = transport
+    shown = viz._shown_ranks(Loads, limit)
+    assert len(shown) == len(set(shown)) == min(limit, 8) and shown == sorted(shown) and shown[0] == 0
+    least = max(r for r in range(8) if transport[r] == min(transport))
+    busiest = [r for r in sorted(range(8), key=lambda r: (-transport[r], r)) if r not in (0, least)]
+    assert limit < 2 or least in shown
+    assert set(busiest[: max(0, limit - 2)]) <= set(shown)
