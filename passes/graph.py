@@ -642,7 +642,8 @@ def dump(tg: TaskGraph) -> str:
         f"// graph of layer {tg.layer}: {geo.strategy}, cut {geo.cut}, S={geo.S}, B={geo.B}, lookahead {geo.lookahead}",
         f"//   rows_max R_q  {list(geo.rows_max)}",
         f"//   segments      {list(geo.segments)}",
-        f"//   m-tile slots  {list(geo.m_slots)} (ceil(S/BM) + E_loc - 1, BM = {BM})",
+        f"//   m-tile slots  {list(geo.m_slots)} (ceil(S/BM) + E_loc - 1, BM = {BM}: the planning tile; a built "
+        "module picks its own, which rdepc run prints)",
         "//   return path   "
         + ("a ring of B slots, freed by unpacks" if geo.return_ring else "rows land at their (token, slot) place"),
         f"//   tasks         {len(tg.tasks)}: {tg.count()}",

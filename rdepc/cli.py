@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rdepc import __version__
 from rdepc.api import UsageError, parse_override
+from rdepc.codegen import UNSUPPORTED
 from rdepc.diagnostics import Severity, SpecError
 from rdepc.runtime.transport import TRANSPORTS
 
@@ -284,6 +285,10 @@ def cmd_check(args) -> int:
         if unknown:
             raise UsageError(f"no parameter {', '.join(unknown)} in {f} (declared: {', '.join(sorted(declared))})")
         specs, diags = elaborate(module, args.layer, overrides, sympy=False)
+        for s in specs:  # what check accepts but compile stops at: said here too, so the two agree
+            for feature, key in s.features():
+                if feature in UNSUPPORTED:
+                    diags.note(f"not supported yet: {feature} (compile and run stop here)", s.span_of(key))
         _print_diags(sorted(diags.items, key=_pos), diags.sources)
         if diags.errors or (args.werror and any(d.severity is Severity.WARNING for d in diags.items)):
             status = 1

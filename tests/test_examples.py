@@ -6,7 +6,7 @@ dispatch dtype stay the spec's."""
 from __future__ import annotations
 
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, ROOT
 
 # -D overrides per example; T is the bound the plan sizes buffers for, the run uses all of it.
 NARROW = {
@@ -34,3 +34,9 @@ def test_example_runs_and_checks(example, main):
     assert status == 0, err
     assert out.rstrip().endswith("check passed")
     assert "max rel. error" in out and "redundancy" in out
+
+
+def test_readme_language_block_is_the_moonlight_example():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## The language in brief\n\n```\n", 1)[1].split("```\n", 1)[0]
+    assert block == (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")
