@@ -213,8 +213,12 @@ def _constants(p: KernelPlan) -> str:
         _c("FLAGS", off["flags"], "int64 done counters of the entries this rank runs (task-table column flag)"),
         _c("PAYLOAD", off["payload"], "DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source"),
     ]
-    sizes = {"row_id": "int64 [B*S]", "local_expert": "int32 [B*S]", "gate": "fp32 [B*S]"}
-    sizes["scale"] = "fp32 [B*S, SCALES]"
+    sizes = {
+        "row_id": "int64 [B*S]",
+        "local_expert": "int32 [B*S]",
+        "gate": "fp32 [B*S]",
+        "scale": "fp32 [B*S, SCALES]",
+    }
     for f in p.sideband:
         lines.append(_c(f"SB_{f.upper()}", off[f"sideband_{f}"], f"sideband {f}, {sizes[f]}"))
     if p.ring:

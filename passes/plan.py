@@ -23,7 +23,7 @@ from typing import Any
 
 import sympy as sp
 from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
-from rdepc.passes.routing import owners_per_token_expr, sample_counts, sample_routing
+from rdepc.passes.routing import owners_per_token_expr, sample_routing
 
 from rdepc.diagnostics import Diagnostics, Span
 from rdepc.ir.graph import BM as COMBINE_TOKENS
@@ -1380,7 +1380,7 @@ __all__ = [
     "resolve_strategy",
     "rho_tallest",
     "rho_tiled",
-    "sample_counts",
+    "sample_routing",
     "symmetric_formulas",
     "symmetric_plan",
     "tiled_rows",

@@ -47,11 +47,6 @@ def sample_routing(
     return counts, pairs
 
 
-def sample_counts(W: int, T: int, E: int, K: int, routing: str, alpha: float, seed: int):
-    """Rows per expert of one sampled routing (``sample_routing``), a numpy int64 array."""
-    return sample_routing(W, T, E, K, routing, alpha, seed, range(E))[0]
-
-
 def owners_per_token_expr(E: sp.Expr, K: sp.Expr, experts_per_rank: Sequence[int]) -> sp.Expr:
     """Expected distinct owners of a token's K experts under uniform routing (K distinct
     experts, every K-set equally likely): owner q is hit unless all K miss its E_q experts,

@@ -439,7 +439,7 @@ def cmd_run(args) -> int:
     accepted = int(st["accepted"].sum())
     agree = "matches the reference" if same else "DIFFERS from the reference"
     print(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")
-    pairs = owner_pairs(inputs[1], st["accepted"], spec.ownership.owner)
+    pairs = owner_pairs(inputs.topk_ids, st["accepted"], spec.ownership.owner)
     uniform = float(owners_per_token_expr(E, K, spec.ownership.experts_per_rank(W))) / K
     print(
         f"  redundancy      {accepted - pairs} of {accepted} accepted route rows repeat a (token, owner) pair "

@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F_
 
+from rdepc.ir.spec import SCALE_BLOCK
+
 ACTS = ("swiglu", "gelu", "relu")
 DROPS = ("arrival", "lowest_gate")
 WEIGHTS = ("renormalize", "zero")
@@ -64,7 +66,6 @@ def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, 
 
 
 FP8_MAX = 448.0  # the largest finite fp8 e4m3 (e4m3fn) value
-SCALE_BLOCK = 128  # columns per scale under ``scale block``
 
 
 def fp8_dispatch(x: torch.Tensor, scale: str = "row", block: int = SCALE_BLOCK) -> torch.Tensor:

@@ -283,12 +283,13 @@ def test_tiling_within_segments():
 
 
 def test_sampled_routing_deterministic_and_exact():
-    a = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=7)
-    b = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=7)
-    c = P.sample_counts(8, 512, 64, 6, "uniform", 0.0, seed=8)
+    a = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
+    b = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
+    c = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=8, owner=range(64))[0]
     assert (a == b).all() and not (a == c).all()
     assert int(a.sum()) == 8 * 512 * 6  # eq. 10: every routing sums to DP·T·K
-    z = P.sample_counts(1, 4096, 8, 8, "zipf", 2.0, seed=0)  # K = E: distinct picks take every expert
+    # K = E: distinct picks take every expert
+    z = P.sample_routing(1, 4096, 8, 8, "zipf", 2.0, seed=0, owner=range(8))[0]
     assert z.tolist() == [4096] * 8
 
 
