@@ -6,8 +6,9 @@ scheduler's Schedule, lowers it with its memory plan into a kernel plan
 tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.sm90`
 compiles the emitted file to sm_90 cubins without a GPU.
 
-Scope: the forward and backward passes, fp8 dispatch (row or block scales), any route-row
-encoding, admission by arrival or by lowest gate, every schedule (``bulk``, ``pipelined``,
+Scope: the forward and backward passes, fp8 dispatch (row or block scales), dedup (the
+forward; a layer under dedup does not train yet), any route-row encoding, admission by
+arrival or by lowest gate, every schedule (``bulk``, ``pipelined``,
 ``deep``: the kernels run the scheduler's task table, B-slot rings included), every
 transport (``emulated``: all ranks in one process; ``emulated-mp`` and ``nvshmem``: one
 process per rank). What the
@@ -33,11 +34,7 @@ from rdepc.codegen.lower import KernelPlan, Tiles, Work, lower
 from rdepc.ir.graph import MemoryPlan, Schedule
 
 # LayerSpec.features() the code generator does not implement (see the module docstring).
-UNSUPPORTED = frozenset(
-    {
-        "dedup of rows a token sends to one rank",
-    }
-)
+UNSUPPORTED: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ transposed).
 from __future__ import annotations
 
 from rdepc.codegen.lower import KernelPlan
-from rdepc.codegen.stages import narrowed
+from rdepc.codegen.text import narrowed
 
 
 def combine_grad_source(p: KernelPlan) -> str:
@@ -150,7 +150,7 @@ def bgemm1(
 {grads}        store_rows(act_rows + row * F, @@ACT@@, live, F, f, BLOCK_F)
         if f == 0:
             first = tl.cast(q, tl.int64) * R_MAX + row0
-            copy_rows(rows + tl.cast(at, tl.int64) * H, do_rows + first * H, live, H, BM, BLOCK_K)
+            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)

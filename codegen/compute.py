@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 from rdepc.codegen.lower import KernelPlan
-from rdepc.codegen.stages import call, narrowed
+from rdepc.codegen.text import call, narrowed
 
 DEVICE = Path(__file__).with_name("device.py")
 
@@ -116,9 +116,9 @@ def gemm1(
         me = peer(heap, q)
         rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
 @@SCALES@@        w = {weights} + e * (H * {cols})
-@@GEMM@@{act}        m = tl.arange(0, BM)
+        m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        row = tl.cast(q, tl.int64) * (B * S) + at + m
+@@LINKS@@@@GEMM@@{act}        row = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(hbuf + row * F, @@ACT@@, live, F, f, BLOCK_F)
         if SAVE:
             kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
@@ -131,13 +131,18 @@ def gemm1(
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
 '''
     gemm = [*tile_args.split(", "), "BLOCK_K", "STAGES", "TMA", "CAST_F32", "PRECISION"]
-    copy = ["rows + tl.cast(at, tl.int64) * H", "saved_x + first * H", "live", "H", "BM", "BLOCK_K"]
+    copy = ["rows", "first_row" if p.dedup else "at + m", "saved_x + first * H", "live", "H", "BM", "BLOCK_K"]
     fp8 = {"@@SCALES@@": ""}
     if p.scale_cols:  # fp8 rows: their scales are in the sideband beside them
         gemm += ["False", "scales", "SCALE_COLS"]
-        copy += ["scales + tl.cast(at, tl.int64) * SCALES", "SCALE_COLS"]
+        copy += ["scales", "SCALE_COLS"]
         fp8 = {"@@SCALES@@": "        scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]\n"}
-    fp8 |= {"@@GEMM@@": call("acc = gemm_tile", gemm, 8), "@@COPY@@": call("copy_rows", copy, 16)}
+    links = ""
+    if p.dedup:  # each slot reads the payload row of its token's first slot here (codegen/dedup.py)
+        link = "(me + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * (at + m)"
+        links = f"        first_row = tl.load({link}, mask=live, other=-1)  # dedup: the token's first slot here\n"
+        gemm += [*(["False", "None", "0"] if not p.scale_cols else []), "first_row"]
+    fp8 |= {"@@GEMM@@": call("acc = gemm_tile", gemm, 8), "@@COPY@@": call("copy_rows", copy, 16), "@@LINKS@@": links}
     subst = {**save, **fp8, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}
     for k, v in subst.items():
         text = text.replace(k, v)

@@ -55,6 +55,7 @@ def gemm_tile(
     TRANS_B: tl.constexpr = False,
     a_scale=None,
     SCALE_COLS: tl.constexpr = 0,
+    a_index=None,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -68,11 +69,32 @@ def gemm_tile(
     [a_rows, ceil(K_DIM / SCALE_COLS)] at ``a_scale``, one per row and SCALE_COLS columns.
     One scale per row (SCALE_COLS >= K_DIM) scales the finished tile; finer scales scale
     each chunk's product before it is added, so BK must divide SCALE_COLS.
+
+    With ``a_index`` (int [BM], -1 for a row that reads as zero) the tile's rows are gathered:
+    tile row m is row a_index[m] of A (``row0`` unused), loaded through pointers.
     """
     PER_CHUNK: tl.constexpr = SCALE_COLS > 0 and SCALE_COLS < K_DIM
     if PER_CHUNK:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if a_index is not None:
+        rows = tl.cast(a_index, tl.int64)
+        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+            kk = k + tl.arange(0, BK)
+            m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]
+            x = tl.load(a + rows[:, None] * K_DIM + kk[None, :], mask=m, other=0.0)
+            y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
+            if PER_CHUNK:
+                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(x, y, acc, CAST_F32, PRECISION)
+            w_ptr = tl.advance(w_ptr, (BK, 0))
+        if SCALE_COLS >= K_DIM:
+            acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
+        return acc
+    rows = row0 + tl.arange(0, BM)
     if TMA:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
@@ -88,7 +110,7 @@ def gemm_tile(
                 b = w_desc.load([k, col0])
             if PER_CHUNK:
                 part = mma(a_desc.load([row0, k]), b, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
             else:
                 acc = mma(a_desc.load([row0, k]), b, acc, CAST_F32, PRECISION)
     else:
@@ -102,22 +124,21 @@ def gemm_tile(
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
             if PER_CHUNK:
                 part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
             else:
                 acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
     if SCALE_COLS >= K_DIM:
-        acc *= row_scales(a_scale, a_rows, row0, 0, K_DIM, BM, SCALE_COLS)[:, None]
+        acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
 
 
 @triton.jit
-def row_scales(scales, n_rows, row0, group, n_cols, BM: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """The scales of column group ``group`` of rows row0 .. row0 + BM of a quantised matrix
-    of ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
+def row_scales(scales, n_rows, rows, group, n_cols, SCALE_COLS: tl.constexpr):
+    """The scales of column group ``group`` of rows ``rows`` of a quantised matrix of
+    ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
     ``scales``); rows outside the matrix get 0."""
-    rows = row0 + tl.arange(0, BM)
     live = (rows >= 0) & (rows < n_rows)
     per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
     return tl.load(scales + tl.cast(rows, tl.int64) * per_row + group, mask=live, other=0.0)
@@ -199,21 +220,24 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
 
 
 @triton.jit
-def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0):
-    """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
-    ``dst`` (converted to ``dst``'s dtype), BC columns at a time. With ``SCALE_COLS`` the
-    rows are quantised and leave dequantised: times their scales (as in ``gemm_tile``)."""
+def copy_rows(
+    src, at, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0
+):
+    """Copy the ``live`` rows ``at`` (int [BM]) of a matrix of ``n_cols`` columns at ``src``
+    to the [BM, n_cols] block of contiguous rows at ``dst`` (converted to ``dst``'s dtype), BC
+    columns at a time. With ``SCALE_COLS`` the rows are quantised and leave dequantised:
+    times their scales, laid out as the rows (as in ``gemm_tile``)."""
     m = tl.arange(0, BM)
+    rows_at = tl.cast(at, tl.int64)
     for c0 in range(0, n_cols, BC):
         c = c0 + tl.arange(0, BC)
         mask = live[:, None] & (c < n_cols)[None, :]
-        at = m[:, None] * n_cols + c[None, :]
-        rows = tl.load(src + at, mask=mask)
+        rows = tl.load(src + rows_at[:, None] * n_cols + c[None, :], mask=mask)
         if SCALE_COLS > 0:
             per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
-            s = tl.load(scales + m[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
+            s = tl.load(scales + rows_at[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
             rows = rows.to(tl.float32) * s
-        tl.store(dst + at, rows.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + m[:, None] * n_cols + c[None, :], rows.to(dst.dtype.element_ty), mask=mask)
 
 
 __all__ = [

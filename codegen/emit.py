@@ -21,6 +21,7 @@ import textwrap
 
 from rdepc.codegen.backward import bgemm1_source, combine_grad_source, wgrad_source
 from rdepc.codegen.compute import device_source, gemm1_source, gemm2_source, m_tile_source
+from rdepc.codegen.dedup import LINKS
 from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
 from rdepc.codegen.stages import (
     combine_source,
@@ -68,6 +69,7 @@ def generate(plan: KernelPlan) -> str:
         scan_source(plan),
         segment_source(),
         decode_source(plan),
+        *([LINKS] if plan.dedup else []),
         dispatch_source(plan),
         m_tile_source(),
         device_source(),
@@ -75,7 +77,7 @@ def generate(plan: KernelPlan) -> str:
         gemm2_source(plan),
         return_regions_source(plan),
         return_source(plan),
-        *([unpack_source()] if plan.ring else []),
+        *([unpack_source(plan)] if plan.ring else []),
         combine_source(plan),
         bgemm1_source(plan),
         combine_grad_source(plan),
@@ -218,6 +220,7 @@ def _constants(p: KernelPlan) -> str:
         "local_expert": "int32 [B*S]",
         "gate": "fp32 [B*S]",
         "scale": "fp32 [B*S, SCALES]",
+        "links": "int32 [B*S, 2]: the owner rows of the token's first and next slot here (dedup)",
     }
     for f in p.sideband:
         lines.append(_c(f"SB_{f.upper()}", off[f"sideband_{f}"], f"sideband {f}, {sizes[f]}"))
@@ -251,8 +254,10 @@ def _constants(p: KernelPlan) -> str:
         _c("ST_ARRIVED", 0, "stats [W, ST_COLS]: rows arrived per local expert,"),
         _c("ST_ADMITTED", p.E_MAX, "rows admitted per local expert,"),
         _c("ST_MTILES", 2 * p.E_MAX, "m-tiles the grouped GEMM ran,"),
-        _c("ST_CAP", 2 * p.E_MAX + 1, "the capacity cap_e the scan applied"),
-        _c("ST_COLS", 2 * p.E_MAX + 2),
+        _c("ST_CAP", 2 * p.E_MAX + 1, "the capacity cap_e the scan applied,"),
+        _c("ST_SENT", 2 * p.E_MAX + 2, "payload rows this rank dispatched with their data,"),
+        _c("ST_RETURNED", 2 * p.E_MAX + 3, "rows it returned with their data"),
+        _c("ST_COLS", 2 * p.E_MAX + 4),
     ]
     return "\n".join(lines) + "\n"
 
@@ -269,7 +274,8 @@ def _kernel(p: KernelPlan) -> str:
     scalars = ", ".join(f'"{n}"' for n in RUNTIME_SCALARS)
     names = [n + (": tl.constexpr" if t == "constexpr" else "") for n, t in kernel_args(p)]
     signature = textwrap.fill(", ".join(names) + ",", 112, initial_indent="    ", subsequent_indent="    ")
-    return f'''@triton.jit(
+    return (
+        f'''@triton.jit(
     do_not_specialize=[{scalars}]
 )
 def rdep_layer(
@@ -406,15 +412,16 @@ def rdep_layer(
                     if not BACKWARD:
                         route(
                             heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, ctl, rank, n_tokens,
+                            route_scratch, stats, ctl, rank, n_tokens,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if not BACKWARD:
                         scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, @@DEDUP_ARGS@@stats,
+                        src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
+                        CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
                     if BACKWARD:
@@ -440,8 +447,8 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
-                        heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment, claim, item,
+                        items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, @@DEDUP_CAST@@BACKWARD,
                     )  # fmt: skip
 @@UNPACK@@                elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
@@ -474,8 +481,10 @@ def rdep_layer(
     # its epoch from the count, so no argument changes from call to call.
     if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
         tl.atomic_add(ctl + CTL_CALLS, 1)
-'''.replace("@@UNPACK@@", _unpack_call() if p.ring else "").replace(
-        "@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else ""
+'''.replace("@@UNPACK@@", _unpack_call() if p.ring else "")
+        .replace("@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else "")
+        .replace("@@DEDUP_ARGS@@", "topk_ids, owner_of, local_of, rowpos, " if p.dedup else "")
+        .replace("@@DEDUP_CAST@@", "CAST_F32, " if p.dedup else "")
     )
 
 

@@ -211,6 +211,7 @@ class KernelPlan:
     # owners admit by key (``drop lowest_gate``, or arrival when ascending row_id is not
     # rank, then token, then slot order): each source publishes its rows' keys
     keyed: bool
+    dedup: bool  # one payload row per (token, owner), summed back at the owner
     # capacity: policy, factor (p, q), rows (int, or one per T' when T is symbolic), weights (drop: arrival)
     capacity: str
     cap_factor: tuple[int, int] | None
@@ -464,6 +465,8 @@ def lower(
     from_one = tuple(min(T * min(K, geo.experts[q]), geo.rows_max[q]) for q in range(W))
 
     ring = geo.return_ring
+    if spec.dedup and max(geo.rows_max, default=0) > B * S:
+        raise AssertionError("dedup needs every segment resident (B·S >= R_max): the geometry raises B")
     n = len(sched.table)
     order = tuple(range(n)) if order is None else tuple(order)
     if sorted(order) != list(range(n)):
@@ -545,7 +548,8 @@ def lower(
     if ring:
         private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
     private += [
-        ("stats", "int32", (W, 2 * E_MAX + 2)),  # rows arrived, admitted per local expert; m-tiles; cap_e
+        # rows arrived, admitted per local expert; m-tiles; cap_e; rows dispatched, returned with their data
+        ("stats", "int32", (W, 2 * E_MAX + 4)),
         ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
         ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
     ]
@@ -592,6 +596,7 @@ def lower(
         row_id=row_id,
         row_id_order=row_id_order,
         keyed=keyed,
+        dedup=spec.dedup,
         capacity=cap.policy,
         cap_factor=cap_factor,
         cap_rows=cap_rows,

@@ -7,36 +7,9 @@ return ring) is decided here, the rest is fixed text that uses the file's conste
 
 from __future__ import annotations
 
+from rdepc.codegen import dedup
 from rdepc.codegen.lower import KernelPlan
-
-NARROW = '''@triton.jit
-def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
-    """fp32 ``x`` in ``dtype``, rounded to nearest even. The interpreter truncates fp32 to
-    bf16, so under it (CAST_F32) the rounding is done on the bits first."""
-    if CAST_F32 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-'''
-
-
-def narrowed(p: KernelPlan, expr: str, dtype: str) -> str:
-    """``expr`` (fp32) converted to the constexpr dtype ``dtype`` ("DTYPE" or "DISPATCH_DTYPE")."""
-    if (p.dtype if dtype == "DTYPE" else p.dispatch) == "bf16":
-        return f"narrow({expr}, {dtype}, CAST_F32)"
-    return f"{expr}.to({dtype})" if expr.replace(".", "_").isidentifier() else f"({expr}).to({dtype})"
-
-
-def call(head: str, args: list[str], indent: int) -> str:
-    """``head(args)`` at ``indent`` spaces, laid out as ruff formats it: on one line if it
-    fits in 120 columns, else one argument per line."""
-    pad = " " * indent
-    line = f"{pad}{head}({', '.join(args)})"
-    if len(line) <= 120:
-        return line + "\n"
-    inner = "".join(f"{pad}    {a},\n" for a in args)
-    return f"{pad}{head}(\n{inner}{pad})\n"
+from rdepc.codegen.text import NARROW, narrowed
 
 
 def helpers_source(p: KernelPlan) -> str:
@@ -125,7 +98,7 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
 
 @triton.jit
 def route(
-    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, ctl, r, n_tokens
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r, n_tokens
 ):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
@@ -136,6 +109,9 @@ def route(
     validated first, here rather than on the host (no device→host sync in a call).
     """
     validate(topk_ids, gates, ctl, r, n_tokens)
+    st = stats + tl.cast(r, tl.int64) * ST_COLS  # this call's rows sent and returned start at zero
+    tl.store(st + ST_SENT, 0)
+    tl.store(st + ST_RETURNED, 0)
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
 @@RGATES@@    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
@@ -435,6 +411,7 @@ def dispatch(
     n_local,
     sorted_rows,
     scratch,
+@@DEDUP_ARGS@@    stats,
     r,
     q,
     s,
@@ -460,7 +437,7 @@ def dispatch(
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
     A.3, condition 2). Spans are disjoint by construction, so placement needs no atomics.
-    Work item ``item`` of ``items`` takes every items-th block of BLOCK_R rows.
+    Work item ``item`` of ``items`` takes every items-th block of BLOCK_R rows.@@DEDUP_DOC@@
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -500,7 +477,9 @@ def dispatch(
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], @@SCALED@@, m)
         else:
-@@FORWARD@@        row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
+@@LINKS@@@@FORWARD@@            sent = tl.sum(@@SENT@@.to(tl.int32), axis=0)
+            tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
+        row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
             put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
         else:  # the sideband: '''
@@ -508,37 +487,50 @@ def dispatch(
         + "\n"
         + "\n".join("    " + line for line in sideband)
         + "\n"
-    ).replace("@@FORWARD@@", _payload_rows(p))
-    return text.replace("@@SCALED@@", narrowed(p, "rows_h.to(tl.float32) * scale[:, None]", "DTYPE"))
+    ).replace("@@FORWARD@@", _payload_rows(p, "lead" if p.dedup else "keep"))
+    doc = """
+
+    dedup (forward): only the token's first slot at q sends its payload row (and scales);
+    every slot sends its sideband with the links to its token's first and next slot there."""
+    subst = {
+        "@@DEDUP_ARGS@@": "    topk_ids,\n    owner_of,\n    local_of,\n    rowpos,\n" if p.dedup else "",
+        "@@DEDUP_DOC@@": doc if p.dedup else "",
+        "@@LINKS@@": dedup.dispatch_links() if p.dedup else "",
+        "@@SENT@@": "lead" if p.dedup else "keep",
+        "@@SCALED@@": narrowed(p, "rows_h.to(tl.float32) * scale[:, None]", "DTYPE"),
+    }
+    for k, v in subst.items():
+        text = text.replace(k, v)
+    return text
 
 
-def _payload_rows(p: KernelPlan) -> str:
-    """The forward dispatch's payload rows: as they are, narrowed to the dispatch dtype, or
-    quantised to fp8 with their scales into the sideband."""
+def _payload_rows(p: KernelPlan, send: str) -> str:
+    """The forward dispatch's payload rows (those ``send`` marks): as they are, narrowed to
+    the dispatch dtype, or quantised to fp8 with their scales into the sideband."""
     scales = "(dst + SB_SCALE).to(tl.pointer_type(tl.float32))"
     if p.dispatch_scale == "row":
         return f"""            # fp8 e4m3, one scale per row: the row's largest magnitude first
             amax = tl.zeros([BLOCK_R], tl.float32)
             for h in range(0, H, BLOCK_H):
                 c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
+                m = {send}[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(rows_h), axis=1))
             qscale = fp8_scale(amax)
-            put({scales} + at, qscale, keep)
+            put({scales} + at, qscale, {send})
             for h in range(0, H, BLOCK_H):
                 c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
+                m = {send}[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                 put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
 """
     if p.dispatch_scale == "block":
         return f"""            for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
                 c = h + tl.arange(0, SCALE_COLS)
-                m = keep[:, None] & (c < H)[None, :]
+                m = {send}[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                 qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
-                put({scales} + tl.cast(at, tl.int64) * SCALES + h // SCALE_COLS, qscale, keep)
+                put({scales} + tl.cast(at, tl.int64) * SCALES + h // SCALE_COLS, qscale, {send})
                 put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
 """
     rows = "rows_h"
@@ -548,7 +540,7 @@ def _payload_rows(p: KernelPlan) -> str:
         rows = "rows_h.to(DISPATCH_DTYPE)"
     return f"""            for h in range(0, H, BLOCK_H):
                 c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
+                m = {send}[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], {rows}, m)
 """
@@ -575,6 +567,8 @@ def return_regions(me, BACKWARD: tl.constexpr):
 
 
 def return_source(p: KernelPlan) -> str:
+    if p.dedup:
+        return dedup.return_source(p)
     if p.ring:
         land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
         to = landing + tl.cast(at, tl.int64) * H
@@ -596,6 +590,7 @@ def return_rows(
     recv,
     staging,
     staging_rid,
+    stats,
     ctl,
     entry,
     epoch,
@@ -636,6 +631,8 @@ def return_rows(
         rid = tl.load(row_ids + frm, mask=live, other=0)
         @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
         ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
+        if not BACKWARD:
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
 @@LAND@@        frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
@@ -648,7 +645,8 @@ def return_rows(
     )
 
 
-def unpack_source() -> str:
+def unpack_source(p: KernelPlan) -> str:
+    skip = "        live = live & (rid >= 0)  # dedup: no row at this place (its token returned elsewhere)\n"
     return '''@triton.jit
 def unpack(
     heap,
@@ -693,7 +691,7 @@ def unpack(
         _, row = locate(u, lo, count, local)
         at = ring_row(row, s, claim)
         rid = tl.load(ids + at, mask=live, other=0)
-        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
+@@SKIP@@        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
         ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
         frm = ring + tl.cast(at, tl.int64) * H
         to = mine + (t * K + k) * H
@@ -701,7 +699,7 @@ def unpack(
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
             tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
-'''
+'''.replace("@@SKIP@@", skip if p.dedup else "")
 
 
 def combine_source(p: KernelPlan) -> str:
@@ -782,6 +780,10 @@ def combine(
         tl.store(y_rows[:, None] + c[None, :], @@Y@@, mask=keep)
 """
     )
+    if p.dedup:  # the returned rows are per (token, owner): no slot's own output comes back to save
+        text = text[: text.index("    tl.debug_barrier()  # the loop below")]
+        text += '    tl.static_assert(not SAVE, "dedup: a forward for the backward is not generated")\n'
+        text += dedup.combine_leads() + "@@LANDING@@" + dedup.combine_sum(p)
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
         if p.ring

@@ -18,7 +18,7 @@ from rdepc.ir.exact import Poly
 from rdepc.ir.spec import (
     ROUTE_VARS,
     SCALE_BLOCK,
-    SIDEBAND_BYTES,
+    USER_SIDEBAND,
     Capacity,
     Dtype,
     ExpertFn,
@@ -373,6 +373,15 @@ class _Layer:
                 "add 'gate' to the sideband statement",
             )
             return None
+        if dedup:
+            if "gate" not in route.sideband:
+                self.diags.error(
+                    "dedup needs the gate in the sideband: an owner sums its experts' gate-weighted outputs",
+                    self.spans.get("transport.dedup"),
+                    "add 'gate' to the sideband statement",
+                )
+                return None
+            route = dataclasses.replace(route, sideband=(*route.sideband, "links"))
         spec = LayerSpec(
             name=decl.name,
             file=self.module.file,
@@ -627,8 +636,8 @@ class _Layer:
         fp8 = prec is not None and prec.dispatch is Dtype.FP8_E4M3
         if st is None:
             return ("row_id", "local_expert", "gate") + (("scale",) if fp8 else ())
-        opts, _ = self.args(st, flags=tuple(SIDEBAND_BYTES))
-        fields = tuple(f for f in SIDEBAND_BYTES if f in opts)
+        opts, _ = self.args(st, flags=USER_SIDEBAND)
+        fields = tuple(f for f in USER_SIDEBAND if f in opts)
         if len(self.diags.errors) and any(a for a in st.args if isinstance(a, S.Flag) and a.name not in opts):
             return None
         if "row_id" not in fields:

@@ -54,6 +54,13 @@ Buffer-reuse (write-after-read) edges, the B-slot rings:
   return(q, s − B, ·);
 * return ring at front-end r: the piece with claim j waits for the unpack of claim j − B.
 
+Under ``dedup`` an owner holds one payload row per (token, owner), at the token's first
+accepted slot there; its other slots point at it (sideband ``links``). Payload is
+expert-contiguous, so those slots may lie in later segments: gemm1(q, s) also waits for the
+dispatches of every earlier segment of q, a return(q, s, r) sums a token's outputs from every
+segment up to s (it returns a token from its last slot's segment), and every segment stays
+resident (B is raised to the busiest owner's segments, so no ring slot is reused).
+
 The tasks are built in the strategy's intended global order (dispatch s, compute s − L,
 return s − L − 1 in step s, with lookahead L = 1 for pipelined, B − 1 for deep); the
 scheduler takes a topological order that follows it.
@@ -116,6 +123,8 @@ def geometry(
         S_, B_ = int(S), int(B)
         L = 1 if strategy == "pipelined" else max(1, B_ - 1)
         segs = tuple(-(-r // S_) for r in R)
+        if spec.dedup:  # a token's rows at an owner span its local experts' segments: all stay resident
+            B_ = max(B_, *segs)
     m_slots = tuple(-(-S_ // BM) + e - 1 if e else 0 for e in per)
     return Geometry(
         strategy=strategy,
@@ -130,6 +139,7 @@ def geometry(
         d=spec.precision.dispatch.bytes,
         a=spec.precision.dtype.bytes,
         sb=spec.route_row.sideband_bytes,
+        dedup=spec.dedup,
         S=S_,
         B=B_,
         lookahead=L,
@@ -270,7 +280,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                         -(-n // BM),
                         n * row_a,
                         0,
-                        (gemm2[(q, s)],),
+                        tuple(gemm2[(q, z)] for z in (range(s + 1) if geo.dedup else (s,))),
                         war,
                         f"back({q},{s},{r}) == 0",
                     )
@@ -312,7 +322,8 @@ def build_tasks(geo: Geometry) -> list[Task]:
                 if s >= segs[q]:
                     continue
                 n = seg_rows[q][s]
-                deps = tuple(disp[((q - i) % W, q, s)] for i in range(W))
+                # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
+                deps = tuple(disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
                 tiles = min(geo.m_slots[q], -(-n // BM) + per[q] - 1)
                 empty = f"rows({q}) <= {s * S}"
                 war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot

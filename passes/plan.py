@@ -388,6 +388,10 @@ def _spec_values(spec: LayerSpec, strategy: str, rows: int | None = None, buffer
     Bv = buffers if buffers is not None else (_int(seg.buffers, spec) if seg is not None else None)
     if strategy in SEGMENTED and (Sv is None or Bv is None):
         raise ValueError(f"strategy '{strategy}' needs segment rows and buffers: the spec has no segment statement")
+    if strategy in SEGMENTED and spec.dedup:  # every segment resident (passes.graph.geometry)
+        from rdepc.passes.graph import geometry
+
+        Bv = geometry(spec, strategy, S=Sv, B=Bv).B
     m = spec.model
     return {
         W: Wv,
@@ -1110,8 +1114,20 @@ def _transport(env: _Env, strategy: str) -> TransportPlan:
     )
 
 
+def transport_bytes(spec: LayerSpec, payload_rows, route_rows, returned_rows, dedup: bool, H_, d_, a_, sb_):
+    """(dispatch, return) bytes of one call's transport: ``payload_rows`` rows sent with their
+    data (and fp8 scales), every one of ``route_rows`` accepted route rows with the rest of its
+    sideband (under ``dedup`` with its links), ``returned_rows`` rows of H·a bytes back. Ints
+    or sympy expressions alike (the planner's figures and ``rdepc run``'s counts)."""
+    rr = spec.route_row
+    scale = rr.field_bytes("scale") if "scale" in rr.sideband else 0
+    links = rr.field_bytes("links") if dedup and "links" not in rr.sideband else 0  # in sb when on
+    return payload_rows * (H_ * d_ + scale) + route_rows * (sb_ - scale + links), returned_rows * H_ * a_
+
+
 def _dedup(env: _Env, spec: LayerSpec, per_rank: Sequence[int]) -> DedupPlan:
     owners = owners_per_token_expr(E, K, per_rank)
+    send, back = transport_bytes(spec, T * owners, T * K, T * owners, True, H, d, a, sb)
     return DedupPlan(
         spec.dedup,
         env.fig(
@@ -1123,13 +1139,14 @@ def _dedup(env: _Env, spec: LayerSpec, per_rank: Sequence[int]) -> DedupPlan:
         env.fig("dedup.redundant", 1 - owners / K, "frac", "route rows that repeat a (token, owner) pair"),
         env.fig(
             "dedup.dispatch_send",
-            T * owners * (H * d + sb),
+            send,
             "B",
-            "bytes a front-end dispatches with dedup, one row per (token, owner) (without: T·K rows)",
+            "bytes a front-end dispatches with dedup: a payload row (and its scales) per (token, owner), "
+            "the rest of the sideband and the links per slot",
         ),
         env.fig(
             "dedup.return_recv",
-            T * owners * H * a,
+            back,
             "B",
             "bytes a front-end receives back with dedup, one summed row per (token, owner)",
         ),

@@ -444,8 +444,12 @@ def cmd_run(args) -> int:
     print(
         f"  redundancy      {accepted - pairs} of {accepted} accepted route rows repeat a (token, owner) pair "
         f"({100 * (1 - pairs / max(accepted, 1)):.1f} %; uniform routing: {100 * (1 - uniform):.1f} %), "
-        "rows dedup would not send"
+        f"rows dedup {'does' if spec.dedup else 'would'} not send"
     )
+    sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
+    want = pairs if spec.dedup else accepted  # rows the transport must have moved with their data
+    moved = _moved(spec, H, sent, accepted, back)
+    print(f"  transport       {moved}{'' if sent == back == want else f' (MISMATCH: expected {want} each way)'}")
     print(f"  rows per expert {st['rows_per_expert'].tolist()}")
     print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
     print(f"  dropped rows    {st['dropped_rows']} ({cap})")
@@ -474,16 +478,30 @@ def cmd_run(args) -> int:
         print(f"  profile         {len(prof['events'])} task events ({clock}) → {path}")
     if not args.check:
         return 0
-    if err <= tol and same:
+    if err <= tol and same and sent == back == want:
         print("check passed")
         return 0
-    why = []
+    why = [] if sent == back == want else [f"the transport moved {sent} rows out and {back} back, not {want}"]
     if not err <= tol:
         why.append(f"max relative error {err:.3g} > {tol:g}")
     if not same:
         why.append("the accepted set differs from the reference's")
     print(f"check FAILED: {'; '.join(why)}")
     return 1
+
+
+def _moved(spec, H: int, sent: int, accepted: int, back: int) -> str:
+    """What the transport moved: its rows and bytes out and back (``passes.plan.transport_bytes``)."""
+    from rdepc.passes.plan import transport_bytes
+    from rdepc.report import fmt_bytes
+
+    d, a, sb = spec.precision.dispatch.bytes, spec.precision.dtype.bytes, spec.route_row.sideband_bytes
+    out, ret = transport_bytes(spec, sent, accepted, back, spec.dedup, H, d, a, sb)
+    rows = f"{sent} payload rows out for {accepted} accepted route rows, {back} back: "
+    rows += f"{fmt_bytes(out)} out, {fmt_bytes(ret)} back"
+    if spec.dedup:
+        return f"{rows} (dedup: {100 * (1 - sent / max(accepted, 1)):.1f} % fewer rows)"
+    return rows
 
 
 def _run_per_rank(args, layer, tokens: int) -> int:

@@ -32,11 +32,13 @@ or when ``last_stats`` is read.
 After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] (admitted),
 ``received_per_expert`` [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W],
 ``dropped_rows``, ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
-the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless) and
-``launches`` (per-rank backends: the same for the rank's own experts, ``[E_loc]``, and its
-own tokens, ``[T', K]``); ``last_context`` the routing context the backward walks: the
-accepted set, each accepted row's slot in its owner's payload (-1 when dropped) and the
-combine weights g'.
+the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless),
+``dispatched_rows`` [W] (payload rows each front-end sent with their data: one per accepted
+route row, under ``dedup`` one per (token, owner)), ``returned_rows`` [W] (rows each owner
+sent back with their data) and ``launches`` (per-rank backends: the same for the rank's own
+experts, ``[E_loc]``, and its own tokens, ``[T', K]``); ``last_context`` the routing context
+the backward walks: the accepted set, each accepted row's slot in its owner's payload (-1
+when dropped) and the combine weights g'.
 
 ``forward`` is differentiable (``torch.autograd``): x, ``topk_weights`` and the expert
 weights get gradients, ``topk_ids`` none. A call that needs them (grad mode on and an input
@@ -49,7 +51,9 @@ float atomics), dL/dx rows home and summed per token in slot order, dL/dg' = dL/
 then dL/dg through the capacity weights policy on the host (torch ops, no sync). Dropped
 slots get no gradient; a token with every slot dropped gets zero. Per-rank backends: every
 rank calls backward (it is collective, like the forward), and gets its own tokens' and its
-own experts' gradients.
+own experts' gradients. A layer under ``dedup`` does not train yet: a call that needs
+gradients raises NotImplementedError (the gate gradient needs each slot's expert output at
+the front-end, and dedup sums them at the owner).
 
 A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
 [E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
@@ -307,6 +311,12 @@ class RDEPModule:
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
         inputs = (x, topk_weights, w_gate, w_up, w_down)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            if self.plan.dedup:
+                raise NotImplementedError(
+                    f"layer {self.plan.layer}: the backward of a dedup layer is not generated yet (its gate "
+                    "gradient needs each slot's expert output, which dedup sums at the owner); train without "
+                    "dedup, or call the layer under torch.no_grad()"
+                )
             return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
         return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, save=False)[0]
 
@@ -640,6 +650,8 @@ class RDEPModule:
             "dropped_rows": int(dropped.sum()),
             "accepted": accepted,
             "m_tiles": st[:, 2 * p.E_MAX].clone(),
+            "dispatched_rows": st[:, 2 * p.E_MAX + 2].clone(),
+            "returned_rows": st[:, 2 * p.E_MAX + 3].clone(),
             "capacity": cap,
             "launches": launches,
         }

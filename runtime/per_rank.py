@@ -147,7 +147,8 @@ def report(results: list[dict], tol: float) -> tuple[list[str], bool]:
         times = ", ".join(f"{t:.2f}" for t in r["calls"])
         lines.append(
             f"{head} {check}; rows per own expert {rows}, dropped {st['dropped_rows']}, "
-            f"m-tiles {st['m_tiles']}; call {times} s"
+            f"m-tiles {st['m_tiles']}, rows out {sum(st['dispatched_rows'])} and back {sum(st['returned_rows'])}; "
+            f"call {times} s"
         )
     return lines, ok
 

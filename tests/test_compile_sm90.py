@@ -101,3 +101,28 @@ def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
     results = compile_cubins([job], arch=90, profile=True)
     assert [r["kernel"] for r in results] == list(KERNELS)
     assert all(r["globaltimer"] and r["acquire"] and r["release"] for r in results)
+
+
+def test_a_dedup_layer_compiles_for_sm90(tmp_path, monkeypatch):
+    """deepseek_v3 under dedup (fp8 rows): its GEMM1 gathers each slot's row through the
+    links, by pointers, while the weights and GEMM2 stay on TMA and wgmma. It has no backward
+    kernel yet (``kernels_for``)."""
+    from rdepc.codegen.sm90 import kernels_for
+
+    from rdepc.api import elaborate_layer
+    from rdepc.parser import parse_text
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "examples" / "deepseek_v3.rdep").read_text(encoding="utf-8")
+    spec, _ = elaborate_layer(
+        parse_text(text.replace("transport nvshmem", "transport nvshmem, dedup"), "ds.rdep"), None, {}
+    )
+    g = generate_spec(spec)
+    write_module(g, tmp_path)
+    job = (tmp_path / "deepseek_v3_kernels.py", tmp_path / "deepseek_v3.plan.json", tmp_path)
+    results = compile_cubins([job], arch=90)
+    assert [r["kernel"] for r in results] == list(kernels_for(g.kernel)) == ["rdep_layer", "rdep_layer.role_split"]
+    for r in results:
+        assert r["fp8"] and r["tma"] and r["acquire"] and r["release"]
+        assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
+        assert r["shared"] <= H100_SHARED and r["local_bytes"] == 0

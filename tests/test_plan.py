@@ -655,7 +655,9 @@ def test_dedup_plan_against_a_sampled_routing(capsys):
     assert dd["enabled"] is False
     assert abs(dd["owners_per_token"] - 4.5355) < 1e-4 and abs(dd["redundant"] - (1 - 4.5355 / 6)) < 1e-4
     assert abs(pd["owners_per_token"] - dd["owners_per_token"]) < 0.01
-    assert dd["dispatch_send"] == pytest.approx(4096 * dd["owners_per_token"] * (2048 * 2 + 16), abs=1)
+    # a payload row per (token, owner); the sideband (row_id, local expert, gate: 16 B) and the
+    # links (8 B) per route row
+    assert dd["dispatch_send"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2 + 4096 * 6 * 24, abs=1)
     assert dd["return_recv"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2, abs=1)
     z = run_json(capsys, EX / "moonlight.rdep", "--routing", "zipf:1.2")["padding"]
     assert z["redundant"] > pd["redundant"] + 0.1

@@ -61,6 +61,7 @@ class Geometry:
     d: int  # dispatch dtype bytes (payload rows on the wire)
     a: int  # dtype bytes (returned rows)
     sb: int  # sideband bytes per row
+    dedup: bool  # one payload row per (token, owner): every segment's rows stay resident (B >= segments)
     S: int  # rows of one ring slot (bulk: S_bulk = max_q R_q)
     B: int  # ring slots (bulk: 1)
     lookahead: int  # segments dispatch runs ahead of compute (pipelined 1, deep B-1)

@@ -33,7 +33,10 @@ class Dtype(enum.Enum):
 
 # Sideband fields a route row may carry, with their element size in bytes ("scale": per
 # scale; a row carries ``RouteRow.scales`` of them).
-SIDEBAND_BYTES = {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4}
+SIDEBAND_BYTES = {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4, "links": 8}
+# ``links`` (dedup only, never written by a user): the owner rows of the token's first and
+# next accepted slot on the same owner, int32 each: which slots one payload row carries.
+USER_SIDEBAND = tuple(f for f in SIDEBAND_BYTES if f != "links")
 
 # Columns one fp8 scale covers under ``scale block`` (DeepEP's block of 128 elements).
 SCALE_BLOCK = 128

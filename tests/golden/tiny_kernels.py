@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: aea2bf3106377b73f934e9a0094ee611dba5e582dcb370459e9f48abf4627f11
+# content-sha256: eb15e86711e7c0954a8d159d8cd1890b0a8b35c10243d7225567e4a5d0901d2d
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -138,8 +138,10 @@ ERR_ROW_ID = tl.constexpr(3)  # row_id decodes to another rank
 ST_ARRIVED = tl.constexpr(0)  # stats [W, ST_COLS]: rows arrived per local expert,
 ST_ADMITTED = tl.constexpr(2)  # rows admitted per local expert,
 ST_MTILES = tl.constexpr(4)  # m-tiles the grouped GEMM ran,
-ST_CAP = tl.constexpr(5)  # the capacity cap_e the scan applied
-ST_COLS = tl.constexpr(6)
+ST_CAP = tl.constexpr(5)  # the capacity cap_e the scan applied,
+ST_SENT = tl.constexpr(6)  # payload rows this rank dispatched with their data,
+ST_RETURNED = tl.constexpr(7)  # rows it returned with their data
+ST_COLS = tl.constexpr(8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,7 +265,7 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
 
 @triton.jit
 def route(
-    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, ctl, r, n_tokens
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r, n_tokens
 ):
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
@@ -275,6 +277,9 @@ def route(
     validated first, here rather than on the host (no device→host sync in a call).
     """
     validate(topk_ids, gates, ctl, r, n_tokens)
+    st = stats + tl.cast(r, tl.int64) * ST_COLS  # this call's rows sent and returned start at zero
+    tl.store(st + ST_SENT, 0)
+    tl.store(st + ST_RETURNED, 0)
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
     pos = rowpos + tl.cast(r, tl.int64) * (T * K)
@@ -433,6 +438,7 @@ def dispatch(
     n_local,
     sorted_rows,
     scratch,
+    stats,
     r,
     q,
     s,
@@ -503,6 +509,8 @@ def dispatch(
                 m = keep[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                 put(to[:, None] + c[None, :], rows_h, m)
+            sent = tl.sum(keep.to(tl.int32), axis=0)
+            tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
             put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
@@ -580,6 +588,7 @@ def gemm_tile(
     TRANS_B: tl.constexpr = False,
     a_scale=None,
     SCALE_COLS: tl.constexpr = 0,
+    a_index=None,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -593,11 +602,32 @@ def gemm_tile(
     [a_rows, ceil(K_DIM / SCALE_COLS)] at ``a_scale``, one per row and SCALE_COLS columns.
     One scale per row (SCALE_COLS >= K_DIM) scales the finished tile; finer scales scale
     each chunk's product before it is added, so BK must divide SCALE_COLS.
+
+    With ``a_index`` (int [BM], -1 for a row that reads as zero) the tile's rows are gathered:
+    tile row m is row a_index[m] of A (``row0`` unused), loaded through pointers.
     """
     PER_CHUNK: tl.constexpr = SCALE_COLS > 0 and SCALE_COLS < K_DIM
     if PER_CHUNK:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if a_index is not None:
+        rows = tl.cast(a_index, tl.int64)
+        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+            kk = k + tl.arange(0, BK)
+            m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]
+            x = tl.load(a + rows[:, None] * K_DIM + kk[None, :], mask=m, other=0.0)
+            y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
+            if PER_CHUNK:
+                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
+            else:
+                acc = mma(x, y, acc, CAST_F32, PRECISION)
+            w_ptr = tl.advance(w_ptr, (BK, 0))
+        if SCALE_COLS >= K_DIM:
+            acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
+        return acc
+    rows = row0 + tl.arange(0, BM)
     if TMA:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
@@ -613,7 +643,7 @@ def gemm_tile(
                 b = w_desc.load([k, col0])
             if PER_CHUNK:
                 part = mma(a_desc.load([row0, k]), b, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
             else:
                 acc = mma(a_desc.load([row0, k]), b, acc, CAST_F32, PRECISION)
     else:
@@ -627,22 +657,21 @@ def gemm_tile(
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
             if PER_CHUNK:
                 part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, row0, k // SCALE_COLS, K_DIM, BM, SCALE_COLS)[:, None]
+                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
             else:
                 acc = mma(x, y, acc, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
     if SCALE_COLS >= K_DIM:
-        acc *= row_scales(a_scale, a_rows, row0, 0, K_DIM, BM, SCALE_COLS)[:, None]
+        acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
 
 
 @triton.jit
-def row_scales(scales, n_rows, row0, group, n_cols, BM: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """The scales of column group ``group`` of rows row0 .. row0 + BM of a quantised matrix
-    of ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
+def row_scales(scales, n_rows, rows, group, n_cols, SCALE_COLS: tl.constexpr):
+    """The scales of column group ``group`` of rows ``rows`` of a quantised matrix of
+    ``n_rows`` rows and ``n_cols`` columns (fp32 [n_rows, ceil(n_cols / SCALE_COLS)] at
     ``scales``); rows outside the matrix get 0."""
-    rows = row0 + tl.arange(0, BM)
     live = (rows >= 0) & (rows < n_rows)
     per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
     return tl.load(scales + tl.cast(rows, tl.int64) * per_row + group, mask=live, other=0.0)
@@ -724,21 +753,24 @@ def store_rows(ptr, tile, live, n_cols, col0, BN: tl.constexpr):
 
 
 @triton.jit
-def copy_rows(src, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0):
-    """Copy the ``live`` rows of a [BM, n_cols] block of contiguous rows from ``src`` to
-    ``dst`` (converted to ``dst``'s dtype), BC columns at a time. With ``SCALE_COLS`` the
-    rows are quantised and leave dequantised: times their scales (as in ``gemm_tile``)."""
+def copy_rows(
+    src, at, dst, live, n_cols, BM: tl.constexpr, BC: tl.constexpr, scales=None, SCALE_COLS: tl.constexpr = 0
+):
+    """Copy the ``live`` rows ``at`` (int [BM]) of a matrix of ``n_cols`` columns at ``src``
+    to the [BM, n_cols] block of contiguous rows at ``dst`` (converted to ``dst``'s dtype), BC
+    columns at a time. With ``SCALE_COLS`` the rows are quantised and leave dequantised:
+    times their scales, laid out as the rows (as in ``gemm_tile``)."""
     m = tl.arange(0, BM)
+    rows_at = tl.cast(at, tl.int64)
     for c0 in range(0, n_cols, BC):
         c = c0 + tl.arange(0, BC)
         mask = live[:, None] & (c < n_cols)[None, :]
-        at = m[:, None] * n_cols + c[None, :]
-        rows = tl.load(src + at, mask=mask)
+        rows = tl.load(src + rows_at[:, None] * n_cols + c[None, :], mask=mask)
         if SCALE_COLS > 0:
             per_row = (n_cols + SCALE_COLS - 1) // SCALE_COLS
-            s = tl.load(scales + m[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
+            s = tl.load(scales + rows_at[:, None] * per_row + c[None, :] // SCALE_COLS, mask=mask, other=0.0)
             rows = rows.to(tl.float32) * s
-        tl.store(dst + at, rows.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + m[:, None] * n_cols + c[None, :], rows.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -783,11 +815,11 @@ def gemm1(
         me = peer(heap, q)
         rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
         w = w_gate_up + e * (H * 2 * F)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
         acc = gemm_tile(rows, B * S, at, w, 2 * F, 2 * f, H, BM, 2 * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
         gate, up = gate_up(acc, BM, BLOCK_F)
         act = gate * tl.sigmoid(gate) * up  # SwiGLU
-        m = tl.arange(0, BM)
-        live = (m >= lo) & (m < hi)
         row = tl.cast(q, tl.int64) * (B * S) + at + m
         store_rows(hbuf + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
         if SAVE:
@@ -795,7 +827,7 @@ def gemm1(
             store_rows(saved_pre + kept * 2 * F, acc.to(DTYPE), live, 2 * F, 2 * f, 2 * BLOCK_F)
             if f == 0:
                 first = tl.cast(q, tl.int64) * R_MAX + row0
-                copy_rows(rows + tl.cast(at, tl.int64) * H, saved_x + first * H, live, H, BM, BLOCK_K)
+                copy_rows(rows, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -869,6 +901,7 @@ def return_rows(
     recv,
     staging,
     staging_rid,
+    stats,
     ctl,
     entry,
     epoch,
@@ -911,6 +944,8 @@ def return_rows(
         rid = tl.load(row_ids + frm, mask=live, other=0)
         rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
         ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
+        if not BACKWARD:
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
         to = landing + (t * K + k) * H
         frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
@@ -1046,7 +1081,7 @@ def bgemm1(
         store_rows(act_rows + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
         if f == 0:
             first = tl.cast(q, tl.int64) * R_MAX + row0
-            copy_rows(rows + tl.cast(at, tl.int64) * H, do_rows + first * H, live, H, BM, BLOCK_K)
+            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
@@ -1288,15 +1323,16 @@ def rdep_layer(
                     if not BACKWARD:
                         route(
                             heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, ctl, rank, n_tokens,
+                            route_scratch, stats, ctl, rank, n_tokens,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if not BACKWARD:
                         scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, src, owner, segment,
-                        item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, stats,
+                        src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
+                        CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_GEMM1:
                     if BACKWARD:
@@ -1322,8 +1358,8 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
-                        heap, recv, staging, staging_rid, ctl, entry, epoch, owner, src, segment, claim, item, items,
-                        rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment, claim, item,
+                        items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:

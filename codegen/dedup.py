@@ -1,0 +1,173 @@
+"""Templates of ``dedup`` (X-MoE's redundancy-bypassing dispatch): one payload row per
+(token, owner) instead of one per slot, out and back.
+
+A token's accepted slots at owner q sit at rows of q that ascend with their local expert
+(payload is expert-contiguous). The first of them carries the token's payload row (and its
+fp8 scales); every slot still carries its own sideband — row_id, local expert, gate — and
+the ``links`` field: the rows of the token's first and next slot at q (-1 after the last).
+So which slots one payload row carries is in the sideband, and the row identity stays
+lossless. The owner's GEMM1 reads each slot's input through its first link; its return sends
+one row per (token, owner): at the token's last slot there, the sum over its slots of
+gate · expert output in link order (ascending local expert), with the raw gates, to the
+place of the token's first slot. The front-end's combine adds the rows of every first slot
+and applies what only it knows, the capacity weights' per-token factor (renormalize:
+Σ_j g_j / Σ_{j accepted} g_j). Every segment stays resident (``passes.graph``), so a link
+may point into any earlier segment.
+"""
+
+from __future__ import annotations
+
+from rdepc.codegen.lower import KernelPlan
+from rdepc.codegen.text import narrowed
+
+LINKS = '''@triton.jit
+def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_tokens):
+    """dedup, front-end r: for route rows of its tokens ``t`` that sit at rows ``row`` of
+    owner q, the rows at q of the token's first accepted slot there and of its next one
+    after ``row`` (-1: none), from what q published back (offsets, admitted counts)."""
+    kk = tl.arange(0, K_PAD)
+    i = t[:, None] * K + kk[None, :]
+    m = live[:, None] & (kk < K)[None, :]
+    e = tl.load(topk_ids + tl.cast(r, tl.int64) * n_tokens * K + i, mask=m, other=-1)
+    m = m & (e >= 0) & (e < E)
+    to = tl.load(owner_of + e, mask=m, other=-1)
+    at = to * E_MAX + tl.load(local_of + e, mask=m, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=m, other=0)
+    me = peer(heap, r)
+    m = m & (to == q) & (p < tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0))
+    rows = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0) + p
+    first = tl.min(tl.where(m, rows, 2147483647), axis=1)
+    later = tl.min(tl.where(m & (rows > row[:, None]), rows, 2147483647), axis=1)
+    return first, tl.where(later == 2147483647, -1, later)
+'''
+
+
+def dispatch_links() -> str:
+    """The forward dispatch's dedup step: each row's links, and which rows send payload."""
+    return """            first, later = links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, keep, n_tokens)
+            lead = keep & (first == row)  # the token's first slot at q carries its payload row
+            put((dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at, first, keep)
+            put((dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at + 1, later, keep)
+"""
+
+
+def return_source(p: KernelPlan) -> str:
+    """The return under dedup: one summed row per (token, owner), from the token's last slot."""
+    if p.ring:
+        land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
+        to = landing + tl.cast(at, tl.int64) * H
+        put(ids + at, tl.where(ok, rid, -1), live)  # -1: no row here (the token returns from elsewhere)
+"""
+        where = "into the slot of r's return ring this piece claimed (claim % B),\n"
+        where += "    with the row_id of the token's first slot"
+    else:
+        land = """        to = landing + (t * K + k) * H
+"""
+        where = "to the (token, slot) place of the token's first slot,\n    by its decoded row_id"
+    return (
+        '''@triton.jit
+def return_rows(
+    heap,
+    recv,
+    staging,
+    staging_rid,
+    stats,
+    ctl,
+    entry,
+    epoch,
+    q,
+    r,
+    s,
+    claim,
+    item,
+    items,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """Owner q → front-end r, segment s, dedup: for every token of r whose last slot at q is
+    in the segment, sum_k g_k · out_k over its slots here (link order, raw gates, fp32), one
+    row in the layer's dtype, @@WHERE@@ (appendix A.3, condition 3).
+
+    The rows are found by the owner's saved split table, cut to the segment; the token's
+    other slots are reached through the sideband's links (every segment is resident). A
+    row_id that decodes to another rank is reported, not written. The backward does not
+    deduplicate (the gate gradient needs each slot's output at the front-end).
+    """
+    tl.static_assert(not BACKWARD, "dedup: the backward is not generated")
+    local = tl.arange(0, EL_PAD)
+    split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
+    lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
+    n = tl.sum(count, axis=0)
+    @@REGIONS@@ = return_regions(peer(heap, r), BACKWARD)
+    out = staging + tl.cast(q, tl.int64) * (B * S) * H
+    row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
+    me = peer(heap, q)
+    link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+    gate = (me + SB_GATE).to(tl.pointer_type(tl.float32))
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        live = u < n
+        _, row = locate(u, lo, count, local)
+        at = ring_row(row, s, s)
+        last = live & (tl.load(link + 2 * at + 1, mask=live, other=0) < 0)
+        first = tl.load(link + 2 * at, mask=last, other=0)
+        rid = tl.load(row_ids + first, mask=last, other=0)
+        @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, last, r, ctl, entry, epoch, s)
+        if not BACKWARD:
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
+@@LAND@@        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (c < H)[None, :]
+            acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+            k_row = tl.where(ok, first, -1)
+            for _hop in range(K):  # the token's slots here, first to last: at most K
+                on = k_row >= 0
+                g = tl.load(gate + k_row, mask=on, other=0.0)
+                o = tl.load(out + tl.cast(k_row, tl.int64)[:, None] * H + c[None, :], mask=on[:, None] & m, other=0.0)
+                acc += g[:, None] * o.to(tl.float32)
+                k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
+            put(to[:, None] + c[None, :], @@SUM@@, m)
+'''.replace("@@WHERE@@", where)
+        .replace("@@SUM@@", narrowed(p, "acc", "DTYPE"))
+        .replace("@@LAND@@", land)
+        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing")
+        .replace("@@DECODED@@", "rank, _t, _k" if p.ring else "rank, t, k")
+    )
+
+
+def combine_leads() -> str:
+    """The combine's dedup step: which accepted slots are their token's first at their owner
+    (the ones whose place holds a returned row)."""
+    return """    # dedup: a slot is its token's first at its owner when no accepted slot there has a lower row
+    q = at // E_MAX
+    row = offset + p
+    twin = ok[:, :, None] & ok[:, None, :] & (q[:, :, None] == q[:, None, :]) & (row[:, None, :] < row[:, :, None])
+    lead = ok & (tl.max(twin.to(tl.int32), axis=2) == 0)
+"""
+
+
+def combine_sum(p: KernelPlan) -> str:
+    """The combine's sum under dedup: the rows of the tokens' first slots, then the
+    per-token factor of the capacity weights."""
+    factor = "acc * scale[:, None]" if p.weights == "renormalize" else "acc"
+    return f"""    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+    real = t < n_tokens
+    for h in range(0, H, BLOCK_H):
+        c = h + tl.arange(0, BLOCK_H)
+        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):  # sum_q (sum_{{k at q}} g_k out_k), in the order of the first slots
+            lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
+            m = lead_k[:, None] & (c < H)[None, :]
+            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+        keep = real[:, None] & (c < H)[None, :]
+        tl.store(y_rows[:, None] + c[None, :], {narrowed(p, factor, "DTYPE")}, mask=keep)
+"""
