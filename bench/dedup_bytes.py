@@ -54,9 +54,7 @@ def measure(dedup: bool, routing: str, tokens: int, hidden: int, ffn: int, devic
     ref, _ = reference_for(spec)(*f32)
     sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
     accepted = int(st["accepted"].sum())
-    pr = spec.precision
-    out, ret = transport_bytes(spec, sent, accepted, back, dedup, H, pr.dispatch.bytes, pr.dtype.bytes,
-                               spec.route_row.sideband_bytes)  # fmt: skip
+    out, ret = transport_bytes(spec, sent, accepted, back)
     owners = float(owners_per_token_expr(E, K, spec.ownership.experts_per_rank(W)))
     return {
         "dedup": dedup,

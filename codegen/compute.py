@@ -141,7 +141,7 @@ def gemm1(
     if p.dedup:  # each slot reads the payload row of its token's first slot here (codegen/dedup.py)
         link = "(me + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * (at + m)"
         links = f"        first_row = tl.load({link}, mask=live, other=-1)  # dedup: the token's first slot here\n"
-        gemm += [*(["False", "None", "0"] if not p.scale_cols else []), "first_row"]
+        gemm.append("a_index=first_row")
     fp8 |= {"@@GEMM@@": call("acc = gemm_tile", gemm, 8), "@@COPY@@": call("copy_rows", copy, 16), "@@LINKS@@": links}
     subst = {**save, **fp8, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}
     for k, v in subst.items():

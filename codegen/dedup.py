@@ -51,8 +51,9 @@ def dispatch_links() -> str:
 """
 
 
-def return_source(p: KernelPlan) -> str:
-    """The return under dedup: one summed row per (token, owner), from the token's last slot."""
+def return_parts(p: KernelPlan) -> dict[str, str]:
+    """The return under dedup (``stages.return_source``'s frame): one summed row per (token,
+    owner), from the token's last slot."""
     if p.ring:
         land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
         to = landing + tl.cast(at, tl.int64) * H
@@ -64,67 +65,30 @@ def return_source(p: KernelPlan) -> str:
         land = """        to = landing + (t * K + k) * H
 """
         where = "to the (token, slot) place of the token's first slot,\n    by its decoded row_id"
-    return (
-        '''@triton.jit
-def return_rows(
-    heap,
-    recv,
-    staging,
-    staging_rid,
-    stats,
-    ctl,
-    entry,
-    epoch,
-    q,
-    r,
-    s,
-    claim,
-    item,
-    items,
-    rid_c,
-    rid_r,
-    rid_t,
-    rid_k,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CAST_F32: tl.constexpr,
-    BACKWARD: tl.constexpr,
-):
-    """Owner q → front-end r, segment s, dedup: for every token of r whose last slot at q is
+    doc = f"""Owner q → front-end r, segment s, dedup: for every token of r whose last slot at q is
     in the segment, sum_k g_k · out_k over its slots here (link order, raw gates, fp32), one
-    row in the layer's dtype, @@WHERE@@ (appendix A.3, condition 3).
+    row in the layer's dtype, {where} (appendix A.3, condition 3).
 
     The rows are found by the owner's saved split table, cut to the segment; the token's
     other slots are reached through the sideband's links (every segment is resident). A
     row_id that decodes to another rank is reported, not written. The backward does not
-    deduplicate (the gate gradient needs each slot's output at the front-end).
-    """
-    tl.static_assert(not BACKWARD, "dedup: the backward is not generated")
-    local = tl.arange(0, EL_PAD)
-    split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
-    lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
-    n = tl.sum(count, axis=0)
-    @@REGIONS@@ = return_regions(peer(heap, r), BACKWARD)
-    out = staging + tl.cast(q, tl.int64) * (B * S) * H
-    row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
-    me = peer(heap, q)
+    deduplicate (the gate gradient needs each slot's output at the front-end)."""
+    return {
+        "@@CAST@@": "    CAST_F32: tl.constexpr,\n",
+        "@@DOC@@": doc,
+        "@@ASSERT@@": '    tl.static_assert(not BACKWARD, "dedup: the backward is not generated")\n',
+        "@@POINTERS@@": """    me = peer(heap, q)
     link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
     gate = (me + SB_GATE).to(tl.pointer_type(tl.float32))
-    start = item * BLOCK_R
-    while start < n:
-        u = start + tl.arange(0, BLOCK_R)
-        start += items * BLOCK_R
-        live = u < n
-        _, row = locate(u, lo, count, local)
-        at = ring_row(row, s, s)
+""",
+        "@@FIND@@": """        at = ring_row(row, s, s)
         last = live & (tl.load(link + 2 * at + 1, mask=live, other=0) < 0)
         first = tl.load(link + 2 * at, mask=last, other=0)
         rid = tl.load(row_ids + first, mask=last, other=0)
-        @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
-        ok = owned_by(rank, rid, last, r, ctl, entry, epoch, s)
-        if not BACKWARD:
-            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
-@@LAND@@        for h in range(0, H, BLOCK_H):
+""",
+        "@@SENDS@@": "last",
+        "@@LAND@@": land,
+        "@@COPY@@": f"""        for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
             acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
@@ -135,13 +99,9 @@ def return_rows(
                 o = tl.load(out + tl.cast(k_row, tl.int64)[:, None] * H + c[None, :], mask=on[:, None] & m, other=0.0)
                 acc += g[:, None] * o.to(tl.float32)
                 k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
-            put(to[:, None] + c[None, :], @@SUM@@, m)
-'''.replace("@@WHERE@@", where)
-        .replace("@@SUM@@", narrowed(p, "acc", "DTYPE"))
-        .replace("@@LAND@@", land)
-        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing")
-        .replace("@@DECODED@@", "rank, _t, _k" if p.ring else "rank, t, k")
-    )
+            put(to[:, None] + c[None, :], {narrowed(p, "acc", "DTYPE")}, m)
+""",
+    }
 
 
 def combine_leads() -> str:

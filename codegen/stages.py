@@ -567,24 +567,11 @@ def return_regions(me, BACKWARD: tl.constexpr):
 
 
 def return_source(p: KernelPlan) -> str:
-    if p.dedup:
-        return dedup.return_source(p)
-    if p.ring:
-        land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
-        to = landing + tl.cast(at, tl.int64) * H
-        put(ids + at, rid, ok)
-"""
-        doc = """into
-    the slot of r's return ring that this piece claimed (claim % B), each row with its row_id;
-    r's unpack places them."""
-    else:
-        land = """        to = landing + (t * K + k) * H
-"""
-        doc = """each
-    to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
-    condition 3)."""
-    return (
-        '''@triton.jit
+    """The return task: the frame shared by both variants — the piece's rows by the owner's
+    split table, their decoded row_ids, the count — around what each variant finds, lands
+    and copies (under dedup: ``dedup.return_parts``)."""
+    parts = dedup.return_parts(p) if p.dedup else _return_parts(p)
+    text = '''@triton.jit
 def return_rows(
     heap,
     recv,
@@ -606,43 +593,75 @@ def return_rows(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BACKWARD: tl.constexpr,
+@@CAST@@    BACKWARD: tl.constexpr,
 ):
-    """Owner q → front-end r, segment s: the outputs of r's rows in the segment, @@DOC@@
-
-    The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written. The
-    backward returns dL/dx rows the same way, into r's backward regions.
+    """@@DOC@@
     """
-    local = tl.arange(0, EL_PAD)
+@@ASSERT@@    local = tl.arange(0, EL_PAD)
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
     @@REGIONS@@ = return_regions(peer(heap, r), BACKWARD)
     out = staging + tl.cast(q, tl.int64) * (B * S) * H
     row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
-    start = item * BLOCK_R
+@@POINTERS@@    start = item * BLOCK_R
     while start < n:
         u = start + tl.arange(0, BLOCK_R)
         start += items * BLOCK_R
         live = u < n
         _, row = locate(u, lo, count, local)
-        frm = ring_row(row, s, s)
-        rid = tl.load(row_ids + frm, mask=live, other=0)
-        @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
-        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
+@@FIND@@        @@DECODED@@ = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, @@SENDS@@, r, ctl, entry, epoch, s)
         if not BACKWARD:
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
-@@LAND@@        frm = out + tl.cast(frm, tl.int64) * H
+@@LAND@@@@COPY@@'''
+    parts |= {
+        "@@REGIONS@@": "landing, ids" if p.ring else "landing",
+        "@@DECODED@@": "rank, _t, _k" if p.ring else "rank, t, k",
+    }
+    for k, v in parts.items():
+        text = text.replace(k, v)
+    return text
+
+
+def _return_parts(p: KernelPlan) -> dict[str, str]:
+    """The plain return: every row of the piece goes, as the owner computed it."""
+    if p.ring:
+        land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
+        to = landing + tl.cast(at, tl.int64) * H
+        put(ids + at, rid, ok)
+"""
+        where = """into
+    the slot of r's return ring that this piece claimed (claim % B), each row with its row_id;
+    r's unpack places them."""
+    else:
+        land = """        to = landing + (t * K + k) * H
+"""
+        where = """each
+    to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
+    condition 3)."""
+    doc = f"""Owner q → front-end r, segment s: the outputs of r's rows in the segment, {where}
+
+    The rows are found by the owner's saved split table (one span per local expert), cut to
+    the segment. A row_id that decodes to another rank is reported, not written. The
+    backward returns dL/dx rows the same way, into r's backward regions."""
+    return {
+        "@@CAST@@": "",
+        "@@DOC@@": doc,
+        "@@ASSERT@@": "",
+        "@@POINTERS@@": "",
+        "@@FIND@@": """        frm = ring_row(row, s, s)
+        rid = tl.load(row_ids + frm, mask=live, other=0)
+""",
+        "@@SENDS@@": "live",
+        "@@LAND@@": land,
+        "@@COPY@@": """        frm = out + tl.cast(frm, tl.int64) * H
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
             put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
-'''.replace("@@DOC@@", doc)
-        .replace("@@LAND@@", land)
-        .replace("@@REGIONS@@", "landing, ids" if p.ring else "landing")
-        .replace("@@DECODED@@", "rank, _t, _k" if p.ring else "rank, t, k")
-    )
+""",
+    }
 
 
 def unpack_source(p: KernelPlan) -> str:
@@ -762,7 +781,9 @@ def combine(
     tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
     tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
     tl.store(gprime + base + i, w, mask=real)
-    tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
+@@SUM@@"""
+    )
+    plain = """    tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
 @@LANDING@@    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
     real = t < n_tokens
     for h in range(0, H, BLOCK_H):
@@ -779,11 +800,10 @@ def combine(
         keep = real[:, None] & (c < H)[None, :]
         tl.store(y_rows[:, None] + c[None, :], @@Y@@, mask=keep)
 """
-    )
     if p.dedup:  # the returned rows are per (token, owner): no slot's own output comes back to save
-        text = text[: text.index("    tl.debug_barrier()  # the loop below")]
-        text += '    tl.static_assert(not SAVE, "dedup: a forward for the backward is not generated")\n'
-        text += dedup.combine_leads() + "@@LANDING@@" + dedup.combine_sum(p)
+        total = '    tl.static_assert(not SAVE, "dedup: a forward for the backward is not generated")\n'
+        total += dedup.combine_leads() + "@@LANDING@@" + dedup.combine_sum(p)
+    text = text.replace("@@SUM@@", total if p.dedup else plain)
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
         if p.ring

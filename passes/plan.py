@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import sympy as sp
+from rdepc.passes.graph import geometry
 from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
 from rdepc.passes.routing import owners_per_token_expr, sample_routing
 
@@ -389,8 +390,6 @@ def _spec_values(spec: LayerSpec, strategy: str, rows: int | None = None, buffer
     if strategy in SEGMENTED and (Sv is None or Bv is None):
         raise ValueError(f"strategy '{strategy}' needs segment rows and buffers: the spec has no segment statement")
     if strategy in SEGMENTED and spec.dedup:  # every segment resident (passes.graph.geometry)
-        from rdepc.passes.graph import geometry
-
         Bv = geometry(spec, strategy, S=Sv, B=Bv).B
     m = spec.model
     return {
@@ -1114,20 +1113,25 @@ def _transport(env: _Env, strategy: str) -> TransportPlan:
     )
 
 
-def transport_bytes(spec: LayerSpec, payload_rows, route_rows, returned_rows, dedup: bool, H_, d_, a_, sb_):
+def transport_bytes(spec: LayerSpec, payload_rows, route_rows, returned_rows, dedup: bool | None = None, sizes=None):
     """(dispatch, return) bytes of one call's transport: ``payload_rows`` rows sent with their
     data (and fp8 scales), every one of ``route_rows`` accepted route rows with the rest of its
-    sideband (under ``dedup`` with its links), ``returned_rows`` rows of H·a bytes back. Ints
-    or sympy expressions alike (the planner's figures and ``rdepc run``'s counts)."""
+    sideband (under ``dedup``, default the spec's, with its links), ``returned_rows`` rows of
+    H·a bytes back. ``sizes`` (H, d, a, sb): the spec's, or the planner's symbols; the counts
+    ints or sympy expressions alike (the planner's figures and ``rdepc run``'s counts)."""
     rr = spec.route_row
+    if sizes is None:
+        sizes = (_int(spec.shape.H, spec), spec.precision.dispatch.bytes, spec.precision.dtype.bytes, rr.sideband_bytes)
+    H_, d_, a_, sb_ = sizes
     scale = rr.field_bytes("scale") if "scale" in rr.sideband else 0
-    links = rr.field_bytes("links") if dedup and "links" not in rr.sideband else 0  # in sb when on
+    on = spec.dedup if dedup is None else dedup
+    links = rr.field_bytes("links") if on and "links" not in rr.sideband else 0  # in sb when the spec has it
     return payload_rows * (H_ * d_ + scale) + route_rows * (sb_ - scale + links), returned_rows * H_ * a_
 
 
 def _dedup(env: _Env, spec: LayerSpec, per_rank: Sequence[int]) -> DedupPlan:
     owners = owners_per_token_expr(E, K, per_rank)
-    send, back = transport_bytes(spec, T * owners, T * K, T * owners, True, H, d, a, sb)
+    send, back = transport_bytes(spec, T * owners, T * K, T * owners, True, (H, d, a, sb))
     return DedupPlan(
         spec.dedup,
         env.fig(

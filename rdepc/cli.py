@@ -448,7 +448,7 @@ def cmd_run(args) -> int:
     )
     sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
     want = pairs if spec.dedup else accepted  # rows the transport must have moved with their data
-    moved = _moved(spec, H, sent, accepted, back)
+    moved = _moved(spec, sent, accepted, back)
     print(f"  transport       {moved}{'' if sent == back == want else f' (MISMATCH: expected {want} each way)'}")
     print(f"  rows per expert {st['rows_per_expert'].tolist()}")
     print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
@@ -490,13 +490,12 @@ def cmd_run(args) -> int:
     return 1
 
 
-def _moved(spec, H: int, sent: int, accepted: int, back: int) -> str:
+def _moved(spec, sent: int, accepted: int, back: int) -> str:
     """What the transport moved: its rows and bytes out and back (``passes.plan.transport_bytes``)."""
     from rdepc.passes.plan import transport_bytes
     from rdepc.report import fmt_bytes
 
-    d, a, sb = spec.precision.dispatch.bytes, spec.precision.dtype.bytes, spec.route_row.sideband_bytes
-    out, ret = transport_bytes(spec, sent, accepted, back, spec.dedup, H, d, a, sb)
+    out, ret = transport_bytes(spec, sent, accepted, back)
     rows = f"{sent} payload rows out for {accepted} accepted route rows, {back} back: "
     rows += f"{fmt_bytes(out)} out, {fmt_bytes(ret)} back"
     if spec.dedup:

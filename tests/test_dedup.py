@@ -165,7 +165,7 @@ def test_dedup_bytes_against_the_planner(tmp_path, capsys):
     st = kernels.last_stats
     sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
     accepted = int(st["accepted"].sum())
-    out, ret = transport_bytes(spec, sent, accepted, back, True, 128, 4, 4, spec.route_row.sideband_bytes)
+    out, ret = transport_bytes(spec, sent, accepted, back)
     assert out == sent * 128 * 4 + accepted * (16 + 8) and ret == back * 128 * 4  # fp32 rows, sideband + links
     path = tmp_path / "dd.rdep"
     path.write_text(text, encoding="utf-8")
