@@ -6,8 +6,8 @@ scheduler's Schedule, lowers it with its memory plan into a kernel plan
 tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.sm90`
 compiles the emitted file to sm_90 cubins without a GPU.
 
-Scope: the forward and backward passes, fp8 dispatch (row or block scales), dedup (the
-forward; a layer under dedup does not train yet), any route-row encoding, admission by
+Scope: the forward and backward passes, fp8 dispatch (row or block scales), dedup (forward
+and backward), any route-row encoding, admission by
 arrival or by lowest gate, every schedule (``bulk``, ``pipelined``,
 ``deep``: the kernels run the scheduler's task table, B-slot rings included), every
 transport (``emulated``: all ranks in one process; ``emulated-mp`` and ``nvshmem``: one

@@ -13,8 +13,12 @@ transposed).
 
 from __future__ import annotations
 
+from rdepc.codegen import dedup
 from rdepc.codegen.lower import KernelPlan
-from rdepc.codegen.text import narrowed
+from rdepc.codegen.text import call, narrowed
+
+OWNER = "tl.load(owner_of + e, mask=ok, other=0)"  # dedup: a slot's owner and its row there
+SLOT_ROW = "tl.load(slot + base + i, mask=ok, other=0)"
 
 
 def combine_grad_source(p: KernelPlan) -> str:
@@ -23,15 +27,13 @@ def combine_grad_source(p: KernelPlan) -> str:
         if p.ring
         else "    landing = return_regions(peer(heap, r), True)\n"
     )
-    return (
-        '''@triton.jit
+    text = '''@triton.jit
 def combine_grad(
     heap,
 @@LANDING_ARG@@    dy,
     dx,
     accepted,
-    saved_out,
-    dgprime,
+@@ARGS@@    dgprime,
     r,
     tile,
     n_tokens,
@@ -40,14 +42,16 @@ def combine_grad(
 ):
     """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
     slots, in fixed slot order (no float atomics), and each slot's gate gradient
-    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
+    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.@@DOC@@
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
     real = t < n_tokens
     base = tl.cast(r, tl.int64) * n_tokens * K
 @@LANDING@@    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
-    dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+@@BODY@@    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
+'''
+    body = """    dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
     for h in range(0, H, BLOCK_H):
         c = h + tl.arange(0, BLOCK_H)
         keep = real[:, None] & (c < H)[None, :]
@@ -60,11 +64,44 @@ def combine_grad(
             out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
             dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
         tl.store(dx + rows[:, None] + c[None, :], @@DX@@, mask=keep)
-    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
-'''.replace("@@DX@@", narrowed(p, "acc", "DTYPE"))
-        .replace("@@LANDING_ARG@@", "    landing,\n" if p.ring else "")
-        .replace("@@LANDING@@", landing)
-    )
+"""
+    sub = {"@@ARGS@@": "    saved_out,\n", "@@DOC@@": ""}
+    if p.dedup:
+        i = "t[:, None] * K + k[None, :]"
+        body = (
+            f"""    i = {i}
+    ok = tl.load(accepted + base + i, mask=real[:, None] & (k < K)[None, :], other=0) != 0
+    e = tl.load(topk_ids + base + i, mask=ok, other=0)
+"""
+            + dedup.combine_leads(OWNER, SLOT_ROW)
+            + """    dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
+    for h in range(0, H, BLOCK_H):
+        c = h + tl.arange(0, BLOCK_H)
+        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):  # sum_q (the token's rows at q summed there), in the order of the first slots
+            lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
+            m = lead_k[:, None] & (c < H)[None, :]
+            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(dx + rows[:, None] + c[None, :], @@DX@@, mask=real[:, None] & (c < H)[None, :])
+"""
+        )
+        sub = {
+            "@@ARGS@@": "    topk_ids,\n    owner_of,\n    slot,\n",
+            "@@DOC@@": """
+
+    dedup: one dL/dx row came back per (token, owner), at the token's first slot there, the
+    slots' rows summed by the owner; the owners also computed dL/dg' (BWD_DGATE), from the
+    outputs they kept.""",
+        }
+    sub |= {
+        "@@BODY@@": body,
+        "@@DX@@": narrowed(p, "acc", "DTYPE"),
+        "@@LANDING_ARG@@": "    landing,\n" if p.ring else "",
+        "@@LANDING@@": landing,
+    }
+    for key, v in sub.items():
+        text = text.replace(key, v)
+    return text
 
 
 def bgemm1_source(p: KernelPlan) -> str:
@@ -141,23 +178,56 @@ def bgemm1(
         me = peer(heap, q)
         rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
         w = w_down + e * (F * H)
-        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
+@@DA@@        row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
 {grads}        store_rows(act_rows + row * F, @@ACT@@, live, F, f, BLOCK_F)
         if f == 0:
             first = tl.cast(q, tl.int64) * R_MAX + row0
-            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
-            ring = tl.cast(q, tl.int64) * (B * S) + at + m
+@@DO@@            ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
 '''
-    for k, v in {**sub, "@@ACT@@": narrowed(p, "act", "DTYPE")}.items():
+    sub |= {"@@ACT@@": narrowed(p, "act", "DTYPE"), "@@DA@@": _da(p), "@@DO@@": _do_rows(p)}
+    if p.dedup:
+        end = "    rows' row_ids for the return."
+        text = text.replace(end + "\n", end + DEDUP_DOC + "\n")
+    for k, v in sub.items():
         text = text.replace(k, v)
     return text.replace("@@COLS@@", cols)
+
+
+DEDUP_DOC = """
+
+    dedup: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
+    row reads it through its link and scales by its own g' (the backward's sideband): dA =
+    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy."""
+
+
+def _da(p: KernelPlan) -> str:
+    args = "rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
+    if not p.dedup:
+        return f"        da = gemm_tile({args})\n"
+    return f"""        link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
+        first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
+        gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
+{call("da = gemm_tile", [*args.split(", "), "a_index=first_row"], 8)}        da = da * gp[:, None]
+"""
+
+
+def _do_rows(p: KernelPlan) -> str:
+    if not p.dedup:
+        return "            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)\n"
+    do = narrowed(p, "d.to(tl.float32) * gp[:, None]", "DTYPE")
+    return f"""            for c0 in range(0, H, BLOCK_K):  # dO = g'·dL/dy, per row
+                cols = c0 + tl.arange(0, BLOCK_K)
+                mk = live[:, None] & (cols < H)[None, :]
+                d = tl.load(rows + tl.cast(first_row, tl.int64)[:, None] * H + cols[None, :], mask=mk, other=0.0)
+                do = {do}
+                tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
+"""
 
 
 def wgrad_source(p: KernelPlan) -> str:

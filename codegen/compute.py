@@ -139,8 +139,9 @@ def gemm1(
         fp8 = {"@@SCALES@@": "        scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]\n"}
     links = ""
     if p.dedup:  # each slot reads the payload row of its token's first slot here (codegen/dedup.py)
-        link = "(me + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * (at + m)"
-        links = f"        first_row = tl.load({link}, mask=live, other=-1)  # dedup: the token's first slot here\n"
+        links = """        link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+        first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # dedup: the token's first slot here
+"""
         gemm.append("a_index=first_row")
     fp8 |= {"@@GEMM@@": call("acc = gemm_tile", gemm, 8), "@@COPY@@": call("copy_rows", copy, 16), "@@LINKS@@": links}
     subst = {**save, **fp8, "@@ACT@@": narrowed(p, "act", "DTYPE"), "@@PRE@@": narrowed(p, "acc", "DTYPE")}
@@ -154,7 +155,7 @@ def gemm2_source(p: KernelPlan) -> str:
     grad = f"rows, R_MAX, row0, w, H, h, {cols}, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
     if p.gated:  # as ruff formats a call that does not fit one line
         grad = f"\n                {grad}\n            "
-    return f'''@triton.jit
+    text = f'''@triton.jit
 def gemm2(
     rows,
     hbuf_rid,
@@ -163,7 +164,7 @@ def gemm2(
     group,
     staging,
     staging_rid,
-    q,
+@@SAVED_ARG@@    q,
     s,
     item,
     BM: tl.constexpr,
@@ -172,13 +173,13 @@ def gemm2(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
-):
+@@SAVE_ARG@@):
     """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
     ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
     ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
     plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
     return. The backward's: dX = dH {"[Wg Wu]" if p.gated else "Wu"}ᵀ, ``rows`` the dH its GEMM1 wrote at the
-    rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
+    rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.@@SAVE_DOC@@
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     j = item // h_blocks
@@ -199,7 +200,24 @@ def gemm2(
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
-        store_rows(staging + row * H, @@OUT@@, live, H, h, BLOCK_H)
-        if h == 0:
+@@STORE@@        if h == 0:
             tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
-'''.replace("@@OUT@@", narrowed(p, "acc", "DTYPE")).replace("@@GRAD@@", grad)
+'''
+    store = "        store_rows(staging + row * H, @@OUT@@, live, H, h, BLOCK_H)\n"
+    sub = {"@@SAVED_ARG@@": "", "@@SAVE_ARG@@": "", "@@SAVE_DOC@@": ""}
+    if p.dedup:  # the outputs leave summed per (token, owner): the owner keeps each row's for dL/dg'
+        store = """        out = @@OUT@@
+        store_rows(staging + row * H, out, live, H, h, BLOCK_H)
+        if SAVE:
+            store_rows(saved_out + (tl.cast(q, tl.int64) * R_MAX + row0 + m) * H, out, live, H, h, BLOCK_H)
+"""
+        sub = {
+            "@@SAVED_ARG@@": "    saved_out,\n",
+            "@@SAVE_ARG@@": "    SAVE: tl.constexpr,\n",
+            "@@SAVE_DOC@@": """ With ``SAVE`` (dedup: a
+    row's output leaves summed with its token's other slots here) the owner keeps the
+    outputs at the rows' places among its rows, for the gate gradient.""",
+        }
+    for k, v in (sub | {"@@STORE@@": store, "@@OUT@@": narrowed(p, "acc", "DTYPE"), "@@GRAD@@": grad}).items():
+        text = text.replace(k, v)
+    return text

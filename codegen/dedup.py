@@ -43,11 +43,27 @@ def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_toke
 
 
 def dispatch_links() -> str:
-    """The forward dispatch's dedup step: each row's links, and which rows send payload."""
-    return """            first, later = links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, keep, n_tokens)
-            lead = keep & (first == row)  # the token's first slot at q carries its payload row
-            put((dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at, first, keep)
-            put((dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at + 1, later, keep)
+    """The dispatch's dedup step: each row's links, into the pass's sideband, and which rows
+    send payload."""
+    return """        first, later = links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, keep, n_tokens)
+        lead = keep & (first == row)  # the token's first slot at q carries its payload row
+        if BACKWARD:
+            link = (dst + BWD_SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at
+        else:
+            link = (dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at
+        put(link, first, keep)
+        put(link + 1, later, keep)
+"""
+
+
+def dispatch_backward() -> str:
+    """The backward dispatch under dedup: dL/dy once per (token, owner), as it is, and each
+    slot's g' beside it (the owner scales; ``bgemm1``)."""
+    return """            put((dst + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at, scale, keep)
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = lead[:, None] & (c < H)[None, :]
+                put(to[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), m)
 """
 
 
@@ -71,15 +87,24 @@ def return_parts(p: KernelPlan) -> dict[str, str]:
 
     The rows are found by the owner's saved split table, cut to the segment; the token's
     other slots are reached through the sideband's links (every segment is resident). A
-    row_id that decodes to another rank is reported, not written. The backward does not
-    deduplicate (the gate gradient needs each slot's output at the front-end)."""
+    row_id that decodes to another rank is reported, not written. The backward returns
+    dL/dx the same way, the slots' rows summed as they are (g' scaled dO), and each slot's
+    dL/dg' = dL/dy · out_k, with the output the forward kept here (``saved_out``), one
+    fp32 to its own (token, slot) place in r's BWD_DGATE."""
     return {
         "@@CAST@@": "    CAST_F32: tl.constexpr,\n",
+        "@@SAVED@@": "    saved_out,\n",
         "@@DOC@@": doc,
-        "@@ASSERT@@": '    tl.static_assert(not BACKWARD, "dedup: the backward is not generated")\n',
         "@@POINTERS@@": """    me = peer(heap, q)
-    link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
-    gate = (me + SB_GATE).to(tl.pointer_type(tl.float32))
+    if BACKWARD:
+        link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
+        dy = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))  # one row per (token, owner), at its first slot
+        dgate = (peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32))
+        kept = saved_out + tl.cast(q, tl.int64) * R_MAX * H
+        hops = tl.arange(0, K_PAD)
+    else:
+        link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+        gate = (me + SB_GATE).to(tl.pointer_type(tl.float32))
 """,
         "@@FIND@@": """        at = ring_row(row, s, s)
         last = live & (tl.load(link + 2 * at + 1, mask=live, other=0) < 0)
@@ -88,28 +113,46 @@ def return_parts(p: KernelPlan) -> dict[str, str]:
 """,
         "@@SENDS@@": "last",
         "@@LAND@@": land,
-        "@@COPY@@": f"""        for h in range(0, H, BLOCK_H):
+        "@@COPY@@": f"""        if BACKWARD:
+            dg = tl.zeros([BLOCK_R, K_PAD], tl.float32)  # dL/dg' of the token's slots here, hop by hop
+        for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
             acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+            if BACKWARD:
+                d = tl.load(dy + tl.cast(first, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
             k_row = tl.where(ok, first, -1)
-            for _hop in range(K):  # the token's slots here, first to last: at most K
+            for hop in range(K):  # the token's slots here, first to last: at most K
                 on = k_row >= 0
-                g = tl.load(gate + k_row, mask=on, other=0.0)
-                o = tl.load(out + tl.cast(k_row, tl.int64)[:, None] * H + c[None, :], mask=on[:, None] & m, other=0.0)
-                acc += g[:, None] * o.to(tl.float32)
+                at_k = tl.cast(k_row, tl.int64)[:, None] * H + c[None, :]
+                o = tl.load(out + at_k, mask=on[:, None] & m, other=0.0)
+                if BACKWARD:
+                    acc += o.to(tl.float32)
+                    o_k = tl.load(kept + at_k, mask=on[:, None] & m, other=0.0).to(tl.float32)
+                    dg += tl.where(hops[None, :] == hop, tl.sum(d * o_k, axis=1)[:, None], 0.0)
+                else:
+                    g = tl.load(gate + k_row, mask=on, other=0.0)
+                    acc += g[:, None] * o.to(tl.float32)
                 k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
             put(to[:, None] + c[None, :], {narrowed(p, "acc", "DTYPE")}, m)
+        if BACKWARD:  # each slot's dL/dg' to its own (token, slot) place at r
+            k_row = tl.where(ok, first, -1)
+            for hop in range(K):
+                on = k_row >= 0
+                _rank, t_k, k_k = decode(tl.load(row_ids + k_row, mask=on, other=0), rid_c, rid_r, rid_t, rid_k)
+                put(dgate + t_k * K + k_k, tl.sum(tl.where(hops[None, :] == hop, dg, 0.0), axis=1), on)
+                k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
 """,
     }
 
 
-def combine_leads() -> str:
-    """The combine's dedup step: which accepted slots are their token's first at their owner
-    (the ones whose place holds a returned row)."""
-    return """    # dedup: a slot is its token's first at its owner when no accepted slot there has a lower row
-    q = at // E_MAX
-    row = offset + p
+def combine_leads(q: str, row: str) -> str:
+    """The combine's dedup step (forward and backward): which accepted slots ``ok`` are their
+    token's first at their owner ``q`` by their row there (the ones whose place holds a
+    returned row)."""
+    return f"""    # dedup: a slot is its token's first at its owner when no accepted slot there has a lower row
+    q = {q}
+    row = {row}
     twin = ok[:, :, None] & ok[:, None, :] & (q[:, :, None] == q[:, None, :]) & (row[:, None, :] < row[:, :, None])
     lead = ok & (tl.max(twin.to(tl.int32), axis=2) == 0)
 """

@@ -79,7 +79,10 @@ def gemm_tile(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if a_index is not None:
         rows = tl.cast(a_index, tl.int64)
-        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        if TRANS_B:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
+        else:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             kk = k + tl.arange(0, BK)
             m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]

@@ -220,7 +220,7 @@ def _constants(p: KernelPlan) -> str:
         "local_expert": "int32 [B*S]",
         "gate": "fp32 [B*S]",
         "scale": "fp32 [B*S, SCALES]",
-        "links": "int32 [B*S, 2]: the owner rows of the token's first and next slot here (dedup)",
+        "links": "int32 [B*S, 2]: the token's first and next row here (dedup)",
     }
     for f in p.sideband:
         lines.append(_c(f"SB_{f.upper()}", off[f"sideband_{f}"], f"sideband {f}, {sizes[f]}"))
@@ -239,6 +239,12 @@ def _constants(p: KernelPlan) -> str:
     ]
     if p.ring:
         lines.append(_c("BWD_RETURN_IDS", off["bwd_return_ids"], "int64 [B*S]: their row_ids"))
+    if p.dedup:
+        lines += [
+            _c("BWD_SB_GATE", off["bwd_sideband_gate"], "fp32 [B*S]: dedup, each backward row's g'"),
+            _c("BWD_SB_LINKS", off["bwd_sideband_links"], "int32 [B*S, 2]: dedup, its links (as SB_LINKS)"),
+            _c("BWD_DGATE", off["bwd_dgate"], "fp32 [T*K] at the front-end: dedup, dL/dg' of each (token, slot)"),
+        ]
     lines += [
         "",
         "# Task kinds, columns of a task-table row (int32), the control block (int64), statistics.",
@@ -315,7 +321,7 @@ def rdep_layer(
     slot -= me * n_tokens * K
     gprime -= me * n_tokens * K
     dgprime -= me * n_tokens * K
-    saved_out -= me * n_tokens * K * H
+    saved_out -= @@SAVED_OUT_REBASE@@
     saved_x -= me * R_MAX * H
     saved_pre -= me * R_MAX * {pre}
     dh -= me * R_MAX * {pre}
@@ -419,7 +425,7 @@ def rdep_layer(
                         scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, @@DEDUP_ARGS@@stats,
+                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch,@@DEDUP_ARGS@@ stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
@@ -437,18 +443,18 @@ def rdep_layer(
                 elif kind == KIND_GEMM2:
                     if BACKWARD:  # dX = dH [Wg Wu]ᵀ
                         gemm2(
-                            dh, hbuf_rid, {w_up}, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
+                            dh, hbuf_rid, {w_up}, weight_of, group, staging, staging_rid, @@SAVED@@owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,@@NOSAVE@@
                         )  # fmt: skip
                     else:
                         gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, @@SAVED@@owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,@@SAVE@@
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
-                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment, claim, item,
-                        items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, @@DEDUP_CAST@@BACKWARD,
+                        heap, recv, staging, staging_rid, @@SAVED@@stats, ctl, entry, epoch, owner, src, segment,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, @@DEDUP_CAST@@BACKWARD,
                     )  # fmt: skip
 @@UNPACK@@                elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
@@ -459,8 +465,8 @@ def rdep_layer(
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
-                            heap, {landing}dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens, BLOCK_H,
-                            CAST_F32,
+                            heap, {landing}dy, dx, accepted, @@GRAD_ARGS@@dgprime, rank, claim, n_tokens,
+                            BLOCK_H, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
@@ -483,8 +489,14 @@ def rdep_layer(
         tl.atomic_add(ctl + CTL_CALLS, 1)
 '''.replace("@@UNPACK@@", _unpack_call() if p.ring else "")
         .replace("@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else "")
-        .replace("@@DEDUP_ARGS@@", "topk_ids, owner_of, local_of, rowpos, " if p.dedup else "")
+        .replace("@@DEDUP_ARGS@@", "\n" + " " * 24 + "topk_ids, owner_of, local_of, rowpos," if p.dedup else "")
         .replace("@@DEDUP_CAST@@", "CAST_F32, " if p.dedup else "")
+        .replace("@@SAVED@@", "saved_out, " if p.dedup else "")
+        .replace("@@SAVE@@", " SAVE," if p.dedup else "")
+        .replace("@@NOSAVE@@", " False," if p.dedup else "")
+        .replace("@@GRAD_ARGS@@", "topk_ids, owner_of, slot, " if p.dedup else "saved_out, ")
+        # saved_out: each accepted slot's expert output at the front-end; under dedup at the owner
+        .replace("@@SAVED_OUT_REBASE@@", "me * R_MAX * H" if p.dedup else "me * n_tokens * K * H")
     )
 
 
@@ -507,7 +519,7 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
     # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
-    # pre-activations at the owner, expert outputs at the front-end); its working rows (dH,
+    # pre-activations at the owner, expert outputs at the front-end, under dedup at the owner); its working rows (dH,
     # the activation, g'·dL/dy at the owner) and the weight gradients.
     args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
     args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]

@@ -525,6 +525,9 @@ def lower(
     heap = [(name, place[name]) for name in names_heap]
     if ring:
         heap += [("return_ids", place["return_ids"]), ("bwd_return_ids", place["bwd_return_ids"])]
+    if spec.dedup:
+        sb = place["bwd_sideband"]  # g' [B*S] fp32, then the links [B*S, 2] int32
+        heap += [("bwd_sideband_gate", sb), ("bwd_sideband_links", sb + B * S * 4), ("bwd_dgate", place["bwd_dgate"])]
     sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))

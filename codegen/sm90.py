@@ -41,14 +41,6 @@ KERNELS = {
 H100_SHARED = 227 * 1024
 
 
-def kernels_for(plan: KernelPlan) -> dict[str, dict[str, bool]]:
-    """The kernels of ``plan``'s file: a layer under dedup has no backward yet, so its forward
-    keeps nothing for one."""
-    if not plan.dedup:
-        return KERNELS
-    return {k: mode | {"SAVE": False} for k, mode in KERNELS.items() if not mode["BACKWARD"]}
-
-
 def cubin_name(layer: str, kernel: str, arch: int) -> str:
     return f"{layer}.{kernel}.sm_{arch}.cubin"
 
@@ -130,7 +122,7 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
-    for kernel, mode in kernels_for(plan).items():
+    for kernel, mode in KERNELS.items():
         fn = module.rdep_layer
         t0 = time.perf_counter()
         src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs | mode)
@@ -179,4 +171,4 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["H100_SHARED", "KERNELS", "compile_cubins", "cubin_name", "kernels_for"]
+__all__ = ["H100_SHARED", "KERNELS", "compile_cubins", "cubin_name"]

@@ -469,15 +469,10 @@ def dispatch(
         at = ring_row(row, s, s)
         src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
         to = payload + tl.cast(at, tl.int64) * H
-        if BACKWARD:
+@@LINKS@@        if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
-            for h in range(0, H, BLOCK_H):
-                c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
-                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-                put(to[:, None] + c[None, :], @@SCALED@@, m)
-        else:
-@@LINKS@@@@FORWARD@@            sent = tl.sum(@@SENT@@.to(tl.int32), axis=0)
+@@BACKWARD@@        else:
+@@FORWARD@@            sent = tl.sum(@@SENT@@.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
@@ -490,12 +485,20 @@ def dispatch(
     ).replace("@@FORWARD@@", _payload_rows(p, "lead" if p.dedup else "keep"))
     doc = """
 
-    dedup (forward): only the token's first slot at q sends its payload row (and scales);
-    every slot sends its sideband with the links to its token's first and next slot there."""
+    dedup: only the token's first slot at q sends its payload row (and scales; in the
+    backward dL/dy as it is); every slot sends its sideband with the links to its token's
+    first and next slot there (in the backward its g' too: the owner scales)."""
+    scaled = """            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = keep[:, None] & (c < H)[None, :]
+                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+                put(to[:, None] + c[None, :], @@SCALED@@, m)
+"""
     subst = {
         "@@DEDUP_ARGS@@": "    topk_ids,\n    owner_of,\n    local_of,\n    rowpos,\n" if p.dedup else "",
         "@@DEDUP_DOC@@": doc if p.dedup else "",
         "@@LINKS@@": dedup.dispatch_links() if p.dedup else "",
+        "@@BACKWARD@@": dedup.dispatch_backward() if p.dedup else scaled,
         "@@SENT@@": "lead" if p.dedup else "keep",
         "@@SCALED@@": narrowed(p, "rows_h.to(tl.float32) * scale[:, None]", "DTYPE"),
     }
@@ -525,12 +528,13 @@ def _payload_rows(p: KernelPlan, send: str) -> str:
                 put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
 """
     if p.dispatch_scale == "block":
-        return f"""            for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
+        return f"""            at_scales = {scales} + tl.cast(at, tl.int64) * SCALES
+            for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
                 c = h + tl.arange(0, SCALE_COLS)
                 m = {send}[:, None] & (c < H)[None, :]
                 rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                 qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
-                put({scales} + tl.cast(at, tl.int64) * SCALES + h // SCALE_COLS, qscale, {send})
+                put(at_scales + h // SCALE_COLS, qscale, {send})
                 put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
 """
     rows = "rows_h"
@@ -577,7 +581,7 @@ def return_rows(
     recv,
     staging,
     staging_rid,
-    stats,
+@@SAVED@@    stats,
     ctl,
     entry,
     epoch,
@@ -597,7 +601,7 @@ def return_rows(
 ):
     """@@DOC@@
     """
-@@ASSERT@@    local = tl.arange(0, EL_PAD)
+    local = tl.arange(0, EL_PAD)
     split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
     lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
     n = tl.sum(count, axis=0)
@@ -647,8 +651,8 @@ def _return_parts(p: KernelPlan) -> dict[str, str]:
     backward returns dL/dx rows the same way, into r's backward regions."""
     return {
         "@@CAST@@": "",
+        "@@SAVED@@": "",
         "@@DOC@@": doc,
-        "@@ASSERT@@": "",
         "@@POINTERS@@": "",
         "@@FIND@@": """        frm = ring_row(row, s, s)
         rid = tl.load(row_ids + frm, mask=live, other=0)
@@ -800,9 +804,10 @@ def combine(
         keep = real[:, None] & (c < H)[None, :]
         tl.store(y_rows[:, None] + c[None, :], @@Y@@, mask=keep)
 """
-    if p.dedup:  # the returned rows are per (token, owner): no slot's own output comes back to save
-        total = '    tl.static_assert(not SAVE, "dedup: a forward for the backward is not generated")\n'
-        total += dedup.combine_leads() + "@@LANDING@@" + dedup.combine_sum(p)
+    if p.dedup:  # the returned rows are per (token, owner): the owner kept each slot's output (gemm2)
+        total = dedup.combine_leads("at // E_MAX", "offset + p") + "@@LANDING@@" + dedup.combine_sum(p)
+        saves = "with ``SAVE`` also each accepted slot's expert output, for the gate\n    gradient."
+        text = text.replace(saves, "under dedup the owners keep the expert outputs for\n    the gate gradient (gemm2).")
     text = text.replace("@@SUM@@", total if p.dedup else plain)
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"

@@ -11,8 +11,9 @@ compute; the return ring and its row ids (``return_ids``, one int64 per ring row
 unpacks decode) from the first return to the last unpack (the landing, in bulk or when the
 ring holds every returned row, until the last combine tile; ``return_ids`` is then empty).
 The backward regions (its done counters, the g'·dL/dy payload ring and its row ids, the dL/dx
-return and its ids) are not used by the forward schedule: the backward runs the same task
-table over them, the forward's offsets unchanged.
+return and its ids; under dedup the backward's sideband and the gate gradients) are not used
+by the forward schedule: the backward runs the same task table over them, the forward's
+offsets unchanged.
 
 Ring slots are checked generation by generation: a slot's next contents (segment s + B on
 the payload ring, claim j + B on a front-end's return ring, segment s + B on an owner's
@@ -47,8 +48,11 @@ _WHAT = {
     "bwd_flags": "int64 done counters of the backward's tasks (the forward's, and a weight-gradient task per owner)",
     "bwd_payload": "g'·dL/dy rows, front-end → owner, expert-contiguous within a slot (the forward's offsets)",
     "bwd_row_ids": "int64 row_id per backward payload row: the owner returns each dL/dx row by it",
+    "bwd_sideband": "dedup: fp32 g' and int32 links per backward payload row (the payload is one dL/dy row per"
+    " (token, owner))",
     "bwd_return": "dL/dx rows landing at the front-end",
     "bwd_return_ids": "int64 row_id per backward return-ring row",
+    "bwd_dgate": "dedup: fp32 dL/dg' per (token, slot) at the front-end, computed by the owners",
 }
 
 
@@ -132,8 +136,10 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         ("bwd_control", "bwd_flags", (flag_slots(W, T, max(geo.segments, default=0), ring) + 1) * 8, 1, 0, none),
         ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, none),
         ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8, none),
+        ("bwd_payload", "bwd_sideband", B * S * 12 if geo.dedup else 0, B, S * 12 if geo.dedup else 0, none),
         ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, S * H * geo.a if ring else 0, none),
         ("bwd_return", "bwd_return_ids", R_ret * 8 if ring else 0, B if ring else 1, S * 8 if ring else 0, none),
+        ("bwd_return", "bwd_dgate", T * K * 4 if geo.dedup else 0, 1, 0, none),
     ]
     buffers = []
     off = 0

@@ -42,7 +42,7 @@ BARRIERS_PER_SEGMENT = 4  # Prop. B.7
 BARRIER_PEER_RANGE = (50e-9, 100e-9)  # Prop. B.7: seconds per peer touch
 OVERLAP_BYTES, OVERLAP_FLOPS = 10, 18  # Table 5: minimum D_ff = (10/18) F_gpu / B_eff
 
-INT64, INT32 = 8, 4  # bytes of the control words (docs/memory.md)
+INT64, INT32, FP32 = 8, 4, 4  # bytes of the control words and of a gate (docs/memory.md)
 
 
 def _sym(name: str) -> sp.Symbol:
@@ -247,6 +247,8 @@ class DedupPlan:
     redundant: Figure
     dispatch_send: Figure
     return_recv: Figure
+    bwd_dispatch_send: Figure
+    bwd_return_recv: Figure
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,9 +462,10 @@ def beta_needed_expr() -> sp.Expr:
     )
 
 
-def symmetric_formulas(strategy: str, keyed: bool = False) -> dict[str, dict[str, sp.Expr]]:
+def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
-    Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`)."""
+    Bulk uses ``S = R_max`` (:func:`rows_per_owner_expr`); ``keyed`` admission adds the keys,
+    ``dedup`` the backward's sideband and gate gradients."""
     # Done counters per rank (memplan.flag_slots): route, scan, combine wait, the combine
     # tiles, W·n dispatches, n GEMM1s and n GEMM2s, W·n returns and, with a rotating return ring, W·n
     # unpacks, where n is the busiest owner's segments.
@@ -493,8 +496,10 @@ def symmetric_formulas(strategy: str, keyed: bool = False) -> dict[str, dict[str
         "bwd_flags": _pad((done + 1) * INT64),
         "bwd_payload": _pad(Bx * Sx * H * a),
         "bwd_row_ids": _pad(Bx * Sx * INT64),
+        "bwd_sideband": _pad(Bx * Sx * (FP32 + 2 * INT32)) if dedup else sp.Integer(0),
         "bwd_return": _pad(R_ret * H * a),
         "bwd_return_ids": _pad(ids),
+        "bwd_dgate": _pad(T * K * FP32) if dedup else sp.Integer(0),
     }
     control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "keys", "flags")), sp.Integer(0))
     ret = buf["return"] + buf["return_ids"]
@@ -502,8 +507,8 @@ def symmetric_formulas(strategy: str, keyed: bool = False) -> dict[str, dict[str
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
     fb = {k: v for k, v in fwd.items() if k != "total"}
     fb["bwd_control"] = buf["bwd_flags"]
-    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"]
-    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"]
+    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"] + buf["bwd_sideband"]
+    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"] + buf["bwd_dgate"]
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     return {"S": Sx, "B": Bx, "R_ret": R_ret, "buffers": buf, "forward": fwd, "forward_backward": fb}
 
@@ -523,8 +528,10 @@ _BUFFER_WHAT = {
     "bwd_flags": "int64 done counters of the backward's tasks: the forward's, and one weight-gradient task per owner",
     "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, front-end → owner",
     "bwd_row_ids": "B·S int64 row_ids of the backward payload rows",
+    "bwd_sideband": "dedup: B·S rows of 12 bytes (g', links) beside the backward payload (else 0)",
     "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
     "bwd_return_ids": "int64 row_id per backward return-ring row (as return_ids)",
+    "bwd_dgate": "dedup: T·K fp32 dL/dg' per (token, slot), owner → front-end (else 0)",
 }
 
 _REGION_WHAT = {
@@ -533,8 +540,9 @@ _REGION_WHAT = {
     "sideband": _BUFFER_WHAT["sideband"],
     "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
     "bwd_control": _BUFFER_WHAT["bwd_flags"],
-    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, then their int64 row_ids (each padded)",
-    "bwd_return": "R_ret dL/dx rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, their int64 row_ids, dedup's (g', links) (each padded)",
+    "bwd_return": "R_ret dL/dx rows of H·a bytes, their int64 row_ids if the ring rotates, dedup's dL/dg' "
+    "(each padded)",
     "total": "sum of the regions",
 }
 
@@ -555,7 +563,7 @@ def symmetric_plan(
     """
     strategy = resolve_strategy(spec, strategy)
     env = _Env(_spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
-    fm = symmetric_formulas(strategy, spec.keyed_admission)
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
     return {
         "strategy": strategy,
         "S": env.value(fm["S"]),
@@ -567,8 +575,9 @@ def symmetric_plan(
     }
 
 
-def _symmetric(env: _Env, strategy: str, key: str, sideband: tuple[str, ...], keyed: bool) -> SymmetricPlan:
-    fm = symmetric_formulas(strategy, keyed)
+def _symmetric(env: _Env, strategy: str, key: str, spec: LayerSpec) -> SymmetricPlan:
+    sideband = spec.route_row.sideband
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED
@@ -822,13 +831,13 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     seg_pl = PAPER_TENSORS * B * S * H * d
     has_seg = spec.segment is not None
     t4 = "Table 4: 4 routed row tensors (dispatch, return; fwd, bwd)"
-    sb_fields = spec.route_row.sideband
-    sym = _symmetric(env, strategy, "symmetric_bytes.plan", sb_fields, spec.keyed_admission)
+    sym = _symmetric(env, strategy, "symmetric_bytes.plan", spec)
     alt = None
     if strategy in SEGMENTED:
-        alt = _symmetric(env, "bulk", "symmetric_bytes.plan_bulk", sb_fields, spec.keyed_admission)
+        alt = _symmetric(env, "bulk", "symmetric_bytes.plan_bulk", spec)
     elif has_seg:
-        alt = _symmetric(env, "pipelined", "symmetric_bytes.plan_segmented", sb_fields, spec.keyed_admission)
+        alt = _symmetric(env, "pipelined", "symmetric_bytes.plan_segmented", spec)
+    out_rows = R_max if spec.dedup else T * K  # where the expert outputs wait for the backward
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )
@@ -884,11 +893,14 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         ),
         env.fig(
             "saved_activations.outputs_per_layer",
-            T * K * H * a,
+            out_rows * H * a,
             "B",
-            "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
+            "R_max·H·a: each row's expert output at its owner (dedup returns them summed), for the gate "
+            "gradient, one layer"
+            if spec.dedup
+            else "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
         ),
-        env.fig("saved_activations.outputs_total", T * K * H * a * L, "B", "× L MoE layers"),
+        env.fig("saved_activations.outputs_total", out_rows * H * a * L, "B", "× L MoE layers"),
         dense_params,
         dense_bytes,
     )
@@ -1154,6 +1166,18 @@ def _dedup(env: _Env, spec: LayerSpec, per_rank: Sequence[int]) -> DedupPlan:
             "B",
             "bytes a front-end receives back with dedup, one summed row per (token, owner)",
         ),
+        env.fig(
+            "dedup.bwd_dispatch_send",
+            T * owners * H * a + T * K * (INT64 + FP32 + 2 * INT32),
+            "B",
+            "backward: a dL/dy row per (token, owner), and per slot its row_id, g' and links",
+        ),
+        env.fig(
+            "dedup.bwd_return_recv",
+            T * owners * H * a + T * K * FP32,
+            "B",
+            "backward: a summed dL/dx row per (token, owner), and per slot its fp32 dL/dg'",
+        ),
     )
 
 
@@ -1370,6 +1394,8 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "redundant": j(pl.dedup.redundant),
             "dispatch_send": j(pl.dedup.dispatch_send),
             "return_recv": j(pl.dedup.return_recv),
+            "bwd_dispatch_send": j(pl.dedup.bwd_dispatch_send),
+            "bwd_return_recv": j(pl.dedup.bwd_return_recv),
         },
         "verdicts": [
             {"budget": v.budget, "bytes": v.bytes, "hbm": v.hbm, "fits": v.fits, "margin": v.margin}

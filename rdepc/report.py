@@ -286,6 +286,8 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ("redundant route rows", dd.redundant),
             ("dispatch send, dedup", dd.dispatch_send),
             ("return recv, dedup", dd.return_recv),
+            ("backward dispatch send, dedup", dd.bwd_dispatch_send),
+            ("backward return recv, dedup", dd.bwd_return_recv),
         ]
     )
     out += table(rows, ["figure", "value", "accounting"])

@@ -51,9 +51,9 @@ float atomics), dL/dx rows home and summed per token in slot order, dL/dg' = dL/
 then dL/dg through the capacity weights policy on the host (torch ops, no sync). Dropped
 slots get no gradient; a token with every slot dropped gets zero. Per-rank backends: every
 rank calls backward (it is collective, like the forward), and gets its own tokens' and its
-own experts' gradients. A layer under ``dedup`` does not train yet: a call that needs
-gradients raises NotImplementedError (the gate gradient needs each slot's expert output at
-the front-end, and dedup sums them at the owner).
+own experts' gradients. Under ``dedup`` the backward moves one dL/dy row per (token,
+owner) out and one summed dL/dx row back, as the forward does; each slot's expert output
+stays at its owner, which computes dL/dg' there and sends it home as one fp32 per slot.
 
 A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
 [E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
@@ -311,12 +311,6 @@ class RDEPModule:
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
         inputs = (x, topk_weights, w_gate, w_up, w_down)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            if self.plan.dedup:
-                raise NotImplementedError(
-                    f"layer {self.plan.layer}: the backward of a dedup layer is not generated yet (its gate "
-                    "gradient needs each slot's expert output, which dedup sums at the owner); train without "
-                    "dedup, or call the layer under torch.no_grad()"
-                )
             return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
         return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, save=False)[0]
 
@@ -351,11 +345,13 @@ class RDEPModule:
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
         given |= self._weights(w_gate, w_up, w_down)
         kept = None
-        if save:  # the owners' rows (input, pre-activations) and the front-ends' expert outputs
+        if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
+            # under dedup at the owners (they return them summed per (token, owner))
+            new = {"dtype": self.dtype, "device": self.device}
             kept = {
                 "saved_x": self._owner_rows(p.H),
                 "saved_pre": self._owner_rows(2 * p.F if p.gated else p.F),
-                "saved_out": torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device),
+                "saved_out": self._owner_rows(p.H) if p.dedup else torch.empty((*lead, Tn, K, p.H), **new),
             }
             given |= kept
         self.epoch += 1
@@ -363,7 +359,8 @@ class RDEPModule:
         if save:  # the routing tables the backward walks, as this call left them
             lo, hi = self._published
             kept["published"] = self._own_heap()[:, lo:hi].clone()
-            kept |= {n: self.private[n].clone() for n in ("sorted_rows", "route_scratch", "recv", "group")}
+            routing = ("sorted_rows", "route_scratch", "recv", "group", *(("rowpos",) if p.dedup else ()))
+            kept |= {n: self.private[n].clone() for n in routing}  # dedup: rowpos finds the links again
         accepted = accepted.bool()
         self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
         self._record(ids, gates)
@@ -389,6 +386,8 @@ class RDEPModule:
             "dgprime": torch.empty((*lead, Tn, p.K), device=self.device, dtype=torch.float32),
             "accepted": context.accepted.to(torch.int8),
             "gprime": context.gprime,
+            "topk_ids": context.topk_ids,  # dedup: the links, and which slots lead at their owner
+            "slot": context.slot,
             "dh": self._owner_rows(2 * p.F if p.gated else p.F),
             "act_rows": self._owner_rows(p.F),
             "do_rows": self._owner_rows(p.H),

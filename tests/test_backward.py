@@ -41,18 +41,21 @@ class Case:
     capacity: str = "dropless"
     routing: str = "uniform"
     seed: int = 0
+    dedup: bool = False
+    dtype: str = "fp32"
 
     def layer(self) -> Layer:
         text = (
             "layer grad {\n"
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
             f"  expert    {self.act}(ffn = {self.F})\n"
-            "  dtype     fp32\n"
+            f"  dtype     {self.dtype}\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
             f"  segment   rows {self.S}, buffers {self.B}\n"
             "  schedule  pipelined\n"
-            "}\n"
+            + ("  sideband  row_id, local_expert, gate\n  transport emulated, dedup\n" if self.dedup else "")
+            + "}\n"
         )
         spec, _ = elaborate_layer(parse_text(text, "grad.rdep"), None, {})
         return Layer(spec)
@@ -111,8 +114,10 @@ def check(case: Case, strategies=STRATEGIES, tol: float = 1e-4) -> dict:
         Case(W=3, E=6, T=10, B=3, capacity="factor 0.5, weights zero", routing="zipf:1.5"),  # zero weights
         Case(act="gelu", capacity="rows 3"),
         Case(act="relu", E=3, T=8, S=3, B=2),  # one owner holds two experts, a return ring of 6 rows
+        Case(K=3, capacity="factor 0.5", routing="zipf:1.5", dedup=True),  # a return ring, drops
+        Case(act="relu", E=3, T=8, S=3, B=2, dedup=True),  # every segment resident: rows land in place
     ],
-    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring"],
+    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring", "dedup-ring", "dedup-relu"],
 )
 def test_gradients_match_autograd_through_the_reference_in_every_schedule(case):
     check(case)

@@ -25,7 +25,9 @@ from rdepc.codegen.emit import HASH_FIELD, kernel_args
 from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
 
 import rdepc
+from rdepc.api import elaborate_layer
 from rdepc.driver import Options, compile_file, spec_passes
+from rdepc.parser import parse_text
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
 TASK_KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return_rows", "combine")  # and unpack, with a return ring
@@ -129,6 +131,10 @@ def _generated_sources(tmp_path: Path) -> dict[str, str]:
             if not {f for f, _ in spec.features()} & UNSUPPORTED:
                 out[ex.stem] = generate_spec(spec).source  # the spec's schedule (moonlight: a return ring)
                 out[f"{ex.stem}_bulk"] = generate_spec(spec, schedule="bulk").source
+        for ex in ("moonlight", "deepseek_v3"):  # dedup, with a return ring and with fp8 block scales
+            text = (ROOT / "examples" / f"{ex}.rdep").read_text(encoding="utf-8").replace("scale row", "scale block")
+            dedup = parse_text(text.replace("transport nvshmem", "transport nvshmem, dedup"), f"{ex}.rdep")
+            out[f"{ex}_dedup"] = generate_spec(elaborate_layer(dedup, None, {})[0]).source
     finally:
         os.chdir(cwd)
     variants = {

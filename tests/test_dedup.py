@@ -4,7 +4,8 @@ Under the interpreter: parity with the reference over random small specs and rou
 (every schedule, bf16 and fp32, fp8 rows with row and block scales, capacity drops, the
 return ring), the rows the kernels counted against the distinct (token, owner) pairs of the
 accepted set, results bitwise identical across schedules and kernel modes, the bytes
-against the planner's prediction, and a training call refused with a named error.
+against the planner's prediction; the backward's gradients against autograd through the
+reference, and its payload one dL/dy row per (token, owner).
 """
 
 from __future__ import annotations
@@ -176,14 +177,58 @@ def test_dedup_bytes_against_the_planner(tmp_path, capsys):
     assert ret / 4 == pytest.approx(dd["return_recv"], rel=0.03)
 
 
-def test_a_training_call_under_dedup_is_refused():
-    layer = _layer()
+def _grads(module, inputs, dy, dtype):
+    """{name: gradient} of sum(y · dy) through ``module``, the inputs in ``dtype``."""
+    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+    x, ids, g, wg, wu, wd = inputs
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
+    gates = g.detach().float().requires_grad_(True)
+    y = module(leaves[0], ids, gates, *leaves[1:])
+    y = y[0] if isinstance(y, tuple) else y
+    (y.float() * dy).sum().backward()
+    return {n: t.grad.float() for n, t in zip(names, (leaves[0], gates, *leaves[1:]), strict=True)}
+
+
+def test_dedup_trains_in_bf16_with_fp8_rows():
+    """bf16 with fp8 row-scaled dispatch, capacity drops: every gradient within bf16's
+    tolerance of autograd through the (quantising) reference, and bitwise the same in bulk
+    and deep."""
+    layer = _layer(W=2, T=12, K=3, E=8, dtype="bf16", dispatch="fp8_e4m3, scale row", capacity="factor 0.75")
     sh = layer.shapes
-    inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], seed=0, dtype=torch.float32)
-    kernels = layer.module("emulated", "cpu")
-    x = inputs.x.clone().requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward of a dedup layer is not generated yet"):
-        kernels(x, *list(inputs)[1:])
+    inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=3)
+    dy = torch.randn(sh["W"], sh["T"], sh["H"], generator=torch.Generator().manual_seed(7)).bfloat16().float()
+    want = _grads(reference_for(layer.spec), inputs, dy, torch.float32)
+    got = {}
+    for schedule in ("bulk", "deep"):
+        got[schedule] = _grads(layer.module("emulated", "cpu", schedule=schedule), inputs, dy, torch.bfloat16)
+        for n, w in want.items():
+            err = max_relative_error(got[schedule][n], w)
+            assert err <= 3 * TOL["bf16"], f"{schedule}: d{n} {err:.3g}"
+    assert all(torch.equal(got["deep"][n], got["bulk"][n]) for n in want)
+
+
+def test_the_dedup_backward_sends_one_dy_row_per_token_and_owner():
+    """The backward payload is poisoned (NaN) after the forward: the backward fills exactly
+    one row per distinct (token, owner) pair of the accepted set, every other slot reads
+    its token's row through its link, and the gradients stay exact."""
+    layer = _layer(W=2, T=12, K=3, E=8, capacity="factor 0.75")
+    sh = layer.shapes
+    inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=5)
+    dy = torch.randn(sh["W"], sh["T"], sh["H"], generator=torch.Generator().manual_seed(7))
+    want = _grads(reference_for(layer.spec), inputs, dy, torch.float32)
+    m = layer.module("emulated", "cpu")
+    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+    x, ids, g, wg, wu, wd = inputs
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
+    y = m(leaves[0], ids, *leaves[1:])
+    at, size = next((at, size) for name, _, at, size in m.plan.layout if name == "bwd_payload")
+    m.heap[:, at : at + size] = 0xFF  # fp32 NaN in every byte of every owner's backward payload
+    (y * dy).sum().backward()
+    for n, t in zip(names, leaves, strict=True):
+        assert max_relative_error(t.grad, want[n]) <= TOL["fp32"], n
+    rows = m.heap[:, at : at + size].view(torch.float32).view(sh["W"], -1, sh["H"])
+    filled = int((~rows.isnan().all(dim=2)).sum())
+    assert filled == owner_pairs(ids, m.last_stats["accepted"], m.plan.owner) < int(m.last_stats["accepted"].sum())
 
 
 def test_dedup_needs_the_gate_in_the_sideband():

@@ -38,6 +38,16 @@ def scaled_tile(a, a_rows, row0, w, n_cols, col0, scales, out, K_DIM: tl.constex
 
 
 @triton.jit
+def gathered_tile(a, a_rows, index, w, n_cols, col0, out, K_DIM: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, TRANS_B: tl.constexpr):
+    m = tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    acc = gemm_tile(a, a_rows, 0, w, n_cols, col0, K_DIM, BM, BN, BK, 1, False, True, "ieee", TRANS_B,
+                    a_index=tl.load(index + m))
+    tl.store(out + m[:, None] * BN + n[None, :], acc)
+
+
+@triton.jit
 def quantise(x, y, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(y + i, to_e4m3(tl.load(x + i), 1.0, True))
@@ -116,6 +126,26 @@ def test_gemm_tile_applies_fp8_row_and_block_scales(kernels, K, scale_cols, tma)
             dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, SCALE_COLS=scale_cols),
         )  # fmt: skip
         torch.testing.assert_close(out, expected(deq, row0, w, 16, BM, BN), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gemm_tile_gathers_rows_by_index(kernels, trans_b):
+    """With ``a_index`` tile row m is A's row index[m] (-1: zero), repeats allowed (dedup's
+    slots read their token's one row); B as it is or transposed (the backward's dL/dy·Wdᵀ)."""
+    g = torch.Generator().manual_seed(11)
+    K, N, BM, BN, BK = 40, 48, 16, 32, 16
+    a = torch.randn(24, K, generator=g)
+    w = torch.randn(N, K, generator=g) if trans_b else torch.randn(K, N, generator=g)
+    index = torch.tensor([3, 3, -1, 0, 23, 7, 7, 7, -1, 1, 2, 5, 5, 9, 10, 23], dtype=torch.int32)
+    out = torch.full((BM, BN), float("nan"))
+    Launcher(interpret=True)(
+        kernels.gathered_tile, (1,), (a, 24, index, w, N, 8, out),
+        dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TRANS_B=trans_b),
+    )  # fmt: skip
+    rows = torch.where((index >= 0)[:, None], a[index.clamp(min=0).long()], 0.0)
+    b = w.t() if trans_b else w
+    want = rows @ torch.cat((b, torch.zeros(K, BN)), dim=1)[:, 8 : 8 + BN]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_e4m3_rounding_is_torchs_bit_for_bit(kernels):

@@ -659,6 +659,10 @@ def test_dedup_plan_against_a_sampled_routing(capsys):
     # links (8 B) per route row
     assert dd["dispatch_send"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2 + 4096 * 6 * 24, abs=1)
     assert dd["return_recv"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2, abs=1)
+    # the backward: a dL/dy row per pair out with row_id, g' and links per route row; a dL/dx row
+    # per pair back with one fp32 dL/dg' per route row
+    assert dd["bwd_dispatch_send"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2 + 4096 * 6 * 20, abs=1)
+    assert dd["bwd_return_recv"] == pytest.approx(4096 * dd["owners_per_token"] * 2048 * 2 + 4096 * 6 * 4, abs=1)
     z = run_json(capsys, EX / "moonlight.rdep", "--routing", "zipf:1.2")["padding"]
     assert z["redundant"] > pd["redundant"] + 0.1
 

@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: eb15e86711e7c0954a8d159d8cd1890b0a8b35c10243d7225567e4a5d0901d2d
+# content-sha256: 7cd0224b7974b730909a6db1bdcfdd96e71dac0c91af6c26b86e63dd9b289817
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -612,7 +612,10 @@ def gemm_tile(
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if a_index is not None:
         rows = tl.cast(a_index, tl.int64)
-        w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+        if TRANS_B:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
+        else:
+            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             kk = k + tl.arange(0, BK)
             m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]
@@ -1063,9 +1066,9 @@ def bgemm1(
         me = peer(heap, q)
         rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
         w = w_down + e * (F * H)
-        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
+        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
@@ -1348,18 +1351,18 @@ def rdep_layer(
                 elif kind == KIND_GEMM2:
                     if BACKWARD:  # dX = dH [Wg Wu]ᵀ
                         gemm2(
-                            dh, hbuf_rid, w_gate_up, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
+                            dh, hbuf_rid, w_gate_up, weight_of, group, staging, staging_rid, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
                         )  # fmt: skip
                     else:
                         gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment, item, BM,
-                            BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
-                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment, claim, item,
-                        items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
@@ -1370,8 +1373,8 @@ def rdep_layer(
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
-                            heap, dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens, BLOCK_H,
-                            CAST_F32,
+                            heap, dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens,
+                            BLOCK_H, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
