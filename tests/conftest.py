@@ -57,3 +57,18 @@ def pytest_addoption(parser):
 @pytest.fixture
 def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
+
+
+GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
+
+
+def grads_in(fn, inputs, dy, dtype) -> dict:
+    """{name: fp32 gradient} of sum(y · dy) through ``fn`` (a layer or the reference), x and
+    the weights in ``dtype``, the gates in fp32."""
+    x, ids, g, wg, wu, wd = inputs
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
+    gates = g.detach().float().requires_grad_(True)
+    y = fn(leaves[0], ids, gates, *leaves[1:])
+    y = y[0] if isinstance(y, tuple) else y
+    (y.float() * dy).sum().backward()
+    return {n: t.grad.float() for n, t in zip(GRAD_NAMES, (leaves[0], gates, *leaves[1:]), strict=True)}

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import GRAD_NAMES, ROOT, grads_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rdepc.passes.plan import transport_bytes
@@ -177,18 +177,6 @@ def test_dedup_bytes_against_the_planner(tmp_path, capsys):
     assert ret / 4 == pytest.approx(dd["return_recv"], rel=0.03)
 
 
-def _grads(module, inputs, dy, dtype):
-    """{name: gradient} of sum(y · dy) through ``module``, the inputs in ``dtype``."""
-    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
-    x, ids, g, wg, wu, wd = inputs
-    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
-    gates = g.detach().float().requires_grad_(True)
-    y = module(leaves[0], ids, gates, *leaves[1:])
-    y = y[0] if isinstance(y, tuple) else y
-    (y.float() * dy).sum().backward()
-    return {n: t.grad.float() for n, t in zip(names, (leaves[0], gates, *leaves[1:]), strict=True)}
-
-
 def test_dedup_trains_in_bf16_with_fp8_rows():
     """bf16 with fp8 row-scaled dispatch, capacity drops: every gradient within bf16's
     tolerance of autograd through the (quantising) reference, and bitwise the same in bulk
@@ -197,10 +185,10 @@ def test_dedup_trains_in_bf16_with_fp8_rows():
     sh = layer.shapes
     inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=3)
     dy = torch.randn(sh["W"], sh["T"], sh["H"], generator=torch.Generator().manual_seed(7)).bfloat16().float()
-    want = _grads(reference_for(layer.spec), inputs, dy, torch.float32)
+    want = grads_in(reference_for(layer.spec), inputs, dy, torch.float32)
     got = {}
     for schedule in ("bulk", "deep"):
-        got[schedule] = _grads(layer.module("emulated", "cpu", schedule=schedule), inputs, dy, torch.bfloat16)
+        got[schedule] = grads_in(layer.module("emulated", "cpu", schedule=schedule), inputs, dy, torch.bfloat16)
         for n, w in want.items():
             err = max_relative_error(got[schedule][n], w)
             assert err <= 3 * TOL["bf16"], f"{schedule}: d{n} {err:.3g}"
@@ -215,16 +203,15 @@ def test_the_dedup_backward_sends_one_dy_row_per_token_and_owner():
     sh = layer.shapes
     inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=5)
     dy = torch.randn(sh["W"], sh["T"], sh["H"], generator=torch.Generator().manual_seed(7))
-    want = _grads(reference_for(layer.spec), inputs, dy, torch.float32)
+    want = grads_in(reference_for(layer.spec), inputs, dy, torch.float32)
     m = layer.module("emulated", "cpu")
-    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
     x, ids, g, wg, wu, wd = inputs
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
     y = m(leaves[0], ids, *leaves[1:])
     at, size = next((at, size) for name, _, at, size in m.plan.layout if name == "bwd_payload")
     m.heap[:, at : at + size] = 0xFF  # fp32 NaN in every byte of every owner's backward payload
     (y * dy).sum().backward()
-    for n, t in zip(names, leaves, strict=True):
+    for n, t in zip(GRAD_NAMES, leaves, strict=True):
         assert max_relative_error(t.grad, want[n]) <= TOL["fp32"], n
     rows = m.heap[:, at : at + size].view(torch.float32).view(sh["W"], -1, sh["H"])
     filled = int((~rows.isnan().all(dim=2)).sum())

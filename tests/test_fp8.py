@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import GRAD_NAMES, grads_in
 from rdepc.codegen.lower import Tiles
 
 from rdepc.api import Layer, elaborate_layer
@@ -132,23 +133,12 @@ def test_fp8_backward_matches_autograd_through_the_quantised_reference():
     dequantised rows the forward computed with."""
     lay = layer("row", H=64)
     inp = inputs(lay)
-    names = ("x", "topk_weights", "w_gate", "w_up", "w_down")
-
-    def grads(fn, dtype, dy):
-        x, ids, g, wg, wu, wd = inp
-        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
-        gates = g.detach().clone().requires_grad_(True)
-        y = fn(leaves[0], ids, gates, *leaves[1:])
-        y = y[0] if isinstance(y, tuple) else y
-        (y.float() * dy).sum().backward()
-        return {n: t.grad.float() for n, t in zip(names, (leaves[0], gates, *leaves[1:]), strict=True)}
-
     dy = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).float()
-    want = grads(reference_for(lay.spec), torch.float32, dy)
+    want = grads_in(reference_for(lay.spec), inp, dy, torch.float32)
     got_by = {}
     for strategy in ("bulk", "deep"):
-        got = grads(lay.module(schedule=strategy, tiles=TILES), torch.bfloat16, dy)
-        for n in names:
+        got = grads_in(lay.module(schedule=strategy, tiles=TILES), inp, dy, torch.bfloat16)
+        for n in GRAD_NAMES:
             assert rel(got[n], want[n]) <= 3 * BF16_TOL, f"{strategy}: d{n} {rel(got[n], want[n]):.3g}"
         got_by[strategy] = got
-    assert all(torch.equal(got_by["deep"][n], got_by["bulk"][n]) for n in names)
+    assert all(torch.equal(got_by["deep"][n], got_by["bulk"][n]) for n in GRAD_NAMES)
