@@ -30,6 +30,20 @@ def _top_k(W: int, T: int, E: int, K: int, routing: str, alpha: float, seed: int
             yield np.argpartition(-keys, K - 1, axis=1)[:, :K]
 
 
+def source_counts(W: int, T: int, E: int, K: int, routing: str, alpha: float, seed: int) -> list[list[int]]:
+    """The routing ``sample_routing`` samples, as rows per (source rank, expert): token n of
+    the W·T belongs to rank n // T. What the scheduler's cost model takes (``counts``)."""
+    import numpy as np
+
+    counts = np.zeros((W, E), dtype=np.int64)
+    n = 0
+    for top in _top_k(W, T, E, K, routing, alpha, seed):
+        ranks = np.repeat((n + np.arange(top.shape[0])) // T, K)
+        np.add.at(counts, (ranks, top.ravel()), 1)
+        n += top.shape[0]
+    return counts.tolist()
+
+
 def sample_routing(
     W: int, T: int, E: int, K: int, routing: str, alpha: float, seed: int, owner: Sequence[int]
 ) -> tuple:

@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="with --dot: the tile-level graph (small specs only)")
     p.add_argument("--empty", action="store_true", help="with --trace: also tasks predicted to be empty")
     p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
+    p.add_argument(
+        "--routing",
+        type=_routing,
+        metavar="uniform|zipf:ALPHA",
+        help="predict under one sampled routing (numpy, as plan's) instead of the expected one",
+    )
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
     p.set_defaults(func=cmd_viz)
     return ap
 
@@ -607,7 +614,20 @@ def cmd_viz(args) -> int:
     spec = _load_spec(args)
     if args.ranks < 1:
         raise UsageError(f"--ranks {args.ranks}: expected a positive number")
-    sched = schedule(build_for(spec, args.schedule, args.cut, args.hw), args.hw)
+    tg = build_for(spec, args.schedule, args.cut, args.hw)
+    counts = None
+    if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
+        from rdepc.passes.routing import source_counts
+
+        geo = tg.geometry
+        counts = source_counts(geo.W, geo.T, geo.E, geo.K, *args.routing, args.seed)
+        per_expert = [sum(c) for c in zip(*counts, strict=True)]
+        name = "uniform" if args.routing[0] == "uniform" else f"zipf alpha={args.routing[1]:g}"
+        print(
+            f"routing: {name}, seed {args.seed}, one sampled routing (rows per expert {min(per_expert):,} to "
+            f"{max(per_expert):,}, mean {sum(per_expert) / len(per_expert):,.1f}, before capacity)"
+        )
+    sched = schedule(tg, args.hw, counts=counts)
     print(report(sched))
     from rdepc import viz
 
@@ -618,7 +638,7 @@ def cmd_viz(args) -> int:
         if args.png:
             bulk = None
             if sched.strategy != "bulk":
-                bulk = schedule(build_for(spec, "bulk", None, args.hw), args.hw)
+                bulk = schedule(build_for(spec, "bulk", None, args.hw), args.hw, counts=counts)
                 print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
             wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks))
         if args.dot:

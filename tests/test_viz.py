@@ -93,6 +93,37 @@ def test_viz_schedule_override_and_errors(tmp_path, capsys):
     assert cli_main(["viz", "examples/tiny.rdep", "--trace", str(tmp_path / "no" / "x.json")]) == 1
 
 
+def test_viz_routing_predicts_a_sampled_routing(tmp_path, capsys, monkeypatch):
+    """--routing zipf:A: the rows per (source, expert) are the sample plan takes (same
+    stream, same totals), the trace is the skewed routing's — a longer makespan than the
+    expected routing's — and the same seed gives the same picture."""
+    from rdepc.passes.routing import sample_routing, source_counts
+
+    counts = source_counts(8, 64, 16, 4, "zipf", 1.2, 3)
+    assert len(counts) == 8 and all(sum(row) == 64 * 4 for row in counts)
+    total, _ = sample_routing(8, 64, 16, 4, "zipf", 1.2, 3, [e // 2 for e in range(16)])
+    assert [sum(c) for c in zip(*counts, strict=True)] == total.tolist()
+
+    monkeypatch.chdir(ROOT)
+
+    def makespan(*extra: str) -> tuple[float, str]:
+        path = tmp_path / f"t{len(extra)}.json"
+        assert cli_main(["viz", "examples/moonlight.rdep", "--trace", str(path), *extra]) == 0
+        out = capsys.readouterr().out
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        return max(e["ts"] + e["dur"] for e in events), out
+
+    expected, out = makespan()
+    assert "routing:" not in out
+    skewed, out = makespan("--routing", "zipf:1.2", "--seed", "1")
+    assert "routing: zipf alpha=1.2, seed 1, one sampled routing (rows per expert" in out
+    assert skewed > 2 * expected
+    assert makespan("--routing", "zipf:1.2", "--seed", "1") == (skewed, out)
+    with pytest.raises(SystemExit) as usage:  # argparse's own usage error
+        cli_main(["viz", "examples/moonlight.rdep", "--routing", "zipf"])
+    assert usage.value.code == 2 and "expected uniform or zipf:ALPHA" in capsys.readouterr().err
+
+
 def test_compile_dumps_and_times_every_pass():
     out = io.StringIO()
     dumps = ("graph", "cost", "schedule", "memplan")
