@@ -67,9 +67,8 @@ def combine_grad(
 """
     sub = {"@@ARGS@@": "    saved_out,\n", "@@DOC@@": ""}
     if p.dedup:
-        i = "t[:, None] * K + k[None, :]"
         body = (
-            f"""    i = {i}
+            """    i = t[:, None] * K + k[None, :]
     ok = tl.load(accepted + base + i, mask=real[:, None] & (k < K)[None, :], other=0) != 0
     e = tl.load(topk_ids + base + i, mask=ok, other=0)
 """
@@ -77,12 +76,9 @@ def combine_grad(
             + """    dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
     for h in range(0, H, BLOCK_H):
         c = h + tl.arange(0, BLOCK_H)
-        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-        for kk in range(K):  # sum_q (the token's rows at q summed there), in the order of the first slots
-            lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
-            m = lead_k[:, None] & (c < H)[None, :]
-            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(dx + rows[:, None] + c[None, :], @@DX@@, mask=real[:, None] & (c < H)[None, :])
+"""
+            + dedup.LEAD_ROWS
+            + """        tl.store(dx + rows[:, None] + c[None, :], @@DX@@, mask=real[:, None] & (c < H)[None, :])
 """
         )
         sub = {

@@ -158,19 +158,22 @@ def combine_leads(q: str, row: str) -> str:
 """
 
 
+LEAD_ROWS = """        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+        for kk in range(K):  # one row per (token, owner), at the token's first slot there, in slot order
+            lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
+            m = lead_k[:, None] & (c < H)[None, :]
+            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+"""
+
+
 def combine_sum(p: KernelPlan) -> str:
     """The combine's sum under dedup: the rows of the tokens' first slots, then the
-    per-token factor of the capacity weights."""
+    per-token factor of the capacity weights (each row is sum_{k at q} g_k out_k)."""
     factor = "acc * scale[:, None]" if p.weights == "renormalize" else "acc"
     return f"""    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
     real = t < n_tokens
     for h in range(0, H, BLOCK_H):
         c = h + tl.arange(0, BLOCK_H)
-        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-        for kk in range(K):  # sum_q (sum_{{k at q}} g_k out_k), in the order of the first slots
-            lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
-            m = lead_k[:, None] & (c < H)[None, :]
-            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
-        keep = real[:, None] & (c < H)[None, :]
+{LEAD_ROWS}        keep = real[:, None] & (c < H)[None, :]
         tl.store(y_rows[:, None] + c[None, :], {narrowed(p, factor, "DTYPE")}, mask=keep)
 """

@@ -73,10 +73,10 @@ def gemm_tile(
     With ``a_index`` (int [BM], -1 for a row that reads as zero) the tile's rows are gathered:
     tile row m is row a_index[m] of A (``row0`` unused), loaded through pointers.
     """
-    PER_CHUNK: tl.constexpr = SCALE_COLS > 0 and SCALE_COLS < K_DIM
-    if PER_CHUNK:
+    if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    rows = row0 + tl.arange(0, BM)
     if a_index is not None:
         rows = tl.cast(a_index, tl.int64)
         if TRANS_B:
@@ -88,17 +88,9 @@ def gemm_tile(
             m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]
             x = tl.load(a + rows[:, None] * K_DIM + kk[None, :], mask=m, other=0.0)
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
-            if PER_CHUNK:
-                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
-            else:
-                acc = mma(x, y, acc, CAST_F32, PRECISION)
+            acc = mma_chunk(x, y, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
             w_ptr = tl.advance(w_ptr, (BK, 0))
-        if SCALE_COLS >= K_DIM:
-            acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
-        return acc
-    rows = row0 + tl.arange(0, BM)
-    if TMA:
+    elif TMA:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
@@ -111,11 +103,8 @@ def gemm_tile(
                 b = tl.trans(w_desc.load([col0, k]))
             else:
                 b = w_desc.load([k, col0])
-            if PER_CHUNK:
-                part = mma(a_desc.load([row0, k]), b, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
-            else:
-                acc = mma(a_desc.load([row0, k]), b, acc, CAST_F32, PRECISION)
+            x = a_desc.load([row0, k])
+            acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
         a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
         if TRANS_B:
@@ -125,16 +114,35 @@ def gemm_tile(
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
             x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
             y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
-            if PER_CHUNK:
-                part = mma(x, y, tl.zeros([BM, BN], dtype=tl.float32), CAST_F32, PRECISION)
-                acc += part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
-            else:
-                acc = mma(x, y, acc, CAST_F32, PRECISION)
+            acc = mma_chunk(x, y, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
             a_ptr = tl.advance(a_ptr, (0, BK))
             w_ptr = tl.advance(w_ptr, (BK, 0))
     if SCALE_COLS >= K_DIM:
         acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def mma_chunk(
+    x,
+    y,
+    acc,
+    a_scale,
+    a_rows,
+    rows,
+    k,
+    K_DIM: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc + x·y for the reduction chunk at column ``k`` of A (rows ``rows``); with finer fp8
+    scales than a row (0 < SCALE_COLS < K_DIM) the chunk's product is scaled by its rows'
+    scales before it is added (``gemm_tile``)."""
+    if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
+        part = mma(x, y, tl.zeros_like(acc), CAST_F32, PRECISION)
+        return acc + part * row_scales(a_scale, a_rows, rows, k // SCALE_COLS, K_DIM, SCALE_COLS)[:, None]
+    return mma(x, y, acc, CAST_F32, PRECISION)
 
 
 @triton.jit
@@ -250,6 +258,7 @@ __all__ = [
     "gemm_rows_tn",
     "gemm_tile",
     "mma",
+    "mma_chunk",
     "proxy_fence",
     "row_scales",
     "store_rows",

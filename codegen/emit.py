@@ -519,8 +519,9 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
     # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
-    # pre-activations at the owner, expert outputs at the front-end, under dedup at the owner); its working rows (dH,
-    # the activation, g'·dL/dy at the owner) and the weight gradients.
+    # pre-activations at the owner, expert outputs at the front-end or under dedup at the
+    # owner); its working rows (dH, the activation, g'·dL/dy at the owner) and the weight
+    # gradients.
     args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
     args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
     args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]

@@ -169,13 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="target probability that any expert overflows its capacity (default: 1e-6)",
     )
-    p.add_argument(
-        "--routing",
-        type=_routing,
-        metavar="uniform|zipf:ALPHA",
-        help="sample one routing (numpy) and report rows per expert and padding",
-    )
-    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
+    _sampled_routing(p, "sample one routing (numpy) and report rows per expert and padding")
     p.add_argument(
         "--probs", metavar="FILE", help="E per-expert selection probabilities p_e (Poisson-binomial bound, eq. 18)"
     )
@@ -195,15 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="with --dot: the tile-level graph (small specs only)")
     p.add_argument("--empty", action="store_true", help="with --trace: also tasks predicted to be empty")
     p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
-    p.add_argument(
-        "--routing",
-        type=_routing,
-        metavar="uniform|zipf:ALPHA",
-        help="predict under one sampled routing (numpy, as plan's) instead of the expected one",
-    )
-    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
+    _sampled_routing(p, "predict under one sampled routing (numpy, as plan's) instead of the expected one")
     p.set_defaults(func=cmd_viz)
     return ap
+
+
+def _sampled_routing(p: argparse.ArgumentParser, what: str) -> None:
+    """--routing uniform|zipf:ALPHA and --seed, as plan and viz sample a routing."""
+    p.add_argument("--routing", type=_routing, metavar="uniform|zipf:ALPHA", help=what)
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
 
 
 def _schedule_options(p: argparse.ArgumentParser) -> None:

@@ -42,14 +42,13 @@ class Case:
     routing: str = "uniform"
     seed: int = 0
     dedup: bool = False
-    dtype: str = "fp32"
 
     def layer(self) -> Layer:
         text = (
             "layer grad {\n"
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
             f"  expert    {self.act}(ffn = {self.F})\n"
-            f"  dtype     {self.dtype}\n"
+            "  dtype     fp32\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
             f"  segment   rows {self.S}, buffers {self.B}\n"
