@@ -79,7 +79,7 @@ class MoELM(nn.Module):
         ]
         first = moes[0]
         self.W, self.T, self.H = first.W, first.T, first.H
-        dtype = first.router.dtype
+        dtype = first.w_down.dtype  # the layer's; its router stays fp32
         torch.manual_seed(seed)  # the non-MoE parameters
         self.embed = nn.Embedding(VOCAB, self.H)
         self.blocks = nn.ModuleList(Block(m) for m in moes)
@@ -87,7 +87,9 @@ class MoELM(nn.Module):
         self.head = nn.Linear(self.H, VOCAB)
         nn.init.zeros_(self.head.weight)  # the first loss: exactly log(VOCAB)
         nn.init.zeros_(self.head.bias)
-        self.to(device=device, dtype=dtype)  # the MoE blocks already are: a no-op for them
+        dense = [self.embed, self.norm, self.head, *(m for b in self.blocks for m in (b.mix_norm, b.mix, b.moe_norm))]
+        for m in dense:  # the MoE blocks already are on the device, in their dtype with fp32 routers
+            m.to(device=device, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [W, T'] -> logits [W, T', V]
         x = self.embed(tokens)

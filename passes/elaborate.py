@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
 
+from rdepc.passes.router import elaborate_router
+
 from rdepc import syntax as S
 from rdepc.diagnostics import Diagnostics, Span, did_you_mean
 from rdepc.ir.exact import Poly
@@ -56,6 +58,7 @@ STATEMENTS = (
     "segment",
     "schedule",
     "transport",
+    "router",
 )
 REQUIRED = ("shape", "expert")
 
@@ -364,7 +367,16 @@ class _Layer:
         ownership = self.ownership(stmts.get("owner"), shape)
         capacity = self.capacity(stmts.get("capacity"), shape)
         segment = self.segment(stmts.get("segment"))
-        if len(self.diags.errors) > errors_before or None in (expert, precision, model, route, ownership, capacity):
+        router = elaborate_router(self, stmts.get("router"), shape)
+        if len(self.diags.errors) > errors_before or None in (
+            expert,
+            precision,
+            model,
+            route,
+            ownership,
+            capacity,
+            router,
+        ):
             return None
         if capacity.drop == "lowest_gate" and "gate" not in route.sideband:
             self.diags.error(
@@ -400,6 +412,7 @@ class _Layer:
             dedup=dedup,
             span=decl.name_span,
             spans=tuple(sorted(self.spans.items())),
+            router=router,
         )
         self.warn(spec)
         ir = self.to_ir(spec)

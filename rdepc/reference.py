@@ -65,6 +65,36 @@ def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, 
     raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
 
 
+def route(x: torch.Tensor, weight: torch.Tensor, router, K: int, bias: torch.Tensor | None = None):
+    """The router of docs/language.md, one token at a time: ``x`` [N, H], ``weight`` [E, H],
+    ``router`` a spec's :class:`rdepc.ir.spec.Router`. Returns (ids [N, K], gates [N, K]) in fp32.
+
+    Per token: logits z = W·x; scores s = softmax(z) or sigmoid(z); a choice score c = s (+ bias);
+    with G groups, each group's score is the sum of its two best c, and only the experts of the
+    ``top_groups`` best groups may be chosen; the K best c are chosen; their gates are their s,
+    divided by their sum when ``renormalize``, times ``scale``.
+    """
+    E = weight.shape[0]
+    ids, gates = [], []
+    for xt in x.float():
+        z = weight.float() @ xt
+        s = torch.softmax(z, dim=0) if router.score == "softmax" else torch.sigmoid(z)
+        c = s if bias is None else s + bias.float()
+        allowed = list(range(E))
+        if router.groups > 1:
+            size = E // router.groups
+            best_two = [sorted(c[g * size : (g + 1) * size].tolist(), reverse=True)[:2] for g in range(router.groups)]
+            group_rank = sorted(range(router.groups), key=lambda g: -sum(best_two[g]))
+            allowed = [e for g in sorted(group_rank[: router.top_groups]) for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(allowed, key=lambda e: -c[e].item())[:K]
+        g = s[chosen]
+        if router.renormalize:
+            g = g / g.sum()
+        ids.append(chosen)
+        gates.append(g * float(router.scale))
+    return torch.tensor(ids, dtype=torch.int64).reshape(-1, K), torch.stack(gates).reshape(-1, K)
+
+
 FP8_MAX = 448.0  # the largest finite fp8 e4m3 (e4m3fn) value
 
 
@@ -435,5 +465,6 @@ __all__ = [
     "owner_pairs",
     "random_inputs",
     "reference_for",
+    "route",
     "row_id_for",
 ]

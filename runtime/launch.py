@@ -57,11 +57,12 @@ def import_kernels(path: str | Path, interpret: bool):
             importlib.import_module("triton.language")
             mode = triton_mode()
         if mode != want:
+            fix = "Start the process with TRITON_INTERPRET=1 in its environment, or build the CPU module first; "
             raise RuntimeError(
                 f"rdepc: this process imported Triton in {mode} mode, and a "
                 f"{'CPU (interpreted)' if interpret else 'GPU (native)'} module needs {want} mode. Triton fixes the "
-                "mode when it is first imported (TRITON_INTERPRET=1 then means the interpreter): run CPU and GPU "
-                "modules in separate processes."
+                "mode when it is first imported, and something imported it before this module was built (transformers "
+                f"does). {fix if interpret else ''}CPU and GPU modules need separate processes."
             )
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         name = f"rdepc_kernels_{path.stem}_{digest}_{want}"

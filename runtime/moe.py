@@ -11,9 +11,12 @@ and shared experts, and its experts' rows of the same full weights.
 
 Semantics, in order:
 
-1. router: ``logits = x @ router`` (``router`` [H, E], in fp32), ``p = softmax(logits)``
-   over the E experts, the top-K of ``p`` per token (ids and values, in descending order of
-   ``p``), the K values renormalized to sum 1: the gates ``g``;
+1. router, as the spec's ``router`` statement says (docs/language.md; without one,
+   ``router softmax, renormalize``): ``logits = x · routerᵀ`` in fp32 (``router`` [E, H], an
+   fp32 parameter whatever the layer's dtype: its master copy), scores (softmax or sigmoid)
+   over the E experts, the top-K by score (plus ``router_bias`` [E], a buffer, when the spec
+   says ``bias``; within the ``top_groups`` best groups when it says ``groups``), gates the
+   chosen scores, renormalised to sum 1 and scaled when the spec says so;
 2. routed experts: the compiled layer (``Layer.module``), ``sum_k g'_k f_{e_k}(x)`` with the
    spec's capacity policy — never the reference operator;
 3. shared experts (the spec's ``shared N x act(ffn = F)``): computed densely on the
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+from rdepc.runtime import router as R
 from rdepc.runtime.module import TORCH_DTYPES
 from torch import nn
 from torch.nn import functional as F_
@@ -74,7 +78,8 @@ class RDEPMoE(nn.Module):
         # Per-rank backends: this rank's experts only (``experts``, global ids in local order).
         self.experts = self.kernels.local_experts
         n_exp = len(self.experts)
-        self.router = nn.Parameter(torch.empty(self.H, self.E, **kw))
+        self.router = nn.Parameter(torch.empty(self.E, self.H, device=kw["device"], dtype=torch.float32))
+        self.register_buffer("router_bias", torch.zeros(self.E, device=kw["device"]) if s.router.bias else None)
         gated = s.expert.gated
         if gated:  # w_gate and w_up: its halves (__getattr__)
             self.w_gate_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, 2, **kw))
@@ -100,6 +105,9 @@ class RDEPMoE(nn.Module):
         keeps its own: with one seed, every rank's block is a slice of the same layer."""
         experts = ("w_gate_up", "w_up", "w_down")
         for name, p in self.named_parameters():
+            if name == "router":  # drawn [H, E] as x · router reads it, kept [E, H] like nn.Linear
+                p.copy_((torch.randn(self.H, self.E, generator=generator) / math.sqrt(self.H)).T)
+                continue
             for w in (p[..., 0], p[..., 1]) if name == "w_gate_up" else (p,):  # gate, then up
                 fan_in = w.shape[-2]
                 shape = (self.E, *w.shape[1:]) if name in experts else w.shape
@@ -112,20 +120,48 @@ class RDEPMoE(nn.Module):
             return params["w_gate_up"][..., 0 if name == "w_gate" else 1]
         return super().__getattr__(name)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_ids [..., T', K] int64, gates [..., T', K] fp32): softmax over E, top-K, sum 1."""
-        probs = torch.softmax(x.float() @ self.router.float(), dim=-1)
-        top, ids = probs.topk(self.K, dim=-1)
-        return ids, top / top.sum(dim=-1, keepdim=True)
+    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> R.Routing:
+        """(ids [..., T', K] int64, gates [..., T', K] fp32, logits [..., T', E] fp32) by the
+        spec's router; from ``logits`` instead of ``x · routerᵀ`` when given."""
+        return R.route(x, self.router, self.layer.spec.router, self.K, self.router_bias, logits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, gates = self.route(x)
-        y = self.kernels(x, ids, gates, self.w_gate, self.w_up, self.w_down)
+    def forward(self, x: torch.Tensor, *, router_outputs: bool = False, logits: torch.Tensor | None = None):
+        """``x`` [W, T', H] (a per-rank backend: [T', H]), or [N, H] split over the W ranks in
+        order; any float dtype, cast to the layer's and ``y`` cast back. Returns ``y``, or
+        ``(y, RouterOutputs(logits, aux_loss, z_loss))`` with ``router_outputs``: the router's
+        fp32 logits for the user's own losses, and the losses the spec declares (its
+        coefficient × the loss; None when it declares none). ``logits``: route from these
+        instead of this block's router (a model that keeps its own router module)."""
+        shape, dtype = x.shape, x.dtype
+        x = self._as_ranks(x).to(self.w_down.dtype)  # fp32 or autocast inputs: cast at the boundary
+        if logits is not None:
+            logits = logits.reshape(*x.shape[:-1], self.E)
+        routing = self.route(x, logits)
+        y = self.kernels(x, routing.ids, routing.gates, self.w_gate, self.w_up, self.w_down)
         if self.shared_act is not None:
             for j in range(self.shared_up.shape[0]):
                 gate = None if self.shared_gate is None else self.shared_gate[j]
                 y = y + _ffn(x, gate, self.shared_up[j], self.shared_down[j], self.shared_act)
-        return y
+        y = y.reshape(shape).to(dtype)
+        if not router_outputs:
+            return y
+        out = R.outputs(routing, self.layer.spec.router)
+        return y, out._replace(logits=out.logits.reshape(*shape[:-1], self.E))
+
+    def _as_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the kernels take it: [W, T', H] in one process, a rank's [T', H] per rank;
+        [N, H] in one process is the W ranks' tokens in rank order, N/W each."""
+        if x.shape[-1] != self.H:
+            raise ValueError(f"x has hidden size {x.shape[-1]}, but layer '{self.layer.spec.name}' has {self.H}")
+        if self.kernels.per_rank or x.dim() != 2:
+            return x
+        N = x.shape[0]
+        if N % self.W:
+            raise ValueError(
+                f"x [{N}, {self.H}] cannot be split over the {self.W} ranks of layer '{self.layer.spec.name}' "
+                f"({N} tokens is not a multiple of {self.W}): pass [W, T', H]"
+            )
+        return x.reshape(self.W, N // self.W, self.H)
 
     @property
     def last_stats(self) -> dict | None:

@@ -40,3 +40,10 @@ def test_readme_language_block_is_the_moonlight_example():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = readme.split("## The language in brief\n\n```\n", 1)[1].split("```\n", 1)[0]
     assert block == (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")
+
+
+def test_the_language_docs_complete_example_is_the_moonlight_example():
+    docs = (ROOT / "docs" / "language.md").read_text(encoding="utf-8")
+    block = docs.split("## 7. A complete example", 1)[1].split("```rdep\n", 1)[1].split("```\n", 1)[0]
+    spec = (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")
+    assert block == "".join(line for line in spec.splitlines(keepends=True) if not line.startswith("#"))

@@ -467,9 +467,9 @@ def test_rdepmoe_runs_the_kernels_and_adds_shared_experts():
     assert names == {"router", "w_gate_up", "w_down", "shared_gate", "shared_up", "shared_down"}
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     y = moe(x)
-    ids, gates = moe.route(x)
+    ids, gates, _ = moe.route(x)
     assert torch.allclose(gates.sum(-1), torch.ones(2, 6)) and ids.dtype == torch.int64
-    probs = torch.softmax(x @ moe.router, -1)
+    probs = torch.softmax(x @ moe.router.T, -1)
     assert torch.equal(ids, probs.topk(2, dim=-1).indices)
     with torch.no_grad():
         routed, _ = reference_for(spec)(x, ids, gates, moe.w_gate, moe.w_up, moe.w_down)
@@ -485,7 +485,7 @@ def test_rdepmoe_runs_the_kernels_and_adds_shared_experts():
     (y * dy).sum().backward()
     assert moe.kernels.launcher.launches == launches + 1  # one launch: the backward pass
     ref = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
-    top, ids = torch.softmax(x @ ref["router"], -1).topk(2, dim=-1)
+    top, ids = torch.softmax(x @ ref["router"].T, -1).topk(2, dim=-1)
     wgu = ref["w_gate_up"]
     routed, _ = reference_for(spec)(x, ids, top / top.sum(-1, keepdim=True), wgu[..., 0], wgu[..., 1], ref["w_down"])
     shared = sum(

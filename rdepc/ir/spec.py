@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from rdepc.diagnostics import Span
@@ -163,6 +164,23 @@ class Capacity:
 
 
 @dataclass(frozen=True, slots=True)
+class Router:
+    """How a token picks its K experts and their gates (docs/language.md, 'router').
+
+    Numbers are exact fractions: they never pass through sympy, and the runtime takes floats.
+    """
+
+    score: str = "softmax"  # softmax | sigmoid: s = score(x · Wr^T) over the E experts
+    renormalize: bool = True  # the K gates divided by their sum
+    bias: bool = False  # a per-expert bias added to s for choosing only (DeepSeek-V3)
+    groups: int = 1  # E experts in ``groups`` groups; a token picks from its ``top_groups`` best
+    top_groups: int = 1
+    scale: Fraction = Fraction(1)  # routed scaling factor, applied to the gates last
+    aux_loss: Fraction | None = None  # coefficient of the load-balancing loss, None: not computed
+    z_loss: Fraction | None = None  # coefficient of the router z-loss, None: not computed
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
     rows: sp.Integer  # S
     buffers: sp.Integer  # B
@@ -188,6 +206,7 @@ class LayerSpec:
     dedup: bool
     span: Span
     spans: tuple[tuple[str, Span], ...] = field(default=())
+    router: Router = field(default=Router())
 
     def span_of(self, key: str) -> Span:
         """The span of ``"statement.option"``, else of the statement, else of the layer."""

@@ -1,0 +1,87 @@
+"""Elaboration of the ``router`` statement: how a token picks its K experts and their gates.
+
+    router softmax, renormalize                                            # Mixtral, Qwen3 norm_topk_prob
+    router sigmoid, bias, groups 8, top_groups 4, renormalize, scale 2.5   # DeepSeek-V3
+    router softmax, renormalize, aux_loss 0.01, z_loss 0.001
+
+Without the statement a layer routes as ``router softmax, renormalize``. The semantics are
+in docs/language.md; ``RDEPMoE.route`` and ``rdepc.reference.route`` implement them.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from rdepc import syntax as S
+from rdepc.ir.spec import Router, Shape
+
+SCORES = ("softmax", "sigmoid")
+FLAGS = (*SCORES, "renormalize", "bias")
+KEYED = ("groups", "top_groups", "scale", "aux_loss", "z_loss")
+
+
+def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
+    """The statement's Router, or None after reporting its errors on ``layer.diags``.
+
+    ``layer`` is the elaborator's per-layer context (``args``, ``expr``, ``size``, ``diags``).
+    """
+    if st is None:
+        return Router()
+    d = layer.diags
+    opts, _ = layer.args(st, keyed=KEYED, flags=FLAGS)
+    scores = [s for s in SCORES if s in opts]
+    if len(scores) != 1:
+        msg = "'router' needs its score function: softmax or sigmoid"
+        if scores:
+            msg = "'router' gives both softmax and sigmoid; choose one"
+        d.error(msg, st.keyword_span, "e.g. 'router softmax, renormalize'")
+        return None
+    E, K = int(shape.E.value), int(shape.K.value)
+    numbers: dict[str, Fraction] = {}
+    for name, lowest in (("scale", None), ("aux_loss", 0), ("z_loss", 0)):
+        if name not in opts:
+            continue
+        v, span = layer.expr(opts[name], f"router {name}")
+        if v is None:
+            return None
+        if not v.is_const:
+            d.error(f"router {name} must be a number, got {v}", span)
+            return None
+        if (lowest is None and v.value <= 0) or (lowest is not None and v.value < lowest):
+            d.error(f"router {name} must be {'positive' if lowest is None else 'zero or more'}, got {v}", span)
+            return None
+        numbers[name] = Fraction(v.value)
+    groups = top_groups = 1
+    if ("groups" in opts) != ("top_groups" in opts):
+        given, missing = ("groups", "top_groups") if "groups" in opts else ("top_groups", "groups")
+        d.error(f"router {given} needs {missing}", opts[given].span, "e.g. 'groups 8, top_groups 4'")
+        return None
+    if "groups" in opts:
+        g = layer.size(opts["groups"], "router groups")
+        tg = layer.size(opts["top_groups"], "router top_groups")
+        if g is None or tg is None:
+            return None
+        groups, top_groups = int(g.value), int(tg.value)
+        if E % groups:
+            d.error(f"router groups {groups} does not divide the {E} experts", opts["groups"].value.span)
+            return None
+        if top_groups > groups:
+            d.error(f"router top_groups {top_groups} is more than the {groups} groups", opts["top_groups"].value.span)
+            return None
+        if top_groups * (E // groups) < K:
+            d.error(
+                f"top {K} cannot be picked from {top_groups} group(s) of {E // groups} experts",
+                opts["top_groups"].value.span,
+                f"top_groups must be at least {-(-K // (E // groups))}",
+            )
+            return None
+    return Router(
+        score=scores[0],
+        renormalize="renormalize" in opts,
+        bias="bias" in opts,
+        groups=groups,
+        top_groups=top_groups,
+        scale=numbers.get("scale", Fraction(1)),
+        aux_loss=numbers.get("aux_loss"),
+        z_loss=numbers.get("z_loss"),
+    )

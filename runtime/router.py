@@ -1,0 +1,87 @@
+"""The spec's router in torch: scores, group-limited top-K, gates, and the router's losses.
+
+Vectorised over any leading dimensions; the semantics are docs/language.md's 'router'
+(checked against ``rdepc.reference.route``, a per-token loop written independently).
+Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F_
+
+from rdepc.ir.spec import Router
+
+
+class Routing(NamedTuple):
+    ids: torch.Tensor  # [..., K] int64, in descending order of the choice score
+    gates: torch.Tensor  # [..., K] fp32
+    logits: torch.Tensor  # [..., E] fp32
+
+
+def scores(logits: torch.Tensor, router: Router) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1) if router.score == "softmax" else torch.sigmoid(logits)
+
+
+def route(
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    router: Router,
+    K: int,
+    bias: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+) -> Routing:
+    """Route ``x`` [..., H] with ``weight`` [E, H] (or given ``logits`` [..., E]), in fp32."""
+    logits = F_.linear(x.float(), weight.float()) if logits is None else logits.float()
+    s = scores(logits, router)
+    choice = s if bias is None else s + bias.float()
+    if router.groups > 1:
+        size = choice.shape[-1] // router.groups
+        grouped = choice.unflatten(-1, (router.groups, size))
+        group_score = grouped.topk(min(2, size), dim=-1).values.sum(dim=-1)  # DeepSeek-V3: its best two
+        best = group_score.topk(router.top_groups, dim=-1).indices
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, best, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(size, dim=-1), float("-inf"))
+    ids = choice.topk(K, dim=-1).indices
+    gates = s.gather(-1, ids)
+    if router.renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    if router.scale != 1:
+        gates = gates * float(router.scale)
+    return Routing(ids, gates, logits)
+
+
+def aux_loss(logits: torch.Tensor, ids: torch.Tensor, router: Router) -> torch.Tensor:
+    """The load-balancing loss (Switch Transformer eq. 4–6, as transformers computes it):
+    E · Σ_e (route rows at e / tokens) · mean_t p_{t,e}, with p the token's scores normalised
+    over the E experts; unscaled."""
+    E = logits.shape[-1]
+    flat = logits.reshape(-1, E)
+    p = scores(flat, router)
+    if router.score == "sigmoid":
+        p = p / p.sum(dim=-1, keepdim=True)
+    ones = torch.ones(ids.numel(), device=logits.device)
+    counts = torch.zeros(E, device=logits.device).scatter_add_(0, ids.reshape(-1), ones)
+    return E * torch.sum(counts / flat.shape[0] * p.mean(dim=0))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(logits)²; unscaled."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class RouterOutputs(NamedTuple):
+    logits: torch.Tensor  # [..., E] fp32, for the user's own losses
+    aux_loss: torch.Tensor | None  # the spec's coefficient × aux_loss; None unless declared
+    z_loss: torch.Tensor | None  # the spec's coefficient × z_loss; None unless declared
+
+
+def outputs(routing: Routing, router: Router) -> RouterOutputs:
+    aux = None if router.aux_loss is None else float(router.aux_loss) * aux_loss(routing.logits, routing.ids, router)
+    z = None if router.z_loss is None else float(router.z_loss) * z_loss(routing.logits)
+    return RouterOutputs(routing.logits, aux, z)
+
+
+__all__ = ["RouterOutputs", "Routing", "aux_loss", "outputs", "route", "scores", "z_loss"]

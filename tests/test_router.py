@@ -1,0 +1,151 @@
+"""The router statement: elaboration, the runtime router against the reference's per-token
+one, its losses, and a DeepSeek-V3-style router through RDEPMoE's compiled kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rdepc.runtime import router as R
+from rdepc.runtime.module import max_relative_error
+
+import rdepc
+from rdepc.api import Layer, SpecError, elaborate_layer
+from rdepc.ir.spec import Router
+from rdepc.parser import parse_text
+from rdepc.reference import reference_for, route
+
+MIXTRAL = "router softmax, renormalize"
+QWEN3_UNNORMALISED = "router softmax"
+DEEPSEEK = "router sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5"
+
+
+def text(router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype: str = "fp32") -> str:
+    return (
+        "layer t {\n"
+        f"  shape     ranks {W}, tokens {T}, hidden 32, experts {E}, top {K}\n"
+        "  expert    swiglu(ffn = 32)\n"
+        f"  dtype     {dtype}\n"
+        f"  {router}\n"
+        "  schedule  bulk\n"
+        "}\n"
+    )
+
+
+def spec_of(router: str, **kw):
+    spec, _ = elaborate_layer(parse_text(text(router, **kw), "r.rdep"), None, {})
+    return spec
+
+
+def test_without_a_router_statement_a_layer_routes_softmax_renormalised():
+    assert spec_of("").router == Router(score="softmax", renormalize=True)
+
+
+def test_the_deepseek_router_elaborates():
+    r = spec_of(DEEPSEEK + ", aux_loss 0.001, z_loss 1").router
+    assert (r.score, r.renormalize, r.bias, r.groups, r.top_groups) == ("sigmoid", True, True, 4, 2)
+    assert (float(r.scale), float(r.aux_loss), float(r.z_loss)) == (2.5, 0.001, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("router", "message", "col"),
+    [
+        ("router renormalize", "'router' needs its score function: softmax or sigmoid", 3),
+        ("router softmax, sigmoid", "'router' gives both softmax and sigmoid; choose one", 3),
+        ("router softmax, groups 4", "router groups needs top_groups", 19),
+        ("router softmax, groups 3, top_groups 1", "router groups 3 does not divide the 8 experts", 26),
+        ("router softmax, groups 4, top_groups 5", "router top_groups 5 is more than the 4 groups", 40),
+        ("router softmax, groups 4, top_groups 1", "top 3 cannot be picked from 1 group(s) of 2 experts", 40),
+        ("router softmax, scale 0", "router scale must be positive, got 0", 25),
+        ("router softmax, aux_loss -1", "router aux_loss must be zero or more, got -1", 28),
+        ("router softmax, z_los 1", "unknown option 'z_los' in 'router'", 19),
+    ],
+)
+def test_router_errors_point_at_the_statement(router, message, col):
+    with pytest.raises(SpecError) as err:
+        spec_of(router)
+    d = err.value.diagnostics[0]
+    assert d.message == message
+    assert (d.span.line, d.span.col) == (5, col)
+
+
+@pytest.mark.parametrize("router", [MIXTRAL, QWEN3_UNNORMALISED, DEEPSEEK, "router sigmoid, groups 2, top_groups 1"])
+def test_the_runtime_router_matches_the_per_token_reference(router):
+    r = spec_of(router).router
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g)
+    bias = torch.randn(8, generator=g) * 0.1 if r.bias else None
+    ids, gates, logits = R.route(x, weight, r, 3, bias)
+    want_ids, want_gates = route(x, weight, r, 3, bias)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(logits, x @ weight.T, rtol=1e-5, atol=1e-5)
+    sums = gates.sum(-1)
+    if r.renormalize:
+        assert torch.allclose(sums, torch.full_like(sums, float(r.scale)))
+    elif r.score == "softmax":
+        assert (sums < 1).all()
+
+
+def test_group_limited_routing_picks_only_from_the_best_groups():
+    r = spec_of("router sigmoid, groups 4, top_groups 1", K=2).router
+    logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 0.0, 0.0, 9.0, -9.0]])  # group 1 sums best (5+4 > 9-9)
+    ids, _, _ = R.route(None, torch.empty(8, 1), r, 2, logits=logits)
+    assert ids.tolist() == [[2, 3]]  # not expert 6, the best alone: its group is not chosen
+
+
+def test_a_bias_chooses_but_does_not_weigh():
+    r = spec_of("router sigmoid, bias").router
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0])
+    ids, gates, _ = R.route(None, torch.empty(8, 1), r, 3, bias, logits=logits)
+    assert ids.tolist() == [[7, 0, 1]]
+    assert torch.equal(gates, torch.sigmoid(logits)[:, [7, 0, 1]])
+
+
+def test_the_losses_are_the_switch_and_st_moe_formulas():
+    r = spec_of("router softmax, renormalize, aux_loss 0.5, z_loss 0.25").router
+    logits = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    routing = R.route(None, torch.empty(8, 1), r, 3, logits=logits)
+    out = R.outputs(routing, r)
+    p = torch.softmax(logits, -1)
+    counts = torch.zeros(8)
+    for e in routing.ids.flatten().tolist():
+        counts[e] += 1
+    assert torch.allclose(out.aux_loss, 0.5 * 8 * (counts / 2 * p.mean(0)).sum())
+    assert torch.allclose(out.z_loss, 0.25 * torch.logsumexp(logits, -1).square().mean())
+    assert R.outputs(routing, spec_of(MIXTRAL).router)[1:] == (None, None)
+
+
+def test_balanced_routing_has_aux_loss_k():
+    """E·Σ f_e·P_e with every expert equally likely and equally loaded is K, as in transformers."""
+    r = spec_of("router softmax, aux_loss 1").router
+    ids = torch.arange(8).reshape(4, 2).repeat(2, 1)  # 8 tokens, each expert twice
+    assert torch.allclose(R.aux_loss(torch.zeros(8, 8), ids, r), torch.tensor(2.0))
+
+
+def test_deepseek_routing_runs_through_rdepmoe_and_matches_the_reference():
+    spec = spec_of(DEEPSEEK + ", aux_loss 0.01, z_loss 0.001")
+    moe = rdepc.RDEPMoE(Layer(spec), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        moe.router_bias.copy_(torch.linspace(-0.05, 0.05, 8))
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    y, out = moe(x, router_outputs=True)
+    ids, gates = route(x.reshape(-1, 32), moe.router, spec.router, 3, moe.router_bias)
+    shape = (2, 8, 3)
+    with torch.no_grad():
+        want, _ = reference_for(spec)(x, ids.reshape(shape), gates.reshape(shape), moe.w_gate, moe.w_up, moe.w_down)
+    assert max_relative_error(y.detach(), want) <= 1e-5
+    assert out.logits.shape == (2, 8, 8) and out.logits.dtype == torch.float32
+    # The router trains through the gates and the losses; its bias is a buffer, not a parameter.
+    (y.square().sum() + out.aux_loss + out.z_loss).backward()
+    assert moe.router.grad is not None and moe.router.grad.abs().sum() > 0
+    assert "router_bias" not in dict(moe.named_parameters())
+
+
+def test_the_router_keeps_fp32_in_a_bf16_layer():
+    moe = rdepc.RDEPMoE(Layer(spec_of(MIXTRAL, dtype="bf16")), generator=torch.Generator().manual_seed(0))
+    assert moe.router.dtype == torch.float32 and moe.w_down.dtype == torch.bfloat16
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    _, gates, logits = moe.route(x)
+    assert gates.dtype == logits.dtype == torch.float32
+    assert torch.equal(logits, x.float() @ moe.router.T)
