@@ -208,8 +208,8 @@ class KernelPlan:
     # can exceed 1 by descending coefficient (decoding reads them in this order)
     row_id: tuple[tuple[int, int, int, int], ...]
     row_id_order: tuple[str, ...]
-    # owners admit by key (``drop lowest_gate``, or arrival when ascending row_id is not
-    # rank, then token, then slot order): each source publishes its rows' keys
+    # owners admit by key (``drop round_robin`` or ``lowest_gate``, or arrival when ascending
+    # row_id is not rank, then token, then slot order): each source publishes its rows' keys
     keyed: bool
     dedup: bool  # one payload row per (token, owner), summed back at the owner
     # capacity: policy, factor (p, q), rows (int, or one per T' when T is symbolic), weights (drop: arrival)
@@ -217,7 +217,7 @@ class KernelPlan:
     cap_factor: tuple[int, int] | None
     cap_rows: int | tuple[int, ...] | None
     weights: str
-    drop: str  # arrival | lowest_gate
+    drop: str  # round_robin | arrival | lowest_gate
     # ownership tables
     owner: tuple[int, ...]  # π(e)
     local: tuple[int, ...]  # λ(e)
@@ -321,6 +321,23 @@ class KernelPlan:
             for i in q:
                 first.append(first[-1] + table[i][col["items"]])
         return Work(mode, tuple(table), queue, tuple(first), tuple(bounds), m_slots)
+
+    @property
+    def key_bits(self) -> int:
+        """Bits an admission key needs: a dense row index is below W·T·K; a gate-ordered
+        key spans 63."""
+        return 63 if self.drop == "lowest_gate" else max(1, (self.W * self.T * self.K - 1).bit_length())
+
+    @property
+    def keys_in_row_order(self) -> bool:
+        """Whether a source's admission keys ascend with its route rows t*K + k (token, then
+        slot): then a row's place in its run is a running count, not a comparison of keys."""
+        if self.drop == "round_robin":
+            return True
+        if self.drop == "lowest_gate":
+            return False
+        order = [v for v in self.row_id_order if v in ("token", "slot")]
+        return order != ["slot", "token"]
 
     @property
     def gated(self) -> bool:

@@ -72,11 +72,12 @@ def note(ctl, word, bad, key):
 
 @triton.jit
 def validate(topk_ids, gates, ctl, r, n_tokens):
-    """Front-end r's routing inputs: expert ids in [0, E), K distinct experts per token,
-    finite gates. Offenders are counted into the control block with the first one (key
-    W*T*K - (r*T + t)*K - k: earliest is largest) for the host to raise after the call; the
-    call goes on (an id out of range is routed nowhere, its slot not accepted), so no rank
-    is left waiting and the next call starts clean."""
+    """Front-end r's routing inputs: expert ids in [0, E) or -1 (a slot that routes nowhere:
+    padding), K distinct experts per token, finite gates. Offenders are counted into the
+    control block with the first one (key W*T*K - (r*T + t)*K - k: earliest is largest) for
+    the host to raise after the call; the call goes on (an id out of range is routed
+    nowhere, its slot not accepted), so no rank is left waiting and the next call starts
+    clean."""
     base = tl.cast(r, tl.int64) * n_tokens * K
     key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
     slots = tl.arange(0, K_PAD)
@@ -89,17 +90,20 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
         e = tl.load(topk_ids + base + i, mask=live, other=0)
         g = tl.load(gates + base + i, mask=live, other=0.0)
         key = tl.ravel(key0 - i)
-        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < 0) | (e >= E))), key)
-        note(ctl, CTL_BAD_GATES, tl.ravel(live & ((g - g) != 0)), key)  # NaN and +-inf: g - g is not 0
-        pair = live[:, :, None] & live[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
+        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < -1) | (e >= E))), key)
+        # NaN and +-inf (g - g is not 0); a slot that routes nowhere may carry any gate
+        note(ctl, CTL_BAD_GATES, tl.ravel(live & (e != -1) & ((g - g) != 0)), key)
+        routed = live & (e != -1)  # two slots that route nowhere are no repeated expert
+        pair = routed[:, :, None] & routed[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
         twice = tl.max(tl.max(((e[:, :, None] == e[:, None, :]) & pair).to(tl.int32), axis=2), axis=1) > 0
         note(ctl, CTL_DUP_TOKENS, twice, key0 - t * K)
 
 
 @triton.jit
 def route(
-    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r, n_tokens
-):
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r,
+    n_tokens, brought,
+):  # fmt: skip
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
     Route row i = t*K + k of token t, slot k. Pass 1 gives every row its
@@ -151,21 +155,22 @@ def route(
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
     put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
-    # ... and how many tokens r brings to the call: capacity follows the total (ranks may differ).
+    # ... and how many tokens r brings to the call (``brought`` <= n_tokens, the rows past it route
+    # nowhere): capacity follows the total (ranks may differ).
     peers = tl.arange(0, W_PAD)
-    tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
+    tokens = tl.zeros([W_PAD], tl.int64) + brought
     put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
 '''
-    if not p.keyed:
-        position = """        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
+    running = """        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
         tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
 """
+    if not p.keyed:
         doc = (
             "position among the rows r sends to the same expert (a running one-hot prefix count, in\n"
             "    row order, which is ascending row_id)"
         )
         return (
-            text.replace("@@POSITION@@", position)
+            text.replace("@@POSITION@@", running)
             .replace("@@KEYS@@", "")
             .replace("@@ORDER@@", doc)
             .replace("@@RGATES@@", "")
@@ -191,6 +196,13 @@ def route(
         "position among the rows r sends to the same expert in admission-key order (row_key;\n"
         "    the owner admits the smallest keys, scan)"
     )
+    if p.keys_in_row_order:  # a source's keys ascend with its rows: a running count places them
+        position = running
+        doc = (
+            "position among the rows r sends to the same expert (a running one-hot prefix count, in\n"
+            "    row order, which is admission-key order: row_key; the owner admits the smallest\n"
+            "    keys, scan)"
+        )
     text = text.replace("@@RGATES@@", "    rgates = gates + tl.cast(r, tl.int64) * n\n")
     return (
         row_key_source(p)
@@ -200,13 +212,17 @@ def route(
 
 
 def row_key_source(p: KernelPlan) -> str:
-    """The admission key of a route row: its row_id's order as a dense index (< W·T·K), below
-    the gate's descending order under ``drop lowest_gate``."""
+    """The admission key of a route row (< W·T·K unless by gate): under ``drop arrival`` its
+    row_id's order as a dense index; under ``round_robin`` its (token, turn, slot) index, the
+    turn (rank − token) mod W; under ``lowest_gate`` the gate's descending order, then row_id."""
     extent = {"rank": "W", "token": "T", "slot": "K"}
     dense = ""
     for v in p.row_id_order:  # mixed radix over the extents, largest coefficient first
         dense = v if not dense else f"{dense if ' ' not in dense else f'({dense})'} * {extent[v]} + {v}"
-    if p.drop == "lowest_gate":
+    if p.drop == "round_robin":
+        body = "    return (token * W + (rank - token % W + W) % W) * K + slot\n"
+        what = "token index first, the ranks taking turns from rank t mod W, then slot"
+    elif p.drop == "lowest_gate":
         body = f"""    g = tl.load(gates + i, mask=live, other=0.0) + 0.0  # -0 as +0: equal gates tie on row_id
     bits = g.to(tl.int32, bitcast=True)
     up = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # the fp32 order, in [0, 2^32)
@@ -283,7 +299,10 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
         offset = first + tl.minimum(before, cap)
 """
         return text.replace("@@POLICY@@", policy).replace("@@TAKE@@", take).replace("@@NEXT@@", "        before += c\n")
-    what = "highest gate first, then ascending row_id" if p.drop == "lowest_gate" else "ascending row_id"
+    what = {
+        "round_robin": "token index first, the ranks taking turns (row_key)",
+        "lowest_gate": "highest gate first, then ascending row_id",
+    }.get(p.drop, "ascending row_id")
     policy = f"""{what}: the cap smallest of
     the keys every source published (row_key), a global step over all arrivals. Each
     source's keys for an expert are one ascending run (its route positions), so what it
@@ -291,8 +310,8 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     found bit by bit."""
     take = """    keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
     kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
-    for b in range(0, 63):
-        trial = kth + (tl.full([EL_PAD], 1, tl.int64) << (62 - b))
+    for b in range(0, KEY_BITS):
+        trial = kth + (tl.full([EL_PAD], 1, tl.int64) << (KEY_BITS - 1 - b))
         below = tl.zeros([EL_PAD], tl.int32)
         for src in range(0, W):
             below += keys_below(keys, counts, src, local, mine, trial)

@@ -45,6 +45,7 @@ COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
+DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
 STATEMENTS = (
     "shape",
     "expert",
@@ -421,7 +422,7 @@ class _Layer:
             self.diags.error(
                 f"this capacity admits route rows by key, which needs W·T·K < 2^31 route rows; got {rows:,}",
                 self.spans.get("capacity"),
-                "admit in arrival order with the route row in rank, token, slot order, or use fewer tokens",
+                "use 'drop arrival' with the route row in rank, token, slot order, or fewer tokens",
             )
             return None
         return ir
@@ -764,7 +765,9 @@ class _Layer:
             self.diags.error(msg, st.keyword_span)
             return None
         policy = policies[0]
-        drop = self.choice(opts["drop"], ("arrival", "lowest_gate"), "drop policy") if "drop" in opts else "arrival"
+        drop = "round_robin"  # no rank drops first (arrival in eq. 7's order sacrifices the last ranks)
+        if "drop" in opts:
+            drop = self.choice(opts["drop"], DROPS, "drop policy")
         weights = "renormalize"
         if "weights" in opts:
             weights = self.choice(opts["weights"], ("renormalize", "zero"), "weights")
@@ -860,7 +863,7 @@ class _Layer:
             cap_e = math.ceil(cap.factor.value * sh.W.value * sh.T_max * sh.K.value / sh.E.value)
         elif cap.policy == "rows":
             cap_e = self._max(cap.rows)
-        if seg is not None and cap_e is not None:
+        if seg is not None and cap_e is not None and spec.schedule != "bulk":  # bulk: warned below
             owner_rows = cap_e * min(per)
             if min(per) and owner_rows < seg.rows.value:
                 d.warning(
@@ -868,6 +871,20 @@ class _Layer:
                     f"{owner_rows} rows, less than the {seg.rows}-row segment",
                     spec.span_of("segment.rows"),
                 )
+        if seg is not None and spec.schedule == "bulk":
+            # As passes.graph.geometry sizes bulk: one segment per owner, S the busiest owner's
+            # worst case (distinct top-K, capped by capacity), T at its bound.
+            worst = [sh.W.value * sh.T_max * min(sh.K.value, e) for e in per]
+            rows = [r if cap_e is None else min(r, e * cap_e) for r, e in zip(worst, per, strict=True)]
+            at_bound = " with T at its bound" if sh.symbolic else ""
+            d.warning(
+                f"schedule bulk ignores the segment statement: each owner's rows move as one segment "
+                f"(S = {max(1, int(max(rows)))}{at_bound}, B = 1), not in {seg.rows}-row segments "
+                f"through {seg.buffers} buffers",
+                spec.span_of("segment"),
+                "drop the segment statement, or use 'schedule pipelined' "
+                "(a segmented --schedule on the command line still uses it)",
+            )
         if seg is not None:
             if spec.schedule == "pipelined" and seg.buffers.value < 2:
                 d.warning(

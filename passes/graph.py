@@ -147,6 +147,7 @@ def geometry(
         local=tuple(spec.ownership.local),
         experts=per,
         cap_e=cap,
+        drop=spec.capacity.drop,
         rows_max=R,
         segments=segs,
         m_slots=m_slots,
@@ -508,10 +509,15 @@ def expected_counts(geo: Geometry) -> list[list[int]]:
 
 
 def admit(geo: Geometry, counts: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Rows per (source, expert) an owner admits: capacity in source order (drop arrival
-    with eq. 7's row_id, whose most significant digit is the rank)."""
+    """Rows per (source, expert) an owner admits, from counts alone. ``drop round_robin``
+    admits by token index first, so with each source's rows spread over its tokens every
+    source keeps the same fraction cap_e / arrived (largest remainders, ties to the lower
+    rank, round the shares to rows); otherwise capacity in source order (drop arrival with
+    eq. 7's row_id, whose most significant digit is the rank; lowest_gate needs the gates)."""
     if geo.cap_e is None:
         return [list(row) for row in counts]
+    if geo.drop == "round_robin":
+        return _admit_shares(geo.cap_e, counts)
     left = [geo.cap_e] * geo.E
     out = []
     for row in counts:
@@ -519,6 +525,21 @@ def admit(geo: Geometry, counts: Sequence[Sequence[int]]) -> list[list[int]]:
         for e, x in enumerate(a):
             left[e] -= x
         out.append(a)
+    return out
+
+
+def _admit_shares(cap: int, counts: Sequence[Sequence[int]]) -> list[list[int]]:
+    out = [list(row) for row in counts]
+    for e in range(len(counts[0]) if counts else 0):
+        arrived = sum(row[e] for row in counts)
+        if arrived <= cap:
+            continue
+        share = [row[e] * cap // arrived for row in counts]
+        order = sorted(range(len(counts)), key=lambda r: (-(counts[r][e] * cap % arrived), r))
+        for r in order[: cap - sum(share)]:
+            share[r] += 1
+        for r, a in enumerate(share):
+            out[r][e] = a
     return out
 
 

@@ -16,7 +16,9 @@ routing (``--routing``). Neither torch nor triton is imported.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -667,30 +669,21 @@ def rho_tiled(counts: Sequence[int], rows: int | None = None, tile: int = BM) ->
 
 
 def parse_probs(text: str, file: str, experts: int) -> tuple[float, ...]:
-    """``--probs FILE``: E probabilities, comma or whitespace separated; '#' starts a comment.
-    Raises SpecError with a diagnostic at each bad entry."""
+    """``--probs FILE``: E probabilities p_e in [0, 1], one per expert in expert order, either
+    as numbers separated by commas or whitespace ('#' starts a comment that runs to the end of
+    the line), or as a JSON array of numbers (a file whose first non-blank character is '[').
+    Raises SpecError with a diagnostic at each bad entry; a JSON syntax error at the line and
+    column ``json`` reports. Nothing in the file is evaluated."""
     diags = Diagnostics({file: text})
+    entries = _json_entries(text, file, diags) if text.lstrip().startswith("[") else _plain_entries(text, file)
     out: list[float] = []
-    for ln, line in enumerate(text.splitlines(), 1):
-        body = line.split("#", 1)[0]
-        col = 0
-        for tok in body.replace(",", " ").split(" "):
-            col = body.find(tok, col) if tok else col
-            if not tok.strip():
-                col += 1
-                continue
-            tok = tok.strip()
-            span = Span(file, ln, col + 1, ln, col + 1 + len(tok))
-            col += len(tok)
-            try:
-                v = float(tok)
-            except ValueError:
-                diags.error(f"'{tok}' is not a number", span)
-                continue
-            if not 0 <= v <= 1 or math.isnan(v):
-                diags.error(f"probability {tok} is outside [0, 1]", span)
-                continue
-            out.append(v)
+    for tok, span, v in entries:
+        if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+            diags.error(f"'{tok}' is not a number", span)
+        elif not 0 <= v <= 1:  # NaN too; an int compares without a float conversion that may overflow
+            diags.error(f"probability {tok} is outside [0, 1]", span)
+        else:
+            out.append(float(v))
     if not diags.errors and len(out) != experts:
         diags.error(
             f"expected {experts} probabilities (one per expert), found {len(out)}",
@@ -698,6 +691,53 @@ def parse_probs(text: str, file: str, experts: int) -> tuple[float, ...]:
         )
     diags.check()
     return tuple(out)
+
+
+_PROB = re.compile(r"[^\s,]+")
+_JSON_BLANK = re.compile(r"[ \t\n\r]*")  # json's whitespace, no more
+
+
+def _plain_entries(text: str, file: str) -> list[tuple[str, Span, object]]:
+    """(token, span, value or None) per entry of the plain format."""
+    entries: list[tuple[str, Span, object]] = []
+    for ln, line in enumerate(text.split("\n"), 1):  # lines as diagnostics count them
+        for m in _PROB.finditer(line.split("#", 1)[0]):
+            try:
+                v: object = float(m.group())
+            except ValueError:
+                v = None
+            entries.append((m.group(), Span(file, ln, m.start() + 1, ln, m.end() + 1), v))
+    return entries
+
+
+def _json_entries(text: str, file: str, diags: Diagnostics) -> list[tuple[str, Span, object]]:
+    """(token, span, value) per element of a JSON array; a syntax error becomes one diagnostic."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        diags.error(f"invalid JSON: {e.msg}", Span(file, e.lineno, e.colno, e.lineno, e.colno + 1))
+        return []
+    # Well-formed: walk the array once more, element by element, for each one's position.
+    decoder = json.JSONDecoder()
+    entries: list[tuple[str, Span, object]] = []
+    i = _JSON_BLANK.match(text, _JSON_BLANK.match(text).end() + 1).end()  # past '['
+    while text[i] != "]":
+        v, end = decoder.raw_decode(text, i)
+        tok = {list: "[...]", dict: "{...}"}.get(type(v), text[i:end])  # one line, whatever the element spans
+        entries.append((tok, _span_of(text, file, i, end), v))
+        i = _JSON_BLANK.match(text, end).end()
+        if text[i] == ",":
+            i = _JSON_BLANK.match(text, i + 1).end()
+    return entries
+
+
+def _span_of(text: str, file: str, start: int, end: int) -> Span:
+    """The span of ``text[start:end]``, lines and columns counted from 1 as json counts them."""
+
+    def at(pos: int) -> tuple[int, int]:
+        return text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+
+    return Span(file, *at(start), *at(end))
 
 
 # --- the planner -----------------------------------------------------------------------

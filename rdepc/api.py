@@ -9,13 +9,50 @@ from fractions import Fraction
 from pathlib import Path
 
 from rdepc import syntax as S
-from rdepc.diagnostics import Diagnostic, SpecError
+from rdepc.diagnostics import Diagnostic, SpecError, UsageError
 from rdepc.ir.spec import LayerSpec
 from rdepc.parser import parse_file, parse_text
 
+INTERPRETER = "the Triton interpreter: rdepc sets TRITON_INTERPRET=1"
 
-class UsageError(ValueError):
-    """A bad request from the caller (not a problem in the spec file itself)."""
+
+def require_cuda(what: str, instead: str) -> None:
+    """Raise :class:`UsageError`, in one line, when this torch cannot run on a CUDA GPU: a
+    CPU-only build, or no device visible. ``what`` names the request (``device "cuda"``),
+    ``instead`` what runs without a GPU. Called before any work, so that torch's own
+    assertion deep inside a build never reaches the user."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        raise UsageError(
+            f"{what}: this torch ({torch.__version__}) is a CPU-only build, without CUDA; "
+            f"use {instead} or install a CUDA build of torch"
+        )
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"HIP {torch.version.hip}"
+        raise UsageError(
+            f"{what}: this torch ({torch.__version__}, {build}) sees no GPU; use {instead}, "
+            "or check the driver and CUDA_VISIBLE_DEVICES"
+        )
+
+
+def check_device(device) -> None:
+    """:func:`require_cuda` for a ``device`` argument naming a CUDA device; others pass."""
+    if device is None:
+        return
+    import torch
+
+    if isinstance(device, int) and not isinstance(device, bool):
+        kind = "cuda"  # an index names a GPU, as in torch.device(0) (which a CPU-only torch refuses)
+    else:
+        try:
+            kind = torch.device(device).type  # "cuda", "cuda:1", torch.device(...)
+        except (RuntimeError, TypeError, ValueError):
+            return  # not a device at all: RDEPModule says what it accepts
+    if kind != "cuda":
+        return
+    name = device if isinstance(device, int) else f'"{device}"'
+    require_cuda(f"device {name}", f'device="cpu" ({INTERPRETER})')
 
 
 def parse(text_or_path: str | os.PathLike) -> S.Module:
@@ -142,6 +179,7 @@ class Layer:
         torchrun) — on ``device`` "cpu" (the Triton interpreter, the default) or "cuda".
         ``options``: ``tiles``, ``programs``, ``spin_bound``, ``mode``, ``profile`` (see
         rdepc.runtime.RDEPModule)."""
+        check_device(device)  # before compiling
         interpret = backend != "nvshmem" and (device is None or str(device).startswith("cpu"))
         compiled = self.compile(schedule=schedule, backend=backend, interpret=interpret)
         return compiled.module(backend=backend, device=device, **options)

@@ -171,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sampled_routing(p, "sample one routing (numpy) and report rows per expert and padding")
     p.add_argument(
-        "--probs", metavar="FILE", help="E per-expert selection probabilities p_e (Poisson-binomial bound, eq. 18)"
+        "--probs",
+        metavar="FILE",
+        help="E per-expert selection probabilities p_e, separated by commas or whitespace ('#' comments) or as a "
+        "JSON array (Poisson-binomial bound, eq. 18)",
     )
     p.set_defaults(func=cmd_plan)
 
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="OUT.json", help="write the timeline as Chrome/Perfetto trace-event JSON")
     p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
     p.add_argument("--dot", metavar="OUT.dot", help="write the task graph as Graphviz DOT")
+    p.add_argument(
+        "--tasks", action="store_true", help="with --dot: every task (default: one node per rank, stage and segment)"
+    )
     p.add_argument("--full", action="store_true", help="with --dot: the tile-level graph (small specs only)")
     p.add_argument("--empty", action="store_true", help="with --trace: also tasks predicted to be empty")
     p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
@@ -362,12 +368,17 @@ TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
 def cmd_run(args) -> int:
     import time
 
-    from rdepc.api import Layer, elaborate_layer
+    from rdepc.api import INTERPRETER, Layer, elaborate_layer, require_cuda
+    from rdepc.driver import backend_warnings
     from rdepc.parser import parse_file
 
+    if args.device == "cuda":  # before any work: torch's own assertion would surface mid-build
+        require_cuda("--device cuda", f"--device cpu ({INTERPRETER})")
+    if args.profile is not None:  # before the run, which may take long: a path that cannot be written
+        _check_writable("--profile", args.profile)
     module = parse_file(args.file)
     spec, warnings = elaborate_layer(module, args.layer, _overrides(args))
-    _print_diags(warnings, {})
+    _print_diags(warnings + backend_warnings(spec, args.backend), {})
     layer = Layer(spec, warnings)
     sh = layer.shapes
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
@@ -388,14 +399,6 @@ def cmd_run(args) -> int:
     from rdepc.reference import owner_pairs, random_inputs, reference_for
     from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available (--device cpu runs the Triton interpreter)")
-    if args.profile is not None:  # before the run, which may take long: a path that cannot be written
-        out = Path(args.profile)
-        if out.is_dir():
-            raise UsageError(f"--profile {args.profile}: is a directory (expected a file name, e.g. OUT.json)")
-        if not out.parent.is_dir():
-            raise UsageError(f"--profile {args.profile}: no such directory {out.parent}")
     options = {"mode": args.mode} | ({"profile": True} if args.profile is not None else {})
     kernels = layer.module(args.backend, args.device, schedule=args.schedule, **options)
     dtype_name = spec.precision.dtype.value
@@ -454,6 +457,9 @@ def cmd_run(args) -> int:
     print(f"  rows per expert {st['rows_per_expert'].tolist()}")
     print(f"  rows per owner  {st['rows_per_owner'].tolist()}")
     print(f"  dropped rows    {st['dropped_rows']} ({cap})")
+    if st["dropped_rows"]:
+        order = f"drop {spec.capacity.drop}"
+        print(f"  dropped per src {st['dropped_per_source'].tolist()} per front-end rank ({order})")
     print(f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {kernels.tiles.bm}, padding-free)")
     t = kernels.tiles
     print(
@@ -489,6 +495,22 @@ def cmd_run(args) -> int:
         why.append("the accepted set differs from the reference's")
     print(f"check FAILED: {'; '.join(why)}")
     return 1
+
+
+def _check_writable(option: str, path: str) -> None:
+    """UsageError unless ``path`` can be written as a file: checked before a long run, not after it."""
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{option} {path}: is a directory (expected a file name, e.g. OUT.json)")
+    parent = out.parent
+    if not parent.exists():
+        raise UsageError(f"{option} {path}: no such directory {parent}")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is not a directory")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise UsageError(f"{option} {path}: permission denied (the file is not writable)")
+    if not out.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: permission denied (cannot create files in {parent})")
 
 
 def _moved(spec, sent: int, accepted: int, back: int) -> str:
@@ -637,7 +659,8 @@ def cmd_viz(args) -> int:
             wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks))
         if args.dot:
             try:
-                wrote.append(viz.write_dot(sched.graph, args.dot, sched=sched, full=args.full))
+                level = "tiles" if args.full else "tasks" if args.tasks else "stages"
+                wrote.append(viz.write_dot(sched.graph, args.dot, sched=sched, level=level))
             except ValueError as e:  # --full on a spec too large for a tile graph
                 raise UsageError(f"--dot --full: {e}") from None
     except BrokenPipeError:

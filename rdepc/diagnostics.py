@@ -72,6 +72,10 @@ def _excerpt(text: str, span: Span) -> list[str]:
     return [gutter + line, " " * (len(gutter) - 2) + "| " + " " * (span.col - 1) + "^" + "~" * (width - 1)]
 
 
+class UsageError(ValueError):
+    """A bad request from the caller (not a problem in the spec file itself)."""
+
+
 class SpecError(Exception):
     """Raised when an input has errors; carries every diagnostic found so far."""
 

@@ -112,6 +112,7 @@ def compile_file(
     module: S.Module = timed("parse", lambda: parse_file(path))
     spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
     outputs["elaborate"] = spec
+    warnings = (*warnings, *backend_warnings(spec, options.backend))
     ir: Any = spec
     for p in spec_passes(options) if passes is None else passes:
         _check_supported(p, spec)
@@ -124,6 +125,24 @@ def compile_file(
             print(f"//   {name:<14} {t * 1e3:9.2f} ms", file=out)
         print(f"//   {'total':<14} {total * 1e3:9.2f} ms", file=out)
     return Result(spec, warnings, outputs, times)
+
+
+def backend_warnings(spec: LayerSpec, backend: str) -> tuple[Diagnostic, ...]:
+    """What only the backend a layer is built for can tell, at the spec's statement: a
+    ``transport nvshmem`` layer built for an emulated backend (which ``rdepc check``, knowing
+    no backend, cannot say). An unknown backend gets nothing here: its caller refuses it."""
+    from rdepc.runtime.transport import TRANSPORTS  # plain data: no torch, no triton
+
+    if spec.transport != "nvshmem" or backend == "nvshmem" or backend not in TRANSPORTS:
+        return ()
+    diags = Diagnostics()
+    diags.warning(
+        f"'transport nvshmem' compiled for the {backend} backend: rows move through the emulated symmetric heap, "
+        "not NVSHMEM",
+        spec.span_of("transport"),
+        "--backend nvshmem builds the spec's target (one process per GPU rank, under torchrun)",
+    )
+    return tuple(diags.items)
 
 
 def _check_supported(p: Pass, spec: LayerSpec) -> None:
@@ -150,4 +169,4 @@ _DUMPS: dict[str, Callable[[Any], str]] = {
 
 PASS_NAMES = ("parse", "elaborate")
 
-__all__ = ["Options", "Pass", "Result", "SpecError", "compile_file", "dump_json", "spec_passes"]
+__all__ = ["Options", "Pass", "Result", "SpecError", "backend_warnings", "compile_file", "dump_json", "spec_passes"]

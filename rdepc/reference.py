@@ -15,10 +15,16 @@ where f_e is expert e and g' are the combine weights after the capacity policy (
 3.6). Without capacity (dropless) g' = g and every route row is accepted. With a capacity
 cap_e, the owner of expert e admits at most cap_e of the rows sent to e:
 
+* ``drop="round_robin"``: rows are admitted by token index first; among the rows of token
+  index t the ranks take turns starting at rank t mod W; then by slot. No rank drops first:
+  under a skewed routing the drops spread over the ranks;
 * ``drop="arrival"``: rows are admitted in ascending row_id order (the route-row identity,
-  by default eq. 7: ``((r·T')+t)·K+k``);
+  by default eq. 7: ``((r·T')+t)·K+k``, so rank 0's rows first and rank W−1's dropped first);
 * ``drop="lowest_gate"``: the highest gates are admitted first, so the lowest are dropped;
   equal gates are admitted in ascending row_id order.
+
+A slot whose expert id is -1 routes nowhere (padding): it is no route row, takes no capacity,
+and its gate counts as 0 everywhere below; a token whose slots are all -1 gets y_t = 0.
 
 Dropped slots get weight 0. ``weights="renormalize"`` rescales the surviving weights of a
 token so that they keep its original total, g'_{t,k} = g_{t,k} · Σ_j g_{t,j} / Σ_{j
@@ -42,7 +48,7 @@ import torch.nn.functional as F_
 from rdepc.ir.spec import SCALE_BLOCK
 
 ACTS = ("swiglu", "gelu", "relu")
-DROPS = ("arrival", "lowest_gate")
+DROPS = ("round_robin", "arrival", "lowest_gate")
 WEIGHTS = ("renormalize", "zero")
 ROUTINGS = ("uniform", "zipf:A", "hot", "one")
 
@@ -92,6 +98,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, router, K: int, bias: torch.Ten
             g = g / g.sum()
         ids.append(chosen)
         gates.append(g * float(router.scale))
+    if not gates:  # no tokens
+        return torch.zeros((0, K), dtype=torch.int64), torch.zeros((0, K))
     return torch.tensor(ids, dtype=torch.int64).reshape(-1, K), torch.stack(gates).reshape(-1, K)
 
 
@@ -132,7 +140,7 @@ def accepted_rows(
     capacity: int | Sequence[int] | None,
     *,
     num_experts: int,
-    drop: str = "arrival",
+    drop: str = "round_robin",
     row_id: RowId | None = None,
 ) -> torch.Tensor:
     """The accepted route-row set, a bool tensor shaped like ``topk_ids`` [W, T', K].
@@ -160,12 +168,15 @@ def accepted_rows(
                 if i in seen:
                     raise ValueError(f"row_id is not injective: ({r}, {t}, {k}) repeats row id {i}")
                 seen.add(i)
-                rows_of[ids[r][t][k]].append((i, r, t, k, gates[r][t][k]))
+                if ids[r][t][k] != -1:  # -1: the slot routes nowhere (padding), no route row
+                    rows_of[ids[r][t][k]].append((i, r, t, k, gates[r][t][k]))
 
     accepted = [[[False] * K for _ in range(T)] for _ in range(W)]
     for e in range(E):
         rows = rows_of[e]
-        if drop == "arrival":
+        if drop == "round_robin":  # token index, then the rank's turn at that index, then slot
+            order = sorted(rows, key=lambda row: (row[2], (row[1] - row[2]) % W, row[3]))
+        elif drop == "arrival":
             order = sorted(rows, key=lambda row: row[0])  # smallest row_id first
         else:
             order = sorted(rows, key=lambda row: (-row[4], row[0]))  # highest gate first, then row_id
@@ -199,14 +210,14 @@ def moe_reference(
     *,
     act: str = "swiglu",
     capacity: int | Sequence[int] | None = None,
-    drop: str = "arrival",
+    drop: str = "round_robin",
     weights: str = "renormalize",
     owner: Sequence[int] | None = None,
     row_id: RowId | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The RDEP operator (eq. 4) with the capacity policy of section 3.6.
 
-    x [W, T', H]; topk_ids [W, T', K] (int, in [0, E)); topk_weights [W, T', K];
+    x [W, T', H]; topk_ids [W, T', K] (int, in [0, E), or -1: no expert); topk_weights [W, T', K];
     w_gate [E, H, F] (``None`` unless ``act="swiglu"``), w_up [E, H, F], w_down [E, F, H].
     ``capacity``: ``None`` for dropless, else cap_e for every expert or one per expert.
     ``owner``: the owner rank π(e) of each expert; it is only checked (length E, ranks in
@@ -240,8 +251,9 @@ def moe_reference(
             raise ValueError(f"swiglu experts need w_gate shaped like w_up {tuple(w_up.shape)}, got {got}")
     elif w_gate is not None:
         raise ValueError(f"{act} experts are not gated: pass w_gate=None")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= E):
-        raise ValueError(f"topk_ids must lie in [0, {E}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= E):
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        raise ValueError(f"topk_ids must lie in [0, {E}) or be -1 (no expert), got [{lo}, {hi}]")
     if owner is not None:
         owner = tuple(int(q) for q in owner)
         if len(owner) != E or any(not 0 <= q < W for q in owner):
@@ -249,7 +261,7 @@ def moe_reference(
 
     ct = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(ct)
-    g = topk_weights.to(ct)
+    g = torch.where(topk_ids.to(x.device) >= 0, topk_weights.to(ct), 0)  # no expert: the gate counts as 0
     wg = None if w_gate is None else w_gate.to(ct)
     wu, wd = w_up.to(ct), w_down.to(ct)
 
@@ -291,17 +303,21 @@ def _caps(capacity: int | Sequence[int], E: int) -> list[int]:
 # ----------------------------------------------------------------------------------------
 
 
-def capacity_for(spec, T: int) -> int | None:
-    """cap_e of ``spec`` with T' = ``T`` tokens per rank (policy factor: ⌈f·W·T'·K/E⌉)."""
+def capacity_for(spec, T: int, brought: int | None = None) -> int | None:
+    """cap_e of ``spec`` with T' = ``T`` tokens per rank (policy factor: ⌈f·W·T'·K/E⌉), or
+    with ``brought`` tokens over all ranks when their counts differ (factor: ⌈f·n·K/E⌉; rows
+    given in T: at T = ⌈n/W⌉)."""
     cap = spec.capacity
     if cap.policy == "dropless":
         return None
     import sympy as sp
 
+    W, K, E = int(spec.shape.W), int(spec.shape.K), int(spec.shape.E)
+    n = W * T if brought is None else brought
     if cap.policy == "factor":
         f = sp.Rational(cap.factor)
-        W, K, E = int(spec.shape.W), int(spec.shape.K), int(spec.shape.E)
-        return -(-int(f.p) * W * T * K // (int(f.q) * E))  # exact ceiling
+        return -(-int(f.p) * n * K // (int(f.q) * E))  # exact ceiling
+    T = -(-n // W)
     at_T = {spec.shape.T: T} if spec.shape.symbolic else {}
     rows = cap.rows_per_expert(replace(spec.shape, T=sp.Integer(T), T_bound=None))
     return int(sp.sympify(rows).subs(at_T))
@@ -324,9 +340,11 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
 
     Reads W, E, K, H, F, the expert activation, the capacity policy (cap_e evaluated at the
     actual T' of each call), the drop and weights policies, the ownership map and the
-    route-row encoding. Returns ``fn(x, topk_ids, topk_weights, w_gate, w_up, w_down) ->
-    (y, accepted)``. With fp8 dispatch the experts see x as ``fp8_dispatch`` quantises it
-    (``dispatch_rounding=False``: the unquantised x). Shared experts, other dispatch dtypes
+    route-row encoding. Returns ``fn(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=None)
+    -> (y, accepted)``; ``tokens``: how many of the T' tokens each rank brings (the others are
+    padding: no expert, y = 0; the capacity follows their total). With fp8 dispatch the
+    experts see x as ``fp8_dispatch`` quantises it (``dispatch_rounding=False``: the
+    unquantised x). Shared experts, other dispatch dtypes
     and dedup are not part of it: it is the routed operator of eq. 4, computed exactly.
     """
     spec = getattr(layer_or_spec, "spec", layer_or_spec)
@@ -334,7 +352,7 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
     W, H, E, K, F = int(sh.W), int(sh.H), int(sh.E), int(sh.K), int(spec.expert.F)
     act = spec.expert.act
 
-    def fn(x, topk_ids, topk_weights, w_gate, w_up, w_down):
+    def fn(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=None):
         if x.dim() != 3 or x.shape[0] != W or x.shape[2] != H:
             raise ValueError(f"{spec.name}: x must be [W={W}, T', H={H}], got {tuple(x.shape)}")
         T = x.shape[1]
@@ -344,6 +362,17 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             raise ValueError(f"{spec.name}: topk_ids must be [{W}, {T}, K={K}], got {tuple(topk_ids.shape)}")
         if w_up.shape != (E, H, F):
             raise ValueError(f"{spec.name}: w_up must be [E={E}, H={H}, F={F}], got {tuple(w_up.shape)}")
+        brought = None
+        if tokens is not None:
+            counts = [int(n) for n in tokens]
+            if len(counts) != W or not all(0 <= n <= T for n in counts):
+                raise ValueError(
+                    f"{spec.name}: tokens must give each of the {W} ranks a count in [0, {T}], got {counts}"
+                )
+            topk_ids = topk_ids.clone()
+            for r, n in enumerate(counts):
+                topk_ids[r, n:] = -1
+            brought = sum(counts)
         if dispatch_rounding and spec.precision.dispatch_scale is not None:
             x = fp8_dispatch(x, spec.precision.dispatch_scale)
         return moe_reference(
@@ -354,7 +383,7 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             w_up,
             w_down,
             act=act,
-            capacity=capacity_for(spec, T),
+            capacity=capacity_for(spec, T, brought),
             drop=spec.capacity.drop,
             weights=spec.capacity.weights,
             owner=spec.ownership.owner,

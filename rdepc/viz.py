@@ -286,55 +286,84 @@ def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def dot(tg: TaskGraph, sched: Schedule | None = None, full: bool = False) -> str:
+def dot(tg: TaskGraph, sched: Schedule | None = None, level: str = "stages") -> str:
     """The graph in Graphviz DOT: one cluster per rank; write-after-read edges dashed red.
-    With ``full``, the tile-level graph (see :func:`rdepc.passes.graph.expand_tiles`)."""
+    ``level``: ``stages`` (default) one node per (rank, stage, segment) — a large layer's
+    thousands of tasks fold into what a person can read; ``tasks`` every task;
+    ``tiles`` the tile-level graph (see :func:`rdepc.passes.graph.expand_tiles`)."""
+    if level not in DOT_LEVELS:
+        raise ValueError(f"unknown --dot level '{level}' (known: {', '.join(DOT_LEVELS)})")
     lines = [f"digraph {_q(tg.layer)} {{", "  rankdir=LR;", "  node [shape=box, style=filled, fontsize=9];"]
-    if full:
-        from rdepc.passes.graph import expand_tiles
-
-        g = expand_tiles(tg)
-        ids = {n: i for i, n in enumerate(g.nodes)}
-        by_rank: dict[int, list] = {}
-        for n, a in g.nodes(data=True):
-            by_rank.setdefault(a["rank"], []).append((n, a))
-        for r, items in sorted(by_rank.items()):
-            lines.append(f"  subgraph cluster_r{r} {{ label={_q(f'rank {r}')};")
-            for n, a in items:
-                shape = ", shape=point" if a["kind"] == "flag" else ""
-                color = STAGE_COLORS[a["detail"] if a["detail"] in STAGE_COLORS else a["stage"]]
-                lines.append(f"    n{ids[n]} [label={_q(a['name'])}, fillcolor={_q(color)}{shape}];")
-            lines.append("  }")
-        for u, v, a in g.edges(data=True):
-            style = ' [style=dashed, color="#d62728"]' if a.get("kind") == "war" else ""
-            lines.append(f"  n{ids[u]} -> n{ids[v]}{style};")
-        lines.append("}")
-        return "\n".join(lines) + "\n"
-    by_rank = {}
+    if level == "tiles":
+        return _dot_tiles(tg, lines)
+    group = {t.id: (t.rank, _color_key(t), t.segment) if level == "stages" else t.id for t in tg.tasks}
+    members: dict = {}
     for t in tg.tasks:
-        by_rank.setdefault(t.rank, []).append(t)
-    for r, items in sorted(by_rank.items()):
+        members.setdefault(group[t.id], []).append(t)
+    node = {g: i for i, g in enumerate(members)}
+    by_rank: dict[int, list] = {}
+    for g, ts in members.items():
+        by_rank.setdefault(ts[0].rank, []).append(g)
+    for r, groups in sorted(by_rank.items()):
         lines.append(f"  subgraph cluster_r{r} {{ label={_q(f'rank {r}')};")
-        for t in items:
+        for g in groups:
+            ts = members[g]
+            t = ts[0]
+            if level == "tasks":
+                head = t.name
+            else:
+                seg = f" s{t.segment}" if t.segment >= 0 else ""
+                kind = {"unpack": "combine unpack", "combine": "combine"}.get(_color_key(t), _color_key(t))
+                head = f"{kind}{seg} r{t.rank}"
+                head += f" ({len(ts)} tasks)" if len(ts) > 1 else ""
             extra = ""
             if sched is not None:
-                extra = f"\\n{(sched.end[t.id] - sched.start[t.id]) * 1e6:.1f} µs"
-            label = f"{t.name}\\nrows<={t.rows} tiles<={t.tiles}{extra}"
-            lines.append(f'    t{t.id} [label="{label}", fillcolor={_q(STAGE_COLORS[_color_key(t)])}];')
+                extra = f"\\n{(max(sched.end[u.id] for u in ts) - min(sched.start[u.id] for u in ts)) * 1e6:.1f} µs"
+            label = f"{head}\\nrows<={sum(u.rows for u in ts)} tiles<={sum(u.tiles for u in ts)}{extra}"
+            lines.append(f'    t{node[g]} [label="{label}", fillcolor={_q(STAGE_COLORS[_color_key(t)])}];')
         lines.append("  }")
+    edges: dict[tuple, bool] = {}  # (from, to) -> every edge folded into it is write-after-read
     for t in tg.tasks:
         war = set(t.war)
         for d in t.deps:
-            style = ' [style=dashed, color="#d62728"]' if d in war else ""
-            lines.append(f"  t{d} -> t{t.id}{style};")
+            key = (node[group[d]], node[group[t.id]])
+            if key[0] != key[1]:
+                edges[key] = edges.get(key, True) and d in war
+    for (u, v), war in edges.items():
+        lines.append(f"  t{u} -> t{v}{WAR_EDGE if war else ''};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def write_dot(tg: TaskGraph, path: str | Path, sched: Schedule | None = None, full: bool = False) -> Path:
+def _dot_tiles(tg: TaskGraph, lines: list[str]) -> str:
+    from rdepc.passes.graph import expand_tiles
+
+    g = expand_tiles(tg)
+    ids = {n: i for i, n in enumerate(g.nodes)}
+    by_rank: dict[int, list] = {}
+    for n, a in g.nodes(data=True):
+        by_rank.setdefault(a["rank"], []).append((n, a))
+    for r, items in sorted(by_rank.items()):
+        lines.append(f"  subgraph cluster_r{r} {{ label={_q(f'rank {r}')};")
+        for n, a in items:
+            shape = ", shape=point" if a["kind"] == "flag" else ""
+            color = STAGE_COLORS[a["detail"] if a["detail"] in STAGE_COLORS else a["stage"]]
+            lines.append(f"    n{ids[n]} [label={_q(a['name'])}, fillcolor={_q(color)}{shape}];")
+        lines.append("  }")
+    for u, v, a in g.edges(data=True):
+        lines.append(f"  n{ids[u]} -> n{ids[v]}{WAR_EDGE if a.get('kind') == 'war' else ''};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+DOT_LEVELS = ("stages", "tasks", "tiles")
+WAR_EDGE = ' [style=dashed, color="#d62728"]'
+
+
+def write_dot(tg: TaskGraph, path: str | Path, sched: Schedule | None = None, level: str = "stages") -> Path:
     path = Path(path)
-    path.write_text(dot(tg, sched, full), encoding="utf-8")
+    path.write_text(dot(tg, sched, level), encoding="utf-8")
     return path
 
 
-__all__ = ["STAGE_COLORS", "dot", "trace", "write_dot", "write_png", "write_trace"]
+__all__ = ["DOT_LEVELS", "STAGE_COLORS", "dot", "trace", "write_dot", "write_png", "write_trace"]

@@ -5,7 +5,8 @@ rdepc, torch and triton versions (and a digest of the generator's own source), t
 (the backend) and whether the kernels run under the interpreter. An entry is a directory holding ``kernels.py`` and
 ``plan.json``; every file is written to a temporary name and moved into place
 (``os.replace``), and a ``complete`` marker written last, so a reader never sees half an
-entry. The directory is ``$RDEPC_CACHE_DIR``, default ``~/.cache/rdepc``.
+entry. The directory is ``$RDEPC_CACHE_DIR``, default ``~/.cache/rdepc``; one that cannot be
+created or written raises :class:`CacheError` (a ``UsageError``) before anything is compiled.
 """
 
 from __future__ import annotations
@@ -18,10 +19,57 @@ from importlib import metadata
 from pathlib import Path
 
 import rdepc
+from rdepc.diagnostics import UsageError
+
+
+class CacheError(UsageError):
+    """The cache directory cannot be used: one line naming it, the variable that chose it and
+    what to do."""
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RDEPC_CACHE_DIR") or Path.home() / ".cache" / "rdepc")
+    if os.environ.get("RDEPC_CACHE_DIR"):
+        return Path(os.environ["RDEPC_CACHE_DIR"])
+    try:
+        return Path.home() / ".cache" / "rdepc"
+    except RuntimeError:  # no HOME and no password entry to fall back on
+        raise CacheError(
+            "cannot find a home directory for the compilation cache (HOME is unset); "
+            "set RDEPC_CACHE_DIR to a writable directory"
+        ) from None
+
+
+def _unusable(path: Path, e: OSError) -> CacheError:
+    """Why ``path`` (in the cache) could not be made or written, as :class:`CacheError`."""
+    near = path
+    while not near.exists() and near.parent != near:  # the deepest part that is there
+        near = near.parent
+    if near.exists() and not near.is_dir():
+        why = f"{near} is a file, not a directory"
+    elif near.exists() and not os.access(near, os.W_OK | os.X_OK):
+        why = f"{near} is not writable"
+    else:
+        why = f"{e.filename or path}: {e.strerror or e}"
+    if os.environ.get("RDEPC_CACHE_DIR"):
+        where = f"RDEPC_CACHE_DIR={os.environ['RDEPC_CACHE_DIR']}"
+        fix = "set RDEPC_CACHE_DIR to a writable directory"
+    else:
+        where = f"{cache_dir()} (RDEPC_CACHE_DIR is unset: the default under HOME={Path.home()})"
+        fix = "set RDEPC_CACHE_DIR to a writable directory, or point HOME at a writable directory"
+    return CacheError(f"cannot use the compilation cache {where}: {why}; {fix}")
+
+
+def usable_cache_dir() -> Path:
+    """:func:`cache_dir`, created if need be; raises :class:`CacheError` (one line) when it
+    cannot be created or written, before anything is compiled into it."""
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unusable(d, e) from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise _unusable(d, PermissionError(13, "Permission denied", str(d)))
+    return d
 
 
 def _version(package: str) -> str:
@@ -68,13 +116,23 @@ def entry(key: str, build: Callable[[], dict[str, str]]) -> tuple[Path, bool]:
     """The cache directory of ``key``, built by ``build()`` (file name → text) on a miss.
     Returns (directory, hit)."""
     d = cache_dir() / key[:2] / key
-    if (d / "complete").is_file():
-        return d, True
+    try:
+        if (d / "complete").is_file():  # a read-only cache still serves what it holds
+            return d, True
+    except OSError as e:
+        raise _unusable(d, e) from None
+    usable_cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)  # before building: an unusable cache fails fast
+    except OSError as e:
+        raise _unusable(d, e) from None
     files = build()
-    d.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        write_atomic(d / name, text)
-    write_atomic(d / "complete", key + "\n")
+    try:
+        for name, text in files.items():
+            write_atomic(d / name, text)
+        write_atomic(d / "complete", key + "\n")
+    except OSError as e:  # a full disk, or the directory changed under us
+        raise _unusable(d, e) from None
     return d, False
 
 
@@ -122,4 +180,13 @@ def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: 
     return Compiled(directory, hit)
 
 
-__all__ = ["Compiled", "cache_dir", "cache_key", "compile_layer", "entry", "write_atomic"]
+__all__ = [
+    "CacheError",
+    "Compiled",
+    "cache_dir",
+    "cache_key",
+    "compile_layer",
+    "entry",
+    "usable_cache_dir",
+    "write_atomic",
+]

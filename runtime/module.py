@@ -31,12 +31,14 @@ or when ``last_stats`` is read.
 
 After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] (admitted),
 ``received_per_expert`` [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W],
-``dropped_rows``, ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
+``dropped_rows``, ``dropped_per_source`` [W] (route rows of each front-end's tokens the
+capacity dropped), ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
 the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless),
 ``dispatched_rows`` [W] (payload rows each front-end sent with their data: one per accepted
 route row, under ``dedup`` one per (token, owner)), ``returned_rows`` [W] (rows each owner
 sent back with their data) and ``launches`` (per-rank backends: the same for the rank's own
-experts, ``[E_loc]``, and its own tokens, ``[T', K]``); ``last_context`` the routing context
+experts, ``[E_loc]``, and its own tokens, ``[T', K]``, ``dropped_per_source`` ``[1]``);
+``last_context`` the routing context
 the backward walks: the accepted set, each accepted row's slot in its owner's payload (-1
 when dropped) and the combine weights g'.
 
@@ -120,8 +122,8 @@ class _Routed(torch.autograd.Function):
     backward pass over it."""
 
     @staticmethod
-    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down):
-        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, save=True)
+    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down, brought):
+        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, brought, save=True)
         ctx.module, ctx.kept, ctx.context = module, kept, context
         ctx.n_tokens = x.shape[-2]
         ctx.save_for_backward(gates, w_gate, w_up, w_down)
@@ -133,15 +135,20 @@ class _Routed(torch.autograd.Function):
         dx, dgates, dwg, dwu, dwd = ctx.module._backward(
             grad_y, ctx.context, ctx.kept, ctx.n_tokens, gates, w_gate, w_up, w_down
         )
-        return None, dx, None, dgates, dwg, dwu, dwd
+        return None, dx, None, dgates, dwg, dwu, dwd, None
 
 
-def gate_grad(gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor, weights: str) -> torch.Tensor:
+def gate_grad(
+    gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor, weights: str, routed: torch.Tensor
+) -> torch.Tensor:
     """dL/dg from dL/dg' through the capacity weights policy (the combine's g'):
     ``zero`` (and dropless) g' = g on accepted slots; ``renormalize`` g'_i = A_i g_i G / S_A
     with G = sum_j g_j, S_A = sum_j A_j g_j (0 when S_A = 0), whose derivative is
-    dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A."""
+    dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A.
+    The gate of a slot that routes nowhere (``routed`` false: expert id -1) is no part of
+    G: it counts as 0 and gets no gradient."""
     g = gates.to(torch.promote_types(gates.dtype, torch.float32))
+    g = torch.where(routed, g, 0.0)
     dgprime = dgprime.to(g.dtype)
     if weights != "renormalize":
         return torch.where(accepted, dgprime, 0.0)
@@ -153,7 +160,17 @@ def gate_grad(gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor
     scale = total / denom
     through = (dgprime * kept).sum(dim=-1, keepdim=True) / denom
     dg = torch.where(accepted, dgprime * scale, 0.0) + through - torch.where(accepted, scale, 0.0) * through
-    return torch.where(ok, dg, 0.0)
+    return torch.where(ok & routed, dg, 0.0)
+
+
+def token_mask(counts: list[int], Tn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``counts`` on ``device`` (int64 [W]) and the mask of the tokens they cover (bool [W, Tn]),
+    without the host waiting for the device (a pinned copy, queued)."""
+    host = torch.tensor(counts, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    brought = host.to(device, non_blocking=True)
+    return brought, torch.arange(Tn, device=device)[None, :] < brought[:, None]
 
 
 class RDEPModule:
@@ -302,17 +319,44 @@ class RDEPModule:
         self._published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
 
     # ------------------------------------------------------------------ the call
-    def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down):
-        return self.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+    def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, tokens=None):
+        return self.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=tokens)
 
-    def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> torch.Tensor:
-        """y = the routed layer of every rank's tokens (see the module docstring)."""
+    def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, tokens=None) -> torch.Tensor:
+        """y = the routed layer of every rank's tokens (see the module docstring). ``tokens``
+        (one process): how many of the T' tokens each rank brings, a list of W ints (or a CPU
+        tensor); rank r's tokens past ``tokens[r]`` are padding: they route nowhere, get
+        y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        topk_ids, brought = self._brought(tokens, x.shape[-2], topk_ids)
         inputs = (x, topk_weights, w_gate, w_up, w_down)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down)
-        return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, save=False)[0]
+            return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought)
+        return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save=False)[0]
+
+    def _brought(self, tokens, Tn: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens each rank brings as the kernel reads them ([W]; a per-rank module: its
+        own, [1]) and the ids with every slot of a token past them set to -1 (no expert)."""
+        ranks = 1 if self.per_rank else self.plan.W
+        if tokens is None:
+            return topk_ids, torch.full((ranks,), Tn, dtype=torch.int64, device=self.device)
+        name = f"rdepc layer {self.plan.layer}"
+        if self.per_rank:
+            raise ValueError(f"{name}: tokens= is for the one-process backend; each rank passes its own T' tokens")
+        if isinstance(tokens, torch.Tensor):
+            if tokens.device.type != "cpu" or tokens.dtype.is_floating_point or tokens.dim() != 1:
+                raise ValueError(f"{name}: tokens must be W={ranks} ints on the host (a list or a CPU tensor)")
+            tokens = tokens.tolist()
+        counts = list(tokens)
+        if len(counts) != ranks or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= Tn for n in counts
+        ):
+            raise ValueError(
+                f"{name}: tokens must give each of the W={ranks} ranks a count in [0, T'={Tn}], got {counts}"
+            )
+        brought, real = token_mask(counts, Tn, self.device)
+        return torch.where(real[..., None], topk_ids, -1), brought
 
     def withhold(self, entry: int, backward: bool = False) -> None:
         """Fault injection: in the next call only (``backward``: the next backward), task-table
@@ -326,7 +370,7 @@ class RDEPModule:
             raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
         self._withheld = (entry, backward)
 
-    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, save: bool = False):
+    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save: bool = False):
         """Launch the forward. ``save``: keep what the backward walks, returned third."""
         p = self.plan
         if self._broken:
@@ -343,6 +387,7 @@ class RDEPModule:
         gprime = torch.zeros((*lead, Tn, K), dtype=torch.float32, device=self.device)
         launches = self.launcher.launches
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
+        given["tokens_of"] = brought
         given |= self._weights(w_gate, w_up, w_down)
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
@@ -399,7 +444,8 @@ class RDEPModule:
         self._own_heap()[:, lo:hi] = kept["published"]  # the forward's offsets, whatever ran since
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
-        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights).to(gates.dtype)
+        routed = (context.topk_ids >= 0) & (context.topk_ids < p.E)
+        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights, routed).to(gates.dtype)
         dw_up = given["dw_up"]
         if p.gated:
             dwg, dwu = dw_up[..., 0], dw_up[..., 1]
@@ -639,6 +685,9 @@ class RDEPModule:
             arrived = st[self._owner, self._local]
             admitted = st[self._owner, p.E_MAX + self._local]
         dropped = arrived - admitted
+        ids = self.last_context.topk_ids.to("cpu")
+        routed = (ids >= 0) & (ids < p.E)  # an id of -1 routes nowhere: no row to drop
+        lost = (routed & ~accepted.to("cpu")).sum(dim=(-2, -1))  # per source rank (this rank's, per-rank)
         cap = int(st[:, 2 * p.E_MAX + 1].max())  # what the scans applied (every owner the same)
         cap = None if cap == INT32_MAX else cap
         return {
@@ -647,6 +696,7 @@ class RDEPModule:
             "dropped_per_expert": dropped,
             "rows_per_owner": st[:, p.E_MAX : 2 * p.E_MAX].sum(dim=1),
             "dropped_rows": int(dropped.sum()),
+            "dropped_per_source": lost.reshape(-1),
             "accepted": accepted,
             "m_tiles": st[:, 2 * p.E_MAX].clone(),
             "dispatched_rows": st[:, 2 * p.E_MAX + 2].clone(),

@@ -37,7 +37,7 @@ import math
 
 import torch
 from rdepc.runtime import router as R
-from rdepc.runtime.module import TORCH_DTYPES
+from rdepc.runtime.module import TORCH_DTYPES, token_mask
 from torch import nn
 from torch.nn import functional as F_
 
@@ -66,8 +66,9 @@ class RDEPMoE(nn.Module):
         **overrides,
     ):
         super().__init__()
-        from rdepc.api import Layer, load
+        from rdepc.api import Layer, check_device, load
 
+        check_device(device)  # before loading and compiling
         self.layer = spec if isinstance(spec, Layer) else load(spec, layer, **overrides)
         s = self.layer.spec
         sh = self.layer.shapes
@@ -125,28 +126,64 @@ class RDEPMoE(nn.Module):
         spec's router; from ``logits`` instead of ``x · routerᵀ`` when given."""
         return R.route(x, self.router, self.layer.spec.router, self.K, self.router_bias, logits)
 
-    def forward(self, x: torch.Tensor, *, router_outputs: bool = False, logits: torch.Tensor | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        tokens=None,
+        router_outputs: bool = False,
+        logits: torch.Tensor | None = None,
+    ):
         """``x`` [W, T', H] (a per-rank backend: [T', H]), or [N, H] split over the W ranks in
         order; any float dtype, cast to the layer's and ``y`` cast back. Returns ``y``, or
         ``(y, RouterOutputs(logits, aux_loss, z_loss))`` with ``router_outputs``: the router's
         fp32 logits for the user's own losses, and the losses the spec declares (its
         coefficient × the loss; None when it declares none). ``logits``: route from these
-        instead of this block's router (a model that keeps its own router module)."""
+        instead of this block's router (a model that keeps its own router module).
+
+        Padding: ``mask`` (bool, x's shape without H; False for padding) and, in one process,
+        ``tokens`` (how many of the T' tokens each of the W ranks brings, a list: ranks of
+        different lengths, the tokens past each count padding). A padding token routes
+        nowhere (expert id -1), takes no capacity, gets y = 0 (shared experts included) and
+        is left out of the router's losses; ``tokens`` also sets the capacity's token count."""
         shape, dtype = x.shape, x.dtype
         x = self._as_ranks(x).to(self.w_down.dtype)  # fp32 or autocast inputs: cast at the boundary
         if logits is not None:
             logits = logits.reshape(*x.shape[:-1], self.E)
+        real = self._real(mask, tokens, shape, x)
         routing = self.route(x, logits)
-        y = self.kernels(x, routing.ids, routing.gates, self.w_gate, self.w_up, self.w_down)
+        ids = routing.ids if real is None else torch.where(real[..., None], routing.ids, -1)
+        y = self.kernels(x, ids, routing.gates, self.w_gate, self.w_up, self.w_down, tokens=tokens)
         if self.shared_act is not None:
+            shared = torch.zeros_like(y)
             for j in range(self.shared_up.shape[0]):
                 gate = None if self.shared_gate is None else self.shared_gate[j]
-                y = y + _ffn(x, gate, self.shared_up[j], self.shared_down[j], self.shared_act)
+                shared = shared + _ffn(x, gate, self.shared_up[j], self.shared_down[j], self.shared_act)
+            y = y + (shared if real is None else shared * real[..., None])
         y = y.reshape(shape).to(dtype)
         if not router_outputs:
             return y
-        out = R.outputs(routing, self.layer.spec.router)
+        out = R.outputs(routing, self.layer.spec.router, real)
         return y, out._replace(logits=out.logits.reshape(*shape[:-1], self.E))
+
+    def _real(self, mask, tokens, shape, x: torch.Tensor) -> torch.Tensor | None:
+        """The real tokens, bool shaped like ``x`` without H; None when every token is."""
+        real = None
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape[:-1]):
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(f"layer '{self.layer.spec.name}': mask must be shaped {tuple(shape[:-1])}, got {got}")
+            if mask.device != x.device:
+                raise ValueError(f"layer '{self.layer.spec.name}': mask is on {mask.device}, x on {x.device}")
+            real = mask.reshape(x.shape[:-1]).bool()
+        if tokens is not None and not self.kernels.per_rank:
+            counts = tokens.tolist() if isinstance(tokens, torch.Tensor) and tokens.device.type == "cpu" else tokens
+            if isinstance(counts, list | tuple) and len(counts) == self.W and all(type(n) is int for n in counts):
+                covered = token_mask(list(counts), x.shape[-2], x.device)[1]
+                real = covered if real is None else real & covered
+            # anything else: the kernels' module says what tokens must be
+        return real
 
     def _as_ranks(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the kernels take it: [W, T', H] in one process, a rank's [T', H] per rank;

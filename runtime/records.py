@@ -105,8 +105,8 @@ def input_error(plan: KernelPlan, words: list[int], name: str, ids, gates, per_r
         r, t, k, at = first("bad_ids")
         v = int(ids[(*at, k)])
         why.append(
-            f"expert ids must lie in [0, {p.E}): {n} route rows out of range, the first rank {r} token {t} slot {k} "
-            f"(id {v})"
+            f"expert ids must lie in [0, {p.E}) or be -1 (no expert): {n} route rows out of range, the first rank {r} "
+            f"token {t} slot {k} (id {v})"
         )
     if n := words[AT["dup_tokens"]]:
         r, t, _, at = first("dup_tokens")

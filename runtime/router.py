@@ -53,23 +53,32 @@ def route(
     return Routing(ids, gates, logits)
 
 
-def aux_loss(logits: torch.Tensor, ids: torch.Tensor, router: Router) -> torch.Tensor:
+def aux_loss(logits: torch.Tensor, ids: torch.Tensor, router: Router, real: torch.Tensor | None = None) -> torch.Tensor:
     """The load-balancing loss (Switch Transformer eq. 4–6, as transformers computes it):
     E · Σ_e (route rows at e / tokens) · mean_t p_{t,e}, with p the token's scores normalised
-    over the E experts; unscaled."""
+    over the E experts; unscaled. ``real`` (bool, the tokens' shape): only these count, as
+    transformers counts with an attention mask; 0 when there are none."""
     E = logits.shape[-1]
     flat = logits.reshape(-1, E)
     p = scores(flat, router)
     if router.score == "sigmoid":
         p = p / p.sum(dim=-1, keepdim=True)
-    ones = torch.ones(ids.numel(), device=logits.device)
+    w = torch.ones(flat.shape[0], device=logits.device) if real is None else real.reshape(-1).float()
+    n = w.sum().clamp(min=1)
+    K = ids.shape[-1]
+    ones = w.repeat_interleave(K)
     counts = torch.zeros(E, device=logits.device).scatter_add_(0, ids.reshape(-1), ones)
-    return E * torch.sum(counts / flat.shape[0] * p.mean(dim=0))
+    return E * torch.sum(counts / n * (p * w[:, None]).sum(dim=0) / n)
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """The router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(logits)²; unscaled."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """The router z-loss (ST-MoE eq. 5): mean over tokens (``real`` ones only) of
+    logsumexp(logits)²; unscaled."""
+    z = torch.logsumexp(logits.float(), dim=-1).square()
+    if real is None:
+        return z.mean()
+    w = real.float()
+    return (z * w).sum() / w.sum().clamp(min=1)
 
 
 class RouterOutputs(NamedTuple):
@@ -78,9 +87,11 @@ class RouterOutputs(NamedTuple):
     z_loss: torch.Tensor | None  # the spec's coefficient × z_loss; None unless declared
 
 
-def outputs(routing: Routing, router: Router) -> RouterOutputs:
-    aux = None if router.aux_loss is None else float(router.aux_loss) * aux_loss(routing.logits, routing.ids, router)
-    z = None if router.z_loss is None else float(router.z_loss) * z_loss(routing.logits)
+def outputs(routing: Routing, router: Router, real: torch.Tensor | None = None) -> RouterOutputs:
+    aux = None
+    if router.aux_loss is not None:
+        aux = float(router.aux_loss) * aux_loss(routing.logits, routing.ids, router, real)
+    z = None if router.z_loss is None else float(router.z_loss) * z_loss(routing.logits, real)
     return RouterOutputs(routing.logits, aux, z)
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rdepc.codegen.lower import KernelPlan, Tiles
-from rdepc.runtime.cache import _version, cache_dir, write_atomic
+from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
 
 from rdepc.ir.spec import Dtype
 
@@ -90,8 +90,11 @@ def record(plan: KernelPlan, device_name: str, best: Tiles, results: list[dict])
         "results": results,
     }
     path = _path(plan, device_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(rec, indent=1) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(rec, indent=1) + "\n")
+    except OSError as e:
+        raise _unusable(path.parent, e) from None
     return path
 
 

@@ -20,6 +20,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))
+TINY = ROOT / "examples" / "tiny.rdep"
+
+
+def tiny_segmented(directory: Path, rows: int = 32, buffers: int = 2) -> Path:
+    """examples/tiny.rdep as a pipelined layer of ``rows``-row segments through ``buffers``
+    ring slots, written into ``directory``. tiny itself is bulk (one segment per owner, S =
+    128); tests of segmented schedules use this, where S = 32 gives each owner 4 segments."""
+    text = TINY.read_text(encoding="utf-8")
+    bulk = "  schedule  bulk\n"
+    assert bulk in text, "examples/tiny.rdep no longer says 'schedule  bulk': update tiny_segmented"
+    path = directory / f"tiny_S{rows}_B{buffers}.rdep"
+    segmented = f"  segment   rows {rows}, buffers {buffers}\n  schedule  pipelined\n"
+    path.write_text(text.replace(bulk, segmented), encoding="utf-8")
+    return path
 
 
 @pytest.fixture

@@ -135,15 +135,19 @@ def counts(case: Case, route) -> list[list[int]]:
 
 
 def place_rows(geo, route) -> dict:
-    """Row-level placement, independent of segment_load: admitted rows (arrival order =
-    row_id order, eq. 7), each owner's receive order, segments of S rows. Returns
+    """Row-level placement, independent of segment_load: admitted rows (round_robin: token
+    index, then the rank's turn (r − t) mod W, then slot; arrival: row_id order, eq. 7), each
+    owner's receive order, segments of S rows. Returns
     {"admitted": set of (r, t, k), "where": {(r, t, k): (q, s, e)}, "dropped": set}."""
     rows = []
     for r, toks in enumerate(route):
         for t, picks in enumerate(toks):
             for k, e in enumerate(picks):
                 rows.append((r, t, k, e))
-    rows.sort(key=lambda x: (x[0] * geo.T + x[1]) * geo.K + x[2])  # row_id order
+    if geo.drop == "round_robin":
+        rows.sort(key=lambda x: (x[1], (x[0] - x[1]) % geo.W, x[2]))
+    else:
+        rows.sort(key=lambda x: (x[0] * geo.T + x[1]) * geo.K + x[2])  # row_id order
     taken = [0] * geo.E
     admitted, dropped = [], set()
     for r, t, k, e in rows:

@@ -143,12 +143,17 @@ def test_gate_gradient_through_renormalize_by_hand():
     g = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.7, 0.2, 0.1]], dtype=torch.float64, requires_grad=True)
     accepted = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
     up = torch.tensor([[1.0, -2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.25, -1.0]], dtype=torch.float64)
-    for policy in ("renormalize", "zero"):
-        g.grad = None
-        (combine_weights(g, accepted, policy) * up).sum().backward()
-        got = gate_grad(g.detach(), accepted, up, policy)
-        assert torch.allclose(got, g.grad, rtol=0, atol=1e-12), policy
-    assert not got[1].any()  # nothing accepted: no gradient
+    everywhere = torch.ones_like(accepted)
+    nowhere = everywhere.clone()
+    nowhere[2, 2] = False  # expert id -1: its gate is no part of the token's total
+    for routed in (everywhere, nowhere):
+        for policy in ("renormalize", "zero"):
+            g.grad = None
+            (combine_weights(torch.where(routed, g, 0.0), accepted & routed, policy) * up).sum().backward()
+            got = gate_grad(g.detach(), accepted & routed, up, policy, routed)
+            assert torch.allclose(got, g.grad, rtol=0, atol=1e-12), policy
+        assert not got[1].any()  # nothing accepted: no gradient
+    assert got[2, 2] == 0 and g.grad[2, 2] == 0
 
 
 def test_finite_differences_in_fp32():

@@ -245,6 +245,55 @@ def test_compile_overrides_and_warnings(main, tmp_path):
     assert "note: non-uniform ownership" in err
 
 
+NVSHMEM_ON_EMULATED = (
+    "{spec}:17:3: warning: 'transport nvshmem' compiled for the {backend} backend: rows move through the emulated "
+    "symmetric heap, not NVSHMEM\n"
+    "  hint: --backend nvshmem builds the spec's target (one process per GPU rank, under torchrun)\n"
+)
+
+
+def _tiny_on_nvshmem(tmp_path: Path) -> Path:
+    spec = tmp_path / "nv.rdep"
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8").replace("emulated", "nvshmem")
+    assert text.splitlines()[16] == "  transport nvshmem"  # line 17, col 3
+    spec.write_text(text, encoding="utf-8")
+    return spec
+
+
+def test_transport_nvshmem_compiled_for_an_emulated_backend_warns(main, tmp_path):
+    """The backend is known to compile and run, not to check: they warn at the transport
+    statement that the spec's nvshmem target is not what the kernels are built for."""
+    spec = _tiny_on_nvshmem(tmp_path)
+    status, out, err = main("compile", str(spec), "-o", str(tmp_path / "a"))
+    assert status == 0 and err == NVSHMEM_ON_EMULATED.format(spec=spec, backend="emulated")
+    assert "wrote" in out
+    status, _, err = main("compile", str(spec), "-o", str(tmp_path / "b"), "--backend", "emulated-mp")
+    assert status == 0 and err == NVSHMEM_ON_EMULATED.format(spec=spec, backend="emulated-mp")
+    status, _, err = main("compile", str(spec), "-o", str(tmp_path / "c"), "--backend", "nvshmem")
+    assert (status, err) == (0, "")
+    status, _, err = main("check", "--werror", str(spec))  # no backend: nothing to say
+    assert (status, err) == (0, "")
+
+
+def test_transport_nvshmem_run_on_the_emulated_backend_warns(main, tmp_path):
+    spec = _tiny_on_nvshmem(tmp_path)
+    status, out, err = main("run", str(spec), "--check")
+    assert status == 0 and out.rstrip().endswith("check passed")
+    assert err == NVSHMEM_ON_EMULATED.format(spec=spec, backend="emulated")
+
+
+def test_backend_warnings():
+    from rdepc.driver import backend_warnings
+
+    nvshmem = rdepc.load(ROOT / "examples/moonlight.rdep").spec
+    (w,) = backend_warnings(nvshmem, "emulated-mp")
+    assert (w.span.line, w.span.col) == (24, 3)
+    assert w.message.startswith("'transport nvshmem' compiled for the emulated-mp backend: ")
+    assert backend_warnings(nvshmem, "nvshmem") == ()
+    assert backend_warnings(nvshmem, "tcp") == ()  # an unknown backend is refused by its caller
+    assert backend_warnings(rdepc.load(ROOT / "examples/tiny.rdep").spec, "emulated") == ()  # transport emulated
+
+
 def test_compile_errors(main, tmp_path):
     bad = tmp_path / "bad.rdep"
     bad.write_text("layer m {\n  shape ranks 8\n  expert swiglu(ffn = 8)\n}\n", encoding="utf-8")

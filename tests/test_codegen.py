@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, tiny_segmented
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, Case, cases
@@ -232,7 +232,7 @@ def test_supported_features_generate(tmp_path):
     assert g.kernel.row_id_radix(10) == (0, 20, 2, 1) and g.kernel.row_id_radix(24) == (0, 48, 2, 1)
 
 
-def test_segmented_schedules_are_compiled_as_planned(monkeypatch):
+def test_segmented_schedules_are_compiled_as_planned(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     r = compile_file("examples/moonlight.rdep", Options(), out=io.StringIO())
     g = r.outputs["codegen"]
@@ -240,7 +240,7 @@ def test_segmented_schedules_are_compiled_as_planned(monkeypatch):
     assert (g.kernel.S, g.kernel.B, g.kernel.ring) == (4096, 2, True)  # B·S = 8,192 < T·K = 24,576
     assert "def unpack(" in g.source and "RETURN_IDS = tl.constexpr(" in g.source
     assert g.kernel.heap_bytes == g.memory.regions("forward_backward")["total"]
-    deep = compile_file("examples/tiny.rdep", Options(schedule="deep"), out=io.StringIO()).outputs["codegen"]
+    deep = compile_file(tiny_segmented(tmp_path), Options(schedule="deep"), out=io.StringIO()).outputs["codegen"]
     assert deep.kernel.strategy == "deep" and not deep.kernel.ring  # B·S = 64 >= T·K = 32: rows land in place
     assert "def unpack(" not in deep.source and "RETURN_IDS" not in deep.source
 

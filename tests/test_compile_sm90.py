@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, tiny_segmented
 from rdepc.codegen import UNSUPPORTED, generate_spec, write_module
 from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
 
@@ -95,7 +95,7 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
 def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
     """With PROFILE and GLOBALTIMER the work items are stamped with %globaltimer (ns)."""
     monkeypatch.chdir(ROOT)
-    g = generate_spec(rdepc.load("examples/tiny.rdep").spec, schedule="pipelined")
+    g = generate_spec(rdepc.load(tiny_segmented(tmp_path)).spec)  # pipelined, 4 segments per owner
     write_module(g, tmp_path)
     job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.plan.json", tmp_path)
     results = compile_cubins([job], arch=90, profile=True)

@@ -433,6 +433,58 @@ def test_every_statement():
     assert spec.span_of("no.such") == spec.span
 
 
+BULK_HINT = (
+    "drop the segment statement, or use 'schedule pipelined' (a segmented --schedule on the command line still uses it)"
+)
+
+
+@pytest.mark.parametrize("use_sympy", [False, True], ids=["check", "sympy"])
+@pytest.mark.parametrize(
+    ("stmts", "pre", "S"),
+    [
+        # dropless: the busiest owner's worst case, W·T·min(K, E_loc) = 8·4096·min(6, 8)
+        ((), "", "196608"),
+        # a binding capacity caps it, E_loc·cap_e = 8·100; the segment is not below it under bulk
+        (("  capacity  rows 100",), "", "800"),
+        (("  capacity  factor 1.25",), "", "30720"),  # 8·ceil(1.25·8·4096·6/64)
+        ((), "param T <= 8192\n", "393216 with T at its bound"),
+    ],
+)
+def test_bulk_ignores_the_segment_statement(stmts, pre, S, use_sympy):
+    """Bulk runs each owner's rows as one segment sized for its worst case
+    (passes.graph.geometry): the segment statement's S and B are said to be unused."""
+    tokens = "T" if pre else "4096"
+    text = spec_text(*stmts, "  segment   rows 4096, buffers 2", "  schedule  bulk", tokens=tokens, pre=pre)
+    spec, diags = spec_of(text, use_sympy)
+    (w,) = diags.items
+    line = 4 + len(stmts) + (1 if pre else 0)
+    assert (w.severity, w.span.line, w.span.col) == (Severity.WARNING, line, 3)
+    assert w.message == (
+        f"schedule bulk ignores the segment statement: each owner's rows move as one segment (S = {S}, B = 1), "
+        "not in 4096-row segments through 2 buffers"
+    )
+    assert w.hint == BULK_HINT
+    if use_sympy:  # the S it names is the one the graph builds
+        from rdepc.passes.graph import geometry
+
+        geo = geometry(spec, "bulk")
+        assert (geo.S, geo.B, max(geo.segments)) == (int(S.split()[0]), 1, 1)
+
+
+@pytest.mark.parametrize(
+    "stmts",
+    [
+        ("  segment   rows 4096, buffers 2",),  # auto
+        ("  segment   rows 4096, buffers 2", "  schedule  pipelined"),
+        ("  segment   rows 4096, buffers 3", "  schedule  deep"),
+        ("  schedule  bulk",),
+    ],
+)
+def test_segment_statement_used_no_warning(stmts):
+    _, diags = spec_of(spec_text(*stmts))
+    assert diags.items == []
+
+
 @pytest.mark.parametrize(
     ("stmt", "message"),
     [
@@ -447,7 +499,10 @@ def test_every_statement():
         ("  owner", "'owner' needs one of: balanced, map { ... }"),
         ("  owner map 3", "owner map needs { rank: experts; ... }"),
         ("  capacity", "'capacity' needs one of: dropless, factor F, rows N"),
-        ("  capacity dropless, drop random", "drop policy must be one of arrival, lowest_gate; got random"),
+        (
+            "  capacity dropless, drop random",
+            "drop policy must be one of round_robin, arrival, lowest_gate; got random",
+        ),
         ("  capacity factor [1]", "capacity factor must be a number or an integer expression"),
         ("  segment rows 64, buffers 65", "segment buffers = 65 is beyond what rdepc supports (64)"),
         ("  segment rows 64, cut diagonal", "cut must be one of auto, expert, source; got diagonal"),

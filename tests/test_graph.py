@@ -160,7 +160,16 @@ def check_routing(case: Case, route) -> None:
     tg = build_graph(spec, "pipelined", case.cut)
     placed = place_rows(geo, route)
     c = counts(case, route)
-    load = segment_load(geo, admit(geo, c))
+    actual = [[0] * case.E for _ in range(case.W)]
+    for r, t, k in placed["admitted"]:
+        actual[r][route[r][t][k]] += 1
+    predicted = admit(geo, c)
+    if geo.drop == "arrival":  # source order: exact from the counts
+        assert predicted == actual
+    else:  # round_robin from counts: each source's share of the same totals
+        assert [sum(col) for col in zip(*predicted, strict=True)] == [sum(col) for col in zip(*actual, strict=True)]
+        assert all(0 <= a <= n for pr, cr in zip(predicted, c, strict=True) for a, n in zip(pr, cr, strict=True))
+    load = segment_load(geo, actual)
     assert sum(map(sum, load.admitted)) == len(placed["admitted"])
     n_rows = case.W * case.T * case.K
     assert len(placed["admitted"]) + len(placed["dropped"]) == n_rows  # eqs. 10/12, minus drops
@@ -234,8 +243,18 @@ def test_too_many_tasks_is_a_diagnostic_at_the_segment_statement():
     assert "raise 'segment rows'" in d.hint
 
 
+def test_deep_with_two_buffers_is_pipelined():
+    """What elaboration's 'deep with 2 buffer(s) is no deeper than pipelined' warning says:
+    lookahead B − 1 = 1 is pipelined's, so the graph is the same, task for task; B = 3 is not."""
+    spec = rdepc.load(ROOT / "examples/tiny.rdep").spec
+    deep, pipelined = build_graph(spec, "deep", S=32, B=2), build_graph(spec, "pipelined", S=32, B=2)
+    assert deep.geometry.lookahead == pipelined.geometry.lookahead == 1
+    assert deep.tasks == pipelined.tasks
+    assert build_graph(spec, "deep", S=32, B=3).tasks != build_graph(spec, "pipelined", S=32, B=3).tasks
+
+
 def test_tile_expansion_small_only(moonlight):
-    tg = build_graph(rdepc.load(ROOT / "examples/tiny.rdep").spec, "pipelined")
+    tg = build_graph(rdepc.load(ROOT / "examples/tiny.rdep").spec, "pipelined", S=32, B=2)
     g = expand_tiles(tg)
     assert g.number_of_nodes() == sum(t.tiles + 1 for t in tg.tasks)
     assert nx.is_directed_acyclic_graph(g)

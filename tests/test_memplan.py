@@ -97,7 +97,7 @@ def test_moonlight_heap_and_lifetimes():
         ("pipelined", 8, 2, True),  # B·S = 16 < T·K = 32: a ring of B slots, claimed and unpacked
         ("deep", 8, 3, True),
         ("pipelined", 16, 2, False),  # B·S = T·K: every returned row lands at its place
-        ("pipelined", 32, 2, False),  # tiny's own segment statement
+        ("pipelined", 32, 2, False),  # B·S = 2·T·K
         ("deep", 16, 3, False),
         ("bulk", None, None, False),
     ],

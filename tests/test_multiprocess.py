@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, tiny_segmented
 from rdepc.runtime import ranks
 from rdepc.runtime.module import KernelError
 from rdepc.runtime.per_rank import Case, Job, run_rank
@@ -60,7 +60,8 @@ def emulated(W: int, case: Case) -> torch.Tensor:
     return m(*inputs)
 
 
-def cases(W: int) -> list[Case]:
+def cases(W: int, segmented: str) -> list[Case]:
+    """Bulk cases on tiny, segmented ones on ``segmented`` (tiny in 32-row segments)."""
     out = []
     for i, (schedule, mode, routing) in enumerate(
         [
@@ -73,7 +74,7 @@ def cases(W: int) -> list[Case]:
     ):
         out.append(
             Case(
-                TINY,
+                TINY if schedule == "bulk" else segmented,
                 overrides=(("W", W),),
                 schedule=schedule,
                 mode=mode,
@@ -89,8 +90,8 @@ def cases(W: int) -> list[Case]:
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_every_rank_matches_emulated_bitwise(W):
-    job = Job(tuple(cases(W)))
+def test_every_rank_matches_emulated_bitwise(W, tmp_path):
+    job = Job(tuple(cases(W, str(tiny_segmented(tmp_path)))))
     results = ranks.spawn(run_rank, W, job, timeout=600, delays=[0.1 * r for r in range(W)])
     for i, case in enumerate(job.cases):
         want = emulated(W, case)

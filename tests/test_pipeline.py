@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, tiny_segmented
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rdepc.codegen import generate
@@ -136,10 +136,10 @@ def test_every_strategy_matches_the_reference_and_each_other(case):
 
 
 def test_tiny_every_strategy_and_B(monkeypatch):
-    """tiny.rdep itself (S = 32, B = 2) under every strategy, and with B = 1, 2, 3 slots of
-    8 rows, where returns go through a ring: one result, bitwise."""
+    """tiny.rdep in segments of 32 rows, B = 2, under every strategy, and with B = 1, 2, 3
+    slots of 8 rows, where returns go through a ring: one result, bitwise."""
     monkeypatch.chdir(ROOT)
-    base = rdepc.load("examples/tiny.rdep")
+    base = rdepc.load(tiny_segmented(SPECS))
     inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=3)
     ref, _ = reference_for(base.spec)(*inputs)
     runs = [(base, s) for s in STRATEGIES] + [(rdepc.load(_tiny(B)), s) for B, s in ((1, "pipelined"), (2, "deep"))]
@@ -157,12 +157,7 @@ def test_tiny_every_strategy_and_B(monkeypatch):
 
 def _tiny(B: int) -> Path:
     """tiny.rdep with B ring slots of 8 rows (B·S < T·K = 32: returns go through a ring)."""
-    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8")
-    path = SPECS / f"tiny_B{B}.rdep"
-    if not path.exists():
-        text = text.replace("segment   rows 32, buffers 2", f"segment   rows 8, buffers {B}")
-        path.write_text(text, encoding="utf-8")
-    return path
+    return tiny_segmented(SPECS, rows=8, buffers=B)
 
 
 # ------------------------------------------------------------------ faults and epochs
@@ -260,10 +255,11 @@ def _module(spec, strategy: str, tmp_path: Path, guard: int = 0, order=None, **o
 
 def test_the_heap_is_the_planners(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
-    for name in ("tiny", "moonlight", "qwen3_30b_a3b"):
-        spec = rdepc.load(f"examples/{name}.rdep").spec
+    for path in (tiny_segmented(tmp_path), ROOT / "examples/moonlight.rdep", ROOT / "examples/qwen3_30b_a3b.rdep"):
+        spec = rdepc.load(path).spec
+        name = path.stem
         for strategy in STRATEGIES:
-            g = rdepc.load(f"examples/{name}.rdep").compile(schedule=strategy).kernel
+            g = rdepc.load(path).compile(schedule=strategy).kernel
             planned = symmetric_plan(spec, strategy)["forward_backward"]["total"]
             assert g.heap_bytes == planned, f"{name} {strategy}: heap {g.heap_bytes} != plan {planned}"
     spec = rdepc.load(_tiny(2)).spec
@@ -325,6 +321,6 @@ def test_cli_runs_role_split(monkeypatch, capsys):
     from rdepc import cli
 
     monkeypatch.chdir(ROOT)
-    assert cli.main(["run", "examples/tiny.rdep", "--schedule", "pipelined", "--mode", "role-split", "--check"]) == 0
+    assert cli.main(["run", str(tiny_segmented(SPECS)), "--mode", "role-split", "--check"]) == 0
     out = capsys.readouterr().out
     assert "role-split mode, grid (8,)" in out and "check passed" in out

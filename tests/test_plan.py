@@ -10,12 +10,13 @@ import sys
 
 import pytest
 import sympy as sp
-from conftest import ROOT
+from conftest import ROOT, tiny_segmented
 from rdepc.passes import plan as P
 from rdepc.passes.plan import BM, PlanOptions, plan, symmetric_plan, to_json
 
 import rdepc
 from rdepc.cli import main
+from rdepc.diagnostics import SpecError
 from rdepc.report import render
 
 EX = ROOT / "examples"
@@ -253,6 +254,69 @@ def test_probs_file_errors(tmp_path, capsys):
     assert main(["plan", str(EX / "tiny.rdep"), "--probs", str(tmp_path / "missing.txt")]) == 2
 
 
+def test_probs_json_array_as_the_plain_format(tmp_path, capsys):
+    spec = write_spec(tmp_path, TINY_SHAPE + "\ncapacity factor 1.5")
+    plain, js = tmp_path / "p.txt", tmp_path / "p.json"
+    plain.write_text("0.5\t0.25, 0.25  # tabs too\n" + " ".join(["0.2"] * 5) + "\n", encoding="utf-8")
+    js.write_text("\n  [0.5, 0.25, 0.25,\n   0.2, 0.2, 0.2, 0.2, 0.2]\n", encoding="utf-8")
+    assert P.parse_probs(plain.read_text(encoding="utf-8"), str(plain), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
+    assert P.parse_probs(js.read_text(encoding="utf-8"), str(js), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
+    assert P.parse_probs("[1, 0]", "f", 2) == (1.0, 0.0)  # JSON integers
+    assert (
+        run_json(capsys, spec, "--probs", js)["capacity"]["skew"]
+        == run_json(capsys, spec, "--probs", plain)["capacity"]["skew"]
+    )
+
+
+def probs_errors(text: str, experts: int = 8) -> list[str]:
+    with pytest.raises(SpecError) as e:
+        P.parse_probs(text, "p", experts)
+    return [f"{d.span}: {d.message}" for d in e.value.diagnostics]
+
+
+def test_probs_errors_point_at_their_entry():
+    assert probs_errors("0.1\t0.2, zz\n# c 1.5\n  1.5, -0 nan # x") == [
+        "p:1:10: 'zz' is not a number",
+        "p:3:3: probability 1.5 is outside [0, 1]",
+        "p:3:11: probability nan is outside [0, 1]",
+    ]
+    assert probs_errors('[0.5,\n "x", [1,\n 2], {"a": 1},\n  1.5, true, null, 1e999, NaN]') == [
+        "p:2:2: '\"x\"' is not a number",
+        "p:2:7: '[...]' is not a number",
+        "p:3:6: '{...}' is not a number",
+        "p:4:3: probability 1.5 is outside [0, 1]",
+        "p:4:8: 'true' is not a number",
+        "p:4:14: 'null' is not a number",
+        "p:4:20: probability 1e999 is outside [0, 1]",
+        "p:4:27: probability NaN is outside [0, 1]",
+    ]
+    assert probs_errors("[0.5, 0.5]") == ["p:1:1: expected 8 probabilities (one per expert), found 2"]
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("[0.5 0.5]", "p:1:6: invalid JSON: Expecting ',' delimiter"),
+        ("\n[0.5,\n  0.5\n", "p:4:1: invalid JSON: Expecting ',' delimiter"),
+        ("[0.5, 0.5] 0.5", "p:1:12: invalid JSON: Extra data"),
+        ("  [0.5, .5]", "p:1:9: invalid JSON: Expecting value"),
+    ],
+)
+def test_probs_json_syntax_errors_where_json_reports_them(text, where):
+    assert probs_errors(text) == [where]
+
+
+def test_probs_json_errors_from_the_command_line(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text("[0.25, 0.25,\n 0.25 0.25]\n", encoding="utf-8")
+    assert main(["plan", str(EX / "tiny.rdep"), "--probs", str(bad)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"{bad}:2:7: error: invalid JSON: Expecting ',' delimiter",
+        "    2 |  0.25 0.25]",
+        "      |       ^",
+    ]
+
+
 # --- padding -----------------------------------------------------------------------------------
 
 
@@ -340,7 +404,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     got = symmetric_plan(spec)  # the spec's schedule: bulk
     assert (got["strategy"], got["S"], got["B"], got["R_ret"]) == ("bulk", 128, 1, 32)
-    assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as tiny has a segment
+    assert symmetric_plan(spec, "auto")["strategy"] == "bulk"  # auto: bulk, as tiny has no segment statement
     assert (
         got["forward"] == fwd == {"control": 1280, "payload": 32768, "sideband": 2048, "return": 8192, "total": 44288}
     )
@@ -350,8 +414,9 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     assert got["buffers"]["return_ids"] == 0
 
 
-def test_symmetric_plan_tiny_segmented_by_hand():
-    spec = rdepc.load(EX / "tiny.rdep").spec
+def test_symmetric_plan_tiny_segmented_by_hand(tmp_path):
+    spec = rdepc.load(tiny_segmented(tmp_path)).spec
+    assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as it has a segment
     got = symmetric_plan(spec, "pipelined")  # S = 32, B = 2 from the segment statement
     assert (got["S"], got["B"], got["R_ret"]) == (32, 2, 64)
     assert got["forward"] == {

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, tiny_segmented
 from rdepc.codegen import generate_spec
 from rdepc.codegen.lower import COLUMNS
 from rdepc.runtime.profile import measured_trace
@@ -44,11 +45,13 @@ def cli_main(*argv: str) -> tuple[int, str, str]:
 def profiled(request, tmp_path_factory):
     """tiny run once per schedule with --profile: (schedule, stdout, trace, kernel plan, predicted schedule)."""
     strategy = request.param
-    path = tmp_path_factory.mktemp("profile") / "p.json"
-    status, out, err = cli_main("run", str(TINY), "--schedule", strategy, "--profile", str(path), "--check")
+    where = tmp_path_factory.mktemp("profile")
+    path = where / "p.json"
+    spec = TINY if strategy == "bulk" else tiny_segmented(where)  # pipelined: 4 segments per owner
+    status, out, err = cli_main("run", str(spec), "--schedule", strategy, "--profile", str(path), "--check")
     assert status == 0, out + err
     trace = json.loads(path.read_text(encoding="utf-8"))
-    layer = rdepc.load(TINY)
+    layer = rdepc.load(spec)
     plan = layer.compile(schedule=strategy).kernel  # the cache entry the run used
     generated = generate_spec(layer.spec, strategy)
     assert generated.kernel.names == plan.names and generated.kernel.tasks == plan.tasks
@@ -159,6 +162,48 @@ def test_profile_path_checked_before_the_run(tmp_path):
     assert err == f"rdepc: error: --profile {tmp_path / 'no' / 'p.json'}: no such directory {tmp_path / 'no'}\n"
     status, out, err = cli_main("run", str(TINY), "--profile", str(tmp_path))
     assert status == 2 and "is a directory" in err and err.count("\n") == 1
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail loudly if anything compiles or runs: the --profile path is checked before."""
+    from rdepc import parser
+
+    def refuse(*a, **k):
+        raise AssertionError("the run started before --profile was checked")
+
+    monkeypatch.setattr(parser, "parse_file", refuse)
+
+
+def test_profile_path_errors_exit_2_before_anything_runs(tmp_path, no_run):
+    for path, why in [
+        (tmp_path / "no" / "p.json", f"no such directory {tmp_path / 'no'}"),
+        (tmp_path, "is a directory (expected a file name, e.g. OUT.json)"),
+    ]:
+        status, out, err = cli_main("run", str(TINY), "--profile", str(path))
+        assert (status, out, err) == (2, "", f"rdepc: error: --profile {path}: {why}\n")
+    f = tmp_path / "file"
+    f.write_text("", encoding="utf-8")
+    status, out, err = cli_main("run", str(TINY), "--profile", str(f / "p.json"))
+    assert (status, out, err) == (2, "", f"rdepc: error: --profile {f / 'p.json'}: {f} is not a directory\n")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file modes")
+def test_profile_path_without_write_permission(tmp_path, no_run):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "old.json").write_text("{}", encoding="utf-8")
+    ro.chmod(0o555)
+    (ro / "old.json").chmod(0o444)
+    try:
+        status, out, err = cli_main("run", str(TINY), "--profile", str(ro / "p.json"))
+        assert (status, out) == (2, "")
+        assert err == f"rdepc: error: --profile {ro / 'p.json'}: permission denied (cannot create files in {ro})\n"
+        status, out, err = cli_main("run", str(TINY), "--profile", str(ro / "old.json"))
+        assert (status, out) == (2, "")
+        assert err == f"rdepc: error: --profile {ro / 'old.json'}: permission denied (the file is not writable)\n"
+    finally:
+        ro.chmod(0o755)
 
 
 def test_profile_write_error_is_one_line(tmp_path, monkeypatch):

@@ -86,6 +86,13 @@ def test_the_runtime_router_matches_the_per_token_reference(router):
         assert (sums < 1).all()
 
 
+def test_zero_tokens_route_to_empty_tensors():
+    r = spec_of(DEEPSEEK).router
+    x, weight = torch.zeros(0, 32), torch.randn(8, 32)
+    for ids, gates in (route(x, weight, r, 3, torch.zeros(8)), R.route(x, weight, r, 3, torch.zeros(8))[:2]):
+        assert ids.shape == gates.shape == (0, 3) and ids.dtype == torch.int64
+
+
 def test_group_limited_routing_picks_only_from_the_best_groups():
     r = spec_of("router sigmoid, groups 4, top_groups 1", K=2).router
     logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 0.0, 0.0, 9.0, -9.0]])  # group 1 sums best (5+4 > 9-9)

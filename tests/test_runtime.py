@@ -344,9 +344,11 @@ def _bad(name: str, inputs):
         case "expert out of range":
             ids = ids.clone()
             ids[2, 5, 1] = 8
-            ids[3, 0, 0] = -1
+            ids[3, 0, 0] = -2
+            ids[3, 1, 0] = -1  # routes nowhere: no error
             return (x, ids, g, wg, wu, wd), (
-                r"expert ids must lie in \[0, 8\): 2 route rows out of range, the first rank 2 token 5 slot 1 \(id 8\)"
+                r"expert ids must lie in \[0, 8\) or be -1 \(no expert\): 2 route rows out of range, the first rank 2 "
+                r"token 5 slot 1 \(id 8\)"
             )
         case "duplicate expert":
             return (x, ids[..., :1].expand(-1, -1, 2), g, wg, wu, wd), (
@@ -452,7 +454,7 @@ def test_an_owner_overflow_is_reported():
     inputs = random_inputs(2, 4, 32, 32, 2, 2)
     ids = torch.zeros((2, 4, 2), dtype=torch.int64)
     with pytest.raises(RuntimeError, match=r"owner r0 admitted 16 rows, more than the plan's bound R_q = 8"):
-        module._run(inputs.x, ids, *inputs[2:])
+        module._run(inputs.x, ids, *inputs[2:], torch.full((2,), 4))
 
 
 # ------------------------------------------------------------------ API and CLI

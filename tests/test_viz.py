@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, tiny_segmented
 from rdepc.passes.schedule import build_for, schedule
 
 import rdepc
@@ -48,17 +48,35 @@ def test_trace_events(moonlight):
     assert tr["otherData"]["exposed_transport_us"] == pytest.approx(moonlight.exposed_max * 1e6)
 
 
-def test_dot_marks_buffer_reuse_edges():
-    spec = rdepc.load(ROOT / "examples/tiny.rdep").spec
+def test_dot_marks_buffer_reuse_edges(tmp_path):
+    spec = rdepc.load(tiny_segmented(tmp_path)).spec
     sched = schedule(build_for(spec, "pipelined"), "h100")
-    text = viz.dot(sched.graph, sched)
+    text = viz.dot(sched.graph, sched, level="tasks")
     assert text.startswith('digraph "tiny"') and text.rstrip().endswith("}")
     n_edges = sum(len(t.deps) for t in sched.graph.tasks)
     assert text.count(" -> ") == n_edges
     assert text.count("style=dashed") == sum(len(t.war) for t in sched.graph.tasks) > 0
     assert text.count("subgraph cluster_r") == 4
-    full = viz.dot(sched.graph, full=True)
+    full = viz.dot(sched.graph, level="tiles")
     assert full.count(" -> ") > n_edges
+
+
+def test_dot_folds_tasks_into_rank_stage_segment_by_default(moonlight):
+    """Moonlight's task graph has thousands of tasks; the default drawing has one node per
+    (rank, stage, segment), and every task edge between two such nodes is one edge."""
+    tasks = moonlight.graph.tasks
+
+    def group(t):
+        return (t.rank, viz._color_key(t), t.segment)
+
+    text = viz.dot(moonlight.graph, moonlight)
+    assert text.count("[label=") == len({group(t) for t in tasks}) < len(tasks) // 5
+    assert 'label="dispatch s0 r0 (8 tasks)' in text and 'label="route r0\\nrows<=' in text
+    edges = {(group(tasks[d]), group(t)) for t in tasks for d in t.deps if group(tasks[d]) != group(t)}
+    assert text.count(" -> ") == len(edges)
+    assert len(text) < len(viz.dot(moonlight.graph, moonlight, level="tasks")) // 2
+    with pytest.raises(ValueError, match="unknown --dot level 'all'"):
+        viz.dot(moonlight.graph, level="all")
 
 
 def run(*args, cwd=ROOT):

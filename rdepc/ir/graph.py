@@ -69,6 +69,7 @@ class Geometry:
     local: tuple[int, ...]  # λ(e)
     experts: tuple[int, ...]  # E_loc(q)
     cap_e: int | None  # rows admitted per expert; None when dropless
+    drop: str  # the capacity's admission order: round_robin | arrival | lowest_gate
     rows_max: tuple[int, ...]  # R_q: rows owner q may hold
     segments: tuple[int, ...]  # ceil(R_q / S)
     m_slots: tuple[int, ...]  # ceil(S/BM) + E_loc(q) - 1: m-tiles one (q, segment) may need

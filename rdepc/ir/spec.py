@@ -148,7 +148,7 @@ class Capacity:
     policy: str  # dropless | factor | rows
     factor: sp.Rational | None
     rows: sp.Expr | None  # for policy "rows"
-    drop: str  # arrival | lowest_gate
+    drop: str  # round_robin | arrival | lowest_gate: the order an expert admits rows in
     weights: str  # renormalize | zero
 
     def rows_per_expert(self, shape: Shape) -> sp.Expr | None:
@@ -219,12 +219,13 @@ class LayerSpec:
 
     @property
     def keyed_admission(self) -> bool:
-        """Whether owners admit by key: under a capacity, with ``drop lowest_gate`` (gate,
-        then row_id) or when ascending row_id is not rank, then token, then slot order (an
+        """Whether owners admit by key: under a capacity, with ``drop round_robin`` (token
+        index first, ranks taking turns) or ``drop lowest_gate`` (gate, then row_id), or under
+        ``drop arrival`` when ascending row_id is not rank, then token, then slot order (an
         owner cannot take each source's rows as one prefix in source order)."""
         if self.capacity.policy == "dropless":
             return False
-        if self.capacity.drop == "lowest_gate":
+        if self.capacity.drop != "arrival":
             return True
         order = [v for v, _ in reversed(self.route_row.radix)]
         return [v for v in ROUTE_VARS if v in order] != order

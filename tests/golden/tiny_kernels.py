@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 24bd85e99850d5f1fe49a1e81ab473ca96cefef972e3dfe6d6182d29d16b5952
+# content-sha256: ad8adaa71b345612d48ff3a32a45c6e04fb0e3c153fec74c78b3309af0eeca88
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -239,11 +239,12 @@ def note(ctl, word, bad, key):
 
 @triton.jit
 def validate(topk_ids, gates, ctl, r, n_tokens):
-    """Front-end r's routing inputs: expert ids in [0, E), K distinct experts per token,
-    finite gates. Offenders are counted into the control block with the first one (key
-    W*T*K - (r*T + t)*K - k: earliest is largest) for the host to raise after the call; the
-    call goes on (an id out of range is routed nowhere, its slot not accepted), so no rank
-    is left waiting and the next call starts clean."""
+    """Front-end r's routing inputs: expert ids in [0, E) or -1 (a slot that routes nowhere:
+    padding), K distinct experts per token, finite gates. Offenders are counted into the
+    control block with the first one (key W*T*K - (r*T + t)*K - k: earliest is largest) for
+    the host to raise after the call; the call goes on (an id out of range is routed
+    nowhere, its slot not accepted), so no rank is left waiting and the next call starts
+    clean."""
     base = tl.cast(r, tl.int64) * n_tokens * K
     key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
     slots = tl.arange(0, K_PAD)
@@ -256,17 +257,20 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
         e = tl.load(topk_ids + base + i, mask=live, other=0)
         g = tl.load(gates + base + i, mask=live, other=0.0)
         key = tl.ravel(key0 - i)
-        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < 0) | (e >= E))), key)
-        note(ctl, CTL_BAD_GATES, tl.ravel(live & ((g - g) != 0)), key)  # NaN and +-inf: g - g is not 0
-        pair = live[:, :, None] & live[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
+        note(ctl, CTL_BAD_IDS, tl.ravel(live & ((e < -1) | (e >= E))), key)
+        # NaN and +-inf (g - g is not 0); a slot that routes nowhere may carry any gate
+        note(ctl, CTL_BAD_GATES, tl.ravel(live & (e != -1) & ((g - g) != 0)), key)
+        routed = live & (e != -1)  # two slots that route nowhere are no repeated expert
+        pair = routed[:, :, None] & routed[:, None, :] & (slots[:, None] < slots[None, :])[None, :, :]
         twice = tl.max(tl.max(((e[:, :, None] == e[:, None, :]) & pair).to(tl.int32), axis=2), axis=1) > 0
         note(ctl, CTL_DUP_TOKENS, twice, key0 - t * K)
 
 
 @triton.jit
 def route(
-    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r, n_tokens
-):
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r,
+    n_tokens, brought,
+):  # fmt: skip
     """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
 
     Route row i = t*K + k of token t, slot k. Pass 1 gives every row its
@@ -321,9 +325,10 @@ def route(
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
     put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
-    # ... and how many tokens r brings to the call: capacity follows the total (ranks may differ).
+    # ... and how many tokens r brings to the call (``brought`` <= n_tokens, the rows past it route
+    # nowhere): capacity follows the total (ranks may differ).
     peers = tl.arange(0, W_PAD)
-    tokens = tl.zeros([W_PAD], tl.int64) + n_tokens
+    tokens = tl.zeros([W_PAD], tl.int64) + brought
     put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
 
 
@@ -1197,11 +1202,11 @@ def rdep_layer(
     heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
     owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
-    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl, profile, n_tokens,
-    n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32:
-    tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD:
-    tl.constexpr, SAVE: tl.constexpr,
+    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl, profile, tokens_of,
+    n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr, BLOCK_H:
+    tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
+    BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
@@ -1237,6 +1242,7 @@ def rdep_layer(
     slot -= me * n_tokens * K
     gprime -= me * n_tokens * K
     dgprime -= me * n_tokens * K
+    tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
     saved_out -= me * n_tokens * K * H
     saved_x -= me * R_MAX * H
     saved_pre -= me * R_MAX * 2 * F
@@ -1334,7 +1340,7 @@ def rdep_layer(
                     if not BACKWARD:
                         route(
                             heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, stats, ctl, rank, n_tokens,
+                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if not BACKWARD:
