@@ -329,18 +329,21 @@ class RDEPModule:
         y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
-        topk_ids, brought = self._brought(tokens, x.shape[-2], topk_ids)
+        brought, real = self.padding(tokens, x.shape[-2])
+        if real is not None:  # the tokens past each rank's count route nowhere
+            topk_ids = torch.where(real[..., None], topk_ids, -1)
         inputs = (x, topk_weights, w_gate, w_up, w_down)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
             return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought)
         return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save=False)[0]
 
-    def _brought(self, tokens, Tn: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens each rank brings as the kernel reads them ([W]; a per-rank module: its
-        own, [1]) and the ids with every slot of a token past them set to -1 (no expert)."""
+    def padding(self, tokens, Tn: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``tokens`` (see :meth:`forward`) checked: the tokens each rank brings as the kernel
+        reads them ([W]; a per-rank module: its own, [1]) and the mask of those tokens among
+        the T' = ``Tn`` (bool [W, Tn]; None when every token is brought)."""
         ranks = 1 if self.per_rank else self.plan.W
         if tokens is None:
-            return topk_ids, torch.full((ranks,), Tn, dtype=torch.int64, device=self.device)
+            return torch.full((ranks,), Tn, dtype=torch.int64, device=self.device), None
         name = f"rdepc layer {self.plan.layer}"
         if self.per_rank:
             raise ValueError(f"{name}: tokens= is for the one-process backend; each rank passes its own T' tokens")
@@ -355,8 +358,7 @@ class RDEPModule:
             raise ValueError(
                 f"{name}: tokens must give each of the W={ranks} ranks a count in [0, T'={Tn}], got {counts}"
             )
-        brought, real = token_mask(counts, Tn, self.device)
-        return torch.where(real[..., None], topk_ids, -1), brought
+        return token_mask(counts, Tn, self.device)
 
     def withhold(self, entry: int, backward: bool = False) -> None:
         """Fault injection: in the next call only (``backward``: the next backward), task-table

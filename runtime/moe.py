@@ -37,7 +37,7 @@ import math
 
 import torch
 from rdepc.runtime import router as R
-from rdepc.runtime.module import TORCH_DTYPES, token_mask
+from rdepc.runtime.module import TORCH_DTYPES
 from torch import nn
 from torch.nn import functional as F_
 
@@ -177,12 +177,9 @@ class RDEPMoE(nn.Module):
             if mask.device != x.device:
                 raise ValueError(f"layer '{self.layer.spec.name}': mask is on {mask.device}, x on {x.device}")
             real = mask.reshape(x.shape[:-1]).bool()
-        if tokens is not None and not self.kernels.per_rank:
-            counts = tokens.tolist() if isinstance(tokens, torch.Tensor) and tokens.device.type == "cpu" else tokens
-            if isinstance(counts, list | tuple) and len(counts) == self.W and all(type(n) is int for n in counts):
-                covered = token_mask(list(counts), x.shape[-2], x.device)[1]
-                real = covered if real is None else real & covered
-            # anything else: the kernels' module says what tokens must be
+        covered = self.kernels.padding(tokens, x.shape[-2])[1]  # checks tokens as the kernels' call does
+        if covered is not None:
+            real = covered if real is None else real & covered
         return real
 
     def _as_ranks(self, x: torch.Tensor) -> torch.Tensor:
