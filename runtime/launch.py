@@ -117,6 +117,56 @@ def scratch_allocator() -> None:
         _allocation.set_allocator(_scratch)
 
 
+def rewrite_callees(fn) -> None:
+    """Rewrite, on this thread, every interpreted device function that ``fn`` reaches.
+
+    The interpreter rewrites a ``@jit`` function's AST on its first call. Programs running
+    as threads would do that concurrently, and CPython 3.11's ``compile`` of an AST object
+    is not thread-safe (``SystemError: AST constructor recursion depth mismatch``): so every
+    callee, through globals and through module attributes, is rewritten before they start."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        names = _code_names(f.__code__)
+        for value in (f.__globals__.get(n) for n in names):
+            found = [value]
+            if inspect.ismodule(value):
+                found = [getattr(value, n, None) for n in names]
+            for callee in found:
+                if isinstance(callee, InterpretedFunction) and id(callee.fn) not in seen:
+                    callee.rewrite()
+                    todo.append(callee.fn)
+
+
+def _code_names(code) -> set[str]:
+    """The global and attribute names ``code`` and the code objects nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+class _Stopped(BaseException):
+    """Raised into the programs still running when one failed: the launch has failed
+    already, and their waits would otherwise run out their whole spin bound."""
+
+
+def stop(threads: list[threading.Thread]) -> None:
+    """Raise :class:`_Stopped` in each of ``threads`` at its next bytecode."""
+    import ctypes
+
+    for t in threads:
+        if t.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_Stopped))
+
+
 class ConcurrentInterpreter(Launcher):
     """Runs an interpreted launch with its programs concurrent: one Python thread per
     program, all started together, instead of the interpreter's one-after-another loop. What
@@ -138,6 +188,7 @@ class ConcurrentInterpreter(Launcher):
         self.launches += 1
         with interpreter_env(True):
             fn = kernel.rewrite()
+            rewrite_callees(kernel.fn)
             executor = GridExecutor(fn, kernel.arg_names, (1,), [])
             host_args, host_meta = executor._init_args_hst(args, meta)
             scope = _patch_lang(fn)
@@ -151,14 +202,20 @@ class ConcurrentInterpreter(Launcher):
                 def program(i: int) -> None:
                     try:
                         fn(**(given | {"program_base": _implicit_cvt(i)}))
+                    except _Stopped:
+                        pass
                     except BaseException as e:  # re-raised on the host below
                         errors.append(e)
 
                 threads = [threading.Thread(target=program, args=(i,), daemon=True) for i in range(grid[0])]
                 for t in threads:
                     t.start()
-                for t in threads:
-                    t.join()
+                stopped = False
+                while alive := [t for t in threads if t.is_alive()]:
+                    if errors and not stopped:
+                        stop(alive)
+                        stopped = True
+                    alive[0].join(0.01)
                 if errors:
                     raise errors[0]
             finally:
