@@ -197,6 +197,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
     _sampled_routing(p, "predict under one sampled routing (numpy, as plan's) instead of the expected one")
     p.set_defaults(func=cmd_viz)
+
+    p = sub.add_parser(
+        "cache",
+        help="inspect or clear the compilation cache",
+        description="The compilation cache ($RDEPC_CACHE_DIR, default ~/.cache/rdepc): generated kernels and their "
+        "plan, one verified entry per spec and options. Every read checks an entry's files against the digests it "
+        "recorded, and rebuilds one that fails, with a warning.",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    a = actions.add_parser(
+        "info",
+        help="where the cache is, its entries and their size, and how many fail verification",
+        description="Print where the cache is and what chose it, its entries and their total size, and those that "
+        "fail verification (rebuilt on their next use).",
+    )
+    a.set_defaults(func=cmd_cache_info)
+    a = actions.add_parser(
+        "clear",
+        help="remove every cache entry",
+        description="Remove every entry of the cache and print how many and the space freed. Nothing else in the "
+        "directory is removed (other files, tuning records).",
+    )
+    a.set_defaults(func=cmd_cache_clear)
     return ap
 
 
@@ -694,6 +718,35 @@ def cmd_plan(args) -> int:
         print(json.dumps(to_json(result, formulas=args.symbolic), indent=2))
     else:
         sys.stdout.write(render(result, symbolic=args.symbolic))
+    return 0
+
+
+def cmd_cache_info(args) -> int:
+    from rdepc.runtime import cache
+
+    i = cache.info()
+    print(f"compilation cache {i.directory} ({i.chosen_by})")
+    if not i.exists:
+        print("  entries         0 (the directory does not exist yet)")
+        return 0
+    print(f"  entries         {i.entries}, {cache.human_size(i.size)}")
+    if not i.damaged:
+        print(f"  verification    {'every entry verifies' if i.entries else 'nothing to verify'}")
+    else:
+        print(f"  verification    {len(i.damaged)} of {i.entries} fail (rebuilt on their next use):")
+        for path, problem in i.damaged:
+            print(f"    {path}: {problem}")
+    if i.tuning_records:
+        print(f"  tuning records  {i.tuning_records} (rdepc tune; cache clear keeps them)")
+    return 0
+
+
+def cmd_cache_clear(args) -> int:
+    from rdepc.runtime import cache
+
+    removed, freed = cache.clear()
+    what = "entry" if removed == 1 else "entries"
+    print(f"removed {removed} {what} from {cache.cache_dir()}, freed {cache.human_size(freed)}")
     return 0
 
 
