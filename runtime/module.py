@@ -60,7 +60,13 @@ stays at its owner, which computes dL/dg' there and sends it home as one fp32 pe
 A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
 [E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
 tensor (``w[..., 0]``, ``w[..., 1]``, as ``RDEPMoE`` holds them) and nothing is copied;
-separate tensors are interleaved into a new one at every call.
+separate tensors are interleaved into a new one at every call. Any strides are accepted
+(transposed, sliced with a step, expanded, at an offset): what is not contiguous is copied
+at the call — for weights, at every call — and the result is the contiguous one, bitwise.
+
+Before it allocates anything the module checks that its heap and private buffers fit the
+memory they come from (the transport's ``room``); :class:`HeapSizeError` says in one line
+by how much they do not and which spec statements size them.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES,
 from rdepc.runtime import ranks, tune
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import import_kernels
+from rdepc.runtime.memory import HeapSizeError, heap_shortfall
 from rdepc.runtime.records import KernelError, input_error, kernel_error
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -163,6 +170,15 @@ def gate_grad(
     return torch.where(ok & routed, dg, 0.0)
 
 
+def dense(name: str, arg: str, t) -> None:
+    """TypeError unless ``t`` is an ordinary (strided, not nested) tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        layout = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise TypeError(f"{name}: {arg} must be a dense (strided) tensor, got a {layout} one")
+
+
 def token_mask(counts: list[int], Tn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``counts`` on ``device`` (int64 [W]) and the mask of the tokens they cover (bool [W, Tn]),
     without the host waiting for the device (a pinned copy, queued)."""
@@ -228,6 +244,7 @@ class RDEPModule:
         if self.per_rank:
             self.rank, _ = ranks.process_group(plan.W)
         self.device = device
+        self._check_memory()  # before anything is allocated or imported
         self.interpret = device.type == "cpu"
         self.mode = mode
         self.kernels = import_kernels(self.kernels_path, self.interpret)
@@ -293,12 +310,7 @@ class RDEPModule:
             "rows_max": i32(p.rows_max),
             "caps": i32(p.caps()),
         }
-        self.private = {}
-        for name, dt, shape in p.private:
-            torch_dt = TORCH_DTYPES.get(dt) or INT_DTYPES[dt]
-            if self.per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
-                shape = (1, *shape[1:])
-            self.private[name] = torch.zeros(shape, dtype=torch_dt, device=device)
+        self.private = {name: torch.zeros(shape, dtype=dt, device=device) for name, dt, shape in self._private()}
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
         self._unused = {dt: torch.zeros(1, dtype=dt, device=device) for dt in (self.dtype, torch.float32)}
         self._owner = torch.tensor(p.owner, dtype=torch.long)
@@ -312,11 +324,44 @@ class RDEPModule:
         self.last_profile: dict | None = None
         self._withheld: tuple[int, bool] | None = None  # (entry, in the backward)
         self._broken: str | None = None  # per-rank backends: a kernel error ends the module
+        # what makes the gates this module is called with, when not the caller's topk_weights
+        # (RDEPMoE: its router): named in the non-finite-gate error
+        self.routed_by: str | None = None
         sizes = {name: (at, size) for name, _, at, size in p.layout}
         self._flags, self._bwd_flags = sizes["flags"], sizes["bwd_flags"]
         # the heap words the backward reads from a rank's own slice: the offsets and admitted
         # counts its owners published to it (adjacent buffers)
         self._published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
+
+    def _private(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """The plan's private buffers as this process allocates them."""
+        out = []
+        for name, dt, shape in self.plan.private:
+            if self.per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
+                shape = (1, *shape[1:])
+            out.append((name, TORCH_DTYPES.get(dt) or INT_DTYPES[dt], tuple(shape)))
+        return out
+
+    def _check_memory(self) -> None:
+        """Refuse a heap (and private buffers) larger than the memory they come from, in one
+        line naming what sizes them, before anything is allocated. On a per-rank backend the
+        ranks agree first: none goes on into the collective allocation a peer refused."""
+        p = self.plan
+        slices = self.transport.heap_ranks(p.W)
+        private = sum(math.prod(shape) * dt.itemsize for _, dt, shape in self._private())
+        room = self.transport.room(self.device)
+        message = None
+        if room is not None and slices * p.heap_bytes + private > room[0]:
+            name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
+            message = f"{name}: {heap_shortfall(p, slices, private, room[1])}"
+        if self.per_rank:
+            import torch.distributed as dist
+
+            verdicts = [None] * p.W
+            dist.all_gather_object(verdicts, message)
+            message = next((v for v in verdicts if v), None)
+        if message:
+            raise HeapSizeError(message)
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, tokens=None):
@@ -544,11 +589,11 @@ class RDEPModule:
         p = self.plan
         W, T, H, F, E, K = p.W, p.T, p.H, p.F, p.E, p.K
         name = f"rdepc layer {p.layer}"
-        for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if self.per_rank:  # one rank's tokens, its own experts' weights
             name += f" (rank {self.rank} of {W})"
+        for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
+            dense(name, arg, t)
+        if self.per_rank:
             lead, lead_s, n_exp, E_s = (), "", len(self.local_experts), f"E_loc={len(self.local_experts)}"
         else:
             lead, lead_s, n_exp, E_s = (W,), "W, ", E, f"E={E}"
@@ -578,8 +623,7 @@ class RDEPModule:
         elif w_gate is not None:
             raise ValueError(f"{name}: {p.act} experts are not gated: pass w_gate=None")
         for arg, (w, shape) in experts.items():
-            if not isinstance(w, torch.Tensor):
-                raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(w).__name__}")
+            dense(name, arg, w)
             if tuple(w.shape) != shape:
                 raise ValueError(f"{name}: {arg} must be {list(shape)}, got {tuple(w.shape)}")
             if w.dtype != self.dtype:
@@ -590,7 +634,9 @@ class RDEPModule:
             if t.device != self.device:
                 raise ValueError(f"{name}: {arg} is on {t.device}, the module on {self.device}")
         # Expert ids in range, distinct top-K and finite gates need the data: the kernel checks
-        # them (validate) and the host raises from its record, with no sync in the call.
+        # them (validate) and the host raises from its record, with no sync in the call. Any
+        # strides are accepted: _run and _weights make the tensors contiguous (a copy when
+        # they are not).
 
     # ------------------------------------------------------------------ results
     def _record(self, ids, gates, backward: bool = False) -> None:
@@ -661,7 +707,7 @@ class RDEPModule:
         if backward:
             return
         name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
-        bad = input_error(p, words, name, ids, gates, self.per_rank)
+        bad = input_error(p, words, name, ids, gates, self.per_rank, self.routed_by)
         if bad is not None:
             first, last = CONTROL.index("bad_ids"), CONTROL.index("dup_tokens_at")
             self.private["ctl"][first : last + 1] = 0  # the call completed: only the counts go
@@ -736,4 +782,4 @@ def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return err / scale
 
 
-__all__ = ["KernelError", "RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]
+__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]

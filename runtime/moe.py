@@ -37,7 +37,7 @@ import math
 
 import torch
 from rdepc.runtime import router as R
-from rdepc.runtime.module import TORCH_DTYPES
+from rdepc.runtime.module import TORCH_DTYPES, dense
 from torch import nn
 from torch.nn import functional as F_
 
@@ -75,6 +75,7 @@ class RDEPMoE(nn.Module):
         self.W, self.T, self.H, self.F, self.E, self.K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
         self.act = s.expert.act
         self.kernels = self.layer.module(backend, device, schedule=schedule, **(module_options or {}))
+        self.kernels.routed_by = "the router: x, the router weight or the logits given hold NaN or inf for that token"
         kw = {"device": self.kernels.device, "dtype": TORCH_DTYPES[s.precision.dtype.value]}  # nvshmem: its GPU
         # Per-rank backends: this rank's experts only (``experts``, global ids in local order).
         self.experts = self.kernels.local_experts
@@ -142,16 +143,22 @@ class RDEPMoE(nn.Module):
         coefficient × the loss; None when it declares none). ``logits``: route from these
         instead of this block's router (a model that keeps its own router module).
 
-        Padding: ``mask`` (bool, x's shape without H; False for padding) and, in one process,
+        Padding: ``mask`` (x's shape without H; False, or 0, for padding) and, in one process,
         ``tokens`` (how many of the T' tokens each of the W ranks brings, a list: ranks of
         different lengths, the tokens past each count padding). A padding token routes
         nowhere (expert id -1), takes no capacity, gets y = 0 (shared experts included) and
-        is left out of the router's losses; ``tokens`` also sets the capacity's token count."""
+        is left out of the router's losses; ``tokens`` also sets the capacity's token count.
+        Its row of x (and of ``logits``) is read as zeros, whatever it holds (NaN included):
+        its router logits are those of a zero row, and no gradient reaches it."""
+        ranked = self._as_ranks(x)  # checks x first
         shape, dtype = x.shape, x.dtype
-        x = self._as_ranks(x).to(self.w_down.dtype)  # fp32 or autocast inputs: cast at the boundary
+        x = ranked.to(self.w_down.dtype)  # fp32 or autocast inputs: cast at the boundary
         if logits is not None:
-            logits = logits.reshape(*x.shape[:-1], self.E)
+            logits = self._logits(logits, shape).reshape(*x.shape[:-1], self.E)
         real = self._real(mask, tokens, shape, x)
+        if real is not None:  # a padding token's contents never matter, NaN included: it reads as zeros
+            x = torch.where(real[..., None], x, 0.0)
+            logits = None if logits is None else torch.where(real[..., None], logits, 0.0)
         routing = self.route(x, logits)
         ids = routing.ids if real is None else torch.where(real[..., None], routing.ids, -1)
         y = self.kernels(x, ids, routing.gates, self.w_gate, self.w_up, self.w_down, tokens=tokens)
@@ -160,7 +167,7 @@ class RDEPMoE(nn.Module):
             for j in range(self.shared_up.shape[0]):
                 gate = None if self.shared_gate is None else self.shared_gate[j]
                 shared = shared + _ffn(x, gate, self.shared_up[j], self.shared_down[j], self.shared_act)
-            y = y + (shared if real is None else shared * real[..., None])
+            y = y + shared  # a padding token's: f(0) = 0
         y = y.reshape(shape).to(dtype)
         if not router_outputs:
             return y
@@ -185,8 +192,17 @@ class RDEPMoE(nn.Module):
     def _as_ranks(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the kernels take it: [W, T', H] in one process, a rank's [T', H] per rank;
         [N, H] in one process is the W ranks' tokens in rank order, N/W each."""
+        name = f"layer '{self.layer.spec.name}'"
+        dense(name, "x", x)
+        if not x.dtype.is_floating_point:  # token ids or a mask by mistake: never cast them silently
+            raise TypeError(f"{name}: x must be a floating-point tensor (cast to {self.w_down.dtype}), got {x.dtype}")
+        want = "[T', H]" if self.kernels.per_rank else "[N, H] or [W, T', H]"
+        if x.dim() not in ((2,) if self.kernels.per_rank else (2, 3)):
+            raise ValueError(f"{name}: x must be {want} with H={self.H}, got {tuple(x.shape)}")
         if x.shape[-1] != self.H:
             raise ValueError(f"x has hidden size {x.shape[-1]}, but layer '{self.layer.spec.name}' has {self.H}")
+        if x.device != self.kernels.device:  # before the router reads it
+            raise ValueError(f"{name}: x is on {x.device}, the block on {self.kernels.device}")
         if self.kernels.per_rank or x.dim() != 2:
             return x
         N = x.shape[0]
@@ -196,6 +212,21 @@ class RDEPMoE(nn.Module):
                 f"({N} tokens is not a multiple of {self.W}): pass [W, T', H]"
             )
         return x.reshape(self.W, N // self.W, self.H)
+
+    def _logits(self, logits, shape) -> torch.Tensor:
+        """The given router ``logits`` checked: x's shape with E for H, on x's device."""
+        name = f"layer '{self.layer.spec.name}'"
+        want = (*shape[:-1], self.E)
+        dense(name, "logits", logits)
+        if not logits.dtype.is_floating_point:
+            raise TypeError(f"{name}: logits must be a floating-point tensor, got {logits.dtype}")
+        if tuple(logits.shape) != want:
+            raise ValueError(
+                f"{name}: logits must be {list(want)} (x's shape, E={self.E} for H), got {tuple(logits.shape)}"
+            )
+        if logits.device != self.kernels.device:
+            raise ValueError(f"{name}: logits is on {logits.device}, the block on {self.kernels.device}")
+        return logits
 
     @property
     def last_stats(self) -> dict | None:

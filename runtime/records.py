@@ -87,10 +87,13 @@ def kernel_error(
     return KernelError(f"rdepc layer {p.layer}: the {kernel} kernel stopped in call {epoch}: {what}", record)
 
 
-def input_error(plan: KernelPlan, words: list[int], name: str, ids, gates, per_rank: bool) -> ValueError | None:
+def input_error(
+    plan: KernelPlan, words: list[int], name: str, ids, gates, per_rank: bool, gates_from: str | None = None
+) -> ValueError | None:
     """The call's offending inputs, or None. ``ids`` and ``gates`` are the call's own
     ([W, T', K], or [T', K] on a per-rank backend): the first offender's value is read from
-    them (only here, on the error path)."""
+    them (only here, on the error path). ``gates_from``: what made the gates, when the
+    caller did not pass them (RDEPMoE's router), named instead of ``topk_weights``."""
     p = plan
     TK = p.T * p.K
 
@@ -118,7 +121,11 @@ def input_error(plan: KernelPlan, words: list[int], name: str, ids, gates, per_r
     if n := words[AT["bad_gates"]]:
         r, t, k, at = first("bad_gates")
         v = float(gates[(*at, k)])
-        why.append(f"topk_weights has {n} non-finite gates (NaN or inf), the first rank {r} token {t} slot {k} ({v})")
+        where = f"the first rank {r} token {t} slot {k} ({v})"
+        if gates_from is None:
+            why.append(f"topk_weights has {n} non-finite gates (NaN or inf), {where}")
+        else:
+            why.append(f"{n} non-finite gates (NaN or inf), {where}, from {gates_from}")
     return ValueError(f"{name}: " + "; ".join(why)) if why else None
 
 

@@ -76,7 +76,7 @@ def z_loss(logits: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tens
     logsumexp(logits)²; unscaled."""
     z = torch.logsumexp(logits.float(), dim=-1).square()
     if real is None:
-        return z.mean()
+        return z.mean() if z.numel() else z.sum()  # no tokens: 0, not the NaN of an empty mean
     w = real.float()
     return (z * w).sum() / w.sum().clamp(min=1)
 

@@ -41,12 +41,23 @@ Its *host* half allocates the heap. Three exist:
     waits at system scope (``rdepc.runtime.nvshmem``).
 
 The done flags every wait reads are symmetric: each rank's in its own slice (``flags``).
+
+Before a module allocates its heap it asks its transport how many rank slices this
+process allocates (``heap_ranks``) and how much memory they may take (``room``): free
+memory on the device (CUDA: the driver's free bytes plus torch's cached free blocks; CPU:
+the host's ``MemAvailable``, and for ``emulated-mp`` no more than ``/dev/shm`` has free;
+``nvshmem``: the GPU's whole memory), so that a heap larger than the device is a one-line
+error rather than an allocator failure, a SIGBUS or the kernel's OOM killer.
+
 This module imports neither torch nor triton at import time.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from rdepc.runtime.memory import free_memory, human
 
 # signal and wait: the same on every transport, at the transport's SCOPE.
 SIGNALS = '''
@@ -178,6 +189,15 @@ class Transport:
     def per_rank(self) -> bool:
         return self.processes == "per-rank"
 
+    def heap_ranks(self, W: int) -> int:
+        """Rank slices of the heap this process allocates."""
+        return W
+
+    def room(self, device) -> tuple[int, str] | None:
+        """The memory the heap is allocated from: bytes and their description (see
+        :func:`free_memory`); None when unknown, and the module does not check."""
+        return free_memory(device)
+
     def allocate_heap(self, W: int, heap_bytes: int, device):
         """The heap the kernel's ``heap`` argument points at, zeroed (collective on a per-rank
         transport: every rank calls it)."""
@@ -212,6 +232,22 @@ class EmulatedMP(Transport):
     device_source: str = EMULATED_MP_DEVICE
     processes: str = "per-rank"
 
+    def room(self, device) -> tuple[int, str] | None:
+        """The host's available memory, or the shared-memory file system's free space when
+        that is less: the heap is one file there (a page that cannot be backed would be a
+        SIGBUS at its first store)."""
+        from rdepc.runtime.ranks import _shm_dir
+
+        host = free_memory(device)
+        try:
+            st = os.statvfs(_shm_dir())
+        except OSError:
+            return host
+        shm = st.f_bavail * st.f_frsize
+        if host is None or shm < host[0]:
+            return shm, f"{_shm_dir()} has {human(shm)} free"
+        return host
+
     def allocate_heap(self, W: int, heap_bytes: int, device):
         """Every rank's slice, [W, heap_bytes], in one shared-memory file all ranks map."""
         from rdepc.runtime.ranks import shared_heap
@@ -226,6 +262,18 @@ class Nvshmem(Transport):
     device_source: str = NVSHMEM_DEVICE
     processes: str = "per-rank"
     imports: str = "from triton.language import core"  # core.extern for nvshmem_ptr
+
+    def heap_ranks(self, W: int) -> int:
+        return 1  # this rank's copy
+
+    def room(self, device) -> tuple[int, str] | None:
+        """The GPU's whole memory: the heap comes out of NVSHMEM's own symmetric reservation,
+        which the driver may already count as used, so only a heap larger than the device is
+        known not to fit."""
+        import torch
+
+        _, total = torch.cuda.mem_get_info(device)
+        return total, f"{torch.device(device)} has {human(total)} in all"
 
     def allocate_heap(self, W: int, heap_bytes: int, device):
         """This rank's copy, [heap_bytes], one NVSHMEM symmetric allocation; peers through
