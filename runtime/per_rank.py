@@ -36,6 +36,11 @@ class Case:
     spin_bound: int | None = None
     max_delay: float = 0.0  # each rank sleeps up to this long (seeded) before each call
     kill: tuple[int, float] | None = None  # (rank, seconds into its first call): SIGKILL it there
+    # (rank, seconds): that rank sleeps this long before its first call, past its peers' spin bound
+    stall: tuple[int, float] | None = None
+    # (rank, k): in its first call that rank withholds the k-th (mod their number) of its
+    # task-table entries that another rank waits for (waited_on): a producer lost mid-call
+    withhold: tuple[int, int] | None = None
     keep_output: bool = False  # return y (bitwise comparisons in tests)
 
 
@@ -81,17 +86,24 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     args = [x[rank, :n], ids[rank, :n], gates[rank, :n], None if wg is None else wg[mine], wu[mine], wd[mine]]
     args = [None if a is None else a.contiguous().to(dev) for a in args]
     rng = random.Random(case.seed * 1000 + rank)
-    if case.kill is not None and case.kill[0] == rank:
-        _kill_after(case.kill[1])
     out: dict = {"rank": rank, "tokens": n, "calls": []}
-    for _ in range(case.calls):
+    if case.withhold is not None and case.withhold[0] == rank:
+        victims = waited_on(module.plan, rank)
+        out["withheld"] = victims[case.withhold[1] % len(victims)]
+        module.withhold(out["withheld"])
+    for call in range(case.calls):
         if case.max_delay:
             time.sleep(rng.uniform(0, case.max_delay))
+        if call == 0 and case.stall is not None and case.stall[0] == rank:
+            time.sleep(case.stall[1])
+        if call == 0 and case.kill is not None and case.kill[0] == rank:
+            _kill_after(case.kill[1])  # timed from the call's start, whatever delay came before
         t0 = time.perf_counter()
         try:
             y = module(*args)
         except KernelError as e:
             out["error"] = e
+            out["error_after"] = time.perf_counter() - t0  # how long the failing call took to stop
             return out
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -110,6 +122,23 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         out["error_rel"] = max_relative_error(y.cpu(), ref[rank, :n])
         out["accepted_same"] = bool(torch.equal(st["accepted"].cpu(), accepted_ref[rank, :n]))
     return out
+
+
+def waited_on(plan, rank: int) -> list[int]:
+    """The task-table entries ``rank`` runs that an entry of another rank depends on (in this
+    call): withholding one of them makes a peer's wait expire."""
+    from rdepc.codegen.lower import COLUMNS
+
+    at = {c: COLUMNS.index(c) for c in ("rank", "dep_start", "dep_count")}
+    found = set()
+    for row in plan.table:
+        if row[at["rank"]] == rank:
+            continue
+        start = row[at["dep_start"]]
+        for d in plan.deps[start : start + row[at["dep_count"]]]:
+            if d >= 0 and plan.table[d][at["rank"]] == rank:
+                found.add(d)
+    return sorted(found)
 
 
 def _kill_after(seconds: float) -> None:
@@ -153,4 +182,4 @@ def report(results: list[dict], tol: float) -> tuple[list[str], bool]:
     return lines, ok
 
 
-__all__ = ["Case", "Job", "report", "run_case", "run_rank"]
+__all__ = ["Case", "Job", "report", "run_case", "run_rank", "waited_on"]

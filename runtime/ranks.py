@@ -9,7 +9,9 @@ only carries a handful of small host messages — the heap's name, barriers, a u
 :func:`shared_heap` is the symmetric heap of ``emulated-mp``: one file of W · heap_bytes
 bytes in ``/dev/shm``, created by rank 0, mapped by every rank, and unlinked as soon as
 all have mapped it — the mappings stay valid, and no segment is left behind however the
-processes end (an error, a kill, Ctrl-C).
+processes end (an error, a kill, Ctrl-C). Only a rank 0 killed between creating the file
+and that unlink cannot remove it: :func:`spawn` removes what its ranks left so
+(:func:`remove_heaps`; the name carries the creator's pid).
 
 :func:`spawn` starts W processes that join one process group through a file store in a
 private temporary directory, runs ``fn(rank, world, *args)`` in each, and returns their
@@ -33,6 +35,7 @@ from pathlib import Path
 # Host collectives (the heap's name, barriers) are bounded too: a peer that died before them
 # fails the others after this long rather than never (gloo's default is 30 minutes).
 HOST_TIMEOUT = timedelta(minutes=5)
+HEAP_PREFIX = "rdepc-heap-"  # shared-memory heaps are named HEAP_PREFIX + creator's pid + a random tag
 
 
 class RanksError(RuntimeError):
@@ -85,20 +88,35 @@ def shared_heap(W: int, heap_bytes: int):
     rank, _ = process_group(W)
     path = None
     if rank == 0:
-        path = _shm_dir() / f"rdepc-heap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = _shm_dir() / f"{HEAP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, W * heap_bytes)  # a new file reads as zeros
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
-    path = broadcast(str(path) if path else None)
+    mine = path
     try:
+        # the broadcast is inside: a peer lost before it fails rank 0 here, after the file exists
+        path = broadcast(str(path) if path else None)
         flat = torch.from_file(path, shared=True, size=W * heap_bytes, dtype=torch.uint8)
         barrier()  # every rank has mapped it: the name is no longer needed
     finally:
-        if rank == 0:
-            Path(path).unlink(missing_ok=True)
+        if mine is not None:
+            mine.unlink(missing_ok=True)
     return flat.view(W, heap_bytes)
+
+
+def remove_heaps(pid: int) -> list[str]:
+    """Unlink the heaps process ``pid`` created and has not unlinked (it ended between
+    creating one and every rank mapping it: a kill, a timeout); their names."""
+    gone = []
+    for path in _shm_dir().glob(f"{HEAP_PREFIX}{pid}-*"):
+        path.unlink(missing_ok=True)
+        gone.append(path.name)
+    return gone
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -128,8 +146,10 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
     order. ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     ``delays``: seconds each rank sleeps before it joins (random start times in tests).
 
-    Raises :class:`RanksError` naming the first rank that failed (with its traceback) or
-    died; its ``results`` hold what the other ranks returned (None for those that did not)."""
+    Raises :class:`RanksError` naming the first rank that died or, when none did, the first
+    that failed (with its traceback); its ``results`` hold what the other ranks returned
+    (None for those that did not), its ``failures`` what went wrong on each rank that did
+    not (rank -> message)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -148,23 +168,29 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
             p.join(max(0.0, deadline - time.monotonic()))
         late = [r for r, p in enumerate(procs) if p.is_alive()]
         if late:
-            raise RanksError(f"ranks {late} did not finish within {timeout:g} s; they were ended")
-        out, first = [], None
+            e = RanksError(f"ranks {late} did not finish within {timeout:g} s; they were ended")
+            e.results, e.failures = [None] * world, {r: "did not finish" for r in late}
+            raise e
+        out, failures, died = [], {}, []
         for rank, p in enumerate(procs):
             f = results / f"{rank}.pkl"
             if not f.exists():
-                first = first or RanksError(f"rank {rank} died (exit code {p.exitcode}) before it reported a result")
+                failures[rank] = f"rank {rank} died (exit code {p.exitcode}) before it reported a result"
+                died.append(rank)
                 out.append(None)
                 continue
             value = pickle.loads(f.read_bytes())
             if value[0] == "error":
-                first = first or RanksError(f"rank {rank} failed: {value[1]}\n{value[2]}")
+                failures[rank] = f"rank {rank} failed: {value[1]}\n{value[2]}"
                 out.append(None)
             else:
                 out.append(value[1])
-        if first is not None:
-            first.results = out
-            raise first
+        if failures:
+            # A rank that died is the likelier cause: its peers' host collectives then fail
+            # with "connection closed" in their own words, which would otherwise come first.
+            e = RanksError(failures[(died or sorted(failures))[0]])
+            e.results, e.failures = out, failures
+            raise e
         return out
     finally:
         for p in procs:
@@ -175,7 +201,10 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
             if p.is_alive():
                 p.kill()
                 p.join()
+        for p in procs:  # a rank ended between creating its heap and every rank mapping it
+            if p.pid is not None:
+                remove_heaps(p.pid)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["RanksError", "barrier", "broadcast", "process_group", "shared_heap", "spawn"]
+__all__ = ["HEAP_PREFIX", "RanksError", "barrier", "broadcast", "process_group", "remove_heaps", "shared_heap", "spawn"]
