@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 
 from rdepc import __version__
 from rdepc.ir.graph import BM as COMBINE_TOKENS
@@ -574,8 +575,9 @@ def lower(
         ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
     ]
     rr = spec.route_row
-    at_T = [{spec.shape.T: t} for t in range(T + 1)] if spec.shape.symbolic else [{}]
-    row_id = tuple((_at(rr.offset, v), *(_at(rr.coefficient(x), v) for x in ROUTE_VARS)) for v in at_T)
+    n_T = T + 1 if spec.shape.symbolic else 1  # one row per T' = 0..T when T is symbolic
+    parts = [_per_token(rr.offset, spec, n_T), *(_per_token(rr.coefficient(x), spec, n_T) for x in ROUTE_VARS)]
+    row_id = tuple(zip(*parts, strict=True))
     row_id_order = tuple(v for v, _ in reversed(rr.radix))
     cap = spec.capacity
     keyed = spec.keyed_admission
@@ -584,7 +586,7 @@ def lower(
         cap_factor = (int(cap.factor.p), int(cap.factor.q))
     elif cap.policy == "rows":
         if spec.shape.symbolic:
-            cap_rows = tuple(int(cap.rows.subs(spec.shape.T, t)) for t in range(T + 1))
+            cap_rows = _per_token(cap.rows, spec, T + 1)
         else:
             cap_rows = int(cap.rows)
     return KernelPlan(
@@ -645,9 +647,22 @@ def lower(
     )
 
 
-def _at(expr, subs: dict) -> int:
-    """An integer, or a sympy expression in T evaluated at ``subs``."""
-    return int(expr.subs(subs)) if hasattr(expr, "subs") else int(expr)
+def _per_token(expr, spec: LayerSpec, n: int) -> tuple[int, ...]:
+    """``int(expr)`` at T = 0..n-1: a number, or a polynomial in the layer's symbolic T
+    evaluated exactly from its coefficients (a sympy substitution per value took minutes
+    for a bound of 65536)."""
+    if not getattr(expr, "free_symbols", None):
+        return (int(expr),) * n
+    import sympy as sp
+
+    coeffs = [Fraction(int(c.p), int(c.q)) for c in sp.Poly(expr, spec.shape.T).all_coeffs()]
+    out = []
+    for t in range(n):
+        v = Fraction(0)
+        for c in coeffs:
+            v = v * t + c
+        out.append(int(v))
+    return tuple(out)
 
 
 __all__ = [

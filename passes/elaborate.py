@@ -12,11 +12,13 @@ import math
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
 
+from rdepc.passes.graph import fewest_tasks, too_many_tasks
 from rdepc.passes.router import elaborate_router
 
 from rdepc import syntax as S
 from rdepc.diagnostics import Diagnostics, Span, did_you_mean
 from rdepc.ir.exact import Poly
+from rdepc.ir.graph import MAX_TASKS
 from rdepc.ir.spec import (
     ROUTE_VARS,
     SCALE_BLOCK,
@@ -425,7 +427,26 @@ class _Layer:
                 "use 'drop arrival' with the route row in rank, token, slot order, or fewer tokens",
             )
             return None
+        self.task_table_note(spec)
         return ir
+
+    def task_table_note(self, spec: LayerSpec) -> None:
+        """A note where compile will stop: the graph stage builds no task table over
+        MAX_TASKS tasks, whichever strategy, S and B the scheduler may choose (as compile
+        says it, "not supported yet", for a layer the language allows)."""
+        sh, cap = spec.shape, spec.capacity
+        W, T, K, E = int(sh.W.value), sh.T_max, int(sh.K.value), int(sh.E.value)
+        cap_e = None
+        if cap.policy == "factor":
+            cap_e = math.ceil(cap.factor.value * W * T * K / E)
+        elif cap.policy == "rows":
+            cap_e = int(self._max(cap.rows))
+        seg = None if spec.segment is None else (int(spec.segment.rows.value), int(spec.segment.buffers.value))
+        per = spec.ownership.experts_per_rank(W)
+        n, strategy, S, segments = fewest_tasks(W, T, K, per, cap_e, spec.schedule, seg, spec.dedup)
+        if n > MAX_TASKS:
+            what, key, hint = too_many_tasks(W, T, n, strategy, S, segments, seg is not None)
+            self.diags.note(f"not supported yet: {what} (compile and run stop here)", spec.span_of(key), hint)
 
     def _usage_req(self, kw: str) -> str:
         return {

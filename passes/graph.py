@@ -78,6 +78,8 @@ from rdepc.ir.spec import LayerSpec
 
 STRATEGIES = ("bulk", "pipelined", "deep")
 CUTS = ("expert", "source")
+# S the scheduler tries for a segmented strategy when the spec has no segment statement
+SEGMENT_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 
 
 def _int(expr, spec: LayerSpec) -> int:
@@ -89,8 +91,30 @@ def _int(expr, spec: LayerSpec) -> int:
 
 
 def cap_per_expert(spec: LayerSpec) -> int | None:
+    """cap_e the buffers are sized for: the largest any call may have, T' in 1..T (a
+    ``capacity rows`` expression may fall as T' grows); None when dropless."""
     cap = spec.capacity.rows_per_expert(spec.shape)
-    return None if cap is None else _int(cap, spec)
+    if cap is None:
+        return None
+    return max_over_tokens(cap, spec) if spec.capacity.policy == "rows" else _int(cap, spec)  # factor grows with T
+
+
+def max_over_tokens(expr, spec: LayerSpec) -> int:
+    """The largest value of ``expr`` (at most quadratic in T, elaboration's rule) over T in
+    1..T_max; ``expr`` itself when it does not depend on T."""
+    if not getattr(expr, "free_symbols", None):
+        return int(expr)
+    import sympy as sp
+
+    T, hi = spec.shape.T, spec.shape.T_max
+    points = {1, hi}
+    poly = sp.Poly(expr, T)
+    if poly.degree() == 2:
+        a, b, _ = poly.all_coeffs()
+        vertex = -b / (2 * a)
+        if 1 <= vertex <= hi:
+            points |= {int(sp.floor(vertex)), int(sp.ceiling(vertex))}
+    return max(int(expr.subs(T, t)) for t in points)
 
 
 def geometry(
@@ -107,12 +131,8 @@ def geometry(
     F = _int(spec.expert.F, spec)
     per = spec.ownership.experts_per_rank(W)
     cap = cap_per_expert(spec)
-    worst = [W * T * min(K, e) for e in per]
-    R = tuple(w if cap is None else min(w, e * cap) for w, e in zip(worst, per, strict=True))
-    if strategy == "bulk":
-        S_, B_, L = max(max(R), 1), 1, 1
-        segs = tuple(1 if r > 0 else 0 for r in R)
-    else:
+    R = owner_rows(W, T, K, per, cap)
+    if strategy != "bulk":
         seg = spec.segment
         if S is None:
             if seg is None:
@@ -120,11 +140,8 @@ def geometry(
             S = _int(seg.rows, spec)
         if B is None:
             B = _int(seg.buffers, spec) if seg is not None else (2 if strategy == "pipelined" else 3)
-        S_, B_ = int(S), int(B)
-        L = 1 if strategy == "pipelined" else max(1, B_ - 1)
-        segs = tuple(-(-r // S_) for r in R)
-        if spec.dedup:  # a token's rows at an owner span its local experts' segments: all stay resident
-            B_ = max(B_, *segs)
+    S_, B_, segs = segmentation(R, strategy, S, B, spec.dedup)
+    L = 1 if strategy in ("bulk", "pipelined") else max(1, int(B) - 1)  # B as given, before dedup raises it
     m_slots = tuple(-(-S_ // BM) + e - 1 if e else 0 for e in per)
     return Geometry(
         strategy=strategy,
@@ -155,33 +172,109 @@ def geometry(
     )
 
 
+def owner_rows(W: int, T: int, K: int, experts: Sequence[int], cap: int | None) -> tuple[int, ...]:
+    """R_q: rows owner q may hold, its worst case with distinct top-K capped by Σ cap_e."""
+    return tuple(W * T * min(K, e) if cap is None else min(W * T * min(K, e), e * cap) for e in experts)
+
+
+def segmentation(
+    R: Sequence[int], strategy: str, S: int | None, B: int | None, dedup: bool
+) -> tuple[int, int, tuple[int, ...]]:
+    """(S, B, segments per owner) of ``strategy``: bulk moves each owner's rows as one
+    segment of the busiest owner's size; a segmented strategy cuts them into S-row segments,
+    all of them resident under dedup."""
+    if strategy == "bulk":
+        return max(max(R, default=0), 1), 1, tuple(1 if r > 0 else 0 for r in R)
+    segs = tuple(-(-r // int(S)) for r in R)
+    if dedup:  # a token's rows at an owner span its local experts' segments: all stay resident
+        B = max(int(B), *segs)
+    return int(S), int(B), segs
+
+
+def count_tasks(W: int, T: int, K: int, S: int, B: int, segments: Sequence[int], segmented: bool) -> int:
+    """Tasks of a graph over these bounds (``task_count`` without a Geometry)."""
+    ring = segmented and B * S < T * K  # Geometry.return_ring
+    per_piece = 2 * W + 2 + (W if ring else 0)  # dispatch, return, gemm1, gemm2, unpack
+    return 2 * W + sum(segments) * per_piece + W + W * -(-T // BM)
+
+
 def task_count(geo: Geometry) -> int:
     """Tasks of the graph of ``geo``, computed before building it."""
-    W = geo.W
-    pieces = sum(geo.segments)
-    per_piece = 2 * W + 2 + (W if geo.return_ring else 0)  # dispatch, return, gemm1, gemm2, unpack
-    return 2 * W + pieces * per_piece + W + W * geo.token_tiles
+    return count_tasks(geo.W, geo.T, geo.K, geo.S, geo.B, geo.segments, geo.segmented)
+
+
+def candidates(schedule: str | None, segment: tuple[int, int] | None) -> list[tuple[str, int | None, int | None]]:
+    """(strategy, S, B) the scheduler builds and compares for a schedule (None or "auto":
+    the cost model chooses) and a segment statement's (S, B) (None: none); S and B None
+    for the segment statement's own."""
+    fixed = None if schedule in (None, "auto") else schedule
+    out: list[tuple[str, int | None, int | None]] = []
+    for st in [fixed] if fixed else STRATEGIES:
+        if st == "bulk":
+            out.append(("bulk", None, None))
+        elif segment is not None:
+            if st == "deep" and fixed is None and segment[1] < 3:
+                continue  # deep with B < 3 is pipelined
+            out.append((st, None, None))
+        else:
+            out += [(st, S, 2 if st == "pipelined" else 3) for S in SEGMENT_CANDIDATES]
+    return out
+
+
+def fewest_tasks(
+    W: int,
+    T: int,
+    K: int,
+    experts: Sequence[int],
+    cap: int | None,
+    schedule: str | None,
+    segment: tuple[int, int] | None,
+    dedup: bool,
+) -> tuple[int, str, int, tuple[int, ...]]:
+    """The smallest task table among the scheduler's candidates (plain ints: elaboration
+    asks before any graph is built): (tasks, strategy, S, segments per owner)."""
+    R = owner_rows(W, T, K, experts, cap)
+    best = None
+    for st, S, B in candidates(schedule, segment):
+        if st != "bulk" and S is None:
+            S, B = segment
+        S_, B_, segs = segmentation(R, st, S, B, dedup)
+        n = count_tasks(W, T, K, S_, B_, segs, st != "bulk")
+        if best is None or n < best[0]:
+            best = (n, st, S_, segs)
+    return best
+
+
+def too_many_tasks(W: int, T: int, n: int, strategy: str, S: int, segments: Sequence[int], has_segment: bool):
+    """(what, span key, hint) for a task table of ``n`` > MAX_TASKS tasks, naming what makes
+    it large: the combine tiles of T tokens, W ranks each sending every owner its segments,
+    or the segments themselves. The language allows such a layer; the graph stage does not
+    build it (yet), so it is reported as "not supported yet" at that construct."""
+    tiles = W * -(-T // BM)
+    one_each = 3 * W + tiles + sum(1 for s in segments if s) * (2 * W + 2)  # one segment per owner, no ring
+    head = f"the task table would have {n:,} tasks (limit {MAX_TASKS:,}): "
+    if 3 * W + tiles > MAX_TASKS:
+        return head + f"W·⌈T/{BM}⌉ = {tiles:,} combine tiles", "shape.tokens", f"use fewer tokens per rank (T = {T})"
+    if one_each > MAX_TASKS:
+        why = f"W = {W} ranks, each sending every owner its rows and receiving its returns"
+        return head + why, "shape.ranks", "use fewer ranks"
+    why = f"{max(segments)} segments per owner × W = {W} sources for dispatch and return"
+    if strategy == "bulk":
+        return head + why, "shape.ranks", "use fewer ranks"
+    if has_segment:
+        return head + why, "segment.rows", f"raise 'segment rows' (S = {S}) so that each owner runs fewer segments"
+    return head + why, "schedule", "add a 'segment' statement with more rows per segment"
 
 
 def check_size(spec: LayerSpec, geo: Geometry) -> None:
-    """A SpecError at the segment statement when the task table would be unreasonably large."""
+    """A "not supported yet" SpecError at the construct that makes the task table too large."""
     n = task_count(geo)
     if n <= MAX_TASKS:
         return
     src = {spec.file: Path(spec.file).read_text(encoding="utf-8")} if Path(spec.file).is_file() else {}
     diags = Diagnostics(src)
-    key = "segment.rows" if spec.segment is not None else "shape.ranks"
-    hint = (
-        f"raise 'segment rows' (S = {geo.S}) so that each owner runs fewer segments"
-        if geo.segmented
-        else "use a segmented schedule with a 'segment' statement"
-    )
-    diags.error(
-        f"the task table would have {n:,} tasks (limit {MAX_TASKS:,}): {max(geo.segments)} segments per owner "
-        f"× W = {geo.W} sources for dispatch and return",
-        spec.span_of(key),
-        hint,
-    )
+    what, key, hint = too_many_tasks(geo.W, geo.T, n, geo.strategy, geo.S, geo.segments, spec.segment is not None)
+    diags.error(f"not supported yet: {what} (the 'graph' stage does not implement it)", spec.span_of(key), hint)
     diags.check()
 
 
@@ -649,6 +742,7 @@ def mtiles_bound_ok(geo: Geometry, load: Load) -> bool:
 __all__ = [
     "CUTS",
     "FULL_LIMIT",
+    "SEGMENT_CANDIDATES",
     "STRATEGIES",
     "Load",
     "admit",
@@ -658,12 +752,17 @@ __all__ = [
     "check_size",
     "expand_tiles",
     "expected_counts",
+    "fewest_tasks",
     "geometry",
+    "max_over_tokens",
+    "owner_rows",
     "receive_runs",
     "segment_load",
+    "segmentation",
     "task_count",
     "task_rows",
     "to_networkx",
+    "too_many_tasks",
 ]
 
 

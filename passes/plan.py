@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import sympy as sp
-from rdepc.passes.graph import geometry
+from rdepc.passes.graph import geometry, max_over_tokens
 from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
 from rdepc.passes.routing import owners_per_token_expr, sample_routing
 
@@ -409,7 +409,7 @@ def _spec_values(spec: LayerSpec, strategy: str, rows: int | None = None, buffer
         E_max: max(per_rank),
         E_min: min(per_rank),
         f: sp.Rational(cap.factor) if cap.policy == "factor" else None,
-        C: _int(cap.rows, spec) if cap.policy == "rows" else None,
+        C: max_over_tokens(cap.rows, spec) if cap.policy == "rows" else None,  # the largest over T' <= T
         d: spec.precision.dispatch.bytes,
         a: spec.precision.dtype.bytes,
         sb: spec.route_row.sideband_bytes,
@@ -583,7 +583,10 @@ def _symmetric(env: _Env, strategy: str, key: str, spec: LayerSpec) -> Symmetric
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED
-    s_what = "rows per ring slot (segment statement)" if segmented else "S_bulk = max_q R_q rows, one slot"
+    s_what = "S_bulk = max_q R_q rows, one slot"
+    if segmented:
+        chosen = "segment statement" if spec.segment is not None else "chosen by the cost model: no segment statement"
+        s_what = f"rows per ring slot ({chosen})"
     r_what = "B·S: a ring of B slots of S rows" if segmented else "T·K: every sent row lands in its own place"
     return SymmetricPlan(
         strategy,
@@ -749,7 +752,14 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     if not 0 < opts.overflow < 1:
         raise ValueError(f"overflow target must be in (0, 1), got {opts.overflow}")
     strategy = resolve_strategy(spec, opts.strategy)
-    values = _spec_values(spec, strategy)
+    rows = buffers = None
+    if strategy in SEGMENTED and spec.segment is None:
+        # No segment statement: the S and B the scheduler chooses on this profile, as compile does.
+        from rdepc.passes.schedule import resolve
+
+        choice = resolve(spec, strategy, hw=opts.hw)
+        rows, buffers = choice.S, choice.B
+    values = _spec_values(spec, strategy, rows, buffers)
     values.update({F_gpu: hw.flops.value, B_eff: hw.link.value, t_b: hw.barrier_per_peer.value, P: opts.overflow})
     policy = spec.capacity.policy
     env = _Env(values, policy)
@@ -783,7 +793,9 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             "capacity.rows_per_expert",
             cap_expr(policy),
             "rows",
-            "cap_e = ceil(f·μ)" if policy == "factor" else "cap_e = the spec's capacity rows",
+            "cap_e = ceil(f·μ)"
+            if policy == "factor"
+            else "cap_e = the spec's capacity rows" + (", the largest over T' <= T" if spec.shape.symbolic else ""),
         )
     )
     worst = env.fig(

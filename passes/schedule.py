@@ -36,13 +36,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
-from rdepc.passes.graph import STRATEGIES, build_graph
+from rdepc.passes.graph import SEGMENT_CANDIDATES, STRATEGIES, build_graph, candidates
 
 from rdepc.diagnostics import SpecError
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
-SEGMENT_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 REFINE_LIMIT = 60_000  # tasks: below this the split is refined on the timeline itself
 
 
@@ -462,20 +461,9 @@ def _resolve(spec, strategy, cut, hw) -> tuple[Choice, TaskGraph | None]:
     if cut is not None and cut not in ("auto", "expert", "source"):
         raise ValueError(f"unknown cut '{cut}' (known: auto, expert, source)")
 
-    candidates: list[tuple[str, int | None, int | None]] = []
-    strategies = [fixed_strategy] if fixed_strategy else list(STRATEGIES)
-    for st in strategies:
-        if st == "bulk":
-            candidates.append(("bulk", None, None))
-        elif seg is not None:
-            if st == "deep" and fixed_strategy is None and int(seg.buffers) < 3:
-                continue  # deep with B < 3 is pipelined
-            candidates.append((st, None, None))
-        else:
-            for S in SEGMENT_CANDIDATES:
-                candidates.append((st, S, 2 if st == "pipelined" else 3))
+    tried = candidates(fixed_strategy, None if seg is None else (int(seg.rows), int(seg.buffers)))
     cuts = [fixed_cut] if fixed_cut else ["expert", "source"]
-    keys = [(st, c, S, B) for st, S, B in candidates for c in (cuts if st != "bulk" else ["expert"])]
+    keys = [(st, c, S, B) for st, S, B in tried for c in (cuts if st != "bulk" else ["expert"])]
     results: dict[tuple[str, str, int | None, int | None], float] = {}
     graphs: dict[tuple, TaskGraph] = {}
     first_error: SpecError | None = None
@@ -675,6 +663,7 @@ class SchedulePass:
 
 __all__ = [
     "ORDERS",
+    "SEGMENT_CANDIDATES",
     "Choice",
     "CostPass",
     "DeadlockError",

@@ -150,7 +150,9 @@ class Module:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return tuple(layer.name for layer in self.layers)
+        """The layers' names, each once: a name defined twice is one layer the user can ask
+        for (elaboration reports the duplicate), not two to choose between."""
+        return tuple(dict.fromkeys(layer.name for layer in self.layers))
 
 
 def unparse(e: Expr) -> str:
