@@ -511,6 +511,11 @@ def _unpack_call() -> str:
 """
 
 
+# The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.
+POINTEE = {k: v for k, v in TORCH_DTYPE.items() if k.startswith(("fp", "bf"))}
+POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
+
+
 def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's
     signature is generated from it, the host passes arguments by these names, and sm_90
@@ -543,4 +548,4 @@ def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
     return args
 
 
-__all__ = ["HASH_FIELD", "TORCH_DTYPE", "content_hash", "generate", "kernel_args"]
+__all__ = ["HASH_FIELD", "POINTEE", "TORCH_DTYPE", "content_hash", "generate", "kernel_args"]

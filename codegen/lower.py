@@ -95,6 +95,11 @@ CTL_TICKETS = 20
 assert len(CONTROL) <= CTL_TICKETS
 INT32_MAX = 2**31 - 1
 ROLE_INDEX = {"comm": 0, "compute": 1}
+# Native launch defaults, shared by RDEPModule and the sm_90 compile (which stands in for a
+# launch it cannot make): spins a wait may take before the call fails, and the SMs (one
+# program each) of the GPU a compile without one assumes, an H100 SXM.
+NATIVE_SPIN_BOUND = 1 << 26
+H100_SMS = 132
 
 
 def ctl_words(W: int) -> int:
@@ -384,6 +389,42 @@ class KernelPlan:
         the spec's T, or T' when the spec's T is symbolic."""
         return self.row_id[min(T, self.T) if self.symbolic_tokens else 0]
 
+    def launch_grid(self, work: Work, programs: int, per_rank: bool = False) -> tuple[int, tuple[int, ...]]:
+        """(the grid's budget, programs per queue) of a launch of ``work`` given ``programs``
+        (natively one per SM). Unified: ``programs`` capped by the work items, one queue.
+        Role-split: each rank an equal share (at least 2; ``per_rank``, one process per rank:
+        all of it), split between its communication and compute queues in the ratio of the
+        schedule's programs."""
+        if work.mode == "unified":
+            programs = max(1, min(programs, work.n_items))
+            return programs, (programs,)
+        comm, compute = self.programs
+        share = max(2, programs // (1 if per_rank else self.W))
+        n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
+        return programs, (n_comm, share - n_comm) * (1 if per_rank else self.W)
+
+    def launch_scalars(
+        self, n_tokens: int, n_programs: int, rank: int | None, bound: int, per_rank: bool = False
+    ) -> dict[str, int]:
+        """``rdep_layer``'s scalar arguments (``emit.kernel_args``) of a launch: ``n_tokens``
+        the call's T', ``n_programs`` the grid, ``rank`` this process's rank (None: all of
+        them, in one process), ``bound`` the spin bound. Row ids decode at the owner with
+        one radix for all ranks: per rank (``per_rank``), whose T' may differ, the spec's T;
+        otherwise the call's T'. Triton specialises a launch on these values (an int of 1
+        is a constant, one divisible by 16 is marked so): the sm_90 compile uses them too."""
+        rid_c, rid_r, rid_t, rid_k = self.row_id_radix(self.T if per_rank else n_tokens)
+        return {
+            "n_tokens": n_tokens,
+            "n_programs": n_programs,
+            "rank0": rank or 0,
+            "rid_c": rid_c,
+            "rid_r": rid_r,
+            "rid_t": rid_t,
+            "rid_k": rid_k,
+            "bound": bound,
+            "program_base": 0,
+        }
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
@@ -670,9 +711,11 @@ __all__ = [
     "CONTROL",
     "CTL_TICKETS",
     "ERRORS",
+    "H100_SMS",
     "INT32_MAX",
     "KINDS",
     "MODES",
+    "NATIVE_SPIN_BOUND",
     "KernelPlan",
     "Tiles",
     "Work",

@@ -16,6 +16,20 @@ their operands arrive by TMA (``cp.async.bulk.tensor``), the acquire loads and r
 atomics of the flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
 ``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
 needs the ``nvidia-nvshmem-cu13`` wheel but no GPU.
+
+A kernel is compiled as a launch runs it. Triton's JIT specialises every launch on its
+argument values (a pointer whose address is a multiple of 16 and an int divisible by 16
+get ``tt.divisibility 16``, an int equal to 1 becomes a constant, an int that fits in 32
+bits is an i32 whatever ``kernel_args`` declares), and that changes the code: without the
+alignment facts moonlight's forward stored 2 bytes at a time and needed 2.7 KB of stack
+per thread. :func:`launch_specialization` runs Triton's own binder over the arguments of
+the native launch each kernel stands for: 16-byte aligned pointers (the runtime passes
+only such: ``runtime.module.aligned``) and the scalars ``KernelPlan.launch_scalars``
+gives at T' = the plan's T, rank 0, the native spin bound and the native grid on an H100
+(132 SMs: ``KernelPlan.launch_grid``; ``sms`` to assume another GPU). A launch with
+other values (another T' or GPU, another rank of a per-rank transport, where rank 1 is a
+constant) may specialise differently; each result records the values and what they
+specialised (``launch``, ``specialization``).
 """
 
 from __future__ import annotations
@@ -26,10 +40,11 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from rdepc.codegen.emit import kernel_args
-from rdepc.codegen.lower import KernelPlan, Tiles
+from rdepc.codegen.emit import POINTEE, kernel_args
+from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, KernelPlan, Tiles
 
 # The kernels of one generated file: rdep_layer's forward in each kernel mode (constexprs),
 # keeping what a backward walks (SAVE), and its backward pass.
@@ -51,16 +66,19 @@ def compile_cubins(
     parallel: int = 1,
     timeout: float = 900,
     profile: bool = False,
+    sms: int = H100_SMS,
 ) -> list[dict]:
     """Compile every kernel of each (kernels.py, plan.json, out_dir) job, in ``parallel``
     subprocesses (jobs dealt round-robin); results in job order. ``profile``: with the
-    profile's %globaltimer stamps compiled in."""
+    profile's %globaltimer stamps compiled in. ``sms``: the GPU's SMs, which size the
+    launch each kernel is specialised for."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     batches = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
     procs = []
     for batch in batches:
-        payload = json.dumps({"arch": arch, "profile": profile, "jobs": [[str(x) for x in jobs[i]] for i in batch]})
+        jobs_of = [[str(x) for x in jobs[i]] for i in batch]
+        payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of})
         cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
         p = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -100,7 +118,112 @@ def resources(cubin: Path) -> dict:
     }
 
 
-def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile: bool = False) -> list[dict]:
+@dataclass
+class Specialized:
+    """What :func:`launch_specialization` derives for one kernel: ``signature``,
+    ``constexprs`` and ``attrs`` as ``ASTSource`` takes them, the parsed ``options``, the
+    launch's scalar values (``launch``) and a summary of the specialisation."""
+
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: object
+    launch: dict
+    specialization: dict
+
+
+def launch_values(plan: KernelPlan, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
+    """The scalar arguments of the native launch ``kernel`` (of KERNELS) stands for: T' =
+    the plan's T, rank 0 (per-rank transports), the native spin bound, and the grid
+    RDEPModule gives ``sms`` SMs (a backward launches on its forward's grid, unified here)."""
+    from rdepc.runtime.transport import get
+
+    per_rank = get(plan.transport).per_rank
+    rank = 0 if per_rank else None
+    mode = "role-split" if KERNELS[kernel]["ROLE_SPLIT"] else "unified"
+    _, per_queue = plan.launch_grid(plan.work(tiles, mode, rank=rank), sms, per_rank)
+    return plan.launch_scalars(plan.T, sum(per_queue), rank, NATIVE_SPIN_BOUND, per_rank)
+
+
+def kernel_meta(tiles: Tiles, kernel: str, profile: bool = False) -> dict:
+    """The constexprs a native launch of ``kernel`` passes."""
+    return tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | KERNELS[kernel]
+
+
+def launch_specialization(
+    plan: KernelPlan,
+    fn,
+    kernel: str,
+    *,
+    arch: int = 90,
+    tiles: Tiles | None = None,
+    options: dict | None = None,
+    profile: bool = False,
+    sms: int = H100_SMS,
+) -> Specialized:
+    """Triton's own JIT binder (the code a launch runs before it compiles) run for the
+    cuda backend over the arguments a native launch of ``kernel`` passes: a 16-byte aligned
+    stand-in for every pointer, :func:`launch_values`, the constexprs. ``fn``: the
+    generated ``rdep_layer``, native or interpreted (its Python function is what counts).
+    Compiles nothing and needs no GPU. RuntimeError when this Triton's binder is not where
+    it was in 3.6–3.9: an unspecialised build would report code no launch runs."""
+    import torch
+    from rdepc.runtime.launch import interpreter_env, triton_mode
+
+    tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    scalars = launch_values(plan, kernel, tiles, sms)
+    declared = dict(kernel_args(plan))
+    values = {}
+    for name, kind in declared.items():
+        if kind.startswith("*"):  # a CPU allocation: 64-byte aligned
+            values[name] = torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]]))
+        elif kind != "constexpr":
+            values[name] = scalars[name]
+    kwargs = kernel_meta(tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
+    # The binder imports Triton's gluon on first use, which must see the mode this process runs in.
+    with interpreter_env(triton_mode() == "interpret"):
+        return _specialize(plan, fn, arch, declared, values, scalars, kwargs)
+
+
+def _specialize(plan, fn, arch, declared, values, scalars, kwargs) -> Specialized:
+    import triton
+
+    try:  # JITFunction.run's first steps, for a cuda target instead of the current device's
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        # interpreted: the same Python function and decorator arguments (do_not_specialize)
+        jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+        backend = make_backend(GPUTarget("cuda", arch, 32))
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        bound, specialization, leftover = binder(**values, **kwargs)
+        parsed, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, leftover)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise RuntimeError(
+            f"rdepc: cannot specialise rdep_layer as a launch does with Triton {triton.__version__}: its JIT binder "
+            "(triton.runtime.jit.create_function_from_signature, JITFunction._pack_args, as in 3.6-3.9) is not "
+            f"what rdepc knows ({type(e).__name__}: {e}); an unspecialised build would report code no launch runs"
+        ) from e
+    names = list(bound)
+    for name, kind in declared.items():  # the binder infers what kernel_args declares: only scalars may differ
+        got = signature[name]
+        if kind.startswith("*") and got != kind:
+            raise RuntimeError(f"rdepc: Triton typed rdep_layer's {name} {got}, kernel_args declares {kind}")
+    divisible = {names[k[0]] for k, a in attrs.items() if ["tt.divisibility", 16] in a}
+    summary = {
+        "aligned_pointers": sum(1 for n, k in declared.items() if k.startswith("*") and n in divisible),
+        "pointers": sum(1 for k in declared.values() if k.startswith("*")),
+        "divisible_ints": [n for n in scalars if n in divisible],
+        "constexpr_ones": [n for n in scalars if signature[n] == "constexpr"],
+        "i32_from_i64": [n for n in scalars if declared[n] == "i64" and signature[n] == "i32"],
+    }
+    return Specialized(signature, constexprs, attrs, parsed, scalars, summary)
+
+
+def _compile(
+    kernels_path: str, plan_path: str, out_dir: str, arch: int, profile: bool = False, sms: int = H100_SMS
+) -> list[dict]:
     import importlib.util
 
     import triton
@@ -114,7 +237,6 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
     sys.modules[name] = module
     spec.loader.exec_module(module)
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    constexprs = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile}
     options: dict = {"num_warps": tiles.num_warps}
     if plan.transport == "nvshmem":
         # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
@@ -122,11 +244,12 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
-    for kernel, mode in KERNELS.items():
+    for kernel in KERNELS:
         fn = module.rdep_layer
         t0 = time.perf_counter()
-        src = ASTSource(fn=fn, signature=dict(kernel_args(plan)), constexprs=constexprs | mode)
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        sp = launch_specialization(plan, fn, kernel, arch=arch, tiles=tiles, options=options, profile=profile, sms=sms)
+        src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=sp.options.__dict__)
         seconds = time.perf_counter() - t0
         target = Path(out_dir) / cubin_name(plan.layer, kernel, arch)
         tmp = target.with_name(target.name + ".tmp")
@@ -155,6 +278,8 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
                 # nvshmem.core.module_init fills, is then a .const of the module).
                 "nvshmem": "nvshmem" in ptx,
                 "tiles": {**tiles.constexprs(), "num_warps": tiles.num_warps},
+                "launch": sp.launch,
+                "specialization": sp.specialization,
             }
         )
     return out
@@ -162,8 +287,8 @@ def _compile(kernels_path: str, plan_path: str, out_dir: str, arch: int, profile
 
 def main() -> int:
     request = json.loads(sys.stdin.read())
-    arch, profile = request["arch"], request.get("profile", False)
-    results = [_compile(kernels, plan, out, arch, profile) for kernels, plan, out in request["jobs"]]
+    arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
+    results = [_compile(kernels, plan, out, arch, profile, sms) for kernels, plan, out in request["jobs"]]
     print(json.dumps(results))
     return 0
 
@@ -171,4 +296,13 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["H100_SHARED", "KERNELS", "compile_cubins", "cubin_name"]
+__all__ = [
+    "H100_SHARED",
+    "KERNELS",
+    "Specialized",
+    "compile_cubins",
+    "cubin_name",
+    "kernel_meta",
+    "launch_specialization",
+    "launch_values",
+]

@@ -376,10 +376,15 @@ def cmd_compile(args) -> int:
         for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
             wrote.append(Path(r["cubin"]))
             mma = ", ".join(r["wgmma_shapes"]) or "no wgmma"
+            sp, at = r["specialization"], r["launch"]
+            aligned = "" if sp["aligned_pointers"] == sp["pointers"] else f"{sp['aligned_pointers']} of "
+            ones = "".join(f", {n}=1 constant" for n in sp["constexpr_ones"])
             print(
                 f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
                 f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
-                f"stack per thread; GEMMs: {mma}, {'TMA' if r['tma'] else 'no TMA'}"
+                f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread; GEMMs: {mma}, "
+                f"{'TMA' if r['tma'] else 'no TMA'}; as launched: {aligned}pointers 16-byte aligned, "
+                f"T'={at['n_tokens']}, {at['n_programs']} programs{ones}"
             )
     for path in wrote:
         print(f"wrote {path}")

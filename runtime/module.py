@@ -76,8 +76,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rdepc.codegen.emit import kernel_args
-from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, KernelPlan, Tiles
+from rdepc.codegen.emit import POINTEE, kernel_args
+from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, NATIVE_SPIN_BOUND, KernelPlan, Tiles
 from rdepc.runtime import ranks, tune
 from rdepc.runtime import transport as transports
 from rdepc.runtime.launch import import_kernels
@@ -108,7 +108,9 @@ def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
 
 
 def aligned(w: torch.Tensor) -> torch.Tensor:
-    """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires."""
+    """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires; every
+    tensor a launch passes is, so that Triton specialises every pointer as aligned
+    (``tt.divisibility`` 16), the build ``rdepc compile --target sm_90`` reports."""
     return w if w.data_ptr() % 16 == 0 else w.clone()
 
 
@@ -261,25 +263,18 @@ class RDEPModule:
                 programs = 2 if mode == "unified" else len(self.work.bounds)
             else:
                 programs = torch.cuda.get_device_properties(device).multi_processor_count
-        if mode == "unified":
-            programs = max(1, min(programs, self.work.n_items))
-            per_queue = [programs]
-        else:  # each rank its slice (one process per rank: all of it), split between roles as scheduled
-            comm, compute = p.programs
-            share = max(2, programs // (1 if self.per_rank else p.W))
-            n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
-            per_queue = [n_comm, share - n_comm] * (1 if self.per_rank else p.W)
+        # unified: capped by the work items; role-split: each rank its slice, split between roles
+        programs, per_queue = p.launch_grid(self.work, programs, self.per_rank)
         self.programs = programs  # the grid's budget: every program resident at once on a GPU
-        self.per_queue = tuple(per_queue)
+        self.per_queue = per_queue
         self.grid = sum(per_queue)
         # Spins are cheap on a GPU and slow under the interpreter; concurrent interpreted programs
         # wait for each other's turns under the GIL, so they get more.
         # Across processes an interpreted wait may outlast a whole peer's stage: bounded in spins
         # all the same (a dead peer trips it), but generously.
         if spin_bound is None:
-            spin_bound = (
-                1 << 26 if not self.interpret else 10_000 if mode == "unified" and not self.per_rank else 1 << 20
-            )
+            interpreted = 10_000 if mode == "unified" and not self.per_rank else 1 << 20
+            spin_bound = interpreted if self.interpret else NATIVE_SPIN_BOUND
         self.spin_bound = spin_bound
         self.profiling = profile
         self.dtype = TORCH_DTYPES[p.dtype]
@@ -312,7 +307,13 @@ class RDEPModule:
         }
         self.private = {name: torch.zeros(shape, dtype=dt, device=device) for name, dt, shape in self._private()}
         self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
-        self._unused = {dt: torch.zeros(1, dtype=dt, device=device) for dt in (self.dtype, torch.float32)}
+        # what a launch passes for the other pass's pointers: never read, but of the declared type,
+        # which Triton's signature (and so the build a launch runs) takes from the argument
+        self._unused = {
+            kind: torch.zeros(1, dtype=getattr(torch, POINTEE[kind[1:]]), device=device)
+            for _, kind in kernel_args(p)
+            if kind.startswith("*")
+        }
         self._owner = torch.tensor(p.owner, dtype=torch.long)
         self._local = torch.tensor(p.local, dtype=torch.long)
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
@@ -425,9 +426,10 @@ class RDEPModule:
         W, K = p.W, p.K
         Tn = x.shape[-2]
         lead = () if self.per_rank else (W,)
-        x = x.detach().contiguous()
-        ids = topk_ids.detach().to(torch.int64).contiguous()
-        gates = topk_weights.detach().to(torch.float32).contiguous()
+        # 16-byte aligned (a view at an odd offset is copied): the build Triton's launch picks, and sm_90 reports
+        x = aligned(x.detach().contiguous())
+        ids = aligned(topk_ids.detach().to(torch.int64).contiguous())
+        gates = aligned(topk_weights.detach().to(torch.float32).contiguous())
         y = torch.empty((*lead, Tn, p.H), dtype=self.dtype, device=self.device)
         accepted = torch.zeros((*lead, Tn, K), dtype=torch.int8, device=self.device)
         slot = torch.full((*lead, Tn, K), -1, dtype=torch.int32, device=self.device)
@@ -473,7 +475,7 @@ class RDEPModule:
         up = weights["w_gate_up" if p.gated else "w_up"]
         new = {"device": self.device, "dtype": self.dtype}
         given = {
-            "dy": dy.detach().to(self.dtype).contiguous(),
+            "dy": aligned(dy.detach().to(self.dtype).contiguous()),
             "dx": torch.empty((*lead, Tn, p.H), **new),
             "dgprime": torch.empty((*lead, Tn, p.K), device=self.device, dtype=torch.float32),
             "accepted": context.accepted.to(torch.int8),
@@ -523,8 +525,6 @@ class RDEPModule:
         """One launch of the persistent kernel: the forward, or with ``backward`` its backward
         pass (its own task table, control words and tile counters)."""
         p = self.plan
-        # Row ids decode at the owner: one radix for all ranks, whose T' may differ per rank.
-        rid_c, rid_r, rid_t, rid_k = p.row_id_radix(p.T if self.per_rank else Tn)
         tables = self.tables | (self.bwd_tables if backward else {})
         if self._withheld is not None and self._withheld[1] == backward:
             table = tables["table"].clone()
@@ -535,9 +535,7 @@ class RDEPModule:
         if backward:
             private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
         given = {"heap": self.heap, **private, **tables, **given}
-        given |= {"n_tokens": Tn, "n_programs": self.grid, "rank0": self.rank or 0}
-        given |= {"rid_c": rid_c, "rid_r": rid_r, "rid_t": rid_t, "rid_k": rid_k}
-        given |= {"bound": self.spin_bound, "program_base": 0}
+        given |= p.launch_scalars(Tn, self.grid, self.rank, self.spin_bound, self.per_rank)
         tl = self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
@@ -551,7 +549,7 @@ class RDEPModule:
         def arg(name: str, kind: str):
             a = given.get(name)
             if a is None:  # the other pass's tensors: never read
-                return self._unused[torch.float32 if kind == "*fp32" else self.dtype]
+                return self._unused[kind]
             if isinstance(a, torch.Tensor) and not a.numel():  # a call with T' = 0 still launches
                 return a.new_zeros(1)
             return a

@@ -6,14 +6,18 @@ compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring
 deep), its one kernel ``rdep_layer`` — the forward in both kernel modes (unified and
 role-split), keeping what a backward walks, and the backward pass — for
 the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
-examples are dealt over two processes (deepseek_v3 with its fp8 dispatch).
+examples are dealt over two processes (deepseek_v3 with its fp8 dispatch). Each kernel is
+compiled as a launch runs it; that a launch's real arguments specialise it the same way is
+checked in this process, with Triton's binder and no compile.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
+import torch
 from conftest import EXAMPLES, ROOT, tiny_segmented
 from rdepc.codegen import UNSUPPORTED, generate_spec, write_module
 from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
@@ -62,6 +66,13 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']}: NVSHMEM device code linked: {r['nvshmem']}"
         assert r["tma"], f"{r['layer']}: the GEMM operands do not arrive by TMA"
         assert 0 < r["registers"] <= 255 and r["local_bytes"] >= 0 and r["stack"] >= 0
+        sp = r["specialization"]  # compiled as a launch runs it (launch_specialization)
+        assert sp["aligned_pointers"] == sp["pointers"] > 0 and r["launch"]["n_programs"] > 0, (r["layer"], sp)
+        if r["layer"] == "moonlight" and not r["kernel"].endswith("backward"):
+            # Without the launch's alignment facts its stores were 2 bytes wide: 2.3-2.7 KB of stack
+            # (Triton 3.6-3.9); as launched 32-160 bytes (nvshmem, NVSHMEM's device code linked: 600-840).
+            most = 256 if backend == "emulated" else 1024
+            assert r["stack"] <= most, f"moonlight {r['kernel']}: {r['stack']} bytes of stack per thread"
         fp8 = r["layer"] == "deepseek_v3" and not r["kernel"].endswith("backward")  # the backward sends no fp8
         assert r["fp8"] == fp8, f"{r['layer']} {r['kernel']}: fp8 e4m3 conversions: {r['fp8']}"
         if dtypes[r["layer"]] != "fp32":  # bf16 grouped GEMMs on Hopper tensor cores
@@ -87,6 +98,10 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     backward = tmp_path / "tiny.rdep_layer.backward.sm_90.cubin"
     assert backward.stat().st_size > 0 and "compiled rdep_layer.backward for sm_90a in " in out
     assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
+    assert "bytes of stack and 0 bytes of local memory (spills) per thread" in out
+    # compiled as a native launch at T' = T runs it, on an H100's grid (unified: at most one program per work item)
+    grids = re.findall(r"as launched: pointers 16-byte aligned, T'=16, (\d+) programs\n", out)
+    assert len(grids) == 3 and int(grids[1]) == 132 and 0 < int(grids[0]) == int(grids[2]) <= 132, grids
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name, backward.name]
     )
@@ -125,3 +140,71 @@ def test_a_dedup_layer_compiles_for_sm90(tmp_path, monkeypatch):
         assert r["fp8"] != backward and r["tma"] and r["acquire"] and r["release"], r
         assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
         assert r["shared"] <= H100_SHARED and r["local_bytes"] == 0
+
+
+class _Recorder:
+    """A launcher that records each launch and runs nothing."""
+
+    def __init__(self):
+        self.launches, self.calls = 0, []
+
+    def __call__(self, kernel, grid, args, meta):
+        self.launches += 1
+        self.calls.append((kernel, grid, args, meta))
+
+
+def _odd(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous view one element past a 64-byte aligned allocation."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)
+    flat[1:] = t.reshape(-1)
+    return flat[1:].view(t.shape)
+
+
+@pytest.mark.parametrize("mode", ["unified", "role-split"])
+def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
+    """What ``_compile`` compiles (launch_specialization) is what Triton's JIT binds for the
+    arguments RDEPModule really passes: the module on the CPU with the native launch's
+    tiles, grid (an H100) and spin bound, its inputs at odd offsets (the module copies them
+    to aligned ones), each launch recorded and its arguments run through Triton's binder
+    for the cuda backend. Only CAST_F32 (the interpreter's upcast) is set as natively."""
+    from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, Tiles
+    from rdepc.codegen.sm90 import launch_specialization
+    from rdepc.runtime.launch import interpreter_env
+
+    monkeypatch.chdir(ROOT)
+    layer = rdepc.load("examples/tiny.rdep")
+    sh = layer.shapes
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    tiles = Tiles.default(H, F, layer.spec.precision.dtype.value, interpret=False)
+    module = layer.module("emulated", "cpu", tiles=tiles, programs=H100_SMS, spin_bound=NATIVE_SPIN_BOUND, mode=mode)
+    module.launcher = recorder = _Recorder()
+    g = torch.Generator().manual_seed(0)
+    x = _odd(torch.randn(W, T, H, generator=g)).requires_grad_()
+    ids = _odd((torch.arange(T)[:, None] + torch.arange(K)[None, :]).expand(W, T, K) % E)
+    gates = _odd(torch.rand(W, T, K, generator=g))
+    w_gate, w_up, w_down = (torch.randn(E, *s, generator=g) for s in ((H, F), (H, F), (F, H)))
+    y = module(x, ids, gates, w_gate, w_up, w_down)
+    kernels = ["rdep_layer" if mode == "unified" else "rdep_layer.role_split"]
+    if mode == "unified":  # the backward compiled is the unified one
+        y.backward(_odd(torch.ones(W, T, H)))
+        kernels.append("rdep_layer.backward")
+    assert len(recorder.calls) == len(kernels)
+    # Triton is imported now, in the interpreter's mode (the module imported it first)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for kernel, (fn, grid, args, meta) in zip(kernels, recorder.calls, strict=True):
+        jit = JITFunction(fn.fn, **fn.kwargs)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        kwargs = meta | {"CAST_F32": False, "num_warps": tiles.num_warps}
+        with interpreter_env(True):  # the binder imports Triton's gluon, which must see this process's mode
+            bound, spec, options = binder(*args, **kwargs)
+            _, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
+        want = launch_specialization(module.plan, fn, kernel)
+        assert grid == (want.launch["n_programs"],), kernel
+        assert signature == want.signature, kernel
+        assert constexprs == want.constexprs, kernel
+        assert attrs == want.attrs, kernel
+        assert want.specialization["aligned_pointers"] == want.specialization["pointers"] > 0
