@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--reps", type=int, default=10, metavar="N", help="timed calls per candidate (default: 10)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop timing candidates after this long (the fastest so far is kept)",
+    )
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser(
@@ -637,6 +643,8 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--tokens {args.tokens}: expected 1 <= T' <= {T} (the spec's T)")
     if args.reps < 1:
         raise UsageError(f"--reps {args.reps}: expected at least 1")
+    if args.budget is not None and not args.budget > 0:
+        raise UsageError(f"--budget {args.budget}: expected a positive number of seconds")
     import torch
 
     if not torch.cuda.is_available():
@@ -646,7 +654,7 @@ def cmd_tune(args) -> int:
     print(f"tuning layer {spec.name} ({spec.file}) on {torch.cuda.get_device_name()}:")
     best, results, path = tune_layer(
         layer, args.device, schedule=args.schedule, mode=args.mode, tokens=args.tokens, reps=args.reps,
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, flush=True), budget=args.budget,
     )  # fmt: skip
     ms = min(r["ms"] for r in results if "ms" in r)
     print(f"fastest: {best} at {ms:.3f} ms; recorded in {path}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -103,12 +104,19 @@ def tune(
     time_tiles: Callable[[Tiles], float],
     tried: Iterable[Tiles],
     progress: Callable[[str], None] = lambda line: None,
+    budget: float | None = None,
 ) -> tuple[Tiles, list[dict]]:
     """Time every candidate with ``time_tiles`` (milliseconds of one call; it raises when a
-    candidate cannot run, which is recorded and skipped); the fastest, and every result."""
+    candidate cannot run, which is recorded and skipped); the fastest, and every result.
+    ``budget``: seconds after which the remaining candidates are recorded as not timed."""
     results: list[dict] = []
     tried = list(tried)
+    deadline = None if budget is None else time.monotonic() + budget
     for i, t in enumerate(tried):
+        if deadline is not None and time.monotonic() > deadline and any("ms" in r for r in results):
+            results.append({"tiles": asdict(t), "skipped": f"not timed: the budget of {budget:g} s was spent"})
+            progress(f"  [{i + 1}/{len(tried)}] {_short(t)}  not timed (budget)")
+            continue
         try:
             ms = time_tiles(t)
             results.append({"tiles": asdict(t), "ms": ms})
@@ -142,13 +150,13 @@ def tune_layer(
     warmup: int = 3,
     tried: Iterable[Tiles] | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    budget: float | None = None,
 ) -> tuple[Tiles, list[dict], Path]:
     """Tune ``layer`` (an ``rdepc.Layer``) on ``device``, on the emulated backend at T' =
     ``tokens`` (default: the spec's T) with uniform routing: every candidate is run ``warmup``
     times, then timed ``reps`` times (CUDA events; wall clock on the CPU), its median kept.
-    Records the fastest (:func:`record`); returns it, every result and the record's path."""
-    import time
-
+    Records the fastest (:func:`record`); returns it, every result and the record's path.
+    ``budget``: seconds, past which the remaining candidates are not timed (:func:`tune`)."""
     import torch
     from rdepc.runtime.module import TORCH_DTYPES, gate_up
 
@@ -190,7 +198,7 @@ def tune_layer(
         m.synchronize()
         return sorted(times)[len(times) // 2]
 
-    best, results = tune(plan, time_tiles, tried if tried is not None else candidates(plan), progress)
+    best, results = tune(plan, time_tiles, tried if tried is not None else candidates(plan), progress, budget)
     return best, results, record(plan, name, best, results)
 
 

@@ -55,6 +55,21 @@ def test_the_fastest_candidate_wins_and_failures_are_recorded():
         tune.tune(plan, lambda t: 1 / 0, [Tiles()])
 
 
+def test_a_spent_budget_leaves_the_remaining_candidates_not_timed():
+    plan = plan_of("tiny")
+    tried = [Tiles(bm=64), Tiles(bm=128), Tiles(bm=32)]
+    lines = []
+    best, results = tune.tune(plan, lambda t: float(t.bm), tried, progress=lines.append, budget=0.0)
+    assert best == Tiles(bm=64)  # one candidate is timed whatever the budget: a record needs one
+    assert [("ms" in r, "skipped" in r) for r in results] == [(True, False), (False, True), (False, True)]
+    assert "budget of 0 s" in results[1]["skipped"] and lines[2].endswith("not timed (budget)")
+
+
+def test_cli_tune_refuses_a_budget_that_is_not_positive(main):
+    status, _, err = main("tune", "examples/tiny.rdep", "--budget", "0")
+    assert status == 2 and "--budget 0.0: expected a positive number of seconds" in err
+
+
 def test_a_record_is_found_for_its_plan_and_device_only(cache):
     plan = plan_of("tiny")
     best = Tiles(bm=128, block_f=64, num_stages=3)

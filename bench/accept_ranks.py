@@ -1,0 +1,254 @@
+"""The acceptance's ``nvshmem`` stage (bench/acceptance.py): one process per PE, all PEs on
+the one GPU (``emulated-mp`` on the CPU in a dry run), started by ``rdepc.runtime.ranks.spawn``
+and, for the user's own command, by ``torchrun``.
+
+- ``bitwise/EXAMPLE/W``: every rank's output bitwise equal to the one-process ``emulated``
+  backend on the same global inputs, in both strategies (bulk, pipelined) and both kernel
+  modes, each with its own module and heap in the same W processes;
+- ``kill/W``: one PE SIGKILLed mid-call: the others raise a ``KernelError`` naming the task
+  they waited for within their bound, and every process exits (a process still alive at the
+  launcher's limit is a hang, e.g. in NVSHMEM's finalize);
+- ``rate/EXAMPLE/W``: the dispatch rate between PEs, bytes sent over the dispatch items'
+  measured spans (per program, ``%globaltimer``);
+- ``torchrun/W``: ``torchrun --nproc-per-node W -m rdepc run ... --check``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+SCHEDULES = ("bulk", "pipelined")
+MODES = ("unified", "role-split")
+# spin_bound: the kill check's (None: the runtime's default; interpreted spins are slow)
+GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": None}
+DRY = {"tokens": 4, "ranks": (2,), "examples": ("tiny",), "spin_bound": 5000}
+KILL_AFTER = 0.3  # seconds into the victim's first call
+LIMIT = 240.0  # seconds a launch of W processes may take before it is ended (and called a hang)
+
+
+def run(stage, device: str) -> None:
+    cfg = DRY if stage.dry_run else GPU
+    backend = "emulated-mp" if stage.dry_run else "nvshmem"
+    for W in cfg["ranks"]:
+        for name in cfg["examples"]:
+            stage.run(f"bitwise/{name}/W{W}", bitwise, name, W, cfg["tokens"], backend, device)
+        stage.run(f"kill/W{W}", kill, W, cfg["tokens"], backend, device, cfg["spin_bound"])
+        for name in cfg["examples"]:
+            stage.run(f"rate/{name}/W{W}", rate, name, W, cfg["tokens"], backend, device)
+        stage.run(f"torchrun/W{W}", torchrun, W, cfg["tokens"], backend, device, stage.dry_run)
+
+
+def _overrides(name: str, W: int, tokens: int) -> dict:
+    from bench.accept_correct import DRY as NARROW
+
+    narrowed = {k: v for k, v in NARROW[name].items() if k not in ("W", "T")}
+    return narrowed | {"W": W, "T": tokens}
+
+
+def _path(name: str) -> str:
+    from bench.acceptance import ROOT
+
+    return str(ROOT / "examples" / f"{name}.rdep")
+
+
+def _error(e) -> dict:
+    """A picklable account of a rank's exception (a KernelError carries its record)."""
+    return {"type": type(e).__name__, "message": str(e), "record": getattr(e, "record", None)}
+
+
+# ----------------------------------------------------------------------------- in each rank
+def rank_cases(rank: int, W: int, cases: list) -> list[dict]:
+    """per_rank.run_case for each case in turn; what comes back is plain data."""
+    from rdepc.runtime.per_rank import run_case
+
+    out = []
+    for case in cases:
+        r = run_case(case, rank, W)
+        if "error" in r:
+            r["error"] = _error(r["error"])
+        r.pop("stats", None)
+        out.append(r)
+    return out
+
+
+def rank_rate(rank: int, W: int, name: str, overrides: dict, backend: str, device: str) -> dict:
+    """One profiled call on this rank: its dispatch bytes and the dispatch items' spans."""
+    import torch
+    from rdepc.codegen.lower import KINDS
+    from rdepc.passes.plan import transport_bytes
+    from rdepc.runtime.module import TORCH_DTYPES
+    from rdepc.runtime.profile import STAGE_OF
+
+    import rdepc
+    from rdepc.reference import random_inputs
+
+    layer = rdepc.load(_path(name), **overrides)
+    spec, sh = layer.spec, layer.shapes
+    m = layer.module(backend, device, profile=True)
+    T, H, F, E, K = (sh[k] for k in ("T", "H", "F", "E", "K"))
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    x, ids, gates, wg, wu, wd = random_inputs(W, T, H, F, E, K, seed=0, dtype=dt, gated=spec.expert.gated)
+    mine = list(m.local_experts)
+    args = [x[rank], ids[rank], gates[rank], None if wg is None else wg[mine], wu[mine], wd[mine]]
+    args = [None if a is None else a.contiguous().to(m.device) for a in args]
+    m(*args)  # warm (compiles natively), then the measured call
+    m(*args)
+    m.synchronize()
+    st = m.last_stats
+    sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
+    out_bytes, _ = transport_bytes(spec, sent, int(st["accepted"].sum()), back)
+    prof = m.last_profile
+    spans = [
+        end - start for entry, start, end in prof["events"] if STAGE_OF[KINDS[m.plan.table[entry][0]]][0] == "dispatch"
+    ]
+    torch.cuda.synchronize() if m.device.type == "cuda" else None
+    return {"rank": rank, "rows": sent, "bytes": int(out_bytes), "clock": prof["clock"], "dispatch_spans": spans}
+
+
+# ----------------------------------------------------------------------------- the checks
+def _spawn(fn, W: int, *args):
+    from rdepc.runtime import ranks
+
+    return ranks.spawn(fn, W, *args, timeout=LIMIT)
+
+
+def bitwise(check, name: str, W: int, tokens: int, backend: str, device: str) -> None:
+    import torch
+    from rdepc.runtime.module import TORCH_DTYPES
+    from rdepc.runtime.per_rank import Case
+
+    import rdepc
+    from rdepc.reference import random_inputs
+
+    overrides = _overrides(name, W, tokens)
+    check.figure("overrides", overrides)
+    cases = [
+        Case(_path(name), overrides=tuple(overrides.items()), backend=backend, device=device, schedule=s, mode=m,
+             routing="zipf:1.0", keep_output=True)
+        for s in SCHEDULES for m in MODES
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    per_rank = _spawn(rank_cases, W, cases)
+    check.figure("seconds", round(time.perf_counter() - t0, 1))
+    # the one-process backend on the same global inputs (drawn on the CPU, as each rank draws them)
+    layer = rdepc.load(_path(name), **overrides)
+    sh, spec = layer.shapes, layer.spec
+    one_device = "cpu" if device == "cpu" else "cuda"
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    inputs = random_inputs(W, tokens, sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.0", seed=0, dtype=dt,
+                           gated=spec.expert.gated)  # fmt: skip
+    inputs = [None if t is None else t.to(one_device) for t in inputs]
+    results = {}
+    for i, case in enumerate(cases):
+        key = f"{case.schedule} {case.mode}"
+        m = layer.module("emulated", one_device, schedule=case.schedule)
+        want = m(*inputs).cpu()
+        m.synchronize()
+        same, errors = [], []
+        for rank in range(W):
+            r = per_rank[rank][i]
+            if "error" in r:
+                errors.append(f"rank {rank}: {r['error']['message']}"[:300])
+                same.append(False)
+                continue
+            same.append(bool(torch.equal(r["y"], want[rank])))
+            check.expect(r.get("accepted_same", True), f"{key}: rank {rank}'s accepted set differs from the reference")
+        results[key] = {
+            "bitwise": same,
+            "errors": errors,
+            "max_rel_err": max(r[i].get("error_rel", 0) for r in per_rank),
+        }
+        check.expect(all(same), f"{key}: ranks {[r for r, s in enumerate(same) if not s]} differ from emulated")
+        check.figure("cases", results)
+
+
+def kill(check, W: int, tokens: int, backend: str, device: str, spin_bound: int | None) -> None:
+    """The last rank SIGKILLed KILL_AFTER s into its first call of tiny."""
+    from rdepc.runtime.per_rank import Case
+    from rdepc.runtime.ranks import RanksError
+
+    overrides = _overrides("tiny", W, tokens)
+    victim = W - 1
+    case = Case(_path("tiny"), overrides=tuple(overrides.items()), backend=backend, device=device,
+                kill=(victim, KILL_AFTER), calls=3, spin_bound=spin_bound)  # fmt: skip
+    check.figure("victim", victim)
+    check.figure("spin_bound", spin_bound or "the runtime's default")
+    t0 = time.perf_counter()
+    error = None
+    try:
+        per_rank = _spawn(rank_cases, W, [case])
+    except RanksError as e:
+        error, per_rank = e, e.results
+    seconds = check.figure("seconds_all_exited", round(time.perf_counter() - t0, 1))
+    message = str(error) if error else ""
+    hung = "did not finish within" in message
+    check.figure("launcher", message.splitlines()[0][:300] if message else "no error")
+    check.figure("hung", hung)
+    check.expect(error is not None, "the launch with a killed rank did not fail")
+    check.expect(not hung, f"processes still alive after {LIMIT:g} s (NVSHMEM finalize or a wait that never ends)")
+    check.expect(f"rank {victim}" in message, f"the launcher does not name rank {victim}: {message[:200]}")
+    survivors = {}
+    for rank in range(W):
+        if rank == victim:
+            continue
+        r = (per_rank[rank] or [None])[0] if per_rank else None
+        if r is None:
+            survivors[rank] = {"result": None, "why": (getattr(error, "failures", {}) or {}).get(rank)}
+            check.expect(False, f"rank {rank} returned no result")
+            continue
+        err = r.get("error")
+        survivors[rank] = {"error": err and err["message"][:300], "seconds_to_error": r.get("error_after")}
+        check.expect(err is not None and err["type"] == "KernelError", f"rank {rank} raised no KernelError")
+        if err and err.get("record"):
+            rec = err["record"]
+            survivors[rank] |= {
+                "task": rec.get("task"),
+                "waited_for": rec.get("flag_task"),
+                "of_rank": rec.get("flag_rank"),
+            }
+    check.figure("survivors", survivors)
+    check.figure("seconds", seconds)
+
+
+def rate(check, name: str, W: int, tokens: int, backend: str, device: str) -> None:
+    overrides = _overrides(name, W, tokens)
+    per_rank = _spawn(rank_rate, W, name, overrides, backend, device)
+    rates = {}
+    for r in per_rank:
+        busy = sum(r["dispatch_spans"])
+        timed = r["clock"] == "globaltimer" and busy > 0
+        rates[r["rank"]] = {
+            "rows": r["rows"], "bytes": r["bytes"], "dispatch_items": len(r["dispatch_spans"]),
+            "busy_ns": busy if timed else None,
+            "gb_per_s_per_program": r["bytes"] / busy if timed else None,  # bytes per ns = GB/s
+        }  # fmt: skip
+        check.expect(r["rows"] > 0, f"rank {r['rank']} dispatched no rows")
+    check.figure("clock", per_rank[0]["clock"])
+    check.figure("ranks", rates)
+    got = [v["gb_per_s_per_program"] for v in rates.values() if v["gb_per_s_per_program"] is not None]
+    check.figure("gb_per_s_per_program_min", min(got) if got else None)
+
+
+def torchrun(check, W: int, tokens: int, backend: str, device: str, dry: bool) -> None:
+    """The user's command: torchrun, one process per rank, rdepc run --check."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W)]
+    argv += ["-m", "rdepc", "run", _path("tiny"), "--backend", backend, "--check", "-D", f"W={W}", "-D", f"T={tokens}"]
+    if dry:
+        argv += ["--device", "cpu"]
+    check.figure("command", " ".join(argv[1:]))
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT, env=env)
+    except subprocess.TimeoutExpired:
+        check.expect(False, f"torchrun did not finish within {LIMIT:g} s")
+        return
+    check.figure("seconds", round(time.perf_counter() - t0, 1))
+    check.figure("returncode", done.returncode)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
+    check.figure("output_tail", tail)
+    check.expect(done.returncode == 0, f"torchrun exited {done.returncode}: {tail[-1] if tail else ''}")
+    check.expect("check passed" in done.stdout, "rdepc run did not say 'check passed'")

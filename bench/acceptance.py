@@ -1,0 +1,315 @@
+"""The acceptance: one command per stage turns a lent GPU into evidence (docs/gpu.md).
+
+    python bench/acceptance.py --stage correct --out bench/results/DEVICE-DATE   # on a GPU, < 8 min a stage
+    python bench/acceptance.py --stage all --dry-run --out build/acceptance      # CPU: the interpreter, tiny shapes
+    python bench/acceptance.py --report bench/results/DEVICE-DATE                # the summary table
+
+Stages (``all``: them in order, for a machine without a per-command limit):
+
+- ``correct``: every example natively, all W ranks emulated on the one device: forward
+  against the reference (accepted set identical) and bitwise across strategies and kernel
+  modes; backward gradients against autograd through the reference; fp8 and dedup; a call
+  captured in a CUDA graph and replayed with new inputs; a withheld task giving a
+  ``KernelError`` within its bound, and the next call recovering.
+- ``nvshmem``: one process per PE (``emulated-mp`` in a dry run): every rank bitwise equal
+  to the one-process ``emulated`` backend, a PE killed mid-call, the dispatch rate.
+- ``perf``: rdepc against sort + ``torch._grouped_mm``, ``torch._grouped_mm`` alone and the
+  dense roof, forward and forward+backward, per-stage spans, host overhead per call.
+- ``tune``: ``rdepc tune`` on moonlight, and the record it writes.
+
+Each stage writes ``OUT/STAGE.json`` after every check (environment, every check with its
+figures and verdict), so a stage killed at its limit leaves what it measured. Checks past
+``--budget`` seconds are recorded as skipped, not run. ``--dry-run`` runs every stage on the
+CPU under the Triton interpreter at tiny shapes: the same code paths and JSON fields (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STAGES = ("correct", "nvshmem", "perf", "tune")
+STATUSES = ("pass", "fail", "error", "skipped")
+
+
+class Check:
+    """One check's figures and verdicts: ``expect`` records a failed condition without
+    stopping the check, so everything it measured is kept."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.figures: dict = {}
+        self.failures: list[str] = []
+
+    def figure(self, key: str, value):
+        self.figures[key] = value
+        return value
+
+    def expect(self, ok: bool, message: str) -> bool:
+        if not ok:
+            self.failures.append(message)
+        return bool(ok)
+
+
+class Stage:
+    """A stage's record, ``OUT/NAME.json``, rewritten (atomically) after every check."""
+
+    def __init__(self, name: str, out: Path, *, dry_run: bool, budget: float, only: list[str], device: str):
+        self.name, self.out, self.dry_run, self.only = name, out, dry_run, only
+        self.started = time.monotonic()
+        self.deadline = self.started + budget
+        self.record = {
+            "stage": name,
+            "dry_run": dry_run,
+            "environment": environment(device),
+            "budget_s": budget,
+            "only": only,
+            "started": now(),
+            "finished": None,
+            "complete": False,
+            "checks": [],
+            "summary": dict.fromkeys(STATUSES, 0),
+            "full_run": False,  # some run of this stage went through without --only
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        self._merge()
+        self._write()
+
+    def _merge(self) -> None:
+        """Keep the checks of an earlier run of this stage on the same tree (``--only`` after a
+        budget ran out): a check run again replaces its old entry."""
+        try:
+            old = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return
+        same = (
+            old.get("dry_run") == self.dry_run
+            and old.get("environment", {}).get("commit") == (self.record["environment"]["commit"])
+        )
+        if not same or old.get("environment", {}).get("commit") == "unknown":
+            return
+        self.record["checks"] = list(old.get("checks", []))
+        self.record["full_run"] = bool(old.get("full_run"))
+
+    @property
+    def path(self) -> Path:
+        return self.out / f"{self.name}.json"
+
+    def _write(self) -> None:
+        checks = self.record["checks"]
+        self.record["summary"] = {s: sum(c["status"] == s for c in checks) for s in STATUSES}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record, indent=1, default=str) + "\n", encoding="utf-8")
+        tmp.replace(self.path)
+
+    def wanted(self, name: str) -> bool:
+        return not self.only or any(fnmatch.fnmatchcase(name, p) for p in self.only)
+
+    def run(self, name: str, fn, *args, **kwargs) -> Check | None:
+        """Run check ``name`` (``fn(check, *args, **kwargs)``) unless ``--only`` leaves it out
+        or the budget is spent; record it either way."""
+        if not self.wanted(name):
+            return None
+        check = Check(name)
+        entry = {"name": name, "status": "skipped", "seconds": 0.0, "figures": check.figures, "failures": []}
+        if time.monotonic() > self.deadline:
+            entry["failures"] = [f"not run: the stage's budget of {self.record['budget_s']:g} s was spent"]
+            return self._add(entry, check)
+        print(f"[{self.name}] {name} ...", flush=True)
+        t0 = time.monotonic()
+        try:
+            fn(check, *args, **kwargs)
+            entry["status"] = "fail" if check.failures else "pass"
+        except Exception as e:  # recorded with what was measured before it; the next check runs
+            entry["status"] = "error"
+            entry["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+            entry["traceback"] = traceback.format_exc()[-3000:]
+        entry["seconds"] = round(time.monotonic() - t0, 3)
+        entry["failures"] = check.failures
+        return self._add(entry, check)
+
+    def _add(self, entry: dict, check: Check) -> Check:
+        kept = [c for c in self.record["checks"] if c["name"] != entry["name"]]
+        self.record["checks"] = [*kept, entry]
+        self._write()
+        why = entry.get("error") or "; ".join(entry["failures"])
+        print(f"[{self.name}] {entry['name']}: {entry['status']} ({entry['seconds']:.1f} s){' ' + why if why else ''}")
+        return check
+
+    def finish(self) -> bool:
+        self.record["finished"] = now()
+        self.record["seconds"] = round(time.monotonic() - self.started, 1)
+        self.record["full_run"] = self.record["full_run"] or not self.only
+        self._write()
+        s = self.record["summary"]
+        self.record["complete"] = s["skipped"] == 0 and self.record["full_run"]
+        self._write()
+        print(f"[{self.name}] {', '.join(f'{v} {k}' for k, v in s.items())}; wrote {self.path}", flush=True)
+        return s["fail"] == s["error"] == 0
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def environment(device: str) -> dict:
+    """moe_bench's environment (device, driver, torch, triton, python, date) with the git
+    commit, whether the tree had changes, and the NVSHMEM packages."""
+    from importlib import metadata
+
+    import torch
+
+    from bench.moe_bench import environment as bench_environment
+
+    env = bench_environment(torch.device(device))
+    for name in ("nvidia-nvshmem-cu13", "nvshmem4py-cu13", "nvidia-nvshmem-cu12", "nvshmem4py-cu12"):
+        try:
+            env[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    env["nvshmem"] = next((env[k] for k in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12") if k in env), None)
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    # a wheel on the GPU machine has no .git: RDEPC_COMMIT, set by whoever packed it, names the tree
+    commit = git("rev-parse", "HEAD")
+    env["commit"] = commit or os.environ.get("RDEPC_COMMIT") or "unknown"
+    env["tree_changed"] = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return env
+
+
+# ----------------------------------------------------------------------------- the report
+def report(directory: Path) -> str:
+    """A markdown summary of every stage record in ``directory``."""
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            records.append({"stage": path.stem, "unreadable": str(e)})
+            continue
+        if isinstance(rec, dict) and rec.get("stage") in STAGES:
+            records.append(rec)
+    order = {s: i for i, s in enumerate(STAGES)}
+    records.sort(key=lambda r: order.get(r["stage"], len(order)))
+    if not records:
+        return f"no stage records (STAGE.json) in {directory}\n"
+    env = next((r["environment"] for r in records if "environment" in r), {})
+    lines = [f"# Acceptance: {directory.name}", ""]
+    lines.append(
+        f"{env.get('device')}, driver {env.get('driver')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"nvshmem {env.get('nvshmem')}, Python {env.get('python')}, commit {str(env.get('commit'))[:12]}"
+    )
+    lines += [
+        "",
+        "| stage | dry run | pass | fail | error | skipped | complete | seconds | finished |",
+        "|---" * 9 + "|",
+    ]
+    for r in records:
+        if "unreadable" in r:
+            lines.append(f"| {r['stage']} | unreadable: {r['unreadable']} |||||||")
+            continue
+        s = r["summary"]
+        fin = r["finished"] or "killed before the end"
+        lines.append(
+            f"| {r['stage']} | {'yes' if r['dry_run'] else 'no'} | {s['pass']} | {s['fail']} | {s['error']} | "
+            f"{s['skipped']} | {'yes' if r['complete'] else 'no'} | {r.get('seconds', '')} | {fin} |"
+        )
+    for r in records:
+        if "unreadable" in r:
+            continue
+        lines += ["", f"## {r['stage']}", "", "| check | status | s | figures |", "|---|---|---|---|"]
+        for c in r["checks"]:
+            why = c.get("error") or "; ".join(c["failures"])
+            figs = _brief(c["figures"])
+            lines.append(f"| {c['name']} | {c['status']} | {c['seconds']:.1f} | {figs}{' — ' + why if why else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _brief(figures: dict, limit: int = 6) -> str:
+    """The first scalar figures of a check, for a table cell."""
+    out = []
+    for k, v in figures.items():
+        if isinstance(v, bool | int | str) or v is None:
+            out.append(f"{k} {v}")
+        elif isinstance(v, float):
+            out.append(f"{k} {v:.4g}")
+        if len(out) == limit:
+            break
+    return ", ".join(out).replace("|", "/")
+
+
+# ----------------------------------------------------------------------------- the command
+def run_stage(name: str, args) -> bool:
+    from bench import accept_correct, accept_perf, accept_ranks
+
+    device = "cpu" if args.dry_run else "cuda"
+    budget = args.budget if args.budget is not None else (3600.0 if args.dry_run else 450.0)
+    stage = Stage(name, Path(args.out), dry_run=args.dry_run, budget=budget, only=args.only, device=device)
+    runner = {
+        "correct": accept_correct.run,
+        "nvshmem": accept_ranks.run,
+        "perf": accept_perf.run_perf,
+        "tune": accept_perf.run_tune,
+    }[name]
+    try:
+        runner(stage, device)
+    finally:
+        ok = stage.finish()
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", choices=(*STAGES, "all"), help="the stage to run")
+    ap.add_argument("--out", help="the directory the stage records (STAGE.json) go to")
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU under the Triton interpreter, tiny shapes")
+    ap.add_argument("--budget", type=float, help="seconds after which a stage's remaining checks are skipped")
+    ap.add_argument("--only", action="append", default=[], help="run only checks matching this glob (repeatable)")
+    ap.add_argument("--report", metavar="DIR", help="print the markdown summary of the stage records in DIR")
+    args = ap.parse_args(argv)
+    if args.report:
+        if args.stage:
+            ap.error("--report DIR summarises; it runs no stage")
+        directory = Path(args.report)
+        if not directory.is_dir():
+            print(f"acceptance: --report {directory}: no such directory", file=sys.stderr)
+            return 2
+        print(report(directory), end="")
+        return 0
+    if not args.stage or not args.out:
+        ap.error("--stage STAGE and --out DIR are needed (or --report DIR)")
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("acceptance: no CUDA GPU here; on a CPU run --dry-run", file=sys.stderr)
+            return 2
+    if args.dry_run:  # Triton fixes its mode when first imported: the interpreter, before anything imports it
+        os.environ["TRITON_INTERPRET"] = "1"
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    ok = True
+    for name in stages:
+        ok = run_stage(name, args) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    # `from bench import ...` when run as a script; appended, so an installed rdepc (a wheel) comes first
+    sys.path.append(str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""bench/acceptance.py keeps working: its dry run (every stage on the CPU under the Triton
+interpreter, at tiny shapes) passes and writes a record per stage whose checks all pass; the
+records survive a check that raises, a spent budget and a stage killed midway; the report
+summarises what a directory holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from bench import acceptance
+
+ENV_KEYS = {"device", "driver", "torch", "triton", "nvshmem", "python", "date", "commit"}
+
+
+def test_the_dry_run_of_every_stage_passes(tmp_path):
+    out = tmp_path / "acc"
+    cmd = [sys.executable, "bench/acceptance.py", "--stage", "all", "--dry-run", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    names = {}
+    for stage in acceptance.STAGES:
+        rec = json.loads((out / f"{stage}.json").read_text())
+        assert rec["stage"] == stage and rec["dry_run"] and rec["complete"] and rec["finished"]
+        assert rec["environment"].keys() >= ENV_KEYS
+        assert rec["environment"]["commit"] != "unknown"
+        bad = [c for c in rec["checks"] if c["status"] != "pass"]
+        assert not bad, bad
+        assert rec["summary"] == {"pass": len(rec["checks"]), "fail": 0, "error": 0, "skipped": 0}
+        names[stage] = [c["name"] for c in rec["checks"]]
+    assert names["correct"] == [
+        "forward/tiny", "forward/moonlight", "backward/tiny", "fp8/deepseek_v3",
+        "dedup/deepseek_v3", "cuda_graph/tiny", "withheld/tiny",
+    ]  # fmt: skip
+    assert names["nvshmem"] == ["bitwise/tiny/W2", "kill/W2", "rate/tiny/W2", "torchrun/W2"]
+    assert names["perf"] == ["perf/tiny/T8/zipf:1.2"]
+    assert names["tune"] == ["tune/moonlight"]
+    correct = {c["name"]: c["figures"] for c in json.loads((out / "correct.json").read_text())["checks"]}
+    assert len(correct["forward/tiny"]["runs"]) == 6 and correct["forward/tiny"]["bitwise"]  # 3 strategies × 2 modes
+    assert correct["withheld/tiny"]["recovered_bitwise"] and "error" in correct["withheld/tiny"]
+    assert correct["cuda_graph/tiny"]["captured"] is False  # the CPU captures nothing: said so
+    perf = json.loads((out / "perf.json").read_text())["checks"][0]["figures"]
+    assert {"sort + torch._grouped_mm", "torch._grouped_mm alone", "dense roof"} <= perf["methods"].keys()
+    assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
+    assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
+    assert perf["host_overhead_ms"] is None and perf["stage_clock"] == "logical"  # no durations on the CPU
+    ranks = {c["name"]: c["figures"] for c in json.loads((out / "nvshmem.json").read_text())["checks"]}
+    assert all(all(v["bitwise"]) for v in ranks["bitwise/tiny/W2"]["cases"].values())
+    assert len(ranks["bitwise/tiny/W2"]["cases"]) == 4  # 2 strategies × 2 modes
+    assert not ranks["kill/W2"]["hung"] and ranks["kill/W2"]["survivors"]["0"]["error"]  # JSON keys are strings
+    tune = json.loads((out / "tune.json").read_text())["checks"][0]["figures"]
+    assert tune["timed"] == tune["candidates"] == 2 and tune["record"]["tiles"] == tune["best"]
+    report = subprocess.run(
+        [sys.executable, "bench/acceptance.py", "--report", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    for stage in acceptance.STAGES:
+        assert f"\n| {stage} | yes | " in report.stdout
+    assert "| forward/tiny | pass |" in report.stdout
+
+
+def _stage(tmp_path, **kw):
+    opts = {"dry_run": True, "budget": 100.0, "only": [], "device": "cpu"} | kw
+    return acceptance.Stage("correct", tmp_path, **opts)
+
+
+def test_a_check_that_raises_is_recorded_with_its_figures_and_the_next_runs(tmp_path):
+    stage = _stage(tmp_path)
+
+    def broken(check):
+        check.figure("measured", 3)
+        raise ValueError("bad\nsecond line")
+
+    def failing(check):
+        check.expect(1 == 2, "one is not two")
+        check.expect(True, "never recorded")
+
+    stage.run("a", broken)
+    rec = json.loads(stage.path.read_text())  # written after each check
+    assert rec["checks"][0]["status"] == "error" and rec["checks"][0]["error"] == "ValueError: bad"
+    assert rec["checks"][0]["figures"] == {"measured": 3} and "Traceback" in rec["checks"][0]["traceback"]
+    stage.run("b", failing)
+    stage.run("c", lambda check: check.figure("x", 1.5))
+    assert stage.finish() is False
+    rec = json.loads(stage.path.read_text())
+    assert [c["status"] for c in rec["checks"]] == ["error", "fail", "pass"]
+    assert rec["checks"][1]["failures"] == ["one is not two"]
+    assert rec["summary"] == {"pass": 1, "fail": 1, "error": 1, "skipped": 0} and rec["complete"]
+
+
+def test_a_spent_budget_skips_and_only_selects(tmp_path):
+    stage = _stage(tmp_path, budget=0.0, only=["forward/*"])
+    ran = []
+    stage.run("forward/tiny", lambda check: ran.append(1))
+    assert stage.run("backward/tiny", lambda check: ran.append(2)) is None  # not selected: not recorded
+    assert stage.finish() is True and not ran
+    rec = json.loads(stage.path.read_text())
+    assert [(c["name"], c["status"]) for c in rec["checks"]] == [("forward/tiny", "skipped")]
+    assert "budget" in rec["checks"][0]["failures"][0] and not rec["complete"]
+
+
+def test_a_killed_stage_leaves_its_record_and_the_report_says_so(tmp_path):
+    stage = _stage(tmp_path)
+    stage.run("forward/tiny", lambda check: check.figure("max_rel_err", 1e-7))
+    (tmp_path / "notes.json").write_text("[]")  # not a stage record: ignored
+    text = acceptance.report(tmp_path)  # never finished: as a stage killed at its limit leaves it
+    assert "| correct | yes | 1 | 0 | 0 | 0 | no |" in text and "killed before the end" in text
+    assert "| forward/tiny | pass | " in text and "max_rel_err 1e-07" in text
+    (tmp_path / "empty").mkdir()
+    assert acceptance.report(tmp_path / "empty").startswith("no stage records")
+
+
+def test_a_second_run_with_only_replaces_its_checks_and_keeps_the_rest(tmp_path):
+    first = _stage(tmp_path)
+    first.run("forward/tiny", lambda check: check.expect(False, "broken"))
+    first.run("backward/tiny", lambda check: check.figure("worst", 0.0))
+    assert first.finish() is False
+    again = _stage(tmp_path, only=["forward/*"])  # the same tree: its checks merge into the record
+    again.run("forward/tiny", lambda check: check.figure("max_rel_err", 0.0))
+    assert again.finish() is True
+    rec = json.loads(again.path.read_text())
+    assert [(c["name"], c["status"]) for c in rec["checks"]] == [("backward/tiny", "pass"), ("forward/tiny", "pass")]
+    assert rec["complete"] and rec["summary"]["pass"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [(["--stage", "correct"], 2), (["--report", "/nonexistent"], 2), (["--report", ".", "--stage", "perf"], 2)],
+)
+def test_usage_errors(argv, code, capsys):
+    try:
+        got = acceptance.main(argv)
+    except SystemExit as e:
+        got = e.code
+    assert got == code
