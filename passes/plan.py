@@ -29,11 +29,11 @@ from rdepc.passes.hardware import PROFILES, HardwareProfile, profile
 from rdepc.passes.routing import owners_per_token_expr, sample_routing
 
 from rdepc.diagnostics import Diagnostics, Span
+from rdepc.ir.graph import BM
 from rdepc.ir.graph import BM as COMBINE_TOKENS
 from rdepc.ir.spec import LayerSpec
 
 ALIGN = 256  # bytes: every symmetric buffer is padded to a multiple of this (docs/memory.md)
-BM = 128  # rows: the tile height of rdepc's grouped expert GEMM
 STRATEGIES = ("bulk", "pipelined", "deep")
 SEGMENTED = ("pipelined", "deep")
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # The stages of one MoE layer (RDEP section 3.4, Listing 1), in pipeline order.
 STAGES = ("route", "scan", "dispatch", "compute", "return", "combine")
 ROLES = ("comm", "compute")
-BM = 128  # rows of one grouped-GEMM m-tile (the planner's BM; a test checks they agree)
+BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
 MAX_TASKS = 2_000_000  # beyond this a task table is a spec mistake, not a plan
 
 
