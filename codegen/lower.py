@@ -389,19 +389,31 @@ class KernelPlan:
         the spec's T, or T' when the spec's T is symbolic."""
         return self.row_id[min(T, self.T) if self.symbolic_tokens else 0]
 
-    def launch_grid(self, work: Work, programs: int, per_rank: bool = False) -> tuple[int, tuple[int, ...]]:
+    def launch_grid(
+        self, work: Work, programs: int, per_rank: bool = False, resident: bool = False
+    ) -> tuple[int, tuple[int, ...]]:
         """(the grid's budget, programs per queue) of a launch of ``work`` given ``programs``
         (natively one per SM). Unified: ``programs`` capped by the work items, one queue.
         Role-split: each rank an equal share (at least 2; ``per_rank``, one process per rank:
         all of it), split between its communication and compute queues in the ratio of the
-        schedule's programs."""
+        schedule's programs. ``resident``: ``programs`` is what runs at once (a GPU), and a
+        role-split grid larger than it is refused: its queues wait on each other, so a
+        program never scheduled would stall the call until its waits expire. (Unified
+        programs take tasks in dependency order from one queue: any number makes progress.)"""
         if work.mode == "unified":
             programs = max(1, min(programs, work.n_items))
             return programs, (programs,)
         comm, compute = self.programs
-        share = max(2, programs // (1 if per_rank else self.W))
+        ranks = 1 if per_rank else self.W
+        share = max(2, programs // ranks)
+        if resident and share * ranks > programs:
+            raise ValueError(
+                f"rdepc layer {self.layer}: role-split mode runs every program at once, at least 2 per rank: "
+                f"{ranks} ranks need {share * ranks} programs, more than the {programs} this GPU runs at once "
+                "(one per SM); use mode unified, or fewer ranks per GPU"
+            )
         n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
-        return programs, (n_comm, share - n_comm) * (1 if per_rank else self.W)
+        return programs, (n_comm, share - n_comm) * ranks
 
     def launch_scalars(
         self, n_tokens: int, n_programs: int, rank: int | None, bound: int, per_rank: bool = False

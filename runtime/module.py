@@ -264,7 +264,7 @@ class RDEPModule:
             else:
                 programs = torch.cuda.get_device_properties(device).multi_processor_count
         # unified: capped by the work items; role-split: each rank its slice, split between roles
-        programs, per_queue = p.launch_grid(self.work, programs, self.per_rank)
+        programs, per_queue = p.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
         self.programs = programs  # the grid's budget: every program resident at once on a GPU
         self.per_queue = per_queue
         self.grid = sum(per_queue)

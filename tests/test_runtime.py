@@ -579,3 +579,16 @@ def test_cli_run_usage_errors(monkeypatch, capsys):
 def test_the_interpreter_flag_does_not_leak(tiny_module):
     assert os.environ.get("TRITON_INTERPRET") in (None, "0")
     assert tiny_module.interpret
+
+
+def test_a_role_split_grid_larger_than_the_gpu_runs_at_once_is_refused():
+    """Role-split queues wait on each other: natively every program must be resident (one
+    per SM), at least two per rank. nvl72_e128 on one H100 would be 144 for 132 SMs."""
+    plan = rdepc.load(ROOT / "examples" / "tiny.rdep").compile().kernel  # W = 4
+    tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    split, unified = plan.work(tiles, "role-split"), plan.work(tiles, "unified")
+    with pytest.raises(ValueError, match="4 ranks need 8 programs, more than the 6 this GPU runs at once"):
+        plan.launch_grid(split, 6, resident=True)
+    assert sum(plan.launch_grid(split, 8, resident=True)[1]) == 8
+    assert sum(plan.launch_grid(split, 6)[1]) == 8  # the interpreter runs every program as a thread
+    assert plan.launch_grid(unified, 1, resident=True) == (1, (1,))  # one queue in dependency order: any grid
