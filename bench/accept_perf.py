@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import asdict, replace
 
-from bench.accept_correct import DRY, fp32, load, tolerance
+from bench.accept_correct import DRY, fp32, load, own, tolerance, variant
 
 # (example, T' per rank, routing): the GPU cases, then the dry run's (narrowed) ones.
 GPU_CASES = (
@@ -31,21 +31,38 @@ REPS, WARMUP = 10, 3
 
 
 def run_perf(stage, device: str) -> None:
-    for name, tokens, routing in DRY_CASES if stage.dry_run else GPU_CASES:
-        stage.run(f"perf/{name}/T{tokens}/{routing}", perf_case, name, tokens, routing, device, stage.dry_run)
+    from bench.acceptance import run_planned
+
+    run_planned(stage, plan_perf(stage.dry_run), device)
+
+
+def plan_perf(dry: bool) -> list:
+    """The perf checks, each with what it launches: every candidate (:func:`candidates`) in
+    each pass, since which is fastest (profiled, and run forward+backward) is known only then."""
+    from bench.acceptance import Planned
+
+    out = []
+    for name, tokens, routing in DRY_CASES if dry else GPU_CASES:
+        at = None if dry else tokens
+        runs = tuple(variant(name, dry, s, m, p, tokens=at) for s, m in candidates(name, at, dry) for p in PASSES)
+        out.append(Planned(f"perf/{name}/T{tokens}/{routing}", perf_case, (name, tokens, routing, runs), runs))
+    return out
 
 
 def run_tune(stage, device: str) -> None:
     stage.run("tune/moonlight", tune_case, device, stage.dry_run, stage.deadline, stage.out)
 
 
-def _variants(layer, dry: bool) -> list[tuple[str, str]]:
+PASSES = ("forward", "profile", "train")  # a candidate's call; the fastest's profiled call, and under autograd
+
+
+def candidates(name: str, tokens: int | None, dry: bool) -> list[tuple[str, str]]:
     """(schedule, mode): every strategy in unified mode and the layer's own in role-split (a
     dry run: two strategies, unified; the correct stage runs role-split)."""
-    own = layer.compile().kernel.strategy
+    mine = own(name, dry, tokens=tokens)
     if dry:
-        return [(own, "unified"), ("bulk" if own != "bulk" else "pipelined", "unified")]
-    return [("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), (own, "role-split")]
+        return [(mine, "unified"), ("bulk" if mine != "bulk" else "pipelined", "unified")]
+    return [("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), (mine, "role-split")]
 
 
 def _ms(fn, device, reps: int, warmup: int) -> dict:
@@ -56,7 +73,7 @@ def _ms(fn, device, reps: int, warmup: int) -> dict:
     return timeit(fn, torch.device(device), reps, warmup)
 
 
-def perf_case(check, name: str, tokens: int, routing: str, device: str, dry: bool) -> None:
+def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
     import torch
     from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
 
@@ -65,7 +82,8 @@ def perf_case(check, name: str, tokens: int, routing: str, device: str, dry: boo
     from rdepc.reference import random_inputs, reference_for
 
     reps, warmup = (1, 0) if dry else (REPS, WARMUP)
-    layer = load(name, dry, tokens=None if dry else tokens)
+    calls = [v for v in variants if v.pass_ == "forward"]  # the candidates; the fastest is profiled and trained
+    layer = calls[0].layer()
     spec, sh = layer.spec, layer.shapes
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
     act, dtype = spec.expert.act, TORCH_DTYPES[spec.precision.dtype.value]
@@ -93,8 +111,9 @@ def perf_case(check, name: str, tokens: int, routing: str, device: str, dry: boo
 
     # rdepc: every variant, the best kept
     modules = {}
-    for schedule, mode in _variants(layer, dry):
-        m = layer.module("emulated", device, schedule=schedule, mode=mode)
+    for v in calls:
+        schedule, mode = v.schedule, v.mode
+        m = layer.module(v.backend, device, schedule=schedule, mode=mode)
         y = m(*inputs)
         m.synchronize()
         modules[(schedule, mode)] = m
@@ -112,7 +131,7 @@ def perf_case(check, name: str, tokens: int, routing: str, device: str, dry: boo
     m.synchronize()
     check.figure("call_returns_ms", sorted(issue)[len(issue) // 2])
     # per-stage spans of one profiled call, and the host's share of a call
-    prof = layer.module("emulated", device, schedule=best[0], mode=best[1], profile=True)
+    prof = layer.module(calls[0].backend, device, schedule=best[0], mode=best[1], profile=True)
     prof(*inputs)
     prof.synchronize()
     spans = stages(prof, prof.last_profile["events"])
@@ -218,4 +237,4 @@ def tune_case(check, device: str, dry: bool, deadline: float, out) -> None:
     check.expect(found is not None and found[0] == best, "the runtime does not find the record it wrote")
 
 
-__all__ = ["DRY", "run_perf", "run_tune"]
+__all__ = ["DRY", "candidates", "plan_perf", "run_perf", "run_tune"]

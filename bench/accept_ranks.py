@@ -26,19 +26,58 @@ MODES = ("unified", "role-split")
 GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": None}
 DRY = {"tokens": 4, "ranks": (2,), "examples": ("tiny",), "spin_bound": 5000}
 KILL_AFTER = 0.3  # seconds into the victim's first call
+# calls each rank makes (native): a native call of tiny takes well under a millisecond, so the
+# kill must land inside a long run of calls, not after the last (interpreted calls take seconds)
+KILL_CALLS = 20_000
 LIMIT = 240.0  # seconds a launch of W processes may take before it is ended (and called a hang)
 
 
 def run(stage, device: str) -> None:
-    cfg = DRY if stage.dry_run else GPU
-    backend = "emulated-mp" if stage.dry_run else "nvshmem"
+    from bench.acceptance import run_planned
+
+    run_planned(stage, plan(stage.dry_run), device)
+
+
+def plan(dry: bool) -> list:
+    """The stage's checks, each with what it launches: every rank's process its variants
+    (the stage's T', each rank's own launch), and the one-process ``emulated`` backend the
+    bitwise checks compare with (``reference``, on the GPU too)."""
+    from bench.acceptance import Planned
+
+    cfg = DRY if dry else GPU
+    backend = "emulated-mp" if dry else "nvshmem"
+    tokens = cfg["tokens"]
+    out = []
     for W in cfg["ranks"]:
         for name in cfg["examples"]:
-            stage.run(f"bitwise/{name}/W{W}", bitwise, name, W, cfg["tokens"], backend, device)
-        stage.run(f"kill/W{W}", kill, W, cfg["tokens"], backend, device, cfg["spin_bound"])
+            runs = tuple(variant(name, W, tokens, backend, s, m) for s in SCHEDULES for m in MODES)
+            refs = tuple(dict.fromkeys(reference(v) for v in runs))
+            out.append(Planned(f"bitwise/{name}/W{W}", bitwise, (runs, W, tokens), runs + refs))
+        runs = (variant("tiny", W, tokens, backend),)
+        out.append(Planned(f"kill/W{W}", kill, (runs, W, cfg["spin_bound"]), runs))
         for name in cfg["examples"]:
-            stage.run(f"rate/{name}/W{W}", rate, name, W, cfg["tokens"], backend, device)
-        stage.run(f"torchrun/W{W}", torchrun, W, cfg["tokens"], backend, device, stage.dry_run)
+            runs = (variant(name, W, tokens, backend, pass_="profile"),)
+            out.append(Planned(f"rate/{name}/W{W}", rate, (runs, W), runs))
+        runs = (variant("tiny", W, tokens, backend, overrides={"W": W, "T": tokens}),)  # as `-D W=.. -D T=..` sets
+        out.append(Planned(f"torchrun/W{W}", torchrun, (runs, W), runs))
+    return out
+
+
+def variant(
+    name: str, W: int, tokens: int, backend: str, schedule=None, mode="unified", pass_="forward", overrides=None
+):
+    """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``)."""
+    from bench.acceptance import Variant
+
+    ov = _overrides(name, W, tokens) if overrides is None else overrides
+    return Variant(_path(name), tuple(ov.items()), schedule, mode, pass_, backend)
+
+
+def reference(v):
+    """The one-process launch a bitwise check compares ``v``'s ranks with."""
+    from dataclasses import replace
+
+    return replace(v, mode="unified", backend="emulated")
 
 
 def _overrides(name: str, W: int, tokens: int) -> dict:
@@ -74,20 +113,19 @@ def rank_cases(rank: int, W: int, cases: list) -> list[dict]:
     return out
 
 
-def rank_rate(rank: int, W: int, name: str, overrides: dict, backend: str, device: str) -> dict:
-    """One profiled call on this rank: its dispatch bytes and the dispatch items' spans."""
+def rank_rate(rank: int, W: int, v, device: str) -> dict:
+    """One profiled call of variant ``v`` on this rank: its dispatch bytes and the dispatch items' spans."""
     import torch
     from rdepc.codegen.lower import KINDS
     from rdepc.passes.plan import transport_bytes
     from rdepc.runtime.module import TORCH_DTYPES
     from rdepc.runtime.profile import STAGE_OF
 
-    import rdepc
     from rdepc.reference import random_inputs
 
-    layer = rdepc.load(_path(name), **overrides)
+    layer = v.layer()
     spec, sh = layer.spec, layer.shapes
-    m = layer.module(backend, device, profile=True)
+    m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode, profile=v.pass_ == "profile")
     T, H, F, E, K = (sh[k] for k in ("T", "H", "F", "E", "K"))
     dt = TORCH_DTYPES[spec.precision.dtype.value]
     x, ids, gates, wg, wu, wd = random_inputs(W, T, H, F, E, K, seed=0, dtype=dt, gated=spec.expert.gated)
@@ -115,26 +153,24 @@ def _spawn(fn, W: int, *args):
     return ranks.spawn(fn, W, *args, timeout=LIMIT)
 
 
-def bitwise(check, name: str, W: int, tokens: int, backend: str, device: str) -> None:
+def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> None:
     import torch
     from rdepc.runtime.module import TORCH_DTYPES
     from rdepc.runtime.per_rank import Case
 
-    import rdepc
     from rdepc.reference import random_inputs
 
-    overrides = _overrides(name, W, tokens)
-    check.figure("overrides", overrides)
+    check.figure("overrides", dict(variants[0].overrides))
     cases = [
-        Case(_path(name), overrides=tuple(overrides.items()), backend=backend, device=device, schedule=s, mode=m,
+        Case(v.file, overrides=v.overrides, backend=v.backend, device=device, schedule=v.schedule, mode=v.mode,
              routing="zipf:1.0", keep_output=True)
-        for s in SCHEDULES for m in MODES
+        for v in variants
     ]  # fmt: skip
     t0 = time.perf_counter()
     per_rank = _spawn(rank_cases, W, cases)
     check.figure("seconds", round(time.perf_counter() - t0, 1))
     # the one-process backend on the same global inputs (drawn on the CPU, as each rank draws them)
-    layer = rdepc.load(_path(name), **overrides)
+    layer = variants[0].layer()
     sh, spec = layer.shapes, layer.spec
     one_device = "cpu" if device == "cpu" else "cuda"
     dt = TORCH_DTYPES[spec.precision.dtype.value]
@@ -142,9 +178,10 @@ def bitwise(check, name: str, W: int, tokens: int, backend: str, device: str) ->
                            gated=spec.expert.gated)  # fmt: skip
     inputs = [None if t is None else t.to(one_device) for t in inputs]
     results = {}
-    for i, case in enumerate(cases):
+    for i, (case, v) in enumerate(zip(cases, variants, strict=True)):
         key = f"{case.schedule} {case.mode}"
-        m = layer.module("emulated", one_device, schedule=case.schedule)
+        ref = reference(v)
+        m = ref.layer().module(ref.backend, one_device, schedule=ref.schedule, mode=ref.mode)
         want = m(*inputs).cpu()
         m.synchronize()
         same, errors = [], []
@@ -165,15 +202,15 @@ def bitwise(check, name: str, W: int, tokens: int, backend: str, device: str) ->
         check.figure("cases", results)
 
 
-def kill(check, W: int, tokens: int, backend: str, device: str, spin_bound: int | None) -> None:
-    """The last rank SIGKILLed KILL_AFTER s into its first call of tiny."""
+def kill(check, variants, W: int, spin_bound: int | None, device: str, dry: bool) -> None:
+    """The last rank SIGKILLed KILL_AFTER s into its run of calls of tiny."""
     from rdepc.runtime.per_rank import Case
     from rdepc.runtime.ranks import RanksError
 
-    overrides = _overrides("tiny", W, tokens)
+    (v,) = variants
     victim = W - 1
-    case = Case(_path("tiny"), overrides=tuple(overrides.items()), backend=backend, device=device,
-                kill=(victim, KILL_AFTER), calls=3, spin_bound=spin_bound)  # fmt: skip
+    case = Case(v.file, overrides=v.overrides, backend=v.backend, device=device, schedule=v.schedule, mode=v.mode,
+                kill=(victim, KILL_AFTER), calls=3 if dry else KILL_CALLS, spin_bound=spin_bound)  # fmt: skip
     check.figure("victim", victim)
     check.figure("spin_bound", spin_bound or "the runtime's default")
     t0 = time.perf_counter()
@@ -213,9 +250,9 @@ def kill(check, W: int, tokens: int, backend: str, device: str, spin_bound: int 
     check.figure("seconds", seconds)
 
 
-def rate(check, name: str, W: int, tokens: int, backend: str, device: str) -> None:
-    overrides = _overrides(name, W, tokens)
-    per_rank = _spawn(rank_rate, W, name, overrides, backend, device)
+def rate(check, variants, W: int, device: str, dry: bool) -> None:
+    (v,) = variants
+    per_rank = _spawn(rank_rate, W, v, device)
     rates = {}
     for r in per_rank:
         busy = sum(r["dispatch_spans"])
@@ -232,10 +269,15 @@ def rate(check, name: str, W: int, tokens: int, backend: str, device: str) -> No
     check.figure("gb_per_s_per_program_min", min(got) if got else None)
 
 
-def torchrun(check, W: int, tokens: int, backend: str, device: str, dry: bool) -> None:
-    """The user's command: torchrun, one process per rank, rdepc run --check."""
+def torchrun(check, variants, W: int, device: str, dry: bool) -> None:
+    """The user's command: torchrun, one process per rank, rdepc run --check (the example's
+    own schedule, unified: the command's defaults)."""
+    (v,) = variants
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W)]
-    argv += ["-m", "rdepc", "run", _path("tiny"), "--backend", backend, "--check", "-D", f"W={W}", "-D", f"T={tokens}"]
+    argv += ["-m", "rdepc", "run", v.file, "--backend", v.backend, "--check"]
+    argv += [a for k, n in v.overrides for a in ("-D", f"{k}={n}")]
+    argv += ["--schedule", v.schedule] if v.schedule else []
+    argv += ["--mode", v.mode] if v.mode != "unified" else []
     if dry:
         argv += ["--device", "cpu"]
     check.figure("command", " ".join(argv[1:]))

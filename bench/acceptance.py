@@ -17,6 +17,13 @@ Stages (``all``: them in order, for a machine without a per-command limit):
   dense roof, forward and forward+backward, per-stage spans, host overhead per call.
 - ``tune``: ``rdepc tune`` on moonlight, and the record it writes.
 
+Each stage first compiles, in parallel processes (one per core, at most 16), every build of
+the generated kernel its checks will launch into Triton's on-disk cache (check ``prewarm``),
+so that no check waits for Triton's JIT to compile a variant (~10-40 s of one core each)
+serially; a dry run only lists them. The list of what a stage launches (:class:`Variant`:
+example, schedule, kernel mode, pass) is made once per stage (its ``plan``) and drives both
+the prewarm and the checks.
+
 Each stage writes ``OUT/STAGE.json`` after every check (environment, every check with its
 figures and verdict), so a stage killed at its limit leaves what it measured. Checks past
 ``--budget`` seconds are recorded as skipped, not run. ``--dry-run`` runs every stage on the
@@ -28,18 +35,23 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import fnmatch
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 STAGES = ("correct", "nvshmem", "perf", "tune")
 STATUSES = ("pass", "fail", "error", "skipped")
+ALWAYS = ("prewarm",)  # checks a run makes whatever --only selects (prewarm: for the checks selected)
+PREWARM_PROCESSES = 16  # at most: one per core of the GPU machines
 
 
 class Check:
@@ -113,7 +125,7 @@ class Stage:
         tmp.replace(self.path)
 
     def wanted(self, name: str) -> bool:
-        return not self.only or any(fnmatch.fnmatchcase(name, p) for p in self.only)
+        return not self.only or name in ALWAYS or any(fnmatch.fnmatchcase(name, p) for p in self.only)
 
     def run(self, name: str, fn, *args, **kwargs) -> Check | None:
         """Run check ``name`` (``fn(check, *args, **kwargs)``) unless ``--only`` leaves it out
@@ -191,6 +203,133 @@ def environment(device: str) -> dict:
     env["commit"] = commit or os.environ.get("RDEPC_COMMIT") or "unknown"
     env["tree_changed"] = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
     return env
+
+
+# ----------------------------------------------------------------------------- what a stage launches
+@dataclass(frozen=True)
+class Variant:
+    """One way a check launches the generated kernel: the example (``file`` as the check
+    names it, ``edit`` a text edit of it from ``EDITS``, ``overrides`` of its parameters),
+    the schedule (None: the layer's own), the kernel mode, the pass (``forward`` a call
+    without autograd, ``train`` a call under autograd and its backward, ``profile`` a
+    profiled call: ``rdepc.codegen.prewarm.PASSES``) and the backend (a per-rank one: every
+    rank's process launches it)."""
+
+    file: str
+    overrides: tuple[tuple[str, int], ...]
+    schedule: str | None = None
+    mode: str = "unified"
+    pass_: str = "forward"
+    backend: str = "emulated"
+    edit: str | None = None
+
+    def layer(self):
+        """The example as a Layer (one per example, edit and overrides in this process)."""
+        return _layer(self.file, self.overrides, self.edit)
+
+    @property
+    def label(self) -> str:
+        sizes = ",".join(f"{k}={v}" for k, v in self.overrides)
+        edit = f"+{self.edit}" if self.edit else ""
+        return f"{Path(self.file).stem}{edit}[{sizes}] {self.backend} {self.schedule or 'own'}"
+
+    def requests(self, *, interpret: bool, sms: int, device_name: str | None) -> list[dict]:
+        """rdepc.codegen.prewarm.prewarm's requests for this variant's native launches: the
+        generated file a module of it runs (from rdepc's cache), the tiles it launches with
+        (``rdepc tune``'s record for ``device_name``, or the defaults), a GPU of ``sms`` SMs.
+        ValueError where the module refuses the launch. ``interpret``: the cache entry of an
+        interpreted module (a dry run lists what it would prewarm without generating twice)."""
+        from rdepc.codegen.prewarm import launch_requests
+        from rdepc.runtime import tune
+
+        compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret)
+        plan = compiled.kernel
+        tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
+        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=self.mode,
+                               pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
+
+
+@functools.cache
+def _layer(file: str, overrides: tuple, edit: str | None):
+    from rdepc.api import Layer, elaborate_layer
+    from rdepc.parser import parse_text
+
+    path = Path(file) if Path(file).is_absolute() else ROOT / file
+    text = path.read_text(encoding="utf-8")
+    if edit is not None:
+        text = EDITS[edit](text)
+    spec, warnings = elaborate_layer(parse_text(text, file), None, dict(overrides))
+    return Layer(spec, warnings)
+
+
+def _dedup(text: str) -> str:
+    old = "transport nvshmem"
+    if old not in text:
+        raise ValueError(f"the example no longer says '{old}': update the acceptance's dedup edit")
+    return text.replace(old, "transport nvshmem, dedup")
+
+
+EDITS = {"dedup": _dedup}  # text edits of an example a check runs (dedup: deepseek_v3 under dedup)
+
+
+class Planned(NamedTuple):
+    """A check of a stage's plan: ``fn(check, *args, device, dry)``, and what it launches."""
+
+    name: str
+    fn: object
+    args: tuple
+    variants: tuple[Variant, ...]
+
+
+def run_planned(stage, planned: list[Planned], device: str) -> None:
+    """The stage's ``prewarm`` (what the checks selected will launch), then its checks."""
+    chosen = [p for p in planned if stage.wanted(p.name)]
+    if chosen:
+        stage.run("prewarm", prewarm, [v for p in chosen for v in p.variants], device, stage.dry_run, stage.deadline)
+    for p in planned:
+        stage.run(p.name, p.fn, *p.args, device, stage.dry_run)
+
+
+def prewarm(check, variants: list[Variant], device: str, dry: bool, deadline: float) -> None:
+    """Every build the variants' native launches need compiled into Triton's cache, in
+    parallel processes (rdepc.codegen.prewarm.prewarm): each once, those already there not
+    again. A dry run lists them and compiles nothing (the interpreter compiles nothing)."""
+    from rdepc.codegen.lower import H100_SMS
+
+    unique = list(dict.fromkeys(variants))
+    if dry:
+        sms, name = H100_SMS, None
+    else:
+        import torch
+
+        sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        name = torch.cuda.get_device_name(torch.device(device))
+    requests, refused = [], []
+    for v in unique:
+        try:
+            requests += v.requests(interpret=dry, sms=sms, device_name=name)
+        except ValueError as e:  # the module refuses it too: nothing launches
+            refused.append(f"{v.label} {v.mode}: {e}"[:300])
+    check.figure("variants", len(unique))
+    check.figure("launches", len(requests))
+    check.figure("refused", refused)  # launches a module refuses (a role-split grid larger than the GPU)
+    if dry:
+        check.figure("compiled", 0)
+        check.figure("dry_run", "nothing compiled: under the interpreter nothing is")
+        return
+    from rdepc.codegen import prewarm as warm
+
+    processes = check.figure("processes", max(1, min(PREWARM_PROCESSES, os.cpu_count() or 1)))
+    t0 = time.monotonic()
+    results = warm.prewarm(requests, processes, timeout=max(60.0, deadline - time.monotonic()))
+    check.figure("seconds", round(time.monotonic() - t0, 1))
+    summary = warm.prewarm_summary(results)
+    for k in ("builds", "compiled", "cached", "duplicate", "failed", "not run", "compile_seconds", "longest_seconds"):
+        check.figure(k.replace(" ", "_"), summary[k])
+    check.figure("failures", summary["failures"])
+    check.figure("builds_list", [{k: r.get(k) for k in ("label", "status", "seconds")} for r in results])
+    check.expect(not summary["failed"], f"{summary['failed']} builds failed: {'; '.join(summary['failures'])[:600]}")
+    check.expect(not summary["not run"], f"{summary['not run']} builds not compiled before the timeout")
 
 
 # ----------------------------------------------------------------------------- the report

@@ -166,11 +166,13 @@ def run_case(case: Case, device, reps: int, warmup: int) -> list[dict]:
 
 
 def environment(device) -> dict:
-    import torch
-    import triton
+    from importlib import metadata
 
+    import torch
+
+    # triton's version from its metadata: importing it would fix the process's Triton mode
     env = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "python": platform.python_version()}
-    env |= {"torch": torch.__version__, "triton": triton.__version__, "machine": platform.machine()}
+    env |= {"torch": torch.__version__, "triton": metadata.version("triton"), "machine": platform.machine()}
     if device.type == "cuda":
         env["device"] = torch.cuda.get_device_name(device)
         try:

@@ -72,8 +72,9 @@ def compile_cubins(
     subprocesses (jobs dealt round-robin); results in job order. ``profile``: with the
     profile's %globaltimer stamps compiled in. ``sms``: the GPU's SMs, which size the
     launch each kernel is specialised for."""
+    # This environment otherwise: the variables Triton's cache key covers (TRITON_DEFAULT_FP_FUSION,
+    # ...) as the launching process has them, so that a build here is the entry its JIT looks up.
     env = dict(os.environ, TRITON_INTERPRET="0")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     batches = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
     procs = []
     for batch in batches:
@@ -132,22 +133,64 @@ class Specialized:
     specialization: dict
 
 
+def native_launch(
+    plan: KernelPlan,
+    tiles: Tiles,
+    mode: str = "unified",
+    sms: int = H100_SMS,
+    tokens: int | None = None,
+    rank: int | None = None,
+    spin_bound: int = NATIVE_SPIN_BOUND,
+    resident: bool = True,
+) -> dict[str, int]:
+    """The scalar arguments of a native launch as RDEPModule passes them on a GPU of ``sms``
+    SMs: its grid (``KernelPlan.launch_grid``, one program per SM) and
+    ``KernelPlan.launch_scalars`` at T' = ``tokens`` (default the plan's T), ``rank`` (a
+    per-rank transport's process; default 0) and the spin bound. A backward launches with
+    its forward's. ``resident``: as the module checks, ValueError for a role-split grid the
+    GPU cannot run at once (the module refuses it: nothing launches)."""
+    from rdepc.runtime.transport import get
+
+    per_rank = get(plan.transport).per_rank
+    rank = (rank or 0) if per_rank else None
+    _, per_queue = plan.launch_grid(plan.work(tiles, mode, rank=rank), sms, per_rank, resident=resident)
+    n_tokens = plan.T if tokens is None else tokens
+    return plan.launch_scalars(n_tokens, sum(per_queue), rank, spin_bound, per_rank)
+
+
 def launch_values(plan: KernelPlan, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
     """The scalar arguments of the native launch ``kernel`` (of KERNELS) stands for: T' =
     the plan's T, rank 0 (per-rank transports), the native spin bound, and the grid
     RDEPModule gives ``sms`` SMs (a backward launches on its forward's grid, unified here)."""
-    from rdepc.runtime.transport import get
-
-    per_rank = get(plan.transport).per_rank
-    rank = 0 if per_rank else None
     mode = "role-split" if KERNELS[kernel]["ROLE_SPLIT"] else "unified"
-    _, per_queue = plan.launch_grid(plan.work(tiles, mode, rank=rank), sms, per_rank)
-    return plan.launch_scalars(plan.T, sum(per_queue), rank, NATIVE_SPIN_BOUND, per_rank)
+    return native_launch(plan, tiles, mode, sms, resident=False)
 
 
 def kernel_meta(tiles: Tiles, kernel: str, profile: bool = False) -> dict:
     """The constexprs a native launch of ``kernel`` passes."""
     return tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | KERNELS[kernel]
+
+
+def variant_meta(mode: str, backward: bool = False, save: bool = False, profile: bool = False) -> dict[str, bool]:
+    """The constexprs that tell one native launch of ``rdep_layer`` from another
+    (RDEPModule._launch): the kernel mode, the pass, keeping what a backward walks, and
+    the profile's %globaltimer stamps (a profiled module's forward only)."""
+    stamped = profile and not backward
+    return {"ROLE_SPLIT": mode == "role-split", "PROFILE": stamped, "GLOBALTIMER": stamped, "BACKWARD": backward,
+            "SAVE": save}  # fmt: skip
+
+
+def launch_options(plan: KernelPlan, tiles: Tiles, arch: int | None = None) -> dict:
+    """The options besides the constexprs a native launch passes Triton: ``num_warps`` and,
+    for the nvshmem transport, NVSHMEM's bitcode as ``extern_libs`` (as
+    ``runtime.nvshmem.NvshmemLauncher`` adds it; ``arch``: the bitcode for that architecture,
+    default the launcher's)."""
+    options: dict = {"num_warps": tiles.num_warps}
+    if plan.transport == "nvshmem":
+        from rdepc.runtime.nvshmem import EXTERN_LIB, bitcode_path
+
+        options["extern_libs"] = {EXTERN_LIB: str(bitcode_path() if arch is None else bitcode_path(arch))}
+    return options
 
 
 def launch_specialization(
@@ -167,25 +210,43 @@ def launch_specialization(
     generated ``rdep_layer``, native or interpreted (its Python function is what counts).
     Compiles nothing and needs no GPU. RuntimeError when this Triton's binder is not where
     it was in 3.6–3.9: an unspecialised build would report code no launch runs."""
+    tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    scalars = launch_values(plan, kernel, tiles, sms)
+    kwargs = kernel_meta(tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
+    return specialize(plan, fn, scalars, kwargs, ("cuda", arch, 32))
+
+
+def specialize(plan: KernelPlan, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)) -> Specialized:
+    """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` with the
+    scalar arguments ``scalars``, a 16-byte aligned tensor of its declared type for every
+    pointer (every pointer the runtime passes is: ``runtime.module.aligned``) and the
+    keyword arguments ``kwargs`` (constexprs and options), passed as a launch passes them."""
     import torch
     from rdepc.runtime.launch import interpreter_env, triton_mode
 
-    tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    scalars = launch_values(plan, kernel, tiles, sms)
     declared = dict(kernel_args(plan))
-    values = {}
+    args = []
     for name, kind in declared.items():
         if kind.startswith("*"):  # a CPU allocation: 64-byte aligned
-            values[name] = torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]]))
+            args.append(torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]])))
         elif kind != "constexpr":
-            values[name] = scalars[name]
-    kwargs = kernel_meta(tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
+            args.append(scalars[name])
     # The binder imports Triton's gluon on first use, which must see the mode this process runs in.
     with interpreter_env(triton_mode() == "interpret"):
-        return _specialize(plan, fn, arch, declared, values, scalars, kwargs)
+        return _specialize(plan, fn, tuple(target), declared, args, scalars, dict(kwargs))
 
 
-def _specialize(plan, fn, arch, declared, values, scalars, kwargs) -> Specialized:
+def _run_options(jit, kwargs: dict) -> dict:
+    """``kwargs`` with the options ``JITFunction.run`` adds to a launch's before it parses them."""
+    from triton import knobs
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", jit.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    return kwargs
+
+
+def _specialize(plan, fn, target, declared, args, scalars, kwargs) -> Specialized:
     import triton
 
     try:  # JITFunction.run's first steps, for a cuda target instead of the current device's
@@ -195,9 +256,10 @@ def _specialize(plan, fn, arch, declared, values, scalars, kwargs) -> Specialize
 
         # interpreted: the same Python function and decorator arguments (do_not_specialize)
         jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
-        backend = make_backend(GPUTarget("cuda", arch, 32))
+        backend = make_backend(GPUTarget(*target))
+        kwargs = _run_options(jit, kwargs)
         binder = create_function_from_signature(jit.signature, jit.params, backend)
-        bound, specialization, leftover = binder(**values, **kwargs)
+        bound, specialization, leftover = binder(*args, **kwargs)
         parsed, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, leftover)
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         raise RuntimeError(
@@ -303,6 +365,10 @@ __all__ = [
     "compile_cubins",
     "cubin_name",
     "kernel_meta",
+    "launch_options",
     "launch_specialization",
     "launch_values",
+    "native_launch",
+    "specialize",
+    "variant_meta",
 ]

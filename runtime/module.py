@@ -572,15 +572,10 @@ class RDEPModule:
     def _tiles(self, given: Tiles | None) -> tuple[Tiles, str]:
         """The tiles to launch with, and where they come from: given, the interpreter's own,
         ``rdepc tune``'s record for this plan on this GPU, or the defaults."""
-        p = self.plan
         if given is not None:
             return given, "given"
-        if self.interpret:
-            return Tiles.default(p.H, p.F, p.dtype, True), "the interpreter's (few, large tiles)"
-        found = tune.lookup(p, torch.cuda.get_device_name(self.device))
-        if found is not None:
-            return found
-        return Tiles.default(p.H, p.F, p.dtype, False), "defaults (not tuned: rdepc tune FILE --device cuda)"
+        device_name = None if self.interpret else torch.cuda.get_device_name(self.device)
+        return tune.launch_tiles(self.plan, device_name, self.interpret)
 
     # ------------------------------------------------------------------ checks
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:

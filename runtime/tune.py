@@ -77,6 +77,17 @@ def lookup(plan: KernelPlan, device_name: str) -> tuple[Tiles, str] | None:
     return tiles, f"tuned on {rec['device']} ({rec['date']}, {rec['ms']:.3f} ms)"
 
 
+def launch_tiles(plan: KernelPlan, device_name: str | None, interpret: bool) -> tuple[Tiles, str]:
+    """The tiles a module of ``plan`` launches with, and where they come from: under the
+    interpreter its own, natively ``rdepc tune``'s record for ``device_name`` or the defaults."""
+    if interpret:
+        return Tiles.default(plan.H, plan.F, plan.dtype, True), "the interpreter's (few, large tiles)"
+    found = lookup(plan, device_name) if device_name else None
+    if found is not None:
+        return found
+    return Tiles.default(plan.H, plan.F, plan.dtype, False), "defaults (not tuned: rdepc tune FILE --device cuda)"
+
+
 def record(plan: KernelPlan, device_name: str, best: Tiles, results: list[dict]) -> Path:
     """Write the tuning result for ``plan`` on ``device_name``; its path."""
     ms = min(r["ms"] for r in results if r["tiles"] == asdict(best))
@@ -202,4 +213,14 @@ def tune_layer(
     return best, results, record(plan, name, best, results)
 
 
-__all__ = ["SHARED_BYTES", "candidates", "key", "lookup", "record", "shared_bytes", "tune", "tune_layer"]
+__all__ = [
+    "SHARED_BYTES",
+    "candidates",
+    "key",
+    "launch_tiles",
+    "lookup",
+    "record",
+    "shared_bytes",
+    "tune",
+    "tune_layer",
+]

@@ -34,17 +34,26 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
         assert rec["summary"] == {"pass": len(rec["checks"]), "fail": 0, "error": 0, "skipped": 0}
         names[stage] = [c["name"] for c in rec["checks"]]
     assert names["correct"] == [
-        "forward/tiny", "forward/moonlight", "backward/tiny", "fp8/deepseek_v3",
+        "prewarm", "forward/tiny", "forward/moonlight", "backward/tiny", "fp8/deepseek_v3",
         "dedup/deepseek_v3", "cuda_graph/tiny", "withheld/tiny",
     ]  # fmt: skip
-    assert names["nvshmem"] == ["bitwise/tiny/W2", "kill/W2", "rate/tiny/W2", "torchrun/W2"]
-    assert names["perf"] == ["perf/tiny/T8/zipf:1.2"]
+    assert names["nvshmem"] == ["prewarm", "bitwise/tiny/W2", "kill/W2", "rate/tiny/W2", "torchrun/W2"]
+    assert names["perf"] == ["prewarm", "perf/tiny/T8/zipf:1.2"]
     assert names["tune"] == ["tune/moonlight"]
     correct = {c["name"]: c["figures"] for c in json.loads((out / "correct.json").read_text())["checks"]}
+    # the prewarm lists what the checks launch, and under the interpreter compiles nothing
+    stages = ("correct", "nvshmem", "perf")
+    warm = {s: json.loads((out / f"{s}.json").read_text())["checks"][0]["figures"] for s in stages}
+    assert all(w["compiled"] == 0 and w["dry_run"] and w["launches"] >= w["variants"] > 0 for w in warm.values())
+    # forward: tiny 6, moonlight 2; backward tiny 3; fp8 1; dedup 2 + 1; withheld 1 (cuda_graph's is forward's)
+    assert warm["correct"]["variants"] == 6 + 2 + 3 + 1 + 3 + 1
+    assert warm["perf"]["variants"] == 2 * 3 and warm["perf"]["launches"] == 2 * 4  # 2 candidates × 3 passes
+    # per rank: 4 bitwise cases, kill's (and torchrun's) call, a profiled call; the reference's 2 in one process
+    assert warm["nvshmem"]["launches"] == 2 * (4 + 1 + 1) + 2
     assert len(correct["forward/tiny"]["runs"]) == 6 and correct["forward/tiny"]["bitwise"]  # 3 strategies × 2 modes
     assert correct["withheld/tiny"]["recovered_bitwise"] and "error" in correct["withheld/tiny"]
     assert correct["cuda_graph/tiny"]["captured"] is False  # the CPU captures nothing: said so
-    perf = json.loads((out / "perf.json").read_text())["checks"][0]["figures"]
+    perf = json.loads((out / "perf.json").read_text())["checks"][1]["figures"]  # after the prewarm
     assert {"sort + torch._grouped_mm", "torch._grouped_mm alone", "dense roof"} <= perf["methods"].keys()
     assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
     assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
@@ -70,7 +79,10 @@ def _stage(tmp_path, **kw):
 
 
 def test_a_check_that_raises_is_recorded_with_its_figures_and_the_next_runs(tmp_path):
+    from rdepc.runtime.launch import triton_mode
+
     stage = _stage(tmp_path)
+    assert triton_mode() in (None, "interpret")  # the record's environment does not fix Triton's mode
 
     def broken(check):
         check.figure("measured", 3)
