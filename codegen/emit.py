@@ -152,7 +152,7 @@ def _launches(p: KernelPlan) -> str:
 
 def tma(p: KernelPlan) -> bool:
     """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
-    as tensor descriptors (TMA) require; otherwise the GEMMs read through block pointers."""
+    as tensor descriptors (TMA) require; otherwise the GEMMs read through masked pointer loads."""
     a, d = Dtype(p.dtype).bytes, Dtype(p.dispatch).bytes
     return all(n % 16 == 0 for n in (p.H * d, p.H * a, p.F * a))
 

@@ -1,9 +1,12 @@
 """codegen/device.py, the spec-independent device code, on its own under the interpreter:
-one GEMM tile through tensor descriptors and through block pointers, overhanging every
-edge of both operands; the gate/up split; masked row stores. The functions are taken the
-way the emitter takes them (``compute.device_source``), into a kernel file of their own."""
+one GEMM tile through tensor descriptors and through masked pointer loads (bit for bit
+alike), overhanging every edge of both operands; the gate/up split; masked row stores. The
+functions are taken the way the emitter takes them (``compute.device_source``), into a
+kernel file of their own."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +23,8 @@ import triton.language as tl
 
 @triton.jit
 def tile(a, a_rows, row0, w, n_cols, col0, out, K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, TMA: tl.constexpr, CAST_F32: tl.constexpr):
-    acc = gemm_tile(a, a_rows, row0, w, n_cols, col0, K_DIM, BM, BN, BK, 2, TMA, CAST_F32, "ieee")
+         BK: tl.constexpr, TMA: tl.constexpr, CAST_F32: tl.constexpr, TRANS_B: tl.constexpr = False):
+    acc = gemm_tile(a, a_rows, row0, w, n_cols, col0, K_DIM, BM, BN, BK, 2, TMA, CAST_F32, "ieee", TRANS_B)
     m = tl.arange(0, BM)
     n = tl.arange(0, BN)
     tl.store(out + m[:, None] * BN + n[None, :], acc)
@@ -89,8 +92,8 @@ def expected(a, row0, w, col0, BM, BN):
     [
         (torch.float32, 48, 80, True),  # rows 192 B, 320 B: tensor descriptors
         (torch.bfloat16, 48, 80, True),
-        (torch.float32, 20, 36, False),  # rows 80 B, 144 B: block pointers work too
-        (torch.float32, 5, 7, False),  # rows of 20 B and 28 B: only block pointers
+        (torch.float32, 20, 36, False),  # rows 80 B, 144 B: pointer loads work too
+        (torch.float32, 5, 7, False),  # rows of 20 B and 28 B: only pointer loads
     ],
 )
 @pytest.mark.parametrize("row0", [-8, 0, 30])
@@ -106,6 +109,45 @@ def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, r
                                                                              CAST_F32=True)
         )  # fmt: skip
         torch.testing.assert_close(out, expected(a, row0, w, col0, BM, BN), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("row0", [-8, 0, 30])
+def test_pointer_loads_match_tensor_descriptors_bit_for_bit(kernels, trans_b, row0):
+    """The masked pointer loads (TMA=False) give the tile the descriptors give, to the bit, B
+    as it is or transposed: schedules that differ in TMA compare bitwise."""
+    g = torch.Generator().manual_seed(7)
+    K, N, BM, BN, BK = 48, 80, 32, 32, 32
+    a = torch.randn(40, K, generator=g)
+    w = torch.randn(N, K, generator=g) if trans_b else torch.randn(K, N, generator=g)
+    b = w.t() if trans_b else w
+    for col0 in (0, 64):
+        outs = []
+        for tma in (True, False):
+            out = torch.full((BM, BN), float("nan"))
+            Launcher(interpret=True)(
+                kernels.tile, (1,), (a, a.shape[0], row0, w, N, col0, out),
+                dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, CAST_F32=True, TRANS_B=trans_b),
+            )  # fmt: skip
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[1], expected(a, row0, b, col0, BM, BN), rtol=1e-5, atol=1e-5)
+
+
+def test_device_code_uses_no_block_pointers():
+    """Triton 3.9 removed block pointers (tl.make_block_ptr, tl.advance, boundary_check):
+    neither device.py nor any kernel template may use them."""
+    from rdepc.codegen import device
+
+    root = Path(device.__file__).resolve().parent.parent
+    used = [
+        f"{path.relative_to(root)}: {name}"
+        for folder in ("codegen", "runtime")
+        for path in sorted((root / folder).glob("*.py"))
+        for name in ("make_block_ptr(", "tl.advance(", "boundary_check=")
+        if name in path.read_text(encoding="utf-8")
+    ]
+    assert not used, used
 
 
 @pytest.mark.parametrize(("K", "scale_cols", "tma"), [(96, 96, True), (96, 32, True), (80, 32, False)])

@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: ad8adaa71b345612d48ff3a32a45c6e04fb0e3c153fec74c78b3309af0eeca88
+# content-sha256: 73b87282997557aef28b946d0b5aca715478355554dde2d21b862ac80d75a0e6
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -615,20 +615,7 @@ def gemm_tile(
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     rows = row0 + tl.arange(0, BM)
-    if a_index is not None:
-        rows = tl.cast(a_index, tl.int64)
-        if TRANS_B:
-            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
-        else:
-            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
-        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
-            kk = k + tl.arange(0, BK)
-            m = (rows >= 0)[:, None] & (kk < K_DIM)[None, :]
-            x = tl.load(a + rows[:, None] * K_DIM + kk[None, :], mask=m, other=0.0)
-            y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
-            acc = mma_chunk(x, y, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
-            w_ptr = tl.advance(w_ptr, (BK, 0))
-    elif TMA:
+    if TMA and a_index is None:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
@@ -644,20 +631,36 @@ def gemm_tile(
             x = a_desc.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
-        a_ptr = tl.make_block_ptr(a, (a_rows, K_DIM), (K_DIM, 1), (row0, 0), (BM, BK), (1, 0))
-        if TRANS_B:
-            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (1, K_DIM), (0, col0), (BK, BN), (0, 1))
+        if a_index is not None:
+            rows = tl.cast(a_index, tl.int64)
+        if TRANS_B:  # B[kk, c] is w[c, kk]
+            k_stride, col_stride = 1, K_DIM
         else:
-            w_ptr = tl.make_block_ptr(w, (K_DIM, n_cols), (n_cols, 1), (0, col0), (BK, BN), (1, 0))
+            k_stride, col_stride = n_cols, 1
+        # 64-bit indices, as a block pointer's were: with 32-bit ones ptxas gave the sm_90
+        # dedup kernels more stack.
+        cols = tl.cast(col0, tl.int64) + tl.arange(0, BN)
         for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
-            x = tl.load(a_ptr, boundary_check=(0, 1), padding_option="zero")
-            y = tl.load(w_ptr, boundary_check=(0, 1), padding_option="zero")
+            kk = tl.cast(k, tl.int64) + tl.arange(0, BK)
+            x = load_tile(a, rows, kk, a_rows, K_DIM, K_DIM, 1)
+            y = load_tile(w, kk, cols, K_DIM, n_cols, k_stride, col_stride)
             acc = mma_chunk(x, y, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
-            a_ptr = tl.advance(a_ptr, (0, BK))
-            w_ptr = tl.advance(w_ptr, (BK, 0))
     if SCALE_COLS >= K_DIM:
         acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, n_rows, n_cols, row_stride, col_stride):
+    """The tile ptr[rows[i] * row_stride + cols[j] * col_stride] of an n_rows × n_cols matrix,
+    0 where a row or column falls outside it (a row index of -1 included): what a block
+    pointer's zero-padded load gave before Triton 3.9 removed them. Offsets are 64-bit:
+    rows · row_stride may pass 2^31."""
+    r = tl.cast(rows, tl.int64)
+    c = tl.cast(cols, tl.int64)
+    offsets = r[:, None] * row_stride + c[None, :] * col_stride
+    mask = ((r >= 0) & (r < n_rows))[:, None] & ((c >= 0) & (c < n_cols))[None, :]
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
 
 
 @triton.jit
