@@ -218,18 +218,8 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
 # compile stops at its cache lookup (keys_only) and gives the key it would look up; then prewarm's
 # keys for the requests, computed here and again in its compiling process. Controls: another
 # num_warps, and a cache-invalidating variable set in this process only, must change the key.
-_JIT_KEYS = r"""
-import json, os, sys
-
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-
-from rdepc.codegen.prewarm import _Keyed, keys_only, prewarm
-from rdepc.runtime.launch import Launcher, import_kernels
-
-
-class H100:  # what JITFunction.run asks the driver before it compiles
+# What JITFunction.run asks the driver before it compiles: an H100, in both scripts below.
+_H100 = """class H100:
     def get_current_device(self):
         return 0
 
@@ -241,6 +231,20 @@ class H100:  # what JITFunction.run asks the driver before it compiles
 
 
 driver.set_active(H100())
+"""
+
+_JIT_KEYS = r"""
+import json, os, sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+from rdepc.codegen.prewarm import _Keyed, keys_only, prewarm
+from rdepc.runtime.launch import Launcher, import_kernels
+
+
+@@H100@@
 job = json.loads(open(sys.argv[1]).read())
 
 
@@ -278,7 +282,7 @@ out["other_env"] = jit_key(first, first["meta"])
 del os.environ["TRITON_DEFAULT_FP_FUSION"]
 out["prewarm"] = prewarm(job["requests"], 1, compile=False, target=("cuda", 90, 32))
 print(json.dumps(out))
-"""
+""".replace("@@H100@@", _H100)
 
 
 def _described(kernels_path, grid, args, meta, launcher: str = "triton") -> dict:
@@ -389,18 +393,7 @@ from rdepc.codegen.prewarm import launch_requests, prewarm
 from rdepc.runtime.launch import import_kernels
 
 
-class H100:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(H100())
+@@H100@@
 kernels, plan_path = sys.argv[1:3]
 requests = [launch_requests(kernels, plan_path, mode=m)[0] for m in ("unified", "role-split", "unified")]
 out = {"first": prewarm(requests, 2), "again": prewarm(requests, 2)}
@@ -416,7 +409,7 @@ fn = import_kernels(kernels, interpret=False).rdep_layer
 fn.warmup(*args, grid=(req["launch"]["n_programs"],), **meta)
 out["jit_cache_hits"] = hits
 print(json.dumps(out))
-"""
+""".replace("@@H100@@", _H100)
 
 
 def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monkeypatch):
