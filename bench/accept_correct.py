@@ -340,7 +340,8 @@ def withheld(check, variants, device: str, dry: bool) -> None:
     wait's bound, naming the task; the next call is bitwise a clean one."""
     import torch
     from rdepc.runtime.module import KernelError
-    from rdepc.runtime.per_rank import waited_on
+
+    from rdepc.per_rank import waited_on
 
     (v,) = variants
     layer = v.layer()

@@ -212,7 +212,7 @@ def tune_case(check, device: str, dry: bool, deadline: float, out) -> None:
     plan = layer.compile(interpret=dry).kernel
     tried = tune.candidates(plan)
     if dry:  # two candidates of the interpreter's kind, in a scratch cache
-        from rdepc.codegen.lower import Tiles
+        from rdepc.ir.contract import Tiles
 
         base = Tiles.default(layer.shapes["H"], layer.shapes["F"], plan.dtype, True)
         tried = [base, replace(base, bm=32 if base.bm != 32 else 64)]

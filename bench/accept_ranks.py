@@ -101,7 +101,7 @@ def _error(e) -> dict:
 # ----------------------------------------------------------------------------- in each rank
 def rank_cases(rank: int, W: int, cases: list) -> list[dict]:
     """per_rank.run_case for each case in turn; what comes back is plain data."""
-    from rdepc.runtime.per_rank import run_case
+    from rdepc.per_rank import run_case
 
     out = []
     for case in cases:
@@ -116,11 +116,11 @@ def rank_cases(rank: int, W: int, cases: list) -> list[dict]:
 def rank_rate(rank: int, W: int, v, device: str) -> dict:
     """One profiled call of variant ``v`` on this rank: its dispatch bytes and the dispatch items' spans."""
     import torch
-    from rdepc.codegen.lower import KINDS
     from rdepc.passes.plan import transport_bytes
     from rdepc.runtime.module import TORCH_DTYPES
     from rdepc.runtime.profile import STAGE_OF
 
+    from rdepc.ir.contract import KINDS
     from rdepc.reference import random_inputs
 
     layer = v.layer()
@@ -156,8 +156,8 @@ def _spawn(fn, W: int, *args):
 def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> None:
     import torch
     from rdepc.runtime.module import TORCH_DTYPES
-    from rdepc.runtime.per_rank import Case
 
+    from rdepc.per_rank import Case
     from rdepc.reference import random_inputs
 
     check.figure("overrides", dict(variants[0].overrides))
@@ -204,8 +204,9 @@ def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> Non
 
 def kill(check, variants, W: int, spin_bound: int | None, device: str, dry: bool) -> None:
     """The last rank SIGKILLed KILL_AFTER s into its run of calls of tiny."""
-    from rdepc.runtime.per_rank import Case
     from rdepc.runtime.ranks import RanksError
+
+    from rdepc.per_rank import Case
 
     (v,) = variants
     victim = W - 1

@@ -294,7 +294,7 @@ def prewarm(check, variants: list[Variant], device: str, dry: bool, deadline: fl
     """Every build the variants' native launches need compiled into Triton's cache, in
     parallel processes (rdepc.codegen.prewarm.prewarm): each once, those already there not
     again. A dry run lists them and compiles nothing (the interpreter compiles nothing)."""
-    from rdepc.codegen.lower import H100_SMS
+    from rdepc.ir.contract import H100_SMS
 
     unique = list(dict.fromkeys(variants))
     if dry:

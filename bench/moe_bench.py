@@ -95,8 +95,9 @@ def timeit(fn, device, reps: int, warmup: int) -> dict:
 def stages(module, events) -> dict:
     """Per stage (and per GEMM of the compute stage): first start, last end and the sum of
     entry spans, from a measured profile."""
-    from rdepc.codegen.lower import KINDS
     from rdepc.runtime.profile import STAGE_OF
+
+    from rdepc.ir.contract import KINDS
 
     out: dict[str, dict] = {}
     for entry, start, end in events:

@@ -28,9 +28,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdepc.codegen.emit import content_hash, generate, kernel_args
-from rdepc.codegen.lower import KernelPlan, Tiles, Work, lower
+from rdepc.codegen.emit import content_hash, generate
+from rdepc.codegen.lower import lower
 
+from rdepc.ir.contract import KernelContract
 from rdepc.ir.graph import MemoryPlan, Schedule
 
 # LayerSpec.features() the code generator does not implement (see the module docstring).
@@ -42,7 +43,7 @@ class Generated:
     """The codegen stage's output: the kernel plan, the source, and the schedule and memory
     plan they came from (``schedule.table`` is the task table the kernel runs)."""
 
-    kernel: KernelPlan
+    kernel: KernelContract
     source: str
     schedule: Schedule
     memory: MemoryPlan
@@ -54,39 +55,20 @@ class Generated:
 
 @dataclass(frozen=True)
 class CodegenPass:
-    """Schedule → Generated. ``schedule`` is the strategy the user asked for explicitly
-    (command line or API), None when it came from the spec or the cost model (it is
-    recorded in the generated header)."""
+    """Schedule and its memory plan (the memplan pass's output) → Generated. ``schedule``
+    is the strategy the user asked for explicitly (command line or API), None when it came
+    from the spec or the cost model (it is recorded in the generated header)."""
 
     schedule: str | None = None
     hw: str = "h100"
     transport: str = "emulated"
     name: str = "codegen"
 
-    def __call__(self, sched: Schedule) -> Generated:
-        from rdepc.passes.memplan import memory_plan
-
+    def __call__(self, sched: Schedule, mp: MemoryPlan) -> Generated:
         spec = sched.graph.spec
-        mp = memory_plan(sched)
-        if mp.problems:
-            raise AssertionError("memory plan violates its own invariants:\n  " + "\n  ".join(mp.problems))
         options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
         plan = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
         return Generated(plan, generate(plan), sched, mp)
-
-
-def generate_spec(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated") -> Generated:
-    """Run the driver's passes over a checked LayerSpec up to and including codegen (the
-    "not supported yet" checks included). ``schedule`` as ``--schedule``, ``backend`` the
-    transport the kernels are generated for."""
-    from rdepc.driver import Options, _check_supported, spec_passes
-
-    outputs = {"elaborate": spec}
-    out = None
-    for p in spec_passes(Options(schedule=schedule, hw=hw, backend=backend)):
-        _check_supported(p, spec)
-        out = outputs[p.name] = p.run(outputs[p.source])
-    return out
 
 
 def dump(g: Generated) -> str:
@@ -114,7 +96,7 @@ def write_module(g: Generated, out: Path) -> list[Path]:
     return written
 
 
-def wrapper_source(plan: KernelPlan) -> str:
+def wrapper_source(plan: KernelContract) -> str:
     name = plan.layer
     if plan.transport == "emulated":
         usage = f"""    layer = {name}.module(device="cpu")  # the emulated backend; "cpu" runs the Triton interpreter
@@ -150,14 +132,9 @@ __all__ = [
     "UNSUPPORTED",
     "CodegenPass",
     "Generated",
-    "KernelPlan",
-    "Tiles",
-    "Work",
     "content_hash",
     "dump",
     "generate",
-    "generate_spec",
-    "kernel_args",
     "lower",
     "write_module",
 ]

@@ -14,14 +14,15 @@ transposed).
 from __future__ import annotations
 
 from rdepc.codegen import dedup
-from rdepc.codegen.lower import KernelPlan
 from rdepc.codegen.text import call, narrowed
+
+from rdepc.ir.contract import KernelContract
 
 OWNER = "tl.load(owner_of + e, mask=ok, other=0)"  # dedup: a slot's owner and its row there
 SLOT_ROW = "tl.load(slot + base + i, mask=ok, other=0)"
 
 
-def combine_grad_source(p: KernelPlan) -> str:
+def combine_grad_source(p: KernelContract) -> str:
     landing = (
         "    landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring\n"
         if p.ring
@@ -100,7 +101,7 @@ def combine_grad(
     return text
 
 
-def bgemm1_source(p: KernelPlan) -> str:
+def bgemm1_source(p: KernelContract) -> str:
     """Backward of GEMM2 and of the activation: dA = dO·Wdᵀ, then dH from the saved
     pre-activations; also the activation A itself and the dO rows, for the weight gradients."""
     if p.gated:
@@ -202,7 +203,7 @@ DEDUP_DOC = """
     g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy."""
 
 
-def _da(p: KernelPlan) -> str:
+def _da(p: KernelContract) -> str:
     args = "rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
     if not p.dedup:
         return f"        da = gemm_tile({args})\n"
@@ -213,7 +214,7 @@ def _da(p: KernelPlan) -> str:
 """
 
 
-def _do_rows(p: KernelPlan) -> str:
+def _do_rows(p: KernelContract) -> str:
     if not p.dedup:
         return "            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)\n"
     do = narrowed(p, "d.to(tl.float32) * gp[:, None]", "DTYPE")
@@ -226,7 +227,7 @@ def _do_rows(p: KernelPlan) -> str:
 """
 
 
-def wgrad_source(p: KernelPlan) -> str:
+def wgrad_source(p: KernelContract) -> str:
     """The weight gradients of one owner's experts, summed over each expert's rows."""
     weights, cols, width = ("GEMM1's [Wg Wu]", "2 * F", "2 * BLOCK_F") if p.gated else ("Wu", "F", "BLOCK_F")
     return f'''@triton.jit

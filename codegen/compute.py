@@ -1,27 +1,14 @@
 """Templates of the expert GEMM task kinds — ``gemm1`` (x·[Wg Wu] or x·Wu, the activation
 fused) and ``gemm2`` (h·Wd) — and ``m_tile``, which binds an m-tile slot to its expert's
 rows at run time. The GEMM main loop itself does not depend on the spec: it is
-``device.py``, included verbatim (``device_source``).
+``device/gemm.py``, included verbatim (``device.include``).
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-from rdepc.codegen.lower import KernelPlan
 from rdepc.codegen.text import call, narrowed
 
-DEVICE = Path(__file__).with_name("device.py")
-
-
-def device_source() -> str:
-    """The jit functions of ``device.py``, verbatim (decorators and docstrings included),
-    read as text: the emitter imports no Triton."""
-    text = DEVICE.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    funcs = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)]
-    return "\n\n\n".join("\n".join(lines[f.decorator_list[0].lineno - 1 : f.end_lineno]) for f in funcs)
+from rdepc.ir.contract import KernelContract
 
 
 def m_tile_source() -> str:
@@ -56,7 +43,7 @@ def m_tile(group, q, s, j, BM: tl.constexpr):
 '''
 
 
-def gemm1_source(p: KernelPlan) -> str:
+def gemm1_source(p: KernelContract) -> str:
     if p.gated:
         weights, width, cols = "w_gate_up", "2 * BLOCK_F", "2 * F"
         what = "silu(x Wg) * (x Wu)"
@@ -150,7 +137,7 @@ def gemm1(
     return text
 
 
-def gemm2_source(p: KernelPlan) -> str:
+def gemm2_source(p: KernelContract) -> str:
     cols = "2 * F" if p.gated else "F"
     grad = f"rows, R_MAX, row0, w, H, h, {cols}, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True"
     if p.gated:  # as ruff formats a call that does not fit one line

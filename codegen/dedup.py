@@ -17,8 +17,9 @@ may point into any earlier segment.
 
 from __future__ import annotations
 
-from rdepc.codegen.lower import KernelPlan
 from rdepc.codegen.text import narrowed
+
+from rdepc.ir.contract import KernelContract
 
 LINKS = '''@triton.jit
 def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_tokens):
@@ -67,7 +68,7 @@ def dispatch_backward() -> str:
 """
 
 
-def return_parts(p: KernelPlan) -> dict[str, str]:
+def return_parts(p: KernelContract) -> dict[str, str]:
     """The return under dedup (``stages.return_source``'s frame): one summed row per (token,
     owner), from the token's last slot."""
     if p.ring:
@@ -166,7 +167,7 @@ LEAD_ROWS = """        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
 """
 
 
-def combine_sum(p: KernelPlan) -> str:
+def combine_sum(p: KernelContract) -> str:
     """The combine's sum under dedup: the rows of the tokens' first slots, then the
     per-token factor of the capacity weights (each row is sum_{k at q} g_k out_k)."""
     factor = "acc * scale[:, None]" if p.weights == "renormalize" else "acc"

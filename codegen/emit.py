@@ -1,10 +1,10 @@
 """The emitter: a kernel plan → one readable Triton ``.py`` file per layer.
 
 The file holds the layer's sizes and symmetric-heap offsets as ``tl.constexpr`` globals,
-the transport's four device functions (``runtime/transport.py``), one ``@triton.jit``
+the transport's four device functions (``transport.py``), one ``@triton.jit``
 function per task kind — ``route``, ``scan``, ``dispatch``, ``return_rows``, ``unpack``,
 ``combine`` (``stages.py``), ``gemm1``, ``gemm2`` (``compute.py``, around the GEMM tile of
-``device.py``) — and the persistent kernel ``rdep_layer`` that takes work items with a
+``device/gemm.py``) — and the persistent kernel ``rdep_layer`` that takes work items with a
 ticket, waits on their dependencies' done flags and runs them. What depends on the spec is
 emitted only where it applies (the activation, the sideband fields carried, the weights
 policy, a gated expert's second weight); tile sizes and the interpreter's fp32 upcast are
@@ -19,10 +19,11 @@ from __future__ import annotations
 import hashlib
 import textwrap
 
+from rdepc.codegen import transport
 from rdepc.codegen.backward import bgemm1_source, combine_grad_source, wgrad_source
-from rdepc.codegen.compute import device_source, gemm1_source, gemm2_source, m_tile_source
+from rdepc.codegen.compute import gemm1_source, gemm2_source, m_tile_source
 from rdepc.codegen.dedup import LINKS
-from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelPlan, next_pow2, tile_slots
+from rdepc.codegen.device import include
 from rdepc.codegen.stages import (
     combine_source,
     decode_source,
@@ -35,14 +36,24 @@ from rdepc.codegen.stages import (
     segment_source,
     unpack_source,
 )
-from rdepc.runtime.transport import get as get_transport
 
+from rdepc.ir.contract import (
+    COLUMNS,
+    CONTROL,
+    CTL_TICKETS,
+    ERRORS,
+    KINDS,
+    RUNTIME_SCALARS,
+    KernelContract,
+    kernel_args,
+    next_pow2,
+    tile_slots,
+)
 from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
-TORCH_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
 
 
 def content_hash(text: str) -> str:
@@ -55,15 +66,15 @@ def content_hash(text: str) -> str:
     return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
 
-def generate(plan: KernelPlan) -> str:
+def generate(plan: KernelContract) -> str:
     """The Triton source of ``plan``'s layer (formatted, with its content hash)."""
-    transport = get_transport(plan.transport)
+    imports = transport.imports(plan.transport)
     parts = [
         _header(plan),
         _docstring(plan),
-        "import triton\nimport triton.language as tl\n" + (transport.imports + "\n" if transport.imports else ""),
+        "import triton\nimport triton.language as tl\n" + (imports + "\n" if imports else ""),
         _constants(plan),
-        transport.device_source.strip("\n") + "\n",
+        transport.source(plan.transport),
         helpers_source(plan),
         route_source(plan),
         scan_source(plan),
@@ -72,7 +83,7 @@ def generate(plan: KernelPlan) -> str:
         *([LINKS] if plan.dedup else []),
         dispatch_source(plan),
         m_tile_source(),
-        device_source(),
+        include("gemm"),
         gemm1_source(plan),
         gemm2_source(plan),
         return_regions_source(plan),
@@ -89,7 +100,7 @@ def generate(plan: KernelPlan) -> str:
     return text.replace(HASH_FIELD + _ZERO, HASH_FIELD + content_hash(text), 1)
 
 
-def _header(p: KernelPlan) -> str:
+def _header(p: KernelContract) -> str:
     counts: dict[str, int] = {}
     for row in p.table:
         counts[KINDS[row[0]]] = counts.get(KINDS[row[0]], 0) + 1
@@ -110,7 +121,7 @@ def _header(p: KernelPlan) -> str:
     return "\n".join([*wrapped, HASH_FIELD + _ZERO])
 
 
-def _docstring(p: KernelPlan) -> str:
+def _docstring(p: KernelContract) -> str:
     return f'''"""Forward and backward kernels of the RDEP layer ``{p.layer}``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
 
@@ -144,13 +155,13 @@ items cumulatively, so a call with epoch c waits for c * items and no reset kern
 '''
 
 
-def _launches(p: KernelPlan) -> str:
-    if not get_transport(p.transport).per_rank:
+def _launches(p: KernelContract) -> str:
+    if not p.per_rank:
         return f"One launch covers all W = {p.W} ranks."
     return f"Each of the W = {p.W} ranks launches it in its own process, on its own entries."
 
 
-def tma(p: KernelPlan) -> bool:
+def tma(p: KernelContract) -> bool:
     """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
     as tensor descriptors (TMA) require; otherwise the GEMMs read through masked pointer loads."""
     a, d = Dtype(p.dtype).bytes, Dtype(p.dispatch).bytes
@@ -161,7 +172,7 @@ def _c(name: str, value, comment: str = "") -> str:
     return f"{name} = tl.constexpr({value})" + (f"  # {comment}" if comment else "")
 
 
-def _constants(p: KernelPlan) -> str:
+def _constants(p: KernelContract) -> str:
     E_PAD, EL_PAD, W_PAD, K_PAD = next_pow2(p.E), next_pow2(p.E_MAX), next_pow2(p.W), next_pow2(p.K)
     route_rows = max(16, min(256, 8192 // E_PAD))
     off = dict(p.heap)
@@ -269,12 +280,7 @@ def _constants(p: KernelPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base")
-CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
-CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
-
-
-def _kernel(p: KernelPlan) -> str:
+def _kernel(p: KernelContract) -> str:
     w_up = "w_gate_up" if p.gated else "w_up"
     landing = "landing, " if p.ring else ""
     pre = "2 * F" if p.gated else "F"
@@ -511,41 +517,4 @@ def _unpack_call() -> str:
 """
 
 
-# The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.
-POINTEE = {k: v for k, v in TORCH_DTYPE.items() if k.startswith(("fp", "bf"))}
-POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
-
-
-def kernel_args(plan: KernelPlan) -> list[tuple[str, str]]:
-    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's
-    signature is generated from it, the host passes arguments by these names, and sm_90
-    compiles use the types."""
-    dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
-    args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
-    args.append(("w_gate_up" if plan.gated else "w_up", f"*{dt}"))
-    args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
-    args.append(("gprime", "*fp32"))
-    # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
-    # pre-activations at the owner, expert outputs at the front-end or under dedup at the
-    # owner); its working rows (dH, the activation, g'·dL/dy at the owner) and the weight
-    # gradients.
-    args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
-    args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
-    args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
-    tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
-    tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
-    args += [(n, "*i32") for n in tables]
-    args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
-    args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
-    args.append(("tile_done", "*i64"))
-    if plan.ring:
-        args.append(("landing", f"*{dt}"))
-    args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
-    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
-    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]
-    args += [("bound", "i32"), ("program_base", "i32")]
-    args += [(c, "constexpr") for c in CONSTEXPRS]
-    return args
-
-
-__all__ = ["HASH_FIELD", "POINTEE", "TORCH_DTYPE", "content_hash", "generate", "kernel_args"]
+__all__ = ["HASH_FIELD", "content_hash", "generate"]

@@ -25,8 +25,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, KernelPlan, Tiles
 from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
+
+from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, KernelContract, Tiles
 
 # What each pass of a launch compiles: (backward, save, profile) per launch, in launch order.
 PASSES = {
@@ -57,11 +58,9 @@ def launch_requests(
     plan's T), a GPU of ``sms`` SMs, the spin bound; a per-rank transport: one request per
     rank in ``ranks`` (default all W), each process's own launch. ValueError where the
     module refuses the launch (a role-split grid larger than the GPU runs at once)."""
-    plan = KernelPlan.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    from rdepc.runtime.transport import get
-
-    per_rank = get(plan.transport).per_rank
+    per_rank = plan.per_rank
     out = []
     for rank in (range(plan.W) if ranks is None else ranks) if per_rank else (None,):
         launch = native_launch(plan, tiles, mode, sms, tokens, rank, spin_bound)
@@ -155,18 +154,19 @@ class _Builds:
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget(*target)
-        self.plans: dict[str, KernelPlan] = {}
+        self.plans: dict[str, KernelContract] = {}
 
     def source(self, req: dict):
         """(ASTSource, parsed options as a dict) that a launch of ``req`` compiles."""
-        from rdepc.runtime.launch import import_kernels
         from triton.compiler import ASTSource
+
+        from rdepc.toolchain import import_kernels
 
         if set(req["meta"]) != set(VARIANT_CONSTEXPRS):
             raise ValueError(f"a prewarm request's meta sets {sorted(req['meta'])}, not {list(VARIANT_CONSTEXPRS)}")
         plan = self.plans.get(req["plan"])
         if plan is None:
-            plan = self.plans[req["plan"]] = KernelPlan.from_json(Path(req["plan"]).read_text(encoding="utf-8"))
+            plan = self.plans[req["plan"]] = KernelContract.from_json(Path(req["plan"]).read_text(encoding="utf-8"))
         fn = import_kernels(req["kernels"], interpret=False).rdep_layer
         tiles = Tiles(**req["tiles"])
         # RDEPModule._launch's meta natively, the launcher's options (num_warps, extern_libs)

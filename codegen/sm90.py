@@ -24,9 +24,9 @@ bits is an i32 whatever ``kernel_args`` declares), and that changes the code: wi
 alignment facts moonlight's forward stored 2 bytes at a time and needed 2.7 KB of stack
 per thread. :func:`launch_specialization` runs Triton's own binder over the arguments of
 the native launch each kernel stands for: 16-byte aligned pointers (the runtime passes
-only such: ``runtime.module.aligned``) and the scalars ``KernelPlan.launch_scalars``
+only such: ``runtime.module.aligned``) and the scalars ``KernelContract.launch_scalars``
 gives at T' = the plan's T, rank 0, the native spin bound and the native grid on an H100
-(132 SMs: ``KernelPlan.launch_grid``; ``sms`` to assume another GPU). A launch with
+(132 SMs: ``KernelContract.launch_grid``; ``sms`` to assume another GPU). A launch with
 other values (another T' or GPU, another rank of a per-rank transport, where rank 1 is a
 constant) may specialise differently; each result records the values and what they
 specialised (``launch``, ``specialization``).
@@ -43,8 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdepc.codegen.emit import POINTEE, kernel_args
-from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, KernelPlan, Tiles
+from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, KernelContract, Tiles, kernel_args
 
 # The kernels of one generated file: rdep_layer's forward in each kernel mode (constexprs),
 # keeping what a backward walks (SAVE), and its backward pass.
@@ -134,7 +133,7 @@ class Specialized:
 
 
 def native_launch(
-    plan: KernelPlan,
+    plan: KernelContract,
     tiles: Tiles,
     mode: str = "unified",
     sms: int = H100_SMS,
@@ -144,21 +143,19 @@ def native_launch(
     resident: bool = True,
 ) -> dict[str, int]:
     """The scalar arguments of a native launch as RDEPModule passes them on a GPU of ``sms``
-    SMs: its grid (``KernelPlan.launch_grid``, one program per SM) and
-    ``KernelPlan.launch_scalars`` at T' = ``tokens`` (default the plan's T), ``rank`` (a
+    SMs: its grid (``KernelContract.launch_grid``, one program per SM) and
+    ``KernelContract.launch_scalars`` at T' = ``tokens`` (default the plan's T), ``rank`` (a
     per-rank transport's process; default 0) and the spin bound. A backward launches with
     its forward's. ``resident``: as the module checks, ValueError for a role-split grid the
     GPU cannot run at once (the module refuses it: nothing launches)."""
-    from rdepc.runtime.transport import get
-
-    per_rank = get(plan.transport).per_rank
+    per_rank = plan.per_rank
     rank = (rank or 0) if per_rank else None
     _, per_queue = plan.launch_grid(plan.work(tiles, mode, rank=rank), sms, per_rank, resident=resident)
     n_tokens = plan.T if tokens is None else tokens
     return plan.launch_scalars(n_tokens, sum(per_queue), rank, spin_bound, per_rank)
 
 
-def launch_values(plan: KernelPlan, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
+def launch_values(plan: KernelContract, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
     """The scalar arguments of the native launch ``kernel`` (of KERNELS) stands for: T' =
     the plan's T, rank 0 (per-rank transports), the native spin bound, and the grid
     RDEPModule gives ``sms`` SMs (a backward launches on its forward's grid, unified here)."""
@@ -180,21 +177,21 @@ def variant_meta(mode: str, backward: bool = False, save: bool = False, profile:
             "SAVE": save}  # fmt: skip
 
 
-def launch_options(plan: KernelPlan, tiles: Tiles, arch: int | None = None) -> dict:
+def launch_options(plan: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:
     """The options besides the constexprs a native launch passes Triton: ``num_warps`` and,
     for the nvshmem transport, NVSHMEM's bitcode as ``extern_libs`` (as
     ``runtime.nvshmem.NvshmemLauncher`` adds it; ``arch``: the bitcode for that architecture,
     default the launcher's)."""
     options: dict = {"num_warps": tiles.num_warps}
     if plan.transport == "nvshmem":
-        from rdepc.runtime.nvshmem import EXTERN_LIB, bitcode_path
+        from rdepc.toolchain import EXTERN_LIB, bitcode_path
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path() if arch is None else bitcode_path(arch))}
     return options
 
 
 def launch_specialization(
-    plan: KernelPlan,
+    plan: KernelContract,
     fn,
     kernel: str,
     *,
@@ -216,13 +213,14 @@ def launch_specialization(
     return specialize(plan, fn, scalars, kwargs, ("cuda", arch, 32))
 
 
-def specialize(plan: KernelPlan, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)) -> Specialized:
+def specialize(plan: KernelContract, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)) -> Specialized:
     """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` with the
     scalar arguments ``scalars``, a 16-byte aligned tensor of its declared type for every
     pointer (every pointer the runtime passes is: ``runtime.module.aligned``) and the
     keyword arguments ``kwargs`` (constexprs and options), passed as a launch passes them."""
     import torch
-    from rdepc.runtime.launch import interpreter_env, triton_mode
+
+    from rdepc.toolchain import interpreter_env, triton_mode
 
     declared = dict(kernel_args(plan))
     args = []
@@ -292,7 +290,7 @@ def _compile(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    plan = KernelPlan.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     name = f"rdepc_sm{arch}_{plan.layer}_{abs(hash(kernels_path))}"
     spec = importlib.util.spec_from_file_location(name, kernels_path)
     module = importlib.util.module_from_spec(spec)
@@ -302,7 +300,7 @@ def _compile(
     options: dict = {"num_warps": tiles.num_warps}
     if plan.transport == "nvshmem":
         # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
-        from rdepc.runtime.nvshmem import EXTERN_LIB, bitcode_path
+        from rdepc.toolchain import EXTERN_LIB, bitcode_path
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []

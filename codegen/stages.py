@@ -8,11 +8,12 @@ return ring) is decided here, the rest is fixed text that uses the file's conste
 from __future__ import annotations
 
 from rdepc.codegen import dedup
-from rdepc.codegen.lower import KernelPlan
 from rdepc.codegen.text import NARROW, narrowed
 
+from rdepc.ir.contract import KernelContract
 
-def helpers_source(p: KernelPlan) -> str:
+
+def helpers_source(p: KernelContract) -> str:
     return (
         (NARROW + "\n\n" if "bf16" in (p.dtype, p.dispatch) else "")
         + '''@triton.jit
@@ -59,7 +60,7 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
     )
 
 
-def route_source(p: KernelPlan) -> str:
+def route_source(p: KernelContract) -> str:
     text = '''@triton.jit
 def note(ctl, word, bad, key):
     """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
@@ -211,7 +212,7 @@ def route(
     )
 
 
-def row_key_source(p: KernelPlan) -> str:
+def row_key_source(p: KernelContract) -> str:
     """The admission key of a route row (< W·T·K unless by gate): under ``drop arrival`` its
     row_id's order as a dense index; under ``round_robin`` its (token, turn, slot) index, the
     turn (rank − token) mod W; under ``lowest_gate`` the gate's descending order, then row_id."""
@@ -244,7 +245,7 @@ def row_key(gates, r, i, live):
 {body}'''
 
 
-def scan_source(p: KernelPlan) -> str:
+def scan_source(p: KernelContract) -> str:
     text = '''@triton.jit
 def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
@@ -389,7 +390,7 @@ def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
 '''
 
 
-def decode_source(p: KernelPlan) -> str:
+def decode_source(p: KernelContract) -> str:
     """The route-row identity read back: the spec's mixed-radix encoding, from its largest
     coefficient down."""
     coef = {"rank": "rid_r", "token": "rid_t", "slot": "rid_k"}
@@ -409,7 +410,7 @@ def decode(rid, rid_c, rid_r, rid_t, rid_k):
 '''
 
 
-def dispatch_source(p: KernelPlan) -> str:
+def dispatch_source(p: KernelContract) -> str:
     sideband = ["        put((dst + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at, row_id, keep)"]
     if "local_expert" in p.sideband:
         sideband.append("        put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)")
@@ -526,7 +527,7 @@ def dispatch(
     return text
 
 
-def _payload_rows(p: KernelPlan, send: str) -> str:
+def _payload_rows(p: KernelContract, send: str) -> str:
     """The forward dispatch's payload rows (those ``send`` marks): as they are, narrowed to
     the dispatch dtype, or quantised to fp8 with their scales into the sideband."""
     scales = "(dst + SB_SCALE).to(tl.pointer_type(tl.float32))"
@@ -569,7 +570,7 @@ def _payload_rows(p: KernelPlan, send: str) -> str:
 """
 
 
-def return_regions_source(p: KernelPlan) -> str:
+def return_regions_source(p: KernelContract) -> str:
     if not p.ring:
         return '''@triton.jit
 def return_regions(me, BACKWARD: tl.constexpr):
@@ -589,7 +590,7 @@ def return_regions(me, BACKWARD: tl.constexpr):
 '''
 
 
-def return_source(p: KernelPlan) -> str:
+def return_source(p: KernelContract) -> str:
     """The return task: the frame shared by both variants — the piece's rows by the owner's
     split table, their decoded row_ids, the count — around what each variant finds, lands
     and copies (under dedup: ``dedup.return_parts``)."""
@@ -647,7 +648,7 @@ def return_rows(
     return text
 
 
-def _return_parts(p: KernelPlan) -> dict[str, str]:
+def _return_parts(p: KernelContract) -> dict[str, str]:
     """The plain return: every row of the piece goes, as the owner computed it."""
     if p.ring:
         land = """        at = ring_row(row, s, claim)  # the claim's slot of r's return ring
@@ -687,7 +688,7 @@ def _return_parts(p: KernelPlan) -> dict[str, str]:
     }
 
 
-def unpack_source(p: KernelPlan) -> str:
+def unpack_source(p: KernelContract) -> str:
     skip = "        live = live & (rid >= 0)  # dedup: no row at this place (its token returned elsewhere)\n"
     return '''@triton.jit
 def unpack(
@@ -744,7 +745,7 @@ def unpack(
 '''.replace("@@SKIP@@", skip if p.dedup else "")
 
 
-def combine_source(p: KernelPlan) -> str:
+def combine_source(p: KernelContract) -> str:
     if p.weights == "renormalize":
         weights = """    # g' = g * sum_j g_j / sum_{j accepted} g_j on accepted slots, 0 elsewhere; 0 if none survived.
     total = tl.sum(g, axis=1)

@@ -3,7 +3,7 @@ ruff formats them."""
 
 from __future__ import annotations
 
-from rdepc.codegen.lower import KernelPlan
+from rdepc.ir.contract import KernelContract
 
 NARROW = '''@triton.jit
 def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
@@ -17,7 +17,7 @@ def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
 '''
 
 
-def narrowed(p: KernelPlan, expr: str, dtype: str) -> str:
+def narrowed(p: KernelContract, expr: str, dtype: str) -> str:
     """``expr`` (fp32) converted to the constexpr dtype ``dtype`` ("DTYPE" or "DISPATCH_DTYPE")."""
     if (p.dtype if dtype == "DTYPE" else p.dispatch) == "bf16":
         return f"narrow({expr}, {dtype}, CAST_F32)"

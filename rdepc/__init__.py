@@ -6,16 +6,15 @@
 imports neither torch nor triton.
 """
 
-__version__ = "0.1.0"
-
 from rdepc.api import Layer, UsageError, load, parse
 from rdepc.diagnostics import SpecError
+from rdepc.version import __version__
 
 
 def __getattr__(name: str):
     """``rdepc.RDEPMoE`` (a torch.nn.Module) is imported on first use, with torch."""
     if name == "RDEPMoE":
-        from rdepc.runtime.moe import RDEPMoE
+        from rdepc.moe import RDEPMoE
 
         return RDEPMoE
     raise AttributeError(f"module 'rdepc' has no attribute {name!r}")

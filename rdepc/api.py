@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rdepc import syntax as S
 from rdepc.diagnostics import Diagnostic, SpecError, UsageError
+from rdepc.driver import elaborate_layer
 from rdepc.ir.spec import LayerSpec
 from rdepc.parser import parse_file, parse_text
 
@@ -71,19 +72,6 @@ def parse(text_or_path: str | os.PathLike) -> S.Module:
     return parse_text(text_or_path)
 
 
-def choose_layer(module: S.Module, layer: str | None) -> str:
-    names = module.layer_names
-    if layer is None:
-        if len(names) == 1:
-            return names[0]
-        raise UsageError(
-            f"{module.file} defines {len(names)} layers ({', '.join(names)}); choose one with --layer NAME"
-        )
-    if layer not in names:
-        raise UsageError(f"{module.file} has no layer '{layer}' (it has: {', '.join(names)})")
-    return layer
-
-
 def parse_override(text: str) -> tuple[str, int | Fraction]:
     """'-D NAME=VALUE': VALUE is a whole or decimal number."""
     name, eq, value = text.partition("=")
@@ -94,22 +82,6 @@ def parse_override(text: str) -> tuple[str, int | Fraction]:
     except (ValueError, ZeroDivisionError):
         raise UsageError(f"-D {text}: {value!r} is not a number") from None
     return name, int(f) if f.denominator == 1 else f
-
-
-def elaborate_layer(module: S.Module, layer: str | None, overrides: dict) -> tuple[LayerSpec, tuple[Diagnostic, ...]]:
-    """The chosen layer's spec and its warnings; raises :class:`SpecError` on errors."""
-    from rdepc.passes.elaborate import elaborate
-
-    name = choose_layer(module, layer)
-    declared = {p.name for p in module.params}
-    unknown = sorted(set(overrides) - declared)
-    if unknown:
-        raise UsageError(
-            f"no parameter {', '.join(unknown)} in {module.file} (declared: {', '.join(sorted(declared)) or 'none'})"
-        )
-    specs, diags = elaborate(module, name, overrides)
-    diags.check()
-    return specs[0], tuple(diags.warnings)
 
 
 def _override_value(name: str, v) -> int | Fraction:
@@ -147,12 +119,12 @@ class Layer:
         self, *, schedule: str | None = None, backend: str = "emulated", hw: str = "h100", interpret: bool = True
     ):
         """The generated kernels of this layer (from the cache when they are there): an
-        ``rdepc.runtime.cache.Compiled`` with ``.source``, ``.kernel`` and ``.module()``.
+        ``rdepc.compiled.Compiled`` with ``.source``, ``.kernel`` and ``.module()``.
         ``schedule`` overrides the spec's (as ``--schedule``); raises SpecError for what
         the code generator does not support yet."""
         key = (schedule, backend, hw, interpret)
         if key not in self._compiled:
-            from rdepc.runtime.cache import compile_layer
+            from rdepc.compiled import compile_layer
 
             self._compiled[key] = compile_layer(self.spec, schedule, hw, backend, interpret)
         return self._compiled[key]
@@ -162,7 +134,7 @@ class Layer:
         """The compiled plan: ``.schedule`` (its ``.table`` is the task table the kernel
         runs), ``.memory`` (the symmetric heap), ``.kernel`` (the kernel plan), ``.source``."""
         if None not in self._plans:
-            from rdepc.codegen import generate_spec
+            from rdepc.driver import generate_spec
 
             self._plans[None] = generate_spec(self.spec)
         return self._plans[None]

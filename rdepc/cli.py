@@ -568,8 +568,9 @@ def _run_per_rank(args, layer, tokens: int) -> int:
 
     import torch
 
-    from rdepc.runtime import per_rank, ranks
-    from rdepc.runtime.nvshmem import NvshmemUnavailable
+    from rdepc import per_rank
+    from rdepc.runtime import ranks
+    from rdepc.toolchain import NvshmemUnavailable
 
     spec, W = layer.spec, layer.shapes["W"]
     gpu = args.backend == "nvshmem"

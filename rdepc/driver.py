@@ -18,10 +18,38 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rdepc import syntax as S
-from rdepc.api import elaborate_layer
-from rdepc.diagnostics import Diagnostic, Diagnostics, SpecError
+from rdepc.diagnostics import Diagnostic, Diagnostics, SpecError, UsageError
 from rdepc.ir.spec import LayerSpec, spec_to_json
 from rdepc.parser import parse_file
+
+
+def choose_layer(module: S.Module, layer: str | None) -> str:
+    names = module.layer_names
+    if layer is None:
+        if len(names) == 1:
+            return names[0]
+        raise UsageError(
+            f"{module.file} defines {len(names)} layers ({', '.join(names)}); choose one with --layer NAME"
+        )
+    if layer not in names:
+        raise UsageError(f"{module.file} has no layer '{layer}' (it has: {', '.join(names)})")
+    return layer
+
+
+def elaborate_layer(module: S.Module, layer: str | None, overrides: dict) -> tuple[LayerSpec, tuple[Diagnostic, ...]]:
+    """The chosen layer's spec and its warnings; raises :class:`SpecError` on errors."""
+    from rdepc.passes.elaborate import elaborate
+
+    name = choose_layer(module, layer)
+    declared = {p.name for p in module.params}
+    unknown = sorted(set(overrides) - declared)
+    if unknown:
+        raise UsageError(
+            f"no parameter {', '.join(unknown)} in {module.file} (declared: {', '.join(sorted(declared)) or 'none'})"
+        )
+    specs, diags = elaborate(module, name, overrides)
+    diags.check()
+    return specs[0], tuple(diags.warnings)
 
 
 @dataclass(frozen=True)
@@ -31,8 +59,10 @@ class Pass:
     # Features of a LayerSpec (LayerSpec.features) this pass does not implement yet.
     unsupported: frozenset[str] = frozenset()
     dump: Callable[[Any], str] | None = None
-    # The pass whose output this one takes (default: the pass before it).
-    source: str | None = None
+    # The passes whose outputs this one takes, in order (default: the pass before it).
+    source: tuple[str, ...] = ()
+    # Problems with the pass's output (an empty list when none), checked before the next pass runs.
+    verify: Callable[[Any], list[str]] | None = None
 
 
 @dataclass
@@ -78,18 +108,52 @@ def spec_passes(options: Options | None = None) -> list[Pass]:
 
     o = options or Options()
     return [
-        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw), dump=graph.dump, source="elaborate"),
-        Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source="graph"),
-        Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source="cost"),
-        Pass("memplan", memplan.MemPlanPass(), dump=memplan.dump, source="schedule"),
+        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw), dump=graph.dump, source=("elaborate",)),
+        Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source=("graph",)),
+        Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source=("cost",)),
+        Pass(
+            "memplan",
+            memplan.MemPlanPass(),
+            dump=memplan.dump,
+            source=("schedule",),
+            verify=lambda mp: list(mp.problems),
+        ),
         Pass(
             "codegen",
             codegen.CodegenPass(o.schedule, o.hw, o.backend),
             unsupported=codegen.UNSUPPORTED,
             dump=codegen.dump,
-            source="schedule",
+            source=("schedule", "memplan"),
         ),
     ]
+
+
+def run_passes(
+    passes: list[Pass], outputs: dict[str, Any], timed: Callable[[str, Callable[[], Any], Any], Any] | None = None
+) -> Any:
+    """The one pass runner: each pass in order, on the outputs of the passes it names
+    (``outputs`` holds the earlier ones, "elaborate" at least, and gains each pass's),
+    after the "not supported yet" check and followed by its verifier. Returns the last
+    output. ``timed(name, thunk, dump)`` runs a pass (the driver times and dumps there)."""
+    spec = outputs["elaborate"]
+    last: Any = spec
+    for p in passes:
+        _check_supported(p, spec)
+        args = [outputs[s] for s in p.source] if p.source else [last]
+        thunk = lambda p=p, args=args: p.run(*args)  # noqa: E731
+        last = timed(p.name, thunk, p.dump) if timed else thunk()
+        outputs[p.name] = last
+        problems = p.verify(last) if p.verify else []
+        if problems:
+            raise AssertionError(f"the {p.name} pass's output violates its invariants:\n  " + "\n  ".join(problems))
+    return last
+
+
+def generate_spec(spec: LayerSpec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated"):
+    """Run the passes over a checked LayerSpec up to and including codegen (the "not
+    supported yet" checks included): an ``rdepc.codegen.Generated``. ``schedule`` as
+    ``--schedule``, ``backend`` the transport the kernels are generated for."""
+    return run_passes(spec_passes(Options(schedule=schedule, hw=hw, backend=backend)), {"elaborate": spec})
 
 
 def compile_file(
@@ -113,11 +177,7 @@ def compile_file(
     spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
     outputs["elaborate"] = spec
     warnings = (*warnings, *backend_warnings(spec, options.backend))
-    ir: Any = spec
-    for p in spec_passes(options) if passes is None else passes:
-        _check_supported(p, spec)
-        src = outputs[p.source] if p.source is not None else ir
-        ir = timed(p.name, lambda p=p, src=src: p.run(src), p.dump)
+    run_passes(spec_passes(options) if passes is None else passes, outputs, timed)
     if options.time_passes:
         total = sum(times.values())
         print("// pass timings", file=out)
@@ -169,4 +229,17 @@ _DUMPS: dict[str, Callable[[Any], str]] = {
 
 PASS_NAMES = ("parse", "elaborate")
 
-__all__ = ["Options", "Pass", "Result", "SpecError", "backend_warnings", "compile_file", "dump_json", "spec_passes"]
+__all__ = [
+    "Options",
+    "Pass",
+    "Result",
+    "SpecError",
+    "backend_warnings",
+    "choose_layer",
+    "compile_file",
+    "dump_json",
+    "elaborate_layer",
+    "generate_spec",
+    "run_passes",
+    "spec_passes",
+]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rdepc.api import Layer, UsageError, load
-from rdepc.runtime.moe import RDEPMoE
+from rdepc.moe import RDEPMoE
 
 
 class SwapError(UsageError):

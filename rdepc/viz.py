@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from rdepc.ir.graph import Schedule, TaskGraph
+from rdepc.ir.trace import rank_metadata
 
 STAGE_COLORS = {
     "route": "#8c8c8c",
@@ -51,18 +52,6 @@ def _color_key(t) -> str:
 
 def _tid(sched: Schedule, t) -> int:
     return 0 if sched.unified or t.role == "comm" else 1
-
-
-def rank_metadata(W: int, threads: list[tuple[int, str]]) -> list[dict]:
-    """Trace metadata: one process per rank, in rank order, holding ``threads`` (tid, name)
-    (shared by the predicted trace and the measured one, rdepc.runtime.profile)."""
-    events: list[dict] = []
-    for r in range(W):
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for tid, name in threads:
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
-    return events
 
 
 def trace(sched: Schedule, empty: bool = False) -> dict:

@@ -1,4 +1,4 @@
-"""rdepc.runtime: transports, launch, the module class, the cache, and RDEPMoE.
+"""rdepc.runtime: transports, launch, the module class and the cache.
 
 Importing this package imports neither torch nor triton; its names load on first use.
 """
@@ -11,7 +11,6 @@ _LAZY = {
     "KernelError": "rdepc.runtime.records",
     "RDEPModule": "rdepc.runtime.module",
     "load_compiled": "rdepc.runtime.module",
-    "RDEPMoE": "rdepc.runtime.moe",
     "Transport": "rdepc.runtime.transport",
     "Emulated": "rdepc.runtime.transport",
 }

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-import rdepc
 from rdepc.diagnostics import Diagnostic, Severity, UsageError
+from rdepc.version import __version__
 
 
 class CacheError(UsageError):
@@ -99,25 +99,13 @@ def _version(package: str) -> str:
         return "absent"
 
 
-def generator_digest() -> str:
-    """SHA-256 of the code generator's own source (codegen/ and the transports): a changed
-    generator never reuses kernels it emitted before, even at the same rdepc version."""
-    from rdepc.runtime import transport
-
-    from rdepc import codegen
-
-    h = hashlib.sha256()
-    for path in [*sorted(Path(codegen.__file__).parent.glob("*.py")), Path(transport.__file__)]:
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def cache_key(spec_json: dict, options: dict, target: str, interpret: bool) -> str:
+def cache_key(spec_json: dict, options: dict, target: str, interpret: bool, generator: str) -> str:
+    """The entry key; ``generator`` is a digest of the code generator's source."""
     data = {
         "spec": spec_json,
         "options": options,
-        "rdepc": rdepc.__version__,
-        "generator": generator_digest(),
+        "rdepc": __version__,
+        "generator": generator,
         "torch": _version("torch"),
         "triton": _version("triton"),
         "target": target,
@@ -425,59 +413,13 @@ def human_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-class Compiled:
-    """One compilation of a layer, in the cache: the generated kernels (``source``, at
-    ``kernels_path``) and their kernel plan (``kernel``)."""
-
-    def __init__(self, directory: Path, hit: bool):
-        from rdepc.codegen.lower import KernelPlan
-
-        self.directory = directory
-        self.hit = hit
-        self.kernels_path = directory / "kernels.py"
-        self.kernel = KernelPlan.from_json((directory / "plan.json").read_text(encoding="utf-8"))
-
-    @property
-    def source(self) -> str:
-        return self.kernels_path.read_text(encoding="utf-8")
-
-    def module(self, backend: str = "emulated", device=None, **options):
-        """An ``rdepc.runtime.RDEPModule`` running these kernels (``device`` "cpu": the
-        Triton interpreter; "cuda": natively)."""
-        from rdepc.runtime.module import RDEPModule
-
-        return RDEPModule(self.kernel, self.kernels_path, backend=backend, device=device, **options)
-
-
-def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", interpret=True):
-    """Generate ``spec``'s kernels (or find them in the cache) and return them as
-    :class:`Compiled`. Raises SpecError for what the code generator does not support."""
-    from rdepc.codegen import generate_spec
-    from rdepc.runtime.transport import get
-
-    from rdepc.ir.spec import spec_to_json
-
-    get(backend)  # a clear error for an unknown backend, before any work
-    options = {"schedule": schedule, "hw": hw, "backend": backend}
-    key = cache_key(spec_to_json(spec), options, backend, interpret)
-
-    def build() -> dict[str, str]:
-        g = generate_spec(spec, schedule, hw, backend)
-        return {"kernels.py": g.source, "plan.json": g.kernel.to_json() + "\n"}
-
-    directory, hit = entry(key, build, required=("kernels.py", "plan.json"))
-    return Compiled(directory, hit)
-
-
 __all__ = [
     "CacheError",
     "CacheInfo",
-    "Compiled",
     "cache_dir",
     "cache_key",
     "chosen_by",
     "clear",
-    "compile_layer",
     "entry",
     "human_size",
     "info",

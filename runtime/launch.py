@@ -1,82 +1,14 @@
-"""Launch: importing generated kernels in the right Triton mode, and counting launches.
+"""Launch: counting launches, Triton's scratch allocator, and the interpreter's threads.
 
-Triton fixes a process's mode when it is first imported: ``triton.language``'s own
-``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) are decorated then, as interpreted or as
-compiled functions, and kernels of the other mode cannot call them. So a process runs
-rdepc kernels either under the interpreter (CPU tensors, ``TRITON_INTERPRET=1``) or
-natively (GPU), whichever comes first. :func:`import_kernels` imports Triton in the mode
-asked for when it is not imported yet, sets ``TRITON_INTERPRET`` only while the generated
-file is imported (where ``@triton.jit`` reads it), restores the environment afterwards,
-and reports a clear error when the process is already in the other mode.
+Generated kernels are imported by :func:`rdepc.toolchain.import_kernels`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
 import threading
-from pathlib import Path
 
-
-@contextlib.contextmanager
-def interpreter_env(interpret: bool):
-    """TRITON_INTERPRET set for the duration, then restored (nothing leaks)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def triton_mode() -> str | None:
-    """ "interpret" or "native": the mode Triton was imported in; None before its import."""
-    if "triton.language" not in sys.modules:
-        return None
-    from triton.language import standard
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return "interpret" if isinstance(standard.zeros, InterpretedFunction) else "native"
-
-
-def import_kernels(path: str | Path, interpret: bool):
-    """Import the generated kernel file ``path`` for the interpreter or for native runs."""
-    path = Path(path).resolve()
-    want = "interpret" if interpret else "native"
-    with interpreter_env(interpret):
-        mode = triton_mode()
-        if mode is None:
-            importlib.import_module("triton.language")
-            mode = triton_mode()
-        if mode != want:
-            fix = "Start the process with TRITON_INTERPRET=1 in its environment, or build the CPU module first; "
-            raise RuntimeError(
-                f"rdepc: this process imported Triton in {mode} mode, and a "
-                f"{'CPU (interpreted)' if interpret else 'GPU (native)'} module needs {want} mode. Triton fixes the "
-                "mode when it is first imported, and something imported it before this module was built (transformers "
-                f"does). {fix if interpret else ''}CPU and GPU modules need separate processes."
-            )
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        name = f"rdepc_kernels_{path.stem}_{digest}_{want}"
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
+from rdepc.toolchain import interpreter_env
 
 
 class Launcher:
@@ -223,4 +155,4 @@ class ConcurrentInterpreter(Launcher):
             executor._restore_args_dev(args, host_args, meta, host_meta)
 
 
-__all__ = ["ConcurrentInterpreter", "Launcher", "import_kernels", "interpreter_env", "triton_mode"]
+__all__ = ["ConcurrentInterpreter", "Launcher"]

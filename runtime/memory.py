@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from rdepc.diagnostics import UsageError
 
 if TYPE_CHECKING:
-    from rdepc.codegen.lower import KernelPlan
+    from rdepc.ir.contract import KernelContract
 
 MEMINFO = "/proc/meminfo"  # where the host's available memory is read (Linux)
 
@@ -61,7 +61,7 @@ class HeapSizeError(UsageError):
     from (raised by :class:`RDEPModule` before it allocates anything)."""
 
 
-def heap_shortfall(p: KernelPlan, slices: int, private: int, room: str) -> str:
+def heap_shortfall(p: KernelContract, slices: int, private: int, room: str) -> str:
     """Why ``slices`` rank slices of the heap plus ``private`` bytes do not fit ``room`` (the
     memory in words): the heap's regions and the spec statements that size them."""
     size = {name: n for name, _, _, n in p.layout}

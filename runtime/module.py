@@ -76,13 +76,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rdepc.codegen.emit import POINTEE, kernel_args
-from rdepc.codegen.lower import COLUMNS, CONTROL, CTL_TICKETS, INT32_MAX, MODES, NATIVE_SPIN_BOUND, KernelPlan, Tiles
 from rdepc.runtime import ranks, tune
 from rdepc.runtime import transport as transports
-from rdepc.runtime.launch import import_kernels
 from rdepc.runtime.memory import HeapSizeError, heap_shortfall
 from rdepc.runtime.records import KernelError, input_error, kernel_error
+
+from rdepc.ir.contract import (
+    COLUMNS,
+    CONTROL,
+    CTL_TICKETS,
+    INT32_MAX,
+    MODES,
+    NATIVE_SPIN_BOUND,
+    POINTEE,
+    KernelContract,
+    Tiles,
+    kernel_args,
+)
+from rdepc.toolchain import import_kernels
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -206,7 +217,7 @@ class RDEPModule:
 
     def __init__(
         self,
-        plan: KernelPlan,
+        plan: KernelContract,
         kernels_path: str | Path,
         *,
         backend: str = "emulated",
@@ -761,7 +772,7 @@ class RDEPModule:
 
 def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
     """The module of a compiled layer directory (``rdepc compile FILE -o DIR``)."""
-    plan = KernelPlan.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     return RDEPModule(plan, kernels_path, **options)
 
 

@@ -31,48 +31,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import io
 import os
 import threading
-from pathlib import Path
 
 # launch.py imports neither torch nor triton at import time either.
 from rdepc.runtime.launch import Launcher, scratch_allocator
 from rdepc.runtime.ranks import HOST_TIMEOUT
 
-EXTERN_LIB = "libnvshmem_device"  # the library nvshmem_ptr is declared over (transport.NVSHMEM_DEVICE)
-INSTALL_HINT = "pip install 'rdepc[nvshmem]' (or nvidia-nvshmem-cu13 and nvshmem4py-cu13)"
-
-
-class NvshmemUnavailable(RuntimeError):  # noqa: N818 - the name says what it means: not an error in rdepc
-    """The nvshmem backend cannot run in this process; the message is one line saying why
-    and what to do instead."""
-
-
-def _one_line(e: BaseException) -> str:
-    """An exception as one short line (messages from native libraries span many)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def bitcode_path(arch: int = 90) -> Path:
-    """NVSHMEM's device bitcode from the installed ``nvidia-nvshmem-cu13`` wheel:
-    ``nvidia/nvshmem/lib/libnvshmem_device_sm_{arch}.bc`` (3.8 and later split it per
-    architecture) or the single ``libnvshmem_device.bc`` (3.4.5, torch's pin). Found by
-    file location, not by importing nvshmem4py, so CI needs only the wheel with the bitcode."""
-    spec = importlib.util.find_spec("nvidia")  # a namespace package: no __init__ to run
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    names = (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc")
-    for root in roots:
-        for name in names:
-            path = Path(root) / "nvshmem" / "lib" / name
-            if path.is_file():
-                return path
-    raise NvshmemUnavailable(
-        f"rdepc: the nvshmem backend needs NVSHMEM's device bitcode ({' or '.join(names)}), "
-        f"which is not installed: {INSTALL_HINT}"
-    )
+from rdepc.toolchain import EXTERN_LIB, INSTALL_HINT, NvshmemUnavailable, bitcode_path, one_line
 
 
 class NvshmemWorld:
@@ -128,7 +95,7 @@ class NvshmemWorld:
             import nvshmem.core as nc
         except (ImportError, OSError) as e:
             raise NvshmemUnavailable(
-                f"rdepc: the nvshmem backend needs nvshmem4py ({_one_line(e)}): {INSTALL_HINT}"
+                f"rdepc: the nvshmem backend needs nvshmem4py ({one_line(e)}): {INSTALL_HINT}"
             ) from e
         bitcode_path()  # fail here, not at the first launch, when the bitcode is missing
 
@@ -159,7 +126,7 @@ class NvshmemWorld:
             dist.broadcast_object_list(box, src=0)
             nc.init(device=device, uid=box[0], rank=rank, nranks=world, initializer_method="uid")
         except Exception as e:
-            raise NvshmemUnavailable(f"rdepc: NVSHMEM init failed on rank {rank}: {_one_line(e)}") from e
+            raise NvshmemUnavailable(f"rdepc: NVSHMEM init failed on rank {rank}: {one_line(e)}") from e
         self = cls(rank, world, index)
         atexit.register(self.finalize)
         return self
@@ -258,4 +225,4 @@ class NvshmemLauncher(Launcher):
         self.world._modules[id(compiled)] = compiled  # held: an id is unique only while alive
 
 
-__all__ = ["EXTERN_LIB", "NvshmemLauncher", "NvshmemUnavailable", "NvshmemWorld", "bitcode_path"]
+__all__ = ["NvshmemLauncher", "NvshmemWorld"]

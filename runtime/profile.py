@@ -36,9 +36,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
-
-from rdepc.viz import rank_metadata
+from rdepc.ir.contract import COLUMNS, KINDS, KernelContract
+from rdepc.ir.trace import rank_metadata
 
 _COL = {c: i for i, c in enumerate(COLUMNS)}
 # Task-table kind → (stage, detail), as the task graph names them (rdepc.ir.graph.Task).
@@ -64,7 +63,7 @@ CLOCKS = {
 }
 
 
-def _thread_names(plan: KernelPlan, mode: str, programs) -> list[tuple[int, str]]:
+def _thread_names(plan: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
     if mode == "role-split":  # programs: (communication, compute) programs of one rank
         comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
         return [
@@ -78,7 +77,7 @@ def _thread_names(plan: KernelPlan, mode: str, programs) -> list[tuple[int, str]
     return [(0, f"communication{shared}"), (1, f"compute{shared}")]
 
 
-def measured_trace(plan: KernelPlan, profile: dict, programs=None) -> dict:
+def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
     """The measured profile of one call (``RDEPModule.last_profile``) of the kernels of
     ``plan`` as Chrome trace-event JSON (a dict), in the shape of :func:`rdepc.viz.trace`.
     ``programs``: the kernel's programs (the grid in unified mode; one rank's
@@ -147,7 +146,7 @@ def measured_trace(plan: KernelPlan, profile: dict, programs=None) -> dict:
     }
 
 
-def write_measured_trace(plan: KernelPlan, profile: dict, path: str | Path, programs=None) -> Path:
+def write_measured_trace(plan: KernelContract, profile: dict, path: str | Path, programs=None) -> Path:
     """Write :func:`measured_trace` to ``path`` (JSON); returns the path. Raises OSError."""
     path = Path(path)
     path.write_text(json.dumps(measured_trace(plan, profile, programs)), encoding="utf-8")

@@ -17,7 +17,7 @@ host (at once under the interpreter; on a GPU when the copy it queued has landed
 
 from __future__ import annotations
 
-from rdepc.codegen.lower import COLUMNS, CONTROL, ERRORS, KernelPlan
+from rdepc.ir.contract import COLUMNS, CONTROL, ERRORS, KernelContract
 
 AT = {name: i for i, name in enumerate(CONTROL)}
 
@@ -37,7 +37,7 @@ class KernelError(RuntimeError):
 
 
 def kernel_error(
-    plan: KernelPlan, words: list[int], mode: str, spin_bound: int, backward: bool = False
+    plan: KernelContract, words: list[int], mode: str, spin_bound: int, backward: bool = False
 ) -> KernelError | None:
     """The call's fatal error, or None (``backward``: of a backward call, whose entries are
     the backward's table)."""
@@ -88,7 +88,7 @@ def kernel_error(
 
 
 def input_error(
-    plan: KernelPlan, words: list[int], name: str, ids, gates, per_rank: bool, gates_from: str | None = None
+    plan: KernelContract, words: list[int], name: str, ids, gates, per_rank: bool, gates_from: str | None = None
 ) -> ValueError | None:
     """The call's offending inputs, or None. ``ids`` and ``gates`` are the call's own
     ([W, T', K], or [T', K] on a per-rank backend): the first offender's value is read from

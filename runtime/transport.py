@@ -1,21 +1,7 @@
-"""Transports: who owns put, signal, wait and their memory scope.
+"""Transports, host half: how many processes hold the ranks, and where the heap lives.
 
-A transport has two halves. Its *device* half is Triton source the code generator pastes
-into every generated kernel file: four ``@triton.jit`` functions with one contract, so the
-kernel body is the same whatever moves the bytes —
-
-``peer(heap, rank)``
-    the base address of ``rank``'s slice of the symmetric heap (a ``uint8`` pointer; the
-    kernel adds the memory plan's byte offsets and casts to typed views);
-``put(ptr, value, mask)``
-    a store into a peer's slice (or one's own);
-``signal(flag)``
-    release one unit on a done flag: every store the program made before is visible to
-    whoever acquires it;
-``wait(flag, target, bound)``
-    acquire-spin until ``flag >= target`` or ``bound`` spins have passed; returns the value
-    last seen (``>= target`` when reached), which an expired wait reports.
-
+A transport has two halves. Its *device* half — ``peer``, ``put``, ``signal``, ``wait`` — is
+written into every generated kernel file by the code generator (``rdepc.codegen.transport``).
 Its *host* half allocates the heap. Three exist:
 
 ``emulated``
@@ -59,131 +45,16 @@ from dataclasses import dataclass
 
 from rdepc.runtime.memory import free_memory, human
 
-# signal and wait: the same on every transport, at the transport's SCOPE.
-SIGNALS = '''
-@triton.jit
-def signal(flag):
-    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
-    one thread, so without it the other warps' stores would not be ordered before it."""
-    tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
-
-
-@triton.jit
-def wait(flag, target, bound):
-    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
-    seen. The barrier after it lets every warp of the program see what the acquire made
-    visible."""
-    seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-    spins = 0
-    while (seen < target) & (spins < bound):
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-        spins += 1
-    tl.debug_barrier()
-    return seen
-'''
-
-RULE = "# " + "-" * 87
-
-
-def _emulated_device(banner: str, scope: str, why: str) -> str:
-    """The device half of both emulated transports: the heap of all ranks is one ``[W,
-    HEAP_BYTES]`` array in one address space, so a peer is an offset and a put a store."""
-    return (
-        f"""
-{RULE}
-{banner}
-{RULE}
-SCOPE = tl.constexpr("{scope}")  # memory scope of signals and waits: {why}
-"""
-        + '''
-
-@triton.jit
-def peer(heap, rank):
-    """Base of rank ``rank``'s slice of the symmetric heap (int64: slices may exceed 2 GiB)."""
-    return heap + tl.cast(rank, tl.int64) * HEAP_BYTES
-
-
-@triton.jit
-def put(ptr, value, mask):
-    """A store into a peer's slice of the heap (or our own)."""
-    tl.store(ptr, value, mask=mask)
-
-'''
-        + SIGNALS
-    )
-
-
-EMULATED_DEVICE = _emulated_device(
-    "# Transport: emulated. One process holds all W ranks; the symmetric heap is one uint8\n"
-    "# tensor [W, HEAP_BYTES]; a put is a store into a peer's slice, a signal a release atomic.",
-    "gpu",
-    "every rank on one device",
-)
-EMULATED_MP_DEVICE = _emulated_device(
-    "# Transport: emulated-mp. One process per rank; the symmetric heap of all ranks is one uint8\n"
-    "# [W, HEAP_BYTES] file in shared memory that every process maps; signals cross processes.",
-    "sys",
-    "they cross processes",
-)
-
-
-# nvshmem_ptr is declared as an extern over NVSHMEM's device bitcode (libnvshmem_device),
-# which Triton links when the launch or compile names it in extern_libs (rdepc.runtime.nvshmem).
-NVSHMEM_DEVICE = (
-    '''
-# ---------------------------------------------------------------------------------------
-# Transport: nvshmem. One process per rank; the symmetric heap is one NVSHMEM allocation
-# per PE; a peer's copy is reached through nvshmem_ptr (NVLink: plain loads and stores), a
-# signal a release atomic at system scope.
-# ---------------------------------------------------------------------------------------
-SCOPE = tl.constexpr("sys")  # memory scope of signals and waits: the ranks are separate processes
-
-
-@core.extern
-def nvshmem_ptr(ptr, pe, _semantic=None):
-    """void *nvshmem_ptr(const void *ptr, int pe), from libnvshmem_device: the address at which
-    this PE loads and stores ``pe``'s copy of the symmetric object at ``ptr``. Pointers cross
-    as int64 (a pointer type cannot key the dispatch table); not pure: it reads NVSHMEM's
-    device state."""
-    return core.extern_elementwise(
-        "libnvshmem_device",
-        "",
-        [ptr, pe],
-        {(core.int64, core.int32): ("nvshmem_ptr", core.int64)},
-        is_pure=False,
-        _semantic=_semantic,
-    )
-
-
-@triton.jit
-def peer(heap, rank):
-    """Base of rank ``rank``'s copy of the symmetric heap. nvshmem_ptr is NULL for a peer
-    that is not load/store reachable; the host checks every peer is before the first launch."""
-    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
-
-
-@triton.jit
-def put(ptr, value, mask):
-    """A store into a peer's copy of the heap (or our own): NVLink makes it a plain store."""
-    tl.store(ptr, value, mask=mask)
-
-'''
-    + SIGNALS
-)
+from rdepc.ir.contract import TRANSPORT_PROCESSES
 
 
 @dataclass(frozen=True)
 class Transport:
-    """The interface: a name, the memory scope of its signals, its device source (the four
-    functions above), whether it runs all ranks in ``one`` process or one process
-    ``per-rank``, and the Python imports its device source needs beyond triton's."""
+    """The interface: a name, and whether it runs all ranks in ``one`` process or one
+    process ``per-rank`` (the kernel contract's ``TRANSPORT_PROCESSES``)."""
 
     name: str
-    scope: str
-    device_source: str
     processes: str  # "one" (all ranks in one process) or "per-rank"
-    imports: str = ""
 
     @property
     def per_rank(self) -> bool:
@@ -214,9 +85,7 @@ class Transport:
 @dataclass(frozen=True)
 class Emulated(Transport):
     name: str = "emulated"
-    scope: str = "gpu"
-    device_source: str = EMULATED_DEVICE
-    processes: str = "one"
+    processes: str = TRANSPORT_PROCESSES["emulated"]
 
     def allocate_heap(self, W: int, heap_bytes: int, device):
         """The symmetric heap of all W ranks: one zeroed uint8 tensor [W, heap_bytes]."""
@@ -228,9 +97,7 @@ class Emulated(Transport):
 @dataclass(frozen=True)
 class EmulatedMP(Transport):
     name: str = "emulated-mp"
-    scope: str = "sys"
-    device_source: str = EMULATED_MP_DEVICE
-    processes: str = "per-rank"
+    processes: str = TRANSPORT_PROCESSES["emulated-mp"]
 
     def room(self, device) -> tuple[int, str] | None:
         """The host's available memory, or the shared-memory file system's free space when
@@ -258,10 +125,7 @@ class EmulatedMP(Transport):
 @dataclass(frozen=True)
 class Nvshmem(Transport):
     name: str = "nvshmem"
-    scope: str = "sys"
-    device_source: str = NVSHMEM_DEVICE
-    processes: str = "per-rank"
-    imports: str = "from triton.language import core"  # core.extern for nvshmem_ptr
+    processes: str = TRANSPORT_PROCESSES["nvshmem"]
 
     def heap_ranks(self, W: int) -> int:
         return 1  # this rank's copy

@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from rdepc.codegen.lower import KernelPlan, Tiles
 from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
 
+from rdepc.ir.contract import KernelContract, Tiles
 from rdepc.ir.spec import Dtype
 
 SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
 
 
-def shared_bytes(plan: KernelPlan, t: Tiles) -> int:
+def shared_bytes(plan: KernelContract, t: Tiles) -> int:
     """Shared memory the pipelined GEMM loops need: ``num_stages`` copies of one A and one B
     chunk, for the wider of GEMM1 (gate and up: 2·block_f columns) and GEMM2."""
     a, d = Dtype(plan.dtype).bytes, Dtype(plan.dispatch).bytes
@@ -38,7 +38,7 @@ def shared_bytes(plan: KernelPlan, t: Tiles) -> int:
     return t.num_stages * max(gemm1, gemm2)
 
 
-def candidates(plan: KernelPlan) -> list[Tiles]:
+def candidates(plan: KernelContract) -> list[Tiles]:
     """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 or 128 wide
     (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
     with room to spare (the rest of the kernel uses some too)."""
@@ -56,17 +56,17 @@ def candidates(plan: KernelPlan) -> list[Tiles]:
     return out
 
 
-def key(plan: KernelPlan, device_name: str) -> str:
+def key(plan: KernelContract, device_name: str) -> str:
     """What a tuning result is valid for: the kernel plan, the device and Triton's version."""
     text = json.dumps([plan.to_json(), device_name, _version("triton")])
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
-def _path(plan: KernelPlan, device_name: str) -> Path:
+def _path(plan: KernelContract, device_name: str) -> Path:
     return cache_dir() / "tuning" / f"{plan.layer}-{key(plan, device_name)}.json"
 
 
-def lookup(plan: KernelPlan, device_name: str) -> tuple[Tiles, str] | None:
+def lookup(plan: KernelContract, device_name: str) -> tuple[Tiles, str] | None:
     """The recorded tiles for ``plan`` on ``device_name`` and where they come from, or None."""
     path = _path(plan, device_name)
     try:
@@ -77,7 +77,7 @@ def lookup(plan: KernelPlan, device_name: str) -> tuple[Tiles, str] | None:
     return tiles, f"tuned on {rec['device']} ({rec['date']}, {rec['ms']:.3f} ms)"
 
 
-def launch_tiles(plan: KernelPlan, device_name: str | None, interpret: bool) -> tuple[Tiles, str]:
+def launch_tiles(plan: KernelContract, device_name: str | None, interpret: bool) -> tuple[Tiles, str]:
     """The tiles a module of ``plan`` launches with, and where they come from: under the
     interpreter its own, natively ``rdepc tune``'s record for ``device_name`` or the defaults."""
     if interpret:
@@ -88,7 +88,7 @@ def launch_tiles(plan: KernelPlan, device_name: str | None, interpret: bool) -> 
     return Tiles.default(plan.H, plan.F, plan.dtype, False), "defaults (not tuned: rdepc tune FILE --device cuda)"
 
 
-def record(plan: KernelPlan, device_name: str, best: Tiles, results: list[dict]) -> Path:
+def record(plan: KernelContract, device_name: str, best: Tiles, results: list[dict]) -> Path:
     """Write the tuning result for ``plan`` on ``device_name``; its path."""
     ms = min(r["ms"] for r in results if r["tiles"] == asdict(best))
     rec = {
@@ -111,7 +111,7 @@ def record(plan: KernelPlan, device_name: str, best: Tiles, results: list[dict])
 
 
 def tune(
-    plan: KernelPlan,
+    plan: KernelContract,
     time_tiles: Callable[[Tiles], float],
     tried: Iterable[Tiles],
     progress: Callable[[str], None] = lambda line: None,

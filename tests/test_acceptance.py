@@ -79,7 +79,7 @@ def _stage(tmp_path, **kw):
 
 
 def test_a_check_that_raises_is_recorded_with_its_figures_and_the_next_runs(tmp_path):
-    from rdepc.runtime.launch import triton_mode
+    from rdepc.toolchain import triton_mode
 
     stage = _stage(tmp_path)
     assert triton_mode() in (None, "interpret")  # the record's environment does not fix Triton's mode

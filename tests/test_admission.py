@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rdepc.codegen.lower import Tiles
 
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for, row_id_for
 

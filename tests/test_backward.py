@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from rdepc.codegen.lower import Tiles
 from rdepc.passes.plan import symmetric_plan
 from rdepc.runtime.module import KernelError, gate_grad
 
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import combine_weights, random_inputs, reference_for
 

@@ -20,13 +20,13 @@ from conftest import EXAMPLES, ROOT, tiny_segmented
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, Case, cases
-from rdepc.codegen import UNSUPPORTED, Tiles, content_hash, generate_spec
-from rdepc.codegen.emit import HASH_FIELD, kernel_args
-from rdepc.codegen.lower import COLUMNS, KINDS, KernelPlan
+from rdepc.codegen import UNSUPPORTED, content_hash
+from rdepc.codegen.emit import HASH_FIELD
 
 import rdepc
 from rdepc.api import elaborate_layer
-from rdepc.driver import Options, compile_file, spec_passes
+from rdepc.driver import Options, compile_file, generate_spec, spec_passes
+from rdepc.ir.contract import COLUMNS, KINDS, KernelContract, Tiles, kernel_args
 from rdepc.parser import parse_text
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
@@ -312,7 +312,7 @@ def test_lowering_corner_cases(name):
 
 
 def test_kernel_plan_round_trips_through_json(tiny):
-    again = KernelPlan.from_json(tiny.kernel.to_json())
+    again = KernelContract.from_json(tiny.kernel.to_json())
     assert again == tiny.kernel
     assert again.work(Tiles()) == tiny.kernel.work(Tiles())
 

@@ -22,10 +22,11 @@ import sys
 import pytest
 import torch
 from conftest import EXAMPLES, ROOT, tiny_segmented
-from rdepc.codegen import UNSUPPORTED, generate_spec, write_module
+from rdepc.codegen import UNSUPPORTED, write_module
 from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
 
 import rdepc
+from rdepc.driver import generate_spec
 
 
 def _generate(tmp_path, backend: str = "emulated"):
@@ -44,7 +45,7 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
     (the nvidia-nvshmem-cu13 wheel of the test extras, the GPU machines' 3.4.5) linked in."""
     monkeypatch.chdir(ROOT)
     if backend == "nvshmem":
-        from rdepc.runtime.nvshmem import NvshmemUnavailable, bitcode_path
+        from rdepc.toolchain import NvshmemUnavailable, bitcode_path
 
         try:
             bitcode_path()
@@ -170,9 +171,10 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
     tiles, grid (an H100) and spin bound, its inputs at odd offsets (the module copies them
     to aligned ones), each launch recorded and its arguments run through Triton's binder
     for the cuda backend. Only CAST_F32 (the interpreter's upcast) is set as natively."""
-    from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, Tiles
     from rdepc.codegen.sm90 import launch_specialization
-    from rdepc.runtime.launch import interpreter_env
+
+    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, Tiles
+    from rdepc.toolchain import interpreter_env
 
     monkeypatch.chdir(ROOT)
     layer = rdepc.load("examples/tiny.rdep")
@@ -241,7 +243,8 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 from rdepc.codegen.prewarm import _Keyed, keys_only, prewarm
-from rdepc.runtime.launch import Launcher, import_kernels
+from rdepc.runtime.launch import Launcher
+from rdepc.toolchain import import_kernels
 
 
 @@H100@@
@@ -310,10 +313,10 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     compiling process computes the key again in its own environment. The nvshmem launcher
     (NVSHMEM's bitcode as ``extern_libs``) gives the key prewarm computes for the nvshmem
     transport's file too (its arguments: aligned stand-ins with the rank's launch values)."""
-    from rdepc.codegen.emit import POINTEE, kernel_args
-    from rdepc.codegen.lower import H100_SMS, NATIVE_SPIN_BOUND, Tiles
     from rdepc.codegen.prewarm import PASSES, launch_requests
     from rdepc.codegen.sm90 import native_launch, variant_meta
+
+    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, Tiles, kernel_args
 
     monkeypatch.chdir(ROOT)
     layer = rdepc.load("examples/tiny.rdep")
@@ -346,7 +349,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
             requests += got
     assert any(launch["meta"]["GLOBALTIMER"] for launch in launches)  # a profiled launch stamps natively
     try:  # the nvshmem transport's file, as rank 1 of 2 launches it
-        from rdepc.runtime.nvshmem import NvshmemUnavailable, bitcode_path
+        from rdepc.toolchain import NvshmemUnavailable, bitcode_path
 
         bitcode_path()
     except NvshmemUnavailable:
@@ -387,10 +390,10 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from rdepc.codegen.emit import POINTEE, kernel_args
-from rdepc.codegen.lower import KernelPlan, Tiles
+from rdepc.ir.contract import POINTEE, kernel_args
+from rdepc.ir.contract import KernelContract, Tiles
 from rdepc.codegen.prewarm import launch_requests, prewarm
-from rdepc.runtime.launch import import_kernels
+from rdepc.toolchain import import_kernels
 
 
 @@H100@@
@@ -398,7 +401,7 @@ kernels, plan_path = sys.argv[1:3]
 requests = [launch_requests(kernels, plan_path, mode=m)[0] for m in ("unified", "role-split", "unified")]
 out = {"first": prewarm(requests, 2), "again": prewarm(requests, 2)}
 # the JIT's own compile of the first request's launch (warmup: compiled, not launched) finds it
-req, plan = requests[0], KernelPlan.from_json(open(plan_path).read())
+req, plan = requests[0], KernelContract.from_json(open(plan_path).read())
 args = [torch.empty(1, dtype=getattr(torch, POINTEE[k[1:]])) if k.startswith("*") else req["launch"][n]
         for n, k in kernel_args(plan) if k != "constexpr"]
 tiles = Tiles(**req["tiles"])

@@ -1,7 +1,7 @@
-"""codegen/device.py, the spec-independent device code, on its own under the interpreter:
+"""codegen/device/gemm.py, the spec-independent device code, on its own under the interpreter:
 one GEMM tile through tensor descriptors and through masked pointer loads (bit for bit
 alike), overhanging every edge of both operands; the gate/up split; masked row stores. The
-functions are taken the way the emitter takes them (``compute.device_source``), into a
+functions are taken the way the emitter takes them (``device.include``), into a
 kernel file of their own."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from rdepc.codegen.compute import device_source
-from rdepc.runtime.launch import Launcher, import_kernels
+from rdepc.codegen.device import include
+from rdepc.runtime.launch import Launcher
+
+from rdepc.toolchain import import_kernels
 
 KERNELS = """
 import triton
@@ -70,7 +72,7 @@ def split(acc, gate, up, live_lo, live_hi, n_cols, col0, BM: tl.constexpr, BN: t
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     path = tmp_path_factory.mktemp("device") / "device_kernels.py"
-    path.write_text(KERNELS.replace("@@DEVICE@@", device_source()), encoding="utf-8")
+    path.write_text(KERNELS.replace("@@DEVICE@@", include("gemm")), encoding="utf-8")
     return import_kernels(path, interpret=True)
 
 

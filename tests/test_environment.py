@@ -108,12 +108,12 @@ def test_cache_dir_that_is_a_file(tmp_path, monkeypatch):
 
 
 def test_cache_is_checked_before_compiling(tmp_path, monkeypatch):
-    from rdepc import codegen
+    from rdepc import driver
 
     def no_codegen(*a, **k):
         raise AssertionError("compiled before the cache check")
 
-    monkeypatch.setattr(codegen, "generate_spec", no_codegen)
+    monkeypatch.setattr(driver, "generate_spec", no_codegen)
     (tmp_path / "file").write_text("", encoding="utf-8")
     monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "file"))
     with pytest.raises(cache.CacheError, match="is a file, not a directory"):

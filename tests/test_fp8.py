@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GRAD_NAMES, grads_in
-from rdepc.codegen.lower import Tiles
 
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import FP8_MAX, fp8_dispatch, random_inputs, reference_for
 

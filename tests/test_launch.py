@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from runtime.launch import ConcurrentInterpreter, import_kernels
+from rdepc.toolchain import import_kernels
+from runtime.launch import ConcurrentInterpreter
 
 KERNELS = """
 import triton

@@ -25,9 +25,9 @@ import torch
 from conftest import ROOT, tiny_segmented
 from rdepc.runtime import ranks
 from rdepc.runtime.module import KernelError
-from rdepc.runtime.per_rank import Case, Job, run_rank
 
 import rdepc
+from rdepc.per_rank import Case, Job, run_rank
 from rdepc.reference import random_inputs
 
 TINY = str(ROOT / "examples" / "tiny.rdep")  # fp32, dropless, H=64, F=128, E=8, K=2, T=16
@@ -158,7 +158,7 @@ import signal, sys, time
 # background jobs with SIGINT ignored, and processes inherit that)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from rdepc.runtime import ranks
-from rdepc.runtime.per_rank import Case, Job, run_rank
+from rdepc.per_rank import Case, Job, run_rank
 if __name__ == "__main__":
     case = Case(sys.argv[1], overrides=(("W", 2),), calls=10000)
     ranks.spawn(run_rank, 2, Job((case,)), timeout=600)

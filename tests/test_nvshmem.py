@@ -18,9 +18,11 @@ import textwrap
 
 import pytest
 from conftest import ROOT
-from rdepc.runtime import nvshmem
-from rdepc.runtime.nvshmem import NvshmemUnavailable, NvshmemWorld, bitcode_path
-from rdepc.runtime.transport import EMULATED_DEVICE, NVSHMEM_DEVICE
+from rdepc.codegen import transport
+from rdepc.runtime.nvshmem import NvshmemWorld
+
+from rdepc import toolchain
+from rdepc.toolchain import NvshmemUnavailable, bitcode_path
 
 HEADER = "import triton\nimport triton.language as tl\nfrom triton.language import core\n\n"
 
@@ -75,8 +77,8 @@ def test_bitcode_is_the_pinned_single_file():
 
 
 def test_missing_bitcode_is_one_line_with_the_install_hint(monkeypatch):
-    real = nvshmem.importlib.util.find_spec
-    monkeypatch.setattr(nvshmem.importlib.util, "find_spec", lambda name: None if name == "nvidia" else real(name))
+    real = toolchain.importlib.util.find_spec
+    monkeypatch.setattr(toolchain.importlib.util, "find_spec", lambda name: None if name == "nvidia" else real(name))
     with pytest.raises(NvshmemUnavailable) as err:
         bitcode_path()
     message = str(err.value)
@@ -90,7 +92,8 @@ def _functions(source: str) -> dict[str, list[str]]:
 
 
 def test_device_source_keeps_the_emulated_contract():
-    ours, emulated = _functions(NVSHMEM_DEVICE), _functions(EMULATED_DEVICE)
+    NVSHMEM_DEVICE = transport.source("nvshmem")
+    ours, emulated = _functions(NVSHMEM_DEVICE), _functions(transport.source("emulated"))
     assert {n: ours[n] for n in emulated} == emulated  # peer, put, signal, wait: same names and arguments
     assert ours["nvshmem_ptr"] == ["ptr", "pe", "_semantic"]
     assert 'SCOPE = tl.constexpr("sys")' in NVSHMEM_DEVICE
@@ -99,7 +102,9 @@ def test_device_source_keeps_the_emulated_contract():
 
 def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     kernel = tmp_path / "nvshmem_probe.py"
-    kernel.write_text(HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + NVSHMEM_DEVICE + PROBE_KERNEL, encoding="utf-8")
+    kernel.write_text(
+        HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + transport.source("nvshmem") + PROBE_KERNEL, encoding="utf-8"
+    )
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(

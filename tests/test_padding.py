@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from rdepc.codegen.lower import Tiles
 from rdepc.runtime import router as R
-from rdepc.runtime.moe import RDEPMoE
 
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import Tiles
+from rdepc.moe import RDEPMoE
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 

@@ -20,13 +20,14 @@ from conftest import ROOT, tiny_segmented
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from rdepc.codegen import generate
-from rdepc.codegen.lower import COLUMNS, CONTROL, Tiles, lower
+from rdepc.codegen.lower import lower
 from rdepc.passes.memplan import memory_plan
 from rdepc.passes.plan import symmetric_plan
 from rdepc.runtime.module import KernelError, RDEPModule, max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import COLUMNS, CONTROL, Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 

@@ -10,12 +10,12 @@ import os
 
 import pytest
 from conftest import ROOT, tiny_segmented
-from rdepc.codegen import generate_spec
-from rdepc.codegen.lower import COLUMNS
 from rdepc.runtime.profile import measured_trace
 
 import rdepc
 from rdepc import cli, viz
+from rdepc.driver import generate_spec
+from rdepc.ir.contract import COLUMNS
 
 TINY = ROOT / "examples" / "tiny.rdep"
 COL = {c: i for i, c in enumerate(COLUMNS)}

@@ -20,11 +20,11 @@ import torch
 from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from rdepc.codegen import Tiles
 from rdepc.runtime.module import TORCH_DTYPES, KernelError, RDEPModule, max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer
+from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 

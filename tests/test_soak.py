@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from rdepc.runtime import ranks
-from rdepc.runtime.per_rank import Case
+
+from rdepc.per_rank import Case
 
 sys.path.insert(0, str(ROOT / "tests" / "stress"))
 import soak

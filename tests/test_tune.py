@@ -9,11 +9,11 @@ from dataclasses import asdict
 import pytest
 import torch
 from conftest import ROOT
-from rdepc.codegen.lower import Tiles
 from rdepc.runtime import tune
 from rdepc.runtime.module import gate_up
 
 import rdepc
+from rdepc.ir.contract import Tiles
 
 
 @pytest.fixture

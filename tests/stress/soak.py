@@ -77,7 +77,7 @@ CALL_S = {"emulated-mp": {2: 6.0, 3: 10.0, 4: 16.0}, "nvshmem": {2: 30.0, 3: 30.
 class JobPlan:
     index: int
     W: int
-    cases: tuple  # of rdepc.runtime.per_rank.Case
+    cases: tuple  # of rdepc.per_rank.Case
     delays: tuple[float, ...]  # each rank's start delay (ranks.spawn)
     backend: str = "emulated-mp"
     # (rank, seconds): that rank is SIGKILLed this long after the last case starts, wherever it
@@ -158,7 +158,7 @@ def random_job(index: int, rng: random.Random, specs: dict[str, str], backend: s
 
 
 def random_case(rng: random.Random, specs: dict[str, str], W: int, backend: str, fault: str | None):
-    from rdepc.runtime.per_rank import Case
+    from rdepc.per_rank import Case
 
     variant, schedule = rng.choices([v[:2] for v in VARIANTS], weights=[v[2] for v in VARIANTS])[0]
     T = 4  # interpreted calls cost by tasks and segments; T' varies below
@@ -209,8 +209,9 @@ def random_case(rng: random.Random, specs: dict[str, str], W: int, backend: str,
 def soak_rank(rank: int, W: int, job, outdir: str, lost: tuple[int, float] | None = None) -> int:
     """One rank of a job (in a process ranks.spawn started): every case in turn, each one's
     result written as soon as it is known, so a rank killed later loses none."""
-    from rdepc.runtime.per_rank import run_case
     from rdepc.runtime.records import KernelError
+
+    from rdepc.per_rank import run_case
 
     out = Path(outdir)
     _write(out / f"{rank}.pid", os.getpid())
@@ -241,7 +242,8 @@ def _write(path: Path, value) -> None:
 def worker(infile: str, outfile: str) -> None:
     """A job's worker process: its ranks through ranks.spawn, then what they left."""
     from rdepc.runtime import ranks
-    from rdepc.runtime.per_rank import Job
+
+    from rdepc.per_rank import Job
 
     spec = pickle.loads(Path(infile).read_bytes())
     job, outdir = Job(spec["cases"]), spec["dir"]

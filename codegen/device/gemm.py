@@ -1,7 +1,7 @@
 """Device code that does not depend on the spec: the main loop of one grouped-GEMM tile.
 
 Real Triton, linted and unit-tested like any module (``tests/test_device.py``), and
-included verbatim in every generated kernel file by the emitter (``compute.device_source``), which
+included verbatim in every generated kernel file by the emitter (``device.include``), which
 keeps a generated file self-contained. Everything a function needs comes in through its
 arguments — no globals of a generated file — so these functions compile alone.
 

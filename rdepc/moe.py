@@ -36,10 +36,11 @@ from __future__ import annotations
 import math
 
 import torch
-from rdepc.runtime import router as R
-from rdepc.runtime.module import TORCH_DTYPES, dense
 from torch import nn
 from torch.nn import functional as F_
+
+from rdepc.runtime import router as R
+from rdepc.runtime.module import TORCH_DTYPES, dense
 
 
 def _ffn(x: torch.Tensor, w_gate, w_up, w_down, act: str) -> torch.Tensor:

@@ -60,10 +60,10 @@ def _token_counts(case: Case, W: int, T: int) -> list[int]:
 
 def run_case(case: Case, rank: int, W: int) -> dict:
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES, KernelError, max_relative_error
 
     import rdepc
     from rdepc.reference import random_inputs, reference_for
+    from rdepc.runtime.module import TORCH_DTYPES, KernelError, max_relative_error
 
     layer = rdepc.load(case.file, case.layer, **dict(case.overrides))
     spec = layer.spec
@@ -127,7 +127,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
 def waited_on(plan, rank: int) -> list[int]:
     """The task-table entries ``rank`` runs that an entry of another rank depends on (in this
     call): withholding one of them makes a peer's wait expire."""
-    from rdepc.codegen.lower import COLUMNS
+    from rdepc.ir.contract import COLUMNS
 
     at = {c: COLUMNS.index(c) for c in ("rank", "dep_start", "dep_count")}
     found = set()

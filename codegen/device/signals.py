@@ -1,0 +1,30 @@
+"""Done flags: signal and wait, the same on every transport at the transport's memory scope
+(``SCOPE``: "gpu" when every rank is on one device, "sys" when ranks are processes)."""
+
+import triton
+import triton.language as tl
+
+# Stand-in for the generated file's constant (see rdepc.codegen.device).
+SCOPE = tl.constexpr("gpu")
+
+
+@triton.jit
+def signal(flag):
+    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
+    one thread, so without it the other warps' stores would not be ordered before it."""
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def wait(flag, target, bound):
+    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
+    seen. The barrier after it lets every warp of the program see what the acquire made
+    visible."""
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (seen < target) & (spins < bound):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    tl.debug_barrier()
+    return seen

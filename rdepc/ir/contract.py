@@ -1,0 +1,479 @@
+"""The kernel contract: everything a generated kernel and its host side agree on.
+
+:class:`KernelContract` is plain data — ints, strings and tuples, written to JSON beside
+the generated kernels — produced by the lowering pass (``rdepc.codegen.lower``) and read by
+the code generator and the runtime alike: the layer's sizes, the symmetric-heap layout of
+the memory plan, the ownership tables, the capacity rule, the task table, and the
+encodings both sides share (task kinds, table columns, the control block, error codes).
+It lives with the IR so that the runtime never imports the code generator.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+from rdepc.ir.graph import BM as COMBINE_TOKENS
+from rdepc.ir.spec import SCALE_BLOCK
+
+# Task kinds of the generated kernel, one device function each.
+KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
+# Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
+# or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode;
+# ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
+COLUMNS = (
+    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource", "flag"
+)  # fmt: skip
+MODES = ("unified", "role-split")
+# Transports (backends) and how their ranks are held: all in one process, or one process per rank.
+TRANSPORT_PROCESSES = {"emulated": "one", "emulated-mp": "per-rank", "nvshmem": "per-rank"}
+# Error codes a program writes into the control block before it stops.
+ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
+# The private control block (int64): a logical clock, the error record, the input checks'
+# counters, the call count, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done
+# flags are symmetric: each rank's in its own heap slice (``flags``), where peers read them.
+CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
+CONTROL += ("err_seen", "err_expected")
+# Input checks (validate): offending route rows per kind, each followed by the first one's key.
+CONTROL += ("bad_ids", "bad_ids_at", "bad_gates", "bad_gates_at", "dup_tokens", "dup_tokens_at")
+# The call count on the device: a launch's epoch is ``calls`` + 1, and its last program out
+# (``exits``) closes the call, so that a launch carries no per-call argument and a captured
+# CUDA graph replays correctly.
+CONTROL += ("calls", "exits")
+CTL_TICKETS = 20
+assert len(CONTROL) <= CTL_TICKETS
+INT32_MAX = 2**31 - 1
+ROLE_INDEX = {"comm": 0, "compute": 1}
+# Native launch defaults, shared by RDEPModule and the sm_90 compile (which stands in for a
+# launch it cannot make): spins a wait may take before the call fails, and the SMs (one
+# program each) of the GPU a compile without one assumes, an H100 SXM.
+NATIVE_SPIN_BOUND = 1 << 26
+H100_SMS = 132
+
+
+def ctl_words(W: int) -> int:
+    """Words of the private control block: CONTROL's words, then 2·W ticket counters."""
+    return CTL_TICKETS + 2 * W
+
+
+def tile_slots(rows_max, n_local, S: int, bm: int = 16) -> int:
+    """m-tile slots of the busiest (owner, segment) at ``bm`` rows per m-tile (default: the
+    smallest legal one, so that ``tile_done`` fits every choice of tiles)."""
+    bulk = max(rows_max, default=0) <= S
+    slots = (
+        -(-min(r, S) // bm) + (1 if bulk else 2) * n - 1 if n else 0 for r, n in zip(rows_max, n_local, strict=True)
+    )
+    return max(slots, default=0)
+
+
+def next_pow2(n: int, least: int = 2) -> int:
+    p = least
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Tile sizes of the generated kernel (constexprs at launch; not part of the source).
+
+    ``bm`` rows per m-tile of the grouped GEMMs; ``block_f`` the F columns of one GEMM1 tile
+    (a gated expert's gate and up make its operand 2·block_f wide); ``block_h`` the H
+    columns of one GEMM2 tile, and of one row chunk of dispatch, return and combine;
+    ``block_k`` the reduction chunk of both GEMMs (GEMM1 over H, GEMM2 over F);
+    ``block_r`` rows per dispatch/return block; ``rows_per_item`` rows one dispatch or
+    return work item moves at most (more rows: more items, striding); ``num_warps`` and
+    ``num_stages`` (software-pipelined operand loads of the GEMM loops) for native launches."""
+
+    bm: int = 64
+    block_h: int = 64
+    block_f: int = 128
+    block_r: int = 64
+    rows_per_item: int = 1 << 30
+    num_warps: int = 4
+    block_k: int = 64
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"tile size {f.name} must be a positive int, got {v!r}")
+        for name in ("bm", "block_h", "block_f", "block_r", "block_k"):
+            v = getattr(self, name)
+            if v & (v - 1) or v < 16:
+                raise ValueError(f"tile size {name} must be a power of two >= 16, got {v}")
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's tile constexprs (``CONSTEXPRS``) these sizes set."""
+        return {
+            "BM": self.bm,
+            "BLOCK_H": self.block_h,
+            "BLOCK_F": self.block_f,
+            "BLOCK_K": self.block_k,
+            "BLOCK_R": self.block_r,
+            "STAGES": self.num_stages,
+        }
+
+    @staticmethod
+    def default(H: int, F: int, dtype: str, interpret: bool) -> Tiles:
+        """Interpreter: few, large tiles (it costs ~0.4 ms per program and 1–3 ms per tl.dot,
+        almost independent of the tile's size). Native: tiles whose operands fit an H100's
+        shared memory with room for software pipelining."""
+        if interpret:
+            h, f = min(128, next_pow2(H, 16)), min(128, next_pow2(F, 16))
+            return Tiles(64, h, f, 64, 1 << 30, 4, max(h, f), 1)
+        if dtype == "fp32":
+            return Tiles(64, 64, 64, 64, 4096, 4, 32, 2)
+        return Tiles(128, 128, 128, 64, 4096, 8, 64, 3)
+
+
+@dataclass(frozen=True)
+class KernelContract:
+    """Everything the generated kernel and its host side need, as plain data."""
+
+    layer: str
+    file: str
+    rdepc: str
+    strategy: str
+    decisions: tuple[str, ...]
+    transport: str  # the backend the kernels were generated for
+    spec_transport: str  # the spec's transport statement (the eventual target)
+    # sizes (T at its bound)
+    W: int
+    T: int
+    H: int
+    F: int
+    E: int
+    K: int
+    E_MAX: int
+    S: int  # rows of one ring slot (bulk: max_q R_q)
+    B: int  # ring slots (bulk: 1)
+    ring: bool  # returns land in a ring of B slots at the front-end and are unpacked
+    unified: bool  # the schedule gives every program every task (bulk): one queue per rank
+    act: str
+    dtype: str  # compute dtype: weights, activations, returned rows
+    dispatch: str  # payload dtype on the wire
+    dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None
+    scales: int  # fp32 scales per payload row (fp8 dispatch)
+    sideband: tuple[str, ...]
+    symbolic_tokens: bool  # row ids and capacity use the call's T' (param T <= bound)
+    # the route-row identity id = c + a_rank·rank + a_token·token + a_slot·slot: (c, a_rank,
+    # a_token, a_slot), one per T' = 0..T when T is symbolic; and the variables whose extent
+    # can exceed 1 by descending coefficient (decoding reads them in this order)
+    row_id: tuple[tuple[int, int, int, int], ...]
+    row_id_order: tuple[str, ...]
+    # owners admit by key (``drop round_robin`` or ``lowest_gate``, or arrival when ascending
+    # row_id is not rank, then token, then slot order): each source publishes its rows' keys
+    keyed: bool
+    dedup: bool  # one payload row per (token, owner), summed back at the owner
+    # capacity: policy, factor (p, q), rows (int, or one per T' when T is symbolic), weights (drop: arrival)
+    capacity: str
+    cap_factor: tuple[int, int] | None
+    cap_rows: int | tuple[int, ...] | None
+    weights: str
+    drop: str  # round_robin | arrival | lowest_gate
+    # ownership tables
+    owner: tuple[int, ...]  # π(e)
+    local: tuple[int, ...]  # λ(e)
+    n_local: tuple[int, ...]  # E_loc(q)
+    weight_of: tuple[int, ...]  # [W, E_MAX]: expert weight index of (q, λ) (emulated: e)
+    order: tuple[int, ...]  # experts sorted by (owner, local)
+    owner_first: tuple[int, ...]  # [W + 1]: position in ``order`` of q's first expert
+    rows_max: tuple[int, ...]  # R_q: rows owner q may admit (the plan's bound)
+    from_one: tuple[int, ...]  # rows one source may send owner q (distinct top-K, capacity)
+    # the symmetric heap (one rank's slice) and the private buffers
+    heap_bytes: int
+    heap: tuple[tuple[str, int], ...]  # name → byte offset
+    layout: tuple[tuple[str, str, int, int], ...]  # the heap's buffers: (name, region, offset, size)
+    private: tuple[tuple[str, str, tuple[int, ...]], ...]  # per-rank private buffers: (name, dtype, shape)
+    # the task table: the scheduler's entries in its global order (``items`` filled by work())
+    table: tuple[tuple[int, ...], ...]  # rows of COLUMNS
+    deps: tuple[int, ...]  # dependency entries; -(d + 1): entry d of the previous call
+    names: tuple[str, ...]  # task names, for error messages and profiles
+    tasks: tuple[int, ...]  # the graph's task id of each entry
+    # the backward's own entries, after the forward's (``bwd_table``): one weight-gradient
+    # entry per owner, its dependencies numbered after the forward's (``bwd_deps``)
+    wgrad_table: tuple[tuple[int, ...], ...] = ()
+    wgrad_deps: tuple[int, ...] = ()
+    programs: tuple[int, int] = (1, 1)  # the schedule's (communication, compute) programs per rank
+    guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
+    combine_tokens: int = COMBINE_TOKENS
+    options: tuple[tuple[str, str], ...] = ()  # the codegen options it was generated with
+
+    @property
+    def per_rank(self) -> bool:
+        """One process per rank (each runs its rank's entries), not all ranks in one."""
+        return TRANSPORT_PROCESSES[self.transport] == "per-rank"
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.table)
+
+    @property
+    def bwd_table(self) -> tuple[tuple[int, ...], ...]:
+        """The backward's task table: the forward's entries (same order, dependencies and done
+        counters, counted in the backward's own words), then the weight gradients."""
+        return self.table + self.wgrad_table
+
+    @property
+    def bwd_deps(self) -> tuple[int, ...]:
+        return self.deps + self.wgrad_deps
+
+    @property
+    def bwd_names(self) -> tuple[str, ...]:
+        return self.names + tuple(f"wgrad r{row[COLUMNS.index('owner')]}" for row in self.wgrad_table)
+
+    @property
+    def R_MAX(self) -> int:
+        """Rows of the busiest owner: the rows the backward's saved activations hold per owner."""
+        return max(self.rows_max, default=0)
+
+    def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None, backward: bool = False) -> Work:
+        """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
+        docstring). ``rank``: only the queues of that rank (a transport with one process per
+        rank): unified, one queue of every entry the rank runs; role-split, its two.
+        ``backward``: of the backward's table."""
+        if mode not in MODES:
+            raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
+        if rank is not None and not 0 <= rank < self.W:
+            raise ValueError(f"rank {rank} out of range [0, {self.W})")
+        # m-tiles stay aligned to each expert's rows: a segment boundary may cut one tile per
+        # expert in two (emit.m_tile), hence 2·E_loc − 1 rather than E_loc − 1 when segmented.
+        bulk = max(self.rows_max, default=0) <= self.S
+        m_slots = tuple(
+            -(-min(r, self.S) // tiles.bm) + (1 if bulk else 2) * n - 1 if n else 0
+            for r, n in zip(self.rows_max, self.n_local, strict=True)
+        )
+
+        def split(rows: int) -> int:
+            return max(1, min(-(-rows // tiles.rows_per_item), -(-rows // tiles.block_r)))
+
+        col = {c: i for i, c in enumerate(COLUMNS)}
+        table = []
+        h_blocks, f_blocks = -(-self.H // tiles.block_h), -(-self.F // tiles.block_f)
+        for row in self.bwd_table if backward else self.table:
+            kind = KINDS[row[col["kind"]]]
+            owner = row[col["owner"]]
+            items = 1
+            if kind in ("dispatch", "return", "unpack"):
+                items = split(min(self.S, self.from_one[owner]))
+            elif kind == "gemm1":
+                items = m_slots[owner] * -(-self.F // tiles.block_f)
+            elif kind == "gemm2":
+                items = m_slots[owner] * h_blocks
+            elif kind == "wgrad":  # per local expert: dW of GEMM1's weights, then of Wd, in tiles
+                items = self.n_local[owner] * 2 * h_blocks * f_blocks
+            table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
+        n_queues = 1 if mode == "unified" else 2 * self.W
+        queues: list[list[int]] = [[] for _ in range(n_queues)]
+        for i, row in enumerate(table):
+            queues[0 if mode == "unified" else row[col["resource"]]].append(i)
+        if rank is not None:  # this rank's entries only (resource = 2·rank + role)
+            if mode == "unified":
+                queues = [[i for i in queues[0] if table[i][col["rank"]] == rank]]
+            else:
+                queues = queues[2 * rank : 2 * rank + 2]
+        queue = tuple(i for q in queues for i in q)
+        first, bounds = [0], []
+        for q in queues:
+            bounds.append((len(first) - 1, len(first) - 1 + len(q)))
+            for i in q:
+                first.append(first[-1] + table[i][col["items"]])
+        return Work(mode, tuple(table), queue, tuple(first), tuple(bounds), m_slots)
+
+    @property
+    def key_bits(self) -> int:
+        """Bits an admission key needs: a dense row index is below W·T·K; a gate-ordered
+        key spans 63."""
+        return 63 if self.drop == "lowest_gate" else max(1, (self.W * self.T * self.K - 1).bit_length())
+
+    @property
+    def keys_in_row_order(self) -> bool:
+        """Whether a source's admission keys ascend with its route rows t*K + k (token, then
+        slot): then a row's place in its run is a running count, not a comparison of keys."""
+        if self.drop == "round_robin":
+            return True
+        if self.drop == "lowest_gate":
+            return False
+        order = [v for v in self.row_id_order if v in ("token", "slot")]
+        return order != ["slot", "token"]
+
+    @property
+    def gated(self) -> bool:
+        return self.act == "swiglu"
+
+    @property
+    def scale_cols(self) -> int:
+        """Payload columns one fp8 scale covers (0 without fp8 dispatch)."""
+        return {"row": self.H, "block": SCALE_BLOCK}.get(self.dispatch_scale, 0)
+
+    def offset(self, name: str) -> int:
+        return dict(self.heap)[name]
+
+    def cap_at(self, T: int) -> int | None:
+        """cap_e for a call with T' = ``T`` tokens per rank (None: dropless). The factor
+        policy is ⌈f·W·T'·K/E⌉ at the call's T', as rdepc.reference.capacity_for."""
+        if self.capacity == "dropless":
+            return None
+        if self.capacity == "factor":
+            p, q = self.cap_factor
+            return -(-p * self.W * T * self.K // (q * self.E))
+        if isinstance(self.cap_rows, tuple):
+            return self.cap_rows[T]
+        return self.cap_rows
+
+    def caps(self) -> tuple[int, ...]:
+        """cap_e for every total n = Σ_r T'_r of tokens the W ranks bring to a call, n in
+        [0, W·T]: the scan reads it at the owner, which learns n from the ``tokens`` words
+        every front-end published. With equal T' this is :meth:`cap_at` (T' = n / W);
+        symbolic row tables are read at ⌈n / W⌉. Dropless: INT32_MAX."""
+        W, out = self.W, []
+        for n in range(W * self.T + 1):
+            if self.capacity == "factor":
+                p, q = self.cap_factor
+                out.append(-(-p * n * self.K // (q * self.E)))
+            else:
+                cap = self.cap_at(-(-n // W))
+                out.append(INT32_MAX if cap is None else cap)
+        return tuple(out)
+
+    def row_id_radix(self, T: int) -> tuple[int, int, int, int]:
+        """(c, a_rank, a_token, a_slot) of the route-row identity at a call with T' tokens:
+        the spec's T, or T' when the spec's T is symbolic."""
+        return self.row_id[min(T, self.T) if self.symbolic_tokens else 0]
+
+    def launch_grid(
+        self, work: Work, programs: int, per_rank: bool = False, resident: bool = False
+    ) -> tuple[int, tuple[int, ...]]:
+        """(the grid's budget, programs per queue) of a launch of ``work`` given ``programs``
+        (natively one per SM). Unified: ``programs`` capped by the work items, one queue.
+        Role-split: each rank an equal share (at least 2; ``per_rank``, one process per rank:
+        all of it), split between its communication and compute queues in the ratio of the
+        schedule's programs. ``resident``: ``programs`` is what runs at once (a GPU), and a
+        role-split grid larger than it is refused: its queues wait on each other, so a
+        program never scheduled would stall the call until its waits expire. (Unified
+        programs take tasks in dependency order from one queue: any number makes progress.)"""
+        if work.mode == "unified":
+            programs = max(1, min(programs, work.n_items))
+            return programs, (programs,)
+        comm, compute = self.programs
+        ranks = 1 if per_rank else self.W
+        share = max(2, programs // ranks)
+        if resident and share * ranks > programs:
+            raise ValueError(
+                f"rdepc layer {self.layer}: role-split mode runs every program at once, at least 2 per rank: "
+                f"{ranks} ranks need {share * ranks} programs, more than the {programs} this GPU runs at once "
+                "(one per SM); use mode unified, or fewer ranks per GPU"
+            )
+        n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
+        return programs, (n_comm, share - n_comm) * ranks
+
+    def launch_scalars(
+        self, n_tokens: int, n_programs: int, rank: int | None, bound: int, per_rank: bool = False
+    ) -> dict[str, int]:
+        """``rdep_layer``'s scalar arguments (:func:`kernel_args`) of a launch: ``n_tokens``
+        the call's T', ``n_programs`` the grid, ``rank`` this process's rank (None: all of
+        them, in one process), ``bound`` the spin bound. Row ids decode at the owner with
+        one radix for all ranks: per rank (``per_rank``), whose T' may differ, the spec's T;
+        otherwise the call's T'. Triton specialises a launch on these values (an int of 1
+        is a constant, one divisible by 16 is marked so): the sm_90 compile uses them too."""
+        rid_c, rid_r, rid_t, rid_k = self.row_id_radix(self.T if per_rank else n_tokens)
+        return {
+            "n_tokens": n_tokens,
+            "n_programs": n_programs,
+            "rank0": rank or 0,
+            "rid_c": rid_c,
+            "rid_r": rid_r,
+            "rid_t": rid_t,
+            "rid_k": rid_k,
+            "bound": bound,
+            "program_base": 0,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> KernelContract:
+        d = json.loads(text)
+        for f in fields(KernelContract):
+            v = d.get(f.name)
+            if isinstance(v, list):
+                d[f.name] = _tuples(v)
+        return KernelContract(**d)
+
+
+@dataclass(frozen=True)
+class Work:
+    """The task table with each entry's work items, under one choice of tiles, and its
+    queues: entries grouped by queue (one queue in unified mode, one per (rank, role) in
+    role-split mode), each queue in the table's order."""
+
+    mode: str
+    table: tuple[tuple[int, ...], ...]
+    queue: tuple[int, ...]  # entries, queue after queue
+    first_item: tuple[int, ...]  # [entries + 1]: first work item of each queue position
+    bounds: tuple[tuple[int, int], ...]  # per queue: its [first, last) positions in ``queue``
+    m_slots: tuple[int, ...]  # m-tile slots per owner and segment (KernelContract.work)
+
+    @property
+    def n_items(self) -> int:
+        return self.first_item[-1]
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.table)
+
+    def entry_items(self) -> list[tuple[int, int]]:
+        """(first work item, items) of every entry, in table order."""
+        out = [(0, 0)] * len(self.table)
+        for pos, i in enumerate(self.queue):
+            out[i] = (self.first_item[pos], self.first_item[pos + 1] - self.first_item[pos])
+        return out
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base")
+CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
+CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
+
+
+# The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.
+POINTEE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
+
+
+def kernel_args(plan: KernelContract) -> list[tuple[str, str]]:
+    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's
+    signature is generated from it, the host passes arguments by these names, and sm_90
+    compiles use the types."""
+    dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
+    args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
+    args.append(("w_gate_up" if plan.gated else "w_up", f"*{dt}"))
+    args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
+    args.append(("gprime", "*fp32"))
+    # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
+    # pre-activations at the owner, expert outputs at the front-end or under dedup at the
+    # owner); its working rows (dH, the activation, g'·dL/dy at the owner) and the weight
+    # gradients.
+    args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
+    args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
+    args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
+    tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
+    tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
+    args += [(n, "*i32") for n in tables]
+    args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
+    args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
+    args.append(("tile_done", "*i64"))
+    if plan.ring:
+        args.append(("landing", f"*{dt}"))
+    args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
+    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
+    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]
+    args += [("bound", "i32"), ("program_base", "i32")]
+    args += [(c, "constexpr") for c in CONSTEXPRS]
+    return args

@@ -1,0 +1,115 @@
+"""The Triton and NVSHMEM toolchain of this process, for the code generator and the
+runtime alike: which mode Triton runs in, importing generated kernels in the right one, and
+where NVSHMEM's device bitcode is.
+
+Triton fixes a process's mode when it is first imported: ``triton.language``'s own
+``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) are decorated then, as interpreted or as
+compiled functions, and kernels of the other mode cannot call them. So a process runs
+rdepc kernels either under the interpreter (CPU tensors, ``TRITON_INTERPRET=1``) or
+natively (GPU), whichever comes first. :func:`import_kernels` imports Triton in the mode
+asked for when it is not imported yet, sets ``TRITON_INTERPRET`` only while the generated
+file is imported (where ``@triton.jit`` reads it), restores the environment afterwards,
+and reports a clear error when the process is already in the other mode.
+
+Importing this module imports neither torch nor triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def interpreter_env(interpret: bool):
+    """TRITON_INTERPRET set for the duration, then restored (nothing leaks)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def triton_mode() -> str | None:
+    """ "interpret" or "native": the mode Triton was imported in; None before its import."""
+    if "triton.language" not in sys.modules:
+        return None
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return "interpret" if isinstance(standard.zeros, InterpretedFunction) else "native"
+
+
+def import_kernels(path: str | Path, interpret: bool):
+    """Import the generated kernel file ``path`` for the interpreter or for native runs."""
+    path = Path(path).resolve()
+    want = "interpret" if interpret else "native"
+    with interpreter_env(interpret):
+        mode = triton_mode()
+        if mode is None:
+            importlib.import_module("triton.language")
+            mode = triton_mode()
+        if mode != want:
+            fix = "Start the process with TRITON_INTERPRET=1 in its environment, or build the CPU module first; "
+            raise RuntimeError(
+                f"rdepc: this process imported Triton in {mode} mode, and a "
+                f"{'CPU (interpreted)' if interpret else 'GPU (native)'} module needs {want} mode. Triton fixes the "
+                "mode when it is first imported, and something imported it before this module was built (transformers "
+                f"does). {fix if interpret else ''}CPU and GPU modules need separate processes."
+            )
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        name = f"rdepc_kernels_{path.stem}_{digest}_{want}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+
+
+EXTERN_LIB = "libnvshmem_device"  # the library nvshmem_ptr is declared over (transport.NVSHMEM_DEVICE)
+INSTALL_HINT = "pip install 'rdepc[nvshmem]' (or nvidia-nvshmem-cu13 and nvshmem4py-cu13)"
+
+
+class NvshmemUnavailable(RuntimeError):  # noqa: N818 - the name says what it means: not an error in rdepc
+    """The nvshmem backend cannot run in this process; the message is one line saying why
+    and what to do instead."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line (messages from native libraries span many)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def bitcode_path(arch: int = 90) -> Path:
+    """NVSHMEM's device bitcode from the installed ``nvidia-nvshmem-cu13`` wheel:
+    ``nvidia/nvshmem/lib/libnvshmem_device_sm_{arch}.bc`` (3.8 and later split it per
+    architecture) or the single ``libnvshmem_device.bc`` (3.4.5, torch's pin). Found by
+    file location, not by importing nvshmem4py, so CI needs only the wheel with the bitcode."""
+    spec = importlib.util.find_spec("nvidia")  # a namespace package: no __init__ to run
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    names = (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc")
+    for root in roots:
+        for name in names:
+            path = Path(root) / "nvshmem" / "lib" / name
+            if path.is_file():
+                return path
+    raise NvshmemUnavailable(
+        f"rdepc: the nvshmem backend needs NVSHMEM's device bitcode ({' or '.join(names)}), "
+        f"which is not installed: {INSTALL_HINT}"
+    )

@@ -1,0 +1,117 @@
+"""The package's layers and the arrows between them, read from every import statement
+(module level and inside functions alike): front end → IR → passes → code generator, the
+runtime reading the IR (never the code generator or the face), and no import cycles.
+
+    base       rdepc.diagnostics, syntax, parser, grammar, version, toolchain
+    ir         rdepc.ir.*: the spec, the task graph and schedule, the kernel contract
+    passes     rdepc.passes.*
+    codegen    rdepc.codegen.* (device code included)
+    reference  rdepc.reference: the independent reference operator
+    runtime    rdepc.runtime.*
+    face       the rest of rdepc: api, driver, cli, compiled, moe, hf, viz, report, per_rank
+
+A layer may import its own and those listed for it in ALLOWED; the face imports any.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"rdepc.diagnostics", "rdepc.syntax", "rdepc.parser", "rdepc.grammar", "rdepc.version", "rdepc.toolchain"}
+ALLOWED = {
+    "base": {"base"},
+    "ir": {"base", "ir"},
+    "passes": {"base", "ir", "passes"},
+    "codegen": {"base", "ir", "passes", "codegen"},
+    "reference": {"base", "ir", "reference"},
+    "runtime": {"base", "ir", "reference", "runtime"},
+    "face": {"base", "ir", "passes", "codegen", "reference", "runtime", "face"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name, from pyproject's package-dir."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    dirs = cfg["package-dir"]
+    out = {}
+    for pkg in cfg["packages"]:
+        top = max((k for k in dirs if pkg == k or pkg.startswith(k + ".")), key=len)
+        folder = ROOT / dirs[top] / Path(*pkg[len(top) + 1 :].split(".")) if pkg != top else ROOT / dirs[top]
+        for f in sorted(folder.glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+def layer(mod: str) -> str:
+    for name in BASE:
+        if mod == name or mod.startswith(name + "."):
+            return "base"
+    parts = mod.split(".")
+    if len(parts) > 1 and parts[1] in ("ir", "passes", "codegen", "runtime", "reference"):
+        return parts[1]
+    return "face"
+
+
+def imports(mods: dict[str, Path]) -> nx.DiGraph:
+    """Module → module it imports (inside the package), with the line of the statement."""
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    g.add_edge(mod, t, line=node.lineno)
+    return g
+
+
+GRAPH = imports(modules())
+
+
+def test_every_module_is_read():
+    names = set(GRAPH)
+    assert {"rdepc.ir.contract", "rdepc.codegen.emit", "rdepc.codegen.device.gemm", "rdepc.runtime.module"} <= names
+    assert GRAPH.number_of_edges() > 100
+
+
+def test_no_arrow_points_up():
+    bad = [
+        f"{a} ({layer(a)}) imports {b} ({layer(b)}) at line {d['line']}"
+        for a, b, d in GRAPH.edges(data=True)
+        if layer(b) not in ALLOWED[layer(a)]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    # A package's __init__ re-exporting its own submodules is not a cycle of modules.
+    g = GRAPH.copy()
+    g.remove_edges_from([(a, b) for a, b in GRAPH.edges if b.startswith(a + ".")])
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, "\n".join(" → ".join([*c, c[0]]) for c in cycles[:10])
+
+
+def test_the_rules_can_fail():
+    g = nx.DiGraph([("rdepc.runtime.module", "rdepc.codegen.emit"), ("rdepc.api", "rdepc.driver")])
+    g.add_edge("rdepc.driver", "rdepc.api")
+    assert layer("rdepc.runtime.module") == "runtime" and layer("rdepc.codegen.emit") == "codegen"
+    assert "codegen" not in ALLOWED["runtime"]
+    assert list(nx.simple_cycles(g)) == [["rdepc.api", "rdepc.driver"]] or list(nx.simple_cycles(g)) == [
+        ["rdepc.driver", "rdepc.api"]
+    ]
