@@ -1,17 +1,17 @@
-"""The emitter: a kernel plan → one readable Triton ``.py`` file per layer.
+"""The emitter: a kernel contract → one readable Triton ``.py`` file per layer.
 
-The file holds the layer's sizes and symmetric-heap offsets as ``tl.constexpr`` globals,
-the transport's four device functions (``transport.py``), one ``@triton.jit``
-function per task kind — ``route``, ``scan``, ``dispatch``, ``return_rows``, ``unpack``,
-``combine`` (``stages.py``), ``gemm1``, ``gemm2`` (``compute.py``, around the GEMM tile of
-``device/gemm.py``) — and the persistent kernel ``rdep_layer`` that takes work items with a
-ticket, waits on their dependencies' done flags and runs them. What depends on the spec is
-emitted only where it applies (the activation, the sideband fields carried, the weights
-policy, a gated expert's second weight); tile sizes and the interpreter's fp32 upcast are
-constexprs given at launch, so one file serves the Triton interpreter and sm_90 alike.
+The file is a header (what the layer is, the schedule's decisions, the content hash), a
+docstring, the layer's constants — sizes, the spec's choices, symmetric-heap offsets and
+the encodings shared with the host, all ``tl.constexpr`` globals — then the transport's
+section (``transport.py``) and the device functions of ``codegen/device/`` copied verbatim:
+the task kinds' functions and the persistent kernel ``rdep_layer``. What depends on the
+spec is decided by those constants (``if RING:``, ``if DEDUP:``, ``ACT``...), which Triton
+folds at compile time; the emitter writes no device logic. Tile sizes and the
+interpreter's fp32 upcast are constexprs given at launch, so one file serves the Triton
+interpreter and sm_90 alike.
 
 The text is emitted already formatted (``ruff format`` leaves it unchanged, a test checks)
-and ends in a header line with the SHA-256 of the file's own content.
+and ends its header with the SHA-256 of the file's own content.
 """
 
 from __future__ import annotations
@@ -20,40 +20,17 @@ import hashlib
 import textwrap
 
 from rdepc.codegen import transport
-from rdepc.codegen.backward import bgemm1_source, combine_grad_source, wgrad_source
-from rdepc.codegen.compute import gemm1_source, gemm2_source, m_tile_source
-from rdepc.codegen.dedup import LINKS
 from rdepc.codegen.device import include
-from rdepc.codegen.stages import (
-    combine_source,
-    decode_source,
-    dispatch_source,
-    helpers_source,
-    return_regions_source,
-    return_source,
-    route_source,
-    scan_source,
-    segment_source,
-    unpack_source,
-)
 
-from rdepc.ir.contract import (
-    COLUMNS,
-    CONTROL,
-    CTL_TICKETS,
-    ERRORS,
-    KINDS,
-    RUNTIME_SCALARS,
-    KernelContract,
-    kernel_args,
-    next_pow2,
-    tile_slots,
-)
+from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
+# The device modules a generated file is made of, in the order it holds them (after the transport's).
+DEVICE_MODULES = ("control", "rows", "route", "dispatch", "gemm", "experts", "returns", "combine", "kernel")
+RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 
 
 def content_hash(text: str) -> str:
@@ -69,33 +46,13 @@ def content_hash(text: str) -> str:
 def generate(plan: KernelContract) -> str:
     """The Triton source of ``plan``'s layer (formatted, with its content hash)."""
     imports = transport.imports(plan.transport)
-    parts = [
+    head = [
         _header(plan),
         _docstring(plan),
         "import triton\nimport triton.language as tl\n" + (imports + "\n" if imports else ""),
-        _constants(plan),
-        transport.source(plan.transport),
-        helpers_source(plan),
-        route_source(plan),
-        scan_source(plan),
-        segment_source(),
-        decode_source(plan),
-        *([LINKS] if plan.dedup else []),
-        dispatch_source(plan),
-        m_tile_source(),
-        include("gemm"),
-        gemm1_source(plan),
-        gemm2_source(plan),
-        return_regions_source(plan),
-        return_source(plan),
-        *([unpack_source(plan)] if plan.ring else []),
-        combine_source(plan),
-        bgemm1_source(plan),
-        combine_grad_source(plan),
-        wgrad_source(plan),
-        _kernel(plan),
+        constants(plan),
     ]
-    head, code = parts[:4], parts[4:]
+    code = [transport.source(plan.transport), *(include(m) for m in DEVICE_MODULES)]
     text = "\n\n".join(p.rstrip("\n") for p in head) + "\n\n\n" + "\n\n\n".join(p.strip("\n") for p in code) + "\n"
     return text.replace(HASH_FIELD + _ZERO, HASH_FIELD + content_hash(text), 1)
 
@@ -172,10 +129,14 @@ def _c(name: str, value, comment: str = "") -> str:
     return f"{name} = tl.constexpr({value})" + (f"  # {comment}" if comment else "")
 
 
-def _constants(p: KernelContract) -> str:
+def constants(p: KernelContract) -> str:
+    """The generated file's constants block: every name ``codegen/device/layout.py`` stands
+    in for (a region or field this layer has not is -1, and is never read)."""
     E_PAD, EL_PAD, W_PAD, K_PAD = next_pow2(p.E), next_pow2(p.E_MAX), next_pow2(p.W), next_pow2(p.K)
     route_rows = max(16, min(256, 8192 // E_PAD))
     off = dict(p.heap)
+    rid = [RID_CODES[v] for v in p.row_id_order] + [-1] * (3 - len(p.row_id_order))
+    scale = {"row": "one per row", "block": "one per SCALE_COLS columns"}.get(p.dispatch_scale, "none: no fp8")
     lines = [
         "# ---------------------------------------------------------------------------------------",
         "# The layer: sizes from the spec (T at its bound; a call may pass T' <= T tokens per rank)",
@@ -194,26 +155,36 @@ def _constants(p: KernelContract) -> str:
         _c("W_PAD", W_PAD),
         _c("K_PAD", K_PAD),
         _c("ROUTE_ROWS", route_rows, "route rows per block of the route stage's one-hot prefix count"),
-        *([_c("KEY_ROWS", 64, "admission keys per block of the scan's count")] if p.keyed else []),
-        *([_c("KEY_BITS", p.key_bits, "bits of an admission key: the scan's bisection steps")] if p.keyed else []),
+        _c("KEY_ROWS", 64, "admission keys per block of the scan's count"),
+        _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
-        _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
-        _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
-    ]
-    if p.scale_cols:
-        what = "one per row" if p.dispatch_scale == "row" else "one per SCALE_COLS columns"
-        lines += [
-            _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({what})"),
-            _c("SCALES", p.scales, "fp32 scales per payload row, in the sideband"),
-        ]
-    lines += [
-        _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
-        _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
         _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),
-        _c("RENORMALIZE", p.weights == "renormalize", "capacity weights: renormalize over accepted slots"),
         _c("R_MAX", p.R_MAX, "rows of the busiest owner: the backward's saved rows per owner"),
+        _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({scale})"),
+        _c("SCALES", p.scales if p.scale_cols else 0, "fp32 scales per payload row, in the sideband"),
+        "",
+        "# The spec's choices, which the device functions branch on at compile time.",
+        _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
+        _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
+        _c("DISPATCH_SCALE", f'"{p.dispatch_scale or "none"}"', "fp8 payload scales: row, block or none"),
+        _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
+        _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
+        _c("ACT", f'"{p.act}"', "the expert's activation"),
+        _c("GATED", p.gated, "a gated expert: GEMM1's weights are [Wg Wu], interleaved"),
+        _c("UP_COLS", 2 if p.gated else 1, "GEMM1 output columns per ffn column"),
+        _c("KEYED", p.keyed, "admission by key (a drop policy other than arrival order), not by row order"),
+        _c("POSITIONS_BY_KEY", p.keyed and not p.keys_in_row_order, "route positions in key order"),
+        _c("DROP", f'"{p.drop}"', "the capacity's drop policy"),
+        _c("RENORMALIZE", p.weights == "renormalize", "capacity weights: renormalize over accepted slots"),
+        _c("CARRY_LOCAL_EXPERT", "local_expert" in p.sideband, "the sideband carries each row's local expert"),
+        _c("CARRY_GATE", "gate" in p.sideband, "the sideband carries each row's gate"),
+        _c("RING", p.ring, "returns go through a return ring that unpack empties"),
+        _c("DEDUP", p.dedup, "one payload row per (token, owner) (X-MoE)"),
+        _c("RID_0", rid[0], "route-row variables from the largest row_id coefficient down:"),
+        _c("RID_1", rid[1], "0 rank, 1 token, 2 slot, -1 none (route_row " + " > ".join(p.row_id_order) + ")"),
+        _c("RID_2", rid[2]),
         "",
         "# ---------------------------------------------------------------------------------------",
         "# The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)",
@@ -223,7 +194,7 @@ def _constants(p: KernelContract) -> str:
         _c("COUNTS", off["counts"], "int32 [W, E_MAX] at the owner: rows each source sends each local expert"),
         _c("OFFSETS", off["offsets"], "int32 [W, E_MAX] at the source: write base per (owner, local expert)"),
         _c("ADMITTED", off["admitted"], "int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)"),
-        *([_c("KEYS", off["keys"], "int64 [W, T*K] at the owner: each source's admission keys")] if p.keyed else []),
+        _c("KEYS", off.get("keys", -1), "int64 [W, T*K] at the owner: each source's admission keys"),
         _c("FLAGS", off["flags"], "int64 done counters of the entries this rank runs (task-table column flag)"),
         _c("PAYLOAD", off["payload"], "DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source"),
     ]
@@ -234,30 +205,20 @@ def _constants(p: KernelContract) -> str:
         "scale": "fp32 [B*S, SCALES]",
         "links": "int32 [B*S, 2]: the token's first and next row here (dedup)",
     }
-    for f in p.sideband:
-        lines.append(_c(f"SB_{f.upper()}", off[f"sideband_{f}"], f"sideband {f}, {sizes[f]}"))
-    if p.ring:
-        lines += [
-            _c("RETURN", off["return"], "DTYPE [B*S, H] at the front-end: the return ring, claim j in slot j % B"),
-            _c("RETURN_IDS", off["return_ids"], "int64 [B*S]: the row_id of each return-ring row"),
-        ]
-    else:
-        lines.append(_c("RETURN", off["return"], "DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)"))
+    for f, what in sizes.items():
+        lines.append(_c(f"SB_{f.upper()}", off.get(f"sideband_{f}", -1), f"sideband {f}, {what}"))
+    ring = "the return ring, claim j in slot j % B" if p.ring else "row t*K + k of each (token, slot)"
     lines += [
+        _c("RETURN", off["return"], f"DTYPE at the front-end: {ring}"),
+        _c("RETURN_IDS", off.get("return_ids", -1), "int64 [B*S]: the row_id of each return-ring row"),
         _c("BWD_FLAGS", off["bwd_flags"], "int64 the backward's done counters"),
         _c("BWD_PAYLOAD", off["bwd_payload"], "DTYPE [B*S, H]: g'·dL/dy rows at the forward's places"),
         _c("BWD_ROW_IDS", off["bwd_row_ids"], "int64 [B*S]: their row_ids"),
         _c("BWD_RETURN", off["bwd_return"], "DTYPE: dL/dx rows at the front-end, laid out as RETURN"),
-    ]
-    if p.ring:
-        lines.append(_c("BWD_RETURN_IDS", off["bwd_return_ids"], "int64 [B*S]: their row_ids"))
-    if p.dedup:
-        lines += [
-            _c("BWD_SB_GATE", off["bwd_sideband_gate"], "fp32 [B*S]: dedup, each backward row's g'"),
-            _c("BWD_SB_LINKS", off["bwd_sideband_links"], "int32 [B*S, 2]: dedup, its links (as SB_LINKS)"),
-            _c("BWD_DGATE", off["bwd_dgate"], "fp32 [T*K] at the front-end: dedup, dL/dg' of each (token, slot)"),
-        ]
-    lines += [
+        _c("BWD_RETURN_IDS", off.get("bwd_return_ids", -1), "int64 [B*S]: their row_ids"),
+        _c("BWD_SB_GATE", off.get("bwd_sideband_gate", -1), "fp32 [B*S]: dedup, each backward row's g'"),
+        _c("BWD_SB_LINKS", off.get("bwd_sideband_links", -1), "int32 [B*S, 2]: dedup, its links (as SB_LINKS)"),
+        _c("BWD_DGATE", off.get("bwd_dgate", -1), "fp32 [T*K] at the front-end: dedup, dL/dg' of each (token, slot)"),
         "",
         "# Task kinds, columns of a task-table row (int32), the control block (int64), statistics.",
     ]
@@ -280,241 +241,4 @@ def _constants(p: KernelContract) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _kernel(p: KernelContract) -> str:
-    w_up = "w_gate_up" if p.gated else "w_up"
-    landing = "landing, " if p.ring else ""
-    pre = "2 * F" if p.gated else "F"
-    scalars = ", ".join(f'"{n}"' for n in RUNTIME_SCALARS)
-    names = [n + (": tl.constexpr" if t == "constexpr" else "") for n, t in kernel_args(p)]
-    signature = textwrap.fill(", ".join(names) + ",", 112, initial_indent="    ", subsequent_indent="    ")
-    return (
-        f'''@triton.jit(
-    do_not_specialize=[{scalars}]
-)
-def rdep_layer(
-{signature}
-):  # fmt: skip
-    """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
-    run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
-    backward's table (the forward's entries, then the weight gradients) with its own
-    control words, done counters and heap regions, over the routing tables the forward left
-    (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
-    route and scan entries only keep the table's order, nothing is routed again.
-
-    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
-    entries its rank runs); any program runs any task. Role-split mode: program
-    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
-    taking only that queue's tasks, in the table's order.
-    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
-    control block holds, plus one; a queue's tickets of call ``epoch`` start
-    at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
-    wait that expires records the error (entry, rank, queue, segment, flag, value seen and
-    expected) and every program stops at its next ticket. Compute items wait for their
-    owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
-    its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
-    injection): it runs nothing and never signals.
-    """
-    # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
-    # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
-    # With every rank in one process rank0 is 0 and nothing moves.
-    me = tl.cast(rank0, tl.int64)
-    x -= me * n_tokens * H
-    y -= me * n_tokens * H
-    dy -= me * n_tokens * H
-    dx -= me * n_tokens * H
-    topk_ids -= me * n_tokens * K
-    gates -= me * n_tokens * K
-    accepted -= me * n_tokens * K
-    slot -= me * n_tokens * K
-    gprime -= me * n_tokens * K
-    dgprime -= me * n_tokens * K
-    tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
-    saved_out -= @@SAVED_OUT_REBASE@@
-    saved_x -= me * R_MAX * H
-    saved_pre -= me * R_MAX * {pre}
-    dh -= me * R_MAX * {pre}
-    act_rows -= me * R_MAX * F
-    do_rows -= me * R_MAX * H
-    rowpos -= me * (T * K)
-    sorted_rows -= me * (T * K)
-    route_scratch -= me * (2 * E_PAD + 2)
-    recv -= me * (W * E_MAX * 2)
-    group -= me * (E_MAX * 2)
-    hbuf -= me * (B * S * F)
-    hbuf_rid -= me * (B * S)
-    tile_done -= me * (SEGMENTS * TILE_SLOTS)
-    staging -= me * (B * S * H)
-    staging_rid -= me * (B * S)
-@@LANDING_REBASE@@    stats -= me * ST_COLS
-    if BACKWARD:  # dL/dy goes where x went, scaled by g'
-        x = dy
-        gates = gprime
-    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
-    target = epoch
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    queue_id = 0
-    if ROLE_SPLIT:
-        queue_id = tl.load(program_queue + program_base + tl.program_id(0))
-    first_pos = tl.load(queues + queue_id * 3)
-    last_pos = tl.load(queues + queue_id * 3 + 1)
-    item0 = tl.load(first_item + first_pos)
-    n_items = tl.load(first_item + last_pos) - item0
-    base = (target - 1) * (n_items + tl.load(queues + queue_id * 3 + 2))
-    ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
-    failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
-    while (ticket < n_items) & (failed == 0):
-        lo = first_pos  # the queue position of this item: the last one whose first item <= ticket
-        hi = last_pos
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            below = tl.load(first_item + mid) - item0 <= ticket
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-        entry = tl.load(queue + lo)
-        item = (ticket - (tl.load(first_item + lo) - item0)).to(tl.int32)
-        row = table + entry * NCOL
-        kind = tl.load(row + C_KIND)
-        rank = tl.load(row + C_RANK)
-        src = tl.load(row + C_SRC)
-        owner = tl.load(row + C_OWNER)
-        segment = tl.load(row + C_SEGMENT)
-        claim = tl.load(row + C_CLAIM)
-        items = tl.load(row + C_ITEMS)
-        blocked = -1
-        seen = target * 0
-        expected = target * 0
-        guard = tl.load(row + C_GUARD)
-        if guard >= 0:  # GEMM items: their owner's scan first
-            want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
-            if got < want:
-                blocked = guard
-                seen = got
-                expected = want
-        empty = 0
-        mt = tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)  # a GEMM item's m-tile slot
-        tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
-        if (guard >= 0) & (blocked < 0):
-            _, _, lo_row, hi_row = m_tile(group, owner, segment, mt, BM)
-            empty = (hi_row <= lo_row).to(tl.int32)
-        if empty == 0:
-            d = tl.load(row + C_DEP_START)
-            end = d + tl.load(row + C_DEP_COUNT)
-            while (d < end) & (blocked < 0):
-                dep = tl.load(deps + d)
-                before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
-                dep = tl.where(dep < 0, -dep - 1, dep)
-                want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                flag = done_flag(heap, table, dep, BACKWARD)
-                if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
-                    want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
-                    flag = tile
-                got = wait(flag, want, bound)
-                if got < want:
-                    blocked = dep
-                    seen = got
-                    expected = want
-                d += 1
-        if blocked >= 0:
-            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, queue_id, segment, seen, expected)
-        elif kind >= 0:
-            if PROFILE:
-                start = now(ctl, GLOBALTIMER)
-            if empty == 0:
-                if kind == KIND_ROUTE:
-                    if not BACKWARD:
-                        route(
-                            heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
-                        )  # fmt: skip
-                elif kind == KIND_SCAN:
-                    if not BACKWARD:
-                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
-                elif kind == KIND_DISPATCH:
-                    dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch,@@DEDUP_ARGS@@ stats,
-                        src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
-                        CAST_F32, BACKWARD,
-                    )  # fmt: skip
-                elif kind == KIND_GEMM1:
-                    if BACKWARD:
-                        bgemm1(
-                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
-                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
-                        )  # fmt: skip
-                    else:
-                        gemm1(
-                            heap, {w_up}, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
-                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
-                        )  # fmt: skip
-                elif kind == KIND_GEMM2:
-                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
-                        gemm2(
-                            dh, hbuf_rid, {w_up}, weight_of, group, staging, staging_rid, @@SAVED@@owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,@@NOSAVE@@
-                        )  # fmt: skip
-                    else:
-                        gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, @@SAVED@@owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,@@SAVE@@
-                        )  # fmt: skip
-                elif kind == KIND_RETURN:
-                    return_rows(
-                        heap, recv, staging, staging_rid, @@SAVED@@stats, ctl, entry, epoch, owner, src, segment,
-                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, @@DEDUP_CAST@@BACKWARD,
-                    )  # fmt: skip
-@@UNPACK@@                elif kind == KIND_WGRAD:  # the backward's table only
-                    if BACKWARD:
-                        wgrad(
-                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
-                            BLOCK_F, BLOCK_K, CAST_F32,
-                        )  # fmt: skip
-                elif kind == KIND_COMBINE:
-                    if BACKWARD:
-                        combine_grad(
-                            heap, {landing}dy, dx, accepted, @@GRAD_ARGS@@dgprime, rank, claim, n_tokens,
-                            BLOCK_H, CAST_F32,
-                        )  # fmt: skip
-                    else:
-                        combine(
-                            heap, {landing}topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
-                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
-                        )  # fmt: skip
-                # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
-            if PROFILE:
-                at = (tl.load(first_item + lo) + item) * 2
-                tl.store(profile + at, start)
-                tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
-            if kind == KIND_GEMM1:
-                signal(tile)
-            signal(done_flag(heap, table, entry, BACKWARD))
-        ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
-        failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
-    # The last of the launch's n_programs programs out closes the call: the next launch reads
-    # its epoch from the count, so no argument changes from call to call.
-    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
-        tl.atomic_add(ctl + CTL_CALLS, 1)
-'''.replace("@@UNPACK@@", _unpack_call() if p.ring else "")
-        .replace("@@LANDING_REBASE@@", "    landing -= me * (T * K * H)\n" if p.ring else "")
-        .replace("@@DEDUP_ARGS@@", "\n" + " " * 24 + "topk_ids, owner_of, local_of, rowpos," if p.dedup else "")
-        .replace("@@DEDUP_CAST@@", "CAST_F32, " if p.dedup else "")
-        .replace("@@SAVED@@", "saved_out, " if p.dedup else "")
-        .replace("@@SAVE@@", " SAVE," if p.dedup else "")
-        .replace("@@NOSAVE@@", " False," if p.dedup else "")
-        .replace("@@GRAD_ARGS@@", "topk_ids, owner_of, slot, " if p.dedup else "saved_out, ")
-        # saved_out: each accepted slot's expert output at the front-end; under dedup at the owner
-        .replace("@@SAVED_OUT_REBASE@@", "me * R_MAX * H" if p.dedup else "me * n_tokens * K * H")
-    )
-
-
-def _unpack_call() -> str:
-    return """                elif kind == KIND_UNPACK:
-                    unpack(
-                        heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
-                        rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
-                    )  # fmt: skip
-"""
-
-
-__all__ = ["HASH_FIELD", "content_hash", "generate"]
+__all__ = ["DEVICE_MODULES", "HASH_FIELD", "constants", "content_hash", "generate"]

@@ -483,7 +483,7 @@ class RDEPModule:
         self._settle(wait=False)
         lead = () if self.per_rank else (p.W,)
         weights = self._weights(w_gate, w_up, w_down)
-        up = weights["w_gate_up" if p.gated else "w_up"]
+        up = weights["w_up"]
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": aligned(dy.detach().to(self.dtype).contiguous()),
@@ -520,8 +520,9 @@ class RDEPModule:
         return torch.empty((owners, self.plan.R_MAX, cols), dtype=self.dtype, device=self.device)
 
     def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
+        """The kernel's weight arguments: ``w_up`` is a gated expert's [Wg Wu], interleaved."""
         if self.plan.gated:
-            weights = {"w_gate_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
+            weights = {"w_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
         else:
             weights = {"w_up": w_up, "w_down": w_down}
         return {k: aligned(w.detach().contiguous()) for k, w in weights.items()}

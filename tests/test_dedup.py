@@ -1,4 +1,4 @@
-"""``dedup``: one payload row per (token, owner), out and back (codegen/dedup.py).
+"""``dedup``: one payload row per (token, owner), out and back (codegen/device: dispatch.py, returns.py, combine.py).
 
 Under the interpreter: parity with the reference over random small specs and routings
 (every schedule, bf16 and fp32, fp8 rows with row and block scales, capacity drops, the

@@ -29,7 +29,10 @@ def functions(module: str) -> list[tuple[str, str]]:
     lines = text.split("\n")
     out = []
     for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) in DECORATORS for d in node.decorator_list):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+        if any(n in DECORATORS for n in names):
             out.append((node.name, "\n".join(lines[node.decorator_list[0].lineno - 1 : node.end_lineno])))
     return out
 

@@ -448,12 +448,13 @@ POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
 
 
 def kernel_args(plan: KernelContract) -> list[tuple[str, str]]:
-    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's
-    signature is generated from it, the host passes arguments by these names, and sm_90
-    compiles use the types."""
+    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's signature
+    (``codegen/device/kernel.py``, a test holds they agree), the names the host passes
+    arguments by, and the types sm_90 compiles use. The same for every layer but for the
+    dtype of the layer's tensors."""
     dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
     args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
-    args.append(("w_gate_up" if plan.gated else "w_up", f"*{dt}"))
+    args.append(("w_up", f"*{dt}"))  # a gated expert's [Wg Wu], interleaved: [E, H, F, 2]
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
     args.append(("gprime", "*fp32"))
     # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
@@ -469,8 +470,7 @@ def kernel_args(plan: KernelContract) -> list[tuple[str, str]]:
     args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
     args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
     args.append(("tile_done", "*i64"))
-    if plan.ring:
-        args.append(("landing", f"*{dt}"))
+    args.append(("landing", f"*{dt}"))  # a return ring's unpacked rows (otherwise a placeholder)
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
     args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
     args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]

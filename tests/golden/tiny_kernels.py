@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 73b87282997557aef28b946d0b5aca715478355554dde2d21b862ac80d75a0e6
+# content-sha256: c4a292608e07b66bdcafaac4913d56b86edf3a8306dd2b8b5c67d60a8a04cc87
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -59,16 +59,36 @@ EL_PAD = tl.constexpr(2)
 W_PAD = tl.constexpr(4)
 K_PAD = tl.constexpr(2)
 ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-hot prefix count
+KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
+KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
-DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows
-DISPATCH_DTYPE = tl.constexpr(tl.float32)  # payload rows on the wire
-PRECISION = tl.constexpr("ieee")  # fp32 tl.dot in IEEE fp32, not TF32
-TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 16-byte aligned)
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
-RENORMALIZE = tl.constexpr(True)  # capacity weights: renormalize over accepted slots
 R_MAX = tl.constexpr(128)  # rows of the busiest owner: the backward's saved rows per owner
+SCALE_COLS = tl.constexpr(0)  # payload columns one fp8 scale covers (none: no fp8)
+SCALES = tl.constexpr(0)  # fp32 scales per payload row, in the sideband
+
+# The spec's choices, which the device functions branch on at compile time.
+DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows
+DISPATCH_DTYPE = tl.constexpr(tl.float32)  # payload rows on the wire
+DISPATCH_SCALE = tl.constexpr("none")  # fp8 payload scales: row, block or none
+PRECISION = tl.constexpr("ieee")  # fp32 tl.dot in IEEE fp32, not TF32
+TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 16-byte aligned)
+ACT = tl.constexpr("swiglu")  # the expert's activation
+GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
+UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
+KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
+POSITIONS_BY_KEY = tl.constexpr(False)  # route positions in key order
+DROP = tl.constexpr("arrival")  # the capacity's drop policy
+RENORMALIZE = tl.constexpr(True)  # capacity weights: renormalize over accepted slots
+CARRY_LOCAL_EXPERT = tl.constexpr(True)  # the sideband carries each row's local expert
+CARRY_GATE = tl.constexpr(True)  # the sideband carries each row's gate
+RING = tl.constexpr(False)  # returns go through a return ring that unpack empties
+DEDUP = tl.constexpr(False)  # one payload row per (token, owner) (X-MoE)
+RID_0 = tl.constexpr(0)  # route-row variables from the largest row_id coefficient down:
+RID_1 = tl.constexpr(1)  # 0 rank, 1 token, 2 slot, -1 none (route_row rank > token > slot)
+RID_2 = tl.constexpr(2)
 
 # ---------------------------------------------------------------------------------------
 # The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)
@@ -78,16 +98,24 @@ TOKENS = tl.constexpr(0)  # int64 [W] at the owner: the tokens T' each front-end
 COUNTS = tl.constexpr(256)  # int32 [W, E_MAX] at the owner: rows each source sends each local expert
 OFFSETS = tl.constexpr(512)  # int32 [W, E_MAX] at the source: write base per (owner, local expert)
 ADMITTED = tl.constexpr(768)  # int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)
+KEYS = tl.constexpr(1024)  # int64 [W, T*K] at the owner: each source's admission keys
 FLAGS = tl.constexpr(1024)  # int64 done counters of the entries this rank runs (task-table column flag)
 PAYLOAD = tl.constexpr(1280)  # DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source
 SB_ROW_ID = tl.constexpr(34048)  # sideband row_id, int64 [B*S]
 SB_LOCAL_EXPERT = tl.constexpr(35072)  # sideband local_expert, int32 [B*S]
 SB_GATE = tl.constexpr(35584)  # sideband gate, fp32 [B*S]
-RETURN = tl.constexpr(36096)  # DTYPE [T*K, H] at the front-end: row t*K + k of each (token, slot)
+SB_SCALE = tl.constexpr(-1)  # sideband scale, fp32 [B*S, SCALES]
+SB_LINKS = tl.constexpr(-1)  # sideband links, int32 [B*S, 2]: the token's first and next row here (dedup)
+RETURN = tl.constexpr(36096)  # DTYPE at the front-end: row t*K + k of each (token, slot)
+RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: the row_id of each return-ring row
 BWD_FLAGS = tl.constexpr(44288)  # int64 the backward's done counters
 BWD_PAYLOAD = tl.constexpr(44544)  # DTYPE [B*S, H]: g'·dL/dy rows at the forward's places
 BWD_ROW_IDS = tl.constexpr(77312)  # int64 [B*S]: their row_ids
 BWD_RETURN = tl.constexpr(78336)  # DTYPE: dL/dx rows at the front-end, laid out as RETURN
+BWD_RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: their row_ids
+BWD_SB_GATE = tl.constexpr(-1)  # fp32 [B*S]: dedup, each backward row's g'
+BWD_SB_LINKS = tl.constexpr(-1)  # int32 [B*S, 2]: dedup, its links (as SB_LINKS)
+BWD_DGATE = tl.constexpr(-1)  # fp32 [T*K] at the front-end: dedup, dL/dg' of each (token, slot)
 
 # Task kinds, columns of a task-table row (int32), the control block (int64), statistics.
 KIND_ROUTE = tl.constexpr(0)
@@ -228,6 +256,17 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
+def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
+    """fp32 ``x`` in ``dtype``, rounded to nearest even. The interpreter truncates fp32 to
+    bf16, so under it (CAST_F32) the rounding is done on the bits first."""
+    if CAST_F32 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def note(ctl, word, bad, key):
     """Count the offending rows ``bad`` into control word ``word`` and keep the earliest
     (the largest ``key``) in the word after it; nothing is written when none offends."""
@@ -267,121 +306,112 @@ def validate(topk_ids, gates, ctl, r, n_tokens):
 
 
 @triton.jit
-def route(
-    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r,
-    n_tokens, brought,
-):  # fmt: skip
-    """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
-
-    Route row i = t*K + k of token t, slot k. Pass 1 gives every row its
-    position among the rows r sends to the same expert (a running one-hot prefix count, in
-    row order, which is ascending row_id) and counts the rows per expert; the counts go to
-    the owners (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the
-    bucket base of each expert stays in ``scratch`` for the dispatch tasks. The inputs are
-    validated first, here rather than on the host (no device→host sync in a call).
-    """
-    validate(topk_ids, gates, ctl, r, n_tokens)
-    st = stats + tl.cast(r, tl.int64) * ST_COLS  # this call's rows sent and returned start at zero
-    tl.store(st + ST_SENT, 0)
-    tl.store(st + ST_RETURNED, 0)
-    n = n_tokens * K
-    ids = topk_ids + tl.cast(r, tl.int64) * n
-    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
-    by_expert = scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2)
-    by_order = by_expert + E_PAD
-    experts = tl.arange(0, E_PAD)
-    real = experts < E
-    counts = tl.zeros([E_PAD], tl.int32)
-    start = 0
-    while start < n:  # while, not range: the interpreter cannot index a range by a runtime scalar
-        i = start + tl.arange(0, ROUTE_ROWS)
-        start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
-        tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
-        counts += tl.sum(onehot, axis=0)
-    # Bucket bases: exclusive prefix sums of the counts with the experts in (owner, local) order.
-    tl.store(by_expert + experts, counts)
-    tl.debug_barrier()
-    ordered = tl.load(order + experts, mask=real, other=0)
-    c = tl.load(by_expert + ordered, mask=real, other=0)
-    ends = tl.cumsum(c, axis=0)
-    tl.store(by_order + 1 + experts, ends, mask=real)
-    tl.store(by_order + experts, 0, mask=experts == 0)
-    tl.debug_barrier()
-    tl.store(by_expert + ordered, ends - c, mask=real)
-    tl.debug_barrier()
-    bucketed = sorted_rows + tl.cast(r, tl.int64) * (T * K)
-    start = 0
-    while start < n:
-        i = start + tl.arange(0, ROUTE_ROWS)
-        start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
-        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
-        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
-        tl.store(bucketed + at, i, mask=valid)
-    # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
-    q = tl.load(owner_of + experts, mask=real, other=0)
-    local = tl.load(local_of + experts, mask=real, other=0)
-    put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
-    # ... and how many tokens r brings to the call (``brought`` <= n_tokens, the rows past it route
-    # nowhere): capacity follows the total (ranks may differ).
-    peers = tl.arange(0, W_PAD)
-    tokens = tl.zeros([W_PAD], tl.int64) + brought
-    put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
+def radix(code: tl.constexpr, rid_r, rid_t, rid_k):
+    """The row_id coefficient of route-row variable ``code`` (0 rank, 1 token, 2 slot)."""
+    if code == 0:
+        c = rid_r
+    elif code == 1:
+        c = rid_t
+    else:
+        c = rid_k
+    return c
 
 
 @triton.jit
-def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
-    """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
+def digit(code: tl.constexpr, d0, d1, d2, rid):
+    """Variable ``code``'s value among the decoded digits d0, d1, d2 (the encoding's
+    variables from its largest coefficient down: RID_0, RID_1, RID_2), or 0 when the
+    encoding has no such variable (its extent is 1)."""
+    if code == RID_0:
+        x = d0
+    elif code == RID_1:
+        x = d1
+    elif code == RID_2:
+        x = d2
+    else:
+        x = rid * 0  # extent 1
+    return x
 
-    Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
-    published with their counts, in arrival order: ascending row_id, which
-    is source by source (rank, then token, then slot), so what a source gets admitted is a
-    prefix of its run and admission is one running sum per expert. Rows land grouped by local expert and,
-    within an expert, by source: each (source, local expert) gets the exact offset of its
-    span. Offsets and admitted counts are published back to the sources; the owner keeps
-    them as its split table (``recv``) for the return.
-    """
-    local = tl.arange(0, EL_PAD)
-    mine = local < tl.load(n_local + q)
-    peers = tl.arange(0, W_PAD)
-    tokens = tl.load((peer(heap, q) + TOKENS).to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
-    cap = tl.load(caps + tl.sum(tokens, axis=0))
-    policy = cap
-    counts = (peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32))
-    arrived = tl.zeros([EL_PAD], tl.int32)
-    for src in range(0, W):
-        arrived += tl.load(counts + src * E_MAX + local, mask=mine, other=0)
-    admitted = tl.minimum(arrived, cap)
-    total = tl.sum(admitted, axis=0)
-    over = total > tl.load(rows_max + q)
-    if over:  # more rows than the plan sized this owner for (it bounds R_q): admit none, report
-        report(ctl, ERR_OVERFLOW, entry, -1, q, epoch, -1, -1, total, tl.load(rows_max + q))
-    cap = tl.where(over, 0, cap)
-    admitted = tl.minimum(arrived, cap)
-    first = tl.cumsum(admitted, axis=0) - admitted
-    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
-    tl.store(grp, first, mask=mine)
-    tl.store(grp + 1, admitted, mask=mine)
-    before = tl.zeros([EL_PAD], tl.int32)
-    for src in range(0, W):
-        c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
-        take = tl.minimum(tl.maximum(cap - before, 0), c)
-        offset = first + tl.minimum(before, cap)
-        split = recv + (tl.cast(q, tl.int64) * W + src) * (E_MAX * 2) + local * 2
-        tl.store(split, offset, mask=mine)
-        tl.store(split + 1, take, mask=mine)
-        back = peer(heap, src)
-        put((back + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, offset, mine)
-        put((back + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, take, mine)
-        before += c
-    st = stats + tl.cast(q, tl.int64) * ST_COLS
-    tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
-    tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
-    tl.store(st + ST_MTILES, 0)
-    tl.store(st + ST_CAP, policy)
+
+@triton.jit
+def decode(rid, rid_c, rid_r, rid_t, rid_k):
+    """(rank, token, slot) of route row ``rid`` = c + a_rank·rank + a_token·token +
+    a_slot·slot, a mixed-radix number (docs/language.md, route_row): each variable from the
+    largest coefficient down (RID_0, RID_1, RID_2)."""
+    v = rid - rid_c
+    d0 = v // radix(RID_0, rid_r, rid_t, rid_k)
+    d1 = d0
+    d2 = d0
+    if RID_1 >= 0:
+        v = v % radix(RID_0, rid_r, rid_t, rid_k)
+        d1 = v // radix(RID_1, rid_r, rid_t, rid_k)
+    if RID_2 >= 0:
+        v = v % radix(RID_1, rid_r, rid_t, rid_k)
+        d2 = v // radix(RID_2, rid_r, rid_t, rid_k)
+    return digit(0, d0, d1, d2, rid), digit(1, d0, d1, d2, rid), digit(2, d0, d1, d2, rid)
+
+
+@triton.jit
+def place(code: tl.constexpr, rank, token, slot):
+    """Route-row variable ``code`` (0 rank, 1 token, 2 slot) of a row."""
+    if code == 0:
+        x = rank
+    elif code == 1:
+        x = token
+    else:
+        x = slot
+    return x
+
+
+@triton.jit
+def mixed(dense, code: tl.constexpr, rank, token, slot):
+    """``dense`` times the extent of variable ``code`` (W, T or K), plus its value."""
+    if code == 0:
+        d = dense * W + rank
+    elif code == 1:
+        d = dense * T + token
+    else:
+        d = dense * K + slot
+    return d
+
+
+@triton.jit
+def dense_index(rank, token, slot):
+    """A route row's row_id order as a dense index: mixed radix over the extents of the
+    encoding's variables, largest coefficient first (0 when it has none)."""
+    if RID_0 >= 0:
+        dense = place(RID_0, rank, token, slot)
+        if RID_1 >= 0:
+            dense = mixed(dense, RID_1, rank, token, slot)
+        if RID_2 >= 0:
+            dense = mixed(dense, RID_2, rank, token, slot)
+    else:
+        dense = rank * 0
+    return dense
+
+
+@triton.jit
+def row_key(gates, r, i, live):
+    """Admission keys of route rows i = t*K + k of rank r, smallest admitted first. Under
+    ``drop arrival`` ascending row_id (its order as a dense index); under ``round_robin``
+    the token index first, the ranks taking turns from rank t mod W, then the slot; under
+    ``lowest_gate`` the gate, highest first, then ascending row_id. Unique per row, below
+    2^63."""
+    t = tl.cast(i // K, tl.int64)
+    k = tl.cast(i % K, tl.int64)
+    rank = t * 0 + r
+    token = t
+    slot = k
+    if DROP == "round_robin":
+        key = (token * W + (rank - token % W + W) % W) * K + slot
+    elif DROP == "lowest_gate":
+        g = tl.load(gates + i, mask=live, other=0.0) + 0.0  # -0 as +0: equal gates tie on row_id
+        bits = g.to(tl.int32, bitcast=True)
+        up = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # the fp32 order, in [0, 2^32)
+        key = (4294967295 - up) * 2147483648 + dense_index(rank, token, slot)  # highest gate first, then row_id
+    else:
+        key = dense_index(rank, token, slot)
+    return key
 
 
 @triton.jit
@@ -421,16 +451,244 @@ def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
 
 
 @triton.jit
-def decode(rid, rid_c, rid_r, rid_t, rid_k):
-    """(rank, token, slot) of route row ``rid`` = c + a_rank·rank + a_token·token + a_slot·slot, a mixed-radix number
-    (docs/language.md, route_row): each variable from the largest coefficient down."""
-    v = rid - rid_c
-    rank = v // rid_r
-    v = v % rid_r
-    token = v // rid_t
-    v = v % rid_t
-    slot = v // rid_k
-    return rank, token, slot
+def m_tile(group, q, s, j, BM: tl.constexpr):
+    """Bind m-tile slot j of owner q's segment s at run time to (local expert, first row,
+    live rows [lo, hi) of the tile).
+
+    Tiles go expert by expert, each at rows first + i*BM of its local expert's rows, in
+    every strategy: a row has the same place in its tile whether the rows are cut into
+    segments or not, which keeps results bitwise identical across schedules (a GEMM's
+    result for a row may depend on its place in the tile). A tile that a segment boundary
+    cuts runs in both segments, each with its own rows live. Only tiles at an expert's end
+    or at a segment boundary are partial: padding-free (no padding to the tallest group).
+    A slot beyond the routing's tiles gets no live rows. At most ceil(min(R_q, S) / BM) +
+    2 E_loc - 1 slots can have live rows (bulk: ceil(R_q / BM) + E_loc - 1), which is how
+    many the plan gives each segment of owner q (rdepc.ir.contract.tile_slots).
+    """
+    local = tl.arange(0, EL_PAD)
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    first = tl.load(grp, mask=local < E_MAX, other=0)
+    lo, rows = clip(first, tl.load(grp + 1, mask=local < E_MAX, other=0), s)
+    aligned = first + (lo - first) // BM * BM
+    tiles = tl.where(rows > 0, (lo + rows - aligned + BM - 1) // BM, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    which = tl.sum((ends <= j).to(tl.int32), axis=0)
+    hit = local == which
+    row0 = tl.sum(tl.where(hit, aligned, 0), axis=0) + (j - tl.sum(tl.where(hit, ends - tiles, 0), axis=0)) * BM
+    begin = tl.sum(tl.where(hit, lo, 0), axis=0)
+    end = begin + tl.sum(tl.where(hit, rows, 0), axis=0)
+    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+
+
+@triton.jit
+def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_tokens):
+    """dedup, front-end r: for route rows of its tokens ``t`` that sit at rows ``row`` of
+    owner q, the rows at q of the token's first accepted slot there and of its next one
+    after ``row`` (-1: none), from what q published back (offsets, admitted counts)."""
+    kk = tl.arange(0, K_PAD)
+    i = t[:, None] * K + kk[None, :]
+    m = live[:, None] & (kk < K)[None, :]
+    e = tl.load(topk_ids + tl.cast(r, tl.int64) * n_tokens * K + i, mask=m, other=-1)
+    m = m & (e >= 0) & (e < E)
+    to = tl.load(owner_of + e, mask=m, other=-1)
+    at = to * E_MAX + tl.load(local_of + e, mask=m, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=m, other=0)
+    me = peer(heap, r)
+    m = m & (to == q) & (p < tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0))
+    rows = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0) + p
+    first = tl.min(tl.where(m, rows, 2147483647), axis=1)
+    later = tl.min(tl.where(m & (rows > row[:, None]), rows, 2147483647), axis=1)
+    return first, tl.where(later == 2147483647, -1, later)
+
+
+@triton.jit
+def route(
+    heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r,
+    n_tokens, brought,
+):  # fmt: skip
+    """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
+
+    Route row i = t*K + k of token t, slot k. Pass 1 gives every row its position among
+    the rows r sends to the same expert — in row order (a running one-hot prefix count;
+    row order is ascending row_id), or under a keyed drop policy whose keys do not ascend
+    with the rows (POSITIONS_BY_KEY) in admission-key order (row_key; the owner admits the
+    smallest keys, scan) — and counts the rows per expert; the counts go to the owners
+    (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the bucket base
+    of each expert stays in ``scratch`` for the dispatch tasks, and under a keyed policy
+    the keys go to the owners. The inputs are validated first, here rather than on the
+    host (no device→host sync in a call).
+    """
+    validate(topk_ids, gates, ctl, r, n_tokens)
+    st = stats + tl.cast(r, tl.int64) * ST_COLS  # this call's rows sent and returned start at zero
+    tl.store(st + ST_SENT, 0)
+    tl.store(st + ST_RETURNED, 0)
+    n = n_tokens * K
+    ids = topk_ids + tl.cast(r, tl.int64) * n
+    if KEYED:
+        rgates = gates + tl.cast(r, tl.int64) * n
+    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
+    by_expert = scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2)
+    by_order = by_expert + E_PAD
+    experts = tl.arange(0, E_PAD)
+    real = experts < E
+    counts = tl.zeros([E_PAD], tl.int32)
+    start = 0
+    while start < n:  # while, not range: the interpreter cannot index a range by a runtime scalar
+        i = start + tl.arange(0, ROUTE_ROWS)
+        start += ROUTE_ROWS
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        if POSITIONS_BY_KEY:
+            key = row_key(rgates, r, i, i < n)
+            before = tl.zeros([ROUTE_ROWS], tl.int32)
+            j0 = 0
+            while j0 < n:  # the rows of r to the same expert with a smaller key come first
+                j = j0 + tl.arange(0, ROUTE_ROWS)
+                j0 += ROUTE_ROWS
+                ej = tl.load(ids + j, mask=j < n, other=-2).to(tl.int32)
+                smaller = (ej[None, :] == e[:, None]) & (row_key(rgates, r, j, j < n)[None, :] < key[:, None])
+                before += tl.sum(smaller.to(tl.int32), axis=1)
+            tl.store(pos + i, before, mask=i < n)
+        else:
+            before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
+            tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
+        counts += tl.sum(onehot, axis=0)
+    # Bucket bases: exclusive prefix sums of the counts with the experts in (owner, local) order.
+    tl.store(by_expert + experts, counts)
+    tl.debug_barrier()
+    ordered = tl.load(order + experts, mask=real, other=0)
+    c = tl.load(by_expert + ordered, mask=real, other=0)
+    ends = tl.cumsum(c, axis=0)
+    tl.store(by_order + 1 + experts, ends, mask=real)
+    tl.store(by_order + experts, 0, mask=experts == 0)
+    tl.debug_barrier()
+    tl.store(by_expert + ordered, ends - c, mask=real)
+    tl.debug_barrier()
+    bucketed = sorted_rows + tl.cast(r, tl.int64) * (T * K)
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, ROUTE_ROWS)
+        start += ROUTE_ROWS
+        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
+        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
+        tl.store(bucketed + at, i, mask=valid)
+        if KEYED:
+            # ... and the keys, into the owner's run for (r, local expert): ascending, as the positions
+            q = tl.load(owner_of + e, mask=valid, other=0)
+            first = tl.load(by_order + tl.load(owner_first + q, mask=valid, other=0), mask=valid, other=0)
+            key = row_key(rgates, r, i, valid)
+            put((peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64)) + r * (T * K) + at - first, key, valid)
+    # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
+    q = tl.load(owner_of + experts, mask=real, other=0)
+    local = tl.load(local_of + experts, mask=real, other=0)
+    put((peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32)) + r * E_MAX + local, counts, real)
+    # ... and how many tokens r brings to the call (``brought`` <= n_tokens, the rows past it route
+    # nowhere): capacity follows the total (ranks may differ).
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.zeros([W_PAD], tl.int64) + brought
+    put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
+
+
+@triton.jit
+def keys_below(keys, counts, src, local, mine, bound):
+    """Per local expert of the owner, how many of the keys source ``src`` published for it
+    are below ``bound``: the source's keys sit at row src of ``keys``, one ascending run per
+    local expert, in local order, as long as its published counts."""
+    c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+    first = tl.cumsum(c, axis=0) - c
+    run = keys + tl.cast(src, tl.int64) * (T * K)
+    below = tl.zeros([EL_PAD], tl.int32)
+    longest = tl.max(c, axis=0)
+    u0 = 0
+    while u0 < longest:
+        u = u0 + tl.arange(0, KEY_ROWS)
+        u0 += KEY_ROWS
+        live = u[None, :] < c[:, None]
+        key = tl.load(run + first[:, None] + u[None, :], mask=live, other=0)
+        below += tl.sum((live & (key < bound[:, None])).to(tl.int32), axis=1)
+    return below
+
+
+@triton.jit
+def publish(heap, recv, q, src, local, mine, offset, take):
+    """Owner q's decision for source ``src``: the offset and admitted count of each of its
+    (source, local expert) spans, into q's split table and back to the source."""
+    split = recv + (tl.cast(q, tl.int64) * W + src) * (E_MAX * 2) + local * 2
+    tl.store(split, offset, mask=mine)
+    tl.store(split + 1, take, mask=mine)
+    back = peer(heap, src)
+    put((back + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, offset, mine)
+    put((back + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, take, mine)
+
+
+@triton.jit
+def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
+    """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
+
+    Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
+    published with their counts. In arrival order (not KEYED): ascending row_id, which is
+    source by source (rank, then token, then slot), so what a source gets admitted is a
+    prefix of its run and admission is one running sum per expert. Under a keyed drop
+    policy: the cap smallest of the keys every source published (row_key), a global step
+    over all arrivals; each source's keys for an expert are one ascending run (its route
+    positions), so what it gets admitted is a prefix of its run: the keys up to the
+    expert's cap-th smallest, found bit by bit. Rows land grouped by local expert and,
+    within an expert, by source: each (source, local expert) gets the exact offset of its
+    span. Offsets and admitted counts are published back to the sources; the owner keeps
+    them as its split table (``recv``) for the return.
+    """
+    local = tl.arange(0, EL_PAD)
+    mine = local < tl.load(n_local + q)
+    peers = tl.arange(0, W_PAD)
+    tokens = tl.load((peer(heap, q) + TOKENS).to(tl.pointer_type(tl.int64)) + peers, mask=peers < W, other=0)
+    cap = tl.load(caps + tl.sum(tokens, axis=0))
+    policy = cap
+    counts = (peer(heap, q) + COUNTS).to(tl.pointer_type(tl.int32))
+    arrived = tl.zeros([EL_PAD], tl.int32)
+    for src in range(0, W):
+        arrived += tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+    admitted = tl.minimum(arrived, cap)
+    total = tl.sum(admitted, axis=0)
+    over = total > tl.load(rows_max + q)
+    if over:  # more rows than the plan sized this owner for (it bounds R_q): admit none, report
+        report(ctl, ERR_OVERFLOW, entry, -1, q, epoch, -1, -1, total, tl.load(rows_max + q))
+    cap = tl.where(over, 0, cap)
+    admitted = tl.minimum(arrived, cap)
+    first = tl.cumsum(admitted, axis=0) - admitted
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    tl.store(grp, first, mask=mine)
+    tl.store(grp + 1, admitted, mask=mine)
+    if KEYED:
+        keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
+        kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
+        for b in range(0, KEY_BITS):
+            trial = kth + (tl.full([EL_PAD], 1, tl.int64) << (KEY_BITS - 1 - b))
+            below = tl.zeros([EL_PAD], tl.int32)
+            for src in range(0, W):
+                below += keys_below(keys, counts, src, local, mine, trial)
+            kth = tl.where(below < cap, trial, kth)
+        taken = tl.zeros([EL_PAD], tl.int32)
+        for src in range(0, W):
+            c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+            take = tl.where(arrived <= cap, c, keys_below(keys, counts, src, local, mine, kth + 1))
+            take = tl.where(cap > 0, take, 0)
+            offset = first + taken
+            publish(heap, recv, q, src, local, mine, offset, take)
+            taken += take
+    else:
+        before = tl.zeros([EL_PAD], tl.int32)
+        for src in range(0, W):
+            c = tl.load(counts + src * E_MAX + local, mask=mine, other=0)
+            take = tl.minimum(tl.maximum(cap - before, 0), c)
+            offset = first + tl.minimum(before, cap)
+            publish(heap, recv, q, src, local, mine, offset, take)
+            before += c
+    st = stats + tl.cast(q, tl.int64) * ST_COLS
+    tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
+    tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
+    tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_CAP, policy)
 
 
 @triton.jit
@@ -443,6 +701,10 @@ def dispatch(
     n_local,
     sorted_rows,
     scratch,
+    topk_ids,
+    owner_of,
+    local_of,
+    rowpos,
     stats,
     r,
     q,
@@ -470,6 +732,10 @@ def dispatch(
     its position in the span; payload and sideband share that one split table (appendix
     A.3, condition 2). Spans are disjoint by construction, so placement needs no atomics.
     Work item ``item`` of ``items`` takes every items-th block of BLOCK_R rows.
+
+    DEDUP: only the token's first slot at q sends its payload row (and scales; in the
+    backward dL/dy as it is); every slot sends its sideband with the links to its token's
+    first and next slot there (in the backward its g' too: the owner scales).
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -501,59 +767,90 @@ def dispatch(
         at = ring_row(row, s, s)
         src = x + (tl.cast(r, tl.int64) * n_tokens + t) * H
         to = payload + tl.cast(at, tl.int64) * H
+        if DEDUP:
+            first, later = links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, keep, n_tokens)
+            send = keep & (first == row)  # the token's first slot at q carries its payload row
+            if BACKWARD:
+                link = (dst + BWD_SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at
+            else:
+                link = (dst + SB_LINKS).to(tl.pointer_type(tl.int32)) + 2 * at
+            put(link, first, keep)
+            put(link + 1, later, keep)
+        else:
+            send = keep
         if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
-            for h in range(0, H, BLOCK_H):
-                c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
-                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-                put(to[:, None] + c[None, :], (rows_h.to(tl.float32) * scale[:, None]).to(DTYPE), m)
+            if DEDUP:  # dL/dy once per (token, owner), as it is, and each slot's g' beside it (bgemm1 scales)
+                put((dst + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at, scale, keep)
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = send[:, None] & (c < H)[None, :]
+                    put(to[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), m)
+            else:
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = keep[:, None] & (c < H)[None, :]
+                    rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+                    put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
         else:
-            for h in range(0, H, BLOCK_H):
-                c = h + tl.arange(0, BLOCK_H)
-                m = keep[:, None] & (c < H)[None, :]
-                rows_h = tl.load(src[:, None] + c[None, :], mask=m)
-                put(to[:, None] + c[None, :], rows_h, m)
-            sent = tl.sum(keep.to(tl.int32), axis=0)
+            payload_rows(dst, src, to, at, send, BLOCK_R, BLOCK_H, CAST_F32)
+            sent = tl.sum(send.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
         if BACKWARD:
             put((dst + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
-        else:  # the sideband: row_id, local_expert, gate
+        else:  # the sideband: row_id, and the fields the spec carries
             put((dst + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at, row_id, keep)
-            put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)
-            gate = tl.load(gates + base + i, mask=keep, other=0.0)
-            put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+            if CARRY_LOCAL_EXPERT:
+                put((dst + SB_LOCAL_EXPERT).to(tl.pointer_type(tl.int32)) + at, which, keep)
+            if CARRY_GATE:
+                gate = tl.load(gates + base + i, mask=keep, other=0.0)
+                put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
 
 
 @triton.jit
-def m_tile(group, q, s, j, BM: tl.constexpr):
-    """Bind m-tile slot j of owner q's segment s at run time to (local expert, first row,
-    live rows [lo, hi) of the tile).
-
-    Tiles go expert by expert, each at rows first + i*BM of its local expert's rows, in
-    every strategy: a row has the same place in its tile whether the rows are cut into
-    segments or not, which keeps results bitwise identical across schedules (a GEMM's
-    result for a row may depend on its place in the tile). A tile that a segment boundary
-    cuts runs in both segments, each with its own rows live. Only tiles at an expert's end
-    or at a segment boundary are partial: padding-free (no padding to the tallest group).
-    A slot beyond the routing's tiles gets no live rows. At most ceil(min(R_q, S) / BM) +
-    2 E_loc - 1 slots can have live rows (bulk: ceil(R_q / BM) + E_loc - 1), which is how
-    many the plan gives each segment of owner q.
-    """
-    local = tl.arange(0, EL_PAD)
-    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
-    first = tl.load(grp, mask=local < E_MAX, other=0)
-    lo, rows = clip(first, tl.load(grp + 1, mask=local < E_MAX, other=0), s)
-    aligned = first + (lo - first) // BM * BM
-    tiles = tl.where(rows > 0, (lo + rows - aligned + BM - 1) // BM, 0)
-    ends = tl.cumsum(tiles, axis=0)
-    which = tl.sum((ends <= j).to(tl.int32), axis=0)
-    hit = local == which
-    row0 = tl.sum(tl.where(hit, aligned, 0), axis=0) + (j - tl.sum(tl.where(hit, ends - tiles, 0), axis=0)) * BM
-    begin = tl.sum(tl.where(hit, lo, 0), axis=0)
-    end = begin + tl.sum(tl.where(hit, rows, 0), axis=0)
-    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+def payload_rows(
+    dst, src, to, at, send, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
+):  # fmt: skip
+    """The forward dispatch's payload rows (those ``send`` marks), from ``src`` to ``to``: as
+    they are, narrowed to the dispatch dtype, or quantised to fp8 e4m3 (DISPATCH_SCALE) with
+    their scales into the sideband."""
+    if DISPATCH_SCALE == "row":
+        scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32))
+        # fp8 e4m3, one scale per row: the row's largest magnitude first
+        amax = tl.zeros([BLOCK_R], tl.float32)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = send[:, None] & (c < H)[None, :]
+            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(rows_h), axis=1))
+        qscale = fp8_scale(amax)
+        put(scales + at, qscale, send)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = send[:, None] & (c < H)[None, :]
+            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+    elif DISPATCH_SCALE == "block":
+        at_scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32)) + tl.cast(at, tl.int64) * SCALES
+        for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
+            c = h + tl.arange(0, SCALE_COLS)
+            m = send[:, None] & (c < H)[None, :]
+            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
+            put(at_scales + h // SCALE_COLS, qscale, send)
+            put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+    else:
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = send[:, None] & (c < H)[None, :]
+            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+            if DISPATCH_DTYPE == DTYPE:
+                put(to[:, None] + c[None, :], rows_h, m)
+            elif tl.bfloat16 == DISPATCH_DTYPE:
+                put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32), DISPATCH_DTYPE, CAST_F32), m)
+            else:
+                put(to[:, None] + c[None, :], rows_h.to(DISPATCH_DTYPE), m)
 
 
 @triton.jit
@@ -793,9 +1090,50 @@ def copy_rows(
 
 
 @triton.jit
+def payload_tile(
+    rows,
+    at,
+    w,
+    n_cols,
+    col0,
+    scales,
+    first_row,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    TRANS_B: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
+    expert's weights: under DEDUP each row read through its token's first slot here
+    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them."""
+    if DEDUP:
+        if SCALED:
+            acc = gemm_tile(
+                rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+                scales, SCALE_COLS, a_index=first_row,
+            )  # fmt: skip
+        else:
+            acc = gemm_tile(
+                rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+                a_index=first_row,
+            )  # fmt: skip
+    elif SCALED:
+        acc = gemm_tile(
+            rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
+            SCALE_COLS,
+        )  # fmt: skip
+    else:
+        acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
+    return acc
+
+
+@triton.jit
 def gemm1(
     heap,
-    w_gate_up,
+    w_up,
     weight_of,
     group,
     hbuf,
@@ -815,14 +1153,15 @@ def gemm1(
 ):
     """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
     ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
-    slot s % B,
-        h = silu(x Wg) * (x Wu),
-    one [BM, 2 * BLOCK_F] tile of x [Wg Wu], whose columns interleave gate and up (the
-    weights' layout: [E, H, F, 2]), with the activation fused,
-    into the owner's private workspace ``hbuf``. F-block 0 also copies the rows' row_ids
-    beside them: dispatch may refill the payload slot before GEMM2 has run. With ``SAVE``
-    (a forward that backward will walk) the pre-activations and, from F-block 0, the input
-    rows are kept at the rows' places among the owner's rows, for the backward.
+    slot s % B — h = silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of
+    x [Wg Wu], ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F,
+    2]), else ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
+    private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
+    dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
+    that backward will walk) the pre-activations and, from F-block 0, the input rows are
+    kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
+    with their scales; under DEDUP each slot reads the payload row of its token's first
+    slot here.
     """
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
     j = item // f_blocks
@@ -833,20 +1172,41 @@ def gemm1(
         at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
         me = peer(heap, q)
         rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
-        w = w_gate_up + e * (H * 2 * F)
+        scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]
+        w = w_up + e * (H * (UP_COLS * F))
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        acc = gemm_tile(rows, B * S, at, w, 2 * F, 2 * f, H, BM, 2 * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
-        gate, up = gate_up(acc, BM, BLOCK_F)
-        act = gate * tl.sigmoid(gate) * up  # SwiGLU
+        first_row = m
+        if DEDUP:
+            link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+            first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
+        acc = payload_tile(
+            rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
+            CAST_F32, False, DISPATCH_SCALE != "none",
+        )  # fmt: skip
+        if GATED:
+            gate, up = gate_up(acc, BM, BLOCK_F)
+            act = gate * tl.sigmoid(gate) * up  # SwiGLU
+        elif ACT == "gelu":
+            act = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU
+        else:
+            act = tl.maximum(acc, 0.0)  # ReLU
         row = tl.cast(q, tl.int64) * (B * S) + at + m
-        store_rows(hbuf + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
+        store_rows(hbuf + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
         if SAVE:
             kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
-            store_rows(saved_pre + kept * 2 * F, acc.to(DTYPE), live, 2 * F, 2 * f, 2 * BLOCK_F)
+            pre = narrow(acc, DTYPE, CAST_F32)
+            store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
             if f == 0:
                 first = tl.cast(q, tl.int64) * R_MAX + row0
-                copy_rows(rows, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
+                if DEDUP:
+                    src_rows = first_row
+                else:
+                    src_rows = at + m
+                if DISPATCH_SCALE != "none":
+                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
+                else:
+                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -862,6 +1222,7 @@ def gemm2(
     group,
     staging,
     staging_rid,
+    saved_out,
     q,
     s,
     item,
@@ -871,13 +1232,16 @@ def gemm2(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
     ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
     ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
     plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
-    return. The backward's: dX = dH [Wg Wu]ᵀ, ``rows`` the dH its GEMM1 wrote at the
-    rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
+    return. The backward's: dX = dH [Wg Wu]ᵀ (or dH Wuᵀ), ``rows`` the dH its GEMM1 wrote
+    at the rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
+    DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
+    the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     j = item // h_blocks
@@ -888,10 +1252,10 @@ def gemm2(
         at = ring_row(row0, s, s)
         base = tl.cast(q, tl.int64) * (B * S)
         if BACKWARD:
-            rows += tl.cast(q, tl.int64) * R_MAX * 2 * F
-            w += e * (H * 2 * F)
+            rows += tl.cast(q, tl.int64) * R_MAX * (UP_COLS * F)
+            w += e * (H * (UP_COLS * F))
             acc = gemm_tile(
-                rows, R_MAX, row0, w, H, h, 2 * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
             )
         else:
             rows += base * F
@@ -900,148 +1264,12 @@ def gemm2(
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
-        store_rows(staging + row * H, acc.to(DTYPE), live, H, h, BLOCK_H)
+        out = narrow(acc, DTYPE, CAST_F32)
+        store_rows(staging + row * H, out, live, H, h, BLOCK_H)
+        if DEDUP and SAVE:
+            store_rows(saved_out + (tl.cast(q, tl.int64) * R_MAX + row0 + m) * H, out, live, H, h, BLOCK_H)
         if h == 0:
             tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
-
-
-@triton.jit
-def return_regions(me, BACKWARD: tl.constexpr):
-    """Where returned rows land in a front-end's heap slice ``me``, each at its (token,
-    slot) place: the forward's region, or the backward's."""
-    if BACKWARD:
-        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
-    return (me + RETURN).to(tl.pointer_type(DTYPE))
-
-
-@triton.jit
-def return_rows(
-    heap,
-    recv,
-    staging,
-    staging_rid,
-    stats,
-    ctl,
-    entry,
-    epoch,
-    q,
-    r,
-    s,
-    claim,
-    item,
-    items,
-    rid_c,
-    rid_r,
-    rid_t,
-    rid_k,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BACKWARD: tl.constexpr,
-):
-    """Owner q → front-end r, segment s: the outputs of r's rows in the segment, each
-    to its (token, slot) place, by its decoded row_id, never by its position (appendix A.3,
-    condition 3).
-
-    The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written. The
-    backward returns dL/dx rows the same way, into r's backward regions.
-    """
-    local = tl.arange(0, EL_PAD)
-    split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
-    lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
-    n = tl.sum(count, axis=0)
-    landing = return_regions(peer(heap, r), BACKWARD)
-    out = staging + tl.cast(q, tl.int64) * (B * S) * H
-    row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
-    start = item * BLOCK_R
-    while start < n:
-        u = start + tl.arange(0, BLOCK_R)
-        start += items * BLOCK_R
-        live = u < n
-        _, row = locate(u, lo, count, local)
-        frm = ring_row(row, s, s)
-        rid = tl.load(row_ids + frm, mask=live, other=0)
-        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
-        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
-        if not BACKWARD:
-            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
-        to = landing + (t * K + k) * H
-        frm = out + tl.cast(frm, tl.int64) * H
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            m = ok[:, None] & (c < H)[None, :]
-            put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
-
-
-@triton.jit
-def combine(
-    heap,
-    topk_ids,
-    gates,
-    y,
-    accepted,
-    slot,
-    gprime,
-    owner_of,
-    local_of,
-    rowpos,
-    saved_out,
-    r,
-    tile,
-    n_tokens,
-    BLOCK_H: tl.constexpr,
-    CAST_F32: tl.constexpr,
-    SAVE: tl.constexpr,
-):
-    """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
-
-    A slot is accepted iff its position in its (source, expert) run is below the count its
-    owner admitted and published back. No float atomics: bitwise deterministic. The
-    routing context backward will need (accepted set, payload slot at the owner, g') is
-    written beside y; with ``SAVE`` also each accepted slot's expert output, for the gate
-    gradient.
-    """
-    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
-    k = tl.arange(0, K_PAD)
-    live = (t < n_tokens)[:, None] & (k < K)[None, :]
-    i = t[:, None] * K + k[None, :]
-    base = tl.cast(r, tl.int64) * n_tokens * K
-    e = tl.load(topk_ids + base + i, mask=live, other=0)
-    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
-    at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
-    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
-    me = peer(heap, r)
-    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
-    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
-    ok = live & (p < admitted)
-    g = tl.load(gates + base + i, mask=live, other=0.0)
-    kept = tl.where(ok, g, 0.0)
-    # g' = g * sum_j g_j / sum_{j accepted} g_j on accepted slots, 0 elsewhere; 0 if none survived.
-    total = tl.sum(g, axis=1)
-    survived = tl.sum(kept, axis=1)
-    scale = tl.where(survived != 0, total / tl.where(survived != 0, survived, 1.0), 0.0)
-    w = kept * scale[:, None]
-    real = (t < n_tokens)[:, None] & (k < K)[None, :]
-    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
-    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
-    tl.store(gprime + base + i, w, mask=real)
-    tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
-    landing = return_regions(me, False)
-    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
-    real = t < n_tokens
-    for h in range(0, H, BLOCK_H):
-        c = h + tl.arange(0, BLOCK_H)
-        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-        for kk in range(K):
-            wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
-            ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
-            m = ok_k[:, None] & (c < H)[None, :]
-            out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-            acc += wk[:, None] * out.to(tl.float32)
-            if SAVE:
-                tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
-        keep = real[:, None] & (c < H)[None, :]
-        tl.store(y_rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
 
 
 @triton.jit
@@ -1066,11 +1294,15 @@ def bgemm1(
 ):
     """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
     m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
-    in payload slot s % B (the forward's places): dA = dO Wdᵀ, then
-        dH = [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2],
-    written at the rows' places among the owner's rows, beside the activation A the
-    forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies the
-    rows' row_ids for the return.
+    in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
+    [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
+    dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
+    A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
+    the rows' row_ids for the return.
+
+    DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
+    row reads it through its link and scales by its own g' (the backward's sideband): dA =
+    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
     """
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
     j = item // f_blocks
@@ -1084,66 +1316,53 @@ def bgemm1(
         w = w_down + e * (F * H)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
-        da = gemm_tile(rows, B * S, at, w, F, f, H, BM, BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True)
+        first_row = m
+        if DEDUP:
+            link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
+            first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
+            gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
+        da = payload_tile(rows, at, w, F, f, rows, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, False)
+        if DEDUP:
+            da = da * gp[:, None]
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
-        pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
-        gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
-        up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
-        tl.store(out, (da * up * sig * (1.0 + gate * (1.0 - sig))).to(DTYPE), mask=keep)
-        tl.store(out + 1, (da * silu).to(DTYPE), mask=keep)
-        act = silu * up
-        store_rows(act_rows + row * F, act.to(DTYPE), live, F, f, BLOCK_F)
+        if GATED:
+            pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+            gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+            up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+            tl.store(out, narrow(da * up * sig * (1.0 + gate * (1.0 - sig)), DTYPE, CAST_F32), mask=keep)
+            tl.store(out + 1, narrow(da * silu, DTYPE, CAST_F32), mask=keep)
+            act = silu * up
+        else:
+            h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            if ACT == "gelu":
+                act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+                slope = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * tl.exp(
+                    -0.5 * h * h
+                )
+            else:
+                act = tl.maximum(h, 0.0)
+                slope = tl.where(h > 0.0, 1.0, 0.0)
+            tl.store(dh + row[:, None] * F + c[None, :], narrow(da * slope, DTYPE, CAST_F32), mask=keep)
+        store_rows(act_rows + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
         if f == 0:
             first = tl.cast(q, tl.int64) * R_MAX + row0
-            copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+            if DEDUP:
+                for c0 in range(0, H, BLOCK_K):  # dO = g'·dL/dy, per row
+                    cols = c0 + tl.arange(0, BLOCK_K)
+                    mk = live[:, None] & (cols < H)[None, :]
+                    d = tl.load(rows + tl.cast(first_row, tl.int64)[:, None] * H + cols[None, :], mask=mk, other=0.0)
+                    do = narrow(d.to(tl.float32) * gp[:, None], DTYPE, CAST_F32)
+                    tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
+            else:
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
-
-
-@triton.jit
-def combine_grad(
-    heap,
-    dy,
-    dx,
-    accepted,
-    saved_out,
-    dgprime,
-    r,
-    tile,
-    n_tokens,
-    BLOCK_H: tl.constexpr,
-    CAST_F32: tl.constexpr,
-):
-    """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
-    slots, in fixed slot order (no float atomics), and each slot's gate gradient
-    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
-    """
-    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
-    k = tl.arange(0, K_PAD)
-    real = t < n_tokens
-    base = tl.cast(r, tl.int64) * n_tokens * K
-    landing = return_regions(peer(heap, r), True)
-    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
-    dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
-    for h in range(0, H, BLOCK_H):
-        c = h + tl.arange(0, BLOCK_H)
-        keep = real[:, None] & (c < H)[None, :]
-        d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
-        acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-        for kk in range(K):
-            ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
-            m = ok_k[:, None] & (c < H)[None, :]
-            acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
-            out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-            dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
-        tl.store(dx + rows[:, None] + c[None, :], acc.to(DTYPE), mask=keep)
-    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
 
 
 @triton.jit
@@ -1166,9 +1385,9 @@ def wgrad(
     """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
     the expert's rows summed in chunks of BLOCK_K from its first row — a fixed order in
     every schedule and no float atomics, so the result is deterministic and the same for
-    bulk, pipelined and deep. Items run expert by expert: first the
-    [BLOCK_H, 2 * BLOCK_F] tiles of dGEMM1's [Wg Wu] = Xᵀ dH, then the [BLOCK_F, BLOCK_H] tiles of
-    dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    bulk, pipelined and deep. Items run expert by expert: first the [BLOCK_H, UP_COLS *
+    BLOCK_F] tiles of GEMM1's weight gradient ([Wg Wu] or Wu) = Xᵀ dH, then the [BLOCK_F,
+    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
@@ -1182,12 +1401,15 @@ def wgrad(
     base = tl.cast(q, tl.int64) * R_MAX
     if t < per:  # (the branches share no names: a compiled kernel's branches must agree on their types)
         i = t // f_blocks * BLOCK_H
-        c = t % f_blocks * 2 * BLOCK_F
+        c = t % f_blocks * (UP_COLS * BLOCK_F)
         xs = saved_x + base * H
-        ds = dh + base * 2 * F
-        d_up = gemm_rows_tn(xs, H, i, ds, 2 * F, c, first, n, BLOCK_H, 2 * BLOCK_F, BLOCK_K, CAST_F32, PRECISION)
+        ds = dh + base * (UP_COLS * F)
+        d_up = gemm_rows_tn(
+            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, CAST_F32, PRECISION
+        )
         h = i + tl.arange(0, BLOCK_H)
-        store_rows(dw_up + e * (H * 2 * F) + h * 2 * F, d_up.to(DTYPE), h < H, 2 * F, c, 2 * BLOCK_F)
+        up = narrow(d_up, DTYPE, CAST_F32)
+        store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
     else:
         j = (t - per) // h_blocks * BLOCK_F
         k = (t - per) % h_blocks * BLOCK_H
@@ -1195,21 +1417,413 @@ def wgrad(
         o_rows = do_rows + base * H
         d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
         f = j + tl.arange(0, BLOCK_F)
-        store_rows(dw_down + e * (F * H) + f * H, d_down.to(DTYPE), f < F, H, k, BLOCK_H)
+        store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+
+
+@triton.jit
+def returned_rows(me, BACKWARD: tl.constexpr):
+    """Where returned rows land in a front-end's heap slice ``me``: each at its (token,
+    slot) place, or (RING) in the return ring; the forward's region, or the backward's."""
+    if BACKWARD:
+        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
+    return (me + RETURN).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def returned_ids(me, BACKWARD: tl.constexpr):
+    """RING: the row_ids of the return ring's rows in a front-end's heap slice ``me``."""
+    if BACKWARD:
+        return (me + BWD_RETURN_IDS).to(tl.pointer_type(tl.int64))
+    return (me + RETURN_IDS).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def return_rows(
+    heap,
+    recv,
+    staging,
+    staging_rid,
+    saved_out,
+    stats,
+    ctl,
+    entry,
+    epoch,
+    q,
+    r,
+    s,
+    claim,
+    item,
+    items,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """Owner q → front-end r, segment s: the outputs of r's rows in the segment, each to its
+    (token, slot) place by its decoded row_id — or (RING) into the slot of r's return ring
+    that this piece claimed (claim % B), each row with its row_id, for r's unpack to place.
+
+    The rows are found by the owner's saved split table (one span per local expert), cut to
+    the segment. A row_id that decodes to another rank is reported, not written. The
+    backward returns dL/dx rows the same way, into r's backward regions.
+
+    DEDUP: one row per (token, owner) — for every token of r whose last slot at q is in the
+    segment, sum_k g_k · out_k over its slots here (link order, raw gates, fp32), in the
+    layer's dtype, with the row_id of the token's first slot, to that slot's place. The
+    token's other slots are reached through the sideband's links (every segment is
+    resident). The backward returns dL/dx the same way, the slots' rows summed as they are
+    (g' scaled dO), and each slot's dL/dg' = dL/dy · out_k, with the output the forward kept
+    here (``saved_out``), one fp32 to its own (token, slot) place in r's BWD_DGATE.
+    """
+    local = tl.arange(0, EL_PAD)
+    split = recv + (tl.cast(q, tl.int64) * W + r) * (E_MAX * 2) + local * 2
+    lo, count = clip(tl.load(split, mask=local < E_MAX, other=0), tl.load(split + 1, mask=local < E_MAX, other=0), s)
+    n = tl.sum(count, axis=0)
+    front = peer(heap, r)
+    landing = returned_rows(front, BACKWARD)
+    if RING:
+        ids = returned_ids(front, BACKWARD)
+    out = staging + tl.cast(q, tl.int64) * (B * S) * H
+    row_ids = staging_rid + tl.cast(q, tl.int64) * (B * S)
+    if DEDUP:
+        me = peer(heap, q)
+        if BACKWARD:
+            link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
+            dy = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))  # one row per (token, owner), at its first slot
+            dgate = (peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32))
+            kept = saved_out + tl.cast(q, tl.int64) * R_MAX * H
+            hops = tl.arange(0, K_PAD)
+        else:
+            link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+            gate = (me + SB_GATE).to(tl.pointer_type(tl.float32))
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        live = u < n
+        _, row = locate(u, lo, count, local)
+        if DEDUP:
+            at = ring_row(row, s, s)
+            sends = live & (tl.load(link + 2 * at + 1, mask=live, other=0) < 0)  # the token's last slot here
+            first = tl.load(link + 2 * at, mask=sends, other=0)
+            rid = tl.load(row_ids + first, mask=sends, other=0)
+        else:
+            frm = ring_row(row, s, s)
+            rid = tl.load(row_ids + frm, mask=live, other=0)
+            sends = live
+        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, sends, r, ctl, entry, epoch, s)
+        if not BACKWARD:
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
+        if RING:
+            at = ring_row(row, s, claim)  # the claim's slot of r's return ring
+            to = landing + tl.cast(at, tl.int64) * H
+            if DEDUP:
+                put(ids + at, tl.where(ok, rid, -1), live)  # -1: no row here (the token returns from elsewhere)
+            else:
+                put(ids + at, rid, ok)
+        else:
+            to = landing + (t * K + k) * H
+        if DEDUP:
+            if BACKWARD:
+                dg = tl.zeros([BLOCK_R, K_PAD], tl.float32)  # dL/dg' of the token's slots here, hop by hop
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = ok[:, None] & (c < H)[None, :]
+                acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+                if BACKWARD:
+                    d = tl.load(dy + tl.cast(first, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(
+                        tl.float32
+                    )
+                k_row = tl.where(ok, first, -1)
+                for hop in range(K):  # the token's slots here, first to last: at most K
+                    on = k_row >= 0
+                    at_k = tl.cast(k_row, tl.int64)[:, None] * H + c[None, :]
+                    o = tl.load(out + at_k, mask=on[:, None] & m, other=0.0)
+                    if BACKWARD:
+                        acc += o.to(tl.float32)
+                        o_k = tl.load(kept + at_k, mask=on[:, None] & m, other=0.0).to(tl.float32)
+                        dg += tl.where(hops[None, :] == hop, tl.sum(d * o_k, axis=1)[:, None], 0.0)
+                    else:
+                        g = tl.load(gate + k_row, mask=on, other=0.0)
+                        acc += g[:, None] * o.to(tl.float32)
+                    k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
+                put(to[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), m)
+            if BACKWARD:  # each slot's dL/dg' to its own (token, slot) place at r
+                k_row = tl.where(ok, first, -1)
+                for hop in range(K):
+                    on = k_row >= 0
+                    _rank, t_k, k_k = decode(tl.load(row_ids + k_row, mask=on, other=0), rid_c, rid_r, rid_t, rid_k)
+                    put(dgate + t_k * K + k_k, tl.sum(tl.where(hops[None, :] == hop, dg, 0.0), axis=1), on)
+                    k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
+        else:
+            frm = out + tl.cast(frm, tl.int64) * H
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = ok[:, None] & (c < H)[None, :]
+                put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+
+
+@triton.jit
+def unpack(
+    heap,
+    landing,
+    ctl,
+    entry,
+    epoch,
+    r,
+    q,
+    s,
+    claim,
+    item,
+    items,
+    rid_c,
+    rid_r,
+    rid_t,
+    rid_k,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """RING, front-end r: copy the piece owner q returned for segment s out of its
+    return-ring slot (claim % B) to each row's (token, slot) place in r's private landing,
+    by the row's decoded row_id (appendix A.3, condition 3); done, the slot is free for
+    claim + B.
+
+    Which slot rows hold the piece follows from what q published to r: the admitted spans
+    (offset, count) per local expert, cut to the segment.
+    """
+    local = tl.arange(0, EL_PAD)
+    me = peer(heap, r)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=local < E_MAX, other=0)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + q * E_MAX + local, mask=local < E_MAX, other=0)
+    lo, count = clip(offset, admitted, s)
+    n = tl.sum(count, axis=0)
+    ring = returned_rows(me, BACKWARD)
+    ids = returned_ids(me, BACKWARD)
+    mine = landing + tl.cast(r, tl.int64) * (T * K) * H
+    start = item * BLOCK_R
+    while start < n:
+        u = start + tl.arange(0, BLOCK_R)
+        start += items * BLOCK_R
+        live = u < n
+        _, row = locate(u, lo, count, local)
+        at = ring_row(row, s, claim)
+        rid = tl.load(ids + at, mask=live, other=0)
+        if DEDUP:
+            live = live & (rid >= 0)  # no row at this place (its token returned elsewhere)
+        rank, t, k = decode(rid, rid_c, rid_r, rid_t, rid_k)
+        ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
+        frm = ring + tl.cast(at, tl.int64) * H
+        to = mine + (t * K + k) * H
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (c < H)[None, :]
+            tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
+
+
+@triton.jit
+def leads(ok, q, row):
+    """DEDUP: which accepted slots ``ok`` are their token's first at their owner ``q`` by
+    their row ``row`` there (the ones whose place holds a returned row): no accepted slot
+    of the token at the same owner has a lower row."""
+    twin = ok[:, :, None] & ok[:, None, :] & (q[:, :, None] == q[:, None, :]) & (row[:, None, :] < row[:, :, None])
+    return ok & (tl.max(twin.to(tl.int32), axis=2) == 0)
+
+
+@triton.jit
+def lead_rows(landing, lead, t, k, c, BLOCK_H: tl.constexpr):
+    """DEDUP: the sum of the rows returned per (token, owner), at each token's first slot
+    there (``lead``), in slot order, columns ``c``."""
+    acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+    for kk in range(K):  # one row per (token, owner), at the token's first slot there, in slot order
+        lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
+        m = lead_k[:, None] & (c < H)[None, :]
+        acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def combine(
+    heap,
+    landing,
+    topk_ids,
+    gates,
+    y,
+    accepted,
+    slot,
+    gprime,
+    owner_of,
+    local_of,
+    rowpos,
+    saved_out,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
+
+    A slot is accepted iff its position in its (source, expert) run is below the count its
+    owner admitted and published back. The routing context backward will need (accepted
+    set, payload slot at the owner, g') is written beside y; with ``SAVE`` also each
+    accepted slot's expert output, for the gate gradient. The returned rows are in r's
+    return region, or (RING) in ``landing``, where unpack placed them. Capacity weights:
+    g' = g on accepted slots and 0 elsewhere, or (RENORMALIZE) g · sum_j g_j / sum_{j
+    accepted} g_j.
+
+    DEDUP: the returned rows are per (token, owner), at the token's first slot there, each
+    sum_{k at q} g_k out_k; the combine adds them and applies the per-token factor, and the
+    owners keep the expert outputs for the gate gradient (gemm2).
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    live = (t < n_tokens)[:, None] & (k < K)[None, :]
+    i = t[:, None] * K + k[None, :]
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    e = tl.load(topk_ids + base + i, mask=live, other=0)
+    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
+    at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
+    me = peer(heap, r)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    ok = live & (p < admitted)
+    g = tl.load(gates + base + i, mask=live, other=0.0)
+    kept = tl.where(ok, g, 0.0)
+    if RENORMALIZE:
+        # g' = g * sum_j g_j / sum_{j accepted} g_j on accepted slots, 0 elsewhere; 0 if none survived.
+        total = tl.sum(g, axis=1)
+        survived = tl.sum(kept, axis=1)
+        scale = tl.where(survived != 0, total / tl.where(survived != 0, survived, 1.0), 0.0)
+        w = kept * scale[:, None]
+    else:
+        w = kept  # weights zero: accepted slots keep g, dropped ones get 0
+    real = (t < n_tokens)[:, None] & (k < K)[None, :]
+    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
+    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
+    tl.store(gprime + base + i, w, mask=real)
+    if DEDUP:
+        lead = leads(ok, at // E_MAX, offset + p)
+        if RING:
+            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+        else:
+            landing = returned_rows(me, False)
+        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+        real = t < n_tokens
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+            keep = real[:, None] & (c < H)[None, :]
+            if RENORMALIZE:
+                tl.store(y_rows[:, None] + c[None, :], narrow(acc * scale[:, None], DTYPE, CAST_F32), mask=keep)
+            else:
+                tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+    else:
+        tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
+        if RING:
+            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+        else:
+            landing = returned_rows(me, False)
+        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+        real = t < n_tokens
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+            for kk in range(K):
+                wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+                ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+                m = ok_k[:, None] & (c < H)[None, :]
+                out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                acc += wk[:, None] * out.to(tl.float32)
+                if SAVE:
+                    tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
+            keep = real[:, None] & (c < H)[None, :]
+            tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+
+
+@triton.jit
+def combine_grad(
+    heap,
+    landing,
+    dy,
+    dx,
+    accepted,
+    saved_out,
+    topk_ids,
+    owner_of,
+    slot,
+    dgprime,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
+    slots, in fixed slot order (no float atomics), and each slot's gate gradient
+    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
+
+    DEDUP: one dL/dx row came back per (token, owner), at the token's first slot there, the
+    slots' rows summed by the owner; the owners also computed dL/dg' (BWD_DGATE), from the
+    outputs they kept.
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    real = t < n_tokens
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    if RING:
+        landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+    else:
+        landing = returned_rows(peer(heap, r), True)
+    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
+    if DEDUP:
+        i = t[:, None] * K + k[None, :]
+        ok = tl.load(accepted + base + i, mask=real[:, None] & (k < K)[None, :], other=0) != 0
+        e = tl.load(topk_ids + base + i, mask=ok, other=0)
+        lead = leads(ok, tl.load(owner_of + e, mask=ok, other=0), tl.load(slot + base + i, mask=ok, other=0))
+        dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+            tl.store(
+                dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
+            )
+    else:
+        dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            keep = real[:, None] & (c < H)[None, :]
+            d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+            for kk in range(K):
+                ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+                m = ok_k[:, None] & (c < H)[None, :]
+                acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+            tl.store(dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
 
 
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base"]
 )
 def rdep_layer(
-    heap, x, topk_ids, gates, w_gate_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
+    heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
     owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
-    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl, profile, tokens_of,
-    n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr, BLOCK_H:
-    tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
-    BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile,
+    tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
@@ -1246,10 +1860,13 @@ def rdep_layer(
     gprime -= me * n_tokens * K
     dgprime -= me * n_tokens * K
     tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
-    saved_out -= me * n_tokens * K * H
+    if DEDUP:  # saved_out: each accepted slot's expert output at the owner
+        saved_out -= me * R_MAX * H
+    else:  # ... or at the front-end
+        saved_out -= me * n_tokens * K * H
     saved_x -= me * R_MAX * H
-    saved_pre -= me * R_MAX * 2 * F
-    dh -= me * R_MAX * 2 * F
+    saved_pre -= me * R_MAX * (UP_COLS * F)
+    dh -= me * R_MAX * (UP_COLS * F)
     act_rows -= me * R_MAX * F
     do_rows -= me * R_MAX * H
     rowpos -= me * (T * K)
@@ -1262,6 +1879,8 @@ def rdep_layer(
     tile_done -= me * (SEGMENTS * TILE_SLOTS)
     staging -= me * (B * S * H)
     staging_rid -= me * (B * S)
+    if RING:
+        landing -= me * (T * K * H)
     stats -= me * ST_COLS
     if BACKWARD:  # dL/dy goes where x went, scaled by g'
         x = dy
@@ -1350,7 +1969,8 @@ def rdep_layer(
                         scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, stats,
+                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
@@ -1362,24 +1982,24 @@ def rdep_layer(
                         )  # fmt: skip
                     else:
                         gemm1(
-                            heap, w_gate_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
+                            heap, w_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
                             segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_GEMM2:
                     if BACKWARD:  # dX = dH [Wg Wu]ᵀ
                         gemm2(
-                            dh, hbuf_rid, w_gate_up, weight_of, group, staging, staging_rid, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True,
+                            dh, hbuf_rid, w_up, weight_of, group, staging, staging_rid, saved_out, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
                         )  # fmt: skip
                     else:
                         gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False,
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, saved_out, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
-                        heap, recv, staging, staging_rid, stats, ctl, entry, epoch, owner, src, segment,
-                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                 elif kind == KIND_WGRAD:  # the backward's table only
                     if BACKWARD:
@@ -1390,15 +2010,21 @@ def rdep_layer(
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
-                            heap, dy, dx, accepted, saved_out, dgprime, rank, claim, n_tokens,
-                            BLOCK_H, CAST_F32,
+                            heap, landing, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, dgprime, rank,
+                            claim, n_tokens, BLOCK_H, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
-                            heap, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
+                            heap, landing, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
                             rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
                         )  # fmt: skip
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
+                if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time
+                    if kind == KIND_UNPACK:
+                        unpack(
+                            heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        )  # fmt: skip
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)

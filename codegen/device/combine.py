@@ -1,0 +1,211 @@
+"""The combine (RDEP section 3.4): a front-end's tokens, one tile at a time, sum their
+accepted slots' returned rows in fixed slot order — no float atomics, so the result is
+bitwise deterministic — and the backward's counterpart, dL/dx and dL/dg'."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.control import narrow
+from rdepc.codegen.device.heap import peer
+from rdepc.codegen.device.layout import (
+    ADMITTED,
+    BWD_DGATE,
+    COMBINE_TOKENS,
+    DEDUP,
+    DTYPE,
+    E_MAX,
+    K_PAD,
+    OFFSETS,
+    RENORMALIZE,
+    RING,
+    E,
+    H,
+    K,
+    T,
+)
+from rdepc.codegen.device.returns import returned_rows
+
+
+@triton.jit
+def leads(ok, q, row):
+    """DEDUP: which accepted slots ``ok`` are their token's first at their owner ``q`` by
+    their row ``row`` there (the ones whose place holds a returned row): no accepted slot
+    of the token at the same owner has a lower row."""
+    twin = ok[:, :, None] & ok[:, None, :] & (q[:, :, None] == q[:, None, :]) & (row[:, None, :] < row[:, :, None])
+    return ok & (tl.max(twin.to(tl.int32), axis=2) == 0)
+
+
+@triton.jit
+def lead_rows(landing, lead, t, k, c, BLOCK_H: tl.constexpr):
+    """DEDUP: the sum of the rows returned per (token, owner), at each token's first slot
+    there (``lead``), in slot order, columns ``c``."""
+    acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+    for kk in range(K):  # one row per (token, owner), at the token's first slot there, in slot order
+        lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
+        m = lead_k[:, None] & (c < H)[None, :]
+        acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def combine(
+    heap,
+    landing,
+    topk_ids,
+    gates,
+    y,
+    accepted,
+    slot,
+    gprime,
+    owner_of,
+    local_of,
+    rowpos,
+    saved_out,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """Front-end r, one tile of tokens: y_t = sum_k g'_tk out_tk, the slots in fixed order.
+
+    A slot is accepted iff its position in its (source, expert) run is below the count its
+    owner admitted and published back. The routing context backward will need (accepted
+    set, payload slot at the owner, g') is written beside y; with ``SAVE`` also each
+    accepted slot's expert output, for the gate gradient. The returned rows are in r's
+    return region, or (RING) in ``landing``, where unpack placed them. Capacity weights:
+    g' = g on accepted slots and 0 elsewhere, or (RENORMALIZE) g · sum_j g_j / sum_{j
+    accepted} g_j.
+
+    DEDUP: the returned rows are per (token, owner), at the token's first slot there, each
+    sum_{k at q} g_k out_k; the combine adds them and applies the per-token factor, and the
+    owners keep the expert outputs for the gate gradient (gemm2).
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    live = (t < n_tokens)[:, None] & (k < K)[None, :]
+    i = t[:, None] * K + k[None, :]
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    e = tl.load(topk_ids + base + i, mask=live, other=0)
+    live = live & (e >= 0) & (e < E)  # an id out of range was never routed (validate reports it)
+    at = tl.load(owner_of + e, mask=live, other=0) * E_MAX + tl.load(local_of + e, mask=live, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=live, other=0)
+    me = peer(heap, r)
+    admitted = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    offset = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=live, other=0)
+    ok = live & (p < admitted)
+    g = tl.load(gates + base + i, mask=live, other=0.0)
+    kept = tl.where(ok, g, 0.0)
+    if RENORMALIZE:
+        # g' = g * sum_j g_j / sum_{j accepted} g_j on accepted slots, 0 elsewhere; 0 if none survived.
+        total = tl.sum(g, axis=1)
+        survived = tl.sum(kept, axis=1)
+        scale = tl.where(survived != 0, total / tl.where(survived != 0, survived, 1.0), 0.0)
+        w = kept * scale[:, None]
+    else:
+        w = kept  # weights zero: accepted slots keep g, dropped ones get 0
+    real = (t < n_tokens)[:, None] & (k < K)[None, :]
+    tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
+    tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
+    tl.store(gprime + base + i, w, mask=real)
+    if DEDUP:
+        lead = leads(ok, at // E_MAX, offset + p)
+        if RING:
+            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+        else:
+            landing = returned_rows(me, False)
+        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+        real = t < n_tokens
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+            keep = real[:, None] & (c < H)[None, :]
+            if RENORMALIZE:
+                tl.store(y_rows[:, None] + c[None, :], narrow(acc * scale[:, None], DTYPE, CAST_F32), mask=keep)
+            else:
+                tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+    else:
+        tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
+        if RING:
+            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+        else:
+            landing = returned_rows(me, False)
+        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+        real = t < n_tokens
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+            for kk in range(K):
+                wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+                ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+                m = ok_k[:, None] & (c < H)[None, :]
+                out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                acc += wk[:, None] * out.to(tl.float32)
+                if SAVE:
+                    tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
+            keep = real[:, None] & (c < H)[None, :]
+            tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+
+
+@triton.jit
+def combine_grad(
+    heap,
+    landing,
+    dy,
+    dx,
+    accepted,
+    saved_out,
+    topk_ids,
+    owner_of,
+    slot,
+    dgprime,
+    r,
+    tile,
+    n_tokens,
+    BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
+    slots, in fixed slot order (no float atomics), and each slot's gate gradient
+    dL/dg'_tk = dL/dy_t · out_tk (0 for a dropped slot). The accepted set is the forward's.
+
+    DEDUP: one dL/dx row came back per (token, owner), at the token's first slot there, the
+    slots' rows summed by the owner; the owners also computed dL/dg' (BWD_DGATE), from the
+    outputs they kept.
+    """
+    t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
+    k = tl.arange(0, K_PAD)
+    real = t < n_tokens
+    base = tl.cast(r, tl.int64) * n_tokens * K
+    if RING:
+        landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+    else:
+        landing = returned_rows(peer(heap, r), True)
+    rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
+    if DEDUP:
+        i = t[:, None] * K + k[None, :]
+        ok = tl.load(accepted + base + i, mask=real[:, None] & (k < K)[None, :], other=0) != 0
+        e = tl.load(topk_ids + base + i, mask=ok, other=0)
+        lead = leads(ok, tl.load(owner_of + e, mask=ok, other=0), tl.load(slot + base + i, mask=ok, other=0))
+        dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+            tl.store(
+                dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
+            )
+    else:
+        dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+        for h in range(0, H, BLOCK_H):
+            c = h + tl.arange(0, BLOCK_H)
+            keep = real[:, None] & (c < H)[None, :]
+            d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
+            for kk in range(K):
+                ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
+                m = ok_k[:, None] & (c < H)[None, :]
+                acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+            tl.store(dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+    tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])

@@ -1,0 +1,370 @@
+"""The expert computation at an owner, over the grouped GEMM's m-tiles (``rows.m_tile``):
+``gemm1`` (x·[Wg Wu] or x·Wu, the activation fused) and ``gemm2`` (h·Wd), and the
+backward's ``bgemm1`` (dA = dO·Wdᵀ and the activation's backward) and ``wgrad`` (the weight
+gradients). The GEMM main loop is ``gemm.gemm_tile``."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.control import narrow
+from rdepc.codegen.device.gemm import copy_rows, gate_up, gemm_rows_tn, gemm_tile, store_rows
+from rdepc.codegen.device.heap import peer
+from rdepc.codegen.device.layout import (
+    ACT,
+    BWD_PAYLOAD,
+    BWD_ROW_IDS,
+    BWD_SB_GATE,
+    BWD_SB_LINKS,
+    DEDUP,
+    DISPATCH_DTYPE,
+    DISPATCH_SCALE,
+    DTYPE,
+    E_MAX,
+    GATED,
+    PAYLOAD,
+    PRECISION,
+    R_MAX,
+    SB_LINKS,
+    SB_ROW_ID,
+    SB_SCALE,
+    SCALE_COLS,
+    ST_COLS,
+    ST_MTILES,
+    TMA,
+    UP_COLS,
+    B,
+    F,
+    H,
+    S,
+)
+from rdepc.codegen.device.rows import m_tile, ring_row
+
+
+@triton.jit
+def payload_tile(
+    rows,
+    at,
+    w,
+    n_cols,
+    col0,
+    scales,
+    first_row,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    TRANS_B: tl.constexpr,
+    SCALED: tl.constexpr,
+):
+    """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
+    expert's weights: under DEDUP each row read through its token's first slot here
+    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them."""
+    if DEDUP:
+        if SCALED:
+            acc = gemm_tile(
+                rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+                scales, SCALE_COLS, a_index=first_row,
+            )  # fmt: skip
+        else:
+            acc = gemm_tile(
+                rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+                a_index=first_row,
+            )  # fmt: skip
+    elif SCALED:
+        acc = gemm_tile(
+            rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
+            SCALE_COLS,
+        )  # fmt: skip
+    else:
+        acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
+    return acc
+
+
+@triton.jit
+def gemm1(
+    heap,
+    w_up,
+    weight_of,
+    group,
+    hbuf,
+    hbuf_rid,
+    stats,
+    saved_x,
+    saved_pre,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
+    ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
+    slot s % B — h = silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of
+    x [Wg Wu], ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F,
+    2]), else ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
+    private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
+    dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
+    that backward will walk) the pre-activations and, from F-block 0, the input rows are
+    kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
+    with their scales; under DEDUP each slot reads the payload row of its token's first
+    slot here.
+    """
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    j = item // f_blocks
+    f = item % f_blocks * BLOCK_F
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
+        me = peer(heap, q)
+        rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
+        scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]
+        w = w_up + e * (H * (UP_COLS * F))
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        first_row = m
+        if DEDUP:
+            link = (me + SB_LINKS).to(tl.pointer_type(tl.int32))
+            first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
+        acc = payload_tile(
+            rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
+            CAST_F32, False, DISPATCH_SCALE != "none",
+        )  # fmt: skip
+        if GATED:
+            gate, up = gate_up(acc, BM, BLOCK_F)
+            act = gate * tl.sigmoid(gate) * up  # SwiGLU
+        elif ACT == "gelu":
+            act = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU
+        else:
+            act = tl.maximum(acc, 0.0)  # ReLU
+        row = tl.cast(q, tl.int64) * (B * S) + at + m
+        store_rows(hbuf + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
+        if SAVE:
+            kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
+            pre = narrow(acc, DTYPE, CAST_F32)
+            store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
+            if f == 0:
+                first = tl.cast(q, tl.int64) * R_MAX + row0
+                if DEDUP:
+                    src_rows = first_row
+                else:
+                    src_rows = at + m
+                if DISPATCH_SCALE != "none":
+                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
+                else:
+                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
+        if f == 0:
+            rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
+            tl.store(hbuf_rid + row, rid, mask=live)
+            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
+
+
+@triton.jit
+def gemm2(
+    rows,
+    hbuf_rid,
+    w,
+    weight_of,
+    group,
+    staging,
+    staging_rid,
+    saved_out,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
+    ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
+    ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
+    plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
+    return. The backward's: dX = dH [Wg Wu]ᵀ (or dH Wuᵀ), ``rows`` the dH its GEMM1 wrote
+    at the rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
+    DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
+    the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    j = item // h_blocks
+    h = item % h_blocks * BLOCK_H
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        base = tl.cast(q, tl.int64) * (B * S)
+        if BACKWARD:
+            rows += tl.cast(q, tl.int64) * R_MAX * (UP_COLS * F)
+            w += e * (H * (UP_COLS * F))
+            acc = gemm_tile(
+                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
+            )
+        else:
+            rows += base * F
+            w += e * (F * H)
+            acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        row = base + at + m
+        out = narrow(acc, DTYPE, CAST_F32)
+        store_rows(staging + row * H, out, live, H, h, BLOCK_H)
+        if DEDUP and SAVE:
+            store_rows(saved_out + (tl.cast(q, tl.int64) * R_MAX + row0 + m) * H, out, live, H, h, BLOCK_H)
+        if h == 0:
+            tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
+
+
+@triton.jit
+def bgemm1(
+    heap,
+    w_down,
+    weight_of,
+    group,
+    saved_pre,
+    dh,
+    act_rows,
+    do_rows,
+    hbuf_rid,
+    q,
+    s,
+    item,
+    BM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
+    m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
+    in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
+    [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
+    dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
+    A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
+    the rows' row_ids for the return.
+
+    DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
+    row reads it through its link and scales by its own g' (the backward's sideband): dA =
+    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
+    """
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    j = item // f_blocks
+    f = item % f_blocks * BLOCK_F
+    local, row0, lo, hi = m_tile(group, q, s, j, BM)
+    if hi > lo:
+        e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+        at = ring_row(row0, s, s)
+        me = peer(heap, q)
+        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        w = w_down + e * (F * H)
+        m = tl.arange(0, BM)
+        live = (m >= lo) & (m < hi)
+        first_row = m
+        if DEDUP:
+            link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
+            first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
+            gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
+        da = payload_tile(rows, at, w, F, f, rows, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, False)
+        if DEDUP:
+            da = da * gp[:, None]
+        row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
+        c = f + tl.arange(0, BLOCK_F)
+        keep = live[:, None] & (c < F)[None, :]
+        if GATED:
+            pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+            gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+            up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+            tl.store(out, narrow(da * up * sig * (1.0 + gate * (1.0 - sig)), DTYPE, CAST_F32), mask=keep)
+            tl.store(out + 1, narrow(da * silu, DTYPE, CAST_F32), mask=keep)
+            act = silu * up
+        else:
+            h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            if ACT == "gelu":
+                act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+                slope = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * tl.exp(
+                    -0.5 * h * h
+                )
+            else:
+                act = tl.maximum(h, 0.0)
+                slope = tl.where(h > 0.0, 1.0, 0.0)
+            tl.store(dh + row[:, None] * F + c[None, :], narrow(da * slope, DTYPE, CAST_F32), mask=keep)
+        store_rows(act_rows + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
+        if f == 0:
+            first = tl.cast(q, tl.int64) * R_MAX + row0
+            if DEDUP:
+                for c0 in range(0, H, BLOCK_K):  # dO = g'·dL/dy, per row
+                    cols = c0 + tl.arange(0, BLOCK_K)
+                    mk = live[:, None] & (cols < H)[None, :]
+                    d = tl.load(rows + tl.cast(first_row, tl.int64)[:, None] * H + cols[None, :], mask=mk, other=0.0)
+                    do = narrow(d.to(tl.float32) * gp[:, None], DTYPE, CAST_F32)
+                    tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
+            else:
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+            ring = tl.cast(q, tl.int64) * (B * S) + at + m
+            rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
+            tl.store(hbuf_rid + ring, rid, mask=live)
+
+
+@triton.jit
+def wgrad(
+    saved_x,
+    dh,
+    act_rows,
+    do_rows,
+    dw_up,
+    dw_down,
+    weight_of,
+    group,
+    q,
+    item,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+):
+    """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
+    the expert's rows summed in chunks of BLOCK_K from its first row — a fixed order in
+    every schedule and no float atomics, so the result is deterministic and the same for
+    bulk, pipelined and deep. Items run expert by expert: first the [BLOCK_H, UP_COLS *
+    BLOCK_F] tiles of GEMM1's weight gradient ([Wg Wu] or Wu) = Xᵀ dH, then the [BLOCK_F,
+    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    """
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    per = h_blocks * f_blocks
+    local = item // (2 * per)
+    t = item % (2 * per)
+    e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    first = tl.load(grp)
+    n = tl.load(grp + 1)
+    base = tl.cast(q, tl.int64) * R_MAX
+    if t < per:  # (the branches share no names: a compiled kernel's branches must agree on their types)
+        i = t // f_blocks * BLOCK_H
+        c = t % f_blocks * (UP_COLS * BLOCK_F)
+        xs = saved_x + base * H
+        ds = dh + base * (UP_COLS * F)
+        d_up = gemm_rows_tn(
+            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, CAST_F32, PRECISION
+        )
+        h = i + tl.arange(0, BLOCK_H)
+        up = narrow(d_up, DTYPE, CAST_F32)
+        store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
+    else:
+        j = (t - per) // h_blocks * BLOCK_F
+        k = (t - per) % h_blocks * BLOCK_H
+        a_rows = act_rows + base * F
+        o_rows = do_rows + base * H
+        d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        f = j + tl.arange(0, BLOCK_F)
+        store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)

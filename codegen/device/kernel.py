@@ -1,0 +1,284 @@
+"""The persistent kernel ``rdep_layer``: the task table's work items taken with a ticket,
+waited for, run and signalled (the generated file's docstring tells the whole story)."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.combine import combine, combine_grad
+from rdepc.codegen.device.control import done_flag, now, report
+from rdepc.codegen.device.dispatch import dispatch
+from rdepc.codegen.device.experts import bgemm1, gemm1, gemm2, wgrad
+from rdepc.codegen.device.layout import (
+    C_CLAIM,
+    C_DEP_COUNT,
+    C_DEP_START,
+    C_GUARD,
+    C_ITEMS,
+    C_KIND,
+    C_OWNER,
+    C_RANK,
+    C_SEGMENT,
+    C_SRC,
+    CTL_CALLS,
+    CTL_ERR_CODE,
+    CTL_EXITS,
+    CTL_TICKETS,
+    DEDUP,
+    E_MAX,
+    E_PAD,
+    ERR_WAIT,
+    KIND_COMBINE,
+    KIND_DISPATCH,
+    KIND_GEMM1,
+    KIND_GEMM2,
+    KIND_RETURN,
+    KIND_ROUTE,
+    KIND_SCAN,
+    KIND_UNPACK,
+    KIND_WGRAD,
+    NCOL,
+    R_MAX,
+    RING,
+    SEGMENTS,
+    ST_COLS,
+    TILE_SLOTS,
+    UP_COLS,
+    B,
+    F,
+    H,
+    K,
+    S,
+    T,
+    W,
+)
+from rdepc.codegen.device.returns import return_rows, unpack
+from rdepc.codegen.device.route import route, scan
+from rdepc.codegen.device.rows import m_tile
+from rdepc.codegen.device.signals import signal, wait
+
+
+@triton.jit(
+    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base"]
+)
+def rdep_layer(
+    heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
+    owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
+    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile,
+    tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
+    run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
+    backward's table (the forward's entries, then the weight gradients) with its own
+    control words, done counters and heap regions, over the routing tables the forward left
+    (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
+    route and scan entries only keep the table's order, nothing is routed again.
+
+    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
+    entries its rank runs); any program runs any task. Role-split mode: program
+    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
+    taking only that queue's tasks, in the table's order.
+    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
+    control block holds, plus one; a queue's tickets of call ``epoch`` start
+    at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
+    wait that expires records the error (entry, rank, queue, segment, flag, value seen and
+    expected) and every program stops at its next ticket. Compute items wait for their
+    owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
+    its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
+    injection): it runs nothing and never signals.
+    """
+    # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
+    # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
+    # With every rank in one process rank0 is 0 and nothing moves.
+    me = tl.cast(rank0, tl.int64)
+    x -= me * n_tokens * H
+    y -= me * n_tokens * H
+    dy -= me * n_tokens * H
+    dx -= me * n_tokens * H
+    topk_ids -= me * n_tokens * K
+    gates -= me * n_tokens * K
+    accepted -= me * n_tokens * K
+    slot -= me * n_tokens * K
+    gprime -= me * n_tokens * K
+    dgprime -= me * n_tokens * K
+    tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
+    if DEDUP:  # saved_out: each accepted slot's expert output at the owner
+        saved_out -= me * R_MAX * H
+    else:  # ... or at the front-end
+        saved_out -= me * n_tokens * K * H
+    saved_x -= me * R_MAX * H
+    saved_pre -= me * R_MAX * (UP_COLS * F)
+    dh -= me * R_MAX * (UP_COLS * F)
+    act_rows -= me * R_MAX * F
+    do_rows -= me * R_MAX * H
+    rowpos -= me * (T * K)
+    sorted_rows -= me * (T * K)
+    route_scratch -= me * (2 * E_PAD + 2)
+    recv -= me * (W * E_MAX * 2)
+    group -= me * (E_MAX * 2)
+    hbuf -= me * (B * S * F)
+    hbuf_rid -= me * (B * S)
+    tile_done -= me * (SEGMENTS * TILE_SLOTS)
+    staging -= me * (B * S * H)
+    staging_rid -= me * (B * S)
+    if RING:
+        landing -= me * (T * K * H)
+    stats -= me * ST_COLS
+    if BACKWARD:  # dL/dy goes where x went, scaled by g'
+        x = dy
+        gates = gprime
+    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
+    target = epoch
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    queue_id = 0
+    if ROLE_SPLIT:
+        queue_id = tl.load(program_queue + program_base + tl.program_id(0))
+    first_pos = tl.load(queues + queue_id * 3)
+    last_pos = tl.load(queues + queue_id * 3 + 1)
+    item0 = tl.load(first_item + first_pos)
+    n_items = tl.load(first_item + last_pos) - item0
+    base = (target - 1) * (n_items + tl.load(queues + queue_id * 3 + 2))
+    ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+    failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    while (ticket < n_items) & (failed == 0):
+        lo = first_pos  # the queue position of this item: the last one whose first item <= ticket
+        hi = last_pos
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            below = tl.load(first_item + mid) - item0 <= ticket
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        entry = tl.load(queue + lo)
+        item = (ticket - (tl.load(first_item + lo) - item0)).to(tl.int32)
+        row = table + entry * NCOL
+        kind = tl.load(row + C_KIND)
+        rank = tl.load(row + C_RANK)
+        src = tl.load(row + C_SRC)
+        owner = tl.load(row + C_OWNER)
+        segment = tl.load(row + C_SEGMENT)
+        claim = tl.load(row + C_CLAIM)
+        items = tl.load(row + C_ITEMS)
+        blocked = -1
+        seen = target * 0
+        expected = target * 0
+        guard = tl.load(row + C_GUARD)
+        if guard >= 0:  # GEMM items: their owner's scan first
+            want = target * tl.load(table + guard * NCOL + C_ITEMS)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
+            if got < want:
+                blocked = guard
+                seen = got
+                expected = want
+        empty = 0
+        mt = tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)  # a GEMM item's m-tile slot
+        tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        if (guard >= 0) & (blocked < 0):
+            _, _, lo_row, hi_row = m_tile(group, owner, segment, mt, BM)
+            empty = (hi_row <= lo_row).to(tl.int32)
+        if empty == 0:
+            d = tl.load(row + C_DEP_START)
+            end = d + tl.load(row + C_DEP_COUNT)
+            while (d < end) & (blocked < 0):
+                dep = tl.load(deps + d)
+                before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
+                dep = tl.where(dep < 0, -dep - 1, dep)
+                want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
+                flag = done_flag(heap, table, dep, BACKWARD)
+                if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
+                    want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
+                    flag = tile
+                got = wait(flag, want, bound)
+                if got < want:
+                    blocked = dep
+                    seen = got
+                    expected = want
+                d += 1
+        if blocked >= 0:
+            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, queue_id, segment, seen, expected)
+        elif kind >= 0:
+            if PROFILE:
+                start = now(ctl, GLOBALTIMER)
+            if empty == 0:
+                if kind == KIND_ROUTE:
+                    if not BACKWARD:
+                        route(
+                            heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
+                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
+                        )  # fmt: skip
+                elif kind == KIND_SCAN:
+                    if not BACKWARD:
+                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
+                elif kind == KIND_DISPATCH:
+                    dispatch(
+                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        owner_of, local_of, rowpos, stats,
+                        src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
+                        CAST_F32, BACKWARD,
+                    )  # fmt: skip
+                elif kind == KIND_GEMM1:
+                    if BACKWARD:
+                        bgemm1(
+                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
+                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        gemm1(
+                            heap, w_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
+                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                        )  # fmt: skip
+                elif kind == KIND_GEMM2:
+                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
+                        gemm2(
+                            dh, hbuf_rid, w_up, weight_of, group, staging, staging_rid, saved_out, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                        )  # fmt: skip
+                    else:
+                        gemm2(
+                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, saved_out, owner, segment,
+                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                        )  # fmt: skip
+                elif kind == KIND_RETURN:
+                    return_rows(
+                        heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                    )  # fmt: skip
+                elif kind == KIND_WGRAD:  # the backward's table only
+                    if BACKWARD:
+                        wgrad(
+                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
+                            BLOCK_F, BLOCK_K, CAST_F32,
+                        )  # fmt: skip
+                elif kind == KIND_COMBINE:
+                    if BACKWARD:
+                        combine_grad(
+                            heap, landing, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, dgprime, rank,
+                            claim, n_tokens, BLOCK_H, CAST_F32,
+                        )  # fmt: skip
+                    else:
+                        combine(
+                            heap, landing, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
+                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
+                        )  # fmt: skip
+                # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
+                if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time
+                    if kind == KIND_UNPACK:
+                        unpack(
+                            heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                        )  # fmt: skip
+            if PROFILE:
+                at = (tl.load(first_item + lo) + item) * 2
+                tl.store(profile + at, start)
+                tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
+            if kind == KIND_GEMM1:
+                signal(tile)
+            signal(done_flag(heap, table, entry, BACKWARD))
+        ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+        failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    # The last of the launch's n_programs programs out closes the call: the next launch reads
+    # its epoch from the count, so no argument changes from call to call.
+    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
+        tl.atomic_add(ctl + CTL_CALLS, 1)

@@ -1,0 +1,223 @@
+"""Route rows and where they sit: a row's identity decoded from its row_id, its admission
+key, the spans of an owner's payload rows cut to a segment, ring slots, the m-tiles of the
+grouped GEMM over them, and the links of ``dedup`` (X-MoE: one payload row per (token,
+owner))."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.control import report
+from rdepc.codegen.device.heap import peer
+from rdepc.codegen.device.layout import (
+    ADMITTED,
+    DROP,
+    E_MAX,
+    EL_PAD,
+    ERR_ROW_ID,
+    K_PAD,
+    OFFSETS,
+    RID_0,
+    RID_1,
+    RID_2,
+    B,
+    E,
+    K,
+    S,
+    T,
+    W,
+)
+
+
+@triton.jit
+def radix(code: tl.constexpr, rid_r, rid_t, rid_k):
+    """The row_id coefficient of route-row variable ``code`` (0 rank, 1 token, 2 slot)."""
+    if code == 0:
+        c = rid_r
+    elif code == 1:
+        c = rid_t
+    else:
+        c = rid_k
+    return c
+
+
+@triton.jit
+def digit(code: tl.constexpr, d0, d1, d2, rid):
+    """Variable ``code``'s value among the decoded digits d0, d1, d2 (the encoding's
+    variables from its largest coefficient down: RID_0, RID_1, RID_2), or 0 when the
+    encoding has no such variable (its extent is 1)."""
+    if code == RID_0:
+        x = d0
+    elif code == RID_1:
+        x = d1
+    elif code == RID_2:
+        x = d2
+    else:
+        x = rid * 0  # extent 1
+    return x
+
+
+@triton.jit
+def decode(rid, rid_c, rid_r, rid_t, rid_k):
+    """(rank, token, slot) of route row ``rid`` = c + a_rank·rank + a_token·token +
+    a_slot·slot, a mixed-radix number (docs/language.md, route_row): each variable from the
+    largest coefficient down (RID_0, RID_1, RID_2)."""
+    v = rid - rid_c
+    d0 = v // radix(RID_0, rid_r, rid_t, rid_k)
+    d1 = d0
+    d2 = d0
+    if RID_1 >= 0:
+        v = v % radix(RID_0, rid_r, rid_t, rid_k)
+        d1 = v // radix(RID_1, rid_r, rid_t, rid_k)
+    if RID_2 >= 0:
+        v = v % radix(RID_1, rid_r, rid_t, rid_k)
+        d2 = v // radix(RID_2, rid_r, rid_t, rid_k)
+    return digit(0, d0, d1, d2, rid), digit(1, d0, d1, d2, rid), digit(2, d0, d1, d2, rid)
+
+
+@triton.jit
+def place(code: tl.constexpr, rank, token, slot):
+    """Route-row variable ``code`` (0 rank, 1 token, 2 slot) of a row."""
+    if code == 0:
+        x = rank
+    elif code == 1:
+        x = token
+    else:
+        x = slot
+    return x
+
+
+@triton.jit
+def mixed(dense, code: tl.constexpr, rank, token, slot):
+    """``dense`` times the extent of variable ``code`` (W, T or K), plus its value."""
+    if code == 0:
+        d = dense * W + rank
+    elif code == 1:
+        d = dense * T + token
+    else:
+        d = dense * K + slot
+    return d
+
+
+@triton.jit
+def dense_index(rank, token, slot):
+    """A route row's row_id order as a dense index: mixed radix over the extents of the
+    encoding's variables, largest coefficient first (0 when it has none)."""
+    if RID_0 >= 0:
+        dense = place(RID_0, rank, token, slot)
+        if RID_1 >= 0:
+            dense = mixed(dense, RID_1, rank, token, slot)
+        if RID_2 >= 0:
+            dense = mixed(dense, RID_2, rank, token, slot)
+    else:
+        dense = rank * 0
+    return dense
+
+
+@triton.jit
+def row_key(gates, r, i, live):
+    """Admission keys of route rows i = t*K + k of rank r, smallest admitted first. Under
+    ``drop arrival`` ascending row_id (its order as a dense index); under ``round_robin``
+    the token index first, the ranks taking turns from rank t mod W, then the slot; under
+    ``lowest_gate`` the gate, highest first, then ascending row_id. Unique per row, below
+    2^63."""
+    t = tl.cast(i // K, tl.int64)
+    k = tl.cast(i % K, tl.int64)
+    rank = t * 0 + r
+    token = t
+    slot = k
+    if DROP == "round_robin":
+        key = (token * W + (rank - token % W + W) % W) * K + slot
+    elif DROP == "lowest_gate":
+        g = tl.load(gates + i, mask=live, other=0.0) + 0.0  # -0 as +0: equal gates tie on row_id
+        bits = g.to(tl.int32, bitcast=True)
+        up = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # the fp32 order, in [0, 2^32)
+        key = (4294967295 - up) * 2147483648 + dense_index(rank, token, slot)  # highest gate first, then row_id
+    else:
+        key = dense_index(rank, token, slot)
+    return key
+
+
+@triton.jit
+def clip(first, rows, s):
+    """Spans [first, first + rows) of an owner's payload rows (one per local expert), cut to
+    segment s: rows [s*S, s*S + S), which live in ring slot s % B. Returns their first rows
+    and counts."""
+    lo = tl.maximum(first, s * S)
+    return lo, tl.maximum(tl.minimum(first + rows, s * S + S) - lo, 0)
+
+
+@triton.jit
+def locate(u, lo, n, local):
+    """The u-th row of a piece made of spans (lo, n) per local expert: its span and its
+    payload row."""
+    ends = tl.cumsum(n, axis=0)
+    which = tl.sum((ends[None, :] <= u[:, None]).to(tl.int32), axis=1)
+    row = tl.sum(tl.where(which[:, None] == local[None, :], (lo - ends + n)[None, :], 0), axis=1) + u
+    return which, row
+
+
+@triton.jit
+def ring_row(row, s, slot):
+    """Where payload row ``row`` of segment s sits in a ring of B slots of S rows, in slot
+    ``slot % B``: the owner's rings use slot s, a front-end's return ring the piece's claim."""
+    return row - s * S + (slot % B) * S
+
+
+@triton.jit
+def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
+    """The live rows whose row_id ``rid`` decodes to ``rank`` r; one that decodes to another
+    rank is reported, never moved."""
+    bad = live & (rank != r)
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        report(ctl, ERR_ROW_ID, entry, -1, r, epoch, -1, s, tl.max(tl.where(bad, rid, -1), axis=0), r)
+    return live & (rank == r)
+
+
+@triton.jit
+def m_tile(group, q, s, j, BM: tl.constexpr):
+    """Bind m-tile slot j of owner q's segment s at run time to (local expert, first row,
+    live rows [lo, hi) of the tile).
+
+    Tiles go expert by expert, each at rows first + i*BM of its local expert's rows, in
+    every strategy: a row has the same place in its tile whether the rows are cut into
+    segments or not, which keeps results bitwise identical across schedules (a GEMM's
+    result for a row may depend on its place in the tile). A tile that a segment boundary
+    cuts runs in both segments, each with its own rows live. Only tiles at an expert's end
+    or at a segment boundary are partial: padding-free (no padding to the tallest group).
+    A slot beyond the routing's tiles gets no live rows. At most ceil(min(R_q, S) / BM) +
+    2 E_loc - 1 slots can have live rows (bulk: ceil(R_q / BM) + E_loc - 1), which is how
+    many the plan gives each segment of owner q (rdepc.ir.contract.tile_slots).
+    """
+    local = tl.arange(0, EL_PAD)
+    grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
+    first = tl.load(grp, mask=local < E_MAX, other=0)
+    lo, rows = clip(first, tl.load(grp + 1, mask=local < E_MAX, other=0), s)
+    aligned = first + (lo - first) // BM * BM
+    tiles = tl.where(rows > 0, (lo + rows - aligned + BM - 1) // BM, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    which = tl.sum((ends <= j).to(tl.int32), axis=0)
+    hit = local == which
+    row0 = tl.sum(tl.where(hit, aligned, 0), axis=0) + (j - tl.sum(tl.where(hit, ends - tiles, 0), axis=0)) * BM
+    begin = tl.sum(tl.where(hit, lo, 0), axis=0)
+    end = begin + tl.sum(tl.where(hit, rows, 0), axis=0)
+    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+
+
+@triton.jit
+def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_tokens):
+    """dedup, front-end r: for route rows of its tokens ``t`` that sit at rows ``row`` of
+    owner q, the rows at q of the token's first accepted slot there and of its next one
+    after ``row`` (-1: none), from what q published back (offsets, admitted counts)."""
+    kk = tl.arange(0, K_PAD)
+    i = t[:, None] * K + kk[None, :]
+    m = live[:, None] & (kk < K)[None, :]
+    e = tl.load(topk_ids + tl.cast(r, tl.int64) * n_tokens * K + i, mask=m, other=-1)
+    m = m & (e >= 0) & (e < E)
+    to = tl.load(owner_of + e, mask=m, other=-1)
+    at = to * E_MAX + tl.load(local_of + e, mask=m, other=0)
+    p = tl.load(rowpos + tl.cast(r, tl.int64) * (T * K) + i, mask=m, other=0)
+    me = peer(heap, r)
+    m = m & (to == q) & (p < tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0))
+    rows = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32)) + at, mask=m, other=0) + p
+    first = tl.min(tl.where(m, rows, 2147483647), axis=1)
+    later = tl.min(tl.where(m & (rows > row[:, None]), rows, 2147483647), axis=1)
+    return first, tl.where(later == 2147483647, -1, later)
