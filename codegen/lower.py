@@ -10,7 +10,7 @@ strategy (bulk, pipelined, deep): one row per task, in the scheduler's global to
 order, with its dependencies — the data edges and the write-after-read edges of the B-slot
 rings (a slot's next segment waits for the consumer of its previous one: the credits).
 What lowering adds is the expansion of each task into **work items**, the unit a
-persistent program takes with one ticket (ARCHITECTURE.md, decision 1: "expand tiles only
+persistent program takes with one ticket (docs/ARCHITECTURE.md, decision 1: "expand tiles only
 into the kernel's task table"):
 
 ============== ====================================================================

@@ -5,7 +5,7 @@ program split needs, each cited below: how many programs a GPU keeps resident (o
 and how many bytes per second one communication program moves over NVLink.
 
 In an overlapped (segmented) schedule a rank's programs are split into two roles
-(ARCHITECTURE.md, decision 2): ``p`` communication programs (scan, dispatch, return,
+(docs/ARCHITECTURE.md, decision 2): ``p`` communication programs (scan, dispatch, return,
 unpack) and ``N − p`` compute programs (route, expert GEMMs, combine tiles). Bulk has
 nothing to overlap, so all ``N`` programs take every task in turn (the unified mode). With
 a split

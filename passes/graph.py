@@ -1,6 +1,6 @@
 """The hierarchical task graph of one MoE layer, built over capacity bounds.
 
-Routing is known only at run time, but capacity bounds it (ARCHITECTURE.md, decision 1):
+Routing is known only at run time, but capacity bounds it (docs/ARCHITECTURE.md, decision 1):
 owner q's worst case with distinct top-K is ``W·T·min(K, E_loc(q))`` rows, capped by
 ``Σ cap_e`` under a binding capacity (R_q); it runs ``ceil(R_q / S)`` segments; a
 padding-free segment needs at most ``ceil(S/BM) + E_loc(q) − 1`` m-tiles. The graph has

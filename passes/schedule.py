@@ -9,7 +9,7 @@ The global order is a topological order of the graph (Kahn's algorithm, ties bro
 strategy's intended order, which is the order the graph was built in). Persistent programs
 that take tasks in that order — per resource, or all from one ticket counter — can never
 deadlock: the earliest unfinished task always has its inputs done and a program free to
-take it (ARCHITECTURE.md, decision 2). :func:`simulate` checks that with random task times.
+take it (docs/ARCHITECTURE.md, decision 2). :func:`simulate` checks that with random task times.
 
 Strategies (RDEP section 3.5):
 

@@ -1,0 +1,72 @@
+"""A slice of the suite under the newest Triton rdepc supports (pyproject: 3.6 through 3.9;
+the suite itself runs 3.6.0, the GPU machines' version): every example ``rdepc run
+--check`` as tests/test_examples.py narrows it, a dedup layer with fp8 block scales, and
+the device-function tests. Triton is installed (without dependencies) into a directory put
+first on the subprocesses' PYTHONPATH, so the rest of the environment is the suite's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from test_examples import NARROW
+
+NEWEST = "3.9.0"
+
+
+@pytest.fixture(scope="module")
+def newest(request, tmp_path_factory) -> dict[str, str]:
+    """The environment of a process that imports Triton NEWEST."""
+    cache = getattr(request.config, "cache", None)
+    target = cache.mkdir(f"triton-{NEWEST}") if cache is not None else tmp_path_factory.mktemp(f"triton-{NEWEST}")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    )
+    env.pop("TRITON_INTERPRET", None)
+    probe = [sys.executable, "-c", "import triton; print(triton.__version__)"]
+    if subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() != NEWEST:
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(target)]
+        got = subprocess.run([*pip, f"triton=={NEWEST}"], capture_output=True, text=True, timeout=900)
+        if got.returncode != 0:
+            pytest.fail(f"could not install triton {NEWEST} for the slice:\n{got.stderr[-2000:]}")
+    seen = subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip()
+    assert seen == NEWEST, f"the slice's processes import triton {seen!r}, not {NEWEST}"
+    return env
+
+
+def _run(env: dict[str, str], *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )  # fmt: skip
+
+
+def test_examples_check_under_the_newest_triton(newest, tmp_path):
+    runs = {
+        name: [f"examples/{name}.rdep", *(a for d in overrides for a in ("-D", d))]
+        for name, overrides in NARROW.items()
+    }
+    text = (ROOT / "examples" / "deepseek_v3.rdep").read_text(encoding="utf-8").replace("scale row", "scale block")
+    dedup = tmp_path / "deepseek_v3_dedup.rdep"
+    dedup.write_text(text.replace("transport nvshmem", "transport nvshmem, dedup"), encoding="utf-8")
+    assert dedup.read_text(encoding="utf-8").count("dedup") == 1 and "scale block" in text
+    runs["deepseek_v3 with dedup and fp8 block scales"] = [
+        str(dedup),
+        *(a for d in NARROW["deepseek_v3"] for a in ("-D", d)),
+    ]
+    failed = []
+    for name, args in runs.items():
+        got = _run(newest, "-m", "rdepc", "run", *args, "--check")
+        if got.returncode != 0 or not got.stdout.rstrip().endswith("check passed"):
+            failed.append(f"{name}: exit {got.returncode}\n{got.stdout[-800:]}{got.stderr[-1500:]}")
+    assert not failed, "\n\n".join(failed)
+
+
+def test_device_functions_under_the_newest_triton(newest):
+    tests = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").glob("test_device*.py"))]
+    assert "tests/test_device.py" in tests
+    got = _run(newest, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, timeout=900)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
+    assert " passed" in got.stdout.splitlines()[-1]
