@@ -116,7 +116,7 @@ def fp32(inputs):
 
 
 def tolerance(layer) -> float:
-    from rdepc.cli import TOLERANCE
+    from rdepc.commands.run import TOLERANCE
 
     return TOLERANCE[layer.spec.precision.dtype.value]
 
