@@ -64,7 +64,8 @@ def run_case(case: Case, rank: int, W: int) -> dict:
 
     import rdepc
     from rdepc.reference import random_inputs, reference_for
-    from rdepc.runtime.module import TORCH_DTYPES, KernelError, max_relative_error
+    from rdepc.runtime.records import KernelError
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     layer = rdepc.load(case.file, case.layer, **dict(case.overrides))
     spec = layer.spec

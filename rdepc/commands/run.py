@@ -98,7 +98,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
     from rdepc.passes.routing import owners_per_token_expr
     from rdepc.reference import owner_pairs, random_inputs, reference_for
-    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     spec, sh = layer.spec, layer.shapes
     W, H, F, E, K = (sh[k] for k in ("W", "H", "F", "E", "K"))
