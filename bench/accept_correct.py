@@ -99,7 +99,7 @@ def trained(name: str, dry: bool, edit: str | None = None) -> tuple:
 
 
 def inputs_for(layer, device: str, seed: int = 0):
-    from rdepc.runtime.module import TORCH_DTYPES
+    from rdepc.runtime.tensors import TORCH_DTYPES
 
     from rdepc.reference import random_inputs
 
@@ -116,7 +116,7 @@ def fp32(inputs):
 
 
 def tolerance(layer) -> float:
-    from rdepc.cli import TOLERANCE
+    from rdepc.commands.run import TOLERANCE
 
     return TOLERANCE[layer.spec.precision.dtype.value]
 
@@ -159,7 +159,7 @@ def grads_in(fn, inputs, dy, dtype) -> dict:
 def forward(check, variants, device: str, dry: bool) -> None:
     """Against the reference (accepted set identical), then bitwise across strategies and modes."""
     import torch
-    from rdepc.runtime.module import max_relative_error
+    from rdepc.runtime.tensors import max_relative_error
 
     from rdepc.reference import reference_for
 
@@ -211,7 +211,7 @@ def backward(check, variants, device: str, dry: bool) -> None:
     """Gradients of x, the gates and the weights against autograd through the reference (fp32),
     and bitwise across strategies."""
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     from rdepc.reference import reference_for
 
@@ -244,7 +244,7 @@ def backward(check, variants, device: str, dry: bool) -> None:
 def fp8(check, variants, device: str, dry: bool) -> None:
     """deepseek_v3's fp8 e4m3 dispatch: against the reference that sees the quantised rows,
     the error from the unquantised operator, and the backward."""
-    from rdepc.runtime.module import max_relative_error
+    from rdepc.runtime.tensors import max_relative_error
 
     from rdepc.reference import reference_for
 
@@ -266,7 +266,7 @@ def dedup(check, variants, grads, device: str, dry: bool) -> None:
     """deepseek_v3 under dedup (``variants``: its calls; ``grads``: the backward check's):
     one payload row per (token, owner); forward and backward."""
     import torch
-    from rdepc.runtime.module import max_relative_error
+    from rdepc.runtime.tensors import max_relative_error
 
     from rdepc.reference import owner_pairs, reference_for
 

@@ -75,7 +75,7 @@ def _ms(fn, device, reps: int, warmup: int) -> dict:
 
 def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     from bench import baselines as bl
     from bench.moe_bench import stages

@@ -117,8 +117,8 @@ def rank_rate(rank: int, W: int, v, device: str) -> dict:
     """One profiled call of variant ``v`` on this rank: its dispatch bytes and the dispatch items' spans."""
     import torch
     from rdepc.passes.plan import transport_bytes
-    from rdepc.runtime.module import TORCH_DTYPES
     from rdepc.runtime.profile import STAGE_OF
+    from rdepc.runtime.tensors import TORCH_DTYPES
 
     from rdepc.ir.contract import KINDS
     from rdepc.reference import random_inputs
@@ -155,7 +155,7 @@ def _spawn(fn, W: int, *args):
 
 def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> None:
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES
+    from rdepc.runtime.tensors import TORCH_DTYPES
 
     from rdepc.per_rank import Case
     from rdepc.reference import random_inputs

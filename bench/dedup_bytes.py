@@ -30,7 +30,7 @@ def measure(dedup: bool, routing: str, tokens: int, hidden: int, ffn: int, devic
     import torch
     from rdepc.passes.plan import transport_bytes
     from rdepc.passes.routing import owners_per_token_expr
-    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     from rdepc.api import Layer, elaborate_layer
     from rdepc.parser import parse_text

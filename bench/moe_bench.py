@@ -111,7 +111,7 @@ def stages(module, events) -> dict:
 
 def run_case(case: Case, device, reps: int, warmup: int) -> list[dict]:
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     import rdepc
     from bench import baselines as bl

@@ -24,7 +24,7 @@ bits is an i32 whatever ``kernel_args`` declares), and that changes the code: wi
 alignment facts moonlight's forward stored 2 bytes at a time and needed 2.7 KB of stack
 per thread. :func:`launch_specialization` runs Triton's own binder over the arguments of
 the native launch each kernel stands for: 16-byte aligned pointers (the runtime passes
-only such: ``runtime.module.aligned``) and the scalars ``KernelContract.launch_scalars``
+only such: ``runtime.tensors.aligned``) and the scalars ``KernelContract.launch_scalars``
 gives at T' = the plan's T, rank 0, the native spin bound and the native grid on an H100
 (132 SMs: ``KernelContract.launch_grid``; ``sms`` to assume another GPU). A launch with
 other values (another T' or GPU, another rank of a per-rank transport, where rank 1 is a
@@ -216,7 +216,7 @@ def launch_specialization(
 def specialize(plan: KernelContract, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)) -> Specialized:
     """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` with the
     scalar arguments ``scalars``, a 16-byte aligned tensor of its declared type for every
-    pointer (every pointer the runtime passes is: ``runtime.module.aligned``) and the
+    pointer (every pointer the runtime passes is: ``runtime.tensors.aligned``) and the
     keyword arguments ``kwargs`` (constexprs and options), passed as a launch passes them."""
     import torch
 

@@ -40,7 +40,8 @@ from torch import nn
 from torch.nn import functional as F_
 
 from rdepc.runtime import router as R
-from rdepc.runtime.module import TORCH_DTYPES, dense
+from rdepc.runtime.inputs import dense
+from rdepc.runtime.tensors import TORCH_DTYPES
 
 
 def _ffn(x: torch.Tensor, w_gate, w_up, w_down, act: str) -> torch.Tensor:

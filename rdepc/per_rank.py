@@ -4,7 +4,8 @@ Every rank draws the same global inputs (same seed, drawn on the CPU), keeps its
 tokens and its own experts' weights, runs its module and checks its slice of the output
 against the reference operator over the global inputs. :func:`run_rank` is what ``rdepc
 run --backend B`` does in each process — under ``torchrun``, or in the processes
-:func:`rdepc.runtime.ranks.spawn` starts for ``emulated-mp`` — and what the tests run.
+:func:`rdepc.runtime.ranks.spawn` starts for ``emulated-mp`` — and what the tests run;
+``rdepc.commands.run`` prints the ranks' results.
 
 A :class:`Job` may hold several cases, run one after another by the same processes (each
 with a fresh module and heap): starting W processes costs seconds, a small case less.
@@ -63,7 +64,8 @@ def run_case(case: Case, rank: int, W: int) -> dict:
 
     import rdepc
     from rdepc.reference import random_inputs, reference_for
-    from rdepc.runtime.module import TORCH_DTYPES, KernelError, max_relative_error
+    from rdepc.runtime.records import KernelError
+    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     layer = rdepc.load(case.file, case.layer, **dict(case.overrides))
     spec = layer.spec
@@ -155,31 +157,4 @@ def run_rank(rank: int, W: int, job: Job) -> list[dict]:
     return [run_case(case, rank, W) for case in job.cases]
 
 
-def report(results: list[dict], tol: float) -> tuple[list[str], bool]:
-    """Lines for ``rdepc run``, one per rank, and whether every rank passed its check."""
-    lines, ok = [], True
-    for r in results:
-        head = f"  rank {r['rank']}  T'={r['tokens']:<5}"
-        if "error" in r:
-            lines.append(f"{head} FAILED: {r['error']}")
-            ok = False
-            continue
-        st = r["stats"]
-        err = r.get("error_rel")
-        if err is None:
-            check = "no reference (ranks bring different T' under a capacity policy)"
-        else:
-            same = "accepted set matches" if r["accepted_same"] else "accepted set DIFFERS"
-            check = f"max rel. error {err:.3g}, {same}"
-            ok = ok and err <= tol and r["accepted_same"]
-        rows = dict(zip(r["local_experts"], st["rows_per_expert"], strict=True))
-        times = ", ".join(f"{t:.2f}" for t in r["calls"])
-        lines.append(
-            f"{head} {check}; rows per own expert {rows}, dropped {st['dropped_rows']}, "
-            f"m-tiles {st['m_tiles']}, rows out {sum(st['dispatched_rows'])} and back {sum(st['returned_rows'])}; "
-            f"call {times} s"
-        )
-    return lines, ok
-
-
-__all__ = ["Case", "Job", "report", "run_case", "run_rank", "waited_on"]
+__all__ = ["Case", "Job", "run_case", "run_rank", "waited_on"]

@@ -1,10 +1,11 @@
 """The memory check before a layer allocates anything: free memory where its heap and
 private buffers would come from, and the one-line error naming the spec statements that
-size them when they do not fit. Imports neither torch (until asked for a device's free
-memory) nor triton."""
+size them when they do not fit (:func:`check_fits`). Imports neither torch (until asked for
+a device's free memory, or the ranks' agreement) nor triton."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -97,3 +98,25 @@ def heap_shortfall(p: KernelContract, slices: int, private: int, room: str) -> s
         f"the symmetric heap needs {human(slices * p.heap_bytes)} ({heap}: {regions}) and the private buffers "
         f"{human(private)} more, {human(total)} in all, but {room}; {sizing}"
     )
+
+
+def check_fits(p: KernelContract, transport, device, buffers, rank: int | None) -> None:
+    """Refuse a heap (and private ``buffers``: (name, dtype, shape)) larger than the memory
+    they come from (``transport.room``), in one line naming what sizes them, before anything
+    is allocated. On a per-rank transport (``rank``: this process's) the ranks agree first:
+    none goes on into the collective allocation a peer refused."""
+    slices = transport.heap_ranks(p.W)
+    private = sum(math.prod(shape) * dt.itemsize for _, dt, shape in buffers)
+    room = transport.room(device)
+    message = None
+    if room is not None and slices * p.heap_bytes + private > room[0]:
+        name = f"rdepc layer {p.layer}" + (f" (rank {rank} of {p.W})" if rank is not None else "")
+        message = f"{name}: {heap_shortfall(p, slices, private, room[1])}"
+    if rank is not None:
+        import torch.distributed as dist
+
+        verdicts = [None] * p.W
+        dist.all_gather_object(verdicts, message)
+        message = next((v for v in verdicts if v), None)
+    if message:
+        raise HeapSizeError(message)

@@ -67,139 +67,51 @@ at the call — for weights, at every call — and the result is the contiguous 
 Before it allocates anything the module checks that its heap and private buffers fit the
 memory they come from (the transport's ``room``); :class:`HeapSizeError` says in one line
 by how much they do not and which spec statements size them.
+
+The class composes the runtime's parts, all under ``rdepc.runtime``: ``heap`` (what a
+module allocates, where it reads in it), ``memory`` (the check before), ``inputs`` (a
+call's arguments checked), ``stats`` (what a call leaves, read back), ``records`` (control
+words as exceptions), ``profile`` (a profiled call's record), ``autograd`` (the backward's
+Function, dL/dg), ``tensors`` (dtypes, the gate/up operand, alignment) and ``tune`` (the
+tiles a launch uses).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rdepc.runtime import ranks, tune
 from rdepc.runtime import transport as transports
-from rdepc.runtime.memory import HeapSizeError, heap_shortfall
+from rdepc.runtime.autograd import RoutingContext, gate_grad, routed
+from rdepc.runtime.heap import (
+    allocate_private,
+    own_slices,
+    owner_rows,
+    placeholders,
+    private_buffers,
+    regions,
+    reset_control,
+    task_tables,
+)
+from rdepc.runtime.inputs import brought_tokens, check_inputs
+from rdepc.runtime.memory import HeapSizeError, check_fits
+from rdepc.runtime.profile import read_profile
 from rdepc.runtime.records import KernelError, input_error, kernel_error
+from rdepc.runtime.stats import Readback, call_stats
+from rdepc.runtime.tensors import TORCH_DTYPES, aligned, gate_up
 
 from rdepc.ir.contract import (
     COLUMNS,
     CONTROL,
     CTL_TICKETS,
-    INT32_MAX,
     MODES,
     NATIVE_SPIN_BOUND,
-    POINTEE,
     KernelContract,
     Tiles,
     kernel_args,
 )
 from rdepc.toolchain import import_kernels
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
-
-
-def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """[E, H, F] gate and up weights as the one [E, H, F, 2] operand GEMM1 reads (column 2f
-    gate f, 2f + 1 up f): a view when they are already the halves of one such tensor,
-    otherwise a new tensor."""
-    shape = (*w_gate.shape, 2)
-    strides = [1]
-    for n in reversed(shape[1:]):
-        strides.insert(0, strides[0] * n)
-    halves = (
-        w_up.shape == w_gate.shape
-        and w_up.dtype == w_gate.dtype
-        and w_up.device == w_gate.device
-        and w_gate.stride() == w_up.stride() == tuple(strides[:-1])
-        and w_gate.untyped_storage().data_ptr() == w_up.untyped_storage().data_ptr()
-        and w_up.data_ptr() == w_gate.data_ptr() + w_gate.element_size()
-    )
-    return w_gate.as_strided(shape, strides) if halves else torch.stack((w_gate, w_up), dim=-1)
-
-
-def aligned(w: torch.Tensor) -> torch.Tensor:
-    """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires; every
-    tensor a launch passes is, so that Triton specialises every pointer as aligned
-    (``tt.divisibility`` 16), the build ``rdepc compile --target sm_90`` reports."""
-    return w if w.data_ptr() % 16 == 0 else w.clone()
-
-
-@dataclass(frozen=True)
-class RoutingContext:
-    """What the forward's accepted set looked like, for a backward that walks it (appendix
-    A.3, condition 4): per (rank, token, slot) whether it was accepted, its row's slot in
-    its owner's payload (-1 when dropped), and its combine weight g'."""
-
-    topk_ids: torch.Tensor
-    accepted: torch.Tensor
-    slot: torch.Tensor
-    gprime: torch.Tensor
-
-
-class _Routed(torch.autograd.Function):
-    """forward runs the kernel and keeps what the backward walks; backward runs the kernel's
-    backward pass over it."""
-
-    @staticmethod
-    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down, brought):
-        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, brought, save=True)
-        ctx.module, ctx.kept, ctx.context = module, kept, context
-        ctx.n_tokens = x.shape[-2]
-        ctx.save_for_backward(gates, w_gate, w_up, w_down)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        gates, w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dgates, dwg, dwu, dwd = ctx.module._backward(
-            grad_y, ctx.context, ctx.kept, ctx.n_tokens, gates, w_gate, w_up, w_down
-        )
-        return None, dx, None, dgates, dwg, dwu, dwd, None
-
-
-def gate_grad(
-    gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor, weights: str, routed: torch.Tensor
-) -> torch.Tensor:
-    """dL/dg from dL/dg' through the capacity weights policy (the combine's g'):
-    ``zero`` (and dropless) g' = g on accepted slots; ``renormalize`` g'_i = A_i g_i G / S_A
-    with G = sum_j g_j, S_A = sum_j A_j g_j (0 when S_A = 0), whose derivative is
-    dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A.
-    The gate of a slot that routes nowhere (``routed`` false: expert id -1) is no part of
-    G: it counts as 0 and gets no gradient."""
-    g = gates.to(torch.promote_types(gates.dtype, torch.float32))
-    g = torch.where(routed, g, 0.0)
-    dgprime = dgprime.to(g.dtype)
-    if weights != "renormalize":
-        return torch.where(accepted, dgprime, 0.0)
-    kept = torch.where(accepted, g, 0.0)
-    total = g.sum(dim=-1, keepdim=True)
-    survived = kept.sum(dim=-1, keepdim=True)
-    ok = survived != 0
-    denom = torch.where(ok, survived, 1.0)
-    scale = total / denom
-    through = (dgprime * kept).sum(dim=-1, keepdim=True) / denom
-    dg = torch.where(accepted, dgprime * scale, 0.0) + through - torch.where(accepted, scale, 0.0) * through
-    return torch.where(ok & routed, dg, 0.0)
-
-
-def dense(name: str, arg: str, t) -> None:
-    """TypeError unless ``t`` is an ordinary (strided, not nested) tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or t.is_nested:
-        layout = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        raise TypeError(f"{name}: {arg} must be a dense (strided) tensor, got a {layout} one")
-
-
-def token_mask(counts: list[int], Tn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``counts`` on ``device`` (int64 [W]) and the mask of the tokens they cover (bool [W, Tn]),
-    without the host waiting for the device (a pinned copy, queued)."""
-    host = torch.tensor(counts, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    brought = host.to(device, non_blocking=True)
-    return brought, torch.arange(Tn, device=device)[None, :] < brought[:, None]
 
 
 class RDEPModule:
@@ -230,13 +142,41 @@ class RDEPModule:
     ):
         self.plan = plan
         self.kernels_path = Path(kernels_path)
-        self.transport = transports.get(backend)
-        if plan.transport != self.transport.name:
-            raise ValueError(f"{self.kernels_path} was generated for the {plan.transport} backend, not {backend}")
+        self.transport = self._transport(backend, mode)
+        self.per_rank = self.transport.per_rank
+        self.device = self._device(backend, device)
+        self.rank = ranks.process_group(plan.W)[0] if self.per_rank else None  # this process's, per rank
+        buffers = private_buffers(plan, self.per_rank)
+        check_fits(plan, self.transport, self.device, buffers, self.rank)  # before anything is allocated or imported
+        self.interpret = self.device.type == "cpu"
+        self.mode = mode
+        self.profiling = profile
+        self.dtype = TORCH_DTYPES[plan.dtype]
+        self.kernels = import_kernels(self.kernels_path, self.interpret)
+        self.tiles, self.tiles_source = self._tiles(tiles)
+        self.work = plan.work(self.tiles, mode, rank=self.rank)
+        self.bwd_work = plan.work(self.tiles, mode, rank=self.rank, backward=True)
+        self.local_experts = self._local_experts()
+        self.programs, self.per_queue = self._grid(programs)  # programs: the budget, all resident on a GPU
+        self.grid = sum(self.per_queue)
+        self.spin_bound = self._spin_bound(spin_bound)
+        self._allocate(buffers)
+        self._start()
+
+    def _transport(self, backend: str, mode: str) -> transports.Transport:
+        """``backend``'s transport; a ValueError unless the kernels were generated for it and
+        ``mode`` is a kernel mode."""
+        transport = transports.get(backend)
+        if self.plan.transport != transport.name:
+            raise ValueError(f"{self.kernels_path} was generated for the {self.plan.transport} backend, not {backend}")
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
-        self.per_rank = self.transport.per_rank
-        self.rank = None  # per-rank backends: this process's rank
+        return transport
+
+    @staticmethod
+    def _device(backend: str, device) -> torch.device:
+        """Where the module runs: ``device`` (default: the CPU) as ``backend`` allows it; on
+        nvshmem the GPU NVSHMEM picked for this rank when it started."""
         if backend == "nvshmem":  # NVSHMEM picks this rank's GPU when it starts
             from rdepc.runtime.nvshmem import NvshmemWorld
 
@@ -254,84 +194,56 @@ class RDEPModule:
             )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.per_rank:
-            self.rank, _ = ranks.process_group(plan.W)
-        self.device = device
-        self._check_memory()  # before anything is allocated or imported
-        self.interpret = device.type == "cpu"
-        self.mode = mode
-        self.kernels = import_kernels(self.kernels_path, self.interpret)
-        p = plan
-        self.tiles, self.tiles_source = self._tiles(tiles)
-        self.work = p.work(self.tiles, mode, rank=self.rank)
-        self.bwd_work = p.work(self.tiles, mode, rank=self.rank, backward=True)
-        # The global ids of the experts whose weights forward takes, in that order: per rank,
-        # this rank's experts in local order; otherwise every expert.
-        mine = sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e])
-        self.local_experts = tuple(mine) if self.per_rank else tuple(range(p.E))
+        return device
+
+    def _local_experts(self) -> tuple[int, ...]:
+        """The global ids of the experts whose weights forward takes, in that order: per rank,
+        this rank's experts in local order; otherwise every expert."""
+        p = self.plan
+        if not self.per_rank:
+            return tuple(range(p.E))
+        return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
+
+    def _grid(self, programs: int | None) -> tuple[int, tuple[int, ...]]:
+        """The grid's budget of programs (default: two under the interpreter, role-split one
+        per queue; one per SM on a GPU) and the programs per queue the launch runs: unified,
+        capped by the work items; role-split, each rank its slice, split between roles."""
         if programs is None:
             if self.interpret:  # role-split: one program (one thread) per queue
-                programs = 2 if mode == "unified" else len(self.work.bounds)
+                programs = 2 if self.mode == "unified" else len(self.work.bounds)
             else:
-                programs = torch.cuda.get_device_properties(device).multi_processor_count
-        # unified: capped by the work items; role-split: each rank its slice, split between roles
-        programs, per_queue = p.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
-        self.programs = programs  # the grid's budget: every program resident at once on a GPU
-        self.per_queue = per_queue
-        self.grid = sum(per_queue)
-        # Spins are cheap on a GPU and slow under the interpreter; concurrent interpreted programs
-        # wait for each other's turns under the GIL, so they get more.
-        # Across processes an interpreted wait may outlast a whole peer's stage: bounded in spins
-        # all the same (a dead peer trips it), but generously.
-        if spin_bound is None:
-            interpreted = 10_000 if mode == "unified" and not self.per_rank else 1 << 20
-            spin_bound = interpreted if self.interpret else NATIVE_SPIN_BOUND
-        self.spin_bound = spin_bound
-        self.profiling = profile
-        self.dtype = TORCH_DTYPES[p.dtype]
+                programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return self.plan.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
+
+    def _spin_bound(self, spin_bound: int | None) -> int:
+        """Spins a wait may take. Spins are cheap on a GPU and slow under the interpreter;
+        concurrent interpreted programs wait for each other's turns under the GIL, so they get
+        more. Across processes an interpreted wait may outlast a whole peer's stage: bounded
+        in spins all the same (a dead peer trips it), but generously."""
+        if spin_bound is not None:
+            return spin_bound
+        interpreted = 10_000 if self.mode == "unified" and not self.per_rank else 1 << 20
+        return interpreted if self.interpret else NATIVE_SPIN_BOUND
+
+    def _allocate(self, buffers) -> None:
+        """The symmetric heap (the transport's: collective on a per-rank backend), the task
+        tables, the private buffers and the placeholders a launch passes."""
+        p, device = self.plan, self.device
         self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
+        self.tables, self.bwd_tables = task_tables(
+            p, self.work, self.bwd_work, self.per_queue, self.mode, self.per_rank, device
+        )
+        self.private = allocate_private(buffers, 2 * self.work.n_items if self.profiling else 1, device)
+        self._unused = placeholders(p, device)
+        self._flags, self._bwd_flags, self._published = regions(p)
 
-        def i32(values) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=torch.int32, device=device)
-
-        def queued(work, deps) -> dict[str, torch.Tensor]:
-            return {
-                "table": i32(v for row in work.table for v in row),
-                "deps": i32(deps or (0,)),
-                "queue": i32(work.queue),
-                "first_item": i32(work.first_item),
-                "queues": i32(v for (lo, hi), n in zip(work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
-            }
-
-        self.bwd_tables = queued(self.bwd_work, p.bwd_deps)
-        self.tables = queued(self.work, p.deps) | {
-            "program_queue": i32(q for q, n in enumerate(per_queue) for _ in range(n if mode != "unified" else 1)),
-            "owner_of": i32(p.owner),
-            "local_of": i32(p.local),
-            "n_local": i32(p.n_local),
-            # one process per rank holds its own experts only: weights by local index
-            "weight_of": i32(p.weight_of if not self.per_rank else (i % p.E_MAX for i in range(p.W * p.E_MAX))),
-            "order": i32(p.order),
-            "owner_first": i32(p.owner_first),
-            "rows_max": i32(p.rows_max),
-            "caps": i32(p.caps()),
-        }
-        self.private = {name: torch.zeros(shape, dtype=dt, device=device) for name, dt, shape in self._private()}
-        self.private["profile"] = torch.zeros(2 * self.work.n_items if profile else 1, dtype=torch.int64, device=device)
-        # what a launch passes for the other pass's pointers: never read, but of the declared type,
-        # which Triton's signature (and so the build a launch runs) takes from the argument
-        self._unused = {
-            kind: torch.zeros(1, dtype=getattr(torch, POINTEE[kind[1:]]), device=device)
-            for _, kind in kernel_args(p)
-            if kind.startswith("*")
-        }
-        self._owner = torch.tensor(p.owner, dtype=torch.long)
-        self._local = torch.tensor(p.local, dtype=torch.long)
+    def _start(self) -> None:
+        """The host's state between calls, before the first."""
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
-        self.launcher = self.transport.launcher(self.interpret, concurrent=mode == "role-split")
+        self.launcher = self.transport.launcher(self.interpret, concurrent=self.mode == "role-split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
-        self._pending: list[tuple] = []  # native calls whose control words are still on their way
+        self._readback = Readback(self.device)  # native calls whose control words are still on their way
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
         self._withheld: tuple[int, bool] | None = None  # (entry, in the backward)
@@ -339,41 +251,6 @@ class RDEPModule:
         # what makes the gates this module is called with, when not the caller's topk_weights
         # (RDEPMoE: its router): named in the non-finite-gate error
         self.routed_by: str | None = None
-        sizes = {name: (at, size) for name, _, at, size in p.layout}
-        self._flags, self._bwd_flags = sizes["flags"], sizes["bwd_flags"]
-        # the heap words the backward reads from a rank's own slice: the offsets and admitted
-        # counts its owners published to it (adjacent buffers)
-        self._published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
-
-    def _private(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """The plan's private buffers as this process allocates them."""
-        out = []
-        for name, dt, shape in self.plan.private:
-            if self.per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
-                shape = (1, *shape[1:])
-            out.append((name, TORCH_DTYPES.get(dt) or INT_DTYPES[dt], tuple(shape)))
-        return out
-
-    def _check_memory(self) -> None:
-        """Refuse a heap (and private buffers) larger than the memory they come from, in one
-        line naming what sizes them, before anything is allocated. On a per-rank backend the
-        ranks agree first: none goes on into the collective allocation a peer refused."""
-        p = self.plan
-        slices = self.transport.heap_ranks(p.W)
-        private = sum(math.prod(shape) * dt.itemsize for _, dt, shape in self._private())
-        room = self.transport.room(self.device)
-        message = None
-        if room is not None and slices * p.heap_bytes + private > room[0]:
-            name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
-            message = f"{name}: {heap_shortfall(p, slices, private, room[1])}"
-        if self.per_rank:
-            import torch.distributed as dist
-
-            verdicts = [None] * p.W
-            dist.all_gather_object(verdicts, message)
-            message = next((v for v in verdicts if v), None)
-        if message:
-            raise HeapSizeError(message)
 
     # ------------------------------------------------------------------ the call
     def __call__(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, tokens=None):
@@ -391,31 +268,14 @@ class RDEPModule:
             topk_ids = torch.where(real[..., None], topk_ids, -1)
         inputs = (x, topk_weights, w_gate, w_up, w_down)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return _Routed.apply(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought)
+            return routed(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought)
         return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save=False)[0]
 
     def padding(self, tokens, Tn: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``tokens`` (see :meth:`forward`) checked: the tokens each rank brings as the kernel
         reads them ([W]; a per-rank module: its own, [1]) and the mask of those tokens among
         the T' = ``Tn`` (bool [W, Tn]; None when every token is brought)."""
-        ranks = 1 if self.per_rank else self.plan.W
-        if tokens is None:
-            return torch.full((ranks,), Tn, dtype=torch.int64, device=self.device), None
-        name = f"rdepc layer {self.plan.layer}"
-        if self.per_rank:
-            raise ValueError(f"{name}: tokens= is for the one-process backend; each rank passes its own T' tokens")
-        if isinstance(tokens, torch.Tensor):
-            if tokens.device.type != "cpu" or tokens.dtype.is_floating_point or tokens.dim() != 1:
-                raise ValueError(f"{name}: tokens must be W={ranks} ints on the host (a list or a CPU tensor)")
-            tokens = tokens.tolist()
-        counts = list(tokens)
-        if len(counts) != ranks or any(
-            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= Tn for n in counts
-        ):
-            raise ValueError(
-                f"{name}: tokens must give each of the W={ranks} ranks a count in [0, T'={Tn}], got {counts}"
-            )
-        return token_mask(counts, Tn, self.device)
+        return brought_tokens(self.plan, tokens, Tn, self.per_rank, self.device)
 
     def withhold(self, entry: int, backward: bool = False) -> None:
         """Fault injection: in the next call only (``backward``: the next backward), task-table
@@ -463,7 +323,7 @@ class RDEPModule:
         self._launch(given, Tn, backward=False, save=save)
         if save:  # the routing tables the backward walks, as this call left them
             lo, hi = self._published
-            kept["published"] = self._own_heap()[:, lo:hi].clone()
+            kept["published"] = own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi].clone()
             routing = ("sorted_rows", "route_scratch", "recv", "group", *(("rowpos",) if p.dedup else ()))
             kept |= {n: self.private[n].clone() for n in routing}  # dedup: rowpos finds the links again
         accepted = accepted.bool()
@@ -471,7 +331,7 @@ class RDEPModule:
         self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
         if self.profiling:
-            self.last_profile = self._profile()
+            self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
         return y, self.last_context, kept
 
     def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, gates, w_gate, w_up, w_down):
@@ -500,12 +360,12 @@ class RDEPModule:
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
         given |= weights | {k: v for k, v in kept.items() if k != "published"}
-        lo, hi = self._published
-        self._own_heap()[:, lo:hi] = kept["published"]  # the forward's offsets, whatever ran since
+        lo, hi = self._published  # the forward's offsets, whatever ran since
+        own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi] = kept["published"]
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
-        routed = (context.topk_ids >= 0) & (context.topk_ids < p.E)
-        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights, routed).to(gates.dtype)
+        to_expert = (context.topk_ids >= 0) & (context.topk_ids < p.E)
+        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights, to_expert).to(gates.dtype)
         dw_up = given["dw_up"]
         if p.gated:
             dwg, dwu = dw_up[..., 0], dw_up[..., 1]
@@ -514,10 +374,7 @@ class RDEPModule:
         return given["dx"], dgates, dwg, dwu, given["dw_down"]
 
     def _owner_rows(self, cols: int) -> torch.Tensor:
-        """[owners, R_max, cols] rows in the layer's dtype, one block per owner this process
-        runs: where the owners' rows sit for the backward, at their places among their rows."""
-        owners = 1 if self.per_rank else self.plan.W
-        return torch.empty((owners, self.plan.R_MAX, cols), dtype=self.dtype, device=self.device)
+        return owner_rows(self.plan, self.per_rank, cols, self.dtype, self.device)
 
     def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
         """The kernel's weight arguments: ``w_up`` is a gated expert's [Wg Wu], interleaved."""
@@ -526,12 +383,6 @@ class RDEPModule:
         else:
             weights = {"w_up": w_up, "w_down": w_down}
         return {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
-
-    def _own_heap(self) -> torch.Tensor:
-        """The heap slices this process owns, [ranks, heap_bytes]."""
-        if not self.per_rank:
-            return self.heap
-        return self.heap.view(1, -1) if self.heap.dim() == 1 else self.heap[self.rank : self.rank + 1]
 
     def _launch(self, given: dict, Tn: int, backward: bool, save: bool) -> None:
         """One launch of the persistent kernel: the forward, or with ``backward`` its backward
@@ -571,16 +422,6 @@ class RDEPModule:
             meta["num_warps"] = tl.num_warps
         self.launcher(self.kernels.rdep_layer, (self.grid,), args, meta)
 
-    def _profile(self) -> dict:
-        """Per entry that ran: its first item's start and its last item's end."""
-        at = self.private["profile"].view(-1, 2).to("cpu").tolist()
-        events = []
-        for entry, (first, items) in enumerate(self.work.entry_items()):
-            if items:
-                span = at[first : first + items]
-                events.append((entry, min(s for s, _ in span), max(e for _, e in span)))
-        return {"clock": "logical" if self.interpret else "globaltimer", "mode": self.mode, "events": events}
-
     def _tiles(self, given: Tiles | None) -> tuple[Tiles, str]:
         """The tiles to launch with, and where they come from: given, the interpreter's own,
         ``rdepc tune``'s record for this plan on this GPU, or the defaults."""
@@ -590,58 +431,15 @@ class RDEPModule:
         return tune.launch_tiles(self.plan, device_name, self.interpret)
 
     # ------------------------------------------------------------------ checks
+    def _name(self) -> str:
+        """The layer as errors name it: per rank, with this process's rank."""
+        return f"rdepc layer {self.plan.layer}" + (f" (rank {self.rank} of {self.plan.W})" if self.per_rank else "")
+
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
-        p = self.plan
-        W, T, H, F, E, K = p.W, p.T, p.H, p.F, p.E, p.K
-        name = f"rdepc layer {p.layer}"
-        if self.per_rank:  # one rank's tokens, its own experts' weights
-            name += f" (rank {self.rank} of {W})"
-        for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
-            dense(name, arg, t)
-        if self.per_rank:
-            lead, lead_s, n_exp, E_s = (), "", len(self.local_experts), f"E_loc={len(self.local_experts)}"
-        else:
-            lead, lead_s, n_exp, E_s = (W,), "W, ", E, f"E={E}"
-        if x.dim() != len(lead) + 2 or tuple(x.shape[: len(lead)]) != lead or x.shape[-1] != H:
-            raise ValueError(f"{name}: x must be [{lead_s.replace('W', f'W={W}')}T', H={H}], got {tuple(x.shape)}")
-        Tn = x.shape[-2]
-        if Tn > T:
-            raise ValueError(f"{name}: x has T'={Tn} tokens per rank, more than the layer's bound T={T}")
-        want = (*lead, Tn, K)
-        if tuple(topk_ids.shape) != want:
-            raise ValueError(f"{name}: topk_ids must be [{lead_s}T', K] = {list(want)}, got {tuple(topk_ids.shape)}")
-        if tuple(topk_weights.shape) != want:
-            raise ValueError(
-                f"{name}: topk_weights must be [{lead_s}T', K] = {list(want)}, got {tuple(topk_weights.shape)}"
-            )
-        if x.dtype != self.dtype:
-            raise TypeError(f"{name}: x must be {self.dtype} (the spec's dtype {p.dtype}), got {x.dtype}")
-        if topk_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}: topk_ids must be int64 (or int32), got {topk_ids.dtype}")
-        if not topk_weights.dtype.is_floating_point:
-            raise TypeError(f"{name}: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
-        experts = {"w_up": (w_up, (n_exp, H, F)), "w_down": (w_down, (n_exp, F, H))}
-        if p.gated:
-            if w_gate is None:
-                raise ValueError(f"{name}: {p.act} experts are gated: w_gate [{E_s}, H={H}, F={F}] is required")
-            experts["w_gate"] = (w_gate, (n_exp, H, F))
-        elif w_gate is not None:
-            raise ValueError(f"{name}: {p.act} experts are not gated: pass w_gate=None")
-        for arg, (w, shape) in experts.items():
-            dense(name, arg, w)
-            if tuple(w.shape) != shape:
-                raise ValueError(f"{name}: {arg} must be {list(shape)}, got {tuple(w.shape)}")
-            if w.dtype != self.dtype:
-                raise TypeError(f"{name}: {arg} must be {self.dtype} (the spec's dtype {p.dtype}), got {w.dtype}")
-        tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights}
-        tensors.update({k: v for k, (v, _) in experts.items()})
-        for arg, t in tensors.items():
-            if t.device != self.device:
-                raise ValueError(f"{name}: {arg} is on {t.device}, the module on {self.device}")
-        # Expert ids in range, distinct top-K and finite gates need the data: the kernel checks
-        # them (validate) and the host raises from its record, with no sync in the call. Any
-        # strides are accepted: _run and _weights make the tensors contiguous (a copy when
-        # they are not).
+        own = len(self.local_experts) if self.per_rank else None  # one rank's tokens, its own experts' weights
+        check_inputs(
+            self.plan, self._name(), own, self.dtype, self.device, x, topk_ids, topk_weights, w_gate, w_up, w_down
+        )
 
     # ------------------------------------------------------------------ results
     def _record(self, ids, gates, backward: bool = False) -> None:
@@ -653,19 +451,7 @@ class RDEPModule:
         if self.interpret:
             self._raise_from(words.tolist(), ids, gates, backward)
             return
-        if self._capturing():
-            # Captured into a CUDA graph: its replays run no host code, so the words are read
-            # where the user asks for them — synchronize() copies them then.
-            self._pending.append((None, words, ids, gates, backward))
-            return
-        host = torch.empty(CTL_TICKETS, dtype=torch.int64, pin_memory=True)
-        host.copy_(words, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, host, ids, gates, backward))
-
-    def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self._readback.queue(words, ids, gates, backward)
 
     def synchronize(self) -> None:
         """Wait for the last call and raise the error it recorded, if any (a native call's
@@ -676,43 +462,27 @@ class RDEPModule:
     def _settle(self, wait: bool) -> None:
         """Raise the first error of the native calls whose words have landed (all, with
         ``wait``), oldest first."""
-        while self._pending and not self._capturing():  # nothing is read while a graph is captured
-            event, host, ids, gates, backward = self._pending[0]
-            if event is None:  # a captured call: only an explicit synchronize() reads its words
-                if not wait:
-                    return
-                torch.cuda.current_stream(self.device).synchronize()
-            elif not wait and not event.query():
-                return
-            else:
-                event.synchronize()
-            self._pending.pop(0)
-            self._raise_from(host.tolist(), ids, gates, backward)
+        self._readback.settle(wait, self._raise_from)
 
     def _raise_from(self, words: list[int], ids, gates, backward: bool = False) -> None:
         p = self.plan
         err = kernel_error(p, words, self.mode, self.spin_bound, backward)
         if err is not None:
-            self._pending.clear()
+            self._readback.clear()
             if self.per_rank:
                 # Other ranks' done flags live in their processes' slices: one rank cannot reset
                 # them, so the layer must be rebuilt on every rank.
                 self._broken = f"{err} (this per-rank module is stopped: rebuild it on every rank)"
             else:
-                # The programs stopped early: their tickets and flags are off the count. The next
-                # call starts afresh from epoch 1 on zeroed control words, never on stale flags.
-                pre = "bwd_" if backward else ""
-                self.private[pre + "ctl"].zero_()
-                self.private[pre + "tile_done"].zero_()
-                at, size = self._bwd_flags if backward else self._flags
-                self.heap[:, at : at + size] = 0
+                # The programs stopped early: the next call starts afresh from epoch 1 on zeroed
+                # control words, never on stale flags.
+                reset_control(self.private, self.heap, self._bwd_flags if backward else self._flags, backward)
                 if not backward:
                     self.epoch = 0
             raise err
         if backward:
             return
-        name = f"rdepc layer {p.layer}" + (f" (rank {self.rank} of {p.W})" if self.per_rank else "")
-        bad = input_error(p, words, name, ids, gates, self.per_rank, self.routed_by)
+        bad = input_error(p, words, self._name(), ids, gates, self.per_rank, self.routed_by)
         if bad is not None:
             first, last = CONTROL.index("bad_ids"), CONTROL.index("dup_tokens_at")
             self.private["ctl"][first : last + 1] = 0  # the call completed: only the counts go
@@ -725,38 +495,12 @@ class RDEPModule:
             return None
         if self._stats_cache is None:
             self._settle(wait=True)
-            self._stats_cache = self._stats(*self._last)
+            accepted, launches = self._last
+            own = self.local_experts if self.per_rank else None
+            self._stats_cache = call_stats(
+                self.plan, self.private["stats"], self.last_context.topk_ids, accepted, launches, own
+            )
         return self._stats_cache
-
-    def _stats(self, accepted: torch.Tensor, launches: int) -> dict:
-        p = self.plan
-        st = self.private["stats"].to("cpu", torch.long)
-        if self.per_rank:  # this rank's own experts, in local order
-            local = self._local[list(self.local_experts)]
-            arrived, admitted = st[0, local], st[0, p.E_MAX + local]
-        else:
-            arrived = st[self._owner, self._local]
-            admitted = st[self._owner, p.E_MAX + self._local]
-        dropped = arrived - admitted
-        ids = self.last_context.topk_ids.to("cpu")
-        routed = (ids >= 0) & (ids < p.E)  # an id of -1 routes nowhere: no row to drop
-        lost = (routed & ~accepted.to("cpu")).sum(dim=(-2, -1))  # per source rank (this rank's, per-rank)
-        cap = int(st[:, 2 * p.E_MAX + 1].max())  # what the scans applied (every owner the same)
-        cap = None if cap == INT32_MAX else cap
-        return {
-            "rows_per_expert": admitted,
-            "received_per_expert": arrived,
-            "dropped_per_expert": dropped,
-            "rows_per_owner": st[:, p.E_MAX : 2 * p.E_MAX].sum(dim=1),
-            "dropped_rows": int(dropped.sum()),
-            "dropped_per_source": lost.reshape(-1),
-            "accepted": accepted,
-            "m_tiles": st[:, 2 * p.E_MAX].clone(),
-            "dispatched_rows": st[:, 2 * p.E_MAX + 2].clone(),
-            "returned_rows": st[:, 2 * p.E_MAX + 3].clone(),
-            "capacity": cap,
-            "launches": launches,
-        }
 
     @property
     def source(self) -> str:
@@ -777,14 +521,4 @@ def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) ->
     return RDEPModule(plan, kernels_path, **options)
 
 
-def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|y - ref| / max|ref| (0 when both are zero), in float64."""
-    y, ref = y.double(), ref.double()
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    err = float((y - ref).abs().max()) if ref.numel() else 0.0
-    if scale == 0:
-        return 0.0 if err == 0 else math.inf
-    return err / scale
-
-
-__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "RoutingContext", "load_compiled", "max_relative_error"]
+__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled"]

@@ -63,6 +63,19 @@ CLOCKS = {
 }
 
 
+def read_profile(work, buffer, interpret: bool, mode: str) -> dict:
+    """A profiled call's record (``RDEPModule.last_profile``) from its ``profile`` buffer
+    (start and end of every work item of ``work``): per entry that ran, its first item's
+    start and its last item's end."""
+    at = buffer.view(-1, 2).to("cpu").tolist()
+    events = []
+    for entry, (first, items) in enumerate(work.entry_items()):
+        if items:
+            span = at[first : first + items]
+            events.append((entry, min(s for s, _ in span), max(e for _, e in span)))
+    return {"clock": "logical" if interpret else "globaltimer", "mode": mode, "events": events}
+
+
 def _thread_names(plan: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
     if mode == "role-split":  # programs: (communication, compute) programs of one rank
         comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
@@ -153,4 +166,4 @@ def write_measured_trace(plan: KernelContract, profile: dict, path: str | Path, 
     return path
 
 
-__all__ = ["CLOCKS", "STAGE_OF", "measured_trace", "write_measured_trace"]
+__all__ = ["CLOCKS", "STAGE_OF", "measured_trace", "read_profile", "write_measured_trace"]

@@ -169,7 +169,7 @@ def tune_layer(
     Records the fastest (:func:`record`); returns it, every result and the record's path.
     ``budget``: seconds, past which the remaining candidates are not timed (:func:`tune`)."""
     import torch
-    from rdepc.runtime.module import TORCH_DTYPES, gate_up
+    from rdepc.runtime.tensors import TORCH_DTYPES, gate_up
 
     from rdepc.reference import random_inputs
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from rdepc.passes.plan import symmetric_plan
-from rdepc.runtime.module import KernelError, gate_grad
+from rdepc.runtime.autograd import gate_grad
+from rdepc.runtime.module import KernelError
 
 from rdepc.api import Layer, elaborate_layer
 from rdepc.ir.contract import Tiles

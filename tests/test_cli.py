@@ -409,10 +409,11 @@ def test_check_notes_what_compile_does_not_implement(main, tmp_path, monkeypatch
     """check and compile agree: a construct the code generator refuses is a note in check
     (status 0, even with --werror) and an error at the same place in compile. The code
     generator implements the whole language today, so a refusal is simulated."""
-    from rdepc import cli, codegen
+    from rdepc import codegen
+    from rdepc.commands import check
 
     refused = frozenset({"dedup of rows a token sends to one rank"})
-    monkeypatch.setattr(cli, "UNSUPPORTED", refused)
+    monkeypatch.setattr(check, "UNSUPPORTED", refused)
     monkeypatch.setattr(codegen, "UNSUPPORTED", refused)
     spec = tmp_path / "d.rdep"
     spec.write_text(

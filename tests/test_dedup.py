@@ -18,7 +18,7 @@ from conftest import GRAD_NAMES, ROOT, grads_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rdepc.passes.plan import transport_bytes
-from rdepc.runtime.module import TORCH_DTYPES, max_relative_error
+from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
 from rdepc.api import Layer, elaborate_layer
 from rdepc.parser import parse_text

@@ -23,7 +23,8 @@ from rdepc.codegen import generate
 from rdepc.codegen.lower import lower
 from rdepc.passes.memplan import memory_plan
 from rdepc.passes.plan import symmetric_plan
-from rdepc.runtime.module import KernelError, RDEPModule, max_relative_error
+from rdepc.runtime.module import KernelError, RDEPModule
+from rdepc.runtime.tensors import max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer

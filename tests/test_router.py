@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rdepc.runtime import router as R
-from rdepc.runtime.module import max_relative_error
+from rdepc.runtime.tensors import max_relative_error
 
 import rdepc
 from rdepc.api import Layer, SpecError, elaborate_layer

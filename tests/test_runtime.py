@@ -20,7 +20,8 @@ import torch
 from conftest import ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from rdepc.runtime.module import TORCH_DTYPES, KernelError, RDEPModule, max_relative_error
+from rdepc.runtime.module import KernelError, RDEPModule
+from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer

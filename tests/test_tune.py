@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT
 from rdepc.runtime import tune
-from rdepc.runtime.module import gate_up
+from rdepc.runtime.tensors import gate_up
 
 import rdepc
 from rdepc.ir.contract import Tiles

@@ -1,0 +1,72 @@
+"""``rdepc compile``: the elaborated spec, the generated kernels, their plan and an
+importable module in one directory; with ``--target sm_90`` also every kernel's cubin."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rdepc.api import UsageError
+from rdepc.commands.common import overrides, print_diags
+
+
+def cmd_compile(args) -> int:
+    from rdepc.driver import PASS_NAMES, Options, compile_file, dump_json, spec_passes
+
+    known = list(PASS_NAMES) + [p.name for p in spec_passes()]
+    for name in args.dump_after:
+        if name not in known:
+            raise UsageError(f"--dump-after {name}: no such pass (passes: {', '.join(known)})")
+    opts = Options(
+        args.layer,
+        overrides(args),
+        tuple(args.dump_after),
+        args.time_passes,
+        schedule=args.schedule,
+        cut=args.cut,
+        hw=args.hw,
+        backend=args.backend,
+    )
+    # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
+    result = compile_file(args.file, opts, sys.stdout)
+    generated = result.outputs["codegen"]
+    print_diags(result.warnings, {})
+    out = Path(args.out or Path("build") / result.spec.name)
+    target = out / f"{result.spec.name}.spec.json"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(dump_json(result.spec) + "\n", encoding="utf-8")
+        tmp.replace(target)
+        from rdepc.codegen import write_module
+
+        wrote = [target, *write_module(generated, out)]
+    except OSError as e:  # -o names a file, an unwritable place, ...
+        print(f"rdepc: error: cannot write {e.filename or target}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    if args.target:
+        wrote += _cubins(out, result.spec.name)
+    for path in wrote:
+        print(f"wrote {path}")
+    return 0
+
+
+def _cubins(out: Path, name: str) -> list[Path]:
+    """Compile the written kernels for sm_90, printing what each build is; the cubins' paths."""
+    from rdepc.codegen.sm90 import compile_cubins
+
+    wrote = []
+    for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
+        wrote.append(Path(r["cubin"]))
+        mma = ", ".join(r["wgmma_shapes"]) or "no wgmma"
+        sp, at = r["specialization"], r["launch"]
+        aligned = "" if sp["aligned_pointers"] == sp["pointers"] else f"{sp['aligned_pointers']} of "
+        ones = "".join(f", {n}=1 constant" for n in sp["constexpr_ones"])
+        print(
+            f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
+            f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
+            f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread; GEMMs: {mma}, "
+            f"{'TMA' if r['tma'] else 'no TMA'}; as launched: {aligned}pointers 16-byte aligned, "
+            f"T'={at['n_tokens']}, {at['n_programs']} programs{ones}"
+        )
+    return wrote

@@ -1,0 +1,58 @@
+"""``rdepc viz``: a layer's predicted schedule as a summary, a Chrome/Perfetto trace, a Gantt
+chart and a Graphviz graph (``rdepc.viz``). Imports neither torch nor triton."""
+
+from __future__ import annotations
+
+import sys
+
+from rdepc.api import UsageError
+from rdepc.commands.common import load_spec
+
+
+def cmd_viz(args) -> int:
+    from rdepc.passes.schedule import build_for, report, schedule
+
+    spec = load_spec(args)
+    if args.ranks < 1:
+        raise UsageError(f"--ranks {args.ranks}: expected a positive number")
+    tg = build_for(spec, args.schedule, args.cut, args.hw)
+    counts = None
+    if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
+        from rdepc.passes.routing import source_counts
+
+        geo = tg.geometry
+        counts = source_counts(geo.W, geo.T, geo.E, geo.K, *args.routing, args.seed)
+        per_expert = [sum(c) for c in zip(*counts, strict=True)]
+        name = "uniform" if args.routing[0] == "uniform" else f"zipf alpha={args.routing[1]:g}"
+        print(
+            f"routing: {name}, seed {args.seed}, one sampled routing (rows per expert {min(per_expert):,} to "
+            f"{max(per_expert):,}, mean {sum(per_expert) / len(per_expert):,.1f}, before capacity)"
+        )
+    sched = schedule(tg, args.hw, counts=counts)
+    print(report(sched))
+    from rdepc import viz
+
+    wrote = []
+    try:
+        if args.trace:
+            wrote.append(viz.write_trace(sched, args.trace, empty=args.empty))
+        if args.png:
+            bulk = None
+            if sched.strategy != "bulk":
+                bulk = schedule(build_for(spec, "bulk", None, args.hw), args.hw, counts=counts)
+                print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
+            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks))
+        if args.dot:
+            try:
+                level = "tiles" if args.full else "tasks" if args.tasks else "stages"
+                wrote.append(viz.write_dot(sched.graph, args.dot, sched=sched, level=level))
+            except ValueError as e:  # --full on a spec too large for a tile graph
+                raise UsageError(f"--dot --full: {e}") from None
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        print(f"rdepc: error: cannot write {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    for path in wrote:
+        print(f"wrote {path}")
+    return 0

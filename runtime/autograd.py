@@ -1,0 +1,76 @@
+"""The module's autograd: what a forward keeps for its backward (the routing context), the
+``torch.autograd.Function`` whose backward launches the kernel's backward pass
+(:func:`routed`), and dL/dg through the capacity weights policy (``rdepc.runtime.module``
+says what the backward does on the device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    """What the forward's accepted set looked like, for a backward that walks it (appendix
+    A.3, condition 4): per (rank, token, slot) whether it was accepted, its row's slot in
+    its owner's payload (-1 when dropped), and its combine weight g'."""
+
+    topk_ids: torch.Tensor
+    accepted: torch.Tensor
+    slot: torch.Tensor
+    gprime: torch.Tensor
+
+
+class _Routed(torch.autograd.Function):
+    """forward runs the kernel and keeps what the backward walks; backward runs the kernel's
+    backward pass over it."""
+
+    @staticmethod
+    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down, brought):
+        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, brought, save=True)
+        ctx.module, ctx.kept, ctx.context = module, kept, context
+        ctx.n_tokens = x.shape[-2]
+        ctx.save_for_backward(gates, w_gate, w_up, w_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        gates, w_gate, w_up, w_down = ctx.saved_tensors
+        dx, dgates, dwg, dwu, dwd = ctx.module._backward(
+            grad_y, ctx.context, ctx.kept, ctx.n_tokens, gates, w_gate, w_up, w_down
+        )
+        return None, dx, None, dgates, dwg, dwu, dwd, None
+
+
+def routed(module, x, topk_ids, gates, w_gate, w_up, w_down, brought) -> torch.Tensor:
+    """``module``'s forward, differentiable: y, with the backward (``module._backward``) in its graph."""
+    return _Routed.apply(module, x, topk_ids, gates, w_gate, w_up, w_down, brought)
+
+
+def gate_grad(
+    gates: torch.Tensor, accepted: torch.Tensor, dgprime: torch.Tensor, weights: str, routed: torch.Tensor
+) -> torch.Tensor:
+    """dL/dg from dL/dg' through the capacity weights policy (the combine's g'):
+    ``zero`` (and dropless) g' = g on accepted slots; ``renormalize`` g'_i = A_i g_i G / S_A
+    with G = sum_j g_j, S_A = sum_j A_j g_j (0 when S_A = 0), whose derivative is
+    dL/dg_m = A_m dL/dg'_m G / S_A + (1 - A_m G / S_A) sum_i dL/dg'_i A_i g_i / S_A.
+    The gate of a slot that routes nowhere (``routed`` false: expert id -1) is no part of
+    G: it counts as 0 and gets no gradient."""
+    g = gates.to(torch.promote_types(gates.dtype, torch.float32))
+    g = torch.where(routed, g, 0.0)
+    dgprime = dgprime.to(g.dtype)
+    if weights != "renormalize":
+        return torch.where(accepted, dgprime, 0.0)
+    kept = torch.where(accepted, g, 0.0)
+    total = g.sum(dim=-1, keepdim=True)
+    survived = kept.sum(dim=-1, keepdim=True)
+    ok = survived != 0
+    denom = torch.where(ok, survived, 1.0)
+    scale = total / denom
+    through = (dgprime * kept).sum(dim=-1, keepdim=True) / denom
+    dg = torch.where(accepted, dgprime * scale, 0.0) + through - torch.where(accepted, scale, 0.0) * through
+    return torch.where(ok & routed, dg, 0.0)
+
+
+__all__ = ["RoutingContext", "gate_grad", "routed"]

@@ -1,0 +1,123 @@
+"""What a module allocates on its device, and where it reads and resets in it: the private
+buffers (their sizes per process), the task tables a launch reads, the placeholders for the
+other pass's pointers, the heap regions the host touches (done flags, published offsets) and
+the per-owner row buffers of the backward. The symmetric heap itself comes from the
+transport (``Transport.allocate_heap``); the check that all of it fits comes first
+(``rdepc.runtime.memory.check_fits``)."""
+
+from __future__ import annotations
+
+import torch
+from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
+
+from rdepc.ir.contract import POINTEE, KernelContract, Work, kernel_args
+
+
+def private_buffers(plan: KernelContract, per_rank: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The plan's private buffers as this process allocates them: (name, dtype, shape)."""
+    out = []
+    for name, dt, shape in plan.private:
+        if per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
+            shape = (1, *shape[1:])
+        out.append((name, TORCH_DTYPES.get(dt) or INT_DTYPES[dt], tuple(shape)))
+    return out
+
+
+def allocate_private(buffers, profile_words: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The private buffers, zeroed, and the ``profile`` buffer of ``profile_words`` int64."""
+    private = {name: torch.zeros(shape, dtype=dt, device=device) for name, dt, shape in buffers}
+    private["profile"] = torch.zeros(profile_words, dtype=torch.int64, device=device)
+    return private
+
+
+def task_tables(
+    plan: KernelContract, work: Work, bwd_work: Work, per_queue, mode: str, per_rank: bool, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The int32 tables a launch reads: the forward's (its task table and queues, the
+    ownership and capacity tables), and those the backward's launch replaces."""
+    p = plan
+
+    def i32(values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+    def queued(work, deps) -> dict[str, torch.Tensor]:
+        return {
+            "table": i32(v for row in work.table for v in row),
+            "deps": i32(deps or (0,)),
+            "queue": i32(work.queue),
+            "first_item": i32(work.first_item),
+            "queues": i32(v for (lo, hi), n in zip(work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
+        }
+
+    bwd_tables = queued(bwd_work, p.bwd_deps)
+    tables = queued(work, p.deps) | {
+        "program_queue": i32(q for q, n in enumerate(per_queue) for _ in range(n if mode != "unified" else 1)),
+        "owner_of": i32(p.owner),
+        "local_of": i32(p.local),
+        "n_local": i32(p.n_local),
+        # one process per rank holds its own experts only: weights by local index
+        "weight_of": i32(p.weight_of if not per_rank else (i % p.E_MAX for i in range(p.W * p.E_MAX))),
+        "order": i32(p.order),
+        "owner_first": i32(p.owner_first),
+        "rows_max": i32(p.rows_max),
+        "caps": i32(p.caps()),
+    }
+    return tables, bwd_tables
+
+
+def placeholders(plan: KernelContract, device: torch.device) -> dict[str, torch.Tensor]:
+    """What a launch passes for the other pass's pointers, by pointer type: never read, but of
+    the declared type, which Triton's signature (and so the build a launch runs) takes from
+    the argument."""
+    return {
+        kind: torch.zeros(1, dtype=getattr(torch, POINTEE[kind[1:]]), device=device)
+        for _, kind in kernel_args(plan)
+        if kind.startswith("*")
+    }
+
+
+def regions(plan: KernelContract) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """The heap words the host touches, as (start, end) or (offset, size): the forward's and
+    the backward's done flags (offset, size; zeroed after a kernel error), and the words the
+    backward reads from a rank's own slice (start, end): the offsets and admitted counts its
+    owners published to it (adjacent buffers)."""
+    sizes = {name: (at, size) for name, _, at, size in plan.layout}
+    published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
+    return sizes["flags"], sizes["bwd_flags"], published
+
+
+def own_slices(heap: torch.Tensor, per_rank: bool, rank: int | None) -> torch.Tensor:
+    """The heap slices this process owns, [ranks, heap_bytes]."""
+    if not per_rank:
+        return heap
+    return heap.view(1, -1) if heap.dim() == 1 else heap[rank : rank + 1]
+
+
+def owner_rows(plan: KernelContract, per_rank: bool, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[owners, R_max, cols] rows in the layer's dtype, one block per owner this process
+    runs: where the owners' rows sit for the backward, at their places among their rows."""
+    owners = 1 if per_rank else plan.W
+    return torch.empty((owners, plan.R_MAX, cols), dtype=dtype, device=device)
+
+
+def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], backward: bool) -> None:
+    """After a kernel error in one process: the pass's control words, tile counters and done
+    flags (``flags``: offset, size) zeroed. The programs stopped early, their tickets and
+    flags off the count: the next call starts afresh, never on stale flags."""
+    pre = "bwd_" if backward else ""
+    private[pre + "ctl"].zero_()
+    private[pre + "tile_done"].zero_()
+    at, size = flags
+    heap[:, at : at + size] = 0
+
+
+__all__ = [
+    "allocate_private",
+    "own_slices",
+    "owner_rows",
+    "placeholders",
+    "private_buffers",
+    "regions",
+    "reset_control",
+    "task_tables",
+]

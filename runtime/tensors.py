@@ -1,0 +1,51 @@
+"""The torch side of a layer's tensors, shared by the module, tuning and the face: the spec's
+dtypes as torch dtypes, the packed gate/up operand GEMM1 reads, 16-byte alignment, and the
+relative error a run is checked with."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """[E, H, F] gate and up weights as the one [E, H, F, 2] operand GEMM1 reads (column 2f
+    gate f, 2f + 1 up f): a view when they are already the halves of one such tensor,
+    otherwise a new tensor."""
+    shape = (*w_gate.shape, 2)
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    halves = (
+        w_up.shape == w_gate.shape
+        and w_up.dtype == w_gate.dtype
+        and w_up.device == w_gate.device
+        and w_gate.stride() == w_up.stride() == tuple(strides[:-1])
+        and w_gate.untyped_storage().data_ptr() == w_up.untyped_storage().data_ptr()
+        and w_up.data_ptr() == w_gate.data_ptr() + w_gate.element_size()
+    )
+    return w_gate.as_strided(shape, strides) if halves else torch.stack((w_gate, w_up), dim=-1)
+
+
+def aligned(w: torch.Tensor) -> torch.Tensor:
+    """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires; every
+    tensor a launch passes is, so that Triton specialises every pointer as aligned
+    (``tt.divisibility`` 16), the build ``rdepc compile --target sm_90`` reports."""
+    return w if w.data_ptr() % 16 == 0 else w.clone()
+
+
+def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|y - ref| / max|ref| (0 when both are zero), in float64."""
+    y, ref = y.double(), ref.double()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    err = float((y - ref).abs().max()) if ref.numel() else 0.0
+    if scale == 0:
+        return 0.0 if err == 0 else math.inf
+    return err / scale
+
+
+__all__ = ["INT_DTYPES", "TORCH_DTYPES", "aligned", "gate_up", "max_relative_error"]
