@@ -117,7 +117,7 @@ def rank_rate(rank: int, W: int, v, device: str) -> dict:
     """One profiled call of variant ``v`` on this rank: its dispatch bytes and the dispatch items' spans."""
     import torch
     from rdepc.codegen.lower import KINDS
-    from rdepc.passes.plan import transport_bytes
+    from rdepc.passes.transport import transport_bytes
     from rdepc.runtime.module import TORCH_DTYPES
     from rdepc.runtime.profile import STAGE_OF
 

@@ -549,8 +549,8 @@ def _check_writable(option: str, path: str) -> None:
 
 
 def _moved(spec, sent: int, accepted: int, back: int) -> str:
-    """What the transport moved: its rows and bytes out and back (``passes.plan.transport_bytes``)."""
-    from rdepc.passes.plan import transport_bytes
+    """What the transport moved: its rows and bytes out and back (``passes.transport.transport_bytes``)."""
+    from rdepc.passes.transport import transport_bytes
     from rdepc.report import fmt_bytes
 
     out, ret = transport_bytes(spec, sent, accepted, back)
@@ -713,7 +713,9 @@ def cmd_viz(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from rdepc.passes.plan import PlanOptions, parse_probs, plan, to_json
+    from rdepc.passes.plan import plan
+    from rdepc.passes.plan_records import PlanOptions, to_json
+    from rdepc.passes.probs import parse_probs
     from rdepc.report import render
 
     spec = _load_spec(args)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from rdepc.codegen.lower import Tiles
-from rdepc.passes.plan import symmetric_plan
+from rdepc.passes.symmetric import symmetric_plan
 from rdepc.runtime.module import KernelError, gate_grad
 
 from rdepc.api import Layer, elaborate_layer
