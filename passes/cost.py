@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rdepc.passes.graph import admit, expected_counts, segment_load, task_rows
 from rdepc.passes.hardware import Value, profile
+from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
 from rdepc.ir.graph import BM, CostModel, Rates, TaskGraph
 

@@ -9,18 +9,10 @@ from conftest import EXAMPLES, ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, ROUTING_KINDS, Case, cases, counts, m_tiles, place_rows, routing
-from rdepc.passes.graph import (
-    admit,
-    build_graph,
-    expand_tiles,
-    expected_counts,
-    geometry,
-    mtiles_bound_ok,
-    segment_load,
-    task_count,
-    task_rows,
-)
+from rdepc.passes.graph import build_graph, geometry, task_count
+from rdepc.passes.loads import admit, expected_counts, mtiles_bound_ok, segment_load, task_rows
 from rdepc.passes.padding import tiled_rows
+from rdepc.passes.tasks import expand_tiles
 
 import rdepc
 from rdepc.diagnostics import SpecError

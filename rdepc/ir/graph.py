@@ -151,7 +151,7 @@ class TaskGraph:
     def graph(self) -> nx.DiGraph:
         """The same graph as a networkx DiGraph (built on first use): node = task id with
         the task's bounds as attributes, edge kind "data" or "war" (buffer reuse)."""
-        from rdepc.passes.graph import to_networkx
+        from rdepc.passes.tasks import to_networkx
 
         return to_networkx(self.tasks)
 
