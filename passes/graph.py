@@ -79,6 +79,7 @@ from pathlib import Path
 from rdepc.passes.tasks import build_tasks
 
 from rdepc.diagnostics import Diagnostics
+from rdepc.ir import sizes
 from rdepc.ir.graph import BM, MAX_TASKS, Decision, Geometry, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
@@ -99,10 +100,10 @@ def _int(expr, spec: LayerSpec) -> int:
 def cap_per_expert(spec: LayerSpec) -> int | None:
     """cap_e the buffers are sized for: the largest any call may have, T' in 1..T (a
     ``capacity rows`` expression may fall as T' grows); None when dropless."""
-    cap = spec.capacity.rows_per_expert(spec.shape)
-    if cap is None:
-        return None
-    return max_over_tokens(cap, spec) if spec.capacity.policy == "rows" else _int(cap, spec)  # factor grows with T
+    cap, sh = spec.capacity, spec.shape
+    rows = max_over_tokens(cap.rows, spec) if cap.policy == "rows" else None
+    # a factor's cap_e grows with T': its largest is at T
+    return sizes.cap_e(cap.policy, int(sh.W), sh.T_max, _int(sh.K, spec), _int(sh.E, spec), cap.factor, rows)
 
 
 def max_over_tokens(expr, spec: LayerSpec) -> int:
@@ -174,13 +175,13 @@ def geometry(
         rows_max=R,
         segments=segs,
         m_slots=m_slots,
-        token_tiles=-(-T // BM),
+        token_tiles=sizes.token_tiles(T),
     )
 
 
 def owner_rows(W: int, T: int, K: int, experts: Sequence[int], cap: int | None) -> tuple[int, ...]:
-    """R_q: rows owner q may hold, its worst case with distinct top-K capped by Σ cap_e."""
-    return tuple(W * T * min(K, e) if cap is None else min(W * T * min(K, e), e * cap) for e in experts)
+    """R_q of every owner (:func:`rdepc.ir.sizes.owner_rows`)."""
+    return tuple(sizes.owner_rows(W, T, K, e, cap) for e in experts)
 
 
 def segmentation(
@@ -190,8 +191,8 @@ def segmentation(
     segment of the busiest owner's size; a segmented strategy cuts them into S-row segments,
     all of them resident under dedup."""
     if strategy == "bulk":
-        return max(max(R, default=0), 1), 1, tuple(1 if r > 0 else 0 for r in R)
-    segs = tuple(-(-r // int(S)) for r in R)
+        return sizes.bulk_rows(R), 1, tuple(1 if r > 0 else 0 for r in R)
+    segs = tuple(sizes.segment_count(r, int(S)) for r in R)
     if dedup:  # a token's rows at an owner span its local experts' segments: all stay resident
         B = max(int(B), *segs)
     return int(S), int(B), segs
@@ -199,9 +200,7 @@ def segmentation(
 
 def count_tasks(W: int, T: int, K: int, S: int, B: int, segments: Sequence[int], segmented: bool) -> int:
     """Tasks of a graph over these bounds (``task_count`` without a Geometry)."""
-    ring = segmented and B * S < T * K  # Geometry.return_ring
-    per_piece = 2 * W + 2 + (W if ring else 0)  # dispatch, return, gemm1, gemm2, unpack
-    return 2 * W + sum(segments) * per_piece + W + W * -(-T // BM)
+    return sizes.task_count(W, T, segments, sizes.return_ring(segmented, B, S, T, K))
 
 
 def task_count(geo: Geometry) -> int:
@@ -256,10 +255,10 @@ def too_many_tasks(W: int, T: int, n: int, strategy: str, S: int, segments: Sequ
     it large: the combine tiles of T tokens, W ranks each sending every owner its segments,
     or the segments themselves. The language allows such a layer; the graph stage does not
     build it (yet), so it is reported as "not supported yet" at that construct."""
-    tiles = W * -(-T // BM)
-    one_each = 3 * W + tiles + sum(1 for s in segments if s) * (2 * W + 2)  # one segment per owner, no ring
+    tiles = W * sizes.token_tiles(T)
+    one_each = sizes.task_count(W, T, [min(s, 1) for s in segments], False)  # one segment per owner, no ring
     head = f"the task table would have {n:,} tasks (limit {MAX_TASKS:,}): "
-    if 3 * W + tiles > MAX_TASKS:
+    if sizes.task_count(W, T, [], False) > MAX_TASKS:
         return head + f"W·⌈T/{BM}⌉ = {tiles:,} combine tiles", "shape.tokens", f"use fewer tokens per rank (T = {T})"
     if one_each > MAX_TASKS:
         why = f"W = {W} ranks, each sending every owner its rows and receiving its returns"

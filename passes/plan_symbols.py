@@ -16,6 +16,7 @@ from typing import Any
 import sympy as sp
 from rdepc.passes.graph import geometry, max_over_tokens
 
+from rdepc.ir import sizes
 from rdepc.ir.spec import LayerSpec
 
 ALIGN = 256  # bytes: every symmetric buffer is padded to a multiple of this (docs/memory.md)
@@ -97,25 +98,21 @@ MU_DEF = W * T * K / E  # eq. 2 with DP = W
 
 
 def cap_expr(policy: str) -> sp.Expr:
-    """cap_e, rows one owner admits for one expert: ceil(f·μ), C, or ∞ (dropless)."""
-    if policy == "dropless":
-        return sp.oo
-    if policy == "rows":
-        return C
-    return sp.ceiling(f * mu)
+    """cap_e, rows one owner admits for one expert: ceil(f·μ), C, or ∞ (dropless). The rule
+    is :func:`rdepc.ir.sizes.capacity_rule`, the one the passes evaluate, applied to symbols."""
+    cap = sizes.capacity_rule(policy, mu, f, C, sp.ceiling)
+    return sp.oo if cap is None else cap
 
 
 def worst_owner_load_expr() -> sp.Expr:
     """Rows the busiest owner receives when every token picks distinct experts on it."""
-    return W * T * sp.Min(K, E_max)
+    return sizes.owner_rows_rule(W, T, K, E_max, None, sp.Min)
 
 
 def rows_per_owner_expr(policy: str) -> sp.Expr:
-    """R_max = max_q R_q: the worst case, capped by Σ_{e owned by q} cap_e (both grow with
-    E_loc(q), so the maximum is at E_max)."""
-    if policy == "dropless":
-        return worst_owner_load_expr()
-    return sp.Min(worst_owner_load_expr(), E_max * cap_e)
+    """R_max = max_q R_q (:func:`rdepc.ir.sizes.owner_rows_rule` applied to symbols): the worst
+    case, capped by Σ_{e owned by q} cap_e (both grow with E_loc(q), so the maximum is at E_max)."""
+    return sizes.owner_rows_rule(W, T, K, E_max, None if policy == "dropless" else cap_e, sp.Min)
 
 
 # --- evaluation ------------------------------------------------------------------------

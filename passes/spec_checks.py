@@ -5,11 +5,10 @@ context."""
 
 from __future__ import annotations
 
-import math
-
 from rdepc.passes.graph import fewest_tasks, too_many_tasks
 from rdepc.passes.statements import ranges
 
+from rdepc.ir import sizes
 from rdepc.ir.graph import MAX_TASKS
 from rdepc.ir.spec import LayerSpec
 
@@ -17,17 +16,21 @@ from rdepc.ir.spec import LayerSpec
 class Checks:
     """Warnings and notes on a built spec, reported on ``self.diags``."""
 
+    def cap_e(self, spec: LayerSpec) -> int | None:
+        """cap_e the buffers are sized for, as ``passes.graph.cap_per_expert`` (a ``capacity
+        rows`` expression at its largest over the tokens a call may bring), from exact sizes."""
+        sh, cap = spec.shape, spec.capacity
+        W, T, K, E = int(sh.W.value), sh.T_max, int(sh.K.value), int(sh.E.value)
+        rows = int(self._max(cap.rows)) if cap.policy == "rows" else None
+        return sizes.cap_e(cap.policy, W, T, K, E, cap.factor.value if cap.policy == "factor" else None, rows)
+
     def task_table_note(self, spec: LayerSpec) -> None:
         """A note where compile will stop: the graph stage builds no task table over
         MAX_TASKS tasks, whichever strategy, S and B the scheduler may choose (as compile
         says it, "not supported yet", for a layer the language allows)."""
-        sh, cap = spec.shape, spec.capacity
-        W, T, K, E = int(sh.W.value), sh.T_max, int(sh.K.value), int(sh.E.value)
-        cap_e = None
-        if cap.policy == "factor":
-            cap_e = math.ceil(cap.factor.value * W * T * K / E)
-        elif cap.policy == "rows":
-            cap_e = int(self._max(cap.rows))
+        sh = spec.shape
+        W, T, K = int(sh.W.value), sh.T_max, int(sh.K.value)
+        cap_e = self.cap_e(spec)
         seg = None if spec.segment is None else (int(spec.segment.rows.value), int(spec.segment.buffers.value))
         per = spec.ownership.experts_per_rank(W)
         n, strategy, S, segments = fewest_tasks(W, T, K, per, cap_e, spec.schedule, seg, spec.dedup)
@@ -59,11 +62,7 @@ class Checks:
                 spec.span_of("capacity.factor"),
             )
         seg = spec.segment
-        cap_e = None
-        if cap.policy == "factor":
-            cap_e = math.ceil(cap.factor.value * sh.W.value * sh.T_max * sh.K.value / sh.E.value)
-        elif cap.policy == "rows":
-            cap_e = self._max(cap.rows)
+        cap_e = self.cap_e(spec)
         if seg is not None and cap_e is not None and spec.schedule != "bulk":  # bulk: warned below
             owner_rows = cap_e * min(per)
             if min(per) and owner_rows < seg.rows.value:
@@ -75,12 +74,11 @@ class Checks:
         if seg is not None and spec.schedule == "bulk":
             # As passes.graph.geometry sizes bulk: one segment per owner, S the busiest owner's
             # worst case (distinct top-K, capped by capacity), T at its bound.
-            worst = [sh.W.value * sh.T_max * min(sh.K.value, e) for e in per]
-            rows = [r if cap_e is None else min(r, e * cap_e) for r, e in zip(worst, per, strict=True)]
+            rows = [sizes.owner_rows(W, sh.T_max, int(sh.K.value), e, cap_e) for e in per]
             at_bound = " with T at its bound" if sh.symbolic else ""
             d.warning(
                 f"schedule bulk ignores the segment statement: each owner's rows move as one segment "
-                f"(S = {max(1, int(max(rows)))}{at_bound}, B = 1), not in {seg.rows}-row segments "
+                f"(S = {sizes.bulk_rows(rows)}{at_bound}, B = 1), not in {seg.rows}-row segments "
                 f"through {seg.buffers} buffers",
                 spec.span_of("segment"),
                 "drop the segment statement, or use 'schedule pipelined' "

@@ -29,30 +29,35 @@ from rdepc.passes.plan_symbols import (
     spec_values,
 )
 
-from rdepc.ir.graph import BM as COMBINE_TOKENS
+from rdepc.ir import sizes
+from rdepc.ir.graph import BM
 from rdepc.ir.spec import LayerSpec
+
+
+def done_counters_expr(strategy: str) -> sp.Expr:
+    """Done counters per rank (the ``flags`` buffer's words): :func:`rdepc.ir.sizes.done_counters`
+    applied to symbols, with n = ⌈R_max/S⌉ segments of the busiest owner (bulk: one) and a
+    return ring iff segmented and B·S < T·K (memplan.flag_slots evaluates the same rule)."""
+    if strategy in SEGMENTED:
+        ring = sp.Piecewise((sp.Integer(1), B * S < T * K), (sp.Integer(0), True))
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.ceiling(R_max / S), ring)
+    if strategy == "bulk":
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.Integer(1), sp.Integer(0))
+    raise ValueError(f"unknown strategy '{strategy}'")
 
 
 def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
     ``dedup`` the backward's sideband and gate gradients."""
-    # Done counters per rank (memplan.flag_slots): route, scan, combine wait, the combine
-    # tiles, W·n dispatches, n GEMM1s and n GEMM2s, W·n returns and, with a rotating return ring, W·n
-    # unpacks, where n is the busiest owner's segments.
-    tiles = 3 + sp.ceiling(T / COMBINE_TOKENS)
+    done = done_counters_expr(strategy)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
         # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
         ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
-        n = sp.ceiling(R_max / S)
-        done = tiles + (2 * W + 2) * n + sp.Piecewise((W * n, B * S < T * K), (sp.Integer(0), True))
-    elif strategy == "bulk":
+    else:
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
         ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
-        done = tiles + 2 * W + 2
-    else:
-        raise ValueError(f"unknown strategy '{strategy}'")
     buf = {
         "tokens": pad(W * INT64),
         "counts": pad(W * E_max * INT32),

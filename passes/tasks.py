@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rdepc.ir import sizes
 from rdepc.ir.graph import BM, Geometry, Task, TaskGraph
 
 
@@ -52,9 +53,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
 
     # Rows of segment s of owner q, and rows one source may place in it.
     seg_rows = [[min(S, R[q] - s * S) for s in range(segs[q])] for q in range(W)]
-    from_one = [
-        T * min(K, per[q]) if geo.cap_e is None else min(T * min(K, per[q]), per[q] * geo.cap_e) for q in range(W)
-    ]
+    from_one = [sizes.owner_rows(1, T, K, per[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
     piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
 
     route = tuple(

@@ -84,7 +84,9 @@ class Geometry:
         """Returns land in a ring of B slots, claimed and freed by unpacks. When the B·S rows
         of the ring hold all T·K rows a front-end gets back, they land at their (token,
         slot) places directly, as in bulk: no claims, no unpack."""
-        return self.segmented and self.B * self.S < self.T * self.K
+        from rdepc.ir.sizes import return_ring  # sizes imports BM from here
+
+        return return_ring(self.segmented, self.B, self.S, self.T, self.K)
 
     @property
     def flop_coef(self) -> int:
