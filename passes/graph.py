@@ -3,7 +3,9 @@
 Routing is known only at run time, but capacity bounds it (ARCHITECTURE.md, decision 1):
 owner q's worst case with distinct top-K is ``W·T·min(K, E_loc(q))`` rows, capped by
 ``Σ cap_e`` under a binding capacity (R_q); it runs ``ceil(R_q / S)`` segments; a
-padding-free segment needs at most ``ceil(S/BM) + E_loc(q) − 1`` m-tiles. The graph has
+padding-free segment, its m-tiles aligned to each expert's rows, needs at most
+``ceil(min(R_q, S)/BM) + 2·E_loc(q) − 1`` m-tiles when segments cut an owner's rows, else
+``ceil(R_q/BM) + E_loc(q) − 1`` (:func:`rdepc.ir.sizes.m_tile_slots`, the kernel's rule). The graph has
 one task per (rank, segment, stage) — per (source, owner, segment) for the transport
 stages — carrying those bounds, and a predicate under which the task is empty at run
 time. It never has a node per tile (``expand_tiles`` does that, for small specs only).
@@ -149,7 +151,6 @@ def geometry(
             B = _int(seg.buffers, spec) if seg is not None else (2 if strategy == "pipelined" else 3)
     S_, B_, segs = segmentation(R, strategy, S, B, spec.dedup)
     L = 1 if strategy in ("bulk", "pipelined") else max(1, int(B) - 1)  # B as given, before dedup raises it
-    m_slots = tuple(-(-S_ // BM) + e - 1 if e else 0 for e in per)
     return Geometry(
         strategy=strategy,
         cut=cut,
@@ -174,7 +175,7 @@ def geometry(
         drop=spec.capacity.drop,
         rows_max=R,
         segments=segs,
-        m_slots=m_slots,
+        m_slots=sizes.m_tile_slots(R, per, S_),
         token_tiles=sizes.token_tiles(T),
     )
 
@@ -322,7 +323,8 @@ def dump(tg: TaskGraph) -> str:
         f"// graph of layer {tg.layer}: {geo.strategy}, cut {geo.cut}, S={geo.S}, B={geo.B}, lookahead {geo.lookahead}",
         f"//   rows_max R_q  {list(geo.rows_max)}",
         f"//   segments      {list(geo.segments)}",
-        f"//   m-tile slots  {list(geo.m_slots)} (ceil(S/BM) + E_loc - 1, BM = {BM}: the planning tile; a built "
+        f"//   m-tile slots  {list(geo.m_slots)} (ceil(min(R_q, S)/BM) + 2 E_loc - 1 when segments cut an owner's "
+        f"rows, else + E_loc - 1; BM = {BM}: the planning tile; a built "
         "module picks its own, which rdepc run prints)",
         "//   return path   "
         + ("a ring of B slots, freed by unpacks" if geo.return_ring else "rows land at their (token, slot) place"),

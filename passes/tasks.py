@@ -52,6 +52,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
         return i
 
     # Rows of segment s of owner q, and rows one source may place in it.
+    cut = sizes.segments_cut(R, S)  # segment boundaries may cut an m-tile per expert
     seg_rows = [[min(S, R[q] - s * S) for s in range(segs[q])] for q in range(W)]
     from_one = [sizes.owner_rows(1, T, K, per[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
     piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
@@ -149,7 +150,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                 n = seg_rows[q][s]
                 # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
                 deps = tuple(disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
-                tiles = min(geo.m_slots[q], -(-n // BM) + per[q] - 1)
+                tiles = sizes.segment_m_tiles(n, per[q], cut)  # at most geo.m_slots[q]: n <= min(R_q, S)
                 empty = f"rows({q}) <= {s * S}"
                 war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot
                 gemm1[(q, s)] = add(

@@ -1,7 +1,8 @@
 """One home per formula: rdepc.ir.sizes holds each size the passes read (cap_e, R_q, the
 done counters, the task count, BM), and every user of a formula agrees with it — the graph's
 geometry, elaboration's checks, the memory plan, and the planner's symbolic formulas
-evaluated at the spec's values — over every example and a few capacity variants."""
+evaluated at the spec's values — over every example and a few capacity variants; and the
+cost model's m-tile slots per segment are the kernel's (m_tile_slots)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, ROOT, TINY
+from conftest import EXAMPLES, ROOT, TINY, tiny_segmented
+from rdepc.codegen import generate_spec
+from rdepc.codegen.lower import Tiles, tile_slots
 from rdepc.passes import memplan
 from rdepc.passes.elaborate import elaborate
 from rdepc.passes.graph import build_graph, geometry, task_count
@@ -143,6 +146,35 @@ def test_done_counters_every_user_agrees(spec_files):
                 runs[t.rank] += 1
             assert max(runs) <= want
             assert len(tg.tasks) == task_count(geo) == sizes.task_count(geo.W, geo.T, geo.segments, geo.return_ring)
+
+
+def test_m_tile_slots_every_user_agrees(spec_files):
+    for path in spec_files:
+        spec = rdepc.load(path).spec
+        for st, S, B in _strategies(spec):
+            tg = build_graph(spec, st, S=S, B=B)
+            geo = tg.geometry
+            assert geo.m_slots == sizes.m_tile_slots(geo.rows_max, geo.experts, geo.S), (path.name, st)
+            cut = sizes.segments_cut(geo.rows_max, geo.S)
+            assert cut == (st != "bulk" and max(geo.segments) > 1)
+            for t in tg.tasks:
+                if t.stage == "compute":
+                    assert t.tiles == sizes.segment_m_tiles(t.rows, geo.experts[t.owner], cut)
+                    assert t.tiles <= geo.m_slots[t.owner]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_segmented", "moonlight"])
+def test_cost_model_m_tile_slots_are_the_kernels(name, tmp_path):
+    """The graph's (the cost model's) m-tile slots are the ones the kernel plan gives each
+    segment, at the planning tile BM and at every tile height the kernel may run."""
+    path = tiny_segmented(tmp_path) if name == "tiny_segmented" else ROOT / "examples" / f"{name}.rdep"
+    gen = generate_spec(rdepc.load(path).spec)
+    geo, kernel = gen.schedule.graph.geometry, gen.kernel
+    assert kernel.work(Tiles(bm=BM)).m_slots == geo.m_slots
+    for bm in (16, 32, 64, 128):
+        slots = sizes.m_tile_slots(geo.rows_max, geo.experts, geo.S, bm)
+        assert kernel.work(Tiles(bm=bm)).m_slots == slots
+        assert tile_slots(geo.rows_max, geo.experts, geo.S, bm) == max(slots)
 
 
 def test_bm_has_one_home():

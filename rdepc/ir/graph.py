@@ -72,7 +72,7 @@ class Geometry:
     drop: str  # the capacity's admission order: round_robin | arrival | lowest_gate
     rows_max: tuple[int, ...]  # R_q: rows owner q may hold
     segments: tuple[int, ...]  # ceil(R_q / S)
-    m_slots: tuple[int, ...]  # ceil(S/BM) + E_loc(q) - 1: m-tiles one (q, segment) may need
+    m_slots: tuple[int, ...]  # m-tiles one (q, segment) may need: rdepc.ir.sizes.m_tile_slots (the kernel's rule)
     token_tiles: int  # ceil(T / BM): combine tiles per rank
 
     @property
