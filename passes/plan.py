@@ -15,8 +15,10 @@ The parts live beside it, one role each: the symbols and their evaluation
 the symmetric heap of docs/memory.md (:mod:`rdepc.passes.symmetric`, which the memory-plan
 pass is checked against), transport and dedup (:mod:`rdepc.passes.transport`), the padding
 of a sampled routing (:mod:`rdepc.passes.padding`) and the ``--probs`` parser
-(:mod:`rdepc.passes.probs`). numpy is imported only to sample a routing (``--routing``).
-Neither torch nor triton is imported.
+(:mod:`rdepc.passes.probs`). ``schedule auto`` is resolved as compile resolves it, by the
+scheduler's cost model (:func:`rdepc.passes.plan_symbols.resolve_strategy`). numpy is
+imported only to sample a routing (``--routing``) and by that scheduler (``schedule auto``,
+or a segmented schedule without a segment statement). Neither torch nor triton is imported.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     hw = profile(opts.hw)
     if not 0 < opts.overflow < 1:
         raise ValueError(f"overflow target must be in (0, 1), got {opts.overflow}")
-    strategy = resolve_strategy(spec, opts.strategy)
-    rows = buffers = None
-    if strategy in SEGMENTED and spec.segment is None:
+    resolved = resolve_strategy(spec, opts.strategy, opts.hw)  # auto: the scheduler's choice, as compile
+    strategy, rows, buffers = resolved.strategy, resolved.S, resolved.B
+    if strategy in SEGMENTED and spec.segment is None and rows is None:
         # No segment statement: the S and B the scheduler chooses on this profile, as compile does.
         from rdepc.passes.schedule import resolve
 
@@ -88,7 +90,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     env = Env(values, policy)
     Wv = values[W]
     per_rank = spec.ownership.experts_per_rank(Wv)
-    warnings: list[str] = []
+    warnings: list[str] = [resolved.note] if resolved.note else []
 
     # -- pooling ---------------------------------------------------------------------------
     pooling = Pooling(

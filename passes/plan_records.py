@@ -20,7 +20,7 @@ class PlanOptions:
     alpha: float = 0.0  # zipf exponent
     seed: int = 0
     probs: tuple[float, ...] | None = None  # per-expert selection probabilities p_e
-    strategy: str | None = None  # None: the spec's schedule (auto: segmented iff a segment)
+    strategy: str | None = None  # None: the spec's schedule (auto: the scheduler's choice, as compile)
 
 
 @dataclass(frozen=True, slots=True)

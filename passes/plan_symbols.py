@@ -16,6 +16,7 @@ from typing import Any
 import sympy as sp
 from rdepc.passes.graph import geometry, max_over_tokens
 
+from rdepc.diagnostics import SpecError
 from rdepc.ir import sizes
 from rdepc.ir.spec import LayerSpec
 
@@ -180,14 +181,38 @@ def spec_int(expr: Any, spec: LayerSpec) -> int:
     return int(expr)
 
 
-def resolve_strategy(spec: LayerSpec, strategy: str | None = None) -> str:
-    """bulk | pipelined | deep: ``auto`` is segmented iff the spec has a segment statement."""
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The strategy a plan is made for, with the S and B the scheduler chose (None: the
+    segment statement's, or bulk), and why compile's choice could not be used (or None)."""
+
+    strategy: str
+    S: int | None = None
+    B: int | None = None
+    note: str | None = None
+
+
+def resolve_strategy(spec: LayerSpec, strategy: str | None = None, hw: str = "h100") -> Resolved:
+    """The strategy as ``rdepc compile`` resolves it: ``strategy`` (else the spec's
+    ``schedule``) when it is bulk, pipelined or deep; for ``auto``, the scheduler's choice on
+    the profile ``hw`` (:func:`rdepc.passes.schedule.resolve`: the cost model compares the
+    strategies, and S and B without a segment statement). When compile could build none of
+    the candidates (too many tasks), the plan falls back to segmented iff the spec has a
+    segment statement, and says so in ``note``."""
     s = strategy or spec.schedule
-    if s == "auto":
-        return "pipelined" if spec.segment is not None else "bulk"
-    if s not in STRATEGIES:
+    if s not in (*STRATEGIES, "auto"):
         raise ValueError(f"unknown strategy '{s}' (known: auto, {', '.join(STRATEGIES)})")
-    return s
+    if s != "auto":
+        return Resolved(s)
+    from rdepc.passes.schedule import resolve  # the cost model: numpy, never torch or triton
+
+    try:
+        choice = resolve(spec, "auto", hw=hw)
+    except SpecError as e:
+        fallback = "pipelined" if spec.segment is not None else "bulk"
+        why = e.diagnostics[0].message if e.diagnostics else str(e)
+        return Resolved(fallback, note=f"schedule auto planned as {fallback}: compile cannot choose ({why})")
+    return Resolved(choice.strategy, choice.S, choice.B)
 
 
 def spec_values(spec: LayerSpec, strategy: str, rows: int | None = None, buffers: int | None = None) -> dict:

@@ -124,20 +124,28 @@ _REGION_WHAT = {
 
 
 def symmetric_plan(
-    spec: LayerSpec, strategy: str | None = None, *, rows: int | None = None, buffers: int | None = None
+    spec: LayerSpec,
+    strategy: str | None = None,
+    *,
+    rows: int | None = None,
+    buffers: int | None = None,
+    hw: str = "h100",
 ) -> dict:
     """The symmetric heap of one layer per rank, exactly as docs/memory.md defines it.
 
-    ``strategy`` is bulk, pipelined, deep, auto (segmented iff the spec has a segment
-    statement) or None (the spec's own schedule, resolved the same way). ``rows`` and
-    ``buffers`` override the segment's S and B (for a schedule that chooses them).
+    ``strategy`` is bulk, pipelined, deep, auto (the strategy, S and B the scheduler chooses
+    on the profile ``hw``, as compile does) or None (the spec's own schedule, resolved the same
+    way). ``rows`` and ``buffers`` override the segment's S and B (for a schedule that chooses
+    them).
     Returns plain ints::
 
         {"strategy", "S", "B", "R_ret", "buffers": {name: padded bytes},
          "forward": {"control", "payload", "sideband", "return", "total"},
          "forward_backward": {... forward regions, "bwd_control", "bwd_payload", "bwd_return", "total"}}
     """
-    strategy = resolve_strategy(spec, strategy)
+    resolved = resolve_strategy(spec, strategy, hw)
+    strategy = resolved.strategy
+    rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers
     env = Env(spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
     fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
     return {

@@ -19,6 +19,7 @@ from rdepc.passes.plan import plan
 from rdepc.passes.plan_records import PlanOptions, to_json
 from rdepc.passes.probs import parse_probs
 from rdepc.passes.routing import owners_per_token_expr, sample_routing
+from rdepc.passes.schedule import build_for, resolve
 from rdepc.passes.symmetric import symmetric_formulas, symmetric_plan
 
 import rdepc
@@ -412,7 +413,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     got = symmetric_plan(spec)  # the spec's schedule: bulk
     assert (got["strategy"], got["S"], got["B"], got["R_ret"]) == ("bulk", 128, 1, 32)
-    assert symmetric_plan(spec, "auto")["strategy"] == "bulk"  # auto: bulk, as tiny has no segment statement
+    assert symmetric_plan(spec, "auto")["strategy"] == resolve(spec, "auto").strategy == "bulk"  # compile's choice
     assert (
         got["forward"] == fwd == {"control": 1280, "payload": 32768, "sideband": 2048, "return": 8192, "total": 44288}
     )
@@ -424,7 +425,8 @@ def test_symmetric_plan_tiny_bulk_by_hand():
 
 def test_symmetric_plan_tiny_segmented_by_hand(tmp_path):
     spec = rdepc.load(tiny_segmented(tmp_path)).spec
-    assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as it has a segment
+    # auto: the strategy compile's cost model chooses, segment statement or not (bulk at this size)
+    assert symmetric_plan(spec, "auto")["strategy"] == resolve(spec, "auto").strategy == "bulk"
     got = symmetric_plan(spec, "pipelined")  # S = 32, B = 2 from the segment statement
     assert (got["S"], got["B"], got["R_ret"]) == (32, 2, 64)
     assert got["forward"] == {
@@ -488,6 +490,39 @@ def test_symmetric_plan_padding_and_overrides():
     assert got["buffers"]["payload"] == 3840 and got["buffers"]["sideband"] == 256
     assert got["buffers"]["flags"] == 3072 and got["R_ret"] == 15
     assert all(v % 256 == 0 for v in got["buffers"].values())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "segment", "want"),
+    [
+        (16, None, "bulk"),
+        (16, "rows 32, buffers 2", "bulk"),  # a segment statement does not make auto segmented
+        (1024, None, "pipelined"),  # segmented without one: S and B are the scheduler's
+        (4096, "rows 2048, buffers 4", "pipelined"),
+    ],
+)
+def test_schedule_auto_is_compiles_choice(tmp_path, capsys, tokens, segment, want):
+    """``schedule auto``: rdepc plan reports the strategy, S and B that compile builds."""
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8")
+    assert "schedule  bulk" in text
+    stmt = ("segment   " + segment + "\n  " if segment else "") + "schedule  auto"
+    path = tmp_path / "auto.rdep"
+    path.write_text(text.replace("schedule  bulk", stmt), encoding="utf-8")
+    spec = rdepc.load(path, T=tokens).spec
+    geo = build_for(spec).geometry  # the graph pass of compile, every choice resolved
+    j = run_json(capsys, path, "-D", f"T={tokens}")
+    assert j["strategy"] == geo.strategy == plan(spec).strategy == want
+    assert (j["symmetric_bytes"]["plan"]["S"], j["symmetric_bytes"]["plan"]["B"]) == (geo.S, geo.B)
+    assert symmetric_plan(spec)["strategy"] == want
+
+
+def test_schedule_auto_falls_back_where_compile_cannot_build(tmp_path, capsys):
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8").replace("schedule  bulk", "schedule  auto")
+    path = tmp_path / "auto.rdep"
+    path.write_text(text, encoding="utf-8")
+    j = run_json(capsys, path, "-D", "T=100000000")  # 3,125,000 combine tiles: no task table
+    assert j["strategy"] == "bulk"
+    assert j["warnings"][0].startswith("schedule auto planned as bulk: compile cannot choose (not supported yet: ")
 
 
 def test_symmetric_plan_capacity_binds_bulk(tmp_path):
