@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rdepc.ir.graph import BM, Geometry, TaskGraph
+from rdepc.ir import sizes
+from rdepc.ir.graph import Geometry, TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,7 @@ class Load:
         return sum(self.experts.get((q, s), {}).values())
 
     def m_tiles(self, q: int, s: int) -> int:
-        return sum(-(-n // BM) for n in self.experts.get((q, s), {}).values())
+        return sizes.m_tiles(self.experts.get((q, s), {}).values())
 
 
 def expected_counts(geo: Geometry) -> list[list[int]]:
@@ -139,6 +140,6 @@ def mtiles_bound_ok(geo: Geometry, load: Load) -> bool:
         rows = sum(d.values())
         if rows > geo.S or s >= geo.segments[q]:
             return False
-        if sum(-(-n // BM) for n in d.values()) > geo.m_slots[q]:
+        if sizes.m_tiles(d.values()) > geo.m_slots[q]:
             return False
     return True

@@ -16,8 +16,10 @@ from conftest import EXAMPLES, ROOT, TINY, tiny_segmented
 from rdepc.codegen import generate_spec
 from rdepc.codegen.lower import Tiles, tile_slots
 from rdepc.passes import memplan
+from rdepc.passes.cost import cost_model
 from rdepc.passes.elaborate import elaborate
 from rdepc.passes.graph import build_graph, geometry, task_count
+from rdepc.passes.loads import admit, expected_counts, segment_load
 from rdepc.passes.plan import plan
 from rdepc.passes.plan_symbols import Env, cap_expr, rows_per_owner_expr, spec_values, worst_owner_load_expr
 from rdepc.passes.symmetric import done_counters_expr, symmetric_plan
@@ -157,10 +159,17 @@ def test_m_tile_slots_every_user_agrees(spec_files):
             assert geo.m_slots == sizes.m_tile_slots(geo.rows_max, geo.experts, geo.S), (path.name, st)
             cut = sizes.segments_cut(geo.rows_max, geo.S)
             assert cut == (st != "bulk" and max(geo.segments) > 1)
+            # the m-tiles the cost model charges under the expected routing fit the slots
+            load = segment_load(geo, admit(geo, expected_counts(geo)))
+            flops = cost_model(tg, "h100").flops
             for t in tg.tasks:
                 if t.stage == "compute":
                     assert t.tiles == sizes.segment_m_tiles(t.rows, geo.experts[t.owner], cut)
                     assert t.tiles <= geo.m_slots[t.owner]
+                    m = sizes.m_tiles(load.experts.get((t.owner, t.segment), {}).values())
+                    assert load.m_tiles(t.owner, t.segment) == m <= t.tiles
+                    coef = geo.flop_coef - 2 if t.detail == "gemm1" else 2
+                    assert flops[t.id] == coef * m * BM * geo.H * geo.F
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_segmented", "moonlight"])

@@ -17,7 +17,7 @@ copy on purpose: it shares no code with the compiler.)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -133,6 +133,13 @@ def segment_m_tiles(rows: int, n_local: int, cut: bool, bm: int = BM) -> int:
     return ceil_div(rows, bm) + (2 if cut else 1) * n_local - 1
 
 
+def m_tiles(rows_per_expert: Iterable[int], bm: int = BM) -> int:
+    """m-tiles one segment launches for these admitted rows per local expert, each expert's
+    rows starting a tile (padding-free: only its last tile is partial). What the cost model
+    charges for a routing; :func:`segment_m_tiles` bounds it over every routing."""
+    return sum(ceil_div(n, bm) for n in rows_per_expert)
+
+
 def m_tile_slots(rows_max: Sequence[int], n_local: Sequence[int], S: int, bm: int = BM) -> tuple[int, ...]:
     """m-tile slots per segment of each owner q, the rule the kernel's ``m_tile`` runs:
     :func:`segment_m_tiles` of min(R_q, S) rows, cut when some owner's rows exceed S."""
@@ -148,6 +155,7 @@ __all__ = [
     "ceil_div",
     "done_counters",
     "m_tile_slots",
+    "m_tiles",
     "owner_rows",
     "owner_rows_rule",
     "return_ring",
