@@ -116,7 +116,7 @@ def rank_cases(rank: int, W: int, cases: list) -> list[dict]:
 def rank_rate(rank: int, W: int, v, device: str) -> dict:
     """One profiled call of variant ``v`` on this rank: its dispatch bytes and the dispatch items' spans."""
     import torch
-    from rdepc.passes.plan import transport_bytes
+    from rdepc.passes.transport import transport_bytes
     from rdepc.runtime.profile import STAGE_OF
     from rdepc.runtime.tensors import TORCH_DTYPES
 

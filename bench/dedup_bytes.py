@@ -6,7 +6,7 @@ narrowed to T tokens per rank, run with and without dedup on uniform and zipf ro
 
 Rows and bytes are what the kernels' dispatch and return tasks counted (``last_stats``:
 ``dispatched_rows``, ``returned_rows``), priced by the planner's byte model
-(``passes.plan.transport_bytes``), beside the planner's prediction for the routing: the
+(``passes.transport.transport_bytes``), beside the planner's prediction for the routing: the
 uniform expectation Σ_q 1 − C(E − E_q, K)/C(E, K) owners per token, and the exact count of
 distinct (token, owner) pairs of the accepted set (``rdepc.reference.owner_pairs``). Byte
 counts do not depend on the device; the interpreter runs a narrowed H and F. Writes OUT.json
@@ -28,8 +28,8 @@ from bench.moe_bench import environment  # noqa: E402
 
 def measure(dedup: bool, routing: str, tokens: int, hidden: int, ffn: int, device: str) -> dict:
     import torch
-    from rdepc.passes.plan import transport_bytes
     from rdepc.passes.routing import owners_per_token_expr
+    from rdepc.passes.transport import transport_bytes
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     from rdepc.api import Layer, elaborate_layer

@@ -36,10 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rdepc.passes.graph import admit, expected_counts, segment_load, task_rows
 from rdepc.passes.hardware import Value, profile
+from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
-from rdepc.ir.graph import BM, CostModel, Rates, TaskGraph
+from rdepc.ir import sizes
+from rdepc.ir.graph import CostModel, Rates, TaskGraph
+from rdepc.ir.sizes import BM
 
 # Programs one GPU keeps resident: one per SM.
 SMS: dict[str, Value] = {
@@ -105,7 +107,7 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
                     link_b[i] = k * rb
             case "compute":  # GEMM1: gate and up (x·[Wg Wu]); GEMM2: the down projection
                 d = load.experts.get((t.owner, t.segment), {})
-                m = sum(-(-x // BM) for x in d.values())
+                m = sizes.m_tiles(d.values())
                 first = t.detail == "gemm1"
                 flops[i] = (geo.flop_coef - 2 if first else 2) * m * BM * geo.H * geo.F
                 wbytes[i] = (weights - down if first else down) * sum(1 for x in d.values() if x)

@@ -3,7 +3,9 @@
 Routing is known only at run time, but capacity bounds it (docs/ARCHITECTURE.md, decision 1):
 owner q's worst case with distinct top-K is ``W·T·min(K, E_loc(q))`` rows, capped by
 ``Σ cap_e`` under a binding capacity (R_q); it runs ``ceil(R_q / S)`` segments; a
-padding-free segment needs at most ``ceil(S/BM) + E_loc(q) − 1`` m-tiles. The graph has
+padding-free segment, its m-tiles aligned to each expert's rows, needs at most
+``ceil(min(R_q, S)/BM) + 2·E_loc(q) − 1`` m-tiles when segments cut an owner's rows, else
+``ceil(R_q/BM) + E_loc(q) − 1`` (:func:`rdepc.ir.sizes.m_tile_slots`, the kernel's rule). The graph has
 one task per (rank, segment, stage) — per (source, owner, segment) for the transport
 stages — carrying those bounds, and a predicate under which the task is empty at run
 time. It never has a node per tile (``expand_tiles`` does that, for small specs only).
@@ -64,16 +66,24 @@ resident (B is raised to the busiest owner's segments, so no ring slot is reused
 The tasks are built in the strategy's intended global order (dispatch s, compute s − L,
 return s − L − 1 in step s, with lookahead L = 1 for pipelined, B − 1 for deep); the
 scheduler takes a topological order that follows it.
+
+Here: the bounds (:func:`geometry`), the scheduler's candidates and the task-table size
+check, and the pass's dump. The tasks themselves are built by :mod:`rdepc.passes.tasks`
+(with the networkx and tile-level views); what one routing puts in each task is
+:mod:`rdepc.passes.loads`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
+from rdepc.passes.tasks import build_tasks
+
 from rdepc.diagnostics import Diagnostics
-from rdepc.ir.graph import BM, MAX_TASKS, Decision, Geometry, Task, TaskGraph
+from rdepc.ir import sizes
+from rdepc.ir.graph import MAX_TASKS, Decision, Geometry, TaskGraph
+from rdepc.ir.sizes import BM
 from rdepc.ir.spec import LayerSpec
 
 STRATEGIES = ("bulk", "pipelined", "deep")
@@ -93,10 +103,10 @@ def _int(expr, spec: LayerSpec) -> int:
 def cap_per_expert(spec: LayerSpec) -> int | None:
     """cap_e the buffers are sized for: the largest any call may have, T' in 1..T (a
     ``capacity rows`` expression may fall as T' grows); None when dropless."""
-    cap = spec.capacity.rows_per_expert(spec.shape)
-    if cap is None:
-        return None
-    return max_over_tokens(cap, spec) if spec.capacity.policy == "rows" else _int(cap, spec)  # factor grows with T
+    cap, sh = spec.capacity, spec.shape
+    rows = max_over_tokens(cap.rows, spec) if cap.policy == "rows" else None
+    # a factor's cap_e grows with T': its largest is at T
+    return sizes.cap_e(cap.policy, int(sh.W), sh.T_max, _int(sh.K, spec), _int(sh.E, spec), cap.factor, rows)
 
 
 def max_over_tokens(expr, spec: LayerSpec) -> int:
@@ -142,7 +152,6 @@ def geometry(
             B = _int(seg.buffers, spec) if seg is not None else (2 if strategy == "pipelined" else 3)
     S_, B_, segs = segmentation(R, strategy, S, B, spec.dedup)
     L = 1 if strategy in ("bulk", "pipelined") else max(1, int(B) - 1)  # B as given, before dedup raises it
-    m_slots = tuple(-(-S_ // BM) + e - 1 if e else 0 for e in per)
     return Geometry(
         strategy=strategy,
         cut=cut,
@@ -167,14 +176,14 @@ def geometry(
         drop=spec.capacity.drop,
         rows_max=R,
         segments=segs,
-        m_slots=m_slots,
-        token_tiles=-(-T // BM),
+        m_slots=sizes.m_tile_slots(R, per, S_),
+        token_tiles=sizes.token_tiles(T),
     )
 
 
 def owner_rows(W: int, T: int, K: int, experts: Sequence[int], cap: int | None) -> tuple[int, ...]:
-    """R_q: rows owner q may hold, its worst case with distinct top-K capped by Σ cap_e."""
-    return tuple(W * T * min(K, e) if cap is None else min(W * T * min(K, e), e * cap) for e in experts)
+    """R_q of every owner (:func:`rdepc.ir.sizes.owner_rows`)."""
+    return tuple(sizes.owner_rows(W, T, K, e, cap) for e in experts)
 
 
 def segmentation(
@@ -184,8 +193,8 @@ def segmentation(
     segment of the busiest owner's size; a segmented strategy cuts them into S-row segments,
     all of them resident under dedup."""
     if strategy == "bulk":
-        return max(max(R, default=0), 1), 1, tuple(1 if r > 0 else 0 for r in R)
-    segs = tuple(-(-r // int(S)) for r in R)
+        return sizes.bulk_rows(R), 1, tuple(1 if r > 0 else 0 for r in R)
+    segs = tuple(sizes.segment_count(r, int(S)) for r in R)
     if dedup:  # a token's rows at an owner span its local experts' segments: all stay resident
         B = max(int(B), *segs)
     return int(S), int(B), segs
@@ -193,9 +202,7 @@ def segmentation(
 
 def count_tasks(W: int, T: int, K: int, S: int, B: int, segments: Sequence[int], segmented: bool) -> int:
     """Tasks of a graph over these bounds (``task_count`` without a Geometry)."""
-    ring = segmented and B * S < T * K  # Geometry.return_ring
-    per_piece = 2 * W + 2 + (W if ring else 0)  # dispatch, return, gemm1, gemm2, unpack
-    return 2 * W + sum(segments) * per_piece + W + W * -(-T // BM)
+    return sizes.task_count(W, T, segments, sizes.return_ring(segmented, B, S, T, K))
 
 
 def task_count(geo: Geometry) -> int:
@@ -250,10 +257,10 @@ def too_many_tasks(W: int, T: int, n: int, strategy: str, S: int, segments: Sequ
     it large: the combine tiles of T tokens, W ranks each sending every owner its segments,
     or the segments themselves. The language allows such a layer; the graph stage does not
     build it (yet), so it is reported as "not supported yet" at that construct."""
-    tiles = W * -(-T // BM)
-    one_each = 3 * W + tiles + sum(1 for s in segments if s) * (2 * W + 2)  # one segment per owner, no ring
+    tiles = W * sizes.token_tiles(T)
+    one_each = sizes.task_count(W, T, [min(s, 1) for s in segments], False)  # one segment per owner, no ring
     head = f"the task table would have {n:,} tasks (limit {MAX_TASKS:,}): "
-    if 3 * W + tiles > MAX_TASKS:
+    if sizes.task_count(W, T, [], False) > MAX_TASKS:
         return head + f"W·⌈T/{BM}⌉ = {tiles:,} combine tiles", "shape.tokens", f"use fewer tokens per rank (T = {T})"
     if one_each > MAX_TASKS:
         why = f"W = {W} ranks, each sending every owner its rows and receiving its returns"
@@ -278,280 +285,6 @@ def check_size(spec: LayerSpec, geo: Geometry) -> None:
     diags.check()
 
 
-def build_tasks(geo: Geometry) -> list[Task]:
-    """Every task of ``geo``'s graph, in the strategy's intended global order."""
-    W, T, H, F, K, S, B, L = geo.W, geo.T, geo.H, geo.F, geo.K, geo.S, geo.B, geo.lookahead
-    segs, R, per = geo.segments, geo.rows_max, geo.experts
-    ring = geo.return_ring
-    row_d = H * geo.d + geo.sb  # one payload row on the wire, with its sideband
-    row_a = H * geo.a  # one returned row
-    row_h = F * geo.a  # one row of the GEMM1 → GEMM2 workspace
-    up = (geo.flop_coef - 2) * H * F  # GEMM1 FLOPs per row (gate and up: 4·H·F)
-    down = 2 * H * F
-    tasks: list[Task] = []
-    append = tasks.append
-
-    def add(
-        stage, detail, rank, role, src, owner, segment, slot, claim, rows, tiles, nbytes, flops, deps, war, empty_if
-    ) -> int:
-        i = len(tasks)
-        append(
-            Task(
-                i,
-                stage,
-                detail,
-                rank,
-                role,
-                src,
-                owner,
-                segment,
-                slot,
-                claim,
-                rows,
-                tiles,
-                nbytes,
-                flops,
-                deps + war,
-                war,
-                empty_if,
-            )
-        )
-        return i
-
-    # Rows of segment s of owner q, and rows one source may place in it.
-    seg_rows = [[min(S, R[q] - s * S) for s in range(segs[q])] for q in range(W)]
-    from_one = [
-        T * min(K, per[q]) if geo.cap_e is None else min(T * min(K, per[q]), per[q] * geo.cap_e) for q in range(W)
-    ]
-    piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
-
-    route = tuple(
-        add("route", "", r, "compute", -1, -1, -1, -1, -1, T * K, geo.token_tiles, T * K * (geo.sb + 8), 0, (), (), "")
-        for r in range(W)
-    )
-    scan = [
-        add("scan", "", q, "comm", -1, -1, -1, -1, -1, 0, 1, 3 * W * max(per[q], 1) * 4, 0, route, (), "")
-        for q in range(W)
-    ]
-    disp: dict[tuple[int, int, int], int] = {}
-    gemm1: dict[tuple[int, int], int] = {}
-    gemm2: dict[tuple[int, int], int] = {}
-    ret: dict[tuple[int, int, int], int] = {}
-    claim_of: dict[int, int] = {}
-    unpack: dict[tuple[int, int], int] = {}
-    landed: list[list[int]] = [[] for _ in range(W)]
-    claims = [0] * W
-    top = max(segs, default=0)
-    for t in range(top + L + 1):
-        s = t - L - 1  # return segment s: pieces to every front-end, then their unpacks
-        if s >= 0:
-            for i in range(W):
-                for q in range(W):
-                    if s >= segs[q]:
-                        continue
-                    r = (q + i) % W
-                    n = piece[q][s]
-                    war = ()
-                    if ring:
-                        j = claims[r]
-                        claims[r] += 1
-                        slot = j % B
-                        if j >= B:
-                            war = (unpack[(r, j - B)],)
-                    else:
-                        j, slot = -1, -1
-                    k = add(
-                        "return",
-                        "",
-                        q,
-                        "comm",
-                        r,
-                        q,
-                        s,
-                        slot,
-                        j,
-                        n,
-                        -(-n // BM),
-                        n * row_a,
-                        0,
-                        tuple(gemm2[(q, z)] for z in (range(s + 1) if geo.dedup else (s,))),
-                        war,
-                        f"back({q},{s},{r}) == 0",
-                    )
-                    ret[(q, s, r)] = k
-                    claim_of[k] = j
-                    if not ring:
-                        landed[r].append(k)
-                if ring:
-                    for r in range(W):
-                        q = (r - i) % W
-                        if s >= segs[q]:
-                            continue
-                        k = ret[(q, s, r)]
-                        j = claim_of[k]
-                        n = piece[q][s]
-                        u = add(
-                            "combine",
-                            "unpack",
-                            r,
-                            "comm",
-                            r,
-                            q,
-                            s,
-                            j % B,
-                            j,
-                            n,
-                            -(-n // BM),
-                            2 * n * row_a,
-                            0,
-                            (k,),
-                            (),
-                            f"back({q},{s},{r}) == 0",
-                        )
-                        unpack[(r, j)] = u
-                        landed[r].append(u)
-        s = t - L  # compute segment s: GEMM1 (up projection + activation), then GEMM2
-        if s >= 0:
-            for q in range(W):
-                if s >= segs[q]:
-                    continue
-                n = seg_rows[q][s]
-                # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
-                deps = tuple(disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
-                tiles = min(geo.m_slots[q], -(-n // BM) + per[q] - 1)
-                empty = f"rows({q}) <= {s * S}"
-                war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot
-                gemm1[(q, s)] = add(
-                    "compute",
-                    "gemm1",
-                    q,
-                    "compute",
-                    -1,
-                    q,
-                    s,
-                    s % B,
-                    -1,
-                    n,
-                    tiles,
-                    n * (row_d + row_h),
-                    up * n,
-                    deps,
-                    war,
-                    empty,
-                )
-                war = tuple(ret[(q, s - B, (q + i) % W)] for i in range(W)) if s >= B else ()  # its staging slot
-                gemm2[(q, s)] = add(
-                    "compute",
-                    "gemm2",
-                    q,
-                    "compute",
-                    -1,
-                    q,
-                    s,
-                    s % B,
-                    -1,
-                    n,
-                    tiles,
-                    n * (row_h + row_a),
-                    down * n,
-                    (gemm1[(q, s)],),
-                    war,
-                    empty,
-                )
-        s = t  # dispatch segment s, source r to owner (r + i) mod W: a permutation per i
-        if s < top:
-            for i in range(W):
-                for r in range(W):
-                    q = (r + i) % W
-                    if s >= segs[q]:
-                        continue
-                    n = piece[q][s]
-                    war = (gemm1[(q, s - B)],) if s >= B else ()
-                    disp[(r, q, s)] = add(
-                        "dispatch",
-                        "",
-                        r,
-                        "comm",
-                        r,
-                        q,
-                        s,
-                        s % B,
-                        -1,
-                        n,
-                        -(-n // BM),
-                        n * row_d,
-                        0,
-                        (route[r], scan[q]),
-                        war,
-                        f"sent({r},{q},{s}) == 0",
-                    )
-    waits = [
-        add("combine", "wait", r, "compute", r, -1, -1, -1, -1, 0, 1, 0, 0, tuple(sorted(landed[r])), (), "")
-        for r in range(W)
-    ]
-    for r in range(W):
-        for tile in range(geo.token_tiles):
-            n = min(BM, T - tile * BM)
-            add(
-                "combine",
-                "tile",
-                r,
-                "compute",
-                r,
-                -1,
-                -1,
-                -1,
-                tile,
-                n,
-                1,
-                n * (K * row_a + row_a + 8 * K),
-                0,
-                (waits[r],),
-                (),
-                "",
-            )
-    return tasks
-
-
-def to_networkx(tasks: Sequence[Task]):
-    """The hierarchical graph as a networkx DiGraph: node = task id with its bounds as
-    attributes; edge kind "data" or "war" (buffer reuse)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_nodes_from(
-        (
-            t.id,
-            {
-                "name": t.name,
-                "stage": t.stage,
-                "detail": t.detail,
-                "rank": t.rank,
-                "role": t.role,
-                "src": t.src,
-                "owner": t.owner,
-                "segment": t.segment,
-                "slot": t.slot,
-                "claim": t.claim,
-                "rows": t.rows,
-                "tiles": t.tiles,
-                "bytes": t.bytes,
-                "flops": t.flops,
-                "empty_if": t.empty_if,
-            },
-        )
-        for t in tasks
-    )
-    data, war = {"kind": "data"}, {"kind": "war"}
-    edges = []
-    for t in tasks:
-        nd = len(t.deps) - len(t.war)
-        edges += [(d, t.id, data) for d in t.deps[:nd]]
-        edges += [(d, t.id, war) for d in t.war]
-    g.add_edges_from(edges)
-    return g
-
-
 def build_graph(
     spec: LayerSpec,
     strategy: str,
@@ -567,201 +300,19 @@ def build_graph(
     return TaskGraph(spec.name, spec.file, geo, tuple(tasks), tuple(decisions), spec)
 
 
-# --- loads: what a routing puts in each task ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Rows each task moves under one routing (count level): ``sent[(r, q, s)]`` rows from
-    source r in segment s of owner q; ``experts[(q, s)]`` rows per local expert."""
-
-    admitted: tuple[tuple[int, ...], ...]  # [source][expert]
-    sent: dict
-    experts: dict
-
-    def seg_rows(self, q: int, s: int) -> int:
-        return sum(self.experts.get((q, s), {}).values())
-
-    def m_tiles(self, q: int, s: int) -> int:
-        return sum(-(-n // BM) for n in self.experts.get((q, s), {}).values())
-
-
-def expected_counts(geo: Geometry) -> list[list[int]]:
-    """The expected routing as whole rows: each source spreads its T·K rows over the E
-    experts as evenly as possible (uniform routing's mean, eq. 9), the remainders rotated
-    so that every expert gets the same total up to one row per source."""
-    W, E, TK = geo.W, geo.E, geo.T * geo.K
-    base, extra = divmod(TK, E)
-    out = []
-    for r in range(W):
-        row = [base] * E
-        for j in range(extra):
-            row[(r * extra + j) % E] += 1
-        out.append(row)
-    return out
-
-
-def admit(geo: Geometry, counts: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Rows per (source, expert) an owner admits, from counts alone. ``drop round_robin``
-    admits by token index first, so with each source's rows spread over its tokens every
-    source keeps the same fraction cap_e / arrived (largest remainders, ties to the lower
-    rank, round the shares to rows); otherwise capacity in source order (drop arrival with
-    eq. 7's row_id, whose most significant digit is the rank; lowest_gate needs the gates)."""
-    if geo.cap_e is None:
-        return [list(row) for row in counts]
-    if geo.drop == "round_robin":
-        return _admit_shares(geo.cap_e, counts)
-    left = [geo.cap_e] * geo.E
-    out = []
-    for row in counts:
-        a = [min(c, left[e]) for e, c in enumerate(row)]
-        for e, x in enumerate(a):
-            left[e] -= x
-        out.append(a)
-    return out
-
-
-def _admit_shares(cap: int, counts: Sequence[Sequence[int]]) -> list[list[int]]:
-    out = [list(row) for row in counts]
-    for e in range(len(counts[0]) if counts else 0):
-        arrived = sum(row[e] for row in counts)
-        if arrived <= cap:
-            continue
-        share = [row[e] * cap // arrived for row in counts]
-        order = sorted(range(len(counts)), key=lambda r: (-(counts[r][e] * cap % arrived), r))
-        for r in order[: cap - sum(share)]:
-            share[r] += 1
-        for r, a in enumerate(share):
-            out[r][e] = a
-    return out
-
-
-def receive_runs(geo: Geometry, q: int) -> list[tuple[int, int]]:
-    """(source, expert) runs in owner q's receive order: by (local expert, source) when
-    cut by expert; by (source, local expert) when cut by source. Sources are taken in
-    rotated order, q first, so that in any one step the owners wait on different sources
-    (no incast onto one source's link)."""
-    mine = sorted((geo.local[e], e) for e in range(geo.E) if geo.owner[e] == q)
-    W = geo.W
-    if geo.cut == "expert":
-        return [((q + k) % W, e) for _, e in mine for k in range(W)]
-    return [((q + k) % W, e) for k in range(W) for _, e in mine]
-
-
-def segment_load(geo: Geometry, admitted: Sequence[Sequence[int]]) -> Load:
-    """Cut every owner's admitted rows, in receive order, into segments of S rows."""
-    S = geo.S
-    sent: dict[tuple[int, int, int], int] = {}
-    experts: dict[tuple[int, int], dict[int, int]] = {}
-    for q in range(geo.W):
-        pos = 0
-        for r, e in receive_runs(geo, q):
-            n = admitted[r][e]
-            lam = geo.local[e]
-            while n > 0:
-                s = pos // S
-                take = min(n, (s + 1) * S - pos)
-                sent[(r, q, s)] = sent.get((r, q, s), 0) + take
-                d = experts.setdefault((q, s), {})
-                d[lam] = d.get(lam, 0) + take
-                pos += take
-                n -= take
-    return Load(tuple(tuple(a) for a in admitted), sent, experts)
-
-
-def task_rows(tg: TaskGraph, load: Load) -> list[int]:
-    """Rows each task moves under ``load``."""
-    geo = tg.geometry
-    rows = []
-    for t in tg.tasks:
-        match t.stage:
-            case "dispatch":
-                n = load.sent.get((t.src, t.owner, t.segment), 0)
-            case "return":
-                n = load.sent.get((t.src, t.owner, t.segment), 0)
-            case "compute":
-                n = load.seg_rows(t.owner, t.segment)
-            case "combine" if t.detail == "unpack":
-                n = load.sent.get((t.src, t.owner, t.segment), 0)
-            case "route":
-                n = geo.T * geo.K
-            case "combine" if t.detail == "tile":
-                n = t.rows
-            case _:
-                n = 0
-        rows.append(n)
-    return rows
-
-
-# --- the tile-level expansion (small specs only) ----------------------------------------
-
-FULL_LIMIT = 200_000
-
-
-def expand_tiles(tg: TaskGraph, limit: int = FULL_LIMIT):
-    """A tile-level networkx DiGraph: each task's tiles (m-tile slots for compute, row tiles
-    for transport) and one flag node per task that its tiles raise and its dependents'
-    tiles wait on — except GEMM2's m-tile j, which waits for m-tile j of its GEMM1 only.
-    Refuses (ValueError) beyond ``limit`` nodes: use the hierarchical graph."""
-    import networkx as nx
-
-    n = sum(t.tiles + 1 for t in tg.tasks)
-    if n > limit:
-        raise ValueError(
-            f"the tile graph would have {n:,} nodes (limit {limit:,}); --full is for small specs, "
-            "the hierarchical graph has one node per (rank, segment, stage)"
-        )
-    g = nx.DiGraph()
-    for t in tg.tasks:
-        flag = ("flag", t.id)
-        g.add_node(flag, name=f"{t.name} done", stage=t.stage, detail=t.detail, rank=t.rank, kind="flag")
-        for i in range(t.tiles):
-            node = ("tile", t.id, i)
-            g.add_node(node, name=f"{t.name} #{i}", stage=t.stage, detail=t.detail, rank=t.rank, kind="tile", task=t.id)
-            g.add_edge(node, flag, kind="done")
-            war = set(t.war)
-            for d in t.deps:
-                if t.detail == "gemm2" and d not in war:
-                    g.add_edge(("tile", d, i), node, kind="data")
-                else:
-                    g.add_edge(("flag", d), node, kind="war" if d in war else "data")
-    return g
-
-
-def mtiles_bound_ok(geo: Geometry, load: Load) -> bool:
-    """Every (owner, segment) of ``load`` fits its m-tile slots and its S rows."""
-    for (q, s), d in load.experts.items():
-        rows = sum(d.values())
-        if rows > geo.S or s >= geo.segments[q]:
-            return False
-        if sum(-(-n // BM) for n in d.values()) > geo.m_slots[q]:
-            return False
-    return True
-
-
 __all__ = [
     "CUTS",
-    "FULL_LIMIT",
     "SEGMENT_CANDIDATES",
     "STRATEGIES",
-    "Load",
-    "admit",
     "build_graph",
-    "build_tasks",
     "cap_per_expert",
     "check_size",
-    "expand_tiles",
-    "expected_counts",
     "fewest_tasks",
     "geometry",
     "max_over_tokens",
     "owner_rows",
-    "receive_runs",
-    "segment_load",
     "segmentation",
     "task_count",
-    "task_rows",
-    "to_networkx",
     "too_many_tasks",
 ]
 
@@ -773,7 +324,8 @@ def dump(tg: TaskGraph) -> str:
         f"// graph of layer {tg.layer}: {geo.strategy}, cut {geo.cut}, S={geo.S}, B={geo.B}, lookahead {geo.lookahead}",
         f"//   rows_max R_q  {list(geo.rows_max)}",
         f"//   segments      {list(geo.segments)}",
-        f"//   m-tile slots  {list(geo.m_slots)} (ceil(S/BM) + E_loc - 1, BM = {BM}: the planning tile; a built "
+        f"//   m-tile slots  {list(geo.m_slots)} (ceil(min(R_q, S)/BM) + 2 E_loc - 1 when segments cut an owner's "
+        f"rows, else + E_loc - 1; BM = {BM}: the planning tile; a built "
         "module picks its own, which rdepc run prints)",
         "//   return path   "
         + ("a ring of B slots, freed by unpacks" if geo.return_ring else "rows land at their (token, slot) place"),

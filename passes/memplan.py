@@ -3,7 +3,8 @@
 The layout is docs/memory.md's, region by region (control, payload, sideband, return, then
 the backward regions), each buffer padded to ``ALIGN`` = 256 bytes, computed here from the
 schedule's own S, B and R_ret — independently of the planner (``rdepc plan``), whose
-``symmetric_plan`` a test checks it against.
+``symmetric_plan`` a test checks it against (the done counters of the ``flags`` buffer are
+the one rule of :mod:`rdepc.ir.sizes` both evaluate).
 
 Lifetimes are given in task-table indices and in predicted seconds: the control words live
 for the whole layer; the payload and sideband rings from the first dispatch to the last
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rdepc.ir.graph import BM as COMBINE_TOKENS
+from rdepc.ir import sizes
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
 
 BACKWARD_REGIONS = ("bwd_control", "bwd_payload", "bwd_return")
@@ -57,13 +58,9 @@ _WHAT = {
 
 
 def flag_slots(W: int, T: int, segments: int, ring: bool) -> int:
-    """Done counters one rank's heap slice holds: a bound on the task-table entries one rank
-    runs when the busiest owner runs ``segments`` segments — its route, scan and combine
-    wait, one combine tile per COMBINE_TOKENS tokens, a dispatch to every owner's segments
-    (W·n), its own GEMM1s and GEMM2s (2n) and returns to every front-end (W·n), and with a return
-    ring an unpack per piece it receives (W·n). docs/memory.md and the planner
-    give the same formula."""
-    return 3 + -(-T // COMBINE_TOKENS) + (2 * W + 2) * segments + (W * segments if ring else 0)
+    """Done counters one rank's heap slice holds when the busiest owner runs ``segments``
+    segments (:func:`rdepc.ir.sizes.done_counters`; the planner's figure is the same rule)."""
+    return sizes.done_counters(W, sizes.token_tiles(T), segments, ring)
 
 
 def pad(n: int) -> int:

@@ -6,10 +6,11 @@ How many programs communication gets is decided here, from the cost model
 (:func:`rdepc.passes.cost.best_split`, refined on the predicted timeline).
 
 The global order is a topological order of the graph (Kahn's algorithm, ties broken by the
-strategy's intended order, which is the order the graph was built in). Persistent programs
+strategy's intended order, which is the order the graph was built in: :mod:`rdepc.passes.order`). Persistent programs
 that take tasks in that order — per resource, or all from one ticket counter — can never
 deadlock: the earliest unfinished task always has its inputs done and a program free to
-take it (docs/ARCHITECTURE.md, decision 2). :func:`simulate` checks that with random task times.
+take it (docs/ARCHITECTURE.md, decision 2). :func:`rdepc.passes.simulate.simulate` checks that
+with random task times.
 
 Strategies (RDEP section 3.5):
 
@@ -22,145 +23,26 @@ the spec's ``schedule`` statement over the cost model, and the same for the segm
 (``--cut``, ``segment ..., cut expert|source``). Without a segment statement a segmented
 strategy's S and B are the cost model's choice too.
 
-The timeline is the cost model's prediction: each resource runs its tasks one after
-another in the global order; a task starts when its resource is free and its inputs are
+The timeline (:func:`rdepc.passes.order.timeline`) is the cost model's prediction: each resource
+runs its tasks one after another in the global order; a task starts when its resource is free and its inputs are
 done (plus a flag's latency when they were produced on another rank).
 """
 
 from __future__ import annotations
 
-import heapq
-import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
-from rdepc.passes.graph import SEGMENT_CANDIDATES, STRATEGIES, build_graph, candidates
+from rdepc.passes.graph import STRATEGIES, build_graph, candidates
+from rdepc.passes.order import ORDERS, Timeline, priority, timeline, topo_order
 
 from rdepc.diagnostics import SpecError
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
 REFINE_LIMIT = 60_000  # tasks: below this the split is refined on the timeline itself
-
-
-ORDERS = ("returns-first", "dispatch-first")
-
-
-def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
-    """The strategy's intended position of every task: route, scan, then step by step —
-    in step t, dispatch segment t, compute t − L, and the returns (with their unpacks) of
-    t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
-    dispatches come first on the communication programs."""
-    geo = tg.geometry
-    L = geo.lookahead
-    rank = {"B": 0, "A": 1, "C": 2} if variant == "returns-first" else {"C": 0, "A": 1, "B": 2}
-    keys = []
-    for t in tg.tasks:
-        match t.stage:
-            case "route":
-                k = (0, 0, 0)
-            case "scan":
-                k = (1, 0, 0)
-            case "dispatch":
-                k = (2, t.segment, rank["C"])
-            case "compute":
-                k = (2, t.segment + L, rank["A"])
-            case "return":
-                k = (2, t.segment + L + 1, rank["B"])
-            case _ if t.detail == "unpack":
-                k = (2, t.segment + L + 1, rank["B"])
-            case _:
-                k = (3, 0, 0)
-        keys.append((*k, t.id))
-    return keys
-
-
-def topo_order(tg: TaskGraph, key: Sequence | None = None) -> list[int]:
-    """A topological order of ``tg``: among ready tasks, the smallest ``key`` (default:
-    the task built first) goes first. When sorting by ``key`` alone already gives a
-    topological order (the usual case: the graph is built in its strategy's order), that
-    order is returned without running Kahn's algorithm."""
-    tasks = tg.tasks
-    n = len(tasks)
-    order = list(range(n)) if key is None else sorted(range(n), key=key.__getitem__)
-    pos = [0] * n
-    for i, u in enumerate(order):
-        pos[u] = i
-    if all(pos[d] < pos[t.id] for t in tasks for d in t.deps):
-        return order
-    key = list(range(n)) if key is None else key
-    indeg = [len(t.deps) for t in tasks]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for t in tasks:
-        for d in t.deps:
-            succ[d].append(t.id)
-    ready = [(key[i], i) for i in range(n) if indeg[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, u = heapq.heappop(ready)
-        order.append(u)
-        for v in succ[u]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(ready, (key[v], v))
-    if len(order) != n:
-        raise ValueError("the task graph has a cycle")
-    return order
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    start: np.ndarray
-    end: np.ndarray
-    makespan: float
-    critical_path: float
-
-
-def timeline(
-    tg: TaskGraph,
-    order: Sequence[int],
-    dur: np.ndarray,
-    latency: float,
-    unified: bool = False,
-    empty: Sequence[bool] | None = None,
-) -> Timeline:
-    """Start and end of every task when each resource — a rank's communication programs
-    and its compute programs, or (``unified``) all of a rank's programs — runs its tasks one
-    after another in ``order``. A flag crossing ranks costs ``latency``, except into a task
-    that is ``empty`` under the routing: after the scan every rank knows which tasks are
-    empty and resolves them locally (they still wait for their dependencies, so a ring
-    slot's reuse order is kept)."""
-    tasks = tg.tasks
-    n = len(tasks)
-    start = [0.0] * n
-    end = [0.0] * n
-    cp = [0.0] * n
-    free: dict[tuple[int, str], float] = {}
-    d = dur.tolist()
-    no_lat = empty if empty is not None else [False] * n
-    for u in order:
-        t = tasks[u]
-        ready = 0.0
-        longest = 0.0
-        lat_in = 0.0 if no_lat[u] else latency
-        for p in t.deps:
-            lat = lat_in if tasks[p].rank != t.rank else 0.0
-            x = end[p] + lat
-            if x > ready:
-                ready = x
-            y = cp[p] + lat
-            if y > longest:
-                longest = y
-        key = (t.rank, "all" if unified else t.role)
-        s = max(ready, free.get(key, 0.0))
-        start[u] = s
-        end[u] = s + d[u]
-        free[key] = end[u]
-        cp[u] = longest + d[u]
-    return Timeline(np.asarray(start), np.asarray(end), max(end, default=0.0), max(cp, default=0.0))
 
 
 def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -525,105 +407,6 @@ def compare(spec: LayerSpec, hw: str = "h100", cut: str | None = None) -> dict[s
     return out
 
 
-# --- a discrete-event simulation of persistent programs ---------------------------------
-
-
-class DeadlockError(RuntimeError):
-    pass
-
-
-def simulate(
-    sched: Schedule,
-    duration: Callable[[int], float],
-    programs: int | tuple[int, int] = 1,
-    mode: str = "roles",
-    order: Sequence[int] | None = None,
-) -> tuple[list[float], list[float]]:
-    """Run the task table with persistent programs and random task times.
-
-    ``mode="roles"``: each (rank, role) resource has its own ticket counter and
-    ``programs`` programs (an int, or (comm, compute)). ``mode="unified"``: one ticket
-    counter over all ranks and roles (one launch covering all W ranks, as under Triton's
-    interpreter) and ``programs`` programs in all. A program takes the next ticket of its
-    counter, waits until every dependency is done, runs the task for ``duration(task)``
-    and marks it done. Returns (start, end) per task id; raises :class:`DeadlockError` when no
-    program can make progress while tasks remain. ``order`` replaces the schedule's order
-    (to show that a bad order deadlocks).
-    """
-    tg = sched.graph
-    tasks = tg.tasks
-    order = list(sched.order if order is None else order)
-    n = len(tasks)
-    if mode == "roles":
-        queues: dict[object, list[int]] = {}
-        for u in order:
-            queues.setdefault(sched.resource_of[u], []).append(u)
-        counts = programs if isinstance(programs, tuple) else (programs, programs)
-        per_role = {"comm": counts[0], "compute": counts[1], "all": max(counts)}
-        progs = {q: per_role[sched.resources[q].role] for q in queues}
-    elif mode == "unified":
-        queues = {0: order}
-        progs = {0: programs if isinstance(programs, int) else sum(programs)}
-    else:
-        raise ValueError(f"unknown mode '{mode}'")
-    done = [False] * n
-    start = [-1.0] * n
-    end = [-1.0] * n
-    nxt = dict.fromkeys(queues, 0)
-    held: dict[object, list[int]] = {q: [] for q in queues}  # tickets held by waiting programs
-    idle = dict(progs)
-    running: list[tuple[float, int, object]] = []
-    now = 0.0
-    finished = 0
-
-    def try_start(q, u) -> bool:
-        if all(done[d] for d in tasks[u].deps):
-            start[u] = now
-            heapq.heappush(running, (now + duration(u), u, q))
-            return True
-        return False
-
-    while finished < n:
-        progressed = True
-        while progressed:
-            progressed = False
-            for q in queues:
-                while idle[q] > 0 and nxt[q] < len(queues[q]):
-                    u = queues[q][nxt[q]]
-                    nxt[q] += 1
-                    idle[q] -= 1
-                    if not try_start(q, u):
-                        held[q].append(u)
-                    progressed = True
-                still = []
-                for u in held[q]:
-                    if not try_start(q, u):
-                        still.append(u)
-                    else:
-                        progressed = True
-                held[q] = still
-        if not running:
-            stuck = [tasks[u].name for q in held for u in held[q]][:5]
-            raise DeadlockError(f"{n - finished} tasks left and no program can run; waiting: {', '.join(stuck)}")
-        t_end, u, q = heapq.heappop(running)
-        now = t_end
-        end[u] = now
-        done[u] = True
-        finished += 1
-        idle[q] += 1
-    return start, end
-
-
-def random_durations(sched: Schedule, seed: int = 0, empty: float = 0.0) -> Callable[[int], float]:
-    """Task times: the predicted time scaled by a random factor in [0.25, 4), plus a small
-    random delay; ``empty`` for tasks the prediction says take no time."""
-    rng = random.Random(seed)
-    pred = [e - s for s, e in zip(sched.start, sched.end, strict=True)]
-    scale = max(pred, default=1.0) or 1.0
-    table = [(p * rng.uniform(0.25, 4.0) if p > 0 else empty) + rng.uniform(0, 0.05 * scale) for p in pred]
-    return table.__getitem__
-
-
 # --- passes -------------------------------------------------------------------------------
 
 
@@ -662,23 +445,15 @@ class SchedulePass:
 
 
 __all__ = [
-    "ORDERS",
-    "SEGMENT_CANDIDATES",
     "Choice",
     "CostPass",
-    "DeadlockError",
     "GraphPass",
     "SchedulePass",
     "build_for",
     "compare",
-    "priority",
-    "random_durations",
     "resolve",
     "schedule",
     "schedule_costed",
-    "simulate",
-    "timeline",
-    "topo_order",
 ]
 
 

@@ -1,7 +1,7 @@
 """The human report of ``rdepc plan``: aligned tables with units, the accounting behind
 every figure in words, one verdict line per memory budget, and warnings.
 
-Pure text from a :class:`rdepc.passes.plan.Plan`; ``--json`` uses ``to_json`` instead.
+Pure text from a :class:`rdepc.passes.plan_records.Plan`; ``--json`` uses ``to_json`` instead.
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rdepc.ir.sizes import BM
 from rdepc.passes.memplan import BACKWARD_REGIONS
-from rdepc.passes.plan import BM, SYMBOLS_DOC, Figure, Plan, SymmetricPlan
+from rdepc.passes.plan_records import Plan, SymmetricPlan
+from rdepc.passes.plan_symbols import SYMBOLS_DOC, Figure
 
 GIB = 2**30
 

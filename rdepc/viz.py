@@ -279,7 +279,7 @@ def dot(tg: TaskGraph, sched: Schedule | None = None, level: str = "stages") -> 
     """The graph in Graphviz DOT: one cluster per rank; write-after-read edges dashed red.
     ``level``: ``stages`` (default) one node per (rank, stage, segment) — a large layer's
     thousands of tasks fold into what a person can read; ``tasks`` every task;
-    ``tiles`` the tile-level graph (see :func:`rdepc.passes.graph.expand_tiles`)."""
+    ``tiles`` the tile-level graph (see :func:`rdepc.passes.tasks.expand_tiles`)."""
     if level not in DOT_LEVELS:
         raise ValueError(f"unknown --dot level '{level}' (known: {', '.join(DOT_LEVELS)})")
     lines = [f"digraph {_q(tg.layer)} {{", "  rankdir=LR;", "  node [shape=box, style=filled, fontsize=9];"]
@@ -325,7 +325,7 @@ def dot(tg: TaskGraph, sched: Schedule | None = None, level: str = "stages") -> 
 
 
 def _dot_tiles(tg: TaskGraph, lines: list[str]) -> str:
-    from rdepc.passes.graph import expand_tiles
+    from rdepc.passes.tasks import expand_tiles
 
     g = expand_tiles(tg)
     ids = {n: i for i, n in enumerate(g.nodes)}

@@ -2,7 +2,7 @@
 
 Specs are built as .rdep text and loaded through the parser and elaboration, like a
 user's. The row-level simulation here is written independently of
-``rdepc.passes.graph.segment_load`` (which works on counts), so the tests can hold one
+``rdepc.passes.loads.segment_load`` (which works on counts), so the tests can hold one
 against the other.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from rdepc.api import elaborate_layer
-from rdepc.ir.graph import BM
+from rdepc.ir.sizes import BM
 from rdepc.parser import parse_text
 
 

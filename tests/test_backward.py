@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from rdepc.passes.plan import symmetric_plan
+from rdepc.passes.symmetric import symmetric_plan
 from rdepc.runtime.autograd import gate_grad
 from rdepc.runtime.module import KernelError
 

@@ -17,7 +17,7 @@ import torch
 from conftest import GRAD_NAMES, ROOT, grads_in
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rdepc.passes.plan import transport_bytes
+from rdepc.passes.transport import transport_bytes
 from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
 from rdepc.api import Layer, elaborate_layer
@@ -246,8 +246,8 @@ def test_dedup_memory_plan_matches_the_planner():
     """Moonlight under dedup, pipelined: B rises from 2 to the busiest owner's segments in
     the memory plan and in ``rdepc plan`` alike, and the sideband carries the links."""
     from rdepc.passes.memplan import memory_plan
-    from rdepc.passes.plan import symmetric_plan
     from rdepc.passes.schedule import build_for, schedule
+    from rdepc.passes.symmetric import symmetric_plan
 
     text = (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")
     spec, _ = elaborate_layer(

@@ -9,26 +9,19 @@ from conftest import EXAMPLES, ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, ROUTING_KINDS, Case, cases, counts, m_tiles, place_rows, routing
-from rdepc.passes import plan as P
-from rdepc.passes.graph import (
-    admit,
-    build_graph,
-    expand_tiles,
-    expected_counts,
-    geometry,
-    mtiles_bound_ok,
-    segment_load,
-    task_count,
-    task_rows,
-)
+from rdepc.passes.graph import build_graph, geometry, task_count
+from rdepc.passes.loads import admit, expected_counts, mtiles_bound_ok, segment_load, task_rows
+from rdepc.passes.padding import tiled_rows
+from rdepc.passes.tasks import expand_tiles
 
 import rdepc
 from rdepc.diagnostics import SpecError
-from rdepc.ir.graph import BM, MAX_TASKS
+from rdepc.ir.graph import MAX_TASKS
+from rdepc.ir.sizes import BM
 
 
 def test_tile_height_is_the_planners():
-    assert BM == P.BM
+    assert tiled_rows([1]) == BM  # the planner's padding-free tiling launches BM-row tiles
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +33,12 @@ def test_moonlight_bounds(moonlight):
     g = geometry(moonlight, "pipelined")
     assert g.rows_max == (8 * 4096 * 6,) * 8  # W·T·min(K, E_loc): dropless, distinct top-K
     assert g.segments == (48,) * 8  # ceil(196608 / 4096)
-    assert g.m_slots == (4096 // 128 + 8 - 1,) * 8
+    # the kernel's rule: segments cut each owner's rows, so a boundary may split one m-tile per expert
+    assert g.m_slots == (4096 // 128 + 2 * 8 - 1,) * 8
     assert g.lookahead == 1 and g.B == 2 and g.return_ring
     b = geometry(moonlight, "bulk")
     assert (b.S, b.B, b.segments) == (196608, 1, (1,) * 8)
+    assert b.m_slots == (196608 // 128 + 8 - 1,) * 8  # one segment per owner: nothing cuts an m-tile
 
 
 def test_nvl72_bounds_capacity_binds():
@@ -92,7 +87,8 @@ def check_structure(tg):
             q, s = t.owner, t.segment
             up = geo.flop_coef - 2 if t.detail == "gemm1" else 2
             assert t.flops == up * t.rows * geo.H * geo.F
-            assert t.tiles <= -(-geo.S // BM) + geo.experts[q] - 1
+            cut = max(geo.rows_max) > geo.S
+            assert t.tiles == -(-t.rows // BM) + (2 if cut else 1) * geo.experts[q] - 1 <= geo.m_slots[q]
             assert t.rows == min(geo.S, geo.rows_max[q] - s * geo.S) > 0
             assert t.empty_if == f"rows({q}) <= {s * geo.S}"
             data = [tasks[d] for d in t.deps if d not in t.war]

@@ -1,5 +1,5 @@
 """The memory plan: the symmetric heap buffer by buffer, equal region by region to the
-planner's figure (computed independently in passes/plan.py), with lifetimes and ring-slot
+planner's figure (computed independently in passes/symmetric.py), with lifetimes and ring-slot
 checks that can fail."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from moe_cases import CORNERS, ROUTING_KINDS, cases, counts, routing
 from rdepc.passes import memplan as M
 from rdepc.passes.graph import build_graph, geometry, task_count
-from rdepc.passes.plan import ALIGN, symmetric_plan
+from rdepc.passes.plan_symbols import ALIGN
 from rdepc.passes.schedule import build_for, schedule
+from rdepc.passes.symmetric import symmetric_plan
 
 import rdepc
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from rdepc.codegen import generate
 from rdepc.codegen.lower import lower
 from rdepc.passes.memplan import memory_plan
-from rdepc.passes.plan import symmetric_plan
+from rdepc.passes.symmetric import symmetric_plan
 from rdepc.runtime.module import KernelError, RDEPModule
 from rdepc.runtime.tensors import max_relative_error
 

@@ -11,12 +11,21 @@ import sys
 import pytest
 import sympy as sp
 from conftest import ROOT, tiny_segmented
-from rdepc.passes import plan as P
-from rdepc.passes.plan import BM, PlanOptions, plan, symmetric_plan, to_json
+from rdepc.passes import plan_symbols as PS
+from rdepc.passes.capacity import chernoff_union_bound
+from rdepc.passes.hardware import PROFILES
+from rdepc.passes.padding import rho_tallest, rho_tiled, tiled_rows
+from rdepc.passes.plan import plan
+from rdepc.passes.plan_records import PlanOptions, to_json
+from rdepc.passes.probs import parse_probs
+from rdepc.passes.routing import owners_per_token_expr, sample_routing
+from rdepc.passes.schedule import build_for, resolve
+from rdepc.passes.symmetric import symmetric_formulas, symmetric_plan
 
 import rdepc
 from rdepc.cli import main
 from rdepc.diagnostics import SpecError
+from rdepc.ir.sizes import BM
 from rdepc.report import render
 
 EX = ROOT / "examples"
@@ -147,7 +156,7 @@ def test_tail_bound_branch_beta_le_1(tmp_path):
     assert (c["rows_per_expert"], c["beta"], c["overflow_branch"]) == (24, 0.5, "beta<=1 (eq. 16)")
     assert c["overflow_union_bound"] == pytest.approx(8 * math.exp(-16 * 0.25 / 3))  # 2.11: vacuous
     assert c["overflow_bound"] == 1.0
-    assert P.chernoff_union_bound(16, 0.5, 8) == pytest.approx(2.10878, rel=1e-5)
+    assert chernoff_union_bound(16, 0.5, 8) == pytest.approx(2.10878, rel=1e-5)
 
 
 def test_tail_bound_branch_beta_gt_1(tmp_path):
@@ -164,8 +173,8 @@ def test_tail_bound_no_slack_and_continuity():
     c = to_json(plan(rdepc.load(EX / "mixtral_8x7b.rdep").spec))["capacity"]
     assert (c["beta"], c["overflow_bound"], c["overflow_branch"]) == (0, 1, "beta<=0 (no slack)")
     # the two branches meet at beta = 1 (mu/3 both ways)
-    assert P.chernoff_union_bound(3000, 1.0, 64) == pytest.approx(64 * math.exp(-1000))
-    assert P.chernoff_union_bound(30, 1.0 + 1e-12, 64) == pytest.approx(P.chernoff_union_bound(30, 1.0, 64))
+    assert chernoff_union_bound(3000, 1.0, 64) == pytest.approx(64 * math.exp(-1000))
+    assert chernoff_union_bound(30, 1.0 + 1e-12, 64) == pytest.approx(chernoff_union_bound(30, 1.0, 64))
 
 
 def test_large_mu_buys_protection():
@@ -180,7 +189,7 @@ def test_inverse_capacity_factor_branch1(moonlight):
     c = moonlight["capacity"]
     assert c["factor_needed"] == pytest.approx(1 + beta, rel=1e-9)
     assert c["rows_per_expert_needed"] == math.ceil((1 + beta) * 3072) == 3480
-    assert P.chernoff_union_bound(3072, c["factor_needed"] - 1, 64) == pytest.approx(1e-6, rel=1e-6)
+    assert chernoff_union_bound(3072, c["factor_needed"] - 1, 64) == pytest.approx(1e-6, rel=1e-6)
 
 
 def test_inverse_capacity_factor_branch2(capsys):
@@ -206,7 +215,7 @@ def test_every_formula_evaluates_to_its_value():
     pl = plan(rdepc.load(EX / "nvl72_e128.rdep").spec, PlanOptions(probs=tuple([6 / 128] * 128)))
     n = 0
     for fig in pl.figures():
-        if fig.formula is None or "skew" in fig.key or fig.formula.has(P.p):
+        if fig.formula is None or "skew" in fig.key or fig.formula.has(PS.p):
             continue
         assert evaluate(pl, fig) == pytest.approx(fig.value, rel=1e-12, abs=1e-300), fig.key
         n += 1
@@ -259,9 +268,9 @@ def test_probs_json_array_as_the_plain_format(tmp_path, capsys):
     plain, js = tmp_path / "p.txt", tmp_path / "p.json"
     plain.write_text("0.5\t0.25, 0.25  # tabs too\n" + " ".join(["0.2"] * 5) + "\n", encoding="utf-8")
     js.write_text("\n  [0.5, 0.25, 0.25,\n   0.2, 0.2, 0.2, 0.2, 0.2]\n", encoding="utf-8")
-    assert P.parse_probs(plain.read_text(encoding="utf-8"), str(plain), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
-    assert P.parse_probs(js.read_text(encoding="utf-8"), str(js), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
-    assert P.parse_probs("[1, 0]", "f", 2) == (1.0, 0.0)  # JSON integers
+    assert parse_probs(plain.read_text(encoding="utf-8"), str(plain), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
+    assert parse_probs(js.read_text(encoding="utf-8"), str(js), 8) == (0.5, 0.25, 0.25) + (0.2,) * 5
+    assert parse_probs("[1, 0]", "f", 2) == (1.0, 0.0)  # JSON integers
     assert (
         run_json(capsys, spec, "--probs", js)["capacity"]["skew"]
         == run_json(capsys, spec, "--probs", plain)["capacity"]["skew"]
@@ -270,7 +279,7 @@ def test_probs_json_array_as_the_plain_format(tmp_path, capsys):
 
 def probs_errors(text: str, experts: int = 8) -> list[str]:
     with pytest.raises(SpecError) as e:
-        P.parse_probs(text, "p", experts)
+        parse_probs(text, "p", experts)
     return [f"{d.span}: {d.message}" for d in e.value.diagnostics]
 
 
@@ -321,39 +330,39 @@ def test_probs_json_errors_from_the_command_line(tmp_path, capsys):
 
 
 def test_rho_eq19_small_vectors():
-    assert P.rho_tallest([1, 2, 3]) == 1.5  # 3·3/6
-    assert P.rho_tallest([4, 4, 4, 4]) == 1.0
-    assert P.rho_tallest([0, 0, 5]) == 3.0
-    assert P.rho_tallest([10, 30]) == 1.5  # 2·30/40
-    assert P.rho_tallest([0, 0]) == 1.0
+    assert rho_tallest([1, 2, 3]) == 1.5  # 3·3/6
+    assert rho_tallest([4, 4, 4, 4]) == 1.0
+    assert rho_tallest([0, 0, 5]) == 3.0
+    assert rho_tallest([10, 30]) == 1.5  # 2·30/40
+    assert rho_tallest([0, 0]) == 1.0
 
 
 def test_padding_free_tiling_on_1_to_10_tiles():
     for m in range(1, 10 * BM + 1):
-        r = P.rho_tiled([m])
+        r = rho_tiled([m])
         assert r == math.ceil(m / BM) * BM / m
         assert 1 <= r < 1 + BM / m
         assert (r == 1) == (m % BM == 0)
-    assert P.rho_tiled([1]) == BM
-    assert P.rho_tiled([BM + 1]) == 2 * BM / (BM + 1)
+    assert rho_tiled([1]) == BM
+    assert rho_tiled([BM + 1]) == 2 * BM / (BM + 1)
 
 
 def test_tiling_within_segments():
     # experts 100 and 100 rows, segments of 128: [100 | 28] [72] -> 128 + 128 + 128 launched
-    assert P.tiled_rows([100, 100], rows=128) == 384
-    assert P.tiled_rows([100, 100]) == 256  # bulk: one segment
-    assert P.tiled_rows([256, 256], rows=256) == 512  # aligned: no waste
-    assert P.tiled_rows([300], rows=256) == 256 + 128
+    assert tiled_rows([100, 100], rows=128) == 384
+    assert tiled_rows([100, 100]) == 256  # bulk: one segment
+    assert tiled_rows([256, 256], rows=256) == 512  # aligned: no waste
+    assert tiled_rows([300], rows=256) == 256 + 128
 
 
 def test_sampled_routing_deterministic_and_exact():
-    a = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
-    b = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
-    c = P.sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=8, owner=range(64))[0]
+    a = sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
+    b = sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=7, owner=range(64))[0]
+    c = sample_routing(8, 512, 64, 6, "uniform", 0.0, seed=8, owner=range(64))[0]
     assert (a == b).all() and not (a == c).all()
     assert int(a.sum()) == 8 * 512 * 6  # eq. 10: every routing sums to DP·T·K
     # K = E: distinct picks take every expert
-    z = P.sample_routing(1, 4096, 8, 8, "zipf", 2.0, seed=0, owner=range(8))[0]
+    z = sample_routing(1, 4096, 8, 8, "zipf", 2.0, seed=0, owner=range(8))[0]
     assert z.tolist() == [4096] * 8
 
 
@@ -364,7 +373,7 @@ def test_moonlight_sampled_padding_matches_tables_10_to_12(capsys):
     assert abs(pu["p10"] - 3013) < 40  # Table 11/12, uniform: p10 3,013 rows
     assert pu["rho_tallest"] < 1.06  # Table 10, DP = 8: 1.04x padding
     owners = [pu["counts"][8 * q : 8 * q + 8] for q in range(8)]
-    launched = sum(P.tiled_rows(g, 4096) for g in owners)
+    launched = sum(tiled_rows(g, 4096) for g in owners)
     assert pu["rho_tiled"] == launched / (8 * 4096 * 6)
     assert pu["rho_tallest"] == sum(8 * max(g) for g in owners) / (8 * 4096 * 6)
     # rdepc's tiling wastes at most one partial tile per expert piece per segment
@@ -404,7 +413,7 @@ def test_symmetric_plan_tiny_bulk_by_hand():
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     got = symmetric_plan(spec)  # the spec's schedule: bulk
     assert (got["strategy"], got["S"], got["B"], got["R_ret"]) == ("bulk", 128, 1, 32)
-    assert symmetric_plan(spec, "auto")["strategy"] == "bulk"  # auto: bulk, as tiny has no segment statement
+    assert symmetric_plan(spec, "auto")["strategy"] == resolve(spec, "auto").strategy == "bulk"  # compile's choice
     assert (
         got["forward"] == fwd == {"control": 1280, "payload": 32768, "sideband": 2048, "return": 8192, "total": 44288}
     )
@@ -416,7 +425,8 @@ def test_symmetric_plan_tiny_bulk_by_hand():
 
 def test_symmetric_plan_tiny_segmented_by_hand(tmp_path):
     spec = rdepc.load(tiny_segmented(tmp_path)).spec
-    assert symmetric_plan(spec, "auto")["strategy"] == "pipelined"  # auto: segmented, as it has a segment
+    # auto: the strategy compile's cost model chooses, segment statement or not (bulk at this size)
+    assert symmetric_plan(spec, "auto")["strategy"] == resolve(spec, "auto").strategy == "bulk"
     got = symmetric_plan(spec, "pipelined")  # S = 32, B = 2 from the segment statement
     assert (got["S"], got["B"], got["R_ret"]) == (32, 2, 64)
     assert got["forward"] == {
@@ -459,17 +469,17 @@ def test_symmetric_plan_return_ids(strategy, rows, buffers, ids):
 
 
 def test_return_ids_formula():
-    fm = P.symmetric_formulas("pipelined")
+    fm = symmetric_formulas("pipelined")
     ids = fm["buffers"]["return_ids"]
-    assert ids.has(sp.Piecewise) and ids.free_symbols == {P.B, P.S, P.T, P.K}
-    at = {P.B: 2, P.S: 4096}
-    assert ids.subs({**at, P.T: 4096, P.K: 6}) == 8192 * 8  # moonlight: B·S = 8192 < T·K = 24576
-    assert ids.subs({**at, P.T: 4097, P.K: 2}) == 8192 * 8  # 8192 < 8194
-    assert ids.subs({**at, P.T: 4096, P.K: 2}) == 0  # B·S = T·K: no ring
-    assert ids.subs({**at, P.T: 1000, P.K: 2}) == 0
-    assert ids.subs({P.B: 3, P.S: 5, P.T: 16, P.K: 2}) == 256  # 15 ids of 8 bytes, padded
+    assert ids.has(sp.Piecewise) and ids.free_symbols == {PS.B, PS.S, PS.T, PS.K}
+    at = {PS.B: 2, PS.S: 4096}
+    assert ids.subs({**at, PS.T: 4096, PS.K: 6}) == 8192 * 8  # moonlight: B·S = 8192 < T·K = 24576
+    assert ids.subs({**at, PS.T: 4097, PS.K: 2}) == 8192 * 8  # 8192 < 8194
+    assert ids.subs({**at, PS.T: 4096, PS.K: 2}) == 0  # B·S = T·K: no ring
+    assert ids.subs({**at, PS.T: 1000, PS.K: 2}) == 0
+    assert ids.subs({PS.B: 3, PS.S: 5, PS.T: 16, PS.K: 2}) == 256  # 15 ids of 8 bytes, padded
     assert fm["forward"]["return"] == fm["buffers"]["return"] + ids
-    assert P.symmetric_formulas("bulk")["buffers"]["return_ids"] == 0
+    assert symmetric_formulas("bulk")["buffers"]["return_ids"] == 0
 
 
 def test_symmetric_plan_padding_and_overrides():
@@ -480,6 +490,39 @@ def test_symmetric_plan_padding_and_overrides():
     assert got["buffers"]["payload"] == 3840 and got["buffers"]["sideband"] == 256
     assert got["buffers"]["flags"] == 3072 and got["R_ret"] == 15
     assert all(v % 256 == 0 for v in got["buffers"].values())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "segment", "want"),
+    [
+        (16, None, "bulk"),
+        (16, "rows 32, buffers 2", "bulk"),  # a segment statement does not make auto segmented
+        (1024, None, "pipelined"),  # segmented without one: S and B are the scheduler's
+        (4096, "rows 2048, buffers 4", "pipelined"),
+    ],
+)
+def test_schedule_auto_is_compiles_choice(tmp_path, capsys, tokens, segment, want):
+    """``schedule auto``: rdepc plan reports the strategy, S and B that compile builds."""
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8")
+    assert "schedule  bulk" in text
+    stmt = ("segment   " + segment + "\n  " if segment else "") + "schedule  auto"
+    path = tmp_path / "auto.rdep"
+    path.write_text(text.replace("schedule  bulk", stmt), encoding="utf-8")
+    spec = rdepc.load(path, T=tokens).spec
+    geo = build_for(spec).geometry  # the graph pass of compile, every choice resolved
+    j = run_json(capsys, path, "-D", f"T={tokens}")
+    assert j["strategy"] == geo.strategy == plan(spec).strategy == want
+    assert (j["symmetric_bytes"]["plan"]["S"], j["symmetric_bytes"]["plan"]["B"]) == (geo.S, geo.B)
+    assert symmetric_plan(spec)["strategy"] == want
+
+
+def test_schedule_auto_falls_back_where_compile_cannot_build(tmp_path, capsys):
+    text = (ROOT / "examples" / "tiny.rdep").read_text(encoding="utf-8").replace("schedule  bulk", "schedule  auto")
+    path = tmp_path / "auto.rdep"
+    path.write_text(text, encoding="utf-8")
+    j = run_json(capsys, path, "-D", "T=100000000")  # 3,125,000 combine tiles: no task table
+    assert j["strategy"] == "bulk"
+    assert j["warnings"][0].startswith("schedule auto planned as bulk: compile cannot choose (not supported yet: ")
 
 
 def test_symmetric_plan_capacity_binds_bulk(tmp_path):
@@ -568,7 +611,7 @@ def test_barrier_budget_prop_b7():
 
 
 def test_min_ffn_per_profile():
-    for hw in P.PROFILES.values():
+    for hw in PROFILES.values():
         j = to_json(plan(rdepc.load(EX / "moonlight.rdep").spec, PlanOptions(hw=hw.name)))
         assert j["transport"]["min_ffn"] == pytest.approx(10 / 18 * hw.flops.value / hw.link.value)
     assert to_json(plan(rdepc.load(EX / "moonlight.rdep").spec))["hw"]["name"] == "h100"  # the default
@@ -604,7 +647,7 @@ def test_formulas_are_sympy_in_named_symbols(capsys):
     pl = plan(rdepc.load(EX / "nvl72_e128.rdep").spec)
     for fig in pl.figures():
         if fig.formula is not None:
-            assert fig.formula.free_symbols <= set(P.__dict__[n] for n in _SYMBOL_NAMES), fig.key
+            assert fig.formula.free_symbols <= set(PS.__dict__[n] for n in _SYMBOL_NAMES), fig.key
 
 
 _SYMBOL_NAMES = (
@@ -667,7 +710,8 @@ def test_every_example_plans(capsys):
 
 def test_planner_imports_neither_torch_nor_triton_nor_numpy():
     code = (
-        "import sys, rdepc; from rdepc.passes.plan import plan, to_json; from rdepc.report import render;"
+        "import sys, rdepc; from rdepc.passes.plan import plan; from rdepc.passes.plan_records import to_json;"
+        "from rdepc.report import render;"
         f"p = plan(rdepc.load({str(EX / 'moonlight.rdep')!r}).spec); render(p, True); to_json(p, True);"
         "print(sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))"
     )
@@ -707,7 +751,7 @@ def test_dedup_owners_per_token_is_exact():
     for k in (1, 2, 3, 5):
         sets = list(itertools.combinations(range(8), k))
         brute = sp.Rational(sum(len({owner[e] for e in s}) for s in sets), len(sets))
-        expr = P.owners_per_token_expr(sp.Integer(8), sp.Integer(k), [3, 2, 2, 1])
+        expr = owners_per_token_expr(sp.Integer(8), sp.Integer(k), [3, 2, 2, 1])
         assert sp.nsimplify(expr) == brute
 
 

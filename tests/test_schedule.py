@@ -14,19 +14,11 @@ from conftest import EXAMPLES, ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, ROUTING_KINDS, Case, cases, counts, place_rows, routing
-from rdepc.passes.graph import build_graph, geometry, task_count
+from rdepc.passes.graph import SEGMENT_CANDIDATES, build_graph, geometry, task_count
 from rdepc.passes.memplan import memory_plan
-from rdepc.passes.schedule import (
-    SEGMENT_CANDIDATES,
-    DeadlockError,
-    build_for,
-    empty_mask,
-    random_durations,
-    resolve,
-    schedule,
-    simulate,
-    timeline,
-)
+from rdepc.passes.order import timeline
+from rdepc.passes.schedule import build_for, empty_mask, resolve, schedule
+from rdepc.passes.simulate import DeadlockError, random_durations, simulate
 
 import rdepc
 

@@ -13,7 +13,9 @@ from rdepc.commands.common import load_spec
 def cmd_plan(args) -> int:
     import json
 
-    from rdepc.passes.plan import PlanOptions, parse_probs, plan, to_json
+    from rdepc.passes.plan import plan
+    from rdepc.passes.plan_records import PlanOptions, to_json
+    from rdepc.passes.probs import parse_probs
     from rdepc.report import render
 
     spec = load_spec(args)

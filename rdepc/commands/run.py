@@ -215,8 +215,8 @@ def _check_writable(option: str, path: str) -> None:
 
 
 def _moved(spec, sent: int, accepted: int, back: int) -> str:
-    """What the transport moved: its rows and bytes out and back (``passes.plan.transport_bytes``)."""
-    from rdepc.passes.plan import transport_bytes
+    """What the transport moved: its rows and bytes out and back (``passes.transport.transport_bytes``)."""
+    from rdepc.passes.transport import transport_bytes
     from rdepc.report import fmt_bytes
 
     out, ret = transport_bytes(spec, sent, accepted, back)

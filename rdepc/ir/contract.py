@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-from rdepc.ir.graph import BM as COMBINE_TOKENS
+from rdepc.ir.sizes import BM as COMBINE_TOKENS
+from rdepc.ir.sizes import m_tile_slots
 from rdepc.ir.spec import SCALE_BLOCK
 
 # Task kinds of the generated kernel, one device function each.
@@ -59,11 +60,7 @@ def ctl_words(W: int) -> int:
 def tile_slots(rows_max, n_local, S: int, bm: int = 16) -> int:
     """m-tile slots of the busiest (owner, segment) at ``bm`` rows per m-tile (default: the
     smallest legal one, so that ``tile_done`` fits every choice of tiles)."""
-    bulk = max(rows_max, default=0) <= S
-    slots = (
-        -(-min(r, S) // bm) + (1 if bulk else 2) * n - 1 if n else 0 for r, n in zip(rows_max, n_local, strict=True)
-    )
-    return max(slots, default=0)
+    return max(m_tile_slots(rows_max, n_local, S, bm), default=0)
 
 
 def next_pow2(n: int, least: int = 2) -> int:
@@ -238,13 +235,7 @@ class KernelContract:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         if rank is not None and not 0 <= rank < self.W:
             raise ValueError(f"rank {rank} out of range [0, {self.W})")
-        # m-tiles stay aligned to each expert's rows: a segment boundary may cut one tile per
-        # expert in two (emit.m_tile), hence 2·E_loc − 1 rather than E_loc − 1 when segmented.
-        bulk = max(self.rows_max, default=0) <= self.S
-        m_slots = tuple(
-            -(-min(r, self.S) // tiles.bm) + (1 if bulk else 2) * n - 1 if n else 0
-            for r, n in zip(self.rows_max, self.n_local, strict=True)
-        )
+        m_slots = m_tile_slots(self.rows_max, self.n_local, self.S, tiles.bm)  # the kernel's m_tile rule
 
         def split(rows: int) -> int:
             return max(1, min(-(-rows // tiles.rows_per_item), -(-rows // tiles.block_r)))

@@ -20,19 +20,20 @@ Names follow the RDEP paper: route row, owner, front-end, segment, accepted set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from rdepc.ir.sizes import return_ring
+from rdepc.ir.spec import LayerSpec
+
 if TYPE_CHECKING:
     import networkx as nx
-
-    from rdepc.ir.spec import LayerSpec
 
 # The stages of one MoE layer (RDEP section 3.4, Listing 1), in pipeline order.
 STAGES = ("route", "scan", "dispatch", "compute", "return", "combine")
 ROLES = ("comm", "compute")
-BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
 MAX_TASKS = 2_000_000  # beyond this a task table is a spec mistake, not a plan
 
 
@@ -72,7 +73,7 @@ class Geometry:
     drop: str  # the capacity's admission order: round_robin | arrival | lowest_gate
     rows_max: tuple[int, ...]  # R_q: rows owner q may hold
     segments: tuple[int, ...]  # ceil(R_q / S)
-    m_slots: tuple[int, ...]  # ceil(S/BM) + E_loc(q) - 1: m-tiles one (q, segment) may need
+    m_slots: tuple[int, ...]  # m-tiles one (q, segment) may need: rdepc.ir.sizes.m_tile_slots (the kernel's rule)
     token_tiles: int  # ceil(T / BM): combine tiles per rank
 
     @property
@@ -84,7 +85,7 @@ class Geometry:
         """Returns land in a ring of B slots, claimed and freed by unpacks. When the B·S rows
         of the ring hold all T·K rows a front-end gets back, they land at their (token,
         slot) places directly, as in bulk: no claims, no unpack."""
-        return self.segmented and self.B * self.S < self.T * self.K
+        return return_ring(self.segmented, self.B, self.S, self.T, self.K)
 
     @property
     def flop_coef(self) -> int:
@@ -151,8 +152,6 @@ class TaskGraph:
     def graph(self) -> nx.DiGraph:
         """The same graph as a networkx DiGraph (built on first use): node = task id with
         the task's bounds as attributes, edge kind "data" or "war" (buffer reuse)."""
-        from rdepc.passes.graph import to_networkx
-
         return to_networkx(self.tasks)
 
     def count(self) -> dict[str, int]:
@@ -335,3 +334,42 @@ def summary(x: Any) -> dict:
             "decisions": [f"{d.name} = {d.value} ({d.why})" for d in x.decisions],
         }
     raise TypeError(type(x).__name__)
+
+
+def to_networkx(tasks: Sequence[Task]):
+    """The hierarchical graph as a networkx DiGraph: node = task id with its bounds as
+    attributes; edge kind "data" or "war" (buffer reuse)."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(
+        (
+            t.id,
+            {
+                "name": t.name,
+                "stage": t.stage,
+                "detail": t.detail,
+                "rank": t.rank,
+                "role": t.role,
+                "src": t.src,
+                "owner": t.owner,
+                "segment": t.segment,
+                "slot": t.slot,
+                "claim": t.claim,
+                "rows": t.rows,
+                "tiles": t.tiles,
+                "bytes": t.bytes,
+                "flops": t.flops,
+                "empty_if": t.empty_if,
+            },
+        )
+        for t in tasks
+    )
+    data, war = {"kind": "data"}, {"kind": "war"}
+    edges = []
+    for t in tasks:
+        nd = len(t.deps) - len(t.war)
+        edges += [(d, t.id, data) for d in t.deps[:nd]]
+        edges += [(d, t.id, war) for d in t.war]
+    g.add_edges_from(edges)
+    return g

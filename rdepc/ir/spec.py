@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from rdepc.diagnostics import Span
+from rdepc.ir.sizes import capacity_rule
 
 if TYPE_CHECKING:  # sympy is imported only where a spec is lowered to sympy objects
     import sympy as sp
@@ -152,15 +153,11 @@ class Capacity:
     weights: str  # renormalize | zero
 
     def rows_per_expert(self, shape: Shape) -> sp.Expr | None:
-        """cap_e: rows an owner admits for one expert; None when dropless."""
+        """cap_e: rows an owner admits for one expert, as an expression in T when T is
+        symbolic (:func:`rdepc.ir.sizes.capacity_rule`); None when dropless."""
         import sympy as sp
 
-        if self.policy == "dropless":
-            return None
-        if self.policy == "rows":
-            return self.rows
-        mu = shape.W * shape.T * shape.K / shape.E
-        return sp.ceiling(self.factor * mu)
+        return capacity_rule(self.policy, shape.W * shape.T * shape.K / shape.E, self.factor, self.rows, sp.ceiling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,135 @@
+"""The global order of a task graph and its predicted timeline.
+
+:func:`priority` gives each task its place in the strategy's intended order (step by step:
+dispatch s, compute s − L, the returns of s − L − 1); :func:`topo_order` turns it into a
+topological order of the graph (Kahn's algorithm, ties broken by that order);
+:func:`timeline` predicts when each task runs when every resource takes its tasks one after
+another in that order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rdepc.ir.graph import TaskGraph
+
+ORDERS = ("returns-first", "dispatch-first")
+
+
+def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
+    """The strategy's intended position of every task: route, scan, then step by step —
+    in step t, dispatch segment t, compute t − L, and the returns (with their unpacks) of
+    t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
+    dispatches come first on the communication programs."""
+    geo = tg.geometry
+    L = geo.lookahead
+    rank = {"B": 0, "A": 1, "C": 2} if variant == "returns-first" else {"C": 0, "A": 1, "B": 2}
+    keys = []
+    for t in tg.tasks:
+        match t.stage:
+            case "route":
+                k = (0, 0, 0)
+            case "scan":
+                k = (1, 0, 0)
+            case "dispatch":
+                k = (2, t.segment, rank["C"])
+            case "compute":
+                k = (2, t.segment + L, rank["A"])
+            case "return":
+                k = (2, t.segment + L + 1, rank["B"])
+            case _ if t.detail == "unpack":
+                k = (2, t.segment + L + 1, rank["B"])
+            case _:
+                k = (3, 0, 0)
+        keys.append((*k, t.id))
+    return keys
+
+
+def topo_order(tg: TaskGraph, key: Sequence | None = None) -> list[int]:
+    """A topological order of ``tg``: among ready tasks, the smallest ``key`` (default:
+    the task built first) goes first. When sorting by ``key`` alone already gives a
+    topological order (the usual case: the graph is built in its strategy's order), that
+    order is returned without running Kahn's algorithm."""
+    tasks = tg.tasks
+    n = len(tasks)
+    order = list(range(n)) if key is None else sorted(range(n), key=key.__getitem__)
+    pos = [0] * n
+    for i, u in enumerate(order):
+        pos[u] = i
+    if all(pos[d] < pos[t.id] for t in tasks for d in t.deps):
+        return order
+    key = list(range(n)) if key is None else key
+    indeg = [len(t.deps) for t in tasks]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for t in tasks:
+        for d in t.deps:
+            succ[d].append(t.id)
+    ready = [(key[i], i) for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(ready, (key[v], v))
+    if len(order) != n:
+        raise ValueError("the task graph has a cycle")
+    return order
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    start: np.ndarray
+    end: np.ndarray
+    makespan: float
+    critical_path: float
+
+
+def timeline(
+    tg: TaskGraph,
+    order: Sequence[int],
+    dur: np.ndarray,
+    latency: float,
+    unified: bool = False,
+    empty: Sequence[bool] | None = None,
+) -> Timeline:
+    """Start and end of every task when each resource — a rank's communication programs
+    and its compute programs, or (``unified``) all of a rank's programs — runs its tasks one
+    after another in ``order``. A flag crossing ranks costs ``latency``, except into a task
+    that is ``empty`` under the routing: after the scan every rank knows which tasks are
+    empty and resolves them locally (they still wait for their dependencies, so a ring
+    slot's reuse order is kept)."""
+    tasks = tg.tasks
+    n = len(tasks)
+    start = [0.0] * n
+    end = [0.0] * n
+    cp = [0.0] * n
+    free: dict[tuple[int, str], float] = {}
+    d = dur.tolist()
+    no_lat = empty if empty is not None else [False] * n
+    for u in order:
+        t = tasks[u]
+        ready = 0.0
+        longest = 0.0
+        lat_in = 0.0 if no_lat[u] else latency
+        for p in t.deps:
+            lat = lat_in if tasks[p].rank != t.rank else 0.0
+            x = end[p] + lat
+            if x > ready:
+                ready = x
+            y = cp[p] + lat
+            if y > longest:
+                longest = y
+        key = (t.rank, "all" if unified else t.role)
+        s = max(ready, free.get(key, 0.0))
+        start[u] = s
+        end[u] = s + d[u]
+        free[key] = end[u]
+        cp[u] = longest + d[u]
+    return Timeline(np.asarray(start), np.asarray(end), max(end, default=0.0), max(cp, default=0.0))

@@ -1,0 +1,381 @@
+"""The records of one ``rdepc plan`` report (:class:`Plan` and its parts, each number a
+:class:`Figure`) and their JSON form (:func:`to_json`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from rdepc.passes.hardware import HardwareProfile
+from rdepc.passes.plan_symbols import SYMBOLS_DOC, Figure
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    hw: str = "h100"
+    overflow: float = 1e-6  # target probability that any expert overflows its capacity
+    routing: str | None = None  # None | "uniform" | "zipf"
+    alpha: float = 0.0  # zipf exponent
+    seed: int = 0
+    probs: tuple[float, ...] | None = None  # per-expert selection probabilities p_e
+    strategy: str | None = None  # None: the spec's schedule (auto: the scheduler's choice, as compile)
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    mu: Figure
+    mu_replica: Figure
+    cv_uniform: Figure
+    experts_per_owner: tuple[int, ...]
+    e_min: Figure
+    e_max: Figure
+    asymmetry: Figure
+    owner_load_expected: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class SkewBound:
+    """eq. 18 with per-expert probabilities p_e (each token picks expert e with prob p_e)."""
+
+    probs: tuple[float, ...]
+    sum_p: float
+    mu_e_max: Figure
+    owner_load_max: Figure
+    overflow_bound: Figure
+    rows_per_expert_needed: Figure
+    factor_needed: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    policy: str
+    rows_per_expert: Figure | None  # cap_e; None when dropless
+    worst_owner_load: Figure
+    rows_per_owner: Figure
+    bounded: bool  # the capacity, not the worst case, bounds rows_per_owner
+    beta: Figure | None
+    overflow_union_bound: Figure | None
+    overflow_bound: Figure
+    overflow_branch: str
+    target: float
+    factor_needed: Figure
+    rows_per_expert_needed: Figure
+    skew: SkewBound | None
+
+
+@dataclass(frozen=True, slots=True)
+class SymmetricPlan:
+    strategy: str
+    S: Figure
+    B: Figure
+    R_ret: Figure
+    buffers: tuple[Figure, ...]
+    forward: tuple[Figure, ...]  # regions, then total
+    forward_backward: tuple[Figure, ...]
+    private_total: Figure
+    shared_total: Figure
+
+    def regions(self, phase: str) -> dict[str, int]:
+        return {fig.key.rsplit(".", 1)[1]: fig.value for fig in getattr(self, phase)}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    bulk_per_layer: Figure
+    segmented_per_layer: Figure | None
+    bulk_total: Figure
+    segmented_total: Figure | None
+    bulk_shared: Figure
+    segmented_shared: Figure | None
+    plan: SymmetricPlan
+    alternative: SymmetricPlan | None  # the other strategy, for comparison
+    routing_context: Figure
+    saved_rows: Figure
+    saved_row_bytes: Figure
+    saved_per_layer: Figure
+    saved_total: Figure
+    saved_expected: Figure
+    saved_outputs: Figure  # each accepted slot's expert output at its front-end (dL/dg' = dL/dy·out)
+    saved_outputs_total: Figure
+    dense_params: Figure | None
+    dense_bytes: Figure | None
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    name: str
+    what: str
+    row_bytes: Figure
+    send_expected: Figure
+    send_worst: Figure
+    recv_expected: Figure
+    recv_worst: Figure
+    time_expected: Figure
+    time_worst: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class TransportPlan:
+    stages: tuple[Stage, ...]
+    barrier: Figure
+    barrier_low: Figure
+    barrier_high: Figure
+    barrier_segment: Figure
+    segments: Figure
+    barrier_layer: Figure
+    segment_time: Figure | None
+    min_ffn: Figure
+    ffn: Figure
+    ffn_margin: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class DedupPlan:
+    """What ``dedup`` saves under uniform routing: one payload row per (token, owner)
+    instead of one per slot, out and back."""
+
+    enabled: bool  # the spec's transport statement asks for it
+    owners_per_token: Figure
+    redundant: Figure
+    dispatch_send: Figure
+    return_recv: Figure
+    bwd_dispatch_send: Figure
+    bwd_return_recv: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class PaddingPlan:
+    """One sampled routing (numpy, deterministic by seed)."""
+
+    routing: str
+    alpha: float
+    seed: int
+    counts: tuple[int, ...]
+    mu: Figure
+    cv: Figure
+    p10: Figure
+    dropped: Figure
+    max_owner_load: Figure
+    rho_tallest: Figure
+    rho_tallest_max: Figure
+    rho_tiled: Figure
+    owners_per_token: Figure
+    redundant: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    budget: str
+    bytes: int
+    hbm: int
+    fits: bool
+
+    @property
+    def margin(self) -> int:
+        return self.hbm - self.bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    layer: str
+    file: str
+    hw: HardwareProfile
+    strategy: str
+    t_bound: int | None  # the bound T was evaluated at, when T is symbolic
+    precision: str  # "bf16, dispatch fp8_e4m3", for the report
+    values: tuple[tuple[str, int | float], ...]
+    pooling: Pooling
+    capacity: CapacityPlan
+    memory: MemoryFigures
+    transport: TransportPlan
+    dedup: DedupPlan
+    padding: PaddingPlan | None
+    verdicts: tuple[Verdict, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    def figures(self) -> Iterator[Figure]:
+        """Every figure of the plan, in report order."""
+        yield from _walk(self)
+
+
+def _walk(x: Any) -> Iterator[Figure]:
+    if isinstance(x, Figure):
+        yield x
+    elif isinstance(x, tuple):
+        for v in x:
+            yield from _walk(v)
+    elif is_dataclass(x) and not isinstance(x, HardwareProfile):
+        for fl in fields(x):
+            yield from _walk(getattr(x, fl.name))
+
+
+# --- JSON ------------------------------------------------------------------------------
+
+
+def jsonval(fig: Figure | None) -> Any:
+    if fig is None:
+        return None
+    v = fig.value
+    if isinstance(v, float) and math.isinf(v):
+        return None
+    if fig.unit == "B" and v is not None:
+        return int(v)
+    return v
+
+
+def sym_json(s: SymmetricPlan) -> dict:
+    return {
+        "strategy": s.strategy,
+        "S": jsonval(s.S),
+        "B": jsonval(s.B),
+        "R_ret": jsonval(s.R_ret),
+        "buffers": {f.key.rsplit(".", 1)[1]: jsonval(f) for f in s.buffers},
+        "forward": {f.key.rsplit(".", 1)[1]: jsonval(f) for f in s.forward},
+        "forward_backward": {f.key.rsplit(".", 1)[1]: jsonval(f) for f in s.forward_backward},
+        "private_total": jsonval(s.private_total),
+        "shared_total": jsonval(s.shared_total),
+    }
+
+
+def to_json(pl: Plan, formulas: bool = False) -> dict:
+    """The plan as plain data (bytes as integers). With ``formulas``, each figure's formula too."""
+    po, cp, mem, tr = pl.pooling, pl.capacity, pl.memory, pl.transport
+    j = jsonval
+    out: dict[str, Any] = {
+        "layer": pl.layer,
+        "file": pl.file,
+        "hw": {
+            "name": pl.hw.name,
+            "description": pl.hw.description,
+            "values": {
+                k: {"value": v.value, "unit": v.unit, "kind": v.kind, "source": v.source}
+                for k, v in pl.hw.values().items()
+            },
+        },
+        "strategy": pl.strategy,
+        "T_bound": pl.t_bound,
+        "values": dict(pl.values),
+        "mu": j(po.mu),
+        "mu_replica": j(po.mu_replica),
+        "cv_uniform": j(po.cv_uniform),
+        "owners": {
+            "experts_per_owner": list(po.experts_per_owner),
+            "E_min": j(po.e_min),
+            "E_max": j(po.e_max),
+            "asymmetry": j(po.asymmetry),
+            "expected_load_max": j(po.owner_load_expected),
+        },
+        "capacity": {
+            "policy": cp.policy,
+            "rows_per_expert": j(cp.rows_per_expert),
+            "rows_per_owner": j(cp.rows_per_owner),
+            "rows_per_owner_bounded_by_capacity": cp.bounded,
+            "worst_owner_load": j(cp.worst_owner_load),
+            "beta": j(cp.beta),
+            "overflow_bound": j(cp.overflow_bound),
+            "overflow_union_bound": j(cp.overflow_union_bound),
+            "overflow_branch": cp.overflow_branch,
+            "overflow_target": cp.target,
+            "factor_needed": j(cp.factor_needed),
+            "rows_per_expert_needed": j(cp.rows_per_expert_needed),
+            "skew": None
+            if cp.skew is None
+            else {
+                "sum_p": cp.skew.sum_p,
+                "mu_e_max": j(cp.skew.mu_e_max),
+                "owner_load_max": j(cp.skew.owner_load_max),
+                "overflow_bound": j(cp.skew.overflow_bound),
+                "rows_per_expert_needed": j(cp.skew.rows_per_expert_needed),
+                "factor_needed": j(cp.skew.factor_needed),
+            },
+        },
+        "symmetric_bytes": {
+            "bulk_per_layer": j(mem.bulk_per_layer),
+            "segmented_per_layer": j(mem.segmented_per_layer),
+            "bulk_total": j(mem.bulk_total),
+            "segmented_total": j(mem.segmented_total),
+            "bulk_shared": j(mem.bulk_shared),
+            "segmented_shared": j(mem.segmented_shared),
+            "plan": sym_json(mem.plan),
+        },
+        "routing_context_bytes": j(mem.routing_context),
+        "saved_activations": {
+            "rows": j(mem.saved_rows),
+            "bytes_per_row": j(mem.saved_row_bytes),
+            "per_layer": j(mem.saved_per_layer),
+            "total": j(mem.saved_total),
+            "per_layer_expected": j(mem.saved_expected),
+            "outputs_per_layer": j(mem.saved_outputs),
+            "outputs_total": j(mem.saved_outputs_total),
+        },
+        "dense_lower_bound": None
+        if mem.dense_params is None
+        else {"params": j(mem.dense_params), "bytes": j(mem.dense_bytes)},
+        "transport": {
+            "stages": {
+                s.name: {
+                    "what": s.what,
+                    "row_bytes": j(s.row_bytes),
+                    "send_expected": j(s.send_expected),
+                    "send_worst": j(s.send_worst),
+                    "recv_expected": j(s.recv_expected),
+                    "recv_worst": j(s.recv_worst),
+                    "time_expected_s": j(s.time_expected),
+                    "time_worst_s": j(s.time_worst),
+                }
+                for s in tr.stages
+            },
+            "barrier": {
+                "per_barrier_s": j(tr.barrier),
+                "per_barrier_range_s": [j(tr.barrier_low), j(tr.barrier_high)],
+                "per_segment_s": j(tr.barrier_segment),
+                "segments_per_layer": j(tr.segments),
+                "per_layer_s": j(tr.barrier_layer),
+            },
+            "segment_time_s": j(tr.segment_time),
+            "min_ffn": j(tr.min_ffn),
+            "ffn": j(tr.ffn),
+            "ffn_margin": j(tr.ffn_margin),
+        },
+        "padding": None
+        if pl.padding is None
+        else {
+            "routing": pl.padding.routing,
+            "alpha": pl.padding.alpha,
+            "seed": pl.padding.seed,
+            "counts": list(pl.padding.counts),
+            "mu": j(pl.padding.mu),
+            "cv": j(pl.padding.cv),
+            "p10": j(pl.padding.p10),
+            "dropped": j(pl.padding.dropped),
+            "max_owner_load": j(pl.padding.max_owner_load),
+            "rho_tallest": j(pl.padding.rho_tallest),
+            "rho_tallest_max": j(pl.padding.rho_tallest_max),
+            "rho_tiled": j(pl.padding.rho_tiled),
+            "owners_per_token": j(pl.padding.owners_per_token),
+            "redundant": j(pl.padding.redundant),
+        },
+        "dedup": {
+            "enabled": pl.dedup.enabled,
+            "owners_per_token": j(pl.dedup.owners_per_token),
+            "redundant": j(pl.dedup.redundant),
+            "dispatch_send": j(pl.dedup.dispatch_send),
+            "return_recv": j(pl.dedup.return_recv),
+            "bwd_dispatch_send": j(pl.dedup.bwd_dispatch_send),
+            "bwd_return_recv": j(pl.dedup.bwd_return_recv),
+        },
+        "verdicts": [
+            {"budget": v.budget, "bytes": v.bytes, "hbm": v.hbm, "fits": v.fits, "margin": v.margin}
+            for v in pl.verdicts
+        ],
+        "warnings": list(pl.warnings),
+    }
+    if mem.alternative is not None:
+        name = "plan_bulk" if mem.alternative.strategy == "bulk" else "plan_segmented"
+        out["symmetric_bytes"][name] = sym_json(mem.alternative)
+    if formulas:
+        out["formulas"] = {fig.key: str(fig.formula) for fig in pl.figures() if fig.formula is not None}
+        out["symbols"] = dict(SYMBOLS_DOC)
+    return out

@@ -1,0 +1,455 @@
+"""The meaning of each statement of a layer (shape, expert, shared, dtype, model, route_row,
+sideband, owner, capacity, segment, schedule, transport): the methods :class:`Statements` adds
+to the elaborator's per-layer context (``rdepc.passes.elaborate._Layer``, which supplies
+``args``, ``size``, ``expr``, ``choice``, ``diags`` and ``spans``)."""
+
+from __future__ import annotations
+
+from rdepc.passes.expressions import MAX_VALUE, evaluate
+
+from rdepc import syntax as S
+from rdepc.diagnostics import Span, did_you_mean
+from rdepc.ir.exact import Poly
+from rdepc.ir.spec import (
+    ROUTE_VARS,
+    SCALE_BLOCK,
+    USER_SIDEBAND,
+    Capacity,
+    Dtype,
+    ExpertFn,
+    Model,
+    Ownership,
+    Precision,
+    RouteRow,
+    Segment,
+    Shape,
+    Shared,
+)
+
+# Implementation limits: beyond these a spec is almost certainly a typo, and the
+# compiler's own tables (ownership maps, task tables) would not fit in memory.
+LIMITS = {"ranks": 1024, "experts": 65536, "hidden": 1 << 20, "ffn": 1 << 20, "tokens": 1 << 31, "buffers": 64}
+
+DTYPES = {d.value: d for d in Dtype}
+COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+SCHEDULES = ("auto", "bulk", "pipelined", "deep")
+TRANSPORTS = ("emulated", "nvshmem")
+DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
+
+
+class Statements:
+    """One method per statement: its record, or None after reporting its errors."""
+
+    def shape(self, st: S.Stmt) -> Shape | None:
+        keys = {"ranks": "W", "tokens": "T", "hidden": "H", "experts": "E", "top": "K"}
+        opts, _ = self.args(st, keyed=keys)
+        missing = [k for k in keys if k not in opts]
+        if missing:
+            self.diags.error(f"'shape' is missing {', '.join(missing)}", st.keyword_span, self._usage_req("shape"))
+            return None
+        vals = {}
+        for k, sym in keys.items():
+            vals[sym] = self.size(opts[k], k, symbolic_ok=(k == "tokens"), limit=LIMITS.get(k, MAX_VALUE))
+        if None in vals.values():
+            return None
+        if vals["K"].value > vals["E"].value:
+            self.diags.error(
+                f"top {vals['K']} is more than the {vals['E']} experts: a token picks K distinct experts",
+                opts["top"].value.span,
+            )
+            return None
+        T = vals["T"]
+        if T.free and Poly.var(next(iter(T.free))) != T:
+            self.diags.error("tokens must be a number or a bounded parameter itself", opts["tokens"].value.span)
+            return None
+        bound = self.bounds[next(iter(T.free))] if T.free else None
+        if bound is not None and bound > LIMITS["tokens"]:
+            self.diags.error(f"tokens <= {bound} is beyond what rdepc supports ({LIMITS['tokens']})", st.span)
+            return None
+        return Shape(T_bound=bound, **vals)
+
+    def call(self, v: S.Call, what: str) -> ExpertFn | None:
+        if v.fn not in ACTIVATIONS:
+            self.diags.error(f"unknown expert function '{v.fn}'", v.fn_span, did_you_mean(v.fn, ACTIVATIONS))
+            return None
+        ffn = None
+        for kw in v.kwargs:
+            if kw.name != "ffn":
+                self.diags.error(f"unknown argument '{kw.name}' to {v.fn}", kw.name_span, "the only argument is 'ffn'")
+            elif ffn is not None:
+                self.diags.error(f"'ffn' given twice to {v.fn}", kw.name_span)
+            else:
+                ffn = kw
+        if ffn is None:
+            self.diags.error(f"{v.fn} needs its ffn width", v.span, f"e.g. {v.fn}(ffn = 1408)")
+            return None
+        F = self.size(ffn, f"{what} ffn width", limit=LIMITS["ffn"])
+        return None if F is None else ExpertFn(v.fn, F)
+
+    def expert_fn(self, st: S.Stmt) -> ExpertFn | None:
+        _, pos = self.args(st, positional=1)
+        if not pos or not isinstance(pos[0].value, S.Call):
+            self.diags.error("'expert' needs the expert function", st.keyword_span, self._usage("expert"))
+            return None
+        return self.call(pos[0].value, "expert")
+
+    def shared(self, st: S.Stmt | None) -> Shared | None:
+        if st is None:
+            return None
+        _, pos = self.args(st, positional=1)
+        if not pos:
+            self.diags.error("'shared' needs the shared experts", st.keyword_span, self._usage("shared"))
+            return None
+        v = pos[0].value
+        count: Poly | None = Poly.const(1)
+        if isinstance(v, S.CountCall):
+            count = self.size(S.Keyed("count", v.span, v.count, v.span), "shared expert count", limit=64)
+            v = v.call
+        if not isinstance(v, S.Call):
+            self.diags.error("'shared' needs an expert function", v.span, self._usage("shared"))
+            return None
+        fn = self.call(v, "shared expert")
+        return None if fn is None or count is None else Shared(int(count.value), fn)
+
+    def precision(self, st: S.Stmt | None) -> Precision | None:
+        if st is None:
+            return Precision(Dtype.BF16, Dtype.BF16, None)
+        opts, _ = self.args(st, keyed=("dispatch", "scale"), flags=tuple(DTYPES))
+        given = [n for n in opts if n in DTYPES]
+        if len(given) != 1:
+            msg = "'dtype' needs one compute dtype" if not given else "'dtype' names more than one compute dtype"
+            self.diags.error(msg, st.keyword_span, "e.g. 'dtype bf16' or 'dtype bf16, dispatch fp8_e4m3'")
+            return None
+        if given[0] not in COMPUTE_DTYPES:
+            self.diags.error(
+                f"{given[0]} is a dispatch format, not a compute dtype",
+                opts[given[0]].span,
+                "e.g. 'dtype bf16, dispatch fp8_e4m3'",
+            )
+            return None
+        self.spans["dtype.dtype"] = opts[given[0]].span
+        dtype = DTYPES[given[0]]
+        dispatch = dtype
+        if "dispatch" in opts:
+            name = self.choice(opts["dispatch"], DTYPES, "dispatch dtype")
+            if name is None:
+                return None
+            dispatch = DTYPES[name]
+        scale = "row" if dispatch is Dtype.FP8_E4M3 else None
+        if "scale" in opts:
+            scale = self.choice(opts["scale"], ("row", "block"), "scale")
+            if scale is None:
+                return None
+            if dispatch is not Dtype.FP8_E4M3:
+                self.diags.error("a dispatch scale is only used with fp8 dispatch", opts["scale"].span)
+                return None
+        return Precision(dtype, dispatch, scale)
+
+    def model(self, st: S.Stmt | None) -> Model | None:
+        if st is None:
+            return Model(Poly.const(1))
+        keys = ("moe_layers", "vocab", "layers", "dense_layers", "dense_ffn")
+        opts, _ = self.args(st, keyed=keys)
+        if "moe_layers" not in opts:
+            self.diags.error("'model' needs moe_layers", st.keyword_span, "e.g. 'model moe_layers 27'")
+            return None
+        vals = {k: self.size(opts[k], k) if k in opts else None for k in keys}
+        if any(vals[k] is None for k in opts):
+            return None
+        if vals["layers"] is not None and vals["moe_layers"].value > vals["layers"].value:
+            self.diags.error(
+                f"moe_layers {vals['moe_layers']} is more than the model's {vals['layers']} layers",
+                opts["moe_layers"].span,
+            )
+            return None
+        if vals["dense_layers"] and vals["layers"]:
+            moe, dense, total = (int(vals[k].value) for k in ("moe_layers", "dense_layers", "layers"))
+            if moe + dense > total:
+                self.diags.error(
+                    f"moe_layers {moe} + dense_layers {dense} is more than the model's {total} layers",
+                    opts["dense_layers"].span,
+                )
+                return None
+        return Model(**vals)
+
+    def route_row(self, st: S.Stmt | None, sb: S.Stmt | None, shape: Shape, prec: Precision | None) -> RouteRow | None:
+        rank, token, slot = (Poly.var(v) for v in ROUTE_VARS)
+        eq7 = (rank * shape.T + token) * shape.K + slot
+        formula, span = eq7, None
+        if st is not None:
+            opts, _ = self.args(st, keyed=("id",))
+            if "id" not in opts:
+                self.diags.error(
+                    "'route_row' needs id = ...", st.keyword_span, "e.g. id = (rank * T + token) * K + slot"
+                )
+                return None
+            v = opts["id"].value
+            if not isinstance(v, S.Num | S.Name | S.BinOp | S.Neg):
+                self.diags.error("route_row id must be an integer expression", v.span)
+                return None
+            formula, span = evaluate(v, self.env | {"rank": rank, "token": token, "slot": slot}, self.diags), v.span
+            if formula is None:
+                return None
+            other = formula.free - set(ROUTE_VARS) - shape.T.free
+            if other:
+                names = ", ".join(sorted(other))
+                self.diags.error(
+                    f"route_row id depends on the symbolic parameter {names}, which is not the layer's tokens",
+                    span,
+                    f"give {names} a value ('param {min(other)} = ...', or -D {min(other)}=N)",
+                )
+                return None
+        sideband = self.sideband(sb, prec)
+        if sideband is None:
+            return None
+        radix = self.radix(formula, shape, span)
+        if radix is None:
+            return None
+        offset, coeffs = radix
+        scales = 1
+        if prec is not None and prec.dispatch_scale == "block":
+            scales = -(-int(shape.H.value) // SCALE_BLOCK)
+        return RouteRow(formula, coeffs, offset, sideband, is_eq7=formula == eq7, scales=scales)
+
+    def radix(self, formula: Poly, shape: Shape, span: Span | None):
+        """Prove the encoding injective: a mixed-radix number over (rank, token, slot)."""
+        route = set(ROUTE_VARS)
+        for m, _ in formula.terms:
+            powers = [(v, p) for v, p in m if v in route]
+            if sum(p for _, p in powers) > 1:
+                term = "*".join(v for v, p in powers for _ in range(p))
+                self.diags.error(f"route_row id must be linear in rank, token and slot; it has the term {term}", span)
+                return None
+        extents = {"rank": shape.W, "token": shape.T, "slot": shape.K}
+        offset = formula.without(route)
+        coeffs = {v: formula.coeff(v) for v in ROUTE_VARS}
+        for name, c in [("the constant term", offset), *coeffs.items()]:
+            if not c.integer_valued or self._min(c) < 0:
+                self.diags.error(f"route_row id: {name} is {c}, not a non-negative whole number", span)
+                return None
+        live = [v for v in ROUTE_VARS if self._max(extents[v]) > 1]
+        order = sorted(live, key=lambda v: self._max(coeffs[v]))
+        prev = None
+        for v in order:
+            if prev is None:
+                ok = self._min(coeffs[v]) >= 1
+            else:
+                ok = self._min(coeffs[v] - coeffs[prev] * extents[prev]) >= 0
+            if not ok:
+                self.diags.error(
+                    "cannot prove route_row id injective: it is not a mixed-radix form over rank, token, slot",
+                    span,
+                    "use a mixed-radix form such as (rank * T + token) * K + slot",
+                )
+                return None
+            prev = v
+        top = offset
+        for v in ROUTE_VARS:
+            top = top + coeffs[v] * (extents[v] - Poly.const(1))
+        if self._max(top) >= 2**63:
+            self.diags.error("route_row ids overflow 64 bits at these sizes", span)
+            return None
+        return offset, tuple((v, coeffs[v]) for v in order)
+
+    def sideband(self, st: S.Stmt | None, prec: Precision | None) -> tuple[str, ...] | None:
+        fp8 = prec is not None and prec.dispatch is Dtype.FP8_E4M3
+        if st is None:
+            return ("row_id", "local_expert", "gate") + (("scale",) if fp8 else ())
+        opts, _ = self.args(st, flags=USER_SIDEBAND)
+        fields = tuple(f for f in USER_SIDEBAND if f in opts)
+        if len(self.diags.errors) and any(a for a in st.args if isinstance(a, S.Flag) and a.name not in opts):
+            return None
+        if "row_id" not in fields:
+            self.diags.error(
+                "the sideband must carry row_id: returns are placed by decoded row identity",
+                st.keyword_span,
+                "RDEP appendix A.3, condition 1",
+            )
+            return None
+        if fp8 and "scale" not in fields:
+            self.diags.error("fp8 dispatch needs 'scale' in the sideband (its rows' scales)", st.keyword_span)
+            return None
+        if not fp8 and "scale" in fields:
+            self.diags.warning("'scale' is only used with fp8 dispatch; it is carried but unused", opts["scale"].span)
+        return fields
+
+    def ownership(self, st: S.Stmt | None, shape: Shape) -> Ownership | None:
+        W, E = int(shape.W.value), int(shape.E.value)
+        if st is not None:
+            opts, _ = self.args(st, keyed=("map",), flags=("balanced",))
+            if len(opts) != 1:
+                self.diags.error("'owner' needs one of: balanced, map { ... }", st.keyword_span)
+                return None
+            if "map" in opts:
+                return self.owner_map(opts["map"], W, E)
+        # Contiguous blocks; the first E mod W ranks own one expert more (eq. 5 when W | E).
+        base, extra = divmod(E, W)
+        owner = []
+        for q in range(W):
+            owner += [q] * (base + (1 if q < extra else 0))
+        first: dict[int, int] = {}
+        for e, q in enumerate(owner):
+            first.setdefault(q, e)
+        local = [e - first[owner[e]] for e in range(E)]
+        return Ownership("balanced", tuple(owner), tuple(local))
+
+    def owner_map(self, arg: S.Keyed, W: int, E: int) -> Ownership | None:
+        if not isinstance(arg.value, S.MapVal):
+            self.diags.error("owner map needs { rank: experts; ... }", arg.value.span, "e.g. map { 0: 0..4; 1: 4..8 }")
+            return None
+        errors = len(self.diags.errors)
+        owner: dict[int, tuple[int, Span]] = {}
+        ranks_seen: dict[int, Span] = {}
+        for entry in arg.value.entries:
+            q = self.index(entry.key, W, "rank")
+            if q is None:
+                continue
+            if q in ranks_seen:
+                self.diags.error(
+                    f"rank {q} appears twice in the owner map", entry.key.span, f"first at {ranks_seen[q]}"
+                )
+                continue
+            ranks_seen[q] = entry.key.span
+            for m in entry.members:
+                if isinstance(m, S.Range):
+                    lo, hi = self.index(m.lo, E, "expert"), self.index(m.hi, E + 1, "range end")
+                    if lo is None or hi is None:
+                        continue
+                    if hi <= lo:
+                        self.diags.error(f"empty expert range {lo}..{hi} (ranges are half-open)", m.span)
+                        continue
+                    experts = range(lo, hi)
+                else:
+                    e = self.index(m, E, "expert")
+                    if e is None:
+                        continue
+                    experts = (e,)
+                twice = [e for e in experts if e in owner]
+                if twice:
+                    e = twice[0]
+                    shown = f"expert {e} is" if len(twice) == 1 else f"{ranges(twice)} are"
+                    self.diags.error(
+                        f"{shown} assigned twice (to rank {owner[e][0]} and rank {q})",
+                        m.span,
+                        f"first assigned at {owner[e][1]}",
+                    )
+                for e in experts:
+                    owner.setdefault(e, (q, m.span))
+        if len(self.diags.errors) > errors:
+            return None
+        missing = [e for e in range(E) if e not in owner]
+        if missing:
+            self.diags.error(f"owner map leaves {ranges(missing)} without an owner", arg.value.span)
+            return None
+        count: dict[int, int] = {}
+        local = []
+        for e in range(E):
+            q = owner[e][0]
+            local.append(count.get(q, 0))
+            count[q] = local[-1] + 1
+        return Ownership("map", tuple(owner[e][0] for e in range(E)), tuple(local))
+
+    def index(self, node: S.Expr, n: int, what: str) -> int | None:
+        v = evaluate(node, self.env, self.diags)
+        if v is None:
+            return None
+        if not v.is_whole or not 0 <= v.value < n:
+            self.diags.error(f"{what} {v} is out of range 0..{n - 1}", node.span)
+            return None
+        return int(v.value)
+
+    def capacity(self, st: S.Stmt | None, shape: Shape) -> Capacity | None:
+        if st is None:
+            return Capacity("dropless", None, None, "arrival", "renormalize")
+        opts, _ = self.args(st, keyed=("factor", "rows", "drop", "weights"), flags=("dropless",))
+        policies = [p for p in ("dropless", "factor", "rows") if p in opts]
+        if len(policies) != 1:
+            msg = "'capacity' needs one of: dropless, factor F, rows N"
+            if policies:
+                msg = f"'capacity' gives both {policies[0]} and {policies[1]}; choose one"
+            self.diags.error(msg, st.keyword_span)
+            return None
+        policy = policies[0]
+        drop = "round_robin"  # no rank drops first (arrival in eq. 7's order sacrifices the last ranks)
+        if "drop" in opts:
+            drop = self.choice(opts["drop"], DROPS, "drop policy")
+        weights = "renormalize"
+        if "weights" in opts:
+            weights = self.choice(opts["weights"], ("renormalize", "zero"), "weights")
+        if drop is None or weights is None:
+            return None
+        if policy == "dropless":
+            for k in ("drop", "weights"):
+                if k in opts:
+                    self.diags.warning(f"'{k}' has no effect with dropless capacity", opts[k].span)
+            return Capacity("dropless", None, None, "arrival", weights)  # nothing is ever dropped
+        if policy == "factor":
+            f, span = self.expr(opts["factor"], "capacity factor")
+            if f is None:
+                return None
+            if not f.is_const or f.value <= 0:
+                self.diags.error(f"capacity factor must be a positive number, got {f}", span)
+                return None
+            cap = Capacity("factor", f, None, drop, weights)
+        else:
+            rows = self.size(opts["rows"], "capacity rows", symbolic_ok=True)
+            if rows is None:
+                return None
+            cap = Capacity("rows", None, rows, drop, weights)
+        return cap
+
+    def segment(self, st: S.Stmt | None) -> Segment | None:
+        if st is None:
+            return None
+        opts, _ = self.args(st, keyed=("rows", "buffers", "cut"))
+        if "rows" not in opts:
+            self.diags.error("'segment' needs rows S", st.keyword_span, "e.g. 'segment rows 4096, buffers 2'")
+            return None
+        S_ = self.size(opts["rows"], "segment rows", limit=1 << 31)
+        B = self.size(opts["buffers"], "segment buffers", limit=LIMITS["buffers"]) if "buffers" in opts else 2
+        cut = self.choice(opts["cut"], ("auto", "expert", "source"), "cut") if "cut" in opts else "auto"
+        if S_ is None or B is None or cut is None:
+            return None
+        return Segment(S_, B if isinstance(B, Poly) else Poly.const(B), cut)
+
+    def schedule(self, st: S.Stmt | None) -> str:
+        return self.one_flag(st, SCHEDULES, "auto")
+
+    def transport(self, st: S.Stmt | None) -> tuple[str, bool]:
+        if st is None:
+            return "emulated", False
+        opts, _ = self.args(st, keyed=("dedup",), flags=(*TRANSPORTS, "dedup"))
+        kinds = [k for k in TRANSPORTS if k in opts]
+        if len(kinds) != 1:
+            self.diags.error("'transport' needs one of: emulated, nvshmem", st.keyword_span)
+            return "emulated", False
+        dedup = False
+        if "dedup" in opts:
+            a = opts["dedup"]
+            dedup = True if isinstance(a, S.Flag) else self.choice(a, ("on", "off"), "dedup") == "on"
+        return kinds[0], dedup
+
+    def one_flag(self, st: S.Stmt | None, choices: tuple[str, ...], default: str) -> str:
+        if st is None:
+            return default
+        opts, _ = self.args(st, flags=choices)
+        if len(opts) != 1:
+            if opts or not st.args:
+                self.diags.error(f"'{st.keyword}' needs one of: {', '.join(choices)}", st.keyword_span)
+            return default
+        return next(iter(opts))
+
+
+def ranges(xs: list[int], noun: str = "expert") -> str:
+    """[1, 2, 3, 7] → 'experts 1..4, 7' (half-open ranges, as in the language)."""
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}..{xs[j] + 1}")
+        i = j + 1
+    many = len(xs) > 1
+    shown = ", ".join(parts[:8]) + (", ..." if len(parts) > 8 else "")
+    return f"{noun}{'s' if many else ''} {shown}"

@@ -1,0 +1,195 @@
+"""The symmetric heap of one layer per rank, region by region, exactly as docs/memory.md
+defines it: :func:`symmetric_formulas` as sympy formulas, :func:`symmetric_plan` as plain
+ints (the memory-plan pass is checked against it), and the figures of ``rdepc plan``."""
+
+from __future__ import annotations
+
+import sympy as sp
+from rdepc.passes.plan_records import SymmetricPlan
+from rdepc.passes.plan_symbols import (
+    FP32,
+    INT32,
+    INT64,
+    SEGMENTED,
+    B,
+    E_max,
+    Env,
+    H,
+    K,
+    L,
+    R_max,
+    S,
+    T,
+    W,
+    a,
+    d,
+    pad,
+    resolve_strategy,
+    sb,
+    spec_values,
+)
+
+from rdepc.ir import sizes
+from rdepc.ir.sizes import BM
+from rdepc.ir.spec import LayerSpec
+
+
+def done_counters_expr(strategy: str) -> sp.Expr:
+    """Done counters per rank (the ``flags`` buffer's words): :func:`rdepc.ir.sizes.done_counters`
+    applied to symbols, with n = ⌈R_max/S⌉ segments of the busiest owner (bulk: one) and a
+    return ring iff segmented and B·S < T·K (memplan.flag_slots evaluates the same rule)."""
+    if strategy in SEGMENTED:
+        ring = sp.Piecewise((sp.Integer(1), B * S < T * K), (sp.Integer(0), True))
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.ceiling(R_max / S), ring)
+    if strategy == "bulk":
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.Integer(1), sp.Integer(0))
+    raise ValueError(f"unknown strategy '{strategy}'")
+
+
+def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) -> dict[str, dict[str, sp.Expr]]:
+    """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
+    Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
+    ``dedup`` the backward's sideband and gate gradients."""
+    done = done_counters_expr(strategy)
+    if strategy in SEGMENTED:
+        Sx, Bx, R_ret = S, B, B * S
+        # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
+        ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
+    else:
+        Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
+        ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
+    buf = {
+        "tokens": pad(W * INT64),
+        "counts": pad(W * E_max * INT32),
+        "offsets": pad(W * E_max * INT32),
+        "admitted": pad(W * E_max * INT32),
+        "keys": pad(W * T * K * INT64) if keyed else sp.Integer(0),  # keyed admission (LayerSpec)
+        "flags": pad(done * INT64),
+        "payload": pad(Bx * Sx * H * d),
+        "sideband": pad(Bx * Sx * sb),
+        "return": pad(R_ret * H * a),
+        "return_ids": pad(ids),
+        "bwd_flags": pad((done + 1) * INT64),
+        "bwd_payload": pad(Bx * Sx * H * a),
+        "bwd_row_ids": pad(Bx * Sx * INT64),
+        "bwd_sideband": pad(Bx * Sx * (FP32 + 2 * INT32)) if dedup else sp.Integer(0),
+        "bwd_return": pad(R_ret * H * a),
+        "bwd_return_ids": pad(ids),
+        "bwd_dgate": pad(T * K * FP32) if dedup else sp.Integer(0),
+    }
+    control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "keys", "flags")), sp.Integer(0))
+    ret = buf["return"] + buf["return_ids"]
+    fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}
+    fwd["total"] = sum(fwd.values(), sp.Integer(0))
+    fb = {k: v for k, v in fwd.items() if k != "total"}
+    fb["bwd_control"] = buf["bwd_flags"]
+    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"] + buf["bwd_sideband"]
+    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"] + buf["bwd_dgate"]
+    fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
+    return {"S": Sx, "B": Bx, "R_ret": R_ret, "buffers": buf, "forward": fwd, "forward_backward": fb}
+
+
+_BUFFER_WHAT = {
+    "tokens": "W int64: the tokens T' each front-end brings to the call",
+    "counts": "W·E_max int32 rows each source sends to each local expert",
+    "offsets": "W·E_max int32 write bases published back to each source",
+    "admitted": "W·E_max int32 admitted rows per (owner, local expert)",
+    "keys": "W·T·K int64 admission keys published to the owner (keyed admission; else 0)",
+    "flags": "int64 done counters of the tasks one rank runs (ready flags and credits): "
+    "3 + ⌈T/128⌉ + (2W+2)·n + W·n if the return ring rotates, n = ⌈R_max/S⌉ segments (bulk: 1)",
+    "payload": "B·S dispatched rows of H·d bytes",
+    "sideband": "B·S rows of sb bytes (row_id, local expert, gate, scale)",
+    "return": "R_ret returned rows of H·a bytes",
+    "return_ids": "int64 row_id per return-ring row (R_ret·8 if the ring rotates, else 0): unpacks place rows by it",
+    "bwd_flags": "int64 done counters of the backward's tasks: the forward's, and one weight-gradient task per owner",
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, front-end → owner",
+    "bwd_row_ids": "B·S int64 row_ids of the backward payload rows",
+    "bwd_sideband": "dedup: B·S rows of 12 bytes (g', links) beside the backward payload (else 0)",
+    "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
+    "bwd_return_ids": "int64 row_id per backward return-ring row (as return_ids)",
+    "bwd_dgate": "dedup: T·K fp32 dL/dg' per (token, slot), owner → front-end (else 0)",
+}
+
+_REGION_WHAT = {
+    "control": "tokens, counts, offsets, admitted, flags (each padded)",
+    "payload": _BUFFER_WHAT["payload"],
+    "sideband": _BUFFER_WHAT["sideband"],
+    "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
+    "bwd_control": _BUFFER_WHAT["bwd_flags"],
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, their int64 row_ids, dedup's (g', links) (each padded)",
+    "bwd_return": "R_ret dL/dx rows of H·a bytes, their int64 row_ids if the ring rotates, dedup's dL/dg' "
+    "(each padded)",
+    "total": "sum of the regions",
+}
+
+
+def symmetric_plan(
+    spec: LayerSpec,
+    strategy: str | None = None,
+    *,
+    rows: int | None = None,
+    buffers: int | None = None,
+    hw: str = "h100",
+) -> dict:
+    """The symmetric heap of one layer per rank, exactly as docs/memory.md defines it.
+
+    ``strategy`` is bulk, pipelined, deep, auto (the strategy, S and B the scheduler chooses
+    on the profile ``hw``, as compile does) or None (the spec's own schedule, resolved the same
+    way). ``rows`` and ``buffers`` override the segment's S and B (for a schedule that chooses
+    them).
+    Returns plain ints::
+
+        {"strategy", "S", "B", "R_ret", "buffers": {name: padded bytes},
+         "forward": {"control", "payload", "sideband", "return", "total"},
+         "forward_backward": {... forward regions, "bwd_control", "bwd_payload", "bwd_return", "total"}}
+    """
+    resolved = resolve_strategy(spec, strategy, hw)
+    strategy = resolved.strategy
+    rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers
+    env = Env(spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
+    return {
+        "strategy": strategy,
+        "S": env.value(fm["S"]),
+        "B": env.value(fm["B"]),
+        "R_ret": env.value(fm["R_ret"]),
+        "buffers": {k: env.value(v) for k, v in fm["buffers"].items()},
+        "forward": {k: env.value(v) for k, v in fm["forward"].items()},
+        "forward_backward": {k: env.value(v) for k, v in fm["forward_backward"].items()},
+    }
+
+
+def symmetric_figures(env: Env, strategy: str, key: str, spec: LayerSpec) -> SymmetricPlan:
+    sideband = spec.route_row.sideband
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
+    what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
+    region_what = dict(_REGION_WHAT, sideband=what["sideband"])
+    segmented = strategy in SEGMENTED
+    s_what = "S_bulk = max_q R_q rows, one slot"
+    if segmented:
+        chosen = "segment statement" if spec.segment is not None else "chosen by the cost model: no segment statement"
+        s_what = f"rows per ring slot ({chosen})"
+    r_what = "B·S: a ring of B slots of S rows" if segmented else "T·K: every sent row lands in its own place"
+    return SymmetricPlan(
+        strategy,
+        env.fig(f"{key}.S", fm["S"], "rows", s_what),
+        env.fig(f"{key}.B", fm["B"], "", "ring slots" if segmented else "one slot (bulk)"),
+        env.fig(f"{key}.R_ret", fm["R_ret"], "rows", r_what),
+        tuple(env.fig(f"{key}.buffers.{k}", v, "B", what[k]) for k, v in fm["buffers"].items()),
+        tuple(env.fig(f"{key}.forward.{k}", v, "B", region_what[k]) for k, v in fm["forward"].items()),
+        tuple(
+            env.fig(f"{key}.forward_backward.{k}", v, "B", region_what[k]) for k, v in fm["forward_backward"].items()
+        ),
+        env.fig(
+            f"{key}.private_total",
+            fm["forward_backward"]["total"] * L,
+            "B",
+            "forward+backward heap × L (a private ring per layer)",
+        ),
+        env.fig(
+            f"{key}.shared_total",
+            fm["forward_backward"]["total"],
+            "B",
+            "forward+backward heap once (one ring shared by layers run one after another)",
+        ),
+    )

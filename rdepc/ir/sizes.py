@@ -1,0 +1,168 @@
+"""The sizes every pass reads: one function per formula, in the RDEP paper's names.
+
+A *route row* is one (token, slot) pair a front-end sends to the *owner* of the slot's
+expert, the rank that holds it; ``E_loc(q)`` is the number of experts owner q holds. The
+capacity decides the *accepted set*: the route rows an owner admits, at most ``cap_e`` per
+expert. An owner's admitted rows move and are computed in *segments* of ``S`` rows (one
+segment of all of them in bulk).
+
+Sizes are plain ints (T at its bound when it is symbolic). The rules that ``rdepc plan``
+also prints as formulas (:func:`capacity_rule`, :func:`owner_rows_rule`,
+:func:`done_counters`) take their operations as arguments or use only ``+`` and ``*``, so
+the planner builds its sympy formula by calling the same function with symbols. Pure
+Python: nothing here imports torch, triton or sympy. (``rdepc.reference`` keeps its own
+copy on purpose: it shares no code with the compiler.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
+
+
+def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ of two ints, exactly."""
+    return -(-a // b)
+
+
+# --- capacity: the accepted set ----------------------------------------------------------
+
+
+def capacity_rule(policy: str, mu: Any, factor: Any, rows: Any, ceil: Callable[[Any], Any]) -> Any:
+    """cap_e over any number type: ``ceil(f·μ)`` for ``capacity factor f``, where μ = W·T·K/E
+    is the mean route rows per expert (eq. 2 with DP = W); the spec's rows for ``capacity
+    rows C``; None when dropless (every route row is accepted)."""
+    if policy == "dropless":
+        return None
+    if policy == "rows":
+        return rows
+    return ceil(factor * mu)
+
+
+def cap_e(policy: str, W: int, T: int, K: int, E: int, factor: Any = None, rows: int | None = None) -> int | None:
+    """Route rows one owner admits for one expert (its share of the accepted set): by
+    :func:`capacity_rule` at W ranks of T tokens, K slots each, over E experts. ``factor``
+    is any exact number (int, Fraction, a sympy Rational); ``rows`` the spec's capacity rows,
+    already at its largest over the tokens a call may bring."""
+    mu = Fraction(W * T * K, E)
+    cap = capacity_rule(policy, mu, None if factor is None else Fraction(factor), rows, math.ceil)
+    return None if cap is None else int(cap)
+
+
+def owner_rows_rule(W: Any, T: Any, K: Any, n_local: Any, cap: Any, Min: Callable[[Any, Any], Any]) -> Any:
+    """R_q over any number type: route rows owner q may admit. Its worst case, every token
+    of every front-end picking distinct experts on it, is ``W·T·min(K, E_loc(q))``; a
+    capacity caps it at ``E_loc(q)·cap_e`` (``cap`` None: dropless, no cap)."""
+    worst = W * T * Min(K, n_local)
+    return worst if cap is None else Min(worst, n_local * cap)
+
+
+def owner_rows(W: int, T: int, K: int, n_local: int, cap: int | None) -> int:
+    """R_q of an owner holding ``n_local`` experts (:func:`owner_rows_rule`)."""
+    return owner_rows_rule(W, T, K, n_local, cap, min)
+
+
+def bulk_rows(rows_max: Sequence[int]) -> int:
+    """S_bulk = max_q R_q: bulk moves each owner's accepted rows as one segment of the busiest
+    owner's size (at least one row)."""
+    return max(max(rows_max, default=0), 1)
+
+
+# --- segments, tasks and their done counters -----------------------------------------------
+
+
+def segment_count(rows: int, S: int) -> int:
+    """Segments of S rows that ``rows`` admitted rows of one owner fill: ⌈R_q / S⌉."""
+    return ceil_div(rows, S)
+
+
+def return_ring(segmented: bool, B: int, S: int, T: int, K: int) -> bool:
+    """Whether returns land in a ring of B slots of S rows (claimed, then freed by unpacks):
+    segmented, and the ring holds fewer than the T·K route rows a front-end gets back."""
+    return segmented and B * S < T * K
+
+
+def token_tiles(T: int) -> int:
+    """Combine tiles of one front-end: ⌈T / BM⌉ tiles of BM tokens."""
+    return ceil_div(T, BM)
+
+
+def tasks_per_segment(W: Any, ring: Any) -> Any:
+    """Tasks one (owner, segment) adds to the graph: a dispatch from every front-end and a
+    return to every one (2W), its GEMM1 and GEMM2 (2), and with a return ring (``ring`` true
+    or 1) an unpack at every front-end (W)."""
+    return 2 * W + 2 + W * ring
+
+
+def done_counters(W: Any, tiles: Any, segments: Any, ring: Any) -> Any:
+    """Done counters one rank's heap slice holds (the ``flags`` buffer, in int64 words): a
+    bound on the task-table entries one rank runs when the busiest owner runs ``segments``
+    segments: its route, scan and combine wait (3), its ``tiles`` combine tiles, and
+    :func:`tasks_per_segment` per segment. Over ints and over sympy expressions alike (the
+    planner's formula passes ⌈T/BM⌉ and the ring condition as expressions)."""
+    return 3 + tiles + tasks_per_segment(W, ring) * segments
+
+
+def task_count(W: int, T: int, segments: Sequence[int], ring: bool) -> int:
+    """Tasks of a whole graph: per rank its route, scan, combine wait and combine tiles, and
+    :func:`tasks_per_segment` for every (owner, segment)."""
+    return W * (3 + token_tiles(T)) + sum(segments) * tasks_per_segment(W, ring)
+
+
+# --- m-tiles -------------------------------------------------------------------------------
+
+
+def segments_cut(rows_max: Sequence[int], S: int) -> bool:
+    """Whether segment boundaries cut an owner's admitted rows (some R_q > S); in bulk, and
+    whenever every owner's rows fit one segment, they never do."""
+    return max(rows_max, default=0) > S
+
+
+def segment_m_tiles(rows: int, n_local: int, cut: bool, bm: int = BM) -> int:
+    """m-tile slots a segment of at most ``rows`` admitted rows over ``n_local`` local experts
+    may need. m-tiles go expert by expert, each aligned to its expert's first row (so a row
+    keeps its place in its tile whatever the schedule): ⌈rows/bm⌉ + E_loc − 1 tiles; when
+    segment boundaries cut an owner's rows (``cut``), a boundary may split one tile per
+    expert in two, E_loc more: ⌈rows/bm⌉ + 2·E_loc − 1. 0 for an owner with no experts."""
+    if not n_local:
+        return 0
+    return ceil_div(rows, bm) + (2 if cut else 1) * n_local - 1
+
+
+def m_tiles(rows_per_expert: Iterable[int], bm: int = BM) -> int:
+    """m-tiles one segment launches for these admitted rows per local expert, each expert's
+    rows starting a tile (padding-free: only its last tile is partial). What the cost model
+    charges for a routing; :func:`segment_m_tiles` bounds it over every routing."""
+    return sum(ceil_div(n, bm) for n in rows_per_expert)
+
+
+def m_tile_slots(rows_max: Sequence[int], n_local: Sequence[int], S: int, bm: int = BM) -> tuple[int, ...]:
+    """m-tile slots per segment of each owner q, the rule the kernel's ``m_tile`` runs:
+    :func:`segment_m_tiles` of min(R_q, S) rows, cut when some owner's rows exceed S."""
+    cut = segments_cut(rows_max, S)
+    return tuple(segment_m_tiles(min(r, S), n, cut, bm) for r, n in zip(rows_max, n_local, strict=True))
+
+
+__all__ = [
+    "BM",
+    "bulk_rows",
+    "cap_e",
+    "capacity_rule",
+    "ceil_div",
+    "done_counters",
+    "m_tile_slots",
+    "m_tiles",
+    "owner_rows",
+    "owner_rows_rule",
+    "return_ring",
+    "segment_count",
+    "segment_m_tiles",
+    "segments_cut",
+    "task_count",
+    "tasks_per_segment",
+    "token_tiles",
+]
