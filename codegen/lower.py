@@ -64,6 +64,7 @@ from fractions import Fraction
 
 from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, ctl_words, next_pow2, tile_slots
 from rdepc.ir.graph import MemoryPlan, Schedule
+from rdepc.ir.sizes import BWD_SIDEBAND
 from rdepc.ir.spec import ROUTE_VARS, LayerSpec
 from rdepc.version import __version__
 
@@ -182,8 +183,11 @@ def lower(
     if ring:
         heap += [("return_ids", place["return_ids"]), ("bwd_return_ids", place["bwd_return_ids"])]
     if spec.dedup:
-        sb = place["bwd_sideband"]  # g' [B*S] fp32, then the links [B*S, 2] int32
-        heap += [("bwd_sideband_gate", sb), ("bwd_sideband_links", sb + B * S * 4), ("bwd_dgate", place["bwd_dgate"])]
+        sb = place["bwd_sideband"]  # structure of arrays: g' [B*S] fp32, then the links [B*S, 2] int32
+        for f, nbytes in BWD_SIDEBAND:
+            heap.append((f"bwd_sideband_{f}", sb))
+            sb += B * S * nbytes
+        heap.append(("bwd_dgate", place["bwd_dgate"]))
     sb = place["sideband"]
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))

@@ -105,38 +105,20 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
     none = (None, None)  # the backward's buffers: not used by the forward schedule
     ring = geo.return_ring
+    lives = {
+        "payload": live("dispatch", "compute gemm1"),
+        "sideband": live("dispatch", "compute gemm1"),
+        "return": live("return", "combine unpack") if ring else live("return", "combine tile"),
+        "return_ids": live("return", "combine unpack") if ring else (None, None),
+    }
+    done = flag_slots(W, T, max(geo.segments, default=0), ring)
+    heap = sizes.heap_buffers(
+        W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
+        keyed=tg.spec.keyed_admission, dedup=geo.dedup,
+    )  # fmt: skip
     spec_rows = [
-        ("control", "tokens", W * 8, 1, 0, whole),
-        ("control", "counts", W * E_max * 4, 1, 0, whole),
-        ("control", "offsets", W * E_max * 4, 1, 0, whole),
-        ("control", "admitted", W * E_max * 4, 1, 0, whole),
-        ("control", "keys", W * T * K * 8 if tg.spec.keyed_admission else 0, 1, 0, whole),
-        ("control", "flags", flag_slots(W, T, max(geo.segments, default=0), ring) * 8, 1, 0, whole),
-        ("payload", "payload", B * S * H * geo.d, B, S * H * geo.d, live("dispatch", "compute gemm1")),
-        ("sideband", "sideband", B * S * geo.sb, B, S * geo.sb, live("dispatch", "compute gemm1")),
-        (
-            "return",
-            "return",
-            R_ret * H * geo.a,
-            B if ring else 1,
-            S * H * geo.a if ring else R_ret * H * geo.a,
-            live("return", "combine unpack") if ring else live("return", "combine tile"),
-        ),
-        (
-            "return",
-            "return_ids",
-            R_ret * 8 if ring else 0,
-            B if ring else 1,
-            S * 8 if ring else 0,
-            live("return", "combine unpack") if ring else (None, None),
-        ),
-        ("bwd_control", "bwd_flags", (flag_slots(W, T, max(geo.segments, default=0), ring) + 1) * 8, 1, 0, none),
-        ("bwd_payload", "bwd_payload", B * S * H * geo.a, B, S * H * geo.a, none),
-        ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8, none),
-        ("bwd_payload", "bwd_sideband", B * S * 12 if geo.dedup else 0, B, S * 12 if geo.dedup else 0, none),
-        ("bwd_return", "bwd_return", R_ret * H * geo.a, B if ring else 1, S * H * geo.a if ring else 0, none),
-        ("bwd_return", "bwd_return_ids", R_ret * 8 if ring else 0, B if ring else 1, S * 8 if ring else 0, none),
-        ("bwd_return", "bwd_dgate", T * K * 4 if geo.dedup else 0, 1, 0, none),
+        (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))
+        for region, name, nbytes, slots, slot_bytes in heap
     ]
     buffers = []
     off = 0

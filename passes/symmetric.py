@@ -7,9 +7,6 @@ from __future__ import annotations
 import sympy as sp
 from rdepc.passes.plan_records import SymmetricPlan
 from rdepc.passes.plan_symbols import (
-    FP32,
-    INT32,
-    INT64,
     SEGMENTED,
     B,
     E_max,
@@ -54,29 +51,18 @@ def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) 
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
         # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
-        ids = sp.Piecewise((R_ret * INT64, B * S < T * K), (sp.Integer(0), True))
+        ids, ring = sp.Piecewise((R_ret, B * S < T * K), (sp.Integer(0), True)), True
     else:
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
-        ids = sp.Integer(0)  # every row lands at its (token, slot) place: nothing to decode
-    buf = {
-        "tokens": pad(W * INT64),
-        "counts": pad(W * E_max * INT32),
-        "offsets": pad(W * E_max * INT32),
-        "admitted": pad(W * E_max * INT32),
-        "keys": pad(W * T * K * INT64) if keyed else sp.Integer(0),  # keyed admission (LayerSpec)
-        "flags": pad(done * INT64),
-        "payload": pad(Bx * Sx * H * d),
-        "sideband": pad(Bx * Sx * sb),
-        "return": pad(R_ret * H * a),
-        "return_ids": pad(ids),
-        "bwd_flags": pad((done + 1) * INT64),
-        "bwd_payload": pad(Bx * Sx * H * a),
-        "bwd_row_ids": pad(Bx * Sx * INT64),
-        "bwd_sideband": pad(Bx * Sx * (FP32 + 2 * INT32)) if dedup else sp.Integer(0),
-        "bwd_return": pad(R_ret * H * a),
-        "bwd_return_ids": pad(ids),
-        "bwd_dgate": pad(T * K * FP32) if dedup else sp.Integer(0),
-    }
+        ids, ring = sp.Integer(0), False  # every row lands at its (token, slot) place: nothing to decode
+    heap = sizes.heap_buffers(
+        W, T, K, E_max, H, Sx, Bx, d, a, sb, done, R_ret=R_ret, ids=ids, ring=ring, keyed=keyed, dedup=dedup
+    )
+    # piecewise_fold: a ring's row_ids as one Piecewise of bytes, as docs/memory.md writes them
+    buf = {}
+    for _, name, n, _, _ in heap:
+        n = sp.Integer(n) if isinstance(n, int) else n
+        buf[name] = pad(sp.piecewise_fold(n) if name.endswith("_ids") else n)
     control = sum((buf[k] for k in ("tokens", "counts", "offsets", "admitted", "keys", "flags")), sp.Integer(0))
     ret = buf["return"] + buf["return_ids"]
     fwd = {"control": control, "payload": buf["payload"], "sideband": buf["sideband"], "return": ret}

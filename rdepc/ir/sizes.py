@@ -147,13 +147,55 @@ def m_tile_slots(rows_max: Sequence[int], n_local: Sequence[int], S: int, bm: in
     return tuple(segment_m_tiles(min(r, S), n, cut, bm) for r, n in zip(rows_max, n_local, strict=True))
 
 
+# The backward's sideband under dedup, per payload row: its g' (fp32), then its links (2 int32).
+BWD_SIDEBAND = (("gate", 4), ("links", 8))
+
+
+def heap_buffers(
+    W: Any, T: Any, K: Any, E_max: Any, H: Any, S: Any, B: Any, d: Any, a: Any, sb: Any, done: Any, **kw: Any
+) -> list[tuple[str, str, Any, Any, Any]]:
+    """The symmetric heap's buffers of one rank's slice, in order (docs/memory.md): (region,
+    name, bytes, slots, bytes per slot), unpadded. A rule over any number type, so the
+    memory plan evaluates it with ints and ``rdepc plan`` prints it with symbols.
+
+    ``S``, ``B``: ring slots (bulk: S = R_max, B = 1); ``R_ret`` (keyword): returned rows a
+    front-end holds (B·S with a ring, else T·K); ``ids``: rows whose row_ids the return
+    ring keeps (R_ret when it rotates, else 0); ``ring``: whether it rotates (slots of the
+    return buffers: B, else one); ``keyed``, ``dedup``: the spec's admission and transport;
+    ``d``, ``a``, ``sb``: bytes of a payload element, a layer element and a sideband row;
+    ``done``: done counters per rank."""
+    R_ret, ids, ring, keyed, dedup = kw["R_ret"], kw["ids"], kw["ring"], kw["keyed"], kw["dedup"]
+    bwd_sb = sum(n for _, n in BWD_SIDEBAND)
+    return [
+        ("control", "tokens", W * 8, 1, 0),
+        ("control", "counts", W * E_max * 4, 1, 0),
+        ("control", "offsets", W * E_max * 4, 1, 0),
+        ("control", "admitted", W * E_max * 4, 1, 0),
+        ("control", "keys", W * T * K * 8 if keyed else 0, 1, 0),
+        ("control", "flags", done * 8, 1, 0),
+        ("payload", "payload", B * S * H * d, B, S * H * d),
+        ("sideband", "sideband", B * S * sb, B, S * sb),
+        ("return", "return", R_ret * H * a, B if ring else 1, S * H * a if ring else R_ret * H * a),
+        ("return", "return_ids", ids * 8, B if ring else 1, S * 8 if ring else 0),
+        ("bwd_control", "bwd_flags", (done + 1) * 8, 1, 0),
+        ("bwd_payload", "bwd_payload", B * S * H * a, B, S * H * a),
+        ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8),
+        ("bwd_payload", "bwd_sideband", B * S * bwd_sb if dedup else 0, B, S * bwd_sb if dedup else 0),
+        ("bwd_return", "bwd_return", R_ret * H * a, B if ring else 1, S * H * a if ring else 0),
+        ("bwd_return", "bwd_return_ids", ids * 8, B if ring else 1, S * 8 if ring else 0),
+        ("bwd_return", "bwd_dgate", T * K * 4 if dedup else 0, 1, 0),
+    ]
+
+
 __all__ = [
     "BM",
+    "BWD_SIDEBAND",
     "bulk_rows",
     "cap_e",
     "capacity_rule",
     "ceil_div",
     "done_counters",
+    "heap_buffers",
     "m_tile_slots",
     "m_tiles",
     "owner_rows",

@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: c4a292608e07b66bdcafaac4913d56b86edf3a8306dd2b8b5c67d60a8a04cc87
+# content-sha256: 3f30ee8b3cd30f7ae610309fade0fc4cd4546324ec8f8253cb0c319d42f80b8c
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -258,11 +258,13 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
 @triton.jit
 def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
     """fp32 ``x`` in ``dtype``, rounded to nearest even. The interpreter truncates fp32 to
-    bf16, so under it (CAST_F32) the rounding is done on the bits first."""
+    bf16 (subnormals included), so under it (CAST_F32) bf16 is made from the bits, as torch
+    makes it: rounded to nearest even, every NaN the quiet NaN 0x7FC0."""
     if CAST_F32 and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        top = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        top = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, top).to(tl.uint16)
+        return top.to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
