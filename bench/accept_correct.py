@@ -348,7 +348,7 @@ def withheld(check, variants, device: str, dry: bool) -> None:
     inputs = inputs_for(layer, device)
     m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
     clean = settled(m, lambda: m(*inputs))
-    plan = m.plan
+    plan = m.contract
     # an entry of rank 1 that rank 0 waits for: a dependent's wait must expire
     entry = check.figure("withheld_entry", waited_on(plan, 1)[0])
     check.figure("withheld_task", plan.names[entry])

@@ -140,7 +140,9 @@ def rank_rate(rank: int, W: int, v, device: str) -> dict:
     out_bytes, _ = transport_bytes(spec, sent, int(st["accepted"].sum()), back)
     prof = m.last_profile
     spans = [
-        end - start for entry, start, end in prof["events"] if STAGE_OF[KINDS[m.plan.table[entry][0]]][0] == "dispatch"
+        end - start
+        for entry, start, end in prof["events"]
+        if STAGE_OF[KINDS[m.contract.table[entry][0]]][0] == "dispatch"
     ]
     torch.cuda.synchronize() if m.device.type == "cuda" else None
     return {"rank": rank, "rows": sent, "bytes": int(out_bytes), "clock": prof["clock"], "dispatch_spans": spans}

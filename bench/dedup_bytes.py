@@ -28,7 +28,7 @@ from bench.moe_bench import environment  # noqa: E402
 
 def measure(dedup: bool, routing: str, tokens: int, hidden: int, ffn: int, device: str) -> dict:
     import torch
-    from rdepc.passes.routing import owners_per_token_expr
+    from rdepc.passes.sampled_routing import owners_per_token_expr
     from rdepc.passes.transport import transport_bytes
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 

@@ -101,7 +101,7 @@ def stages(module, events) -> dict:
 
     out: dict[str, dict] = {}
     for entry, start, end in events:
-        stage, detail = STAGE_OF[KINDS[module.plan.table[entry][0]]]
+        stage, detail = STAGE_OF[KINDS[module.contract.table[entry][0]]]
         for key in (stage, detail) if stage == "compute" else (stage,):
             s = out.setdefault(key, {"from": start, "to": end, "sum": 0})
             s["from"], s["to"], s["sum"] = min(s["from"], start), max(s["to"], end), s["sum"] + end - start

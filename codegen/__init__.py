@@ -1,7 +1,7 @@
 """rdepc.codegen: a scheduled, memory-planned layer → one readable Triton file.
 
 The ``codegen`` stage is the driver's last pass (``rdepc.driver.spec_passes``): it takes the
-scheduler's Schedule, lowers it with its memory plan into a kernel plan
+scheduler's Schedule, lowers it with its memory plan into a kernel contract
 (:mod:`rdepc.codegen.lower`: the task table with work items, heap offsets, ownership
 tables) and emits the kernels (:mod:`rdepc.codegen.emit`). :mod:`rdepc.codegen.sm90`
 compiles the emitted file to sm_90 cubins without a GPU.
@@ -40,7 +40,7 @@ UNSUPPORTED: frozenset[str] = frozenset()
 
 @dataclass(frozen=True)
 class Generated:
-    """The codegen stage's output: the kernel plan, the source, and the schedule and memory
+    """The codegen stage's output: the kernel contract, the source, and the schedule and memory
     plan they came from (``schedule.table`` is the task table the kernel runs)."""
 
     kernel: KernelContract
@@ -67,8 +67,8 @@ class CodegenPass:
     def __call__(self, sched: Schedule, mp: MemoryPlan) -> Generated:
         spec = sched.graph.spec
         options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
-        plan = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
-        return Generated(plan, generate(plan), sched, mp)
+        contract = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
+        return Generated(contract, generate(contract), sched, mp)
 
 
 def dump(g: Generated) -> str:
@@ -78,7 +78,7 @@ def dump(g: Generated) -> str:
 
 def write_module(g: Generated, out: Path) -> list[Path]:
     """Write the importable module of ``g`` into ``out``: the kernels (``LAYER_kernels.py``),
-    the kernel plan (``LAYER.plan.json``) and a small wrapper (``LAYER.py``) whose
+    the kernel contract (``LAYER.plan.json``) and a small wrapper (``LAYER.py``) whose
     ``module(backend, device)`` builds the runtime module. Atomic writes (tmp + replace)."""
     name = g.kernel.layer
     files = {
@@ -96,17 +96,17 @@ def write_module(g: Generated, out: Path) -> list[Path]:
     return written
 
 
-def wrapper_source(plan: KernelContract) -> str:
-    name = plan.layer
-    if plan.transport == "emulated":
+def wrapper_source(contract: KernelContract) -> str:
+    name, transport = contract.layer, contract.transport
+    if transport == "emulated":
         usage = f"""    layer = {name}.module(device="cpu")  # the emulated backend; "cpu" runs the Triton interpreter
     y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [W, T', H] -> y [W, T', H]"""
         device = '"cpu"'
     else:
-        usage = f"""    layer = {name}.module()  # {plan.transport}: one process per rank (torchrun), this rank's share
+        usage = f"""    layer = {name}.module()  # {transport}: one process per rank (torchrun), this rank's share
     y = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down)  # x [T', H] -> y [T', H]"""
-        device = '"cpu"' if plan.transport == "emulated-mp" else "None"
-    return f'''"""Layer {name}, compiled by rdepc {plan.rdepc} from {plan.file} for the {plan.transport} backend.
+        device = '"cpu"' if transport == "emulated-mp" else "None"
+    return f'''"""Layer {name}, compiled by rdepc {contract.rdepc} from {contract.file} for the {transport} backend.
 
     import {name}
 {usage}
@@ -121,7 +121,7 @@ from rdepc.runtime import load_compiled
 HERE = Path(__file__).resolve().parent
 
 
-def module(backend="{plan.transport}", device={device}, **options):
+def module(backend="{contract.transport}", device={device}, **options):
     """The compiled layer as an ``rdepc.runtime.RDEPModule`` (see its ``forward``)."""
     plan, kernels = HERE / "{name}.plan.json", HERE / "{name}_kernels.py"
     return load_compiled(plan, kernels, backend=backend, device=device, **options)

@@ -43,16 +43,16 @@ def content_hash(text: str) -> str:
     return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
 
-def generate(plan: KernelContract) -> str:
+def generate(contract: KernelContract) -> str:
     """The Triton source of ``plan``'s layer (formatted, with its content hash)."""
-    imports = transport.imports(plan.transport)
+    imports = transport.imports(contract.transport)
     head = [
-        _header(plan),
-        _docstring(plan),
+        _header(contract),
+        _docstring(contract),
         "import triton\nimport triton.language as tl\n" + (imports + "\n" if imports else ""),
-        constants(plan),
+        constants(contract),
     ]
-    code = [transport.source(plan.transport), *(include(m) for m in DEVICE_MODULES)]
+    code = [transport.source(contract.transport), *(include(m) for m in DEVICE_MODULES)]
     text = "\n\n".join(p.rstrip("\n") for p in head) + "\n\n\n" + "\n\n\n".join(p.strip("\n") for p in code) + "\n"
     return text.replace(HASH_FIELD + _ZERO, HASH_FIELD + content_hash(text), 1)
 

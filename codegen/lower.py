@@ -1,4 +1,4 @@
-"""Lowering: a Schedule and its MemoryPlan → the kernel plan the generated code runs.
+"""Lowering: a Schedule and its MemoryPlan → the kernel contract the generated code runs.
 
 The kernel contract (:class:`rdepc.ir.contract.KernelContract`) is plain data — ints, strings and lists, written to
 JSON beside the generated kernels — holding everything the persistent kernel and its host
@@ -100,7 +100,7 @@ def lower(
     order: tuple[int, ...] | None = None,
     guard: int = 0,
 ) -> KernelContract:
-    """The kernel plan of ``spec`` scheduled as ``sched`` with heap ``mp``.
+    """The kernel contract of ``spec`` scheduled as ``sched`` with heap ``mp``.
 
     ``order`` renumbers the task table (entry ``order[i]`` of the schedule becomes entry i);
     it must still be topological. ``guard`` puts that many bytes before every heap buffer

@@ -58,12 +58,12 @@ def launch_requests(
     plan's T), a GPU of ``sms`` SMs, the spin bound; a per-rank transport: one request per
     rank in ``ranks`` (default all W), each process's own launch. ValueError where the
     module refuses the launch (a role-split grid larger than the GPU runs at once)."""
-    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
-    tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    per_rank = plan.per_rank
+    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
+    per_rank = contract.per_rank
     out = []
-    for rank in (range(plan.W) if ranks is None else ranks) if per_rank else (None,):
-        launch = native_launch(plan, tiles, mode, sms, tokens, rank, spin_bound)
+    for rank in (range(contract.W) if ranks is None else ranks) if per_rank else (None,):
+        launch = native_launch(contract, tiles, mode, sms, tokens, rank, spin_bound)
         for backward, save, profile in PASSES[pass_]:
             what = f"{pass_}{' backward' if backward else ''}{'' if rank is None else f' rank {rank}'}"
             out.append(
@@ -73,7 +73,7 @@ def launch_requests(
                     "tiles": asdict(tiles),
                     "meta": variant_meta(mode, backward, save, profile),
                     "launch": launch,
-                    "label": f"{label or plan.layer} {mode} {what}",
+                    "label": f"{label or contract.layer} {mode} {what}",
                 }
             )
     return out
@@ -154,7 +154,7 @@ class _Builds:
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget(*target)
-        self.plans: dict[str, KernelContract] = {}
+        self.contracts: dict[str, KernelContract] = {}
 
     def source(self, req: dict):
         """(ASTSource, parsed options as a dict) that a launch of ``req`` compiles."""
@@ -164,15 +164,17 @@ class _Builds:
 
         if set(req["meta"]) != set(VARIANT_CONSTEXPRS):
             raise ValueError(f"a prewarm request's meta sets {sorted(req['meta'])}, not {list(VARIANT_CONSTEXPRS)}")
-        plan = self.plans.get(req["plan"])
-        if plan is None:
-            plan = self.plans[req["plan"]] = KernelContract.from_json(Path(req["plan"]).read_text(encoding="utf-8"))
+        contract = self.contracts.get(req["plan"])
+        if contract is None:
+            contract = self.contracts[req["plan"]] = KernelContract.from_json(
+                Path(req["plan"]).read_text(encoding="utf-8")
+            )
         fn = import_kernels(req["kernels"], interpret=False).rdep_layer
         tiles = Tiles(**req["tiles"])
         # RDEPModule._launch's meta natively, the launcher's options (num_warps, extern_libs)
-        kwargs = tiles.constexprs() | {"CAST_F32": False} | req["meta"] | launch_options(plan, tiles)
+        kwargs = tiles.constexprs() | {"CAST_F32": False} | req["meta"] | launch_options(contract, tiles)
         t = self.target
-        sp = specialize(plan, fn, req["launch"], kwargs, (t.backend, t.arch, t.warp_size))
+        sp = specialize(contract, fn, req["launch"], kwargs, (t.backend, t.arch, t.warp_size))
         src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
         return src, sp.options.__dict__
 

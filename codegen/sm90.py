@@ -133,7 +133,7 @@ class Specialized:
 
 
 def native_launch(
-    plan: KernelContract,
+    contract: KernelContract,
     tiles: Tiles,
     mode: str = "unified",
     sms: int = H100_SMS,
@@ -148,19 +148,19 @@ def native_launch(
     per-rank transport's process; default 0) and the spin bound. A backward launches with
     its forward's. ``resident``: as the module checks, ValueError for a role-split grid the
     GPU cannot run at once (the module refuses it: nothing launches)."""
-    per_rank = plan.per_rank
+    per_rank = contract.per_rank
     rank = (rank or 0) if per_rank else None
-    _, per_queue = plan.launch_grid(plan.work(tiles, mode, rank=rank), sms, per_rank, resident=resident)
-    n_tokens = plan.T if tokens is None else tokens
-    return plan.launch_scalars(n_tokens, sum(per_queue), rank, spin_bound, per_rank)
+    _, per_queue = contract.launch_grid(contract.work(tiles, mode, rank=rank), sms, per_rank, resident=resident)
+    n_tokens = contract.T if tokens is None else tokens
+    return contract.launch_scalars(n_tokens, sum(per_queue), rank, spin_bound, per_rank)
 
 
-def launch_values(plan: KernelContract, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
+def launch_values(contract: KernelContract, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
     """The scalar arguments of the native launch ``kernel`` (of KERNELS) stands for: T' =
     the plan's T, rank 0 (per-rank transports), the native spin bound, and the grid
     RDEPModule gives ``sms`` SMs (a backward launches on its forward's grid, unified here)."""
     mode = "role-split" if KERNELS[kernel]["ROLE_SPLIT"] else "unified"
-    return native_launch(plan, tiles, mode, sms, resident=False)
+    return native_launch(contract, tiles, mode, sms, resident=False)
 
 
 def kernel_meta(tiles: Tiles, kernel: str, profile: bool = False) -> dict:
@@ -177,13 +177,13 @@ def variant_meta(mode: str, backward: bool = False, save: bool = False, profile:
             "SAVE": save}  # fmt: skip
 
 
-def launch_options(plan: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:
+def launch_options(contract: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:
     """The options besides the constexprs a native launch passes Triton: ``num_warps`` and,
     for the nvshmem transport, NVSHMEM's bitcode as ``extern_libs`` (as
     ``runtime.nvshmem.NvshmemLauncher`` adds it; ``arch``: the bitcode for that architecture,
     default the launcher's)."""
     options: dict = {"num_warps": tiles.num_warps}
-    if plan.transport == "nvshmem":
+    if contract.transport == "nvshmem":
         from rdepc.toolchain import EXTERN_LIB, bitcode_path
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path() if arch is None else bitcode_path(arch))}
@@ -191,7 +191,7 @@ def launch_options(plan: KernelContract, tiles: Tiles, arch: int | None = None) 
 
 
 def launch_specialization(
-    plan: KernelContract,
+    contract: KernelContract,
     fn,
     kernel: str,
     *,
@@ -207,13 +207,15 @@ def launch_specialization(
     generated ``rdep_layer``, native or interpreted (its Python function is what counts).
     Compiles nothing and needs no GPU. RuntimeError when this Triton's binder is not where
     it was in 3.6–3.9: an unspecialised build would report code no launch runs."""
-    tiles = tiles or Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    scalars = launch_values(plan, kernel, tiles, sms)
+    tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
+    scalars = launch_values(contract, kernel, tiles, sms)
     kwargs = kernel_meta(tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
-    return specialize(plan, fn, scalars, kwargs, ("cuda", arch, 32))
+    return specialize(contract, fn, scalars, kwargs, ("cuda", arch, 32))
 
 
-def specialize(plan: KernelContract, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)) -> Specialized:
+def specialize(
+    contract: KernelContract, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)
+) -> Specialized:
     """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` with the
     scalar arguments ``scalars``, a 16-byte aligned tensor of its declared type for every
     pointer (every pointer the runtime passes is: ``runtime.tensors.aligned``) and the
@@ -222,7 +224,7 @@ def specialize(plan: KernelContract, fn, scalars: dict[str, int], kwargs: dict, 
 
     from rdepc.toolchain import interpreter_env, triton_mode
 
-    declared = dict(kernel_args(plan))
+    declared = dict(kernel_args(contract))
     args = []
     for name, kind in declared.items():
         if kind.startswith("*"):  # a CPU allocation: 64-byte aligned
@@ -231,7 +233,7 @@ def specialize(plan: KernelContract, fn, scalars: dict[str, int], kwargs: dict, 
             args.append(scalars[name])
     # The binder imports Triton's gluon on first use, which must see the mode this process runs in.
     with interpreter_env(triton_mode() == "interpret"):
-        return _specialize(plan, fn, tuple(target), declared, args, scalars, dict(kwargs))
+        return _specialize(contract, fn, tuple(target), declared, args, scalars, dict(kwargs))
 
 
 def _run_options(jit, kwargs: dict) -> dict:
@@ -244,7 +246,7 @@ def _run_options(jit, kwargs: dict) -> dict:
     return kwargs
 
 
-def _specialize(plan, fn, target, declared, args, scalars, kwargs) -> Specialized:
+def _specialize(contract, fn, target, declared, args, scalars, kwargs) -> Specialized:
     import triton
 
     try:  # JITFunction.run's first steps, for a cuda target instead of the current device's
@@ -290,15 +292,15 @@ def _compile(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
-    name = f"rdepc_sm{arch}_{plan.layer}_{abs(hash(kernels_path))}"
+    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    name = f"rdepc_sm{arch}_{contract.layer}_{abs(hash(kernels_path))}"
     spec = importlib.util.spec_from_file_location(name, kernels_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    tiles = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     options: dict = {"num_warps": tiles.num_warps}
-    if plan.transport == "nvshmem":
+    if contract.transport == "nvshmem":
         # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
         from rdepc.toolchain import EXTERN_LIB, bitcode_path
 
@@ -307,11 +309,13 @@ def _compile(
     for kernel in KERNELS:
         fn = module.rdep_layer
         t0 = time.perf_counter()
-        sp = launch_specialization(plan, fn, kernel, arch=arch, tiles=tiles, options=options, profile=profile, sms=sms)
+        sp = launch_specialization(
+            contract, fn, kernel, arch=arch, tiles=tiles, options=options, profile=profile, sms=sms
+        )
         src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=sp.options.__dict__)
         seconds = time.perf_counter() - t0
-        target = Path(out_dir) / cubin_name(plan.layer, kernel, arch)
+        target = Path(out_dir) / cubin_name(contract.layer, kernel, arch)
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_bytes(k.asm["cubin"])
         tmp.replace(target)
@@ -319,7 +323,7 @@ def _compile(
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
         out.append(
             {
-                "layer": plan.layer,
+                "layer": contract.layer,
                 "kernel": kernel,
                 "cubin": str(target),
                 "bytes": len(k.asm["cubin"]),
@@ -348,7 +352,7 @@ def _compile(
 def main() -> int:
     request = json.loads(sys.stdin.read())
     arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
-    results = [_compile(kernels, plan, out, arch, profile, sms) for kernels, plan, out in request["jobs"]]
+    results = [_compile(kernels, contract, out, arch, profile, sms) for kernels, contract, out in request["jobs"]]
     print(json.dumps(results))
     return 0
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from fractions import Fraction
 
 from rdepc.passes.expressions import evaluate, parameters
-from rdepc.passes.router import elaborate_router
+from rdepc.passes.router_statement import elaborate_router
 from rdepc.passes.spec_checks import Checks
 from rdepc.passes.statements import Statements
 

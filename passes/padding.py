@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from rdepc.passes.plan_records import Figure, PaddingPlan, PlanOptions
 from rdepc.passes.plan_symbols import E, K, T, W
-from rdepc.passes.routing import sample_routing
+from rdepc.passes.sampled_routing import sample_routing
 
 from rdepc.ir.sizes import BM
 from rdepc.ir.spec import LayerSpec

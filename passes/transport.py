@@ -37,7 +37,7 @@ from rdepc.passes.plan_symbols import (
     spec_int,
     t_b,
 )
-from rdepc.passes.routing import owners_per_token_expr
+from rdepc.passes.sampled_routing import owners_per_token_expr
 
 from rdepc.ir.spec import LayerSpec
 

@@ -1,6 +1,6 @@
 """rdepc: a compiler for sparse Mixture-of-Experts layers executed the RDEP way.
 
-``rdepc.load(path)`` checks a ``.rdep`` spec and returns a layer object (``.plan``,
+``rdepc.load(path)`` checks a ``.rdep`` spec and returns a layer object (``.generated``,
 ``.source`` and ``.module()`` compile it); ``rdepc.parse`` gives the syntax tree;
 ``rdepc.RDEPMoE`` is a drop-in MoE block running the compiled kernels. Importing rdepc
 imports neither torch nor triton.

@@ -100,9 +100,9 @@ def _override_value(name: str, v) -> int | Fraction:
 class Layer:
     """A loaded layer: ``.spec`` (the LayerSpec) and ``.shapes`` (its sizes as ints).
 
-    Compiling is lazy, on first use of ``.plan``, ``.source`` or ``.module()``:
-    ``.plan`` is the compiled plan (``.schedule`` with its task table, ``.memory`` the
-    symmetric heap, ``.kernel`` the lowered kernel plan); ``.source`` the generated Triton
+    Compiling is lazy, on first use of ``.generated``, ``.source`` or ``.module()``:
+    ``.generated`` is what the passes made (``.schedule`` with its task table, ``.memory``
+    the symmetric heap, ``.kernel`` the kernel contract); ``.source`` the generated Triton
     file; ``.module(backend="emulated", device=...)`` the runnable layer
     (:class:`rdepc.runtime.RDEPModule`). Generated kernels are cached on disk
     (``$RDEPC_CACHE_DIR``, default ``~/.cache/rdepc``), keyed by a hash of the spec, the
@@ -112,7 +112,7 @@ class Layer:
     def __init__(self, spec: LayerSpec, warnings: tuple[Diagnostic, ...] = ()):
         self.spec = spec
         self.warnings = warnings
-        self._plans: dict = {}
+        self._generated = None
         self._compiled: dict = {}
 
     def compile(
@@ -130,14 +130,16 @@ class Layer:
         return self._compiled[key]
 
     @property
-    def plan(self):
-        """The compiled plan: ``.schedule`` (its ``.table`` is the task table the kernel
-        runs), ``.memory`` (the symmetric heap), ``.kernel`` (the kernel plan), ``.source``."""
-        if None not in self._plans:
+    def generated(self):
+        """What the passes made of the spec (``rdepc.codegen.Generated``): ``.schedule`` (its
+        ``.table`` is the task table the kernel runs), ``.memory`` (the symmetric heap),
+        ``.kernel`` (the kernel contract), ``.source``. (``rdepc plan``'s report is
+        :func:`rdepc.passes.plan.plan`.)"""
+        if self._generated is None:
             from rdepc.driver import generate_spec
 
-            self._plans[None] = generate_spec(self.spec)
-        return self._plans[None]
+            self._generated = generate_spec(self.spec)
+        return self._generated
 
     @property
     def source(self) -> str:

@@ -27,7 +27,7 @@ def generator_digest() -> str:
 
 class Compiled:
     """One compilation of a layer, in the cache: the generated kernels (``source``, at
-    ``kernels_path``) and their kernel plan (``kernel``)."""
+    ``kernels_path``) and their kernel contract (``kernel``)."""
 
     def __init__(self, directory: Path, hit: bool):
         self.directory = directory

@@ -90,7 +90,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     rng = random.Random(case.seed * 1000 + rank)
     out: dict = {"rank": rank, "tokens": n, "calls": []}
     if case.withhold is not None and case.withhold[0] == rank:
-        victims = waited_on(module.plan, rank)
+        victims = waited_on(module.contract, rank)
         out["withheld"] = victims[case.withhold[1] % len(victims)]
         module.withhold(out["withheld"])
     for call in range(case.calls):

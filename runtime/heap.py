@@ -13,10 +13,10 @@ from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 from rdepc.ir.contract import POINTEE, KernelContract, Work, kernel_args
 
 
-def private_buffers(plan: KernelContract, per_rank: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def private_buffers(contract: KernelContract, per_rank: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """The plan's private buffers as this process allocates them: (name, dtype, shape)."""
     out = []
-    for name, dt, shape in plan.private:
+    for name, dt, shape in contract.private:
         if per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
             shape = (1, *shape[1:])
         out.append((name, TORCH_DTYPES.get(dt) or INT_DTYPES[dt], tuple(shape)))
@@ -31,11 +31,11 @@ def allocate_private(buffers, profile_words: int, device: torch.device) -> dict[
 
 
 def task_tables(
-    plan: KernelContract, work: Work, bwd_work: Work, per_queue, mode: str, per_rank: bool, device: torch.device
+    contract: KernelContract, work: Work, bwd_work: Work, per_queue, mode: str, per_rank: bool, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The int32 tables a launch reads: the forward's (its task table and queues, the
     ownership and capacity tables), and those the backward's launch replaces."""
-    p = plan
+    p = contract
 
     def i32(values) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int32, device=device)
@@ -65,23 +65,23 @@ def task_tables(
     return tables, bwd_tables
 
 
-def placeholders(plan: KernelContract, device: torch.device) -> dict[str, torch.Tensor]:
+def placeholders(contract: KernelContract, device: torch.device) -> dict[str, torch.Tensor]:
     """What a launch passes for the other pass's pointers, by pointer type: never read, but of
     the declared type, which Triton's signature (and so the build a launch runs) takes from
     the argument."""
     return {
         kind: torch.zeros(1, dtype=getattr(torch, POINTEE[kind[1:]]), device=device)
-        for _, kind in kernel_args(plan)
+        for _, kind in kernel_args(contract)
         if kind.startswith("*")
     }
 
 
-def regions(plan: KernelContract) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+def regions(contract: KernelContract) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     """The heap words the host touches, as (start, end) or (offset, size): the forward's and
     the backward's done flags (offset, size; zeroed after a kernel error), and the words the
     backward reads from a rank's own slice (start, end): the offsets and admitted counts its
     owners published to it (adjacent buffers)."""
-    sizes = {name: (at, size) for name, _, at, size in plan.layout}
+    sizes = {name: (at, size) for name, _, at, size in contract.layout}
     published = (sizes["offsets"][0], sizes["admitted"][0] + sizes["admitted"][1])
     return sizes["flags"], sizes["bwd_flags"], published
 
@@ -93,11 +93,11 @@ def own_slices(heap: torch.Tensor, per_rank: bool, rank: int | None) -> torch.Te
     return heap.view(1, -1) if heap.dim() == 1 else heap[rank : rank + 1]
 
 
-def owner_rows(plan: KernelContract, per_rank: bool, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[owners, R_max, cols] rows in the layer's dtype, one block per owner this process
     runs: where the owners' rows sit for the backward, at their places among their rows."""
-    owners = 1 if per_rank else plan.W
-    return torch.empty((owners, plan.R_MAX, cols), dtype=dtype, device=device)
+    owners = 1 if per_rank else contract.W
+    return torch.empty((owners, contract.R_MAX, cols), dtype=dtype, device=device)
 
 
 def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], backward: bool) -> None:

@@ -129,7 +129,7 @@ class RDEPModule:
 
     def __init__(
         self,
-        plan: KernelContract,
+        contract: KernelContract,
         kernels_path: str | Path,
         *,
         backend: str = "emulated",
@@ -140,22 +140,24 @@ class RDEPModule:
         mode: str = "unified",
         profile: bool = False,
     ):
-        self.plan = plan
+        self.contract = contract
         self.kernels_path = Path(kernels_path)
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.device = self._device(backend, device)
-        self.rank = ranks.process_group(plan.W)[0] if self.per_rank else None  # this process's, per rank
-        buffers = private_buffers(plan, self.per_rank)
-        check_fits(plan, self.transport, self.device, buffers, self.rank)  # before anything is allocated or imported
+        self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank
+        buffers = private_buffers(contract, self.per_rank)
+        check_fits(
+            contract, self.transport, self.device, buffers, self.rank
+        )  # before anything is allocated or imported
         self.interpret = self.device.type == "cpu"
         self.mode = mode
         self.profiling = profile
-        self.dtype = TORCH_DTYPES[plan.dtype]
+        self.dtype = TORCH_DTYPES[contract.dtype]
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         self.tiles, self.tiles_source = self._tiles(tiles)
-        self.work = plan.work(self.tiles, mode, rank=self.rank)
-        self.bwd_work = plan.work(self.tiles, mode, rank=self.rank, backward=True)
+        self.work = contract.work(self.tiles, mode, rank=self.rank)
+        self.bwd_work = contract.work(self.tiles, mode, rank=self.rank, backward=True)
         self.local_experts = self._local_experts()
         self.programs, self.per_queue = self._grid(programs)  # programs: the budget, all resident on a GPU
         self.grid = sum(self.per_queue)
@@ -167,8 +169,8 @@ class RDEPModule:
         """``backend``'s transport; a ValueError unless the kernels were generated for it and
         ``mode`` is a kernel mode."""
         transport = transports.get(backend)
-        if self.plan.transport != transport.name:
-            raise ValueError(f"{self.kernels_path} was generated for the {self.plan.transport} backend, not {backend}")
+        if self.contract.transport != transport.name:
+            raise ValueError(f"{self.kernels_path} was generated for the {self.contract.transport} backend, not {backend}")
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         return transport
@@ -199,7 +201,7 @@ class RDEPModule:
     def _local_experts(self) -> tuple[int, ...]:
         """The global ids of the experts whose weights forward takes, in that order: per rank,
         this rank's experts in local order; otherwise every expert."""
-        p = self.plan
+        p = self.contract
         if not self.per_rank:
             return tuple(range(p.E))
         return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
@@ -213,7 +215,7 @@ class RDEPModule:
                 programs = 2 if self.mode == "unified" else len(self.work.bounds)
             else:
                 programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return self.plan.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
+        return self.contract.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
 
     def _spin_bound(self, spin_bound: int | None) -> int:
         """Spins a wait may take. Spins are cheap on a GPU and slow under the interpreter;
@@ -228,7 +230,7 @@ class RDEPModule:
     def _allocate(self, buffers) -> None:
         """The symmetric heap (the transport's: collective on a per-rank backend), the task
         tables, the private buffers and the placeholders a launch passes."""
-        p, device = self.plan, self.device
+        p, device = self.contract, self.device
         self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
         self.tables, self.bwd_tables = task_tables(
             p, self.work, self.bwd_work, self.per_queue, self.mode, self.per_rank, device
@@ -275,14 +277,18 @@ class RDEPModule:
         """``tokens`` (see :meth:`forward`) checked: the tokens each rank brings as the kernel
         reads them ([W]; a per-rank module: its own, [1]) and the mask of those tokens among
         the T' = ``Tn`` (bool [W, Tn]; None when every token is brought)."""
-        return brought_tokens(self.plan, tokens, Tn, self.per_rank, self.device)
+        return brought_tokens(self.contract, tokens, Tn, self.per_rank, self.device)
 
     def withhold(self, entry: int, backward: bool = False) -> None:
         """Fault injection: in the next call only (``backward``: the next backward), task-table
         entry ``entry`` runs nothing and never signals its done flag, as if its producer
         were lost. The call fails with the kernel's error record once a dependent's wait
         expires."""
-        table, names = (self.plan.bwd_table, self.plan.bwd_names) if backward else (self.plan.table, self.plan.names)
+        table, names = (
+            (self.contract.bwd_table, self.contract.bwd_names)
+            if backward
+            else (self.contract.table, self.contract.names)
+        )
         if not 0 <= entry < len(table):
             raise ValueError(f"task-table entry {entry} out of range [0, {len(table)})")
         if self.per_rank and table[entry][COLUMNS.index("rank")] != self.rank:
@@ -291,7 +297,7 @@ class RDEPModule:
 
     def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save: bool = False):
         """Launch the forward. ``save``: keep what the backward walks, returned third."""
-        p = self.plan
+        p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
         W, K = p.W, p.K
@@ -337,7 +343,7 @@ class RDEPModule:
     def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, gates, w_gate, w_up, w_down):
         """Launch the backward over a forward's routing context and what it kept; returns the
         gradients of x, the gates and the weights (w_gate None for an ungated expert)."""
-        p = self.plan
+        p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
         self._settle(wait=False)
@@ -374,11 +380,11 @@ class RDEPModule:
         return given["dx"], dgates, dwg, dwu, given["dw_down"]
 
     def _owner_rows(self, cols: int) -> torch.Tensor:
-        return owner_rows(self.plan, self.per_rank, cols, self.dtype, self.device)
+        return owner_rows(self.contract, self.per_rank, cols, self.dtype, self.device)
 
     def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
         """The kernel's weight arguments: ``w_up`` is a gated expert's [Wg Wu], interleaved."""
-        if self.plan.gated:
+        if self.contract.gated:
             weights = {"w_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
         else:
             weights = {"w_up": w_up, "w_down": w_down}
@@ -387,7 +393,7 @@ class RDEPModule:
     def _launch(self, given: dict, Tn: int, backward: bool, save: bool) -> None:
         """One launch of the persistent kernel: the forward, or with ``backward`` its backward
         pass (its own task table, control words and tile counters)."""
-        p = self.plan
+        p = self.contract
         tables = self.tables | (self.bwd_tables if backward else {})
         if self._withheld is not None and self._withheld[1] == backward:
             table = tables["table"].clone()
@@ -428,17 +434,17 @@ class RDEPModule:
         if given is not None:
             return given, "given"
         device_name = None if self.interpret else torch.cuda.get_device_name(self.device)
-        return tune.launch_tiles(self.plan, device_name, self.interpret)
+        return tune.launch_tiles(self.contract, device_name, self.interpret)
 
     # ------------------------------------------------------------------ checks
     def _name(self) -> str:
         """The layer as errors name it: per rank, with this process's rank."""
-        return f"rdepc layer {self.plan.layer}" + (f" (rank {self.rank} of {self.plan.W})" if self.per_rank else "")
+        return f"rdepc layer {self.contract.layer}" + (f" (rank {self.rank} of {self.contract.W})" if self.per_rank else "")
 
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
         own = len(self.local_experts) if self.per_rank else None  # one rank's tokens, its own experts' weights
         check_inputs(
-            self.plan, self._name(), own, self.dtype, self.device, x, topk_ids, topk_weights, w_gate, w_up, w_down
+            self.contract, self._name(), own, self.dtype, self.device, x, topk_ids, topk_weights, w_gate, w_up, w_down
         )
 
     # ------------------------------------------------------------------ results
@@ -465,7 +471,7 @@ class RDEPModule:
         self._readback.settle(wait, self._raise_from)
 
     def _raise_from(self, words: list[int], ids, gates, backward: bool = False) -> None:
-        p = self.plan
+        p = self.contract
         err = kernel_error(p, words, self.mode, self.spin_bound, backward)
         if err is not None:
             self._readback.clear()
@@ -498,7 +504,7 @@ class RDEPModule:
             accepted, launches = self._last
             own = self.local_experts if self.per_rank else None
             self._stats_cache = call_stats(
-                self.plan, self.private["stats"], self.last_context.topk_ids, accepted, launches, own
+                self.contract, self.private["stats"], self.last_context.topk_ids, accepted, launches, own
             )
         return self._stats_cache
 
@@ -507,7 +513,7 @@ class RDEPModule:
         return self.kernels_path.read_text(encoding="utf-8")
 
     def __repr__(self) -> str:
-        p = self.plan
+        p = self.contract
         return (
             f"<rdepc.RDEPModule {p.layer} on {self.transport.name}/{self.device}"
             f"{' (interpreter)' if self.interpret else ''}: W={p.W} T<={p.T} H={p.H} F={p.F} E={p.E} K={p.K}, "
@@ -517,8 +523,8 @@ class RDEPModule:
 
 def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
     """The module of a compiled layer directory (``rdepc compile FILE -o DIR``)."""
-    plan = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
-    return RDEPModule(plan, kernels_path, **options)
+    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    return RDEPModule(contract, kernels_path, **options)
 
 
 __all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled"]

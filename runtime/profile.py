@@ -76,21 +76,21 @@ def read_profile(work, buffer, interpret: bool, mode: str) -> dict:
     return {"clock": "logical" if interpret else "globaltimer", "mode": mode, "events": events}
 
 
-def _thread_names(plan: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
+def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
     if mode == "role-split":  # programs: (communication, compute) programs of one rank
         comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
         return [
             (0, "communication" + (f" ({comm} programs)" if comm else "")),
             (1, "compute" + (f" ({compute} programs)" if compute else "")),
         ]
-    if plan.unified:
+    if contract.unified:
         return [(0, "all programs" + (f" ({programs})" if programs else ""))]
     # A role-split schedule run by the unified kernel: every program takes tasks of both roles.
     shared = f" (unified kernel: any of {programs} programs)" if programs else " (unified kernel)"
     return [(0, f"communication{shared}"), (1, f"compute{shared}")]
 
 
-def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
+def measured_trace(contract: KernelContract, profile: dict, programs=None) -> dict:
     """The measured profile of one call (``RDEPModule.last_profile``) of the kernels of
     ``plan`` as Chrome trace-event JSON (a dict), in the shape of :func:`rdepc.viz.trace`.
     ``programs``: the kernel's programs (the grid in unified mode; one rank's
@@ -101,24 +101,24 @@ def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
         raise ValueError(f"unknown profile clock {clock!r} (known: {', '.join(CLOCKS)})")
     mode = profile.get("mode", "unified")
     spans = list(profile.get("events", ()))
-    n = plan.n_entries
+    n = contract.n_entries
     for entry, start, end in spans:
         if not 0 <= entry < n:
             raise ValueError(f"profile event for task-table entry {entry}, out of range [0, {n})")
         if end < start:
-            raise ValueError(f"profile event for entry {entry} ({plan.names[entry]}) ends before it starts")
+            raise ValueError(f"profile event for entry {entry} ({contract.names[entry]}) ends before it starts")
     unit, note = CLOCKS[clock]
     origin = min((s for _, s, _ in spans), default=0)
     last = max((e for _, _, e in spans), default=origin)
     scale = 1e-3 if clock == "globaltimer" else 1  # ns → µs; ticks as they are
 
-    events = rank_metadata(plan.W, _thread_names(plan, mode, programs))
+    events = rank_metadata(contract.W, _thread_names(contract, mode, programs))
     for entry, start, end in spans:
-        row = plan.table[entry]
+        row = contract.table[entry]
         kind = KINDS[row[_COL["kind"]]]
         stage, detail = STAGE_OF[kind]
         role = row[_COL["resource"]] % 2  # resource = 2·rank + role; role 0 communication, 1 compute
-        args = {"entry": entry, "task": plan.tasks[entry], "kind": kind}
+        args = {"entry": entry, "task": contract.tasks[entry], "kind": kind}
         for key in ("segment", "claim", "owner", "src"):
             v = row[_COL[key]]
             if v >= 0:
@@ -130,11 +130,11 @@ def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
         dur = (end - start) * scale if clock == "globaltimer" else max(end - start, 1)
         events.append(
             {
-                "name": plan.names[entry],
+                "name": contract.names[entry],
                 "cat": stage,
                 "ph": "X",
                 "pid": row[_COL["rank"]],
-                "tid": 0 if plan.unified and mode != "role-split" else role,
+                "tid": 0 if contract.unified and mode != "role-split" else role,
                 "ts": (start - origin) * scale,
                 "dur": dur,
                 "args": args,
@@ -145,8 +145,8 @@ def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
         "displayTimeUnit": "ns",
         "otherData": {
             "measured": True,
-            "layer": plan.layer,
-            "strategy": plan.strategy,
+            "layer": contract.layer,
+            "strategy": contract.strategy,
             "mode": mode,
             "clock": clock,
             "unit": unit,
@@ -159,10 +159,10 @@ def measured_trace(plan: KernelContract, profile: dict, programs=None) -> dict:
     }
 
 
-def write_measured_trace(plan: KernelContract, profile: dict, path: str | Path, programs=None) -> Path:
+def write_measured_trace(contract: KernelContract, profile: dict, path: str | Path, programs=None) -> Path:
     """Write :func:`measured_trace` to ``path`` (JSON); returns the path. Raises OSError."""
     path = Path(path)
-    path.write_text(json.dumps(measured_trace(plan, profile, programs)), encoding="utf-8")
+    path.write_text(json.dumps(measured_trace(contract, profile, programs)), encoding="utf-8")
     return path
 
 

@@ -37,7 +37,7 @@ class KernelError(RuntimeError):
 
 
 def kernel_error(
-    plan: KernelContract, words: list[int], mode: str, spin_bound: int, backward: bool = False
+    contract: KernelContract, words: list[int], mode: str, spin_bound: int, backward: bool = False
 ) -> KernelError | None:
     """The call's fatal error, or None (``backward``: of a backward call, whose entries are
     the backward's table)."""
@@ -46,7 +46,7 @@ def kernel_error(
     seen, expected = words[AT["err_seen"]], words[AT["err_expected"]]
     if code == 0:
         return None
-    p = plan
+    p = contract
     names, table = (p.bwd_names, p.bwd_table) if backward else (p.names, p.table)
 
     def task(i: int) -> str:
@@ -88,13 +88,13 @@ def kernel_error(
 
 
 def input_error(
-    plan: KernelContract, words: list[int], name: str, ids, gates, per_rank: bool, gates_from: str | None = None
+    contract: KernelContract, words: list[int], name: str, ids, gates, per_rank: bool, gates_from: str | None = None
 ) -> ValueError | None:
     """The call's offending inputs, or None. ``ids`` and ``gates`` are the call's own
     ([W, T', K], or [T', K] on a per-rank backend): the first offender's value is read from
     them (only here, on the error path). ``gates_from``: what made the gates, when the
     caller did not pass them (RDEPMoE's router), named instead of ``topk_weights``."""
-    p = plan
+    p = contract
     TK = p.T * p.K
 
     def first(kind: str) -> tuple[int, int, int, tuple]:

@@ -2,7 +2,7 @@
 
 ``rdepc tune FILE --device cuda`` runs the compiled layer natively with every candidate
 :class:`~rdepc.codegen.lower.Tiles` that fits the device's shared memory, times each, and
-records the fastest beside the layer's kernel plan: one JSON file per (kernel plan, device,
+records the fastest beside the layer's kernel contract: one JSON file per (kernel contract, device,
 triton version) under ``$RDEPC_CACHE_DIR/tuning`` (default ``~/.cache/rdepc/tuning``),
 with every candidate's time. A native module built without explicit ``tiles`` takes the
 recorded choice when there is one (``RDEPModule.tiles_source`` says which), and
@@ -28,22 +28,22 @@ from rdepc.ir.spec import Dtype
 SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
 
 
-def shared_bytes(plan: KernelContract, t: Tiles) -> int:
+def shared_bytes(contract: KernelContract, t: Tiles) -> int:
     """Shared memory the pipelined GEMM loops need: ``num_stages`` copies of one A and one B
     chunk, for the wider of GEMM1 (gate and up: 2·block_f columns) and GEMM2."""
-    a, d = Dtype(plan.dtype).bytes, Dtype(plan.dispatch).bytes
-    up = (2 if plan.gated else 1) * t.block_f
+    a, d = Dtype(contract.dtype).bytes, Dtype(contract.dispatch).bytes
+    up = (2 if contract.gated else 1) * t.block_f
     gemm1 = t.bm * t.block_k * d + t.block_k * up * a
     gemm2 = t.bm * t.block_k * a + t.block_k * t.block_h * a
     return t.num_stages * max(gemm1, gemm2)
 
 
-def candidates(plan: KernelContract) -> list[Tiles]:
+def candidates(contract: KernelContract) -> list[Tiles]:
     """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 or 128 wide
     (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
     with room to spare (the rest of the kernel uses some too)."""
-    wide = (32, 64) if plan.dtype == "fp32" else (64, 128)
-    k = 32 if plan.dtype == "fp32" else 64
+    wide = (32, 64) if contract.dtype == "fp32" else (64, 128)
+    k = 32 if contract.dtype == "fp32" else 64
     out = []
     for bm in (64, 128):
         for block_f in wide:
@@ -51,24 +51,24 @@ def candidates(plan: KernelContract) -> list[Tiles]:
                 for warps in (4, 8):
                     for stages in (2, 3, 4):
                         t = Tiles(bm, block_h, block_f, 64, 4096, warps, k, stages)
-                        if shared_bytes(plan, t) <= SHARED_BYTES * 7 // 8:
+                        if shared_bytes(contract, t) <= SHARED_BYTES * 7 // 8:
                             out.append(t)
     return out
 
 
-def key(plan: KernelContract, device_name: str) -> str:
-    """What a tuning result is valid for: the kernel plan, the device and Triton's version."""
-    text = json.dumps([plan.to_json(), device_name, _version("triton")])
+def key(contract: KernelContract, device_name: str) -> str:
+    """What a tuning result is valid for: the kernel contract, the device and Triton's version."""
+    text = json.dumps([contract.to_json(), device_name, _version("triton")])
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
-def _path(plan: KernelContract, device_name: str) -> Path:
-    return cache_dir() / "tuning" / f"{plan.layer}-{key(plan, device_name)}.json"
+def _path(contract: KernelContract, device_name: str) -> Path:
+    return cache_dir() / "tuning" / f"{contract.layer}-{key(contract, device_name)}.json"
 
 
-def lookup(plan: KernelContract, device_name: str) -> tuple[Tiles, str] | None:
+def lookup(contract: KernelContract, device_name: str) -> tuple[Tiles, str] | None:
     """The recorded tiles for ``plan`` on ``device_name`` and where they come from, or None."""
-    path = _path(plan, device_name)
+    path = _path(contract, device_name)
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
         tiles = Tiles(**rec["tiles"])
@@ -77,23 +77,25 @@ def lookup(plan: KernelContract, device_name: str) -> tuple[Tiles, str] | None:
     return tiles, f"tuned on {rec['device']} ({rec['date']}, {rec['ms']:.3f} ms)"
 
 
-def launch_tiles(plan: KernelContract, device_name: str | None, interpret: bool) -> tuple[Tiles, str]:
+def launch_tiles(contract: KernelContract, device_name: str | None, interpret: bool) -> tuple[Tiles, str]:
     """The tiles a module of ``plan`` launches with, and where they come from: under the
     interpreter its own, natively ``rdepc tune``'s record for ``device_name`` or the defaults."""
     if interpret:
-        return Tiles.default(plan.H, plan.F, plan.dtype, True), "the interpreter's (few, large tiles)"
-    found = lookup(plan, device_name) if device_name else None
+        return Tiles.default(contract.H, contract.F, contract.dtype, True), "the interpreter's (few, large tiles)"
+    found = lookup(contract, device_name) if device_name else None
     if found is not None:
         return found
-    return Tiles.default(plan.H, plan.F, plan.dtype, False), "defaults (not tuned: rdepc tune FILE --device cuda)"
+    return Tiles.default(
+        contract.H, contract.F, contract.dtype, False
+    ), "defaults (not tuned: rdepc tune FILE --device cuda)"
 
 
-def record(plan: KernelContract, device_name: str, best: Tiles, results: list[dict]) -> Path:
+def record(contract: KernelContract, device_name: str, best: Tiles, results: list[dict]) -> Path:
     """Write the tuning result for ``plan`` on ``device_name``; its path."""
     ms = min(r["ms"] for r in results if r["tiles"] == asdict(best))
     rec = {
-        "layer": plan.layer,
-        "strategy": plan.strategy,
+        "layer": contract.layer,
+        "strategy": contract.strategy,
         "device": device_name,
         "triton": _version("triton"),
         "date": dt.date.today().isoformat(),
@@ -101,7 +103,7 @@ def record(plan: KernelContract, device_name: str, best: Tiles, results: list[di
         "ms": ms,
         "results": results,
     }
-    path = _path(plan, device_name)
+    path = _path(contract, device_name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(rec, indent=1) + "\n")
@@ -111,7 +113,7 @@ def record(plan: KernelContract, device_name: str, best: Tiles, results: list[di
 
 
 def tune(
-    plan: KernelContract,
+    contract: KernelContract,
     time_tiles: Callable[[Tiles], float],
     tried: Iterable[Tiles],
     progress: Callable[[str], None] = lambda line: None,
@@ -138,7 +140,7 @@ def tune(
         progress(f"  [{i + 1}/{len(tried)}] {_short(t)}  {line}")
     timed = [r for r in results if "ms" in r]
     if not timed:
-        raise RuntimeError(f"rdepc tune: no candidate tiles ran for layer {plan.layer}: " + results[0]["error"])
+        raise RuntimeError(f"rdepc tune: no candidate tiles ran for layer {contract.layer}: " + results[0]["error"])
     best = min(timed, key=lambda r: r["ms"])
     return Tiles(**best["tiles"]), results
 
@@ -177,7 +179,7 @@ def tune_layer(
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
     spec = layer.spec
     cuda = torch.device(device).type == "cuda"
-    plan = layer.compile(schedule=schedule, interpret=not cuda).kernel  # what the modules below run
+    contract = layer.compile(schedule=schedule, interpret=not cuda).kernel  # what the modules below run
     x, ids, gates, w_gate, w_up, w_down = random_inputs(
         W, tokens or T, H, F, E, K, dtype=TORCH_DTYPES[spec.precision.dtype.value], gated=spec.expert.gated,
         device=device,
@@ -209,8 +211,8 @@ def tune_layer(
         m.synchronize()
         return sorted(times)[len(times) // 2]
 
-    best, results = tune(plan, time_tiles, tried if tried is not None else candidates(plan), progress, budget)
-    return best, results, record(plan, name, best, results)
+    best, results = tune(contract, time_tiles, tried if tried is not None else candidates(contract), progress, budget)
+    return best, results, record(contract, name, best, results)
 
 
 __all__ = [

@@ -105,7 +105,7 @@ def test_route_row_encodings_decode_and_admit_as_the_reference(name, capacity):
     assert not lay.spec.route_row.is_eq7
     inp, accepted, m = run_everywhere(lay, "zipf:1.2", strategies=("bulk", "deep"))
     # the sideband's row ids decode to their rows by the spec's own encoding
-    p, ctx = m.plan, m.last_context
+    p, ctx = m.contract, m.last_context
     rid = row_id_for(lay.spec, lay.shapes["T"])
     heap = m.heap.cpu()
     at = p.offset("sideband_row_id")

@@ -213,19 +213,19 @@ def test_the_heap_is_the_plans_forward_backward_figure():
         layer = Case(act="relu", E=3, T=8, S=3).layer()
         m = layer.module(schedule=strategy, tiles=TILES)
         want = symmetric_plan(layer.spec, strategy)["forward_backward"]["total"]
-        assert tuple(m.heap.shape) == (2, want) == (2, m.plan.heap_bytes), strategy
+        assert tuple(m.heap.shape) == (2, want) == (2, m.contract.heap_bytes), strategy
 
 
 def test_a_withheld_backward_task_trips_with_the_kernels_record_and_the_next_backward_recovers():
     case = Case()
     layer = case.layer()
     m = layer.module(schedule="pipelined", tiles=TILES, spin_bound=200)
-    entry = next(i for i, n in enumerate(m.plan.bwd_names) if n.startswith("gemm1"))
+    entry = next(i for i, n in enumerate(m.contract.bwd_names) if n.startswith("gemm1"))
     m.withhold(entry, backward=True)
     with pytest.raises(KernelError, match=r"the backward kernel stopped in call 1: .* waited 200 spins") as err:
         grads(m, case.inputs())
     record = err.value.record
-    assert record["pass"] == "backward" and record["flag_task"] == m.plan.bwd_names[entry]
+    assert record["pass"] == "backward" and record["flag_task"] == m.contract.bwd_names[entry]
     # The backward's control words were reset: the next backward runs, and its gradients are right.
     check_again = grads(m, case.inputs())[3]
     want = grads(reference_for(layer.spec), case.inputs(), dy=None)[3]

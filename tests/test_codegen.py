@@ -405,7 +405,7 @@ def test_cache_is_keyed_atomic_and_configurable(tmp_path, monkeypatch):
 
 def test_layer_plan_exposes_schedule_memory_and_kernel():
     layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
-    plan = layer.plan
+    plan = layer.generated
     assert plan.schedule.strategy == "bulk" and len(plan.schedule.table) == 56
     assert plan.memory.regions("forward_backward")["total"] == plan.kernel.heap_bytes
     assert plan.source == layer.source

@@ -207,7 +207,7 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
         with interpreter_env(True):  # the binder imports Triton's gluon, which must see this process's mode
             bound, spec, options = binder(*args, **kwargs)
             _, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
-        want = launch_specialization(module.plan, fn, kernel)
+        want = launch_specialization(module.contract, fn, kernel)
         assert grid == (want.launch["n_programs"],), kernel
         assert signature == want.signature, kernel
         assert constexprs == want.constexprs, kernel

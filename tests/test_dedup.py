@@ -115,7 +115,7 @@ def test_the_return_ring_under_dedup():
     no token returns carries row_id -1 and is skipped."""
     layer = _layer(dtype="bf16", capacity="factor 0.5, drop arrival, weights renormalize", rows=8, schedule="pipelined")
     kernels, _, _ = _check(layer, "zipf:1.2")
-    assert kernels.plan.ring and "live = live & (rid >= 0)" in kernels.source
+    assert kernels.contract.ring and "live = live & (rid >= 0)" in kernels.source
 
 
 def test_dedup_is_bitwise_identical_across_schedules_and_modes():
@@ -225,14 +225,14 @@ def test_the_dedup_backward_sends_one_dy_row_per_token_and_owner():
     x, ids, g, wg, wu, wd = inputs
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
     y = m(leaves[0], ids, *leaves[1:])
-    at, size = next((at, size) for name, _, at, size in m.plan.layout if name == "bwd_payload")
+    at, size = next((at, size) for name, _, at, size in m.contract.layout if name == "bwd_payload")
     m.heap[:, at : at + size] = 0xFF  # fp32 NaN in every byte of every owner's backward payload
     (y * dy).sum().backward()
     for n, t in zip(GRAD_NAMES, leaves, strict=True):
         assert max_relative_error(t.grad, want[n]) <= TOL["fp32"], n
     rows = m.heap[:, at : at + size].view(torch.float32).view(sh["W"], -1, sh["H"])
     filled = int((~rows.isnan().all(dim=2)).sum())
-    assert filled == owner_pairs(ids, m.last_stats["accepted"], m.plan.owner) < int(m.last_stats["accepted"].sum())
+    assert filled == owner_pairs(ids, m.last_stats["accepted"], m.contract.owner) < int(m.last_stats["accepted"].sum())
 
 
 def test_dedup_needs_the_gate_in_the_sideband():

@@ -109,7 +109,7 @@ def test_fp8_scales_are_in_the_sideband_at_the_rows_places():
     m = lay.module(schedule="bulk", tiles=TILES)
     inp = inputs(lay)
     m(*inp)
-    p = m.plan
+    p = m.contract
     heap = m.heap.view(p.W, -1)
     n = p.B * p.S
     x_hat = fp8_dispatch(inp.x.float(), "block")

@@ -112,7 +112,7 @@ def run_all(case: Seg) -> dict[str, RDEPModule]:
     ys, modules = {}, {}
     for strategy in STRATEGIES:
         m = layer.module(schedule=strategy, tiles=TILES)
-        assert m.plan.strategy == strategy and (strategy == "bulk" or m.plan.B == case.B)
+        assert m.contract.strategy == strategy and (strategy == "bulk" or m.contract.B == case.B)
         ys[strategy] = m(*inputs)
         err = max_relative_error(ys[strategy], ref)
         assert err <= 1e-5, f"{strategy}: max relative error {err:.3g} for {case}"
@@ -132,8 +132,8 @@ def test_every_strategy_matches_the_reference_and_each_other(case):
     modules = run_all(case)
     seg = modules["pipelined"]
     rows = case.W * case.T * case.K
-    if seg.plan.B * seg.plan.S < case.T * case.K:
-        assert seg.plan.ring  # returns went through the ring and its unpacks
+    if seg.contract.B * seg.contract.S < case.T * case.K:
+        assert seg.contract.ring  # returns went through the ring and its unpacks
     assert int(seg.last_stats["rows_per_expert"].sum()) == rows - seg.last_stats["dropped_rows"]
 
 
@@ -154,7 +154,7 @@ def test_tiny_every_strategy_and_B(monkeypatch):
         want = y if want is None else want
         assert torch.equal(y, want), f"{layer.spec.file} {strategy}"
         if layer is not base:
-            assert m.plan.ring and m.plan.S == 8 and m.plan.strategy == strategy
+            assert m.contract.ring and m.contract.S == 8 and m.contract.strategy == strategy
 
 
 def _tiny(B: int) -> Path:
@@ -177,7 +177,7 @@ def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
     inputs = case.inputs()
     ref, _ = reference_for(layer.spec)(*inputs)
     good = m(*inputs)
-    names = m.plan.names
+    names = m.contract.names
     victim = next(i for i, n in enumerate(names) if n.startswith("dispatch s1 "))
     m.withhold(victim)
     with pytest.raises(KernelError) as e:
@@ -236,7 +236,7 @@ def test_role_split_runs_concurrently_and_matches_unified(B):
     col = COLUMNS.index("resource")  # 2 * rank + role
     spans = {role: [] for role in (0, 1)}
     for entry, start, end in m.last_profile["events"]:
-        spans[m.plan.table[entry][col] % 2].append((start, end))
+        spans[m.contract.table[entry][col] % 2].append((start, end))
     overlaps = sum(1 for a in spans[0] for b in spans[1] if a[0] < b[1] and b[0] < a[1])
     assert overlaps > 0, "communication and compute tasks never overlapped"
 
@@ -278,16 +278,16 @@ def test_guard_bands_around_every_heap_buffer_stay_intact(tmp_path, B):
     guard = 256
     for strategy in STRATEGIES:
         m = _module(spec, strategy, tmp_path, guard=guard)
-        bands = [(off - guard, off) for _, _, off, _ in m.plan.layout]
-        last = m.plan.layout[-1]
-        bands.append((last[2] + last[3], m.plan.heap_bytes))
+        bands = [(off - guard, off) for _, _, off, _ in m.contract.layout]
+        last = m.contract.layout[-1]
+        bands.append((last[2] + last[3], m.contract.heap_bytes))
         assert all(hi - lo == guard for lo, hi in bands)
         pattern = torch.tensor([0xA5, 0x5A], dtype=torch.uint8).repeat(guard // 2)
         for lo, hi in bands:
             m.heap[:, lo:hi] = pattern
         y = m(*inputs)
         assert max_relative_error(y, ref) <= 1e-5
-        for (lo, hi), (name, *_rest) in zip(bands, [*m.plan.layout, ("end",)], strict=True):
+        for (lo, hi), (name, *_rest) in zip(bands, [*m.contract.layout, ("end",)], strict=True):
             assert torch.equal(m.heap[:, lo:hi], pattern.expand(case.W, -1)), f"{strategy}: guard before {name} hit"
 
 

@@ -43,7 +43,7 @@ def cli_main(*argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module", params=["bulk", "pipelined"])
 def profiled(request, tmp_path_factory):
-    """tiny run once per schedule with --profile: (schedule, stdout, trace, kernel plan, predicted schedule)."""
+    """tiny run once per schedule with --profile: (schedule, stdout, trace, kernel contract, predicted schedule)."""
     strategy = request.param
     where = tmp_path_factory.mktemp("profile")
     path = where / "p.json"

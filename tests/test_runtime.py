@@ -113,7 +113,7 @@ def execute(run: Run, module: RDEPModule | None = None):
 
 def check_run(run: Run, module=None):
     module, inputs, y, ref, accepted = execute(run, module)
-    p = module.plan
+    p = module.contract
     W, K, E = p.W, p.K, p.E
     tokens = inputs.x.shape[1]
     st_ = module.last_stats
@@ -141,7 +141,7 @@ def check_run(run: Run, module=None):
 def check_placement(module: RDEPModule, inputs) -> None:
     """Every accepted row sits in its owner's payload at the slot of the routing context,
     with a row_id that decodes to its own (rank, token, slot), its local expert and its x."""
-    p = module.plan
+    p = module.contract
     ctx = module.last_context
     off = dict(p.heap)
     tokens = inputs.x.shape[1]
@@ -506,7 +506,7 @@ def test_load_compiles_through_the_cache(tiny_module):
     assert compiled.hit  # tiny_module compiled it first
     assert tiny_module.kernels_path == compiled.kernels_path
     assert layer.source == compiled.source and "def rdep_layer(" in layer.source
-    assert layer.plan.kernel == compiled.kernel
+    assert layer.generated.kernel == compiled.kernel
     assert str(tiny_module).startswith("<rdepc.RDEPModule tiny on emulated/cpu (interpreter): W=4 T<=16")
 
 

@@ -174,7 +174,7 @@ def test_m_tile_slots_every_user_agrees(spec_files):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_segmented", "moonlight"])
 def test_cost_model_m_tile_slots_are_the_kernels(name, tmp_path):
-    """The graph's (the cost model's) m-tile slots are the ones the kernel plan gives each
+    """The graph's (the cost model's) m-tile slots are the ones the kernel contract gives each
     segment, at the planning tile BM and at every tile height the kernel may run."""
     path = tiny_segmented(tmp_path) if name == "tiny_segmented" else ROOT / "examples" / f"{name}.rdep"
     gen = generate_spec(rdepc.load(path).spec)

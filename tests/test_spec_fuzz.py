@@ -8,7 +8,7 @@ on a file), with three properties:
    supported yet" at a statement; what ``check`` rejects, ``compile`` rejects the same way;
 3. the plan of every accepted spec satisfies the planner's invariants: ownership, capacity,
    segments, the task graph and its global order, the memory plan (the planner's figures,
-   region by region), the kernel plan's heap and tables, and the route-row identity.
+   region by region), the kernel contract's heap and tables, and the route-row identity.
 
 ``tests/stress/fuzz_specs.py`` runs the same properties over thousands of specs.
 """

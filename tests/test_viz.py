@@ -115,7 +115,7 @@ def test_viz_routing_predicts_a_sampled_routing(tmp_path, capsys, monkeypatch):
     """--routing zipf:A: the rows per (source, expert) are the sample plan takes (same
     stream, same totals), the trace is the skewed routing's — a longer makespan than the
     expected routing's — and the same seed gives the same picture."""
-    from rdepc.passes.routing import sample_routing, source_counts
+    from rdepc.passes.sampled_routing import sample_routing, source_counts
 
     counts = source_counts(8, 64, 16, 4, "zipf", 1.2, 3)
     assert len(counts) == 8 and all(sum(row) == 64 * 4 for row in counts)

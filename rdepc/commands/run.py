@@ -96,7 +96,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
     import torch
 
-    from rdepc.passes.routing import owners_per_token_expr
+    from rdepc.passes.sampled_routing import owners_per_token_expr
     from rdepc.reference import owner_pairs, random_inputs, reference_for
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
@@ -177,7 +177,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
             stop = f"rdepc: error: cannot write {e.filename or args.profile}: {e.strerror or e}"
     why = [] if sent == back == want else [f"the transport moved {sent} rows out and {back} back, not {want}"]
     why += judge(err, tol, same)
-    how = f"{kernels.transport.name} backend on {where}, {kernels.plan.strategy} schedule"
+    how = f"{kernels.transport.name} backend on {where}, {kernels.contract.strategy} schedule"
     shape = f"W={W} T'={tokens} H={H} F={F} E={E} K={K}"
     inputs_line = f"{shape}, {dtype_name}, routing {args.routing}, seed {args.seed}"
     status = report(spec, how, inputs_line, lines, args.check and stop is None, not why, why)
@@ -193,7 +193,7 @@ def _write_profile(kernels, path: str) -> str:
 
     prof = kernels.last_profile
     programs = kernels.grid if kernels.mode == "unified" else kernels.per_queue[:2]
-    written = write_measured_trace(kernels.plan, prof, path, programs=programs)
+    written = write_measured_trace(kernels.contract, prof, path, programs=programs)
     clock = "logical clock: an order, not durations" if prof["clock"] == "logical" else "%globaltimer"
     return f"  profile         {len(prof['events'])} task events ({clock}) → {written}"
 

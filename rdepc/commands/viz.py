@@ -18,7 +18,7 @@ def cmd_viz(args) -> int:
     tg = build_for(spec, args.schedule, args.cut, args.hw)
     counts = None
     if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
-        from rdepc.passes.routing import source_counts
+        from rdepc.passes.sampled_routing import source_counts
 
         geo = tg.geometry
         counts = source_counts(geo.W, geo.T, geo.E, geo.K, *args.routing, args.seed)

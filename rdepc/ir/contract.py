@@ -438,12 +438,12 @@ POINTEE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
 
 
-def kernel_args(plan: KernelContract) -> list[tuple[str, str]]:
+def kernel_args(contract: KernelContract) -> list[tuple[str, str]]:
     """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's signature
     (``codegen/device/kernel.py``, a test holds they agree), the names the host passes
     arguments by, and the types sm_90 compiles use. The same for every layer but for the
     dtype of the layer's tensors."""
-    dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[plan.dtype]
+    dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[contract.dtype]
     args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
     args.append(("w_up", f"*{dt}"))  # a gated expert's [Wg Wu], interleaved: [E, H, F, 2]
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
