@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from device_kernels import kernels  # noqa: F401 - the device-function tests' fixture
 from hypothesis import HealthCheck, settings
 
 from rdepc import cli

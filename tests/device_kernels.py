@@ -1,0 +1,207 @@
+"""The kernels file the device-function tests launch: the small functions of
+codegen/device/ copied the way the emitter copies them (``device.include``) behind a
+constants block written here, one file per set of constants, imported for the
+interpreter; and small test kernels that call them."""
+
+from __future__ import annotations
+
+import pytest
+from rdepc.codegen.device import include
+from rdepc.runtime.launch import Launcher
+
+from rdepc.toolchain import import_kernels
+
+# The constants the functions under test read, at a small layer's values; a test's variant
+# replaces some of them.
+BASE = dict(
+    W=4,
+    T=8,
+    K=2,
+    E=8,
+    E_MAX=3,
+    EL_PAD=4,
+    K_PAD=2,
+    S=24,
+    B=3,
+    RID_0=0,
+    RID_1=1,
+    RID_2=2,
+    DROP="arrival",
+    HEAP_BYTES=256,
+    SCOPE="gpu",
+    VALIDATE_TOKENS=8,
+    KEY_ROWS=4,
+    CTL_BAD_IDS=10,
+    CTL_BAD_GATES=12,
+    CTL_DUP_TOKENS=14,
+)
+
+TESTS = """
+@triton.jit
+def decode_rows(rids, out, n, rid_c, rid_r, rid_t, rid_k, N: tl.constexpr):
+    i = tl.arange(0, N)
+    m = i < n
+    rank, token, slot = decode(tl.load(rids + i, mask=m, other=0), rid_c, rid_r, rid_t, rid_k)
+    tl.store(out + i * 3, rank, mask=m)
+    tl.store(out + i * 3 + 1, token, mask=m)
+    tl.store(out + i * 3 + 2, slot, mask=m)
+
+
+@triton.jit
+def row_keys(gates, out, N: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.arange(0, N)
+    live = i < T * K
+    tl.store(out + r * (T * K) + i, row_key(gates + r * (T * K), r, i, live), mask=live)
+
+
+@triton.jit
+def clip_spans(first, rows, out, N: tl.constexpr):
+    s = tl.program_id(0)
+    i = tl.arange(0, N)
+    lo, n = clip(tl.load(first + i), tl.load(rows + i), s)
+    tl.store(out + (s * N + i) * 2, lo)
+    tl.store(out + (s * N + i) * 2 + 1, n)
+
+
+@triton.jit
+def locate_rows(lo, n, u, out, U: tl.constexpr):
+    c = tl.program_id(0)
+    local = tl.arange(0, EL_PAD)
+    at = c * U + tl.arange(0, U)
+    which, row = locate(tl.load(u + at), tl.load(lo + c * EL_PAD + local), tl.load(n + c * EL_PAD + local), local)
+    tl.store(out + at * 2, which)
+    tl.store(out + at * 2 + 1, row)
+
+
+@triton.jit
+def ring_rows(rows, out, N: tl.constexpr):
+    s = tl.program_id(0)
+    slot = tl.program_id(1)
+    i = tl.arange(0, N)
+    tl.store(out + (s * tl.num_programs(1) + slot) * N + i, ring_row(tl.load(rows + s * N + i), s, slot))
+
+
+@triton.jit
+def m_tiles(group, slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
+    s = tl.program_id(0)
+    q = tl.program_id(1)
+    n = tl.load(slots + q * tl.num_programs(0) + s)
+    j = 0
+    while j < n:
+        which, row0, lo, hi = m_tile(group, q, s, j, BM)
+        o = out + ((q * tl.num_programs(0) + s) * SLOTS + j) * 4
+        tl.store(o, which)
+        tl.store(o + 1, row0)
+        tl.store(o + 2, lo)
+        tl.store(o + 3, hi)
+        j += 1
+
+
+@triton.jit
+def narrow_bf16(x, y, N: tl.constexpr, CAST_F32: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, narrow(tl.load(x + i), tl.bfloat16, CAST_F32))
+
+
+@triton.jit
+def narrow_f16(x, y, N: tl.constexpr, CAST_F32: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, narrow(tl.load(x + i), tl.float16, CAST_F32))
+
+
+@triton.jit
+def narrow_f32(x, y, N: tl.constexpr, CAST_F32: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, narrow(tl.load(x + i), tl.float32, CAST_F32))
+
+
+@triton.jit
+def note_rows(ctl, bad, key, N: tl.constexpr):
+    i = tl.arange(0, N)
+    note(ctl, 3, tl.load(bad + i) != 0, tl.load(key + i))
+
+
+@triton.jit
+def validate_inputs(topk_ids, gates, ctl, n_tokens):
+    validate(topk_ids, gates, ctl, tl.program_id(0), n_tokens)
+
+
+@triton.jit
+def lead_slots(ok, q, row, out, N: tl.constexpr, KP: tl.constexpr):
+    i = tl.arange(0, N)[:, None] * KP + tl.arange(0, KP)[None, :]
+    tl.store(out + i, leads(tl.load(ok + i) != 0, tl.load(q + i), tl.load(row + i)).to(tl.int8))
+
+
+@triton.jit
+def count_below(keys, counts, n_local, bounds, out):
+    src = tl.program_id(0)
+    local = tl.arange(0, EL_PAD)
+    bound = tl.load(bounds + src * EL_PAD + local)
+    tl.store(out + src * EL_PAD + local, keys_below(keys, counts, src, local, local < tl.load(n_local), bound))
+
+
+@triton.jit
+def put_words(heap, values, mask, at, N: tl.constexpr):
+    r = tl.program_id(0)
+    i = tl.arange(0, N)
+    words = (peer(heap, r) + at).to(tl.pointer_type(tl.int32))
+    put(words + i, tl.load(values + r * N + i), tl.load(mask + r * N + i) != 0)
+
+
+@triton.jit
+def put_to_peers(heap, at, value, WP: tl.constexpr):
+    peers = tl.arange(0, WP)
+    put((peer(heap, peers) + at).to(tl.pointer_type(tl.int64)), value + peers, peers < W)
+
+
+@triton.jit
+def signal_then_wait(flag, seen, target, bound, TIMES: tl.constexpr):
+    for _ in tl.static_range(TIMES):
+        signal(flag)
+    tl.store(seen, wait(flag, target, bound))
+"""
+
+DEVICE = "\n\n\n".join(
+    (
+        include("heap"),
+        include("signals"),
+        include("control", ("narrow", "note", "validate")),
+        include("rows"),
+        include("route", ("keys_below",)),
+        include("combine", ("leads",)),
+    )
+)
+
+
+def _value(v) -> str:
+    return f'"{v}"' if isinstance(v, str) else repr(v)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """kernels(**constants): a kernel file of the functions under test with BASE's constants,
+    ``constants`` replacing some, imported for the interpreter (one file per set)."""
+    folder = tmp_path_factory.mktemp("device_functions")
+    built: dict[tuple, object] = {}
+
+    def build(**changes):
+        consts = {**BASE, **changes}
+        key = tuple(sorted(consts.items()))
+        if key not in built:
+            block = "\n".join(f"{n} = tl.constexpr({_value(v)})" for n, v in consts.items())
+            text = f"import triton\nimport triton.language as tl\n\n{block}\n\n\n{DEVICE}\n\n{TESTS}"
+            path = folder / f"functions_{len(built)}.py"
+            path.write_text(text, encoding="utf-8")
+            built[key] = import_kernels(path, interpret=True)
+        return built[key]
+
+    return build
+
+
+def launch(kernel, grid, *args, **meta):
+    Launcher(interpret=True)(kernel, grid, args, meta)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
