@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 3f30ee8b3cd30f7ae610309fade0fc4cd4546324ec8f8253cb0c319d42f80b8c
+# content-sha256: 4783544250a9b65024e2082b2e52730435d318e080f5317f00affceb1facdce6
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -1711,30 +1711,22 @@ def combine(
     tl.store(accepted + base + i, ok.to(tl.int8), mask=real)
     tl.store(slot + base + i, tl.where(ok, offset + p, -1), mask=real)
     tl.store(gprime + base + i, w, mask=real)
+    if RING:
+        landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
+    else:
+        landing = returned_rows(me, False)
+    y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
+    real = t < n_tokens
     if DEDUP:
         lead = leads(ok, at // E_MAX, offset + p)
-        if RING:
-            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
-        else:
-            landing = returned_rows(me, False)
-        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
-        real = t < n_tokens
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
-            keep = real[:, None] & (c < H)[None, :]
             if RENORMALIZE:
-                tl.store(y_rows[:, None] + c[None, :], narrow(acc * scale[:, None], DTYPE, CAST_F32), mask=keep)
-            else:
-                tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+                acc = acc * scale[:, None]
+            tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
     else:
         tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
-        if RING:
-            landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
-        else:
-            landing = returned_rows(me, False)
-        y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
-        real = t < n_tokens
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
@@ -1746,8 +1738,7 @@ def combine(
                 acc += wk[:, None] * out.to(tl.float32)
                 if SAVE:
                     tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
-            keep = real[:, None] & (c < H)[None, :]
-            tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
+            tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
 
 
 @triton.jit
