@@ -170,7 +170,8 @@ class RDEPModule:
         ``mode`` is a kernel mode."""
         transport = transports.get(backend)
         if self.contract.transport != transport.name:
-            raise ValueError(f"{self.kernels_path} was generated for the {self.contract.transport} backend, not {backend}")
+            made = self.contract.transport
+            raise ValueError(f"{self.kernels_path} was generated for the {made} backend, not {backend}")
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         return transport
@@ -439,7 +440,8 @@ class RDEPModule:
     # ------------------------------------------------------------------ checks
     def _name(self) -> str:
         """The layer as errors name it: per rank, with this process's rank."""
-        return f"rdepc layer {self.contract.layer}" + (f" (rank {self.rank} of {self.contract.W})" if self.per_rank else "")
+        c = self.contract
+        return f"rdepc layer {c.layer}" + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
 
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down) -> None:
         own = len(self.local_experts) if self.per_rank else None  # one rank's tokens, its own experts' weights
