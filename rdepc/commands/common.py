@@ -85,31 +85,30 @@ def probability(text: str) -> float:
     return v
 
 
+def _zipf(text: str) -> float | None:
+    """ALPHA of ``zipf:ALPHA`` (a finite number >= 0), else None."""
+    kind, colon, alpha = text.partition(":")
+    if kind != "zipf" or not colon:
+        return None
+    try:
+        a = float(alpha)
+    except ValueError:
+        return None
+    return a if a >= 0 and a == a and a != float("inf") else None
+
+
 def routing(text: str) -> tuple[str, float]:
     if text == "uniform":
         return "uniform", 0.0
-    kind, colon, alpha = text.partition(":")
-    if kind == "zipf" and colon:
-        try:
-            a = float(alpha)
-        except ValueError:
-            a = -1.0
-        if a >= 0 and a == a and a != float("inf"):
-            return "zipf", a
+    a = _zipf(text)
+    if a is not None:
+        return "zipf", a
     raise argparse.ArgumentTypeError(f"{text!r}: expected uniform or zipf:ALPHA with ALPHA >= 0")
 
 
 def run_routing(text: str) -> str:
-    if text in ("uniform", "hot", "one"):
+    if text in ("uniform", "hot", "one") or _zipf(text) is not None:
         return text
-    kind, colon, alpha = text.partition(":")
-    if kind == "zipf" and colon:
-        try:
-            a = float(alpha)
-        except ValueError:
-            a = -1.0
-        if a >= 0 and a == a and a != float("inf"):
-            return text
     raise argparse.ArgumentTypeError(f"{text!r}: expected uniform, zipf:ALPHA with ALPHA >= 0, hot or one")
 
 
