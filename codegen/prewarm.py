@@ -28,6 +28,7 @@ from pathlib import Path
 from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
 
 from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, KernelContract, Tiles
+from rdepc.toolchain import package_home
 
 # What each pass of a launch compiles: (backward, save, profile) per launch, in launch order.
 PASSES = {
@@ -68,8 +69,8 @@ def launch_requests(
             what = f"{pass_}{' backward' if backward else ''}{'' if rank is None else f' rank {rank}'}"
             out.append(
                 {
-                    "kernels": str(kernels_path),
-                    "plan": str(plan_path),
+                    "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere
+                    "plan": str(Path(plan_path).resolve()),
                     "tiles": asdict(tiles),
                     "meta": variant_meta(mode, backward, save, profile),
                     "launch": launch,
@@ -282,7 +283,8 @@ def _dispatch(requests, results, todo, parallel, compile, target, timeout) -> No
                     break
                 errlog.seek(0)
                 tail = errlog.read().decode(errors="replace").strip()[-1500:]
-                r |= {"status": "failed", "error": f"the compiling process ended (exit {p.poll()}): {tail}"}
+                last = tail.splitlines()[-1] if tail else "no output"  # the exception, first: summaries cut the rest
+                r |= {"status": "failed", "error": f"the compiling process ended (exit {p.poll()}): {last}\n{tail}"}
                 break
             r |= json.loads(line[len(_LINE) :])
         with contextlib.suppress(OSError, ValueError):
@@ -293,7 +295,7 @@ def _dispatch(requests, results, todo, parallel, compile, target, timeout) -> No
         errlog = tempfile.TemporaryFile()  # noqa: SIM115 - closed when its process has ended
         p = subprocess.Popen(
             [sys.executable, "-m", "rdepc.codegen.prewarm"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog, text=True, env=env, cwd=package_home(),
         )  # fmt: skip
         procs.append((p, errlog))
         t = threading.Thread(target=feed, args=(p, errlog), daemon=True)

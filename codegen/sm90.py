@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, KernelContract, Tiles, kernel_args
+from rdepc.toolchain import package_home
 
 # The kernels of one generated file: rdep_layer's forward in each kernel mode (constexprs),
 # keeping what a backward walks (SAVE), and its backward pass.
@@ -77,11 +78,12 @@ def compile_cubins(
     batches = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
     procs = []
     for batch in batches:
-        jobs_of = [[str(x) for x in jobs[i]] for i in batch]
+        jobs_of = [[str(Path(x).resolve()) for x in jobs[i]] for i in batch]  # the processes start elsewhere
         payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of})
         cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
         p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            cwd=package_home(),
         )
         procs.append((batch, p, payload))
     results: dict[int, list[dict]] = {}
