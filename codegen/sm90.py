@@ -81,10 +81,8 @@ def compile_cubins(
         jobs_of = [[str(Path(x).resolve()) for x in jobs[i]] for i in batch]  # the processes start elsewhere
         payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of})
         cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
-        p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            cwd=package_home(),
-        )
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        p = subprocess.Popen(cmd, **pipes, text=True, env=env, cwd=package_home())
         procs.append((batch, p, payload))
     results: dict[int, list[dict]] = {}
     errors = []
