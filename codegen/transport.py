@@ -10,9 +10,10 @@ one contract, so the kernel body is the same whatever moves the bytes —
 ``signal(flag)``
     release one unit on a done flag: every store the program made before is visible to
     whoever acquires it;
-``wait(flag, target, bound)``
-    acquire-spin until ``flag >= target`` or ``bound`` spins have passed; returns the value
-    last seen (``>= target`` when reached), which an expired wait reports.
+``wait(flag, target, bound, stop)``
+    acquire-spin until ``flag >= target``, ``bound`` spins have passed or the word at
+    ``stop`` (the call's error code) is set; returns the value last seen (``>= target``
+    when reached), which an expired wait reports.
 
 ``peer`` and ``put`` come from ``device/heap.py`` (the emulated transports: one address
 space) or ``device/nvshmem.py``; ``signal`` and ``wait`` from ``device/signals.py``. The

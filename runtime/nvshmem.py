@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import io
 import os
+import sys
 import threading
 
 # launch.py imports neither torch nor triton at import time either.
@@ -57,6 +58,7 @@ class NvshmemWorld:
         self._tensors: list = []  # every symmetric tensor handed out, freed by finalize
         self._modules: dict[int, object] = {}  # id -> compiled kernel registered with NVSHMEM (held: ids)
         self._finalized = False
+        self._lost: str | None = None  # why a peer may be gone (peers_lost)
 
     @property
     def rank(self) -> int:
@@ -171,16 +173,26 @@ class NvshmemWorld:
         torch.cuda.current_stream(self._index).synchronize()
         dist.barrier()
 
+    def peers_lost(self, why: str) -> None:
+        """A kernel's wait on a peer's flag failed (``why``): the peer may have died, and
+        finalize's collective steps would wait for it forever."""
+        self._lost = self._lost or why
+
     def finalize(self) -> None:
         """Free every symmetric tensor handed out, then finalise NVSHMEM (at exit; once).
-        Freeing is collective, so every PE frees the same tensors in the same order."""
+        Freeing is collective, so every PE frees the same tensors in the same order. After
+        :meth:`peers_lost` neither is done (a PE that is gone never joins them): the process
+        exits and the driver reclaims the memory."""
         if self._finalized:
+            return
+        self._finalized = True
+        if self._lost is not None:
+            print(f"rdepc: rank {self._rank} skips NVSHMEM's finalize, a collective: {self._lost}", file=sys.stderr)
             return
         import nvshmem.core as nc
         import torch
         from nvshmem.core.interop import torch as nt
 
-        self._finalized = True
         torch.cuda.synchronize(self._index)  # no kernel may still use a heap being freed
         while self._tensors:
             nt.free_tensor(self._tensors.pop(0))

@@ -167,24 +167,33 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         late = [r for r, p in enumerate(procs) if p.is_alive()]
-        if late:
-            e = RanksError(f"ranks {late} did not finish within {timeout:g} s; they were ended")
-            e.results, e.failures = [None] * world, {r: "did not finish" for r in late}
-            raise e
         out, failures, died = [], {}, []
         for rank, p in enumerate(procs):
             f = results / f"{rank}.pkl"
             if not f.exists():
-                failures[rank] = f"rank {rank} died (exit code {p.exitcode}) before it reported a result"
-                died.append(rank)
+                if rank in late:
+                    failures[rank] = "did not finish"
+                else:
+                    failures[rank] = f"rank {rank} died (exit code {p.exitcode}) before it reported a result"
+                    died.append(rank)
                 out.append(None)
                 continue
             value = pickle.loads(f.read_bytes())
+            if rank in late:  # what it returned is kept; the exit (NVSHMEM's finalize, at exit) is what hung
+                failures[rank] = "reported its result but did not exit"
             if value[0] == "error":
                 failures[rank] = f"rank {rank} failed: {value[1]}\n{value[2]}"
                 out.append(None)
             else:
                 out.append(value[1])
+        if late:
+            done = [r for r in late if failures[r] != "did not finish"]
+            e = RanksError(
+                f"ranks {late} did not finish within {timeout:g} s; they were ended"
+                + (f" (ranks {done} had reported their results: it was their exit that hung)" if done else "")
+            )
+            e.results, e.failures = out, failures
+            raise e
         if failures:
             # A rank that died is the likelier cause: its peers' host collectives then fail
             # with "connection closed" in their own words, which would otherwise come first.

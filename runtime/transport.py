@@ -74,6 +74,11 @@ class Transport:
         transport: every rank calls it)."""
         raise NotImplementedError
 
+    def peers_lost(self, why: str) -> None:
+        """A wait on another process's flag failed (``why``): that peer may be gone, and
+        nothing collective may wait for it any more. Nothing to do where ranks share one
+        process."""
+
     def launcher(self, interpret: bool, concurrent: bool):
         """What launches the kernel: Triton's own launch, or under the interpreter with
         ``concurrent`` programs (role-split) one thread per program."""
@@ -145,6 +150,11 @@ class Nvshmem(Transport):
         from rdepc.runtime.nvshmem import NvshmemWorld
 
         return NvshmemWorld.start().alloc_heap(heap_bytes)
+
+    def peers_lost(self, why: str) -> None:
+        from rdepc.runtime.nvshmem import NvshmemWorld
+
+        NvshmemWorld.start().peers_lost(why)
 
     def launcher(self, interpret: bool, concurrent: bool):
         """Links NVSHMEM's bitcode and registers each compiled kernel with NVSHMEM."""

@@ -156,10 +156,10 @@ def put_to_peers(heap, at, value, WP: tl.constexpr):
 
 
 @triton.jit
-def signal_then_wait(flag, seen, target, bound, TIMES: tl.constexpr):
+def signal_then_wait(flag, seen, target, bound, stop, TIMES: tl.constexpr):
     for _ in tl.static_range(TIMES):
         signal(flag)
-    tl.store(seen, wait(flag, target, bound))
+    tl.store(seen, wait(flag, target, bound, stop))
 """
 
 DEVICE = "\n\n\n".join(

@@ -266,9 +266,20 @@ def test_signal_then_wait_sees_the_value_or_gives_up_after_its_spins(kernels, st
     or, when it never does, the value it last saw after ``bound`` spins."""
     flag = torch.tensor([start], dtype=torch.int64)
     seen = torch.full((1,), -1, dtype=torch.int64)
-    launch(kernels().signal_then_wait, (1,), flag, seen, target, bound, TIMES=times)
+    stop = torch.zeros(1, dtype=torch.int64)
+    launch(kernels().signal_then_wait, (1,), flag, seen, target, bound, stop, TIMES=times)
     assert flag.item() == start + times
     assert seen.item() == start + times
+
+
+def test_wait_gives_up_at_once_when_the_call_has_failed(kernels):
+    """A wait whose flag never reaches its target stops as soon as the call's error word is
+    set, whatever its bound: 2^40 spins would not end under the interpreter."""
+    flag = torch.zeros(1, dtype=torch.int64)
+    seen = torch.full((1,), -1, dtype=torch.int64)
+    stop = torch.tensor([3], dtype=torch.int64)
+    launch(kernels().signal_then_wait, (1,), flag, seen, 5, 1 << 40, stop, TIMES=1)
+    assert seen.item() == 1
 
 
 # --- every global a copied function reads is written ---------------------------------------

@@ -152,6 +152,22 @@ def test_a_killed_rank_fails_the_others_within_their_bound():
     assert any(s["error"].record["flag_rank"] == 1 for s in survivors)
 
 
+def hangs_at_exit(rank: int, world: int) -> int:
+    """Returns, then (rank 1) hangs at exit, as NVSHMEM's finalize does when a PE is gone."""
+    if rank == 1:
+        import atexit
+
+        atexit.register(time.sleep, 3600)
+    return rank
+
+
+def test_a_rank_that_reported_but_hangs_at_exit_is_told_apart_and_its_result_kept():
+    with pytest.raises(ranks.RanksError, match=r"ranks \[1\] had reported their results: it was their exit") as e:
+        ranks.spawn(hangs_at_exit, 2, timeout=20)
+    assert e.value.results == [0, 1]
+    assert e.value.failures == {1: "reported its result but did not exit"}
+
+
 CTRL_C = """
 import signal, sys, time
 # Ctrl-C as in a terminal, even when the suite itself runs in the background (a shell starts

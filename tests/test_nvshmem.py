@@ -30,12 +30,12 @@ HEADER = "import triton\nimport triton.language as tl\nfrom triton.language impo
 PROBE_KERNEL = """
 
 @triton.jit
-def probe(heap, to, n, bound, out, BLOCK: tl.constexpr):
+def probe(heap, to, n, bound, stop, out, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     dst = peer(heap, to)
     put(dst + offs, offs.to(tl.uint8), offs < n)
     signal((dst + 128).to(tl.pointer_type(tl.int32)))
-    seen = wait((heap + 128).to(tl.pointer_type(tl.int32)), 1, bound)
+    seen = wait((heap + 128).to(tl.pointer_type(tl.int32)), 1, bound, stop)
     tl.store(out, seen)
 """
 
@@ -51,7 +51,8 @@ COMPILE = textwrap.dedent(
     spec = importlib.util.spec_from_file_location("nvshmem_probe", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    signature = {"heap": "*u8", "to": "i32", "n": "i32", "bound": "i32", "out": "*i32", "BLOCK": "constexpr"}
+    signature = {"heap": "*u8", "to": "i32", "n": "i32", "bound": "i32", "stop": "*i64", "out": "*i32"}
+    signature["BLOCK"] = "constexpr"
     result = {}
     for linked in (True, False):
         options = {"num_warps": 4}
@@ -141,6 +142,19 @@ def test_world_needs_a_gpu():
             NvshmemWorld.start()
         message = str(err.value)
         assert "\n" not in message and "GPU" in message and "emulated" in message
+
+
+def test_a_world_that_lost_a_peer_skips_the_collective_finalize(capsys):
+    """After a failed wait on a peer's flag, finalize neither frees collectively nor calls
+    NVSHMEM's finalize (which would wait for a dead PE forever); it says so, once."""
+    world = NvshmemWorld(0, 2, 0)  # never booted: nvshmem itself is not needed
+    world.peers_lost("a wait for rank 1 failed")
+    world.peers_lost("a later one")
+    world.finalize()
+    world.finalize()
+    err = capsys.readouterr().err
+    assert err.count("rank 0 skips NVSHMEM's finalize") == 1 and "a wait for rank 1 failed" in err
+    assert "nvshmem.core" not in sys.modules
 
 
 def test_import_is_light():

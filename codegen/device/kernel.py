@@ -167,7 +167,7 @@ def rdep_layer(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
             if got < want:
                 blocked = guard
                 seen = got
@@ -190,7 +190,7 @@ def rdep_layer(
                 if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
                     want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
                     flag = tile
-                got = wait(flag, want, bound)
+                got = wait(flag, want, bound, ctl + CTL_ERR_CODE)
                 if got < want:
                     blocked = dep
                     seen = got

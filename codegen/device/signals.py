@@ -17,14 +17,16 @@ def signal(flag):
 
 
 @triton.jit
-def wait(flag, target, bound):
-    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
-    seen. The barrier after it lets every warp of the program see what the acquire made
-    visible."""
+def wait(flag, target, bound, stop):
+    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins, or until the word
+    at ``stop`` (the call's error code) is set: once one wait of the call has failed, the
+    others give up at once instead of each spending its own bound, so a dead peer costs a
+    rank one bound, not one per waiting program. The value last seen. The barrier after it
+    lets every warp of the program see what the acquire made visible."""
     seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
     spins = 0
     while (seen < target) & (spins < bound):
         seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-        spins += 1
+        spins = tl.where(tl.load(stop, volatile=True) != 0, bound, spins + 1)
     tl.debug_barrier()
     return seen

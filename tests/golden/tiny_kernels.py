@@ -6,7 +6,7 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 4783544250a9b65024e2082b2e52730435d318e080f5317f00affceb1facdce6
+# content-sha256: 42d017250a1f9748e404faff40ba6588fe83548716836de5dc08928477c47488
 
 """Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
 ``rdep_layer``, whose constexpr BACKWARD picks the pass.
@@ -200,15 +200,17 @@ def signal(flag):
 
 
 @triton.jit
-def wait(flag, target, bound):
-    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins; the value last
-    seen. The barrier after it lets every warp of the program see what the acquire made
-    visible."""
+def wait(flag, target, bound, stop):
+    """Acquire-spin until ``flag`` >= ``target``, at most ``bound`` spins, or until the word
+    at ``stop`` (the call's error code) is set: once one wait of the call has failed, the
+    others give up at once instead of each spending its own bound, so a dead peer costs a
+    rank one bound, not one per waiting program. The value last seen. The barrier after it
+    lets every warp of the program see what the acquire made visible."""
     seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
     spins = 0
     while (seen < target) & (spins < bound):
         seen = tl.atomic_add(flag, 0, sem="acquire", scope=SCOPE)
-        spins += 1
+        spins = tl.where(tl.load(stop, volatile=True) != 0, bound, spins + 1)
     tl.debug_barrier()
     return seen
 
@@ -912,6 +914,11 @@ def gemm_tile(
     """
     if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
+    # fp8 rows are widened in registers, so the MMA takes A from registers (wgmma "RS").
+    # Pipelined, Triton 3.6 keeps 3 of those MMAs in flight while it already rewrites their
+    # A registers for the next chunk (the PTX ISA leaves that undefined; on the H100 the
+    # fp8 layer's results varied run to run). One stage: a chunk's MMAs finish (wait 0)
+    # before the next chunk's A is built.
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     rows = row0 + tl.arange(0, BM)
     if TMA and a_index is None:
@@ -922,7 +929,7 @@ def gemm_tile(
             w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
         else:
             w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
-        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
                 b = tl.trans(w_desc.load([col0, k]))
             else:
@@ -939,7 +946,7 @@ def gemm_tile(
         # 64-bit indices, as a block pointer's were: with 32-bit ones ptxas gave the sm_90
         # dedup kernels more stack.
         cols = tl.cast(col0, tl.int64) + tl.arange(0, BN)
-        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             kk = tl.cast(k, tl.int64) + tl.arange(0, BK)
             x = load_tile(a, rows, kk, a_rows, K_DIM, K_DIM, 1)
             y = load_tile(w, kk, cols, K_DIM, n_cols, k_stride, col_stride)
@@ -1916,7 +1923,7 @@ def rdep_layer(
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
             want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
             if got < want:
                 blocked = guard
                 seen = got
@@ -1939,7 +1946,7 @@ def rdep_layer(
                 if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
                     want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
                     flag = tile
-                got = wait(flag, want, bound)
+                got = wait(flag, want, bound, ctl + CTL_ERR_CODE)
                 if got < want:
                     blocked = dep
                     seen = got
