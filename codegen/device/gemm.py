@@ -76,6 +76,11 @@ def gemm_tile(
     """
     if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
+    # fp8 rows are widened in registers, so the MMA takes A from registers (wgmma "RS").
+    # Pipelined, Triton 3.6 keeps 3 of those MMAs in flight while it already rewrites their
+    # A registers for the next chunk (the PTX ISA leaves that undefined; on the H100 the
+    # fp8 layer's results varied run to run). One stage: a chunk's MMAs finish (wait 0)
+    # before the next chunk's A is built.
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     rows = row0 + tl.arange(0, BM)
     if TMA and a_index is None:
@@ -86,7 +91,7 @@ def gemm_tile(
             w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
         else:
             w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
-        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
                 b = tl.trans(w_desc.load([col0, k]))
             else:
@@ -103,7 +108,7 @@ def gemm_tile(
         # 64-bit indices, as a block pointer's were: with 32-bit ones ptxas gave the sm_90
         # dedup kernels more stack.
         cols = tl.cast(col0, tl.int64) + tl.arange(0, BN)
-        for k in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             kk = tl.cast(k, tl.int64) + tl.arange(0, BK)
             x = load_tile(a, rows, kk, a_rows, K_DIM, K_DIM, 1)
             y = load_tile(w, kk, cols, K_DIM, n_cols, k_stride, col_stride)
