@@ -249,13 +249,17 @@ class Variant:
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
 
 
+def example_path(file: str) -> Path:
+    """A variant's example file as an absolute path (``file`` relative: to the source tree)."""
+    return Path(file) if Path(file).is_absolute() else ROOT / file
+
+
 @functools.cache
 def _layer(file: str, overrides: tuple, edit: str | None):
     from rdepc.api import Layer, elaborate_layer
     from rdepc.parser import parse_text
 
-    path = Path(file) if Path(file).is_absolute() else ROOT / file
-    text = path.read_text(encoding="utf-8")
+    text = example_path(file).read_text(encoding="utf-8")
     if edit is not None:
         text = EDITS[edit](text)
     spec, warnings = elaborate_layer(parse_text(text, file), None, dict(overrides))

@@ -113,3 +113,11 @@ def bitcode_path(arch: int = 90) -> Path:
         f"rdepc: the nvshmem backend needs NVSHMEM's device bitcode ({' or '.join(names)}), "
         f"which is not installed: {INSTALL_HINT}"
     )
+
+
+def package_home() -> str:
+    """The folder a ``python -m rdepc...`` subprocess starts in to import this process's
+    rdepc: ``-m`` puts the working folder first on ``sys.path``, and in a source tree that
+    folder's ``rdepc/`` (without ``passes``, ``codegen``, ... beside it) shadows an installed
+    wheel. An editable install resolves the rest from there as it does here."""
+    return str(Path(__file__).resolve().parent.parent)
