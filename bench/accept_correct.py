@@ -34,6 +34,7 @@ DRY_FULL = ("tiny",)
 # The share of the free memory a check plans to fill: the caching allocator's rounding and
 # the transients its estimate leaves out take the rest.
 FIT = 0.85
+NARROWED = ("E", "F")  # what a backward check too large for the free memory halves, in this order
 
 
 def run(stage, device: str) -> None:
@@ -156,41 +157,49 @@ def backward_bytes(layer, dry: bool) -> int:
 
 def fit_backward(name: str, dry: bool, edit: str | None, room: int | None) -> dict:
     """The parameters a backward check of ``name`` runs at to fit ``room`` free bytes (None:
-    unknown, the example as the stage runs it): its E halved, as ``-D E=..`` narrows it,
-    until :func:`backward_bytes` fits FIT × room (where none does, the smallest E the example
-    accepts). Returns ``narrowed`` (the parameters replaced: none when it fits as it is),
-    the free bytes, the estimate at each E tried, and why, in words."""
+    unknown, the example as the stage runs it): its E halved, as ``-D E=..`` narrows it, and
+    where E is no parameter or the example takes no smaller one its F, until
+    :func:`backward_bytes` fits FIT × room (where none does, the narrowest the example
+    takes). E first: the experts' GEMMs keep their shapes. Returns ``narrowed`` (the
+    parameters replaced: none when it fits as it is), the free bytes, the estimate at each
+    (E, F) tried and why, in words."""
     from rdepc.runtime.memory import human
 
     from rdepc.diagnostics import SpecError
 
-    full = E = variant(name, dry, edit=edit).layer().shapes["E"]
-    need: dict[int, int] = {}
-    while True:
+    def shape(n: dict) -> str:
+        return " ".join(f"{k}={n.get(k, full[k])}" for k in NARROWED)
+
+    def estimate(n: dict) -> int | None:
         try:
-            layer = variant(name, dry, edit=edit, narrow={"E": E} if need else None).layer()
-            need[E] = backward_bytes(layer, dry)
-        except (SpecError, ValueError):  # the example refuses this E: the last it took stands
-            break
-        if room is None or need[E] <= FIT * room or E < 2:
-            break
-        E //= 2
-    E = list(need)[-1]
-    fits = room is None or need[E] <= FIT * room
+            need[shape(n)] = backward_bytes(variant(name, dry, edit=edit, narrow=n or None).layer(), dry)
+        except (SpecError, ValueError):  # not a parameter, or a value the example refuses
+            return None
+        return need[shape(n)]
+
+    full = variant(name, dry, edit=edit).layer().shapes
+    need: dict[str, int] = {}
+    narrowed: dict[str, int] = {}
+    bytes_ = estimate(narrowed)
+    for k in NARROWED:
+        while room is not None and bytes_ > FIT * room and narrowed.get(k, full[k]) >= 2:
+            trial = narrowed | {k: narrowed.get(k, full[k]) // 2}
+            got = estimate(trial)
+            if got is None:
+                break
+            narrowed, bytes_ = trial, got
+    fits = room is None or bytes_ <= FIT * room
+    at = shape({})
     if room is None:
-        why = f"the free memory is unknown: run at E={full}, estimated {human(need[full])}"
+        why = f"the free memory is unknown: run at {at}, estimated {human(need[at])}"
     else:
-        plannable = f"{FIT:.0%} of the {human(room)} free is {human(FIT * room)}"
-        why = f"at E={full} the check needs about {human(need[full])} (estimated); {plannable}"
-        if full != E:
-            why += f": run at E={E} ({human(need[E])})" + ("" if fits else ", the smallest E it takes, still more")
-    return {
-        "narrowed": {"E": E} if full != E else {},
-        "fits": fits,
-        "free_bytes": room,
-        "need_bytes": need,
-        "why": why,
-    }
+        why = f"at {at} the check needs about {human(need[at])} (estimated); {FIT:.0%} of the {human(room)} free is "
+        why += human(FIT * room)
+        if narrowed:
+            why += f": run at {shape(narrowed)} ({human(bytes_)})"
+        if not fits:
+            why += ", the narrowest the example takes, though it does not fit either"
+    return {"narrowed": narrowed, "fits": fits, "free_bytes": room, "need_bytes": need, "why": why}
 
 
 def inputs_for(layer, device: str, seed: int = 0):
