@@ -160,11 +160,8 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         pipelined_over_bulk = (
             times["rdepc pipelined unified"]["ms"]["median"] / times["rdepc bulk unified"]["ms"]["median"]
         )
-    best_module = modules.pop(best)
-    modules.clear()
     m = prof = xs = w_in = token = offs = None  # released: the profiled module, the baselines' rows
-    released(device)
-    weights = sum(t.nbytes for t in (wg, wu, wd) if t is not None)
+    weights = sum(w.nbytes for w in (wg, wu, wd) if w is not None)
     per_token = x.nbytes // T  # x's bytes per token of every rank: dy, y and dx as many
 
     def make(tokens_: int):
@@ -173,7 +170,7 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         return v.layer().module(v.backend, device, schedule=best[0], mode=best[1])
 
     # the weights' gradients, the kernel's gradient buffers and its [Wg Wu] copy; x, dy, y, dx
-    module, t, tried = fit_train(best_module, T, make, lambda n: 3 * weights + 4 * per_token * n, device)
+    module, t, tried = fit_train(modules, best, T, make, lambda n: 3 * weights + 4 * per_token * n, device)
     check.figure("fwd_bwd_tokens", t)
     check.figure("fwd_bwd_memory", {"fit": FIT, "tried": tried})
     fwd_ms = best_ms
@@ -256,8 +253,8 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
 
 
 def released(device: str) -> None:
-    """Memory of the tensors no longer referenced given back (the modules' heaps hold cycles
-    of references; the caching allocator keeps freed blocks from the next estimate)."""
+    """Memory no longer referenced given back before the free memory is read again: objects
+    in reference cycles collected, and on a GPU the caching allocator's free blocks returned."""
     import gc
 
     gc.collect()
@@ -267,16 +264,21 @@ def released(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def fit_train(module, tokens: int, make, fixed, device: str):
-    """The module and T' the forward+backward is timed at: ``module`` at T' = ``tokens`` when
-    what a call under autograd and its backward allocate (the saved rows, from its contract:
-    accept_correct.train_rows_bytes; ``fixed(T')`` bytes more) fits FIT × the free memory,
-    else ``make(T')``'s at T' halved until it does (each built, and the last released, before
-    the free memory is read: it counts the module's heap; at T' = 1, whether or not it fits).
-    Returns (module or None, T', {T': need_bytes, free_bytes and fits, or why none was built})."""
+def fit_train(modules: dict, best, tokens: int, make, fixed, device: str):
+    """The module and T' the forward+backward is timed at: ``modules[best]`` at T' =
+    ``tokens`` (the other modules released first: taken out of ``modules``, no reference to
+    one is left here) when what a call under autograd and its backward allocate (the saved
+    rows, from its contract: accept_correct.train_rows_bytes; ``fixed(T')`` bytes more) fits
+    FIT × the free memory, else ``make(T')``'s at T' halved until it does (each built, and
+    the last released, before the free memory is read: it counts the module's heap; at T' =
+    1, whether or not it fits). Returns (module or None, T', {T': need_bytes, free_bytes and
+    fits, or why none was built})."""
     import torch
     from rdepc.runtime.memory import HeapSizeError
 
+    module = modules.pop(best)
+    modules.clear()
+    released(device)
     tried: dict[int, dict] = {}
     t = tokens
     while True:
