@@ -31,31 +31,39 @@ DRY = {
 # Dry run: the full strategy × mode matrix for tiny; the others in their own schedule and
 # bulk, unified (the interpreter runs role-split's programs as threads: slow).
 DRY_FULL = ("tiny",)
+# The share of the free memory a check plans to fill: the caching allocator's rounding and
+# the transients its estimate leaves out take the rest.
+FIT = 0.85
+NARROWED = ("E", "F")  # what a backward check too large for the free memory halves, in this order
 
 
 def run(stage, device: str) -> None:
     from bench.acceptance import run_planned
 
-    run_planned(stage, plan(stage.dry_run), device)
+    run_planned(stage, plan(stage.dry_run, device), device)
 
 
-def plan(dry: bool) -> list:
-    """The stage's checks in order, each with the variants it launches (the prewarm's list)."""
+def plan(dry: bool, device: str | None = None) -> list:
+    """The stage's checks in order, each with the variants it launches (the prewarm's list).
+    The backward checks are sized to the memory ``device`` has free now (:func:`fit_backward`)."""
     from bench.acceptance import Planned
 
     examples = DRY_EXAMPLES if dry else EXAMPLES
+    room = free_bytes(device or ("cpu" if dry else "cuda"))
     out = []
     for name in examples:
         runs = tuple(variant(name, dry, s, m) for s, m in matrix(name, dry))
         out.append(Planned(f"forward/{name}", forward, (runs,), runs))
     for name in ("tiny",) if dry else examples:
-        runs = trained(name, dry)
-        out.append(Planned(f"backward/{name}", backward, (runs,), runs))
+        fit = fit_backward(name, dry, None, room)
+        runs = trained(name, dry, fit=fit)
+        out.append(Planned(f"backward/{name}", backward, (runs, fit), runs))
     runs = (variant("deepseek_v3", dry),)  # its own schedule
     out.append(Planned("fp8/deepseek_v3", fp8, (runs,), runs))
     runs = tuple(variant("deepseek_v3", dry, s, edit="dedup") for s in ("bulk", "deep"))
-    grads = trained("deepseek_v3", dry, "dedup")
-    out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads), runs + grads))
+    fit = fit_backward("deepseek_v3", dry, "dedup", room)
+    grads = trained("deepseek_v3", dry, "dedup", fit)
+    out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads, fit), runs + grads))
     for name in ("tiny",) if dry else ("qwen3_30b_a3b", "tiny"):
         runs = tuple(variant(name, dry, s) for s in (("bulk",) if dry else ("bulk", "pipelined")))
         out.append(Planned(f"cuda_graph/{name}", cuda_graph, (runs,), runs))
@@ -72,11 +80,12 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
     return dict(DRY[name]) if dry else {"T": tokens or GPU_TOKENS.get(name, 256)}
 
 
-def variant(name: str, dry: bool, schedule=None, mode="unified", pass_="forward", edit=None, tokens=None):
-    """A launch of example ``name`` on the one-process backend (``acceptance.Variant``)."""
+def variant(name: str, dry: bool, schedule=None, mode="unified", pass_="forward", edit=None, tokens=None, narrow=None):
+    """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
+    ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory)."""
     from bench.acceptance import Variant
 
-    ov = tuple(overrides(name, dry, tokens).items())
+    ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())
     return Variant(f"examples/{name}.rdep", ov, schedule, mode, pass_, "emulated", edit)
 
 
@@ -91,11 +100,106 @@ def own(name: str, dry: bool, edit: str | None = None, tokens: int | None = None
     return load(name, dry, edit, tokens).compile(interpret=dry).kernel.strategy
 
 
-def trained(name: str, dry: bool, edit: str | None = None) -> tuple:
+def trained(name: str, dry: bool, edit: str | None = None, fit: dict | None = None) -> tuple:
     """What a backward check runs: a call under autograd and its backward, in every schedule
-    (a dry run: the example's own, except in DRY_FULL), unified."""
+    (a dry run: the example's own, except in DRY_FULL), unified; ``fit``: narrowed as
+    :func:`fit_backward` found it fits."""
     schedules = SCHEDULES if not dry or name in DRY_FULL else (own(name, dry, edit),)
-    return tuple(variant(name, dry, s, "unified", "train", edit) for s in schedules)
+    narrow = fit["narrowed"] if fit else None
+    return tuple(variant(name, dry, s, "unified", "train", edit, narrow=narrow) for s in schedules)
+
+
+# ----------------------------------------------------------------------------- memory
+def free_bytes(device: str) -> int | None:
+    """Bytes a new allocation on ``device`` may take (the runtime's own measure: a GPU's free
+    memory, the host's available memory); None where it cannot be known."""
+    from rdepc.runtime.memory import free_memory
+
+    free = free_memory(device)
+    return None if free is None else free[0]
+
+
+def train_rows_bytes(contract) -> int:
+    """The rows a call under autograd and its backward allocate beside the module's own
+    buffers (runtime/module.py, ``_run`` with ``save`` and ``_backward``): the owner-row
+    buffers, [owners, R_MAX, columns] in the layer's dtype each (saved_x, saved_pre and under
+    dedup saved_out; dh, act_rows, do_rows), and saved_out per (token, slot) without dedup."""
+    from rdepc.runtime.tensors import TORCH_DTYPES
+
+    p = contract
+    pre = 2 * p.F if p.gated else p.F
+    columns = p.H + pre + (p.H if p.dedup else 0) + pre + p.F + p.H
+    owners = 1 if p.per_rank else p.W  # heap.owner_rows: one block per owner this process runs
+    saved_out = 0 if p.dedup else owners * p.T * p.K * p.H
+    return (owners * p.R_MAX * columns + saved_out) * TORCH_DTYPES[p.dtype].itemsize
+
+
+def backward_bytes(layer, dry: bool) -> int:
+    """Bytes the backward check holds at its peak, estimated. Per weight element: the inputs
+    in the layer's dtype (d bytes), then the larger of the reference's phase (its fp32 copy
+    and that copy's gradient: 8) and the strategies' (the reference's gradients, the first
+    strategy's kept for the bitwise comparison and the one being made, in fp32: 12; that one
+    in the dtype and the module's weight-shaped buffers, its [Wg Wu] copy and gradient
+    buffers: 3d). Per routed row the reference's fp32 activations (x, out and the slot's
+    [W, T', H] sums: 5H; gate, up, act: 3F) and their gradients; the module's saved rows."""
+    from rdepc.runtime.tensors import TORCH_DTYPES
+
+    sh, spec = layer.shapes, layer.spec
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    gated = spec.expert.gated
+    d = TORCH_DTYPES[spec.precision.dtype.value].itemsize
+    weights = (3 if gated else 2) * E * H * F
+    rows = W * T * K * (5 * H + (3 if gated else 2) * F) * 4 * 2
+    reference = 8 * weights + rows
+    strategies = (12 + 3 * d) * weights + train_rows_bytes(layer.compile(interpret=dry).kernel)
+    return d * weights + max(reference, strategies)
+
+
+def fit_backward(name: str, dry: bool, edit: str | None, room: int | None) -> dict:
+    """The parameters a backward check of ``name`` runs at to fit ``room`` free bytes (None:
+    unknown, the example as the stage runs it): its E halved, as ``-D E=..`` narrows it, and
+    where E is no parameter or the example takes no smaller one its F, until
+    :func:`backward_bytes` fits FIT × room (where none does, the narrowest the example
+    takes). E first: the experts' GEMMs keep their shapes. Returns ``narrowed`` (the
+    parameters replaced: none when it fits as it is), the free bytes, the estimate at each
+    (E, F) tried and why, in words."""
+    from rdepc.runtime.memory import human
+
+    from rdepc.diagnostics import SpecError
+
+    def shape(n: dict) -> str:
+        return " ".join(f"{k}={n.get(k, full[k])}" for k in NARROWED)
+
+    def estimate(n: dict) -> int | None:
+        try:
+            need[shape(n)] = backward_bytes(variant(name, dry, edit=edit, narrow=n or None).layer(), dry)
+        except (SpecError, ValueError):  # not a parameter, or a value the example refuses
+            return None
+        return need[shape(n)]
+
+    full = variant(name, dry, edit=edit).layer().shapes
+    need: dict[str, int] = {}
+    narrowed: dict[str, int] = {}
+    bytes_ = estimate(narrowed)
+    for k in NARROWED:
+        while room is not None and bytes_ > FIT * room and narrowed.get(k, full[k]) >= 2:
+            trial = narrowed | {k: narrowed.get(k, full[k]) // 2}
+            got = estimate(trial)
+            if got is None:
+                break
+            narrowed, bytes_ = trial, got
+    fits = room is None or bytes_ <= FIT * room
+    at = shape({})
+    if room is None:
+        why = f"the free memory is unknown: run at {at}, estimated {human(need[at])}"
+    else:
+        why = f"at {at} the check needs about {human(need[at])} (estimated); {FIT:.0%} of the {human(room)} free is "
+        why += human(FIT * room)
+        if narrowed:
+            why += f": run at {shape(narrowed)} ({human(bytes_)})"
+        if not fits:
+            why += ", the narrowest the example takes, though it does not fit either"
+    return {"narrowed": narrowed, "fits": fits, "free_bytes": room, "need_bytes": need, "why": why}
 
 
 def inputs_for(layer, device: str, seed: int = 0):
@@ -207,15 +311,23 @@ def forward(check, variants, device: str, dry: bool) -> None:
     check.figure("refused", sorted(k for k, r in runs.items() if "refused" in r))
 
 
-def backward(check, variants, device: str, dry: bool) -> None:
+def backward(check, variants, fit: dict | None, device: str, dry: bool) -> None:
     """Gradients of x, the gates and the weights against autograd through the reference (fp32),
-    and bitwise across strategies."""
+    and bitwise across strategies; ``fit``: how the example was narrowed to fit the free
+    memory (:func:`fit_backward`), recorded with the overrides it ran at."""
     import torch
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     from rdepc.reference import reference_for
 
     layer = variants[0].layer()
+    sh = layer.shapes
+    check.figure("shape", " ".join(f"{k}={sh[k]}" for k in ("W", "T", "H", "F", "E", "K")))
+    check.figure("overrides", dict(variants[0].overrides))  # as `-D NAME=VALUE`: exactly what ran
+    if fit is not None:
+        narrowed = ", ".join(f"{k}={v}" for k, v in fit["narrowed"].items())
+        check.figure("narrowed", f"{narrowed or 'no'}: {fit['why']}")
+        check.figure("memory", {k: fit[k] for k in ("fits", "free_bytes", "need_bytes")})
     inputs = inputs_for(layer, device)
     tol = 3 * tolerance(layer)  # gradients: more rounded steps than the forward
     dtype = TORCH_DTYPES[layer.spec.precision.dtype.value]
@@ -238,6 +350,7 @@ def backward(check, variants, device: str, dry: bool) -> None:
             same = all(torch.equal(got[n], first[1][n]) for n in got)
             check.expect(same, f"{schedule}: gradients not bitwise equal to {first[0]}'s")
         check.figure("max_rel_err", errs)
+        del got  # before the next strategy's: the first's (kept) and the one being made at most
     check.figure("worst", max(e for per in errs.values() for e in per.values()))
 
 
@@ -262,9 +375,9 @@ def fp8(check, variants, device: str, dry: bool) -> None:
     check.figure("scales_per_row", layer.spec.route_row.scales)
 
 
-def dedup(check, variants, grads, device: str, dry: bool) -> None:
-    """deepseek_v3 under dedup (``variants``: its calls; ``grads``: the backward check's):
-    one payload row per (token, owner); forward and backward."""
+def dedup(check, variants, grads, fit: dict | None, device: str, dry: bool) -> None:
+    """deepseek_v3 under dedup (``variants``: its calls; ``grads``: the backward check's,
+    narrowed as ``fit`` says): one payload row per (token, owner); forward and backward."""
     import torch
     from rdepc.runtime.tensors import max_relative_error
 
@@ -290,7 +403,7 @@ def dedup(check, variants, grads, device: str, dry: bool) -> None:
     (a, ya), (b, yb) = list(ys.items())[:2]
     check.expect(torch.equal(ya, yb), f"{a} and {b} differ")
     sub = type(check)("backward")
-    backward(sub, grads, device, dry)
+    backward(sub, grads, fit, device, dry)
     check.figure("backward", sub.figures)
     check.failures += [f"backward: {f}" for f in sub.failures]
 

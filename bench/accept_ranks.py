@@ -275,19 +275,25 @@ def rate(check, variants, W: int, device: str, dry: bool) -> None:
 def torchrun(check, variants, W: int, device: str, dry: bool) -> None:
     """The user's command: torchrun, one process per rank, rdepc run --check (the example's
     own schedule, unified: the command's defaults)."""
+    from bench.acceptance import example_path
+    from rdepc.toolchain import package_home
+
     (v,) = variants
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(W)]
-    argv += ["-m", "rdepc", "run", v.file, "--backend", v.backend, "--check"]
+    argv += ["-m", "rdepc", "run", str(example_path(v.file)), "--backend", v.backend, "--check"]
     argv += [a for k, n in v.overrides for a in ("-D", f"{k}={n}")]
     argv += ["--schedule", v.schedule] if v.schedule else []
     argv += ["--mode", v.mode] if v.mode != "unified" else []
     if dry:
         argv += ["--device", "cpu"]
     check.figure("command", " ".join(argv[1:]))
+    home = check.figure("cwd", package_home())
     t0 = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT, env=env)
+        # the ranks' `-m rdepc` imports the rdepc this process runs, not the tree's rdepc/ the
+        # working folder may hold (an installed wheel's has its subpackages; the tree's has not)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=LIMIT, env=env, cwd=home)
     except subprocess.TimeoutExpired:
         check.expect(False, f"torchrun did not finish within {LIMIT:g} s")
         return

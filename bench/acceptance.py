@@ -3,6 +3,7 @@
     python bench/acceptance.py --stage correct --out bench/results/DEVICE-DATE   # on a GPU, < 8 min a stage
     python bench/acceptance.py --stage all --dry-run --out build/acceptance      # CPU: the interpreter, tiny shapes
     python bench/acceptance.py --report bench/results/DEVICE-DATE                # the summary table
+    python bench/acceptance.py --plot bench/results/DEVICE-DATE                  # perf.png from perf.json
 
 Stages (``all``: them in order, for a machine without a per-command limit):
 
@@ -249,13 +250,17 @@ class Variant:
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
 
 
+def example_path(file: str) -> Path:
+    """A variant's example file as an absolute path (``file`` relative: to the source tree)."""
+    return Path(file) if Path(file).is_absolute() else ROOT / file
+
+
 @functools.cache
 def _layer(file: str, overrides: tuple, edit: str | None):
     from rdepc.api import Layer, elaborate_layer
     from rdepc.parser import parse_text
 
-    path = Path(file) if Path(file).is_absolute() else ROOT / file
-    text = path.read_text(encoding="utf-8")
+    text = example_path(file).read_text(encoding="utf-8")
     if edit is not None:
         text = EDITS[edit](text)
     spec, warnings = elaborate_layer(parse_text(text, file), None, dict(overrides))
@@ -380,6 +385,25 @@ def report(directory: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(directory: Path) -> int:
+    """``directory/perf.png`` from ``directory/perf.json`` (accept_perf.plot_perf); 2 where
+    there is no perf record or no case in it."""
+    from bench.accept_perf import plot_perf
+
+    path = directory / "perf.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"acceptance: --plot {directory}: no perf record to plot ({e})", file=sys.stderr)
+        return 2
+    png = directory / "perf.png"
+    if not plot_perf(record, png):
+        print(f"acceptance: --plot {directory}: {path} holds no perf case", file=sys.stderr)
+        return 2
+    print(f"wrote {png}")
+    return 0
+
+
 def _brief(figures: dict, limit: int = 6) -> str:
     """The first scalar figures of a check, for a table cell."""
     out = []
@@ -421,18 +445,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, help="seconds after which a stage's remaining checks are skipped")
     ap.add_argument("--only", action="append", default=[], help="run only checks matching this glob (repeatable)")
     ap.add_argument("--report", metavar="DIR", help="print the markdown summary of the stage records in DIR")
+    ap.add_argument("--plot", metavar="DIR", help="write DIR/perf.png from DIR/perf.json (times and stage timelines)")
     args = ap.parse_args(argv)
-    if args.report:
+    if args.report or args.plot:
         if args.stage:
-            ap.error("--report DIR summarises; it runs no stage")
-        directory = Path(args.report)
-        if not directory.is_dir():
-            print(f"acceptance: --report {directory}: no such directory", file=sys.stderr)
-            return 2
-        print(report(directory), end="")
-        return 0
+            ap.error("--report DIR and --plot DIR read records; they run no stage")
+        for flag, given in (("--report", args.report), ("--plot", args.plot)):
+            if given and not Path(given).is_dir():
+                print(f"acceptance: {flag} {given}: no such directory", file=sys.stderr)
+                return 2
+        if args.report:
+            print(report(Path(args.report)), end="")
+        return plot(Path(args.plot)) if args.plot else 0
     if not args.stage or not args.out:
-        ap.error("--stage STAGE and --out DIR are needed (or --report DIR)")
+        ap.error("--stage STAGE and --out DIR are needed (or --report DIR, --plot DIR)")
     if not args.dry_run:
         import torch
 

@@ -58,6 +58,10 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
     assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
     assert perf["host_overhead_ms"] is None and perf["stage_clock"] == "logical"  # no durations on the CPU
+    # forward+backward sized to the free memory: tiny fits at its T', and the ratio says so
+    assert perf["fwd_bwd_tokens"] == 8 == perf["ratios"]["fwd_bwd_tokens"] and perf["fwd_bwd_memory"]["tried"]
+    assert correct["backward/tiny"]["narrowed"].startswith("no: ") and correct["backward/tiny"]["memory"]["fits"]
+    assert correct["backward/tiny"]["overrides"] == {"W": 2, "T": 8}
     ranks = {c["name"]: c["figures"] for c in json.loads((out / "nvshmem.json").read_text())["checks"]}
     assert all(all(v["bitwise"]) for v in ranks["bitwise/tiny/W2"]["cases"].values())
     assert len(ranks["bitwise/tiny/W2"]["cases"]) == 4  # 2 strategies × 2 modes
@@ -71,6 +75,7 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     for stage in acceptance.STAGES:
         assert f"\n| {stage} | yes | " in report.stdout
     assert "| forward/tiny | pass |" in report.stdout
+    assert acceptance.main(["--plot", str(out)]) == 0 and (out / "perf.png").stat().st_size > 0
 
 
 def _stage(tmp_path, **kw):
@@ -140,9 +145,46 @@ def test_a_second_run_with_only_replaces_its_checks_and_keeps_the_rest(tmp_path)
     assert rec["complete"] and rec["summary"]["pass"] == 2
 
 
+def test_a_backward_check_too_large_for_the_free_memory_runs_narrowed(monkeypatch):
+    from bench import accept_correct as ac
+
+    monkeypatch.setattr(ac, "backward_bytes", lambda layer, dry: layer.shapes["E"] * layer.shapes["F"])
+    fit = ac.fit_backward("deepseek_v3", True, None, 700)  # narrowed: E=16 F=64, 1024 bytes > 0.85 × 700
+    # E=8 leaves fewer than top 8 experts in its top 4 groups (refused): F is halved instead
+    assert fit["narrowed"] == {"F": 32} and fit["fits"] and fit["need_bytes"] == {"E=16 F=64": 1024, "E=16 F=32": 512}
+    assert "run at E=16 F=32" in fit["why"]
+    assert dict(ac.variant("deepseek_v3", True, narrow=fit["narrowed"]).overrides)["F"] == 32
+    assert ac.fit_backward("deepseek_v3", True, None, 2000)["narrowed"] == {}
+    assert not ac.fit_backward("deepseek_v3", True, None, 1)["fits"]  # the narrowest it takes, said not to fit
+
+
+def test_forward_backward_is_timed_at_the_largest_tokens_that_fit(monkeypatch):
+    from bench import accept_perf
+
+    class Module:
+        def __init__(self, tokens):
+            self.contract = tokens
+
+    monkeypatch.setattr(accept_perf, "train_rows_bytes", lambda contract: 100 * contract)
+    monkeypatch.setattr(accept_perf, "free_bytes", lambda device: 1000)  # 850 plannable
+    modules = {"bulk": Module(64), "deep": Module(64)}
+    module, t, tried = accept_perf.fit_train(modules, "bulk", 64, Module, lambda n: 0, "cpu")
+    assert t == 8 == module.contract and list(tried) == [64, 32, 16, 8] and not modules  # all let go
+    assert tried[8]["fits"] and not tried[16]["fits"] and tried[64]["need_bytes"] == 6400
+    given = Module(4)
+    module, t, _ = accept_perf.fit_train({"bulk": given}, "bulk", 4, Module, lambda n: 0, "cpu")
+    assert t == 4 and module is given  # fits as it is: the module it was given
+
+
 @pytest.mark.parametrize(
     "argv, code",
-    [(["--stage", "correct"], 2), (["--report", "/nonexistent"], 2), (["--report", ".", "--stage", "perf"], 2)],
+    [
+        (["--stage", "correct"], 2),
+        (["--report", "/nonexistent"], 2),
+        (["--report", ".", "--stage", "perf"], 2),
+        (["--plot", "/nonexistent"], 2),
+        (["--plot", "."], 2),  # no perf.json here
+    ],
 )
 def test_usage_errors(argv, code, capsys):
     try:
