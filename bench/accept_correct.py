@@ -121,15 +121,14 @@ def free_bytes(device: str) -> int | None:
 
 def train_rows_bytes(contract) -> int:
     """The rows a call under autograd and its backward allocate beside the module's own
-    buffers (runtime/module.py, ``_run`` with ``save`` and ``_backward``): the owner-row
-    buffers, [owners, R_MAX, columns] in the layer's dtype each (saved_x, saved_pre and under
-    dedup saved_out; dh, act_rows, do_rows), and saved_out per (token, slot) without dedup."""
+    buffers: the owner-row buffers (the runtime's ``owner_row_buffers``), [owners, R_MAX,
+    columns] in the layer's dtype each, and without dedup saved_out per (token, slot)."""
+    from rdepc.runtime.heap import owner_row_buffers
     from rdepc.runtime.tensors import TORCH_DTYPES
 
     p = contract
-    pre = 2 * p.F if p.gated else p.F
-    columns = p.H + pre + (p.H if p.dedup else 0) + pre + p.F + p.H
-    owners = 1 if p.per_rank else p.W  # heap.owner_rows: one block per owner this process runs
+    columns = sum(owner_row_buffers(p, backward=False).values()) + sum(owner_row_buffers(p, backward=True).values())
+    owners = 1 if p.per_rank else p.W  # owner_rows: one block per owner this process runs
     saved_out = 0 if p.dedup else owners * p.T * p.K * p.H
     return (owners * p.R_MAX * columns + saved_out) * TORCH_DTYPES[p.dtype].itemsize
 

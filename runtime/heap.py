@@ -100,6 +100,16 @@ def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch
     return torch.empty((owners, contract.R_MAX, cols), dtype=dtype, device=device)
 
 
+def owner_row_buffers(contract: KernelContract, backward: bool) -> dict[str, int]:
+    """The owner-row buffers (:func:`owner_rows`) a call keeping what backward walks
+    allocates (saved_x, saved_pre and, under dedup, saved_out) or, with ``backward``, its
+    backward (dh, act_rows, do_rows): name -> columns."""
+    pre = 2 * contract.F if contract.gated else contract.F
+    if backward:
+        return {"dh": pre, "act_rows": contract.F, "do_rows": contract.H}
+    return {"saved_x": contract.H, "saved_pre": pre} | ({"saved_out": contract.H} if contract.dedup else {})
+
+
 def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], backward: bool) -> None:
     """After a kernel error in one process: the pass's control words, tile counters and done
     flags (``flags``: offset, size) zeroed. The programs stopped early, their tickets and
@@ -114,6 +124,7 @@ def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], bac
 __all__ = [
     "allocate_private",
     "own_slices",
+    "owner_row_buffers",
     "owner_rows",
     "placeholders",
     "private_buffers",

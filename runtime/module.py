@@ -87,6 +87,7 @@ from rdepc.runtime.autograd import RoutingContext, gate_grad, routed
 from rdepc.runtime.heap import (
     allocate_private,
     own_slices,
+    owner_row_buffers,
     owner_rows,
     placeholders,
     private_buffers,
@@ -319,12 +320,9 @@ class RDEPModule:
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner))
-            new = {"dtype": self.dtype, "device": self.device}
-            kept = {
-                "saved_x": self._owner_rows(p.H),
-                "saved_pre": self._owner_rows(2 * p.F if p.gated else p.F),
-                "saved_out": self._owner_rows(p.H) if p.dedup else torch.empty((*lead, Tn, K, p.H), **new),
-            }
+            kept = {name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=False).items()}
+            if not p.dedup:
+                kept["saved_out"] = torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device)
             given |= kept
         self.epoch += 1
         self._launch(given, Tn, backward=False, save=save)
@@ -360,9 +358,7 @@ class RDEPModule:
             "gprime": context.gprime,
             "topk_ids": context.topk_ids,  # dedup: the links, and which slots lead at their owner
             "slot": context.slot,
-            "dh": self._owner_rows(2 * p.F if p.gated else p.F),
-            "act_rows": self._owner_rows(p.F),
-            "do_rows": self._owner_rows(p.H),
+            **{name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=True).items()},
             "dw_up": torch.zeros(up.shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }

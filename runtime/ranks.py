@@ -167,7 +167,7 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         late = [r for r, p in enumerate(procs) if p.is_alive()]
-        out, failures, died = [], {}, []
+        out, failures, died, reported = [], {}, [], []
         for rank, p in enumerate(procs):
             f = results / f"{rank}.pkl"
             if not f.exists():
@@ -181,16 +181,16 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
             value = pickle.loads(f.read_bytes())
             if rank in late:  # what it returned is kept; the exit (NVSHMEM's finalize, at exit) is what hung
                 failures[rank] = "reported its result but did not exit"
+                reported.append(rank)
             if value[0] == "error":
                 failures[rank] = f"rank {rank} failed: {value[1]}\n{value[2]}"
                 out.append(None)
             else:
                 out.append(value[1])
         if late:
-            done = [r for r in late if failures[r] != "did not finish"]
             e = RanksError(
                 f"ranks {late} did not finish within {timeout:g} s; they were ended"
-                + (f" (ranks {done} had reported their results: it was their exit that hung)" if done else "")
+                + (f" (ranks {reported} had reported their results: it was their exit that hung)" if reported else "")
             )
             e.results, e.failures = out, failures
             raise e
