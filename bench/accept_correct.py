@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 SCHEDULES = ("bulk", "pipelined", "deep")
-MODES = ("unified", "role-split")
+MODES = ("unified", "split")
 GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
 ROUTING = "zipf:1.0"  # skewed: owners' loads differ, capacity policies drop
 
@@ -29,7 +29,7 @@ DRY = {
     "nvl72_e128": {"W": 2, "T": 2, "H": 64, "F": 64},
 }
 # Dry run: the full strategy × mode matrix for tiny; the others in their own schedule and
-# bulk, unified (the interpreter runs role-split's programs as threads: slow).
+# bulk, unified (the interpreter runs split mode's programs as threads: slow).
 DRY_FULL = ("tiny",)
 # The share of the free memory a check plans to fill: the caching allocator's rounding and
 # the transients its estimate leaves out take the rest.
@@ -80,7 +80,7 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
     return dict(DRY[name]) if dry else {"T": tokens or GPU_TOKENS.get(name, 256)}
 
 
-def variant(name: str, dry: bool, schedule=None, mode="unified", pass_="forward", edit=None, tokens=None, narrow=None):
+def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None):
     """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory)."""
     from bench.acceptance import Variant
@@ -280,7 +280,7 @@ def forward(check, variants, device: str, dry: bool) -> None:
         key = f"{v.schedule} {v.mode}"
         try:
             m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
-        except ValueError as e:  # a role-split grid this GPU cannot hold at once: refused, not run (recorded)
+        except ValueError as e:  # a split this GPU cannot hold at once: refused, not run (recorded)
             if "runs every program at once" not in str(e):
                 raise
             runs[key] = {"refused": str(e)}

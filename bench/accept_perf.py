@@ -57,12 +57,14 @@ PASSES = ("forward", "profile", "train")  # a candidate's call; the fastest's pr
 
 
 def candidates(name: str, tokens: int | None, dry: bool) -> list[tuple[str, str]]:
-    """(schedule, mode): every strategy in unified mode and the layer's own in role-split (a
-    dry run: two strategies, unified; the correct stage runs role-split)."""
+    """(schedule, mode): every strategy in split mode, and bulk in unified mode (the one
+    kernel of before the split, timed in the same run). A dry run: the layer's own
+    strategy in split mode and another in unified (the interpreter runs split mode's
+    programs as threads: slow)."""
     mine = own(name, dry, tokens=tokens)
     if dry:
-        return [(mine, "unified"), ("bulk" if mine != "bulk" else "pipelined", "unified")]
-    return [("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), (mine, "role-split")]
+        return [(mine, "split"), ("bulk" if mine != "bulk" else "pipelined", "unified")]
+    return [("bulk", "split"), ("pipelined", "split"), ("deep", "split"), ("bulk", "unified")]
 
 
 def _ms(fn, device, reps: int, warmup: int) -> dict:

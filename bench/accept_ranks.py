@@ -21,7 +21,7 @@ import sys
 import time
 
 SCHEDULES = ("bulk", "pipelined")
-MODES = ("unified", "role-split")
+MODES = ("unified", "split")
 # spin_bound: the kill check's (None: the runtime's default; interpreted spins are slow)
 GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": None}
 DRY = {"tokens": 4, "ranks": (2,), "examples": ("tiny",), "spin_bound": 5000}
@@ -63,9 +63,7 @@ def plan(dry: bool) -> list:
     return out
 
 
-def variant(
-    name: str, W: int, tokens: int, backend: str, schedule=None, mode="unified", pass_="forward", overrides=None
-):
+def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=None, pass_="forward", overrides=None):
     """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``)."""
     from bench.acceptance import Variant
 

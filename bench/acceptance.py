@@ -219,7 +219,7 @@ class Variant:
     file: str
     overrides: tuple[tuple[str, int], ...]
     schedule: str | None = None
-    mode: str = "unified"
+    mode: str | None = None  # None: the module's default (split on a GPU, unified in a dry run)
     pass_: str = "forward"
     backend: str = "emulated"
     edit: str | None = None
@@ -243,10 +243,13 @@ class Variant:
         from rdepc.codegen.prewarm import launch_requests
         from rdepc.runtime import tune
 
+        from rdepc.ir.contract import default_mode
+
         compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret)
         plan = compiled.kernel
         tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
-        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=self.mode,
+        mode = self.mode or default_mode(interpret=False)
+        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=mode,
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
 
 
@@ -317,7 +320,7 @@ def prewarm(check, variants: list[Variant], device: str, dry: bool, deadline: fl
             refused.append(f"{v.label} {v.mode}: {e}"[:300])
     check.figure("variants", len(unique))
     check.figure("launches", len(requests))
-    check.figure("refused", refused)  # launches a module refuses (a role-split grid larger than the GPU)
+    check.figure("refused", refused)  # launches a module refuses (a split the GPU cannot hold at once)
     if dry:
         check.figure("compiled", 0)
         check.figure("dry_run", "nothing compiled: under the interpreter nothing is")

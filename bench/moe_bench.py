@@ -61,7 +61,7 @@ CONFIGS = {
     ),
     # One GPU: the shapes and the μ sweep (384 … 6,144 rows per expert).
     "gpu": dict(
-        cases=[Case("moonlight", 4096, r, modes=("unified", "role-split")) for r in ROUTINGS]
+        cases=[Case("moonlight", 4096, r, modes=("unified", "split")) for r in ROUTINGS]
         + [Case("qwen3_30b_a3b", 4096, "uniform"), Case("mixtral_8x7b", 4096, "uniform")]
         + _sweep("moonlight", 8, 64, 6, (384, 768, 1536, 3072, 6144), ROUTINGS),
         reps=10,

@@ -29,7 +29,9 @@ HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
-DEVICE_MODULES = ("control", "rows", "route", "dispatch", "gemm", "experts", "returns", "combine", "kernel")
+DEVICE_MODULES = (
+    "control", "rows", "route", "dispatch", "gemm", "experts", "returns", "combine", "waits", "kernel", "gemm_kernel"
+)  # fmt: skip
 RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 
 
@@ -79,14 +81,19 @@ def _header(p: KernelContract) -> str:
 
 
 def _docstring(p: KernelContract) -> str:
-    return f'''"""Forward and backward kernels of the RDEP layer ``{p.layer}``: one persistent Triton kernel,
-``rdep_layer``, whose constexpr BACKWARD picks the pass.
+    return f'''"""Forward and backward kernels of the RDEP layer ``{p.layer}``: two persistent Triton kernels,
+``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
 
 {_launches(p)}
-Its programs take work items with a ticket (an atomic counter) in the task table's order,
-which is a topological order of the scheduler's task graph: the earliest unfinished item
-always has its inputs done, so the kernel makes progress with any number of programs,
-even when they run one at a time as in Triton's interpreter. Each item waits on its
+Unified mode launches ``rdep_layer`` alone, and it runs every task. Split mode launches
+``rdep_layer`` without the GEMM tasks (constexpr GEMMS false: the transport kernel) and
+``rdep_gemm`` beside it, which runs only the expert GEMMs, with its own registers and
+shared memory; the two coordinate only through the done flags and m-tile counters.
+``rdep_layer``'s programs take work items with a ticket (an atomic counter) in the task
+table's order, which is a topological order of the scheduler's task graph: the earliest
+unfinished item always has its inputs done, so the kernel makes progress with any number
+of programs, even when they run one at a time as in Triton's interpreter. ``rdep_gemm``'s
+programs stride over the GEMM items in the same order. Each item waits on its
 dependencies' done flags (bounded spins; on expiry it records an error and the program
 stops), runs its task kind's function and signals its own flag with release semantics.
 The done flags are symmetric, each in the heap slice of the rank that runs the entry.
@@ -161,6 +168,7 @@ def constants(p: KernelContract) -> str:
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
         _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),
+        _c("SLOT_BLOCK", 64, "m-tile slots per block of the scan's m-tile table"),
         _c("R_MAX", p.R_MAX, "rows of the busiest owner: the backward's saved rows per owner"),
         _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({scale})"),
         _c("SCALES", p.scales if p.scale_cols else 0, "fp32 scales per payload row, in the sideband"),
@@ -226,7 +234,7 @@ def constants(p: KernelContract) -> str:
     lines += [_c(f"C_{c.upper()}", i) for i, c in enumerate(COLUMNS)]
     lines.append(_c("NCOL", len(COLUMNS)))
     lines += [_c(f"CTL_{c.upper()}", i) for i, c in enumerate(CONTROL)]
-    lines.append(_c("CTL_TICKETS", CTL_TICKETS, "ticket counters, one per queue (2*W), cumulative over calls"))
+    lines.append(_c("CTL_TICKETS", CTL_TICKETS, "the ticket counter, cumulative over calls"))
     names = ("WAIT", "OVERFLOW", "ROW_ID")
     lines += [_c(f"ERR_{n}", code, ERRORS[code]) for code, n in zip(ERRORS, names, strict=True)]
     lines += [

@@ -201,6 +201,8 @@ def lower(
         ("route_scratch", "int32", (W, 2 * E_PAD + 2)),  # bucket base per expert, then per (owner, local)
         ("recv", "int32", (W, W, E_MAX, 2)),  # the owner's split table: (payload offset, admitted)
         ("group", "int32", (W, E_MAX, 2)),  # (first payload row, rows) per (owner, local expert)
+        # each m-tile slot's (local expert, first row, lo, hi) per (owner, segment): the GEMMs' tile table
+        ("tile_table", "int32", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S) * 4)),
         ("hbuf", adt, (W, B * S, F)),  # silu(x·Wg) ⊙ (x·Wu) per payload ring row: GEMM1 → GEMM2
         ("hbuf_rid", "int64", (W, B * S)),  # their row ids: the payload slot is refilled before GEMM2
         ("staging", adt, (W, B * S, H)),  # expert outputs per payload ring row (the memory plan's staging ring)

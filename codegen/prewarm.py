@@ -25,9 +25,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
+from rdepc.codegen.sm90 import launch_options, native_launch, own_constexprs, specialize, variant_meta
 
-from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, KernelContract, Tiles
+from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, KernelContract, Tiles, mode_kernels
 from rdepc.toolchain import package_home
 
 # What each pass of a launch compiles: (backward, save, profile) per launch, in launch order.
@@ -36,7 +36,7 @@ PASSES = {
     "train": ((False, True, False), (True, False, False)),  # under autograd: the forward keeps, then the backward
     "profile": ((False, False, True),),  # a profiled module's call (%globaltimer stamps)
 }
-VARIANT_CONSTEXPRS = ("ROLE_SPLIT", "BACKWARD", "SAVE", "PROFILE", "GLOBALTIMER")
+VARIANT_CONSTEXPRS = ("BACKWARD", "SAVE", "PROFILE", "GLOBALTIMER")  # and rdep_layer's GEMMS
 _LINE = "rdepc-prewarm "  # a compiling process's result lines start so (anything else on stdout is not one)
 
 
@@ -44,7 +44,7 @@ def launch_requests(
     kernels_path: str | Path,
     plan_path: str | Path,
     *,
-    mode: str = "unified",
+    mode: str = "split",
     pass_: str = "forward",
     tiles: Tiles | None = None,
     sms: int = H100_SMS,
@@ -54,11 +54,12 @@ def launch_requests(
     label: str = "",
 ) -> list[dict]:
     """:func:`prewarm`'s requests for the launches a native RDEPModule of this generated file
-    makes in ``mode`` for ``pass_`` (PASSES): its tiles (default the native defaults; the
-    module uses ``rdepc tune``'s record when there is one), T' = ``tokens`` (default the
-    plan's T), a GPU of ``sms`` SMs, the spin bound; a per-rank transport: one request per
-    rank in ``ranks`` (default all W), each process's own launch. ValueError where the
-    module refuses the launch (a role-split grid larger than the GPU runs at once)."""
+    makes in ``mode`` for ``pass_`` (PASSES), one per kernel the mode launches: its tiles
+    (default the native defaults; the module uses ``rdepc tune``'s record when there is
+    one), T' = ``tokens`` (default the plan's T), a GPU of ``sms`` SMs, the spin bound; a
+    per-rank transport: one request per rank in ``ranks`` (default all W), each process's
+    own launch. ValueError where the module refuses the launch (a split that leaves a
+    kernel no program)."""
     contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     per_rank = contract.per_rank
@@ -67,16 +68,18 @@ def launch_requests(
         launch = native_launch(contract, tiles, mode, sms, tokens, rank, spin_bound)
         for backward, save, profile in PASSES[pass_]:
             what = f"{pass_}{' backward' if backward else ''}{'' if rank is None else f' rank {rank}'}"
-            out.append(
-                {
-                    "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere
-                    "plan": str(Path(plan_path).resolve()),
-                    "tiles": asdict(tiles),
-                    "meta": variant_meta(mode, backward, save, profile),
-                    "launch": launch,
-                    "label": f"{label or contract.layer} {mode} {what}",
-                }
-            )
+            for kernel, _ in mode_kernels(mode):
+                out.append(
+                    {
+                        "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere
+                        "plan": str(Path(plan_path).resolve()),
+                        "kernel": kernel,
+                        "tiles": asdict(tiles),
+                        "meta": variant_meta(mode, kernel, backward, save, profile),
+                        "launch": launch,
+                        "label": f"{label or contract.layer} {mode} {kernel} {what}",
+                    }
+                )
     return out
 
 
@@ -163,19 +166,22 @@ class _Builds:
 
         from rdepc.toolchain import import_kernels
 
-        if set(req["meta"]) != set(VARIANT_CONSTEXPRS):
-            raise ValueError(f"a prewarm request's meta sets {sorted(req['meta'])}, not {list(VARIANT_CONSTEXPRS)}")
+        kernel = req["kernel"]
+        want = set(VARIANT_CONSTEXPRS) | ({"GEMMS"} if kernel == "rdep_layer" else set())
+        if set(req["meta"]) != want:
+            raise ValueError(f"a prewarm request's meta for {kernel} sets {sorted(req['meta'])}, not {sorted(want)}")
         contract = self.contracts.get(req["plan"])
         if contract is None:
             contract = self.contracts[req["plan"]] = KernelContract.from_json(
                 Path(req["plan"]).read_text(encoding="utf-8")
             )
-        fn = import_kernels(req["kernels"], interpret=False).rdep_layer
+        fn = getattr(import_kernels(req["kernels"], interpret=False), kernel)
         tiles = Tiles(**req["tiles"])
         # RDEPModule._launch's meta natively, the launcher's options (num_warps, extern_libs)
-        kwargs = tiles.constexprs() | {"CAST_F32": False} | req["meta"] | launch_options(contract, tiles)
+        meta = own_constexprs(contract, kernel, tiles.constexprs() | {"CAST_F32": False} | req["meta"])
+        kwargs = meta | launch_options(contract, tiles)
         t = self.target
-        sp = specialize(contract, fn, req["launch"], kwargs, (t.backend, t.arch, t.warp_size))
+        sp = specialize(contract, fn, req["launch"], kwargs, (t.backend, t.arch, t.warp_size), kernel)
         src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
         return src, sp.options.__dict__
 

@@ -10,8 +10,10 @@ the very file the interpreter tests import. Jobs are batched so one subprocess (
 
 A result records the cubin's path, the compile time, the shared memory the kernel needs
 (an H100 gives a block at most 227 KiB), registers per thread and local memory (spills)
-read from the cubin (``cuobjdump --dump-resource-usage``, bundled with Triton), and a few
-facts read from the PTX: the target, the ``wgmma`` shapes of the grouped GEMMs, whether
+read from the cubin (``cuobjdump --dump-resource-usage``, bundled with Triton), the thread
+blocks an SM holds at once (``ctas_per_sm``), every GEMM main loop read from the SASS
+(``rdepc.codegen.sass.gemm_loops``: instructions per iteration, spills inside it, wgmma
+wait depth), and a few facts read from the PTX: the target, the ``wgmma`` shapes of the grouped GEMMs, whether
 their operands arrive by TMA (``cp.async.bulk.tensor``), the acquire loads and release
 atomics of the flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
 ``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
@@ -43,16 +45,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, KernelContract, Tiles, kernel_args
+from rdepc.codegen import sass
+
+from rdepc.ir.contract import (
+    H100_SMS,
+    NATIVE_SPIN_BOUND,
+    POINTEE,
+    KernelContract,
+    Tiles,
+    kernel_args,
+    mode_kernels,
+)
 from rdepc.toolchain import package_home
 
-# The kernels of one generated file: rdep_layer's forward in each kernel mode (constexprs),
-# keeping what a backward walks (SAVE), and its backward pass.
+# The native builds of one generated file, each (function, constexprs): split mode's
+# transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE) and
+# backward, then the unified kernel's forward and backward.
 KERNELS = {
-    "rdep_layer": {"ROLE_SPLIT": False, "BACKWARD": False, "SAVE": True},
-    "rdep_layer.role_split": {"ROLE_SPLIT": True, "BACKWARD": False, "SAVE": True},
-    "rdep_layer.backward": {"ROLE_SPLIT": False, "BACKWARD": True, "SAVE": False},
+    "rdep_transport": ("rdep_layer", {"GEMMS": False, "BACKWARD": False, "SAVE": True}),
+    "rdep_gemm": ("rdep_gemm", {"BACKWARD": False, "SAVE": True}),
+    "rdep_transport.backward": ("rdep_layer", {"GEMMS": False, "BACKWARD": True, "SAVE": False}),
+    "rdep_gemm.backward": ("rdep_gemm", {"BACKWARD": True, "SAVE": False}),
+    "rdep_layer": ("rdep_layer", {"GEMMS": True, "BACKWARD": False, "SAVE": True}),
+    "rdep_layer.backward": ("rdep_layer", {"GEMMS": True, "BACKWARD": True, "SAVE": False}),
 }
+
+
+def kernel_mode(kernel: str) -> str:
+    """The kernel mode that launches build ``kernel`` (of KERNELS)."""
+    return "unified" if KERNELS[kernel][1].get("GEMMS") else "split"
+
+
 H100_SHARED = 227 * 1024
 
 
@@ -67,11 +90,15 @@ def compile_cubins(
     timeout: float = 900,
     profile: bool = False,
     sms: int = H100_SMS,
+    kernels: list[str] | None = None,
 ) -> list[dict]:
-    """Compile every kernel of each (kernels.py, plan.json, out_dir) job, in ``parallel``
-    subprocesses (jobs dealt round-robin); results in job order. ``profile``: with the
-    profile's %globaltimer stamps compiled in. ``sms``: the GPU's SMs, which size the
-    launch each kernel is specialised for."""
+    """Compile every kernel (``kernels``: those of KERNELS) of each (kernels.py, plan.json,
+    out_dir) job, in ``parallel`` subprocesses (jobs dealt round-robin); results in job
+    order. ``profile``: with the profile's %globaltimer stamps compiled in. ``sms``: the
+    GPU's SMs, which size the launch each kernel is specialised for."""
+    unknown = set(kernels or ()) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)} (known: {', '.join(KERNELS)})")
     # This environment otherwise: the variables Triton's cache key covers (TRITON_DEFAULT_FP_FUSION,
     # ...) as the launching process has them, so that a build here is the entry its JIT looks up.
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -79,7 +106,7 @@ def compile_cubins(
     procs = []
     for batch in batches:
         jobs_of = [[str(Path(x).resolve()) for x in jobs[i]] for i in batch]  # the processes start elsewhere
-        payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of})
+        payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of, "kernels": kernels})
         cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
         pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         p = subprocess.Popen(cmd, **pipes, text=True, env=env, cwd=package_home())
@@ -135,46 +162,56 @@ class Specialized:
 def native_launch(
     contract: KernelContract,
     tiles: Tiles,
-    mode: str = "unified",
+    mode: str = "split",
     sms: int = H100_SMS,
     tokens: int | None = None,
     rank: int | None = None,
     spin_bound: int = NATIVE_SPIN_BOUND,
-    resident: bool = True,
+    comm: int | None = None,
 ) -> dict[str, int]:
     """The scalar arguments of a native launch as RDEPModule passes them on a GPU of ``sms``
-    SMs: its grid (``KernelContract.launch_grid``, one program per SM) and
-    ``KernelContract.launch_scalars`` at T' = ``tokens`` (default the plan's T), ``rank`` (a
-    per-rank transport's process; default 0) and the spin bound. A backward launches with
-    its forward's. ``resident``: as the module checks, ValueError for a role-split grid the
-    GPU cannot run at once (the module refuses it: nothing launches)."""
+    SMs (this process's share): its programs (``KernelContract.launch_grid``, one per SM;
+    ``comm``: split mode's transport programs) and ``KernelContract.launch_scalars`` at T'
+    = ``tokens`` (default the plan's T), ``rank`` (a per-rank transport's process; default
+    0) and the spin bound. A backward launches with its forward's. Every kernel of a call
+    takes the same scalars (each the ones it declares)."""
     per_rank = contract.per_rank
     rank = (rank or 0) if per_rank else None
-    _, per_queue = contract.launch_grid(contract.work(tiles, mode, rank=rank), sms, per_rank, resident=resident)
+    programs, _ = contract.launch_grid(contract.work(tiles, mode, rank=rank), sms, comm)
     n_tokens = contract.T if tokens is None else tokens
-    return contract.launch_scalars(n_tokens, sum(per_queue), rank, spin_bound, per_rank)
+    return contract.launch_scalars(n_tokens, programs, rank, spin_bound, per_rank)
 
 
 def launch_values(contract: KernelContract, kernel: str, tiles: Tiles, sms: int = H100_SMS) -> dict[str, int]:
     """The scalar arguments of the native launch ``kernel`` (of KERNELS) stands for: T' =
     the plan's T, rank 0 (per-rank transports), the native spin bound, and the grid
-    RDEPModule gives ``sms`` SMs (a backward launches on its forward's grid, unified here)."""
-    mode = "role-split" if KERNELS[kernel]["ROLE_SPLIT"] else "unified"
-    return native_launch(contract, tiles, mode, sms, resident=False)
+    RDEPModule gives ``sms`` SMs in the build's mode (a backward launches on its forward's)."""
+    return native_launch(contract, tiles, kernel_mode(kernel), sms)
 
 
-def kernel_meta(tiles: Tiles, kernel: str, profile: bool = False) -> dict:
-    """The constexprs a native launch of ``kernel`` passes."""
-    return tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | KERNELS[kernel]
+def kernel_meta(contract: KernelContract, tiles: Tiles, kernel: str, profile: bool = False) -> dict:
+    """The constexprs a native launch of build ``kernel`` passes (its function's only)."""
+    fn, variant = KERNELS[kernel]
+    meta = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | variant
+    return own_constexprs(contract, fn, meta)
 
 
-def variant_meta(mode: str, backward: bool = False, save: bool = False, profile: bool = False) -> dict[str, bool]:
-    """The constexprs that tell one native launch of ``rdep_layer`` from another
-    (RDEPModule._launch): the kernel mode, the pass, keeping what a backward walks, and
-    the profile's %globaltimer stamps (a profiled module's forward only)."""
+def own_constexprs(contract: KernelContract, fn: str, meta: dict) -> dict:
+    """``meta`` without the constexprs the generated kernel ``fn`` does not take."""
+    names = {n for n, kind in kernel_args(contract, fn) if kind == "constexpr"}
+    return {k: v for k, v in meta.items() if k in names}
+
+
+def variant_meta(
+    mode: str, kernel: str, backward: bool = False, save: bool = False, profile: bool = False
+) -> dict[str, bool]:
+    """The constexprs that tell one native launch of ``kernel`` (``rdep_layer`` or
+    ``rdep_gemm``) from another (RDEPModule._launch): those ``mode`` sets for it
+    (``mode_kernels``), the pass, keeping what a backward walks, and the profile's
+    %globaltimer stamps (a profiled module's forward only)."""
     stamped = profile and not backward
-    return {"ROLE_SPLIT": mode == "role-split", "PROFILE": stamped, "GLOBALTIMER": stamped, "BACKWARD": backward,
-            "SAVE": save}  # fmt: skip
+    meta = dict(mode_kernels(mode))[kernel]
+    return meta | {"PROFILE": stamped, "GLOBALTIMER": stamped, "BACKWARD": backward, "SAVE": save}
 
 
 def launch_options(contract: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:
@@ -209,22 +246,28 @@ def launch_specialization(
     it was in 3.6–3.9: an unspecialised build would report code no launch runs."""
     tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     scalars = launch_values(contract, kernel, tiles, sms)
-    kwargs = kernel_meta(tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
-    return specialize(contract, fn, scalars, kwargs, ("cuda", arch, 32))
+    kwargs = kernel_meta(contract, tiles, kernel, profile) | {"num_warps": tiles.num_warps} | (options or {})
+    return specialize(contract, fn, scalars, kwargs, ("cuda", arch, 32), KERNELS[kernel][0])
 
 
 def specialize(
-    contract: KernelContract, fn, scalars: dict[str, int], kwargs: dict, target=("cuda", 90, 32)
+    contract: KernelContract,
+    fn,
+    scalars: dict[str, int],
+    kwargs: dict,
+    target=("cuda", 90, 32),
+    kernel: str = "rdep_layer",
 ) -> Specialized:
-    """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` with the
-    scalar arguments ``scalars``, a 16-byte aligned tensor of its declared type for every
-    pointer (every pointer the runtime passes is: ``runtime.tensors.aligned``) and the
-    keyword arguments ``kwargs`` (constexprs and options), passed as a launch passes them."""
+    """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` (the generated
+    ``kernel``, of ``rdepc.ir.contract.KERNELS``) with the scalar arguments ``scalars`` (those
+    it declares), a 16-byte aligned tensor of its declared type for every pointer (every
+    pointer the runtime passes is: ``runtime.tensors.aligned``) and the keyword arguments
+    ``kwargs`` (constexprs and options), passed as a launch passes them."""
     import torch
 
     from rdepc.toolchain import interpreter_env, triton_mode
 
-    declared = dict(kernel_args(contract))
+    declared = dict(kernel_args(contract, kernel))
     args = []
     for name, kind in declared.items():
         if kind.startswith("*"):  # a CPU allocation: 64-byte aligned
@@ -233,7 +276,7 @@ def specialize(
             args.append(scalars[name])
     # The binder imports Triton's gluon on first use, which must see the mode this process runs in.
     with interpreter_env(triton_mode() == "interpret"):
-        return _specialize(contract, fn, tuple(target), declared, args, scalars, dict(kwargs))
+        return _specialize(contract, fn, tuple(target), declared, args, scalars, dict(kwargs), kernel)
 
 
 def _run_options(jit, kwargs: dict) -> dict:
@@ -246,7 +289,7 @@ def _run_options(jit, kwargs: dict) -> dict:
     return kwargs
 
 
-def _specialize(contract, fn, target, declared, args, scalars, kwargs) -> Specialized:
+def _specialize(contract, fn, target, declared, args, scalars, kwargs, kernel) -> Specialized:
     import triton
 
     try:  # JITFunction.run's first steps, for a cuda target instead of the current device's
@@ -263,7 +306,7 @@ def _specialize(contract, fn, target, declared, args, scalars, kwargs) -> Specia
         parsed, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, leftover)
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         raise RuntimeError(
-            f"rdepc: cannot specialise rdep_layer as a launch does with Triton {triton.__version__}: its JIT binder "
+            f"rdepc: cannot specialise {kernel} as a launch does with Triton {triton.__version__}: its JIT binder "
             "(triton.runtime.jit.create_function_from_signature, JITFunction._pack_args, as in 3.6-3.9) is not "
             f"what rdepc knows ({type(e).__name__}: {e}); an unspecialised build would report code no launch runs"
         ) from e
@@ -271,20 +314,26 @@ def _specialize(contract, fn, target, declared, args, scalars, kwargs) -> Specia
     for name, kind in declared.items():  # the binder infers what kernel_args declares: only scalars may differ
         got = signature[name]
         if kind.startswith("*") and got != kind:
-            raise RuntimeError(f"rdepc: Triton typed rdep_layer's {name} {got}, kernel_args declares {kind}")
+            raise RuntimeError(f"rdepc: Triton typed {kernel}'s {name} {got}, kernel_args declares {kind}")
     divisible = {names[k[0]] for k, a in attrs.items() if ["tt.divisibility", 16] in a}
     summary = {
         "aligned_pointers": sum(1 for n, k in declared.items() if k.startswith("*") and n in divisible),
         "pointers": sum(1 for k in declared.values() if k.startswith("*")),
         "divisible_ints": [n for n in scalars if n in divisible],
-        "constexpr_ones": [n for n in scalars if signature[n] == "constexpr"],
-        "i32_from_i64": [n for n in scalars if declared[n] == "i64" and signature[n] == "i32"],
+        "constexpr_ones": [n for n in scalars if n in signature and signature[n] == "constexpr"],
+        "i32_from_i64": [n for n in scalars if n in declared and declared[n] == "i64" and signature[n] == "i32"],
     }
     return Specialized(signature, constexprs, attrs, parsed, scalars, summary)
 
 
 def _compile(
-    kernels_path: str, plan_path: str, out_dir: str, arch: int, profile: bool = False, sms: int = H100_SMS
+    kernels_path: str,
+    plan_path: str,
+    out_dir: str,
+    arch: int,
+    profile: bool = False,
+    sms: int = H100_SMS,
+    kernels: list[str] | None = None,
 ) -> list[dict]:
     import importlib.util
 
@@ -306,8 +355,8 @@ def _compile(
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
-    for kernel in KERNELS:
-        fn = module.rdep_layer
+    for kernel in kernels or KERNELS:
+        fn = getattr(module, KERNELS[kernel][0])
         t0 = time.perf_counter()
         sp = launch_specialization(
             contract, fn, kernel, arch=arch, tiles=tiles, options=options, profile=profile, sms=sms
@@ -321,6 +370,9 @@ def _compile(
         tmp.replace(target)
         ptx = k.asm["ptx"]
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
+        used = resources(target)
+        threads = 32 * tiles.num_warps
+        loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(target))]
         out.append(
             {
                 "layer": contract.layer,
@@ -333,7 +385,10 @@ def _compile(
                 "wgmma": "wgmma" in ptx,
                 "wgmma_shapes": wgmma,
                 "tma": "cp.async.bulk.tensor" in ptx,
-                **resources(target),
+                **used,
+                "threads": threads,
+                "ctas_per_sm": sass.ctas_per_sm(used["registers"], int(k.metadata.shared), threads),
+                "loops": loops,
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,
@@ -352,7 +407,8 @@ def _compile(
 def main() -> int:
     request = json.loads(sys.stdin.read())
     arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
-    results = [_compile(kernels, contract, out, arch, profile, sms) for kernels, contract, out in request["jobs"]]
+    which = request.get("kernels")
+    results = [_compile(k, contract, out, arch, profile, sms, which) for k, contract, out in request["jobs"]]
     print(json.dumps(results))
     return 0
 
@@ -367,10 +423,12 @@ __all__ = [
     "compile_cubins",
     "cubin_name",
     "kernel_meta",
+    "kernel_mode",
     "launch_options",
     "launch_specialization",
     "launch_values",
     "native_launch",
+    "own_constexprs",
     "specialize",
     "variant_meta",
 ]

@@ -214,9 +214,9 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
         else:
             compute[t.rank] += float(dur[t.id])
     exposed = tuple(_minus(_union(comm_iv[r]), _union(comp_iv[r])) for r in range(W))
-    # fill: the scan, the first segment's dispatch and the flag that hands it to compute;
-    # drain: the returns and unpacks of each owner's last non-empty segment (under the
-    # routing the timeline was made for) and the flag that hands them on.
+    # fill: the route, the scan, the first segment's dispatch and the flag that hands it to
+    # compute; drain: the returns and unpacks of each owner's last non-empty segment (under
+    # the routing the timeline was made for), the combine and the flag that hands them on.
     last = [-1] * W
     for t in tasks:
         if t.stage == "compute" and cm.rows[t.id] > 0:
@@ -226,9 +226,11 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
     for t in tasks:
         if t.role != "comm":
             continue
-        if t.stage == "scan" or (t.stage == "dispatch" and t.segment == 0):
+        if t.stage in ("route", "scan") or (t.stage == "dispatch" and t.segment == 0):
             fill[t.rank] += float(dur[t.id])
-        elif t.stage in ("return", "combine") and t.segment == last[t.owner]:
+        elif (t.stage == "combine" and t.detail != "unpack") or (
+            t.stage in ("return", "combine") and t.segment == last[t.owner]
+        ):
             drain[t.rank] += float(dur[t.id])
     per_stage: dict[str, np.ndarray] = {}
     for t in tasks:

@@ -57,7 +57,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
     piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
 
     route = tuple(
-        add("route", "", r, "compute", -1, -1, -1, -1, -1, T * K, geo.token_tiles, T * K * (geo.sb + 8), 0, (), (), "")
+        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, T * K * (geo.sb + 8), 0, (), (), "")
         for r in range(W)
     )
     scan = [
@@ -217,7 +217,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                         f"sent({r},{q},{s}) == 0",
                     )
     waits = [
-        add("combine", "wait", r, "compute", r, -1, -1, -1, -1, 0, 1, 0, 0, tuple(sorted(landed[r])), (), "")
+        add("combine", "wait", r, "comm", r, -1, -1, -1, -1, 0, 1, 0, 0, tuple(sorted(landed[r])), (), "")
         for r in range(W)
     ]
     for r in range(W):
@@ -227,7 +227,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                 "combine",
                 "tile",
                 r,
-                "compute",
+                "comm",
                 r,
                 -1,
                 -1,

@@ -90,10 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["unified", "role-split"],
-        default="unified",
-        help="kernel mode: unified (any program runs any task; default) or role-split (communication and compute "
-        "programs per rank, as scheduled, running concurrently: on cpu one interpreter thread per program)",
+        choices=["unified", "split"],
+        help="kernel mode: split (a transport kernel and a GEMM kernel side by side, every program of both "
+        "running at once: on cpu one interpreter thread per program; the default on cuda) or unified (one kernel, "
+        "any program runs any task; the default on cpu)",
+    )
+    p.add_argument(
+        "--comm-programs",
+        type=int,
+        metavar="N",
+        help="split mode: the transport kernel's programs, the rest of the GPU's the GEMM kernel's "
+        "(default: the schedule's split of communication and compute)",
     )
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--check", action="store_true", help="exit 1 unless the result matches the reference")
@@ -125,9 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
     )
-    p.add_argument(
-        "--mode", choices=["unified", "role-split"], default="unified", help="kernel mode (default: unified)"
-    )
+    p.add_argument("--mode", choices=["unified", "split"], default="split", help="kernel mode (default: split)")
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--reps", type=int, default=10, metavar="N", help="timed calls per candidate (default: 10)")
     p.add_argument(

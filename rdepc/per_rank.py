@@ -28,7 +28,7 @@ class Case:
     backend: str = "emulated-mp"
     device: str = "cpu"
     schedule: str | None = None
-    mode: str = "unified"
+    mode: str | None = None  # the kernel mode (None: the device's default)
     routing: str = "uniform"
     seed: int = 0
     tokens: int | None = None  # T' of every rank (default: the spec's T)

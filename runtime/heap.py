@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 
-from rdepc.ir.contract import POINTEE, KernelContract, Work, kernel_args
+from rdepc.ir.contract import KERNELS, POINTEE, KernelContract, Work, kernel_args
 
 
 def private_buffers(contract: KernelContract, per_rank: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -31,10 +31,11 @@ def allocate_private(buffers, profile_words: int, device: torch.device) -> dict[
 
 
 def task_tables(
-    contract: KernelContract, work: Work, bwd_work: Work, per_queue, mode: str, per_rank: bool, device: torch.device
+    contract: KernelContract, work: Work, bwd_work: Work, per_queue, per_rank: bool, device: torch.device
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The int32 tables a launch reads: the forward's (its task table and queues, the
-    ownership and capacity tables), and those the backward's launch replaces."""
+    """The int32 tables a launch reads: the forward's (its task table and queues — per queue
+    its first and last positions and its programs, ``per_queue`` —, the ownership and
+    capacity tables), and those the backward's launch replaces."""
     p = contract
 
     def i32(values) -> torch.Tensor:
@@ -51,7 +52,6 @@ def task_tables(
 
     bwd_tables = queued(bwd_work, p.bwd_deps)
     tables = queued(work, p.deps) | {
-        "program_queue": i32(q for q, n in enumerate(per_queue) for _ in range(n if mode != "unified" else 1)),
         "owner_of": i32(p.owner),
         "local_of": i32(p.local),
         "n_local": i32(p.n_local),
@@ -61,6 +61,7 @@ def task_tables(
         "owner_first": i32(p.owner_first),
         "rows_max": i32(p.rows_max),
         "caps": i32(p.caps()),
+        "m_slots": i32(work.m_slots),  # m-tile slots per segment of each owner: the scan's m-tile table
     }
     return tables, bwd_tables
 
@@ -71,7 +72,8 @@ def placeholders(contract: KernelContract, device: torch.device) -> dict[str, to
     the argument."""
     return {
         kind: torch.zeros(1, dtype=getattr(torch, POINTEE[kind[1:]]), device=device)
-        for _, kind in kernel_args(contract)
+        for kernel in KERNELS
+        for _, kind in kernel_args(contract, kernel)
         if kind.startswith("*")
     }
 

@@ -12,8 +12,15 @@ from rdepc.toolchain import interpreter_env
 
 
 class Launcher:
-    """Launches kernels, counting them: per call the host launches a fixed number of
-    kernels (one) and runs no torch op on the heap between launches. Tests wrap it.
+    """Launches a call's kernels, counting them: per call the host launches a fixed number of
+    kernels (unified mode one, split mode two) and runs no torch op on the heap between
+    launches. Tests wrap it.
+
+    A call is a list of launches, (kernel, grid, args, meta) each, whose programs must all
+    run at once when there are several (split mode's transport and GEMM kernels wait on
+    each other). Natively the first goes on the current stream and each other on a side
+    stream forked from it and joined back after it: the work after the call waits for all
+    of them, and a CUDA graph captures the fork and the join.
 
     An interpreted launch runs with TRITON_INTERPRET=1 set for its duration: Triton reads
     it again at launch (its first interpreted launch imports more of itself)."""
@@ -21,15 +28,46 @@ class Launcher:
     def __init__(self, interpret: bool):
         self.interpret = interpret
         self.launches = 0
+        self._sides: dict = {}  # device -> the side streams of this launcher
 
-    def __call__(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        self.launches += 1
+    def __call__(self, launches: list[tuple]) -> None:
         if self.interpret:
+            if len(launches) > 1:
+                raise ValueError("the Triton interpreter runs launches one after another: concurrent ones need "
+                                 "ConcurrentInterpreter")  # fmt: skip
+            self.launches += 1
+            kernel, grid, args, meta = launches[0]
             with interpreter_env(True):
                 kernel[grid](*args, **meta)
-        else:
-            scratch_allocator()
-            kernel[grid](*args, **meta)
+            return
+        scratch_allocator()
+        if len(launches) == 1:
+            self._one(*launches[0])
+            return
+        import torch
+
+        main = torch.cuda.current_stream()
+        sides = self._side_streams(main.device, len(launches) - 1)
+        for side in sides:
+            side.wait_stream(main)
+        self._one(*launches[0])
+        for side, launch in zip(sides, launches[1:], strict=True):
+            with torch.cuda.stream(side):
+                self._one(*launch)
+        for side in sides:
+            main.wait_stream(side)
+
+    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+        self.launches += 1
+        kernel[grid](*args, **meta)
+
+    def _side_streams(self, device, n: int) -> list:
+        import torch
+
+        have = self._sides.setdefault(device, [])
+        while len(have) < n:
+            have.append(torch.cuda.Stream(device=device))
+        return have[:n]
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -100,46 +138,43 @@ def stop(threads: list[threading.Thread]) -> None:
 
 
 class ConcurrentInterpreter(Launcher):
-    """Runs an interpreted launch with its programs concurrent: one Python thread per
-    program, all started together, instead of the interpreter's one-after-another loop. What
-    the role-split kernel needs on a CPU: a communication program waiting on a compute
-    program must not hold the only turn. Each thread runs the kernel as program 0 of a grid
-    of 1 with ``program_base`` = its index (the kernel finds its queue by ``program_base +
-    program_id``). The threads interleave preemptively under the GIL; the interpreter's
-    atomics are single C++ calls under the GIL, so they stay atomic.
+    """Runs a call's interpreted launches with all their programs concurrent: one Python
+    thread per program, all started together, instead of the interpreter's one launch and
+    one program after another. What split mode needs on a CPU: a GEMM program waiting on
+    the transport kernel must not hold the only turn. Each thread runs its kernel as
+    program 0 of a grid of 1, with ``program_base`` = its index among its kernel's programs
+    where the kernel takes one (``rdep_gemm`` finds its items by it; ``rdep_layer`` takes
+    tickets). The threads interleave preemptively under the GIL; the interpreter's atomics
+    are single C++ calls under the GIL, so they stay atomic.
 
     It drives the interpreter's own pieces (``GridExecutor``'s argument copies, the language
     patch, ``interpreter_builder``), as Triton 3.6 defines them; another Triton fails with a
     clear error rather than running programs one at a time."""
 
-    def __call__(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    def __call__(self, launches: list[tuple]) -> None:
         try:
             from triton.runtime.interpreter import GridExecutor, _implicit_cvt, _patch_lang, interpreter_builder
         except ImportError as e:  # pragma: no cover - Triton is pinned
             raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
-        self.launches += 1
+        self.launches += len(launches)
         with interpreter_env(True):
-            fn = kernel.rewrite()
-            rewrite_callees(kernel.fn)
-            executor = GridExecutor(fn, kernel.arg_names, (1,), [])
-            host_args, host_meta = executor._init_args_hst(args, meta)
-            scope = _patch_lang(fn)
+            prepared, scopes, threads, errors = [], [], [], []
             try:
-                call = inspect.getcallargs(fn, *host_args, **host_meta)
-                given = {n: a if n in executor.constexprs else _implicit_cvt(a) for n, a in call.items()}
+                for kernel, grid, args, meta in launches:
+                    fn = kernel.rewrite()
+                    rewrite_callees(kernel.fn)
+                    executor = GridExecutor(fn, kernel.arg_names, (1,), [])
+                    host_args, host_meta = executor._init_args_hst(args, meta)
+                    scopes.append(_patch_lang(fn))
+                    call = inspect.getcallargs(fn, *host_args, **host_meta)
+                    given = {n: a if n in executor.constexprs else _implicit_cvt(a) for n, a in call.items()}
+                    prepared.append((executor, args, host_args, meta, host_meta))
+                    numbered = "program_base" in given
+                    for i in range(grid[0]):
+                        mine = given | {"program_base": _implicit_cvt(i)} if numbered else given
+                        threads.append(threading.Thread(target=_program, args=(fn, mine, errors), daemon=True))
                 interpreter_builder.set_grid_dim(1, 1, 1)
                 interpreter_builder.set_grid_idx(0, 0, 0)
-                errors: list[BaseException] = []
-
-                def program(i: int) -> None:
-                    try:
-                        fn(**(given | {"program_base": _implicit_cvt(i)}))
-                    except _Stopped:
-                        pass
-                    except BaseException as e:  # re-raised on the host below
-                        errors.append(e)
-
-                threads = [threading.Thread(target=program, args=(i,), daemon=True) for i in range(grid[0])]
                 for t in threads:
                     t.start()
                 stopped = False
@@ -151,8 +186,20 @@ class ConcurrentInterpreter(Launcher):
                 if errors:
                     raise errors[0]
             finally:
-                scope.restore()
-            executor._restore_args_dev(args, host_args, meta, host_meta)
+                for scope in reversed(scopes):
+                    scope.restore()
+            for executor, args, host_args, meta, host_meta in prepared:
+                executor._restore_args_dev(args, host_args, meta, host_meta)
+
+
+def _program(fn, given: dict, errors: list) -> None:
+    """One interpreted program of a concurrent launch; its error is re-raised on the host."""
+    try:
+        fn(**given)
+    except _Stopped:
+        pass
+    except BaseException as e:
+        errors.append(e)
 
 
 __all__ = ["ConcurrentInterpreter", "Launcher"]

@@ -110,7 +110,9 @@ from rdepc.ir.contract import (
     NATIVE_SPIN_BOUND,
     KernelContract,
     Tiles,
+    default_mode,
     kernel_args,
+    mode_kernels,
 )
 from rdepc.toolchain import import_kernels
 
@@ -118,13 +120,15 @@ from rdepc.toolchain import import_kernels
 class RDEPModule:
     """One generated layer on one backend and device (see the module docstring).
 
-    ``mode``: ``unified`` (default: every program takes any task, one ticket counter) or
-    ``role-split`` (per rank a communication queue and a compute queue, each with its own
-    programs; they must run concurrently: on a GPU every program is resident, on the CPU
-    each interpreted program runs in its own thread, ``ConcurrentInterpreter``). ``programs``:
-    the grid's size, by default two under the interpreter (role-split: one per queue, 2·W)
-    and one per SM on a GPU; role-split gives each rank an equal share, split between its
-    two queues in the ratio of the schedule's communication and compute programs.
+    ``mode``: ``split`` (the default on a GPU: the transport kernel and the GEMM kernel
+    launched side by side, each with its own programs; they must run concurrently: on a
+    GPU every program is resident, on the CPU each interpreted program runs in its own
+    thread, ``ConcurrentInterpreter``) or ``unified`` (the default under the interpreter:
+    one kernel, every program takes any task, one ticket counter). ``programs``: how many
+    run at once, by default one per SM of this process's share of the GPU, and under the
+    interpreter two (unified) or three (split). ``comm_programs``: split mode's transport
+    programs, the rest the GEMM kernel's (default: in the ratio of the schedule's
+    communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
     ``profile``: record the start and end of every work item (``last_profile``)."""
 
@@ -138,20 +142,22 @@ class RDEPModule:
         tiles: Tiles | None = None,
         programs: int | None = None,
         spin_bound: int | None = None,
-        mode: str = "unified",
+        mode: str | None = None,
+        comm_programs: int | None = None,
         profile: bool = False,
     ):
         self.contract = contract
         self.kernels_path = Path(kernels_path)
+        self.device = self._device(backend, device)
+        self.interpret = self.device.type == "cpu"
+        mode = mode or default_mode(self.interpret)
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
-        self.device = self._device(backend, device)
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank
         buffers = private_buffers(contract, self.per_rank)
         check_fits(
             contract, self.transport, self.device, buffers, self.rank
         )  # before anything is allocated or imported
-        self.interpret = self.device.type == "cpu"
         self.mode = mode
         self.profiling = profile
         self.dtype = TORCH_DTYPES[contract.dtype]
@@ -160,8 +166,7 @@ class RDEPModule:
         self.work = contract.work(self.tiles, mode, rank=self.rank)
         self.bwd_work = contract.work(self.tiles, mode, rank=self.rank, backward=True)
         self.local_experts = self._local_experts()
-        self.programs, self.per_queue = self._grid(programs)  # programs: the budget, all resident on a GPU
-        self.grid = sum(self.per_queue)
+        self.grid, self.per_queue = self._grid(programs, comm_programs)  # all resident at once on a GPU
         self.spin_bound = self._spin_bound(spin_bound)
         self._allocate(buffers)
         self._start()
@@ -208,16 +213,20 @@ class RDEPModule:
             return tuple(range(p.E))
         return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
 
-    def _grid(self, programs: int | None) -> tuple[int, tuple[int, ...]]:
-        """The grid's budget of programs (default: two under the interpreter, role-split one
-        per queue; one per SM on a GPU) and the programs per queue the launch runs: unified,
-        capped by the work items; role-split, each rank its slice, split between roles."""
+    def _grid(self, programs: int | None, comm: int | None) -> tuple[int, tuple[int, ...]]:
+        """The programs of a call and of each kernel (``KernelContract.launch_grid``) within a
+        budget of ``programs`` that run at once: by default, under the interpreter, two
+        (unified) or three (split: one transport program, two GEMM programs, each a thread);
+        on a GPU one per SM of this process's share of it (per-rank processes on one GPU
+        share it). ``comm``: split mode's transport programs (default: the schedule's)."""
         if programs is None:
-            if self.interpret:  # role-split: one program (one thread) per queue
-                programs = 2 if self.mode == "unified" else len(self.work.bounds)
+            if self.interpret:
+                programs = 2 if self.mode == "unified" else 3
+                comm = 1 if comm is None and self.mode == "split" else comm
             else:
-                programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return self.contract.launch_grid(self.work, programs, self.per_rank, resident=not self.interpret)
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                programs = max(2, sms // ranks.sharing_device(self.per_rank))
+        return self.contract.launch_grid(self.work, programs, comm)
 
     def _spin_bound(self, spin_bound: int | None) -> int:
         """Spins a wait may take. Spins are cheap on a GPU and slow under the interpreter;
@@ -234,9 +243,7 @@ class RDEPModule:
         tables, the private buffers and the placeholders a launch passes."""
         p, device = self.contract, self.device
         self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
-        self.tables, self.bwd_tables = task_tables(
-            p, self.work, self.bwd_work, self.per_queue, self.mode, self.per_rank, device
-        )
+        self.tables, self.bwd_tables = task_tables(p, self.work, self.bwd_work, self.per_queue, self.per_rank, device)
         self.private = allocate_private(buffers, 2 * self.work.n_items if self.profiling else 1, device)
         self._unused = placeholders(p, device)
         self._flags, self._bwd_flags, self._published = regions(p)
@@ -244,7 +251,7 @@ class RDEPModule:
     def _start(self) -> None:
         """The host's state between calls, before the first."""
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
-        self.launcher = self.transport.launcher(self.interpret, concurrent=self.mode == "role-split")
+        self.launcher = self.transport.launcher(self.interpret, concurrent=self.mode == "split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
         self._readback = Readback(self.device)  # native calls whose control words are still on their way
@@ -405,7 +412,6 @@ class RDEPModule:
         tl = self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
-            "ROLE_SPLIT": self.mode == "role-split",
             "PROFILE": self.profiling and not backward,
             "GLOBALTIMER": self.profiling and not backward and not self.interpret,
             "BACKWARD": backward,
@@ -420,10 +426,16 @@ class RDEPModule:
                 return a.new_zeros(1)
             return a
 
-        args = tuple(arg(name, kind) for name, kind in kernel_args(p) if kind != "constexpr")
         if not self.interpret:
             meta["num_warps"] = tl.num_warps
-        self.launcher(self.kernels.rdep_layer, (self.grid,), args, meta)
+        launches = []
+        for kernel, extra in mode_kernels(self.mode):
+            wanted = kernel_args(p, kernel)
+            args = tuple(arg(name, kind) for name, kind in wanted if kind != "constexpr")
+            names = {name for name, kind in wanted if kind == "constexpr"} | {"num_warps"}
+            kernel_meta = {k: v for k, v in (meta | extra).items() if k in names}
+            launches.append((getattr(self.kernels, kernel), (self.per_queue[len(launches)],), args, kernel_meta))
+        self.launcher(launches)
 
     def _tiles(self, given: Tiles | None) -> tuple[Tiles, str]:
         """The tiles to launch with, and where they come from: given, the interpreter's own,

@@ -37,7 +37,7 @@ import sys
 import threading
 
 # launch.py imports neither torch nor triton at import time either.
-from rdepc.runtime.launch import Launcher, scratch_allocator
+from rdepc.runtime.launch import Launcher
 from rdepc.runtime.ranks import HOST_TIMEOUT
 
 from rdepc.toolchain import EXTERN_LIB, INSTALL_HINT, NvshmemUnavailable, bitcode_path, one_line
@@ -217,14 +217,13 @@ class NvshmemLauncher(Launcher):
         self.world = world if world is not None else NvshmemWorld.start()
         self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
 
-    def __call__(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         meta = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
         compiled = kernel.warmup(*args, grid=grid, **meta)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
         if id(compiled) not in self.world._modules:
             self._register(compiled)
         self.launches += 1
-        scratch_allocator()
         kernel[grid](*args, **meta)
 
     def _register(self, compiled) -> None:

@@ -8,11 +8,12 @@ side by side in https://ui.perfetto.dev:
 
 * one complete event (``ph: "X"``) per entry, named after its task, ``pid`` = rank, ``tid``
   0 when the schedule is unified (bulk: every program does every stage) and the kernel ran
-  unified, else 0 for the rank's communication tasks and 1 for its compute tasks; ``cat`` the stage (``route``,
+  unified, else 0 for the rank's communication tasks (split mode: the transport kernel's)
+  and 1 for its compute tasks (the GEMM kernel's); ``cat`` the stage (``route``,
   ``scan``, ``dispatch``, ``compute``, ``return``, ``combine``; unpack and the combine wait
   are stage ``combine`` with ``detail`` ``unpack`` / ``wait``, as in the prediction);
-* the same process and thread name metadata events (``rank r``; ``all programs``, or
-  ``communication`` and ``compute``);
+* the same process and thread name metadata events (``rank r``; ``all programs``,
+  ``communication`` and ``compute``, or ``transport kernel`` and ``GEMM kernel``);
 * ``args``: the entry, the graph's task id, the entry's segment, claim, owner and source
   where they apply, and the raw clock values.
 
@@ -77,11 +78,11 @@ def read_profile(work, buffer, interpret: bool, mode: str) -> dict:
 
 
 def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
-    if mode == "role-split":  # programs: (communication, compute) programs of one rank
+    if mode == "split":  # programs: (transport, GEMM) kernel programs
         comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
         return [
-            (0, "communication" + (f" ({comm} programs)" if comm else "")),
-            (1, "compute" + (f" ({compute} programs)" if compute else "")),
+            (0, "transport kernel" + (f" ({comm} programs)" if comm else "")),
+            (1, "GEMM kernel" + (f" ({compute} programs)" if compute else "")),
         ]
     if contract.unified:
         return [(0, "all programs" + (f" ({programs})" if programs else ""))]
@@ -93,9 +94,8 @@ def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[i
 def measured_trace(contract: KernelContract, profile: dict, programs=None) -> dict:
     """The measured profile of one call (``RDEPModule.last_profile``) of the kernels of
     ``plan`` as Chrome trace-event JSON (a dict), in the shape of :func:`rdepc.viz.trace`.
-    ``programs``: the kernel's programs (the grid in unified mode; one rank's
-    (communication, compute) programs in role-split mode), shown in the thread names when
-    given."""
+    ``programs``: the kernels' programs (unified mode: its grid; split mode: the transport
+    and the GEMM kernel's), shown in the thread names when given."""
     clock = profile.get("clock")
     if clock not in CLOCKS:
         raise ValueError(f"unknown profile clock {clock!r} (known: {', '.join(CLOCKS)})")
@@ -117,7 +117,7 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
         row = contract.table[entry]
         kind = KINDS[row[_COL["kind"]]]
         stage, detail = STAGE_OF[kind]
-        role = row[_COL["resource"]] % 2  # resource = 2·rank + role; role 0 communication, 1 compute
+        role = row[_COL["resource"]] % 2  # resource = 2·rank + role: 0 communication (transport), 1 compute (GEMMs)
         args = {"entry": entry, "task": contract.tasks[entry], "kind": kind}
         for key in ("segment", "claim", "owner", "src"):
             v = row[_COL[key]]
@@ -134,7 +134,7 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
                 "cat": stage,
                 "ph": "X",
                 "pid": row[_COL["rank"]],
-                "tid": 0 if contract.unified and mode != "role-split" else role,
+                "tid": 0 if contract.unified and mode != "split" else role,
                 "ts": (start - origin) * scale,
                 "dur": dur,
                 "args": args,

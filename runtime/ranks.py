@@ -75,6 +75,18 @@ def barrier() -> None:
     dist.barrier()
 
 
+def sharing_device(per_rank: bool) -> int:
+    """The rank processes that share this process's GPU (torchrun's LOCAL_WORLD_SIZE over
+    the GPUs it sees, rounded up); 1 where one process holds every rank. Their kernels must
+    all be resident at once, so each takes this share of the GPU's SMs."""
+    if not per_rank:
+        return 1
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, -(-local // max(1, torch.cuda.device_count())))
+
+
 def _shm_dir() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -216,4 +228,14 @@ def spawn(fn, world: int, *args, timeout: float = 600.0, delays: list[float] | N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["HEAP_PREFIX", "RanksError", "barrier", "broadcast", "process_group", "remove_heaps", "shared_heap", "spawn"]
+__all__ = [
+    "HEAP_PREFIX",
+    "RanksError",
+    "barrier",
+    "broadcast",
+    "process_group",
+    "remove_heaps",
+    "shared_heap",
+    "sharing_device",
+    "spawn",
+]

@@ -52,12 +52,13 @@ def kernel_error(
     def task(i: int) -> str:
         return f"task #{i} ({names[i]})" if 0 <= i < len(names) else f"task #{i}"
 
-    role = "any task (unified)" if mode == "unified" else ("communication", "compute")[queue % 2]
+    role = "any task (unified)" if mode == "unified" else ("transport kernel", "GEMM kernel")[queue % 2]
     seg = f", segment {segment}" if segment >= 0 else ""
     flag_rank = table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(table) else None
     if code == 1:
         what = (
-            f"{task(entry)} on rank {rank} ({role} programs{seg}) waited {spin_bound} spins for the done "
+            f"{task(entry)} on rank {rank} ({role}{' programs' if mode == 'unified' else ''}{seg}) waited "
+            f"{spin_bound} spins for the done "
             f"flag of {task(dep)} on rank {flag_rank}: saw {seen}, expected {expected}"
         )
     elif code == 2:

@@ -80,8 +80,8 @@ class Transport:
         process."""
 
     def launcher(self, interpret: bool, concurrent: bool):
-        """What launches the kernel: Triton's own launch, or under the interpreter with
-        ``concurrent`` programs (role-split) one thread per program."""
+        """What launches a call's kernels: Triton's own launches, or under the interpreter with
+        ``concurrent`` programs (split mode) one thread per program of every kernel."""
         from rdepc.runtime.launch import ConcurrentInterpreter, Launcher
 
         return ConcurrentInterpreter(True) if interpret and concurrent else Launcher(interpret)

@@ -34,6 +34,9 @@ BASE = dict(
     CTL_BAD_IDS=10,
     CTL_BAD_GATES=12,
     CTL_DUP_TOKENS=14,
+    SEGMENTS=3,
+    TILE_SLOTS=16,
+    SLOT_BLOCK=8,
 )
 
 TESTS = """
@@ -87,15 +90,35 @@ def m_tiles(group, slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
     s = tl.program_id(0)
     q = tl.program_id(1)
     n = tl.load(slots + q * tl.num_programs(0) + s)
-    j = 0
-    while j < n:
-        which, row0, lo, hi = m_tile(group, q, s, j, BM)
-        o = out + ((q * tl.num_programs(0) + s) * SLOTS + j) * 4
-        tl.store(o, which)
-        tl.store(o + 1, row0)
-        tl.store(o + 2, lo)
-        tl.store(o + 3, hi)
-        j += 1
+    first, rows = owner_rows(group, q)
+    j = tl.arange(0, SLOTS)
+    which, row0, lo, hi = m_tile(first, rows, s, j, BM)
+    o = out + ((q * tl.num_programs(0) + s) * SLOTS + j) * 4
+    live = j < n
+    tl.store(o, which, mask=live)
+    tl.store(o + 1, row0, mask=live)
+    tl.store(o + 2, lo, mask=live)
+    tl.store(o + 3, hi, mask=live)
+
+
+@triton.jit
+def bound_tiles(group, tile_table, n_slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
+    # bind_m_tiles for owner program_id(0), then every slot read back through bound_m_tile
+    q = tl.program_id(0)
+    first, rows = owner_rows(group, q)
+    n = tl.load(n_slots + q)
+    bind_m_tiles(first, rows, tile_table, q, n, BM)
+    tl.debug_barrier()
+    for s in range(0, SEGMENTS):
+        j = 0
+        while j < n:
+            which, row0, lo, hi = bound_m_tile(tile_table, q, s, j)
+            o = out + ((q * SEGMENTS + s) * SLOTS + j) * 4
+            tl.store(o, which)
+            tl.store(o + 1, row0)
+            tl.store(o + 2, lo)
+            tl.store(o + 3, hi)
+            j += 1
 
 
 @triton.jit
@@ -200,7 +223,12 @@ def kernels(tmp_path_factory):
 
 
 def launch(kernel, grid, *args, **meta):
-    Launcher(interpret=True)(kernel, grid, args, meta)
+    interpreted(kernel, grid, args, meta)
+
+
+def interpreted(kernel, grid, args: tuple, meta: dict) -> None:
+    """One interpreted launch of ``kernel``, as the runtime's launcher makes it."""
+    Launcher(interpret=True)([(kernel, grid, args, meta)])
 
 
 def pow2(n: int) -> int:

@@ -26,7 +26,7 @@ from rdepc.codegen.emit import HASH_FIELD
 import rdepc
 from rdepc.api import elaborate_layer
 from rdepc.driver import Options, compile_file, generate_spec, spec_passes
-from rdepc.ir.contract import COLUMNS, KINDS, KernelContract, Tiles, kernel_args
+from rdepc.ir.contract import COLUMNS, GEMM_KINDS, KINDS, KernelContract, Tiles, kernel_args
 from rdepc.parser import parse_text
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"
@@ -309,11 +309,14 @@ def _check_lowering(g, tiles: Tiles) -> None:
     assert off["return"] + landing <= k.heap_bytes
     for f in k.sideband:
         assert off["payload"] < off[f"sideband_{f}"] < off["return"]
-    split = k.work(tiles, "role-split")
-    assert len(split.bounds) == 2 * k.W and sorted(split.queue) == list(range(len(k.table)))
-    for q, (lo, hi) in enumerate(split.bounds):
+    split = k.work(tiles, "split")  # the transport kernel's queue, then the GEMM kernel's
+    assert len(split.bounds) == 2 and sorted(split.queue) == list(range(len(k.table)))
+    for gemm, (lo, hi) in enumerate(split.bounds):
         mine = split.queue[lo:hi]
-        assert list(mine) == sorted(mine) and all(work.table[i][col["resource"]] == q for i in mine)
+        assert list(mine) == sorted(mine) and all((work.table[i][col["kind"]] in GEMM_KINDS) == gemm for i in mine)
+    for r in range(k.W):  # a rank's process: its own entries only, in both queues
+        own = k.work(tiles, "split", rank=r)
+        assert sorted(own.queue) == [i for i, row in enumerate(k.table) if row[col["rank"]] == r]
 
 
 @settings(max_examples=30)

@@ -3,10 +3,11 @@
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
 compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
-deep), its one kernel ``rdep_layer`` — the forward in both kernel modes (unified and
-role-split), keeping what a backward walks, and the backward pass — for
-the one-process ``emulated`` transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the
-examples are dealt over two processes (deepseek_v3 with its fp8 dispatch). Each kernel is
+deep): split mode's transport kernel and GEMM kernel, forward (keeping what a backward
+walks) and backward, and the unified kernel's forward — for the one-process ``emulated``
+transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the examples are dealt over two
+processes (deepseek_v3 with its fp8 dispatch). tiny's compile through the command line
+takes every build, the unified backward too. Each kernel is
 compiled as a launch runs it; that a launch's real arguments specialise it the same way is
 checked in this process, with Triton's binder and no compile.
 """
@@ -27,6 +28,9 @@ from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
 
 import rdepc
 from rdepc.driver import generate_spec
+
+# What every example compiles in CI: split mode's four builds and the unified forward.
+EVERY_EXAMPLE = ("rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep_gemm.backward", "rdep_layer")
 
 
 def _generate(tmp_path, backend: str = "emulated"):
@@ -59,17 +63,18 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
         dtypes[name] = dtype
     assert len(jobs) == len(EXAMPLES)
-    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1))
-    assert [r["layer"] for r in results] == [name for name in dtypes for _ in KERNELS]
+    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=list(EVERY_EXAMPLE))
+    assert [r["layer"] for r in results] == [name for name in dtypes for _ in EVERY_EXAMPLE]
     for r in results:
+        gemms = KERNELS[r["kernel"]][0] == "rdep_gemm" or KERNELS[r["kernel"]][1].get("GEMMS")
         cubin = tmp_path / r["layer"] / cubin_name(r["layer"], r["kernel"], 90)
         assert r["cubin"] == str(cubin) and cubin.stat().st_size == r["bytes"] > 0
         assert r["target"] == "sm_90a"
         assert r["acquire"] and r["release"], "the flag protocol must compile to acquire loads and release atomics"
         assert r["shared"] <= H100_SHARED, f"{r['layer']} needs {r['shared']} bytes of shared memory"
-        assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']}: NVSHMEM device code linked: {r['nvshmem']}"
-        assert r["tma"], f"{r['layer']}: the GEMM operands do not arrive by TMA"
-        assert 0 < r["registers"] <= 255 and r["local_bytes"] >= 0 and r["stack"] >= 0
+        assert r["nvshmem"] == (backend == "nvshmem"), f"{r['layer']} {r['kernel']}: NVSHMEM linked: {r['nvshmem']}"
+        assert r["tma"] == gemms, f"{r['layer']} {r['kernel']}: the GEMM operands arrive by TMA: {r['tma']}"
+        assert 0 < r["registers"] <= 255 and r["local_bytes"] >= 0 and r["stack"] >= 0 and r["ctas_per_sm"] >= 1
         sp = r["specialization"]  # compiled as a launch runs it (launch_specialization)
         assert sp["aligned_pointers"] == sp["pointers"] > 0 and r["launch"]["n_programs"] > 0, (r["layer"], sp)
         if r["layer"] == "moonlight" and not r["kernel"].endswith("backward"):
@@ -79,10 +84,12 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
             assert r["stack"] <= most, f"moonlight {r['kernel']}: {r['stack']} bytes of stack per thread"
         fp8 = r["layer"] == "deepseek_v3" and not r["kernel"].endswith("backward")  # the backward sends no fp8
         assert r["fp8"] == fp8, f"{r['layer']} {r['kernel']}: fp8 e4m3 conversions: {r['fp8']}"
-        if dtypes[r["layer"]] != "fp32":  # bf16 grouped GEMMs on Hopper tensor cores
+        if dtypes[r["layer"]] != "fp32" and gemms:  # bf16 grouped GEMMs on Hopper tensor cores
             assert r["wgmma"], f"{r['layer']}: no wgmma in the PTX"
             # GEMM1: gate and up as one operand, 2·block_f = 256 wide; GEMM2 block_h = 128
             assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
+        elif not gemms:
+            assert not r["wgmma"] and not r["loops"], f"{r['layer']}: the transport kernel holds a GEMM"
     times = ", ".join(f"{r['layer']} {r['seconds']:.1f} s" for r in results)
     print(f"sm_90 compile times ({backend}): {times}")
 
@@ -93,21 +100,17 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["compile", "examples/tiny.rdep", "-o", str(tmp_path), "--target", "sm_90"]) == 0
     out = capsys.readouterr().out
-    cubin = tmp_path / "tiny.rdep_layer.sm_90.cubin"
-    assert cubin.stat().st_size > 0
-    split = tmp_path / "tiny.rdep_layer.role_split.sm_90.cubin"
-    assert split.stat().st_size > 0
-    assert "compiled rdep_layer for sm_90a in " in out and f"wrote {cubin}" in out
-    assert "compiled rdep_layer.role_split for sm_90a in " in out
-    backward = tmp_path / "tiny.rdep_layer.backward.sm_90.cubin"
-    assert backward.stat().st_size > 0 and "compiled rdep_layer.backward for sm_90a in " in out
+    cubins = [tmp_path / f"tiny.{kernel}.sm_90.cubin" for kernel in KERNELS]
+    for kernel, cubin in zip(KERNELS, cubins, strict=True):
+        assert cubin.stat().st_size > 0 and f"compiled {kernel} for sm_90a in " in out and f"wrote {cubin}" in out
     assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
-    assert "bytes of stack and 0 bytes of local memory (spills) per thread" in out
-    # compiled as a native launch at T' = T runs it, on an H100's grid (unified: at most one program per work item)
-    grids = re.findall(r"as launched: pointers 16-byte aligned, T'=16, (\d+) programs\n", out)
-    assert len(grids) == 3 and int(grids[1]) == 132 and 0 < int(grids[0]) == int(grids[2]) <= 132, grids
+    assert "GEMMs: no wgmma, no TMA" in out  # the transport kernel
+    assert re.search(r"bytes of stack and 0 bytes of local memory \(spills\) per thread, [12] CTAs? per SM", out)
+    # compiled as a native launch at T' = T runs it, on an H100's grid (at most one program per work item)
+    grids = [int(n) for n in re.findall(r"as launched: pointers 16-byte aligned, T'=16, (\d+) programs\n", out)]
+    assert len(grids) == len(KERNELS) and all(0 < n <= 132 for n in grids), grids
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", cubin.name, split.name, backward.name]
+        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", *(c.name for c in cubins)]
     )
 
 
@@ -117,8 +120,7 @@ def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
     g = generate_spec(rdepc.load(tiny_segmented(tmp_path)).spec)  # pipelined, 4 segments per owner
     write_module(g, tmp_path)
     job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.plan.json", tmp_path)
-    results = compile_cubins([job], arch=90, profile=True)
-    assert [r["kernel"] for r in results] == list(KERNELS)
+    results = compile_cubins([job], arch=90, profile=True, kernels=["rdep_transport", "rdep_gemm", "rdep_layer"])
     assert all(r["globaltimer"] and r["acquire"] and r["release"] for r in results)
 
 
@@ -137,12 +139,12 @@ def test_a_dedup_layer_compiles_for_sm90(tmp_path, monkeypatch):
     g = generate_spec(spec)
     write_module(g, tmp_path)
     job = (tmp_path / "deepseek_v3_kernels.py", tmp_path / "deepseek_v3.plan.json", tmp_path)
-    results = compile_cubins([job], arch=90)
-    assert [r["kernel"] for r in results] == list(KERNELS)
+    results = compile_cubins([job], arch=90, kernels=["rdep_transport", "rdep_gemm", "rdep_gemm.backward"])
     for r in results:
-        backward = r["kernel"].endswith("backward")
-        assert r["fp8"] != backward and r["tma"] and r["acquire"] and r["release"], r
-        assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
+        backward, gemms = r["kernel"].endswith("backward"), r["kernel"].startswith("rdep_gemm")
+        assert r["fp8"] != backward and r["tma"] == gemms and r["acquire"] and r["release"], r
+        if gemms:
+            assert {"m64n256k16", "m64n128k16"} <= set(r["wgmma_shapes"]), r["wgmma_shapes"]
         assert r["shared"] <= H100_SHARED and r["local_bytes"] == 0
 
 
@@ -152,9 +154,9 @@ class _Recorder:
     def __init__(self):
         self.launches, self.calls = 0, []
 
-    def __call__(self, kernel, grid, args, meta):
-        self.launches += 1
-        self.calls.append((kernel, grid, args, meta))
+    def __call__(self, launches):
+        self.launches += len(launches)
+        self.calls += launches
 
 
 def _odd(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +166,7 @@ def _odd(t: torch.Tensor) -> torch.Tensor:
     return flat[1:].view(t.shape)
 
 
-@pytest.mark.parametrize("mode", ["unified", "role-split"])
+@pytest.mark.parametrize("mode", ["unified", "split"])
 def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
     """What ``_compile`` compiles (launch_specialization) is what Triton's JIT binds for the
     arguments RDEPModule really passes: the module on the CPU with the native launch's
@@ -189,10 +191,10 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
     gates = _odd(torch.rand(W, T, K, generator=g))
     w_gate, w_up, w_down = (torch.randn(E, *s, generator=g) for s in ((H, F), (H, F), (F, H)))
     y = module(x, ids, gates, w_gate, w_up, w_down)
-    kernels = ["rdep_layer" if mode == "unified" else "rdep_layer.role_split"]
-    if mode == "unified":  # the backward compiled is the unified one
-        y.backward(_odd(torch.ones(W, T, H)))
-        kernels.append("rdep_layer.backward")
+    y.backward(_odd(torch.ones(W, T, H)))
+    kernels = ["rdep_layer", "rdep_layer.backward"]
+    if mode == "split":
+        kernels = ["rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep_gemm.backward"]
     assert len(recorder.calls) == len(kernels)
     # Triton is imported now, in the interpreter's mode (the module imported it first)
     from triton.backends.compiler import GPUTarget
@@ -208,7 +210,8 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
             bound, spec, options = binder(*args, **kwargs)
             _, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
         want = launch_specialization(module.contract, fn, kernel)
-        assert grid == (want.launch["n_programs"],), kernel
+        assert grid == (module.per_queue[KERNELS[kernel][0] == "rdep_gemm"],), kernel
+        assert sum(module.per_queue) == want.launch["n_programs"], kernel
         assert signature == want.signature, kernel
         assert constexprs == want.constexprs, kernel
         assert attrs == want.attrs, kernel
@@ -267,11 +270,11 @@ def launcher(kind):
 
 
 def jit_key(launch, meta):
-    fn = import_kernels(launch["kernels"], interpret=False).rdep_layer
+    fn = getattr(import_kernels(launch["kernels"], interpret=False), launch["kernel"])
     args = tuple(arg(a) for a in launch["args"])
     with keys_only():
         try:
-            launcher(launch["launcher"])(fn, tuple(launch["grid"]), args, meta)
+            launcher(launch["launcher"])([(fn, tuple(launch["grid"]), args, meta)])
         except _Keyed as k:
             return k.key
     raise AssertionError("the launch did not reach Triton's compile")
@@ -288,9 +291,9 @@ print(json.dumps(out))
 """.replace("@@H100@@", _H100)
 
 
-def _described(kernels_path, grid, args, meta, launcher: str = "triton") -> dict:
-    """A launch as the native process rebuilds it: pointers by dtype and 16-byte alignment
-    (what Triton specialises on), ints by value."""
+def _described(kernels_path, kernel, grid, args, meta, launcher: str = "triton") -> dict:
+    """A launch as the native process rebuilds it: the kernel by name, pointers by dtype and
+    16-byte alignment (what Triton specialises on), ints by value."""
 
     def one(a):
         if isinstance(a, torch.Tensor):
@@ -298,8 +301,9 @@ def _described(kernels_path, grid, args, meta, launcher: str = "triton") -> dict
         assert isinstance(a, int) and not isinstance(a, bool), a
         return {"int": a}
 
-    return {"kernels": str(kernels_path), "grid": list(grid), "args": [one(a) for a in args], "meta": meta,
-            "launcher": launcher}  # fmt: skip
+    name = kernel if isinstance(kernel, str) else kernel.fn.__name__
+    return {"kernels": str(kernels_path), "kernel": name, "grid": list(grid), "args": [one(a) for a in args],
+            "meta": meta, "launcher": launcher}  # fmt: skip
 
 
 def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
@@ -314,7 +318,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     (NVSHMEM's bitcode as ``extern_libs``) gives the key prewarm computes for the nvshmem
     transport's file too (its arguments: aligned stand-ins with the rank's launch values)."""
     from rdepc.codegen.prewarm import PASSES, launch_requests
-    from rdepc.codegen.sm90 import native_launch, variant_meta
+    from rdepc.codegen.sm90 import native_launch, own_constexprs, variant_meta
 
     from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, Tiles, kernel_args
 
@@ -330,7 +334,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     gates = _odd(torch.rand(W, T, K, generator=g))
     w_gate, w_up, w_down = (torch.randn(E, *s, generator=g) for s in ((H, F), (H, F), (F, H)))
     launches, requests = [], []
-    for mode in ("unified", "role-split"):
+    for mode in ("unified", "split"):
         for pass_ in PASSES:
             m = layer.module("emulated", "cpu", tiles=tiles, programs=H100_SMS, spin_bound=NATIVE_SPIN_BOUND,
                              mode=mode, profile=pass_ == "profile")  # fmt: skip
@@ -342,10 +346,11 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
                 y.backward(_odd(torch.ones(W, T, H)))
             else:
                 m(x, ids, gates, w_gate, w_up, w_down)
-            launches += [_described(m.kernels_path, *call[1:]) for call in recorder.calls]
+            launches += [_described(m.kernels_path, *call) for call in recorder.calls]
             got = launch_requests(native.kernels_path, native.directory / "plan.json", mode=mode, pass_=pass_,
                                   tiles=tiles)  # fmt: skip
-            assert len(got) == len(recorder.calls) == len(PASSES[pass_]), (mode, pass_)
+            kernels = 1 if mode == "unified" else 2
+            assert len(got) == len(recorder.calls) == kernels * len(PASSES[pass_]), (mode, pass_)
             requests += got
     assert any(launch["meta"]["GLOBALTIMER"] for launch in launches)  # a profiled launch stamps natively
     try:  # the nvshmem transport's file, as rank 1 of 2 launches it
@@ -357,14 +362,16 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     else:
         shmem = layer.compile(backend="nvshmem", interpret=False)
         plan = shmem.kernel
-        scalars = native_launch(plan, tiles, "unified", rank=1)
-        args = [
-            torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]])) if kind.startswith("*") else scalars[name]
-            for name, kind in kernel_args(plan)
-            if kind != "constexpr"
-        ]
-        meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("unified") | {"num_warps": tiles.num_warps}
-        launches.append(_described(shmem.kernels_path, (scalars["n_programs"],), args, meta, "nvshmem"))
+        scalars = native_launch(plan, tiles, "split", rank=1)
+        for kernel in ("rdep_layer", "rdep_gemm"):
+            args = [
+                torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]])) if kind.startswith("*") else scalars[name]
+                for name, kind in kernel_args(plan, kernel)
+                if kind != "constexpr"
+            ]
+            meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("split", kernel)
+            meta = own_constexprs(plan, kernel, meta) | {"num_warps": tiles.num_warps}
+            launches.append(_described(shmem.kernels_path, kernel, (scalars["n_programs"],), args, meta, "nvshmem"))
         requests += launch_requests(shmem.kernels_path, shmem.directory / "plan.json", tiles=tiles, ranks=[1])
     job = tmp_path / "launches.json"
     job.write_text(json.dumps({"launches": launches, "requests": requests}))
@@ -398,7 +405,7 @@ from rdepc.toolchain import import_kernels
 
 @@H100@@
 kernels, plan_path = sys.argv[1:3]
-requests = [launch_requests(kernels, plan_path, mode=m)[0] for m in ("unified", "role-split", "unified")]
+requests = [launch_requests(kernels, plan_path, mode=m)[k] for m, k in (("unified", 0), ("split", 0), ("unified", 0))]
 out = {"first": prewarm(requests, 2), "again": prewarm(requests, 2)}
 # the JIT's own compile of the first request's launch (warmup: compiled, not launched) finds it
 req, plan = requests[0], KernelContract.from_json(open(plan_path).read())

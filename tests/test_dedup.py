@@ -119,10 +119,10 @@ def test_the_return_ring_under_dedup():
 
 
 def test_dedup_is_bitwise_identical_across_schedules_and_modes():
-    """Every strategy, and the role-split kernel mode (bulk: few entries, as the interpreter
+    """Every strategy, and the split kernel mode (bulk: few entries, as the interpreter
     runs its programs one at a time)."""
     ys = []
-    for schedule, mode in (("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), ("bulk", "role-split")):
+    for schedule, mode in (("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), ("bulk", "split")):
         _, _, y = _run(_layer(dtype="bf16", T=8, rows=16, schedule=schedule), "zipf:1.2", mode=mode)
         ys.append(y)
     assert all(torch.equal(ys[0], y) for y in ys[1:])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from device_kernels import interpreted
 from rdepc.codegen.device import include
-from rdepc.runtime.launch import Launcher
 
 from rdepc.toolchain import import_kernels
 
@@ -106,7 +106,7 @@ def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, r
     BM, BN, BK = 32, 32, 32  # K and N not multiples of the tile: the last chunks overhang
     for col0 in (0, 64 if N > 64 else N - 3):
         out = torch.full((BM, BN), float("nan"))
-        Launcher(interpret=True)(
+        interpreted(
             kernels.tile, (1,), (a, a.shape[0], row0, w, N, col0, out), dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma,
                                                                              CAST_F32=True)
         )  # fmt: skip
@@ -127,7 +127,7 @@ def test_pointer_loads_match_tensor_descriptors_bit_for_bit(kernels, trans_b, ro
         outs = []
         for tma in (True, False):
             out = torch.full((BM, BN), float("nan"))
-            Launcher(interpret=True)(
+            interpreted(
                 kernels.tile, (1,), (a, a.shape[0], row0, w, N, col0, out),
                 dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, CAST_F32=True, TRANS_B=trans_b),
             )  # fmt: skip
@@ -165,7 +165,7 @@ def test_gemm_tile_applies_fp8_row_and_block_scales(kernels, K, scale_cols, tma)
     BM, BN, BK = 32, 32, 32
     for row0 in (-8, 20):
         out = torch.full((BM, BN), float("nan"))
-        Launcher(interpret=True)(
+        interpreted(
             kernels.scaled_tile, (1,), (a, 40, row0, w, 48, 16, scales, out),
             dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, SCALE_COLS=scale_cols),
         )  # fmt: skip
@@ -182,7 +182,7 @@ def test_gemm_tile_gathers_rows_by_index(kernels, trans_b):
     w = torch.randn(N, K, generator=g) if trans_b else torch.randn(K, N, generator=g)
     index = torch.tensor([3, 3, -1, 0, 23, 7, 7, 7, -1, 1, 2, 5, 5, 9, 10, 23], dtype=torch.int32)
     out = torch.full((BM, BN), float("nan"))
-    Launcher(interpret=True)(
+    interpreted(
         kernels.gathered_tile, (1,), (a, 24, index, w, N, 8, out),
         dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TRANS_B=trans_b),
     )  # fmt: skip
@@ -200,7 +200,7 @@ def test_e4m3_rounding_is_torchs_bit_for_bit(kernels):
     x = torch.cat([torch.randn(4096, generator=g) * 100, torch.randn(4085, generator=g) * 0.01, edges])
     x = x.clamp(-448.0, 448.0)
     y = torch.empty(x.numel(), dtype=torch.float8_e4m3fn)
-    Launcher(interpret=True)(kernels.quantise, (1,), (x, y), dict(N=x.numel()))
+    interpreted(kernels.quantise, (1,), (x, y), dict(N=x.numel()))
     assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
@@ -209,7 +209,7 @@ def test_gate_up_splits_interleaved_columns_and_stores_only_live_rows(kernels):
     acc = torch.randn(BM, 2 * BN, generator=torch.Generator().manual_seed(1))
     gate = torch.full((BM, n_cols), -1.0)
     up = torch.full((BM, n_cols), -1.0)
-    Launcher(interpret=True)(kernels.split, (1,), (acc, gate, up, 3, 11, n_cols, 16), dict(BM=BM, BN=BN))
+    interpreted(kernels.split, (1,), (acc, gate, up, 3, 11, n_cols, 16), dict(BM=BM, BN=BN))
     want_gate = torch.full((BM, n_cols), -1.0)
     want_up = torch.full((BM, n_cols), -1.0)
     want_gate[3:11, 16:] = acc[3:11, 0 : 2 * (n_cols - 16) : 2]  # column 2f is gate f, 2f + 1 up f

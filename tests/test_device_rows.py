@@ -242,7 +242,7 @@ def test_m_tile_binds_slots_to_the_tiles_in_order_and_none_past_the_bound(kernel
     for q, spans in enumerate(owners):
         for l, (first, rows) in enumerate(spans):
             group[q, l] = torch.tensor([first, rows])
-    out = torch.full((*slots.shape, int(slots.max()), 4), -99, dtype=torch.int64)
+    out = torch.full((*slots.shape, pow2(int(slots.max())), 4), -99, dtype=torch.int32)
     mod = kernels(E_MAX=E_MAX, EL_PAD=EL_PAD, S=S)
     launch(mod.m_tiles, slots.shape[::-1], group, slots, out, BM=BM, SLOTS=out.shape[2])
     for q, spans in enumerate(owners):
@@ -253,3 +253,28 @@ def test_m_tile_binds_slots_to_the_tiles_in_order_and_none_past_the_bound(kernel
             assert got[: len(want)] == want, (spans, s)
             assert all(hi <= lo for _, _, lo, hi in got[len(want) :]), (spans, s, got)
             assert len(got) > len(want)
+
+
+def test_the_m_tile_table_holds_each_slots_binding(kernels):
+    """bind_m_tiles writes every owner's slots of every segment, in blocks of SLOT_BLOCK
+    (a partial last block included), and bound_m_tile reads back m_tile's binding of each."""
+    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = 3, 24, 8, 3, 16
+    owners = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
+    group = torch.zeros((len(owners), E_MAX, 2), dtype=torch.int32)
+    for q, spans in enumerate(owners):
+        for l, (first, rows) in enumerate(spans):
+            group[q, l] = torch.tensor([first, rows])
+    n_slots = torch.tensor([13, 9, 0, 16], dtype=torch.int32)  # 13: one block of 8 and a partial one
+    table = torch.full((len(owners), SEGMENTS * TILE_SLOTS * 4), -7, dtype=torch.int32)
+    out = torch.full((len(owners), SEGMENTS, TILE_SLOTS, 4), -99, dtype=torch.int32)
+    mod = kernels(E_MAX=E_MAX, EL_PAD=4, S=S, SEGMENTS=SEGMENTS, TILE_SLOTS=TILE_SLOTS, SLOT_BLOCK=8)
+    launch(mod.bound_tiles, (len(owners),), group, table, n_slots, out, BM=BM, SLOTS=TILE_SLOTS)
+    for q, spans in enumerate(owners):
+        n = int(n_slots[q])
+        for s in range(SEGMENTS):
+            want = reference_tiles(spans, s, S, BM)
+            got = [tuple(x) for x in out[q, s, :n].tolist()]
+            assert got[: len(want)] == want, (q, s)
+            assert all(hi <= lo for _, _, lo, hi in got[len(want) :]), (q, s, got)
+        words = table[q].view(SEGMENTS, TILE_SLOTS, 4)
+        assert (words[:, n:] == -7).all(), "a slot past the owner's count was written"

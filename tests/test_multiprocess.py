@@ -66,9 +66,9 @@ def cases(W: int, segmented: str) -> list[Case]:
     for i, (schedule, mode, routing) in enumerate(
         [
             ("bulk", "unified", "uniform"),
-            ("pipelined", "role-split", "zipf:1.0"),
+            ("pipelined", "split", "zipf:1.0"),
             ("pipelined", "unified", "hot"),
-            ("bulk", "role-split", "one"),
+            ("bulk", "split", "one"),
             ("deep", "unified", "uniform"),
         ]
     ):
@@ -108,7 +108,7 @@ def test_ranks_may_bring_different_token_counts():
     returns serve the others); every slice equals the reference over the same tokens."""
     counts = (16, 0, 7)
     job = Job(
-        tuple(Case(TINY, overrides=(("W", 3),), rank_tokens=counts, mode=m, seed=3) for m in ("unified", "role-split"))
+        tuple(Case(TINY, overrides=(("W", 3),), rank_tokens=counts, mode=m, seed=3) for m in ("unified", "split"))
     )
     for per_case in zip(*ranks.spawn(run_rank, 3, job, timeout=600), strict=True):
         for rank, got in enumerate(per_case):
@@ -226,7 +226,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["unified", "role-split"])
+@pytest.mark.parametrize("mode", ["unified", "split"])
 def test_rdepc_run_emulated_mp_checks_every_rank(W, mode):
     out = subprocess.run(
         [RDEPC, "run", TINY, "--backend", "emulated-mp", "-D", f"W={W}", "--mode", mode, "--check"],

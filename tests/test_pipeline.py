@@ -28,7 +28,7 @@ from rdepc.runtime.tensors import max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer
-from rdepc.ir.contract import COLUMNS, CONTROL, Tiles
+from rdepc.ir.contract import COLUMNS, CONTROL, GEMM_KINDS, Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 
@@ -193,52 +193,61 @@ def test_a_withheld_producer_trips_its_dependent_and_the_next_call_recovers():
     assert torch.equal(m(*inputs), good) and m.epoch == 2
 
 
-def test_a_launch_replayed_as_is_computes_the_next_call():
-    """What replaying a captured CUDA graph does: the very same launch, every argument and
+@pytest.mark.parametrize("mode", ["unified", "split"])
+def test_a_launch_replayed_as_is_computes_the_next_call(mode):
+    """What replaying a captured CUDA graph does: the very same launches, every argument and
     output buffer unchanged. The epoch is counted on the device, so the replay is call 3 —
     it waits for call 3's flags and takes call 3's tickets — and recomputes the output."""
     case = small(2)
-    m = case.layer().module(schedule="pipelined")
+    m = case.layer().module(schedule="pipelined", mode=mode)
     inputs = case.inputs()
-    launches = []
+    calls = []
     launch = m.launcher
 
-    def record(kernel, grid, args, meta):
-        launches.append((kernel, grid, args, meta))
-        launch(kernel, grid, args, meta)
+    def record(launches):
+        calls.append(launches)
+        launch(launches)
 
     m.launcher = record
     m.launcher.launches = 0
     first, second = m(*inputs), m(*inputs)
     assert torch.equal(first, second)
-    (_, _, args1, meta1), (kernel, grid, args2, meta2) = launches
-    scalars = [(a, b) for a, b in zip(args1, args2, strict=True) if not isinstance(a, torch.Tensor)]
-    assert scalars and all(a == b for a, b in scalars) and meta1 == meta2, "a per-call argument"
+    for one, two in zip(*calls, strict=True):
+        scalars = [(a, b) for a, b in zip(one[2], two[2], strict=True) if not isinstance(a, torch.Tensor)]
+        assert scalars and all(a == b for a, b in scalars) and one[3] == two[3], "a per-call argument"
     second.zero_()
-    launch(kernel, grid, args2, meta2)  # the replay, into call 2's own output buffer
+    launch(calls[1])  # the replay, into call 2's own output buffer
     assert torch.equal(second, first)
     assert m.private["ctl"][CONTROL.index("calls")] == 3 and torch.equal(m(*inputs), first)
 
 
 @pytest.mark.parametrize("B", [1, 2])
-def test_role_split_runs_concurrently_and_matches_unified(B):
-    """One thread per (rank, role) queue under the interpreter: communication and compute
-    programs overlap in time (the logical clock interleaves them) and the result is bitwise
-    the unified kernel's, call after call."""
+def test_split_runs_both_kernels_concurrently_and_matches_unified(B):
+    """Split mode under the interpreter: the transport kernel's program and the GEMM
+    kernel's programs are threads that run at once — transport and GEMM work items overlap
+    in time (the logical clock interleaves them) — and the result is bitwise the unified
+    kernel's, forward and backward, call after call."""
     case = small(B)
     layer = case.layer()
     inputs = case.inputs()
-    want = layer.module(schedule="pipelined")(*inputs)
-    m = layer.module(schedule="pipelined", mode="role-split", profile=True)
-    assert m.grid == 2 * case.W and m.per_queue == (1, 1) * case.W
+    unified = layer.module(schedule="pipelined")
+    want = unified(*inputs)
+    m = layer.module(schedule="pipelined", mode="split", profile=True)
+    assert m.grid == 3 and m.per_queue == (1, 2)
     for _ in range(2):
         assert torch.equal(m(*inputs), want)
-    col = COLUMNS.index("resource")  # 2 * rank + role
-    spans = {role: [] for role in (0, 1)}
+    col = COLUMNS.index("kind")
+    spans = {gemm: [] for gemm in (False, True)}
     for entry, start, end in m.last_profile["events"]:
-        spans[m.contract.table[entry][col] % 2].append((start, end))
-    overlaps = sum(1 for a in spans[0] for b in spans[1] if a[0] < b[1] and b[0] < a[1])
-    assert overlaps > 0, "communication and compute tasks never overlapped"
+        spans[m.contract.table[entry][col] in GEMM_KINDS].append((start, end))
+    overlaps = sum(1 for a in spans[False] for b in spans[True] if a[0] < b[1] and b[0] < a[1])
+    assert overlaps > 0, "transport and GEMM work never overlapped"
+    grads = []
+    for module in (unified, m):
+        leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+        (module(*leaves) * torch.linspace(-1, 1, want.numel()).view(want.shape)).sum().backward()
+        grads.append([t.grad for t in leaves if t.is_floating_point()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 # ------------------------------------------------------------------ the heap
@@ -319,10 +328,10 @@ def test_a_shuffled_topological_order_gives_the_same_result(tmp_path):
         _module(spec, "pipelined", tmp_path, order=tuple(reversed(range(len(table)))))
 
 
-def test_cli_runs_role_split(monkeypatch, capsys):
+def test_cli_runs_split(monkeypatch, capsys):
     from rdepc import cli
 
     monkeypatch.chdir(ROOT)
-    assert cli.main(["run", str(tiny_segmented(SPECS)), "--mode", "role-split", "--check"]) == 0
+    assert cli.main(["run", str(tiny_segmented(SPECS)), "--mode", "split", "--comm-programs", "2", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "role-split mode, grid (8,)" in out and "check passed" in out
+    assert "2 launches, split mode: transport kernel 2 programs, GEMM kernel 1" in out and "check passed" in out

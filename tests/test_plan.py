@@ -721,7 +721,10 @@ def test_planner_imports_neither_torch_nor_triton_nor_numpy():
 
 def test_capacity_below_mean_caps_expected_load(tmp_path, capsys):
     # cap_e = 40 < mu = 64: the busiest owner (4 experts) admits at most 160 rows, expected or not
-    body = TINY_SHAPE + "\nowner map { 0: 0..4; 1: 4..8 }\ncapacity rows 40\nsegment rows 64, buffers 2"
+    body = (
+        TINY_SHAPE
+        + "\nowner map { 0: 0..4; 1: 4..8 }\ncapacity rows 40\nsegment rows 64, buffers 2\nschedule pipelined"
+    )
     j = run_json(capsys, write_spec(tmp_path, body, params="param W = 4\nparam T = 64\n"), "--routing", "zipf:1")
     assert j["owners"]["experts_per_owner"] == [4, 4, 0, 0] and j["owners"]["asymmetry"] is None
     assert j["capacity"]["rows_per_owner"] == 160 and j["capacity"]["overflow_bound"] == 1

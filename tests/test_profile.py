@@ -108,9 +108,11 @@ def test_measured_order_respects_the_task_graph(profiled):
         assert e["ts"] == e["args"]["clock_start"] - min(s for s, _ in at.values()) and e["dur"] >= 1
 
 
-def test_threads_follow_the_role_split(profiled):
+def test_threads_follow_the_roles(profiled):
+    """A role per thread: communication (the transport kernel's tasks, route and combine
+    among them) and compute (the GEMMs), as the schedule assigned them."""
     strategy, _, trace, plan, _ = profiled
-    roles = {0: {"scan", "dispatch", "return"}, 1: {"route", "compute"}}
+    roles = {0: {"route", "scan", "dispatch", "return", "combine"}, 1: {"compute"}}
     tids = set()
     for e in xs(trace):
         row = plan.table[e["args"]["entry"]]
@@ -120,12 +122,7 @@ def test_threads_follow_the_role_split(profiled):
             continue
         assert e["tid"] == row[COL["resource"]] % 2
         assert e["pid"] == row[COL["resource"]] // 2
-        if e["cat"] in roles[0] | roles[1]:
-            assert e["cat"] in roles[e["tid"]]
-        elif e["args"]["detail"] == "unpack":
-            assert e["tid"] == 0
-        else:
-            assert e["tid"] == 1  # combine wait and tiles
+        assert e["cat"] in roles[e["tid"]]
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     if strategy == "bulk":
         assert tids == {0} and threads == {"all programs (2)"}
@@ -138,7 +135,7 @@ def test_globaltimer_ns_to_us(profiled):
     _, _, _, plan, _ = profiled
     profile = {
         "clock": "globaltimer",
-        "mode": "role-split",
+        "mode": "split",
         "events": [(0, 5_000_000_000, 5_000_002_500), (1, 5_000_001_000, 5_000_004_000)],
     }
     tr = measured_trace(plan, profile, programs=3)
@@ -148,7 +145,7 @@ def test_globaltimer_ns_to_us(profiled):
     other = tr["otherData"]
     assert (other["clock"], other["unit"], other["span"], other["tasks"]) == ("globaltimer", "us", 4.0, 2)
     threads = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
-    assert threads == {"communication (3 programs)", "compute (3 programs)"}  # role-split: a thread per role
+    assert threads == {"transport kernel (3 programs)", "GEMM kernel (3 programs)"}  # split: a thread per kernel
     assert {e["tid"] for e in xs(tr)} <= {0, 1}
     with pytest.raises(ValueError, match="clock"):
         measured_trace(plan, {"clock": "wall", "events": []})

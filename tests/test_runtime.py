@@ -25,7 +25,7 @@ from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
 import rdepc
 from rdepc.api import Layer, elaborate_layer
-from rdepc.ir.contract import Tiles
+from rdepc.ir.contract import Tiles, mode_kernels
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 
@@ -128,7 +128,7 @@ def check_run(run: Run, module=None):
     assert torch.equal(st_["received_per_expert"], torch.bincount(ids.flatten(), minlength=E))
     assert int(st_["rows_per_expert"].sum()) == W * tokens * K - st_["dropped_rows"]
     assert int(st_["rows_per_owner"].sum()) == int(st_["rows_per_expert"].sum())
-    assert st_["launches"] == 1
+    assert st_["launches"] == len(mode_kernels(module.mode))  # unified one kernel, split two
     # Padding-free: each owner ran exactly sum_e ceil(m_e / BM) m-tiles.
     bm = module.tiles.bm
     for q in range(W):
@@ -265,24 +265,28 @@ def test_padding_free_m_tiles():
     assert module.work.m_slots == (math.ceil(run.T / bm) + 2 - 1,)
 
 
-def test_one_launch_per_call_whatever_the_tokens_and_routing():
+@pytest.mark.parametrize("mode", ["unified", "split"])
+def test_a_fixed_number_of_launches_per_call_whatever_the_tokens_and_routing(mode):
+    """One launch per call in unified mode, two in split mode (the transport kernel, then
+    the GEMM kernel), on the grid the module sized once."""
     run = Run(W=2, E=4, K=2, T=16, capacity="factor 1.0")
-    module = Layer(run.spec()).module()
+    module = Layer(run.spec()).module(mode=mode)
     calls = []
     inner = module.launcher
 
     class Counting:
         launches = 0
 
-        def __call__(self, kernel, grid, args, meta):
-            calls.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, grid))
-            inner(kernel, grid, args, meta)
+        def __call__(self, launches):
+            calls.append(tuple((k.__name__ if hasattr(k, "__name__") else k.fn.__name__, g) for k, g, _, _ in launches))
+            inner(launches)
             Counting.launches = inner.launches
 
     module.launcher = Counting()
     for tokens, routing in ((16, "uniform"), (1, "hot"), (7, "one"), (16, "zipf:2")):
         check_run(dataclasses.replace(run, tokens=tokens, routing=routing), module)
-    assert calls == [("rdep_layer", (module.programs,))] * 4
+    kernels = ("rdep_layer",) if mode == "unified" else ("rdep_layer", "rdep_gemm")
+    assert calls == [tuple(zip(kernels, ((n,) for n in module.per_queue), strict=True))] * 4
 
 
 def test_bitwise_deterministic_across_calls_and_modules():
@@ -582,14 +586,19 @@ def test_the_interpreter_flag_does_not_leak(tiny_module):
     assert tiny_module.interpret
 
 
-def test_a_role_split_grid_larger_than_the_gpu_runs_at_once_is_refused():
-    """Role-split queues wait on each other: natively every program must be resident (one
-    per SM), at least two per rank. nvl72_e128 on one H100 would be 144 for 132 SMs."""
+def test_a_split_that_leaves_a_kernel_no_program_is_refused():
+    """Split mode's kernels wait on each other: each needs a program of its own within the
+    programs that run at once (one per SM); the transport's share follows the schedule's
+    split unless given, and neither kernel gets more programs than it has work items."""
     plan = rdepc.load(ROOT / "examples" / "tiny.rdep").compile().kernel  # W = 4
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
-    split, unified = plan.work(tiles, "role-split"), plan.work(tiles, "unified")
-    with pytest.raises(ValueError, match="4 ranks need 8 programs, more than the 6 this GPU runs at once"):
-        plan.launch_grid(split, 6, resident=True)
-    assert sum(plan.launch_grid(split, 8, resident=True)[1]) == 8
-    assert sum(plan.launch_grid(split, 6)[1]) == 8  # the interpreter runs every program as a thread
-    assert plan.launch_grid(unified, 1, resident=True) == (1, (1,))  # one queue in dependency order: any grid
+    split, unified = plan.work(tiles, "split"), plan.work(tiles, "unified")
+    with pytest.raises(ValueError, match="at least one program each, within 1 programs"):
+        plan.launch_grid(split, 1)
+    with pytest.raises(ValueError, match="6 transport programs leave 0 for the GEMMs"):
+        plan.launch_grid(split, 6, comm=6)
+    items = [split.first_item[hi] - split.first_item[lo] for lo, hi in split.bounds]
+    assert plan.launch_grid(split, 2) == (2, (1, 1))
+    total, (comm, gemm) = plan.launch_grid(split, 132, comm=5)
+    assert comm == min(5, items[0]) and gemm == min(127, items[1]) and total == comm + gemm
+    assert plan.launch_grid(unified, 1) == (1, (1,))  # one queue in dependency order: any grid

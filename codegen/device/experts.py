@@ -1,7 +1,8 @@
 """The expert computation at an owner, over the grouped GEMM's m-tiles (``rows.m_tile``):
 ``gemm1`` (x·[Wg Wu] or x·Wu, the activation fused) and ``gemm2`` (h·Wd), and the
 backward's ``bgemm1`` (dA = dO·Wdᵀ and the activation's backward) and ``wgrad`` (the weight
-gradients). The GEMM main loop is ``gemm.gemm_tile``."""
+gradients); ``expert_item`` runs one work item of any of them. The GEMM main loop is
+``gemm.gemm_tile``."""
 
 import triton
 import triton.language as tl
@@ -20,6 +21,9 @@ from rdepc.codegen.device.layout import (
     DTYPE,
     E_MAX,
     GATED,
+    KIND_GEMM1,
+    KIND_GEMM2,
+    KIND_WGRAD,
     PAYLOAD,
     PRECISION,
     R_MAX,
@@ -36,7 +40,7 @@ from rdepc.codegen.device.layout import (
     H,
     S,
 )
-from rdepc.codegen.device.rows import m_tile, ring_row
+from rdepc.codegen.device.rows import ring_row
 
 
 @triton.jit
@@ -85,7 +89,6 @@ def gemm1(
     heap,
     w_up,
     weight_of,
-    group,
     hbuf,
     hbuf_rid,
     stats,
@@ -93,7 +96,11 @@ def gemm1(
     saved_pre,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    f,
     BM: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -101,11 +108,12 @@ def gemm1(
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
 ):
-    """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
-    ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
-    slot s % B — h = silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of
-    x [Wg Wu], ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F,
-    2]), else ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
+    """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
+    local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
+    GEMM1 over the segment's pooled, expert-contiguous rows in payload slot s % B — h =
+    silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
+    ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F, 2]), else
+    ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
@@ -113,10 +121,6 @@ def gemm1(
     with their scales; under DEDUP each slot reads the payload row of its token's first
     slot here.
     """
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    j = item // f_blocks
-    f = item % f_blocks * BLOCK_F
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
@@ -169,13 +173,16 @@ def gemm2(
     hbuf_rid,
     w,
     weight_of,
-    group,
     staging,
     staging_rid,
     saved_out,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    h,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -184,8 +191,8 @@ def gemm2(
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
 ):
-    """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
-    ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
+    """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
+    (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
     ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
     plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
     return. The backward's: dX = dH [Wg Wu]ᵀ (or dH Wuᵀ), ``rows`` the dH its GEMM1 wrote
@@ -193,10 +200,6 @@ def gemm2(
     DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
     the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
     """
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    j = item // h_blocks
-    h = item % h_blocks * BLOCK_H
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
@@ -227,7 +230,6 @@ def bgemm1(
     heap,
     w_down,
     weight_of,
-    group,
     saved_pre,
     dh,
     act_rows,
@@ -235,15 +237,19 @@ def bgemm1(
     hbuf_rid,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    f,
     BM: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
-    """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
-    m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
+    """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
+    (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
     in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
     [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
     dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
@@ -254,10 +260,6 @@ def bgemm1(
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
     g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
     """
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    j = item // f_blocks
-    f = item % f_blocks * BLOCK_F
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
@@ -368,3 +370,55 @@ def wgrad(
         d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+
+
+@triton.jit
+def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The m-tile slot of GEMM work item ``item`` of an entry of ``kind``: items run m-tile
+    major, GEMM1's ⌈F / BLOCK_F⌉ column blocks or GEMM2's ⌈H / BLOCK_H⌉ per slot."""
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    return tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)
+
+
+@triton.jit
+def expert_item(
+    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x, saved_pre,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
+    wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
+    expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
+    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``."""
+    if kind == KIND_GEMM1:
+        f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
+        if BACKWARD:
+            bgemm1(
+                heap, w_down, weight_of, saved_pre, dh, act_rows, do_rows, hbuf_rid, q, s, local, row0, lo, hi, f, BM,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+            )  # fmt: skip
+        else:
+            gemm1(
+                heap, w_up, weight_of, hbuf, hbuf_rid, stats, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+            )  # fmt: skip
+    elif kind == KIND_GEMM2:
+        h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
+        if BACKWARD:  # dX = dH [Wg Wu]ᵀ
+            gemm2(
+                dh, hbuf_rid, w_up, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
+                BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+            )  # fmt: skip
+        else:
+            gemm2(
+                hbuf, hbuf_rid, w_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
+                BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+            )  # fmt: skip
+    elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
+        if BACKWARD:  # the backward's table only
+            wgrad(
+                saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
+                CAST_F32,
+            )  # fmt: skip

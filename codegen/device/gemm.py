@@ -25,8 +25,19 @@ def mma(a, b, acc, CAST_F32: tl.constexpr, PRECISION: tl.constexpr):
     ``CAST_F32`` is set exactly when interpreting: the interpreter computes bf16 on raw bits,
     so both go to fp32 first (and it has no inline assembly, nor memory proxies)."""
     if CAST_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+        return tl.dot(row_major(a.to(tl.float32)), row_major(b.to(tl.float32)), acc, input_precision=PRECISION)
     return tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def row_major(x):
+    """``x`` itself, in row-major order under the interpreter: there a transposed tile is a
+    transposed numpy view, and numpy's matmul (OpenBLAS) may sum a product with such an
+    operand in another order than with a row-major one, so a tile read transposed
+    (``tl.trans``) and one read in place would differ in their last bits. Through one
+    dimension and back, every layout becomes row-major. Interpreter only (``mma``'s
+    CAST_F32): compiled, the MMA takes its operands from shared memory in any layout."""
+    return tl.reshape(tl.reshape(x, [x.shape[0] * x.shape[1]]), [x.shape[0], x.shape[1]])
 
 
 @triton.jit
@@ -270,6 +281,7 @@ __all__ = [
     "mma",
     "mma_chunk",
     "proxy_fence",
+    "row_major",
     "row_scales",
     "store_rows",
     "to_e4m3",

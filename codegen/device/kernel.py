@@ -1,16 +1,16 @@
 """The persistent kernel ``rdep_layer``: the task table's work items taken with a ticket,
-waited for, run and signalled (the generated file's docstring tells the whole story)."""
+waited for, run and signalled (the generated file's docstring tells the whole story); and
+``owner_buffers``, the private buffers of the ranks a process holds, which ``rdep_gemm``
+shares."""
 
 import triton
 import triton.language as tl
 from rdepc.codegen.device.combine import combine, combine_grad
 from rdepc.codegen.device.control import done_flag, now, report
 from rdepc.codegen.device.dispatch import dispatch
-from rdepc.codegen.device.experts import bgemm1, gemm1, gemm2, wgrad
+from rdepc.codegen.device.experts import expert_item, m_tile_slot
 from rdepc.codegen.device.layout import (
     C_CLAIM,
-    C_DEP_COUNT,
-    C_DEP_START,
     C_GUARD,
     C_ITEMS,
     C_KIND,
@@ -52,42 +52,72 @@ from rdepc.codegen.device.layout import (
 )
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
-from rdepc.codegen.device.rows import m_tile
+from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
 from rdepc.codegen.device.signals import signal, wait
+from rdepc.codegen.device.waits import wait_deps
 
 
-@triton.jit(
-    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base"]
-)
+@triton.jit
+def owner_buffers(
+    me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+    tile_table, stats,
+):  # fmt: skip
+    """The owner-side private buffers moved back by ``me`` (rank0) ranks' rows: a process
+    that runs one rank holds only that rank's rows, so indexing them by the global rank
+    lands in them (with every rank in one process me is 0 and nothing moves)."""
+    if DEDUP:  # saved_out: each accepted slot's expert output at the owner (else at the front-end)
+        saved_out -= me * R_MAX * H
+    saved_x -= me * R_MAX * H
+    saved_pre -= me * R_MAX * (UP_COLS * F)
+    dh -= me * R_MAX * (UP_COLS * F)
+    act_rows -= me * R_MAX * F
+    do_rows -= me * R_MAX * H
+    group -= me * (E_MAX * 2)
+    hbuf -= me * (B * S * F)
+    hbuf_rid -= me * (B * S)
+    staging -= me * (B * S * H)
+    staging_rid -= me * (B * S)
+    tile_done -= me * (SEGMENTS * TILE_SLOTS)
+    tile_table -= me * (SEGMENTS * TILE_SLOTS * 4)
+    stats -= me * ST_COLS
+    return (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
-    owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
-    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile,
-    tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    STAGES: tl.constexpr, CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr,
-    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, owner_of, local_of,
+    n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows, route_scratch, recv, group,
+    tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile, tokens_of, n_tokens,
+    n_programs, rank0,
+    rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+    GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
+    SAVE: tl.constexpr,
 ):  # fmt: skip
-    """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
+    """The persistent kernel: take a ticket from the queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
     backward's table (the forward's entries, then the weight gradients) with its own
     control words, done counters and heap regions, over the routing tables the forward left
     (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
     route and scan entries only keep the table's order, nothing is routed again.
 
-    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
-    entries its rank runs); any program runs any task. Role-split mode: program
-    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
-    taking only that queue's tasks, in the table's order.
-    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
-    control block holds, plus one; a queue's tickets of call ``epoch`` start
-    at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
-    wait that expires records the error (entry, rank, queue, segment, flag, value seen and
+    Unified mode (``GEMMS``): the queue holds every entry (one process per rank: every entry
+    its rank runs); any program runs any task. Split mode: this is the transport kernel,
+    compiled without the GEMM tasks; its queue holds every other entry, and ``rdep_gemm``,
+    launched beside it, runs the GEMM work. Either way the queue is queue 0 of ``queues``.
+    Tickets and done flags count up across calls: the call's ``epoch`` is the call count
+    the control block holds, plus one; the queue's tickets of call ``epoch`` start at
+    (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A wait
+    that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
     its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
-    injection): it runs nothing and never signals.
+    injection): it runs nothing and never signals. ``n_programs``: the programs of every
+    kernel of the call, which all count out of it.
     """
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
@@ -104,44 +134,33 @@ def rdep_layer(
     gprime -= me * n_tokens * K
     dgprime -= me * n_tokens * K
     tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
-    if DEDUP:  # saved_out: each accepted slot's expert output at the owner
-        saved_out -= me * R_MAX * H
-    else:  # ... or at the front-end
+    if not DEDUP:  # saved_out: each accepted slot's expert output at the front-end
         saved_out -= me * n_tokens * K * H
-    saved_x -= me * R_MAX * H
-    saved_pre -= me * R_MAX * (UP_COLS * F)
-    dh -= me * R_MAX * (UP_COLS * F)
-    act_rows -= me * R_MAX * F
-    do_rows -= me * R_MAX * H
+    (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    ) = owner_buffers(
+        me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
+        tile_done, tile_table, stats,
+    )  # fmt: skip
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
     recv -= me * (W * E_MAX * 2)
-    group -= me * (E_MAX * 2)
-    hbuf -= me * (B * S * F)
-    hbuf_rid -= me * (B * S)
-    tile_done -= me * (SEGMENTS * TILE_SLOTS)
-    staging -= me * (B * S * H)
-    staging_rid -= me * (B * S)
     if RING:
         landing -= me * (T * K * H)
-    stats -= me * ST_COLS
     if BACKWARD:  # dL/dy goes where x went, scaled by g'
         x = dy
         gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    queue_id = 0
-    if ROLE_SPLIT:
-        queue_id = tl.load(program_queue + program_base + tl.program_id(0))
-    first_pos = tl.load(queues + queue_id * 3)
-    last_pos = tl.load(queues + queue_id * 3 + 1)
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
+    first_pos = tl.load(queues)
+    last_pos = tl.load(queues + 1)
     item0 = tl.load(first_item + first_pos)
     n_items = tl.load(first_item + last_pos) - item0
-    base = (target - 1) * (n_items + tl.load(queues + queue_id * 3 + 2))
-    ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+    base = (target - 1) * (n_items + tl.load(queues + 2))
+    ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (ticket < n_items) & (failed == 0):
         lo = first_pos  # the queue position of this item: the last one whose first item <= ticket
@@ -173,31 +192,21 @@ def rdep_layer(
                 seen = got
                 expected = want
         empty = 0
-        mt = tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)  # a GEMM item's m-tile slot
+        mt = m_tile_slot(kind, item, BLOCK_H, BLOCK_F)  # a GEMM item's m-tile slot
         tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        local = 0
+        row0 = 0
+        lo_row = 0
+        hi_row = 0
         if (guard >= 0) & (blocked < 0):
-            _, _, lo_row, hi_row = m_tile(group, owner, segment, mt, BM)
+            local, row0, lo_row, hi_row = bound_m_tile(tile_table, owner, segment, mt)
             empty = (hi_row <= lo_row).to(tl.int32)
-        if empty == 0:
-            d = tl.load(row + C_DEP_START)
-            end = d + tl.load(row + C_DEP_COUNT)
-            while (d < end) & (blocked < 0):
-                dep = tl.load(deps + d)
-                before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
-                dep = tl.where(dep < 0, -dep - 1, dep)
-                want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                flag = done_flag(heap, table, dep, BACKWARD)
-                if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
-                    want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
-                    flag = tile
-                got = wait(flag, want, bound, ctl + CTL_ERR_CODE)
-                if got < want:
-                    blocked = dep
-                    seen = got
-                    expected = want
-                d += 1
+        if (empty == 0) & (blocked < 0):
+            blocked, seen, expected = wait_deps(
+                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+            )
         if blocked >= 0:
-            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, queue_id, segment, seen, expected)
+            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
@@ -209,8 +218,14 @@ def rdep_layer(
                             route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
-                    if not BACKWARD:
-                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
+                    if BACKWARD:  # the m-tile table again, from the rows the forward left
+                        first, rows = owner_rows(group, rank)
+                        bind_m_tiles(first, rows, tile_table, rank, tl.load(m_slots + rank), BM)
+                    else:
+                        scan(
+                            heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch,
+                            rank, BM,
+                        )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
@@ -218,39 +233,19 @@ def rdep_layer(
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
-                elif kind == KIND_GEMM1:
-                    if BACKWARD:
-                        bgemm1(
-                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
-                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
-                        )  # fmt: skip
-                    else:
-                        gemm1(
-                            heap, w_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
-                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
-                        )  # fmt: skip
-                elif kind == KIND_GEMM2:
-                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
-                        gemm2(
-                            dh, hbuf_rid, w_up, weight_of, group, staging, staging_rid, saved_out, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
-                        )  # fmt: skip
-                    else:
-                        gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, saved_out, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
+                    if GEMMS:  # split mode: rdep_gemm runs them
+                        expert_item(
+                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats,
+                            saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment,
+                            item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                            BACKWARD, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
                         claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
-                elif kind == KIND_WGRAD:  # the backward's table only
-                    if BACKWARD:
-                        wgrad(
-                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
-                            BLOCK_F, BLOCK_K, CAST_F32,
-                        )  # fmt: skip
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
@@ -276,9 +271,9 @@ def rdep_layer(
             if kind == KIND_GEMM1:
                 signal(tile)
             signal(done_flag(heap, table, entry, BACKWARD))
-        ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+        ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
-    # The last of the launch's n_programs programs out closes the call: the next launch reads
+    # The last of the call's n_programs programs out closes the call: the next launch reads
     # its epoch from the count, so no argument changes from call to call.
     if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
         tl.atomic_add(ctl + CTL_CALLS, 1)

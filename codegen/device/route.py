@@ -34,7 +34,7 @@ from rdepc.codegen.device.layout import (
     T,
     W,
 )
-from rdepc.codegen.device.rows import row_key
+from rdepc.codegen.device.rows import bind_m_tiles, row_key
 
 
 @triton.jit
@@ -159,7 +159,9 @@ def publish(heap, recv, q, src, local, mine, offset, take):
 
 
 @triton.jit
-def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
+def scan(
+    heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch, q, BM: tl.constexpr
+):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
@@ -172,7 +174,9 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     expert's cap-th smallest, found bit by bit. Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
     span. Offsets and admitted counts are published back to the sources; the owner keeps
-    them as its split table (``recv``) for the return.
+    them as its split table (``recv``) for the return, and its rows per local expert
+    (``group``) with the m-tile table of its ``m_slots[q]`` slots per segment
+    (``rows.bind_m_tiles``) for its GEMMs.
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -195,6 +199,7 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
+    bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it

@@ -1,7 +1,7 @@
 """Route rows and where they sit: a row's identity decoded from its row_id, its admission
 key, the spans of an owner's payload rows cut to a segment, ring slots, the m-tiles of the
-grouped GEMM over them, and the links of ``dedup`` (X-MoE: one payload row per (token,
-owner))."""
+grouped GEMM over them (and their table), and the links of ``dedup`` (X-MoE: one payload
+row per (token, owner))."""
 
 import triton
 import triton.language as tl
@@ -18,6 +18,9 @@ from rdepc.codegen.device.layout import (
     RID_0,
     RID_1,
     RID_2,
+    SEGMENTS,
+    SLOT_BLOCK,
+    TILE_SLOTS,
     B,
     E,
     K,
@@ -173,9 +176,10 @@ def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
 
 
 @triton.jit
-def m_tile(group, q, s, j, BM: tl.constexpr):
-    """Bind m-tile slot j of owner q's segment s at run time to (local expert, first row,
-    live rows [lo, hi) of the tile).
+def m_tile(first, rows, s, j, BM: tl.constexpr):
+    """Bind m-tile slots ``j`` (int32 [J]) of a segment s to (local expert, first row, live
+    rows [lo, hi) of the tile), each [J], given the owner's rows per local expert: ``first``
+    and ``rows`` ([EL_PAD], 0 rows past its experts).
 
     Tiles go expert by expert, each at rows first + i*BM of its local expert's rows, in
     every strategy: a row has the same place in its tile whether the rows are cut into
@@ -185,21 +189,62 @@ def m_tile(group, q, s, j, BM: tl.constexpr):
     or at a segment boundary are partial: padding-free (no padding to the tallest group).
     A slot beyond the routing's tiles gets no live rows. At most ceil(min(R_q, S) / BM) +
     2 E_loc - 1 slots can have live rows (bulk: ceil(R_q / BM) + E_loc - 1), which is how
-    many the plan gives each segment of owner q (rdepc.ir.contract.tile_slots).
+    many the plan gives each segment of owner q (rdepc.ir.sizes.m_tile_slots).
     """
+    local = tl.arange(0, EL_PAD)
+    lo, n = clip(first, rows, s)
+    aligned = first + (lo - first) // BM * BM
+    tiles = tl.where(n > 0, (lo + n - aligned + BM - 1) // BM, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    which = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), axis=1)
+    hit = local[None, :] == which[:, None]
+    row0 = tl.sum(tl.where(hit, aligned[None, :], 0), axis=1)
+    row0 += (j - tl.sum(tl.where(hit, (ends - tiles)[None, :], 0), axis=1)) * BM
+    begin = tl.sum(tl.where(hit, lo[None, :], 0), axis=1)
+    end = begin + tl.sum(tl.where(hit, n[None, :], 0), axis=1)
+    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+
+
+@triton.jit
+def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
+    """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
+    every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
+    SEGMENTS * TILE_SLOTS, 4]. The scan writes it once per call (the backward's again,
+    from the forward's rows); a GEMM work item reads its m-tile's four words as scalars,
+    which keeps its GEMM loop in uniform registers."""
+    table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
+    field = tl.arange(0, 4)
+    for s in range(0, SEGMENTS):
+        j0 = 0
+        while j0 < n_slots:  # while, not range: the interpreter cannot take a runtime bound in a range
+            j = j0 + tl.arange(0, SLOT_BLOCK)
+            j0 += SLOT_BLOCK
+            which, row0, lo, hi = m_tile(first, rows, s, j, BM)
+            words = tl.where(
+                field[None, :] == 0,
+                which[:, None],
+                tl.where(field[None, :] == 1, row0[:, None], tl.where(field[None, :] == 2, lo[:, None], hi[:, None])),
+            )
+            at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
+            tl.store(table + at, words, mask=(j < n_slots)[:, None])
+
+
+@triton.jit
+def bound_m_tile(tile_table, q, s, j):
+    """Slot j of owner q's segment s as ``bind_m_tiles`` wrote it: (local expert, first
+    row, lo, hi), four scalar loads."""
+    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+
+
+@triton.jit
+def owner_rows(group, q):
+    """Owner q's rows per local expert as the scan left them: (first row, rows), [EL_PAD]
+    each (0 rows past its experts)."""
     local = tl.arange(0, EL_PAD)
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     first = tl.load(grp, mask=local < E_MAX, other=0)
-    lo, rows = clip(first, tl.load(grp + 1, mask=local < E_MAX, other=0), s)
-    aligned = first + (lo - first) // BM * BM
-    tiles = tl.where(rows > 0, (lo + rows - aligned + BM - 1) // BM, 0)
-    ends = tl.cumsum(tiles, axis=0)
-    which = tl.sum((ends <= j).to(tl.int32), axis=0)
-    hit = local == which
-    row0 = tl.sum(tl.where(hit, aligned, 0), axis=0) + (j - tl.sum(tl.where(hit, ends - tiles, 0), axis=0)) * BM
-    begin = tl.sum(tl.where(hit, lo, 0), axis=0)
-    end = begin + tl.sum(tl.where(hit, rows, 0), axis=0)
-    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+    return first, tl.load(grp + 1, mask=local < E_MAX, other=0)
 
 
 @triton.jit

@@ -65,8 +65,21 @@ def _cubins(out: Path, name: str) -> list[Path]:
         print(
             f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
             f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
-            f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread; GEMMs: {mma}, "
+            f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread, "
+            f"{r['ctas_per_sm']} CTA{'s' if r['ctas_per_sm'] != 1 else ''} per SM; GEMMs: {mma}, "
             f"{'TMA' if r['tma'] else 'no TMA'}; as launched: {aligned}pointers 16-byte aligned, "
             f"T'={at['n_tokens']}, {at['n_programs']} programs{ones}"
         )
+        for loop in r["loops"]:
+            print(f"  {loop_line(loop)}")
     return wrote
+
+
+def loop_line(loop: dict) -> str:
+    """One GEMM main loop of a compile's report (``rdepc.codegen.sass.Loop``), in words."""
+    spills = loop["spill_loads"] + loop["spill_stores"]
+    return (
+        f"GEMM loop {'/'.join(loop['shapes'])} at {loop['start']}: {loop['instructions']} instructions per "
+        f"iteration, {loop['hgmma']} HGMMA, {loop['tma_loads']} TMA loads, {loop['r2ur']} R2UR, "
+        f"{spills} spill loads/stores, wgmma wait depth {loop['wait_depth']}"
+    )

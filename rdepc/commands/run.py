@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rdepc.api import UsageError
 from rdepc.commands.common import overrides, print_diags
+from rdepc.ir.contract import default_mode
 
 # the max relative error --check accepts by default, per dtype
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
@@ -102,7 +103,8 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
     spec, sh = layer.spec, layer.shapes
     W, H, F, E, K = (sh[k] for k in ("W", "H", "F", "E", "K"))
-    options = {"mode": args.mode} | ({"profile": True} if args.profile is not None else {})
+    options = {"mode": args.mode, "comm_programs": args.comm_programs}
+    options |= {"profile": True} if args.profile is not None else {}
     kernels = layer.module(args.backend, args.device, schedule=args.schedule, **options)
     dtype_name = spec.precision.dtype.value
     inputs = random_inputs(
@@ -166,7 +168,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
         f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {t.bm}, padding-free)",
         f"  tiles           BM {t.bm}, F-block {t.block_f}, H-block {t.block_h}, K-chunk {t.block_k}, "
         f"{t.num_warps} warps, {t.num_stages} stages: {kernels.tiles_source}",
-        f"  kernel          {st['launches']} launch, {kernels.mode} mode, grid ({kernels.grid},), "
+        f"  kernel          {_launches(st['launches'], kernels)}, "
         f"{kernels.work.n_items} work items over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s",
     ]
     stop = None  # a profile that could not be written: the run's report, then this error
@@ -187,12 +189,20 @@ def _run_one_process(args, layer, tokens: int) -> int:
     return status
 
 
+def _launches(n: int, kernels) -> str:
+    """How the call launched: its kernels, mode and programs."""
+    if kernels.mode == "unified":
+        return f"{n} launch, unified mode, {kernels.grid} programs"
+    comm, gemm = kernels.per_queue
+    return f"{n} launches, split mode: transport kernel {comm} programs, GEMM kernel {gemm}"
+
+
 def _write_profile(kernels, path: str) -> str:
     """Write the call's measured timeline to ``path``; the report's line saying so."""
     from rdepc.runtime.profile import write_measured_trace
 
     prof = kernels.last_profile
-    programs = kernels.grid if kernels.mode == "unified" else kernels.per_queue[:2]
+    programs = kernels.grid if kernels.mode == "unified" else kernels.per_queue
     written = write_measured_trace(kernels.contract, prof, path, programs=programs)
     clock = "logical clock: an order, not durations" if prof["clock"] == "logical" else "%globaltimer"
     return f"  profile         {len(prof['events'])} task events ({clock}) → {written}"
@@ -274,7 +284,7 @@ def _run_per_rank(args, layer, tokens: int) -> int:
         print(f"rdepc: error: {str(e).splitlines()[0].removeprefix('rdepc: ')}", file=sys.stderr)
         return 1
     where = "cuda (one process per GPU rank)" if gpu else "cpu (Triton interpreter, one process per rank)"
-    how = f"{args.backend} backend on {where}, {args.mode} mode"
+    how = f"{args.backend} backend on {where}, {args.mode or default_mode(not gpu)} mode"
     inputs = f"W={W} T'={tokens}, routing {args.routing}, seed {args.seed}; each rank checks its slice"
     lines, ok = _rank_lines(results, tol)
     return report(spec, how, inputs, lines, args.check, ok)  # a failing rank's line says why

@@ -19,19 +19,33 @@ from rdepc.ir.spec import SCALE_BLOCK
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
+# The kinds split mode's GEMM kernel (``rdep_gemm``) runs; the transport kernel runs the others.
+GEMM_KINDS = frozenset(KINDS.index(k) for k in ("gemm1", "gemm2", "wgrad"))
 # Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
-# or the token tile (combine); ``resource``: the (rank, role) queue of role-split mode;
+# or the token tile (combine); ``resource``: the scheduler's (rank, role) resource;
 # ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
 COLUMNS = (
     "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource", "flag"
 )  # fmt: skip
-MODES = ("unified", "role-split")
+# Kernel modes: one kernel that runs every task (``unified``), or the transport kernel and the
+# GEMM kernel launched side by side (``split``).
+MODES = ("unified", "split")
+
+
+def default_mode(interpret: bool) -> str:
+    """The kernel mode a module runs when none is asked for: split on a GPU; unified under
+    the interpreter, whose one launch runs its programs one after another (split mode's two
+    kernels need their programs as concurrent threads, which spin against each other for
+    the GIL: docs/gpu.md has the figures)."""
+    return "unified" if interpret else "split"
+
+
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
 TRANSPORT_PROCESSES = {"emulated": "one", "emulated-mp": "per-rank", "nvshmem": "per-rank"}
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
 # The private control block (int64): a logical clock, the error record, the input checks'
-# counters, the call count, then (from CTL_TICKETS) one ticket counter per queue, 2·W of them. The done
+# counters, the call count, then (from CTL_TICKETS) the ticket counters (queue 0's is used). The done
 # flags are symmetric: each rank's in its own heap slice (``flags``), where peers read them.
 CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
 CONTROL += ("err_seen", "err_expected")
@@ -53,8 +67,9 @@ H100_SMS = 132
 
 
 def ctl_words(W: int) -> int:
-    """Words of the private control block: CONTROL's words, then 2·W ticket counters."""
-    return CTL_TICKETS + 2 * W
+    """Words of the private control block: CONTROL's words, then the ticket counter of the
+    kernel that takes tickets (unified mode's, or split mode's transport kernel's)."""
+    return CTL_TICKETS + 1
 
 
 def tile_slots(rows_max, n_local, S: int, bm: int = 16) -> int:
@@ -228,9 +243,10 @@ class KernelContract:
 
     def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None, backward: bool = False) -> Work:
         """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
-        docstring). ``rank``: only the queues of that rank (a transport with one process per
-        rank): unified, one queue of every entry the rank runs; role-split, its two.
-        ``backward``: of the backward's table."""
+        docstring): unified, one queue of every entry; split, the transport kernel's queue
+        (every entry but the GEMM ones) and the GEMM kernel's. ``rank``: only that rank's
+        entries (a transport with one process per rank). ``backward``: of the backward's
+        table."""
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         if rank is not None and not 0 <= rank < self.W:
@@ -256,15 +272,12 @@ class KernelContract:
             elif kind == "wgrad":  # per local expert: dW of GEMM1's weights, then of Wd, in tiles
                 items = self.n_local[owner] * 2 * h_blocks * f_blocks
             table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
-        n_queues = 1 if mode == "unified" else 2 * self.W
-        queues: list[list[int]] = [[] for _ in range(n_queues)]
-        for i, row in enumerate(table):
-            queues[0 if mode == "unified" else row[col["resource"]]].append(i)
-        if rank is not None:  # this rank's entries only (resource = 2·rank + role)
-            if mode == "unified":
-                queues = [[i for i in queues[0] if table[i][col["rank"]] == rank]]
-            else:
-                queues = queues[2 * rank : 2 * rank + 2]
+        mine = [i for i, row in enumerate(table) if rank is None or row[col["rank"]] == rank]
+        if mode == "unified":
+            queues = [mine]
+        else:
+            queues = [[i for i in mine if table[i][col["kind"]] not in GEMM_KINDS]]
+            queues.append([i for i in mine if table[i][col["kind"]] in GEMM_KINDS])
         queue = tuple(i for q in queues for i in q)
         first, bounds = [0], []
         for q in queues:
@@ -334,31 +347,29 @@ class KernelContract:
         the spec's T, or T' when the spec's T is symbolic."""
         return self.row_id[min(T, self.T) if self.symbolic_tokens else 0]
 
-    def launch_grid(
-        self, work: Work, programs: int, per_rank: bool = False, resident: bool = False
-    ) -> tuple[int, tuple[int, ...]]:
-        """(the grid's budget, programs per queue) of a launch of ``work`` given ``programs``
-        (natively one per SM). Unified: ``programs`` capped by the work items, one queue.
-        Role-split: each rank an equal share (at least 2; ``per_rank``, one process per rank:
-        all of it), split between its communication and compute queues in the ratio of the
-        schedule's programs. ``resident``: ``programs`` is what runs at once (a GPU), and a
-        role-split grid larger than it is refused: its queues wait on each other, so a
-        program never scheduled would stall the call until its waits expire. (Unified
-        programs take tasks in dependency order from one queue: any number makes progress.)"""
+    def launch_grid(self, work: Work, programs: int, comm: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """(the programs of the call, programs per queue) of a launch of ``work`` given a
+        budget of ``programs`` that run at once (natively one per SM of the GPU's share this
+        process has). Unified: the budget capped by the work items, one queue. Split: the
+        transport kernel ``comm`` programs (default: the budget in the ratio of the
+        schedule's communication and compute programs), the GEMM kernel the rest, each
+        capped by its items; both kernels' programs must run at once (their queues wait
+        on each other), so a split that does not fit the budget is a ValueError."""
         if work.mode == "unified":
             programs = max(1, min(programs, work.n_items))
             return programs, (programs,)
-        comm, compute = self.programs
-        ranks = 1 if per_rank else self.W
-        share = max(2, programs // ranks)
-        if resident and share * ranks > programs:
+        items = [work.first_item[hi] - work.first_item[lo] for lo, hi in work.bounds]
+        if comm is None:
+            c, g = self.programs
+            comm = min(programs - 1, max(1, round(programs * c / (c + g))))
+        if comm < 1 or comm > programs - 1:
             raise ValueError(
-                f"rdepc layer {self.layer}: role-split mode runs every program at once, at least 2 per rank: "
-                f"{ranks} ranks need {share * ranks} programs, more than the {programs} this GPU runs at once "
-                "(one per SM); use mode unified, or fewer ranks per GPU"
+                f"rdepc layer {self.layer}: split mode runs the transport and the GEMM kernel at once, at least "
+                f"one program each, within {programs} programs: {comm} transport programs leave "
+                f"{programs - comm} for the GEMMs"
             )
-        n_comm = min(share - 1, max(1, round(share * comm / (comm + compute))))
-        return programs, (n_comm, share - n_comm) * ranks
+        per_queue = (max(1, min(comm, items[0])), max(1, min(programs - comm, items[1])))
+        return sum(per_queue), per_queue
 
     def launch_scalars(
         self, n_tokens: int, n_programs: int, rank: int | None, bound: int, per_rank: bool = False
@@ -379,7 +390,7 @@ class KernelContract:
             "rid_t": rid_t,
             "rid_k": rid_k,
             "bound": bound,
-            "program_base": 0,
+            "program_base": 0,  # rdep_gemm: the first program's number (the interpreter's threads count on)
         }
 
     def to_json(self) -> str:
@@ -398,8 +409,8 @@ class KernelContract:
 @dataclass(frozen=True)
 class Work:
     """The task table with each entry's work items, under one choice of tiles, and its
-    queues: entries grouped by queue (one queue in unified mode, one per (rank, role) in
-    role-split mode), each queue in the table's order."""
+    queues: entries grouped by queue (unified mode: one; split mode: the transport kernel's,
+    then the GEMM kernel's), each queue in the table's order."""
 
     mode: str
     table: tuple[tuple[int, ...], ...]
@@ -429,8 +440,24 @@ def _tuples(v):
 
 
 RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base")
-CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "ROLE_SPLIT", "PROFILE")
+CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "GEMMS", "PROFILE")
 CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
+GEMM_CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "STAGES", "CAST_F32", "PROFILE", "GLOBALTIMER")
+GEMM_CONSTEXPRS += ("BACKWARD", "SAVE")
+# The kernels of a generated file, by name: their arguments are kernel_args(contract, name).
+KERNELS = ("rdep_layer", "rdep_gemm")
+
+
+def mode_kernels(mode: str) -> list[tuple[str, dict[str, bool]]]:
+    """The kernels a call launches in ``mode``, in launch order, each with the constexprs the
+    mode sets: unified, ``rdep_layer`` with every task; split, ``rdep_layer`` as the
+    transport kernel (no GEMM tasks), then ``rdep_gemm``. The queues of ``Work`` are in
+    the same order."""
+    if mode == "unified":
+        return [("rdep_layer", {"GEMMS": True})]
+    if mode == "split":
+        return [("rdep_layer", {"GEMMS": False}), ("rdep_gemm", {})]
+    raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
 
 
 # The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.
@@ -438,12 +465,26 @@ POINTEE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
 
 
-def kernel_args(contract: KernelContract) -> list[tuple[str, str]]:
-    """(name, Triton type) of ``rdep_layer``'s arguments, in order: the kernel's signature
-    (``codegen/device/kernel.py``, a test holds they agree), the names the host passes
+def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tuple[str, str]]:
+    """(name, Triton type) of the arguments of ``kernel`` (``rdep_layer`` or ``rdep_gemm``),
+    in order: the kernel's signature (``codegen/device/kernel.py``,
+    ``codegen/device/gemm_kernel.py``; a test holds they agree), the names the host passes
     arguments by, and the types sm_90 compiles use. The same for every layer but for the
     dtype of the layer's tensors."""
     dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[contract.dtype]
+    every = dict(_layer_args(dt))
+    if kernel == "rdep_layer":
+        return list(every.items())
+    if kernel != "rdep_gemm":
+        raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
+    names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
+    names += ("dw_down", "table", "deps", "queue", "first_item", "queues", "weight_of", "group", "tile_table", "hbuf")
+    names += ("hbuf_rid",)
+    names += ("staging", "staging_rid", "tile_done", "stats", "ctl", "profile", "n_programs", "rank0", "bound")
+    return [(n, every.get(n, "i32")) for n in (*names, "program_base")] + [(c, "constexpr") for c in GEMM_CONSTEXPRS]
+
+
+def _layer_args(dt: str) -> list[tuple[str, str]]:
     args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
     args.append(("w_up", f"*{dt}"))  # a gated expert's [Wg Wu], interleaved: [E, H, F, 2]
     args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
@@ -455,16 +496,16 @@ def kernel_args(contract: KernelContract) -> list[tuple[str, str]]:
     args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
     args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
     args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
-    tables = ("table", "deps", "queue", "first_item", "queues", "program_queue", "owner_of", "local_of", "n_local")
-    tables += ("weight_of", "order", "owner_first", "rows_max", "caps")
+    tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
+    tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]
-    args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group")]
+    args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group", "tile_table")]
     args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
     args.append(("tile_done", "*i64"))
     args.append(("landing", f"*{dt}"))  # a return ring's unpacked rows (otherwise a placeholder)
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
     args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
     args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]
-    args += [("bound", "i32"), ("program_base", "i32")]
+    args.append(("bound", "i32"))
     args += [(c, "constexpr") for c in CONSTEXPRS]
     return args

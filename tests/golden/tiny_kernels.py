@@ -6,16 +6,21 @@
 # decision:  strategy = bulk (spec: schedule bulk)
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 42d017250a1f9748e404faff40ba6588fe83548716836de5dc08928477c47488
+# content-sha256: d9ed004e337d09933e3d3caaf26edc7f65a24ef3b8ab2077262a60df4926774c
 
-"""Forward and backward kernels of the RDEP layer ``tiny``: one persistent Triton kernel,
-``rdep_layer``, whose constexpr BACKWARD picks the pass.
+"""Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
+``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
 
 One launch covers all W = 4 ranks.
-Its programs take work items with a ticket (an atomic counter) in the task table's order,
-which is a topological order of the scheduler's task graph: the earliest unfinished item
-always has its inputs done, so the kernel makes progress with any number of programs,
-even when they run one at a time as in Triton's interpreter. Each item waits on its
+Unified mode launches ``rdep_layer`` alone, and it runs every task. Split mode launches
+``rdep_layer`` without the GEMM tasks (constexpr GEMMS false: the transport kernel) and
+``rdep_gemm`` beside it, which runs only the expert GEMMs, with its own registers and
+shared memory; the two coordinate only through the done flags and m-tile counters.
+``rdep_layer``'s programs take work items with a ticket (an atomic counter) in the task
+table's order, which is a topological order of the scheduler's task graph: the earliest
+unfinished item always has its inputs done, so the kernel makes progress with any number
+of programs, even when they run one at a time as in Triton's interpreter. ``rdep_gemm``'s
+programs stride over the GEMM items in the same order. Each item waits on its
 dependencies' done flags (bounded spins; on expiry it records an error and the program
 stops), runs its task kind's function and signals its own flag with release semantics.
 The done flags are symmetric, each in the heap slice of the rank that runs the entry.
@@ -65,6 +70,7 @@ COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's t
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
+SLOT_BLOCK = tl.constexpr(64)  # m-tile slots per block of the scan's m-tile table
 R_MAX = tl.constexpr(128)  # rows of the busiest owner: the backward's saved rows per owner
 SCALE_COLS = tl.constexpr(0)  # payload columns one fp8 scale covers (none: no fp8)
 SCALES = tl.constexpr(0)  # fp32 scales per payload row, in the sideband
@@ -159,7 +165,7 @@ CTL_DUP_TOKENS = tl.constexpr(14)
 CTL_DUP_TOKENS_AT = tl.constexpr(15)
 CTL_CALLS = tl.constexpr(16)
 CTL_EXITS = tl.constexpr(17)
-CTL_TICKETS = tl.constexpr(20)  # ticket counters, one per queue (2*W), cumulative over calls
+CTL_TICKETS = tl.constexpr(20)  # the ticket counter, cumulative over calls
 ERR_WAIT = tl.constexpr(1)  # wait expired
 ERR_OVERFLOW = tl.constexpr(2)  # owner overflow
 ERR_ROW_ID = tl.constexpr(3)  # row_id decodes to another rank
@@ -455,9 +461,10 @@ def owned_by(rank, rid, live, r, ctl, entry, epoch, s):
 
 
 @triton.jit
-def m_tile(group, q, s, j, BM: tl.constexpr):
-    """Bind m-tile slot j of owner q's segment s at run time to (local expert, first row,
-    live rows [lo, hi) of the tile).
+def m_tile(first, rows, s, j, BM: tl.constexpr):
+    """Bind m-tile slots ``j`` (int32 [J]) of a segment s to (local expert, first row, live
+    rows [lo, hi) of the tile), each [J], given the owner's rows per local expert: ``first``
+    and ``rows`` ([EL_PAD], 0 rows past its experts).
 
     Tiles go expert by expert, each at rows first + i*BM of its local expert's rows, in
     every strategy: a row has the same place in its tile whether the rows are cut into
@@ -467,21 +474,62 @@ def m_tile(group, q, s, j, BM: tl.constexpr):
     or at a segment boundary are partial: padding-free (no padding to the tallest group).
     A slot beyond the routing's tiles gets no live rows. At most ceil(min(R_q, S) / BM) +
     2 E_loc - 1 slots can have live rows (bulk: ceil(R_q / BM) + E_loc - 1), which is how
-    many the plan gives each segment of owner q (rdepc.ir.contract.tile_slots).
+    many the plan gives each segment of owner q (rdepc.ir.sizes.m_tile_slots).
     """
+    local = tl.arange(0, EL_PAD)
+    lo, n = clip(first, rows, s)
+    aligned = first + (lo - first) // BM * BM
+    tiles = tl.where(n > 0, (lo + n - aligned + BM - 1) // BM, 0)
+    ends = tl.cumsum(tiles, axis=0)
+    which = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), axis=1)
+    hit = local[None, :] == which[:, None]
+    row0 = tl.sum(tl.where(hit, aligned[None, :], 0), axis=1)
+    row0 += (j - tl.sum(tl.where(hit, (ends - tiles)[None, :], 0), axis=1)) * BM
+    begin = tl.sum(tl.where(hit, lo[None, :], 0), axis=1)
+    end = begin + tl.sum(tl.where(hit, n[None, :], 0), axis=1)
+    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+
+
+@triton.jit
+def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
+    """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
+    every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
+    SEGMENTS * TILE_SLOTS, 4]. The scan writes it once per call (the backward's again,
+    from the forward's rows); a GEMM work item reads its m-tile's four words as scalars,
+    which keeps its GEMM loop in uniform registers."""
+    table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
+    field = tl.arange(0, 4)
+    for s in range(0, SEGMENTS):
+        j0 = 0
+        while j0 < n_slots:  # while, not range: the interpreter cannot take a runtime bound in a range
+            j = j0 + tl.arange(0, SLOT_BLOCK)
+            j0 += SLOT_BLOCK
+            which, row0, lo, hi = m_tile(first, rows, s, j, BM)
+            words = tl.where(
+                field[None, :] == 0,
+                which[:, None],
+                tl.where(field[None, :] == 1, row0[:, None], tl.where(field[None, :] == 2, lo[:, None], hi[:, None])),
+            )
+            at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
+            tl.store(table + at, words, mask=(j < n_slots)[:, None])
+
+
+@triton.jit
+def bound_m_tile(tile_table, q, s, j):
+    """Slot j of owner q's segment s as ``bind_m_tiles`` wrote it: (local expert, first
+    row, lo, hi), four scalar loads."""
+    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+
+
+@triton.jit
+def owner_rows(group, q):
+    """Owner q's rows per local expert as the scan left them: (first row, rows), [EL_PAD]
+    each (0 rows past its experts)."""
     local = tl.arange(0, EL_PAD)
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     first = tl.load(grp, mask=local < E_MAX, other=0)
-    lo, rows = clip(first, tl.load(grp + 1, mask=local < E_MAX, other=0), s)
-    aligned = first + (lo - first) // BM * BM
-    tiles = tl.where(rows > 0, (lo + rows - aligned + BM - 1) // BM, 0)
-    ends = tl.cumsum(tiles, axis=0)
-    which = tl.sum((ends <= j).to(tl.int32), axis=0)
-    hit = local == which
-    row0 = tl.sum(tl.where(hit, aligned, 0), axis=0) + (j - tl.sum(tl.where(hit, ends - tiles, 0), axis=0)) * BM
-    begin = tl.sum(tl.where(hit, lo, 0), axis=0)
-    end = begin + tl.sum(tl.where(hit, rows, 0), axis=0)
-    return which, row0, tl.maximum(begin - row0, 0), tl.minimum(end - row0, BM)
+    return first, tl.load(grp + 1, mask=local < E_MAX, other=0)
 
 
 @triton.jit
@@ -627,7 +675,9 @@ def publish(heap, recv, q, src, local, mine, offset, take):
 
 
 @triton.jit
-def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q):
+def scan(
+    heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch, q, BM: tl.constexpr
+):
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
@@ -640,7 +690,9 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     expert's cap-th smallest, found bit by bit. Rows land grouped by local expert and,
     within an expert, by source: each (source, local expert) gets the exact offset of its
     span. Offsets and admitted counts are published back to the sources; the owner keeps
-    them as its split table (``recv``) for the return.
+    them as its split table (``recv``) for the return, and its rows per local expert
+    (``group``) with the m-tile table of its ``m_slots[q]`` slots per segment
+    (``rows.bind_m_tiles``) for its GEMMs.
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -663,6 +715,7 @@ def scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, q
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
+    bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
@@ -863,8 +916,19 @@ def mma(a, b, acc, CAST_F32: tl.constexpr, PRECISION: tl.constexpr):
     ``CAST_F32`` is set exactly when interpreting: the interpreter computes bf16 on raw bits,
     so both go to fp32 first (and it has no inline assembly, nor memory proxies)."""
     if CAST_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+        return tl.dot(row_major(a.to(tl.float32)), row_major(b.to(tl.float32)), acc, input_precision=PRECISION)
     return tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def row_major(x):
+    """``x`` itself, in row-major order under the interpreter: there a transposed tile is a
+    transposed numpy view, and numpy's matmul (OpenBLAS) may sum a product with such an
+    operand in another order than with a row-major one, so a tile read transposed
+    (``tl.trans``) and one read in place would differ in their last bits. Through one
+    dimension and back, every layout becomes row-major. Interpreter only (``mma``'s
+    CAST_F32): compiled, the MMA takes its operands from shared memory in any layout."""
+    return tl.reshape(tl.reshape(x, [x.shape[0] * x.shape[1]]), [x.shape[0], x.shape[1]])
 
 
 @triton.jit
@@ -1144,7 +1208,6 @@ def gemm1(
     heap,
     w_up,
     weight_of,
-    group,
     hbuf,
     hbuf_rid,
     stats,
@@ -1152,7 +1215,11 @@ def gemm1(
     saved_pre,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    f,
     BM: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -1160,11 +1227,12 @@ def gemm1(
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
 ):
-    """Owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of m-tile slot
-    ``item // f_blocks`` of GEMM1 over the segment's pooled, expert-contiguous rows in payload
-    slot s % B — h = silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of
-    x [Wg Wu], ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F,
-    2]), else ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
+    """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
+    local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
+    GEMM1 over the segment's pooled, expert-contiguous rows in payload slot s % B — h =
+    silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
+    ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F, 2]), else
+    ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
@@ -1172,10 +1240,6 @@ def gemm1(
     with their scales; under DEDUP each slot reads the payload row of its token's first
     slot here.
     """
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    j = item // f_blocks
-    f = item % f_blocks * BLOCK_F
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)  # the tile's first row in the owner's payload ring
@@ -1228,13 +1292,16 @@ def gemm2(
     hbuf_rid,
     w,
     weight_of,
-    group,
     staging,
     staging_rid,
     saved_out,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    h,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -1243,8 +1310,8 @@ def gemm2(
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
 ):
-    """Owner q, segment s, work item ``item``: H-block ``item % h_blocks`` of m-tile slot
-    ``item // h_blocks`` of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
+    """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
+    (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
     ``w`` = Wd), one [BM, BLOCK_H] tile into the owner's ``staging`` ring (the memory
     plan's private staging); H-block 0 copies the rows' row_ids beside them, for the
     return. The backward's: dX = dH [Wg Wu]ᵀ (or dH Wuᵀ), ``rows`` the dH its GEMM1 wrote
@@ -1252,10 +1319,6 @@ def gemm2(
     DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
     the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
     """
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    j = item // h_blocks
-    h = item % h_blocks * BLOCK_H
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
@@ -1286,7 +1349,6 @@ def bgemm1(
     heap,
     w_down,
     weight_of,
-    group,
     saved_pre,
     dh,
     act_rows,
@@ -1294,15 +1356,19 @@ def bgemm1(
     hbuf_rid,
     q,
     s,
-    item,
+    local,
+    row0,
+    lo,
+    hi,
+    f,
     BM: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
-    """Backward, owner q, segment s, work item ``item``: F-block ``item % f_blocks`` of
-    m-tile slot ``item // f_blocks`` over the g'·dL/dy rows the backward's dispatch placed
+    """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
+    (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
     in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
     [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
     dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
@@ -1313,10 +1379,6 @@ def bgemm1(
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
     g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
     """
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    j = item // f_blocks
-    f = item % f_blocks * BLOCK_F
-    local, row0, lo, hi = m_tile(group, q, s, j, BM)
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
@@ -1427,6 +1489,58 @@ def wgrad(
         d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+
+
+@triton.jit
+def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The m-tile slot of GEMM work item ``item`` of an entry of ``kind``: items run m-tile
+    major, GEMM1's ⌈F / BLOCK_F⌉ column blocks or GEMM2's ⌈H / BLOCK_H⌉ per slot."""
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    return tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)
+
+
+@triton.jit
+def expert_item(
+    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x, saved_pre,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
+    wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
+    expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
+    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``."""
+    if kind == KIND_GEMM1:
+        f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
+        if BACKWARD:
+            bgemm1(
+                heap, w_down, weight_of, saved_pre, dh, act_rows, do_rows, hbuf_rid, q, s, local, row0, lo, hi, f, BM,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+            )  # fmt: skip
+        else:
+            gemm1(
+                heap, w_up, weight_of, hbuf, hbuf_rid, stats, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+            )  # fmt: skip
+    elif kind == KIND_GEMM2:
+        h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
+        if BACKWARD:  # dX = dH [Wg Wu]ᵀ
+            gemm2(
+                dh, hbuf_rid, w_up, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
+                BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+            )  # fmt: skip
+        else:
+            gemm2(
+                hbuf, hbuf_rid, w_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
+                BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+            )  # fmt: skip
+    elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
+        if BACKWARD:  # the backward's table only
+            wgrad(
+                saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
+                CAST_F32,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -1812,38 +1926,97 @@ def combine_grad(
     tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
 
 
-@triton.jit(
-    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base"]
-)
+@triton.jit
+def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop, BACKWARD: tl.constexpr):
+    """Wait for every dependency of the task-table entry at ``row`` in call ``target``:
+    (the entry that did not finish or -1, the value its flag showed, the value expected).
+    A dependency -(e + 1) is entry e of the previous call, waited for at (target - 1) ×
+    its items. A GEMM2 item waits for its own m-tile of the segment's GEMM1 only: the
+    counter ``tile`` at target × ``f_blocks``. The first wait that expires ends the loop."""
+    blocked = -1
+    seen = target * 0
+    expected = target * 0
+    d = tl.load(row + C_DEP_START)
+    end = d + tl.load(row + C_DEP_COUNT)
+    while (d < end) & (blocked < 0):
+        dep = tl.load(deps + d)
+        before = (dep < 0).to(tl.int64)
+        dep = tl.where(dep < 0, -dep - 1, dep)
+        want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
+        flag = done_flag(heap, table, dep, BACKWARD)
+        if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
+            want = target * f_blocks
+            flag = tile
+        got = wait(flag, want, bound, stop)
+        if got < want:
+            blocked = dep
+            seen = got
+            expected = want
+        d += 1
+    return blocked, seen, expected
+
+
+@triton.jit
+def owner_buffers(
+    me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+    tile_table, stats,
+):  # fmt: skip
+    """The owner-side private buffers moved back by ``me`` (rank0) ranks' rows: a process
+    that runs one rank holds only that rank's rows, so indexing them by the global rank
+    lands in them (with every rank in one process me is 0 and nothing moves)."""
+    if DEDUP:  # saved_out: each accepted slot's expert output at the owner (else at the front-end)
+        saved_out -= me * R_MAX * H
+    saved_x -= me * R_MAX * H
+    saved_pre -= me * R_MAX * (UP_COLS * F)
+    dh -= me * R_MAX * (UP_COLS * F)
+    act_rows -= me * R_MAX * F
+    do_rows -= me * R_MAX * H
+    group -= me * (E_MAX * 2)
+    hbuf -= me * (B * S * F)
+    hbuf_rid -= me * (B * S)
+    staging -= me * (B * S * H)
+    staging_rid -= me * (B * S)
+    tile_done -= me * (SEGMENTS * TILE_SLOTS)
+    tile_table -= me * (SEGMENTS * TILE_SLOTS * 4)
+    stats -= me * ST_COLS
+    return (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, program_queue,
-    owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, rowpos, sorted_rows,
-    route_scratch, recv, group, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile,
-    tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, program_base, BM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    STAGES: tl.constexpr, CAST_F32: tl.constexpr, ROLE_SPLIT: tl.constexpr, PROFILE: tl.constexpr,
-    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, owner_of, local_of,
+    n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows, route_scratch, recv, group,
+    tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile, tokens_of, n_tokens,
+    n_programs, rank0,
+    rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+    GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
+    SAVE: tl.constexpr,
 ):  # fmt: skip
-    """The persistent kernel: take a ticket from its queue, find the task-table entry, wait,
+    """The persistent kernel: take a ticket from the queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
     backward's table (the forward's entries, then the weight gradients) with its own
     control words, done counters and heap regions, over the routing tables the forward left
     (``sorted_rows``, ``route_scratch``, ``recv``, ``group`` and the heap's offsets): its
     route and scan entries only keep the table's order, nothing is routed again.
 
-    Unified mode (ROLE_SPLIT False): one queue, the whole table (one process per rank: the
-    entries its rank runs); any program runs any task. Role-split mode: program
-    ``program_base + program_id`` serves the (rank, role) queue ``program_queue`` names,
-    taking only that queue's tasks, in the table's order.
-    Tickets and done flags count up across calls: the call's ``epoch`` is the call count the
-    control block holds, plus one; a queue's tickets of call ``epoch`` start
-    at (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A
-    wait that expires records the error (entry, rank, queue, segment, flag, value seen and
+    Unified mode (``GEMMS``): the queue holds every entry (one process per rank: every entry
+    its rank runs); any program runs any task. Split mode: this is the transport kernel,
+    compiled without the GEMM tasks; its queue holds every other entry, and ``rdep_gemm``,
+    launched beside it, runs the GEMM work. Either way the queue is queue 0 of ``queues``.
+    Tickets and done flags count up across calls: the call's ``epoch`` is the call count
+    the control block holds, plus one; the queue's tickets of call ``epoch`` start at
+    (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A wait
+    that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
     its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
-    injection): it runs nothing and never signals.
+    injection): it runs nothing and never signals. ``n_programs``: the programs of every
+    kernel of the call, which all count out of it.
     """
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
@@ -1860,44 +2033,33 @@ def rdep_layer(
     gprime -= me * n_tokens * K
     dgprime -= me * n_tokens * K
     tokens_of -= me  # the tokens each rank brings, <= n_tokens (the rows past them route nowhere)
-    if DEDUP:  # saved_out: each accepted slot's expert output at the owner
-        saved_out -= me * R_MAX * H
-    else:  # ... or at the front-end
+    if not DEDUP:  # saved_out: each accepted slot's expert output at the front-end
         saved_out -= me * n_tokens * K * H
-    saved_x -= me * R_MAX * H
-    saved_pre -= me * R_MAX * (UP_COLS * F)
-    dh -= me * R_MAX * (UP_COLS * F)
-    act_rows -= me * R_MAX * F
-    do_rows -= me * R_MAX * H
+    (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    ) = owner_buffers(
+        me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
+        tile_done, tile_table, stats,
+    )  # fmt: skip
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
     recv -= me * (W * E_MAX * 2)
-    group -= me * (E_MAX * 2)
-    hbuf -= me * (B * S * F)
-    hbuf_rid -= me * (B * S)
-    tile_done -= me * (SEGMENTS * TILE_SLOTS)
-    staging -= me * (B * S * H)
-    staging_rid -= me * (B * S)
     if RING:
         landing -= me * (T * K * H)
-    stats -= me * ST_COLS
     if BACKWARD:  # dL/dy goes where x went, scaled by g'
         x = dy
         gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks, GEMM2's H-blocks
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    queue_id = 0
-    if ROLE_SPLIT:
-        queue_id = tl.load(program_queue + program_base + tl.program_id(0))
-    first_pos = tl.load(queues + queue_id * 3)
-    last_pos = tl.load(queues + queue_id * 3 + 1)
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
+    first_pos = tl.load(queues)
+    last_pos = tl.load(queues + 1)
     item0 = tl.load(first_item + first_pos)
     n_items = tl.load(first_item + last_pos) - item0
-    base = (target - 1) * (n_items + tl.load(queues + queue_id * 3 + 2))
-    ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+    base = (target - 1) * (n_items + tl.load(queues + 2))
+    ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (ticket < n_items) & (failed == 0):
         lo = first_pos  # the queue position of this item: the last one whose first item <= ticket
@@ -1929,31 +2091,21 @@ def rdep_layer(
                 seen = got
                 expected = want
         empty = 0
-        mt = tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)  # a GEMM item's m-tile slot
+        mt = m_tile_slot(kind, item, BLOCK_H, BLOCK_F)  # a GEMM item's m-tile slot
         tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        local = 0
+        row0 = 0
+        lo_row = 0
+        hi_row = 0
         if (guard >= 0) & (blocked < 0):
-            _, _, lo_row, hi_row = m_tile(group, owner, segment, mt, BM)
+            local, row0, lo_row, hi_row = bound_m_tile(tile_table, owner, segment, mt)
             empty = (hi_row <= lo_row).to(tl.int32)
-        if empty == 0:
-            d = tl.load(row + C_DEP_START)
-            end = d + tl.load(row + C_DEP_COUNT)
-            while (d < end) & (blocked < 0):
-                dep = tl.load(deps + d)
-                before = (dep < 0).to(tl.int64)  # -(e + 1): entry e of the previous call
-                dep = tl.where(dep < 0, -dep - 1, dep)
-                want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
-                flag = done_flag(heap, table, dep, BACKWARD)
-                if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
-                    want = target * f_blocks  # GEMM2 waits for its own m-tile of GEMM1 only
-                    flag = tile
-                got = wait(flag, want, bound, ctl + CTL_ERR_CODE)
-                if got < want:
-                    blocked = dep
-                    seen = got
-                    expected = want
-                d += 1
+        if (empty == 0) & (blocked < 0):
+            blocked, seen, expected = wait_deps(
+                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+            )
         if blocked >= 0:
-            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, queue_id, segment, seen, expected)
+            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
@@ -1965,8 +2117,14 @@ def rdep_layer(
                             route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
-                    if not BACKWARD:
-                        scan(heap, n_local, rows_max, caps, recv, group, stats, ctl, entry, epoch, rank)
+                    if BACKWARD:  # the m-tile table again, from the rows the forward left
+                        first, rows = owner_rows(group, rank)
+                        bind_m_tiles(first, rows, tile_table, rank, tl.load(m_slots + rank), BM)
+                    else:
+                        scan(
+                            heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch,
+                            rank, BM,
+                        )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
                         heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
@@ -1974,39 +2132,19 @@ def rdep_layer(
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
-                elif kind == KIND_GEMM1:
-                    if BACKWARD:
-                        bgemm1(
-                            heap, w_down, weight_of, group, saved_pre, dh, act_rows, do_rows, hbuf_rid, owner, segment,
-                            item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
-                        )  # fmt: skip
-                    else:
-                        gemm1(
-                            heap, w_up, weight_of, group, hbuf, hbuf_rid, stats, saved_x, saved_pre, owner,
-                            segment, item, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
-                        )  # fmt: skip
-                elif kind == KIND_GEMM2:
-                    if BACKWARD:  # dX = dH [Wg Wu]ᵀ
-                        gemm2(
-                            dh, hbuf_rid, w_up, weight_of, group, staging, staging_rid, saved_out, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
-                        )  # fmt: skip
-                    else:
-                        gemm2(
-                            hbuf, hbuf_rid, w_down, weight_of, group, staging, staging_rid, saved_out, owner, segment,
-                            item, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
+                    if GEMMS:  # split mode: rdep_gemm runs them
+                        expert_item(
+                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats,
+                            saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment,
+                            item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                            BACKWARD, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
                         claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
-                elif kind == KIND_WGRAD:  # the backward's table only
-                    if BACKWARD:
-                        wgrad(
-                            saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, owner, item, BLOCK_H,
-                            BLOCK_F, BLOCK_K, CAST_F32,
-                        )  # fmt: skip
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
@@ -2032,9 +2170,134 @@ def rdep_layer(
             if kind == KIND_GEMM1:
                 signal(tile)
             signal(done_flag(heap, table, entry, BACKWARD))
-        ticket = tl.atomic_add(ctl + CTL_TICKETS + queue_id, 1) - base
+        ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
-    # The last of the launch's n_programs programs out closes the call: the next launch reads
+    # The last of the call's n_programs programs out closes the call: the next launch reads
     # its epoch from the count, so no argument changes from call to call.
+    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
+        tl.atomic_add(ctl + CTL_CALLS, 1)
+
+
+@triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
+def rdep_gemm(
+    heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue,
+    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
+    profile,
+    n_programs, rank0, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    """Split mode's GEMM kernel: the work items of the GEMM entries (queue 1 of ``queues``:
+    gemm1, gemm2 and the backward's wgrad, in the task table's order, m-tile major within
+    an entry), program p of the queue's P taking items p, p + P, p + 2P, ... — no ticket and
+    no search: a program's items only move forward, so it finds each one's entry by
+    stepping its queue position. What an item waits for is remembered across the
+    program's items: its owner's scan (the guard) and its entry's dependencies once per
+    entry, after that only a GEMM2 item's own m-tile of GEMM1 (one counter). The transport
+    kernel waits on the GEMM entries' done flags, which count their finished items.
+
+    Progress: the earliest unfinished item of either kernel has its inputs done (the table
+    is topological), and its program is at it — a program finishes its items in order —
+    or, in the transport kernel, holds its ticket; so the call ends as long as both
+    kernels' programs are resident at once, which the host checks before it launches.
+    ``program_base`` numbers this launch's programs (the interpreter runs each as its own
+    launch of one); ``n_programs`` counts both kernels' programs, which all count out of
+    the call.
+    """
+    me = tl.cast(rank0, tl.int64)
+    (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    ) = owner_buffers(
+        me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
+        tile_done, tile_table, stats,
+    )  # fmt: skip
+    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
+    target = epoch
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    pos = tl.load(queues + 3)  # queue 1: its positions [first, last) and its programs
+    last_pos = tl.load(queues + 4)
+    stride = tl.load(queues + 5)
+    item0 = tl.load(first_item + pos)
+    n_items = tl.load(first_item + last_pos) - item0
+    item = (program_base + tl.program_id(0)).to(tl.int32)
+    entry = -1
+    next_first = item0 - item0  # the first item of the entry after the current one
+    first = next_first
+    kind = 0
+    rank = 0
+    owner = 0
+    segment = 0
+    guard = -1
+    guarded = -1  # the last guard (scan) this program saw done
+    ready = -1  # the last entry whose dependencies this program saw done
+    failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    while (item < n_items) & (failed == 0):
+        while next_first <= item:  # step to the item's entry: at most once per entry over the whole call
+            first = next_first
+            entry = tl.load(queue + pos)
+            pos += 1
+            next_first = tl.load(first_item + pos) - item0
+            row = table + entry * NCOL
+            kind = tl.load(row + C_KIND)
+            rank = tl.load(row + C_RANK)
+            owner = tl.load(row + C_OWNER)
+            segment = tl.load(row + C_SEGMENT)
+            guard = tl.load(row + C_GUARD)
+        row = table + entry * NCOL
+        i = (item - first).to(tl.int32)
+        blocked = -1
+        seen = target * 0
+        expected = target * 0
+        if (guard >= 0) & (guard != guarded):  # gemm1, gemm2: their owner's scan first
+            want = target * tl.load(table + guard * NCOL + C_ITEMS)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            if got < want:
+                blocked = guard
+                seen = got
+                expected = want
+            else:
+                guarded = guard
+        mt = m_tile_slot(kind, i, BLOCK_H, BLOCK_F)
+        tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        local = 0
+        row0 = 0
+        lo = 0
+        hi = 1  # wgrad: no m-tile
+        if (guard >= 0) & (blocked < 0):
+            local, row0, lo, hi = bound_m_tile(tile_table, owner, segment, mt)
+        if (hi > lo) & (blocked < 0):
+            if entry != ready:
+                blocked, seen, expected = wait_deps(
+                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                )
+                if blocked < 0:
+                    ready = entry
+            elif kind == KIND_GEMM2:  # the entry's other dependencies are done: its m-tile of GEMM1
+                got = wait(tile, target * f_blocks, bound, ctl + CTL_ERR_CODE)
+                if got < target * f_blocks:
+                    blocked = tl.load(deps + tl.load(row + C_DEP_START))  # GEMM1 of the segment, its first
+                    seen = got
+                    expected = target * f_blocks
+        if blocked >= 0:
+            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
+        elif kind >= 0:
+            if PROFILE:
+                start = now(ctl, GLOBALTIMER)
+            if hi > lo:
+                expert_item(
+                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x,
+                    saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment, i, local, row0, lo,
+                    hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                )  # fmt: skip
+            if PROFILE:
+                at = (item0 + item) * 2
+                tl.store(profile + at, start)
+                tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
+            if kind == KIND_GEMM1:
+                signal(tile)
+            signal(done_flag(heap, table, entry, BACKWARD))
+        item += stride
+        failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
         tl.atomic_add(ctl + CTL_CALLS, 1)

@@ -5,7 +5,7 @@
 
 Runs at least ``--runs`` seeded collective calls of small layers (examples/tiny.rdep and
 segmented variants of it, T = 4) over W = 2..4 ranks, one OS process per rank: every
-schedule strategy (bulk, pipelined, deep), both kernel modes (unified, role-split), random
+schedule strategy (bulk, pipelined, deep), both kernel modes (unified, split), random
 routings (uniform, zipf, hot, all rows to one expert or one owner), ranks with no tokens,
 random start delays, several calls per case, and a fault in about one case in six: a rank
 SIGKILLed mid-call (``kill``) or at a random moment of a job's last case (``lost``: loading
@@ -66,7 +66,7 @@ VARIANTS = (
     ("seg16-b1", "deep", 1),
 )
 ROUTINGS = ("uniform", "zipf:1.0", "zipf:1.5", "hot", "one")
-MODES = ("unified", "role-split")
+MODES = ("unified", "split")
 FAULTS = ("kill", "lost", "stall", "withhold")
 # pessimistic seconds per collective call by W (2 CPU cores, interpreter), for the job's bound
 CALL_S = {"emulated-mp": {2: 6.0, 3: 10.0, 4: 16.0}, "nvshmem": {2: 30.0, 3: 30.0, 4: 30.0}}

@@ -1,0 +1,155 @@
+"""The persistent GEMM kernel ``rdep_gemm`` of split mode: only the expert GEMM work, beside
+the transport kernel (``rdep_layer`` compiled without it)."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.control import done_flag, now, report
+from rdepc.codegen.device.experts import expert_item, m_tile_slot
+from rdepc.codegen.device.kernel import owner_buffers
+from rdepc.codegen.device.layout import (
+    C_DEP_START,
+    C_GUARD,
+    C_ITEMS,
+    C_KIND,
+    C_OWNER,
+    C_RANK,
+    C_SEGMENT,
+    CTL_CALLS,
+    CTL_ERR_CODE,
+    CTL_EXITS,
+    ERR_WAIT,
+    KIND_GEMM1,
+    KIND_GEMM2,
+    NCOL,
+    SEGMENTS,
+    TILE_SLOTS,
+    F,
+)
+from rdepc.codegen.device.rows import bound_m_tile
+from rdepc.codegen.device.signals import signal, wait
+from rdepc.codegen.device.waits import wait_deps
+
+
+@triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
+def rdep_gemm(
+    heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue,
+    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
+    profile,
+    n_programs, rank0, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+):  # fmt: skip
+    """Split mode's GEMM kernel: the work items of the GEMM entries (queue 1 of ``queues``:
+    gemm1, gemm2 and the backward's wgrad, in the task table's order, m-tile major within
+    an entry), program p of the queue's P taking items p, p + P, p + 2P, ... — no ticket and
+    no search: a program's items only move forward, so it finds each one's entry by
+    stepping its queue position. What an item waits for is remembered across the
+    program's items: its owner's scan (the guard) and its entry's dependencies once per
+    entry, after that only a GEMM2 item's own m-tile of GEMM1 (one counter). The transport
+    kernel waits on the GEMM entries' done flags, which count their finished items.
+
+    Progress: the earliest unfinished item of either kernel has its inputs done (the table
+    is topological), and its program is at it — a program finishes its items in order —
+    or, in the transport kernel, holds its ticket; so the call ends as long as both
+    kernels' programs are resident at once, which the host checks before it launches.
+    ``program_base`` numbers this launch's programs (the interpreter runs each as its own
+    launch of one); ``n_programs`` counts both kernels' programs, which all count out of
+    the call.
+    """
+    me = tl.cast(rank0, tl.int64)
+    (
+        saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
+        tile_table, stats,
+    ) = owner_buffers(
+        me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
+        tile_done, tile_table, stats,
+    )  # fmt: skip
+    epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
+    target = epoch
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    pos = tl.load(queues + 3)  # queue 1: its positions [first, last) and its programs
+    last_pos = tl.load(queues + 4)
+    stride = tl.load(queues + 5)
+    item0 = tl.load(first_item + pos)
+    n_items = tl.load(first_item + last_pos) - item0
+    item = (program_base + tl.program_id(0)).to(tl.int32)
+    entry = -1
+    next_first = item0 - item0  # the first item of the entry after the current one
+    first = next_first
+    kind = 0
+    rank = 0
+    owner = 0
+    segment = 0
+    guard = -1
+    guarded = -1  # the last guard (scan) this program saw done
+    ready = -1  # the last entry whose dependencies this program saw done
+    failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    while (item < n_items) & (failed == 0):
+        while next_first <= item:  # step to the item's entry: at most once per entry over the whole call
+            first = next_first
+            entry = tl.load(queue + pos)
+            pos += 1
+            next_first = tl.load(first_item + pos) - item0
+            row = table + entry * NCOL
+            kind = tl.load(row + C_KIND)
+            rank = tl.load(row + C_RANK)
+            owner = tl.load(row + C_OWNER)
+            segment = tl.load(row + C_SEGMENT)
+            guard = tl.load(row + C_GUARD)
+        row = table + entry * NCOL
+        i = (item - first).to(tl.int32)
+        blocked = -1
+        seen = target * 0
+        expected = target * 0
+        if (guard >= 0) & (guard != guarded):  # gemm1, gemm2: their owner's scan first
+            want = target * tl.load(table + guard * NCOL + C_ITEMS)
+            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            if got < want:
+                blocked = guard
+                seen = got
+                expected = want
+            else:
+                guarded = guard
+        mt = m_tile_slot(kind, i, BLOCK_H, BLOCK_F)
+        tile = tile_done + (owner * SEGMENTS + segment) * TILE_SLOTS + mt  # its GEMM1 items done, over calls
+        local = 0
+        row0 = 0
+        lo = 0
+        hi = 1  # wgrad: no m-tile
+        if (guard >= 0) & (blocked < 0):
+            local, row0, lo, hi = bound_m_tile(tile_table, owner, segment, mt)
+        if (hi > lo) & (blocked < 0):
+            if entry != ready:
+                blocked, seen, expected = wait_deps(
+                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                )
+                if blocked < 0:
+                    ready = entry
+            elif kind == KIND_GEMM2:  # the entry's other dependencies are done: its m-tile of GEMM1
+                got = wait(tile, target * f_blocks, bound, ctl + CTL_ERR_CODE)
+                if got < target * f_blocks:
+                    blocked = tl.load(deps + tl.load(row + C_DEP_START))  # GEMM1 of the segment, its first
+                    seen = got
+                    expected = target * f_blocks
+        if blocked >= 0:
+            report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
+        elif kind >= 0:
+            if PROFILE:
+                start = now(ctl, GLOBALTIMER)
+            if hi > lo:
+                expert_item(
+                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x,
+                    saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment, i, local, row0, lo,
+                    hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                )  # fmt: skip
+            if PROFILE:
+                at = (item0 + item) * 2
+                tl.store(profile + at, start)
+                tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
+            if kind == KIND_GEMM1:
+                signal(tile)
+            signal(done_flag(heap, table, entry, BACKWARD))
+        item += stride
+        failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
+    if tl.atomic_add(ctl + CTL_EXITS, 1) == target * n_programs - 1:
+        tl.atomic_add(ctl + CTL_CALLS, 1)

@@ -1,0 +1,38 @@
+"""What a work item waits for before it runs: its entry's dependencies' done flags, each
+bounded (``signals.wait``); shared by the kernels that take work items."""
+
+import triton
+import triton.language as tl
+from rdepc.codegen.device.control import done_flag
+from rdepc.codegen.device.layout import C_DEP_COUNT, C_DEP_START, C_ITEMS, C_KIND, KIND_GEMM1, KIND_GEMM2, NCOL
+from rdepc.codegen.device.signals import wait
+
+
+@triton.jit
+def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop, BACKWARD: tl.constexpr):
+    """Wait for every dependency of the task-table entry at ``row`` in call ``target``:
+    (the entry that did not finish or -1, the value its flag showed, the value expected).
+    A dependency -(e + 1) is entry e of the previous call, waited for at (target - 1) ×
+    its items. A GEMM2 item waits for its own m-tile of the segment's GEMM1 only: the
+    counter ``tile`` at target × ``f_blocks``. The first wait that expires ends the loop."""
+    blocked = -1
+    seen = target * 0
+    expected = target * 0
+    d = tl.load(row + C_DEP_START)
+    end = d + tl.load(row + C_DEP_COUNT)
+    while (d < end) & (blocked < 0):
+        dep = tl.load(deps + d)
+        before = (dep < 0).to(tl.int64)
+        dep = tl.where(dep < 0, -dep - 1, dep)
+        want = (target - before) * tl.load(table + dep * NCOL + C_ITEMS)
+        flag = done_flag(heap, table, dep, BACKWARD)
+        if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
+            want = target * f_blocks
+            flag = tile
+        got = wait(flag, want, bound, stop)
+        if got < want:
+            blocked = dep
+            seen = got
+            expected = want
+        d += 1
+    return blocked, seen, expected
