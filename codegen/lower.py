@@ -286,7 +286,7 @@ def lower(
         tasks=tuple(tasks),
         wgrad_table=tuple(wgrad_table),
         wgrad_deps=tuple(wgrad_deps),
-        programs=tuple(sched.programs),
+        programs=tuple(sched.kernel_split),
         guard=guard,
     )
 

@@ -87,6 +87,7 @@ class _Plan:
     tl: Timeline
     dur: np.ndarray
     decisions: list[Decision]
+    kernels: Split | None = None  # split mode's kernels where it differs from ``split`` (bulk)
 
 
 def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | None) -> _Plan:
@@ -101,7 +102,13 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
         dur = durations(cm, None)
         tl = timeline(tg, order, dur, lat, unified=True, empty=empty)
         d = Decision("programs", f"all {N} programs take every task (unified)", "bulk: nothing to overlap")
-        return _Plan(None, "returns-first", order, tl, dur, [d])
+        kernels, est = best_split(cm, False)
+        k = Decision(
+            "kernel split",
+            f"{kernels.comm} transport / {kernels.compute} GEMM programs of {N} (split mode)",
+            f"cost model: the stages take turns, {est * 1e3:.3f} ms summed on the busiest rank",
+        )
+        return _Plan(None, "returns-first", order, tl, dur, [d, k], kernels)
     variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]
     orders = {v: topo_order(tg, priority(tg, v)) for v in variants}
     if comm is not None:
@@ -155,7 +162,9 @@ def schedule_costed(
     communication programs per rank (then bulk too runs on that split); ``variant`` fixes
     the order within a step (see :func:`priority`)."""
     pl = _plan(cm, comm, refine, variant)
-    return _finish(cm.graph, cm, pl.order, pl.split, pl.tl, pl.dur, [*decisions, *pl.decisions])
+    sched = _finish(cm.graph, cm, pl.order, pl.split, pl.tl, pl.dur, [*decisions, *pl.decisions])
+    kernels = pl.kernels or pl.split
+    return replace(sched, kernel_split=(kernels.comm, kernels.compute))
 
 
 def _order_decision(v: str, tls: dict) -> Decision:
@@ -472,6 +481,7 @@ def report(sched: Schedule) -> str:
         if sched.unified
         else f"{sched.programs[0]} communication + {sched.programs[1]} compute programs per rank"
     )
+    prog += f"; split mode: {sched.kernel_split[0]} transport + {sched.kernel_split[1]} GEMM kernel programs"
     lines = [
         f"layer {sched.layer}: {sched.strategy} schedule, cut {sched.cut}, S={sched.S}, B={sched.B}, on {sched.hw}",
         f"  programs        {prog}",

@@ -252,6 +252,7 @@ def write_png(
         if sched.unified
         else f"{sched.programs[0]} programs per GPU send/receive while {sched.programs[1]} compute"
     )
+    progs += f" (split mode: {sched.kernel_split[0]} transport + {sched.kernel_split[1]} GEMM kernel programs)"
     ax.set_title(
         f"{sched.layer} MoE layer, {sched.strategy} schedule on {sched.hw}: "
         f"predicted {sched.makespan * us:,.0f} µs, exposed transport {sched.exposed_max * us:,.0f} µs\n"

@@ -208,7 +208,7 @@ class KernelContract:
     # entry per owner, its dependencies numbered after the forward's (``bwd_deps``)
     wgrad_table: tuple[tuple[int, ...], ...] = ()
     wgrad_deps: tuple[int, ...] = ()
-    programs: tuple[int, int] = (1, 1)  # the schedule's (communication, compute) programs per rank
+    programs: tuple[int, int] = (1, 1)  # split mode's (transport, GEMM) kernel programs per rank (the schedule's)
     guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
     combine_tokens: int = COMBINE_TOKENS
     options: tuple[tuple[str, str], ...] = ()  # the codegen options it was generated with

@@ -256,6 +256,9 @@ class Schedule:
     table: tuple[Entry, ...] = field(repr=False)
     graph: TaskGraph = field(compare=False, repr=False)
     cost: CostModel = field(compare=False, repr=False)
+    # split mode's (transport, GEMM) kernel programs per rank: ``programs`` when the schedule
+    # overlaps the roles; for bulk, whose stages take turns, the split that minimises their sum
+    kernel_split: tuple[int, int] = (1, 1)
 
     @property
     def exposed_max(self) -> float:
