@@ -82,11 +82,14 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
 
 def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None):
     """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
-    ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory)."""
+    ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
+    ``mode`` None: the device's default kernel mode (a dry run's: the interpreter's)."""
     from bench.acceptance import Variant
 
+    from rdepc.ir.contract import default_mode
+
     ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())
-    return Variant(f"examples/{name}.rdep", ov, schedule, mode, pass_, "emulated", edit)
+    return Variant(f"examples/{name}.rdep", ov, schedule, mode or default_mode(dry), pass_, "emulated", edit)
 
 
 def load(name: str, dry: bool, edit: str | None = None, tokens: int | None = None):

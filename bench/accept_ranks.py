@@ -64,10 +64,14 @@ def plan(dry: bool) -> list:
 
 
 def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=None, pass_="forward", overrides=None):
-    """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``)."""
+    """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``);
+    ``mode`` None: the device's default kernel mode (emulated-mp's: the interpreter's)."""
     from bench.acceptance import Variant
 
+    from rdepc.ir.contract import default_mode
+
     ov = _overrides(name, W, tokens) if overrides is None else overrides
+    mode = mode or default_mode(interpret=backend == "emulated-mp")
     return Variant(_path(name), tuple(ov.items()), schedule, mode, pass_, backend)
 
 
@@ -281,7 +285,7 @@ def torchrun(check, variants, W: int, device: str, dry: bool) -> None:
     argv += ["-m", "rdepc", "run", str(example_path(v.file)), "--backend", v.backend, "--check"]
     argv += [a for k, n in v.overrides for a in ("-D", f"{k}={n}")]
     argv += ["--schedule", v.schedule] if v.schedule else []
-    argv += ["--mode", v.mode] if v.mode != "unified" else []
+    argv += ["--mode", v.mode] if v.mode else []
     if dry:
         argv += ["--device", "cpu"]
     check.figure("command", " ".join(argv[1:]))

@@ -157,7 +157,7 @@ def tune_layer(
     device: str = "cuda",
     *,
     schedule: str | None = None,
-    mode: str = "unified",
+    mode: str | None = None,
     tokens: int | None = None,
     reps: int = 10,
     warmup: int = 3,

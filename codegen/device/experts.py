@@ -332,6 +332,7 @@ def wgrad(
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
     """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
@@ -357,8 +358,9 @@ def wgrad(
         xs = saved_x + base * H
         ds = dh + base * (UP_COLS * F)
         d_up = gemm_rows_tn(
-            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, CAST_F32, PRECISION
-        )
+            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
+            PRECISION,
+        )  # fmt: skip
         h = i + tl.arange(0, BLOCK_H)
         up = narrow(d_up, DTYPE, CAST_F32)
         store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
@@ -367,7 +369,9 @@ def wgrad(
         k = (t - per) % h_blocks * BLOCK_H
         a_rows = act_rows + base * F
         o_rows = do_rows + base * H
-        d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        d_down = gemm_rows_tn(
+            a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION
+        )
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
 
@@ -420,5 +424,5 @@ def expert_item(
         if BACKWARD:  # the backward's table only
             wgrad(
                 saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
-                CAST_F32,
+                STAGES, CAST_F32,
             )  # fmt: skip

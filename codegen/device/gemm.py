@@ -212,25 +212,57 @@ def gemm_rows_tn(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    TMA: tl.constexpr,
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One [BM, BN] fp32 tile of Aᵀ·B over rows first .. first + n_rows of the row-major
     matrices A [*, a_cols] at ``a`` (its columns col_a .. col_a + BM) and B [*, b_cols] at
     ``b`` (columns col_b .. col_b + BN): a weight gradient, summed over one expert's rows in
-    chunks of BK from its first row — a fixed order whatever the schedule, no atomics."""
+    chunks of BK from its first row — a fixed order whatever the schedule, no atomics.
+
+    Compiled, the chunks' loads are software-pipelined ``STAGES`` deep; with ``TMA`` both
+    operands are read through tensor descriptors bounded to the expert's rows, so the last
+    chunk's rows past them read as zero. The interpreter takes the chunks in a while loop
+    (it cannot take a runtime bound in a range) through masked pointer loads: the same
+    chunks in the same order."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     ca = col_a + tl.arange(0, BM)
     cb = col_b + tl.arange(0, BN)
-    r0 = 0
-    while r0 < n_rows:  # while, not range: the interpreter cannot take a runtime bound in a range
-        rows = tl.cast(first + r0 + tl.arange(0, BK), tl.int64)
-        live = r0 + tl.arange(0, BK) < n_rows
-        x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
-        y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
-        acc = mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
-        r0 += BK
+    start = tl.cast(first, tl.int64)
+    if CAST_F32:
+        r0 = 0
+        while r0 < n_rows:
+            acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)
+            r0 += BK
+    elif TMA:
+        proxy_fence()
+        rows = tl.maximum(n_rows, 1)  # an expert without rows runs no chunk; a descriptor needs one
+        a_desc = tl.make_tensor_descriptor(a + start * a_cols, shape=[rows, a_cols], strides=[a_cols, 1],
+                                           block_shape=[BK, BM])  # fmt: skip
+        b_desc = tl.make_tensor_descriptor(b + start * b_cols, shape=[rows, b_cols], strides=[b_cols, 1],
+                                           block_shape=[BK, BN])  # fmt: skip
+        for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
+            acc = mma(tl.trans(a_desc.load([r0, col_a])), b_desc.load([r0, col_b]), acc, CAST_F32, PRECISION)
+    else:
+        for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
+            acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)
     return acc
+
+
+@triton.jit
+def rows_tn_chunk(
+    a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK: tl.constexpr, CAST_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``gemm_rows_tn``'s chunk of rows r0 .. r0 + BK through masked pointer loads: acc + its
+    Aᵀ·B (rows past n_rows and columns past the matrices read as zero)."""
+    rows = start + r0 + tl.arange(0, BK)
+    live = r0 + tl.arange(0, BK) < n_rows
+    x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
+    y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
+    return mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
 
 
 @triton.jit
@@ -276,6 +308,7 @@ __all__ = [
     "fp8_scale",
     "gate_up",
     "gemm_rows_tn",
+    "rows_tn_chunk",
     "gemm_tile",
     "load_tile",
     "mma",
