@@ -85,7 +85,6 @@ def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edi
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
     ``mode`` None: the device's default kernel mode (a dry run's: the interpreter's)."""
     from bench.acceptance import Variant
-
     from rdepc.ir.contract import default_mode
 
     ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())

@@ -67,7 +67,6 @@ def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=No
     """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``);
     ``mode`` None: the device's default kernel mode (emulated-mp's: the interpreter's)."""
     from bench.acceptance import Variant
-
     from rdepc.ir.contract import default_mode
 
     ov = _overrides(name, W, tokens) if overrides is None else overrides

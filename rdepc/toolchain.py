@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -78,7 +79,38 @@ def import_kernels(path: str | Path, interpret: bool):
         except BaseException:
             del sys.modules[name]
             raise
+        if not interpret:
+            settle_cache_keys(module)
         return module
+
+
+def settle_cache_keys(module) -> None:
+    """Compute the Triton cache key of every jitted function of a generated kernel file,
+    callees before callers. Triton 3.6 folds a callee's global constants into its caller's
+    key only when the callee's key was computed first (``DependenciesFinder._update_hash``
+    merges ``used_global_vals`` before it asks for the callee's ``cache_key``), so the keys
+    of two kernels that share callees (``rdep_layer``, ``rdep_gemm``) depend on which one a
+    process keys first: the prewarm's processes and the launching one would file and look
+    up different builds. In this order every process gets the same keys."""
+    from triton.runtime.jit import JITFunction
+
+    fns = {n: f for n, f in vars(module).items() if isinstance(f, JITFunction)}
+    calls = {n: {m for m in fns if m != n and re.search(rf"\b{m}\s*\(", f.src)} for n, f in fns.items()}
+    done: list[str] = []
+
+    def visit(n: str, path: tuple[str, ...]) -> None:
+        if n in done or n in path:
+            return
+        for m in sorted(calls[n]):
+            visit(m, (*path, n))
+        done.append(n)
+
+    for n in sorted(fns):
+        visit(n, ())
+    for n in done:
+        fns[n].hash = None
+    for n in done:
+        _ = fns[n].cache_key
 
 
 EXTERN_LIB = "libnvshmem_device"  # the library nvshmem_ptr is declared over (transport.NVSHMEM_DEVICE)

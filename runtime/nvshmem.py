@@ -217,14 +217,18 @@ class NvshmemLauncher(Launcher):
         self.world = world if world is not None else NvshmemWorld.start()
         self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
 
-    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    prepare_always = True  # every compiled kernel is registered with NVSHMEM before it runs
+
+    def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         meta = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
         compiled = kernel.warmup(*args, grid=grid, **meta)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
         if id(compiled) not in self.world._modules:
             self._register(compiled)
+
+    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         self.launches += 1
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, extern_libs=self.extern_libs)
 
     def _register(self, compiled) -> None:
         from nvshmem.core import NvshmemKernelObject, module_init

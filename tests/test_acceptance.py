@@ -47,9 +47,10 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert all(w["compiled"] == 0 and w["dry_run"] and w["launches"] >= w["variants"] > 0 for w in warm.values())
     # forward: tiny 6, moonlight 2; backward tiny 3; fp8 1; dedup 2 + 1; withheld 1 (cuda_graph's is forward's)
     assert warm["correct"]["variants"] == 6 + 2 + 3 + 1 + 3 + 1
-    assert warm["perf"]["variants"] == 2 * 3 and warm["perf"]["launches"] == 2 * 4  # 2 candidates × 3 passes
+    # 2 candidates × 3 passes, 4 launches: the split candidate's two kernels each, the unified one's one
+    assert warm["perf"]["variants"] == 2 * 3 and warm["perf"]["launches"] == 4 * 2 + 4
     # per rank: 4 bitwise cases, kill's (and torchrun's) call, a profiled call; the reference's 2 in one process
-    assert warm["nvshmem"]["launches"] == 2 * (4 + 1 + 1) + 2
+    assert warm["nvshmem"]["launches"] == 2 * (2 * 1 + 2 * 2 + 1 + 1) + 2  # bitwise: 2 unified, 2 split (2 kernels)
     assert len(correct["forward/tiny"]["runs"]) == 6 and correct["forward/tiny"]["bitwise"]  # 3 strategies × 2 modes
     assert correct["withheld/tiny"]["recovered_bitwise"] and "error" in correct["withheld/tiny"]
     assert correct["cuda_graph/tiny"]["captured"] is False  # the CPU captures nothing: said so

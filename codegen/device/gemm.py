@@ -308,7 +308,6 @@ __all__ = [
     "fp8_scale",
     "gate_up",
     "gemm_rows_tn",
-    "rows_tn_chunk",
     "gemm_tile",
     "load_tile",
     "mma",
@@ -316,6 +315,7 @@ __all__ = [
     "proxy_fence",
     "row_major",
     "row_scales",
+    "rows_tn_chunk",
     "store_rows",
     "to_e4m3",
 ]
