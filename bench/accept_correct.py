@@ -85,10 +85,10 @@ def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edi
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
     ``mode`` None: the device's default kernel mode (a dry run's: the interpreter's)."""
     from bench.acceptance import Variant
-    from rdepc.ir.contract import default_mode
+    from rdepc.ir.contract import DEFAULT_MODE
 
     ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())
-    return Variant(f"examples/{name}.rdep", ov, schedule, mode or default_mode(dry), pass_, "emulated", edit)
+    return Variant(f"examples/{name}.rdep", ov, schedule, mode or DEFAULT_MODE, pass_, "emulated", edit)
 
 
 def load(name: str, dry: bool, edit: str | None = None, tokens: int | None = None):

@@ -67,10 +67,10 @@ def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=No
     """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``);
     ``mode`` None: the device's default kernel mode (emulated-mp's: the interpreter's)."""
     from bench.acceptance import Variant
-    from rdepc.ir.contract import default_mode
+    from rdepc.ir.contract import DEFAULT_MODE
 
     ov = _overrides(name, W, tokens) if overrides is None else overrides
-    mode = mode or default_mode(interpret=backend == "emulated-mp")
+    mode = mode or DEFAULT_MODE
     return Variant(_path(name), tuple(ov.items()), schedule, mode, pass_, backend)
 
 

@@ -243,12 +243,12 @@ class Variant:
         from rdepc.codegen.prewarm import launch_requests
         from rdepc.runtime import tune
 
-        from rdepc.ir.contract import default_mode
+        from rdepc.ir.contract import DEFAULT_MODE
 
         compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret)
         plan = compiled.kernel
         tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
-        mode = self.mode or default_mode(interpret=False)
+        mode = self.mode or DEFAULT_MODE
         return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=mode,
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
 

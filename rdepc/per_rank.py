@@ -28,7 +28,7 @@ class Case:
     backend: str = "emulated-mp"
     device: str = "cpu"
     schedule: str | None = None
-    mode: str | None = None  # the kernel mode (None: the device's default)
+    mode: str | None = None  # the kernel mode (None: rdepc.ir.contract.DEFAULT_MODE)
     routing: str = "uniform"
     seed: int = 0
     tokens: int | None = None  # T' of every rank (default: the spec's T)

@@ -18,10 +18,12 @@ class Launcher:
 
     A call is a list of launches, (kernel, grid, args, meta) each, whose programs must all
     run at once when there are several (split mode's transport and GEMM kernels wait on
-    each other). Natively every kernel is built first, then the first goes on the current
-    stream and each other on a side stream forked from it and joined back after it: the
-    work after the call waits for all of them, and a CUDA graph captures the fork and the
-    join.
+    each other). Natively every kernel is built and loaded first — CUDA may load a module
+    only once the kernels already running have finished (lazy loading), which would keep
+    the second kernel from starting while the first waits for it — then the first goes on
+    the current stream and each other on a side stream forked from it and joined back after
+    it: the work after the call waits for all of them, and a CUDA graph captures the fork
+    and the join.
 
     An interpreted launch runs with TRITON_INTERPRET=1 set for its duration: Triton reads
     it again at launch (its first interpreted launch imports more of itself)."""
@@ -43,8 +45,9 @@ class Launcher:
             return
         scratch_allocator()
         if len(launches) > 1 or self.prepare_always:
-            # every kernel built before any is launched: a JIT compile between two launches
-            # would hold back the second kernel while the first spins on its flags
+            # every kernel built and loaded before any is launched: a JIT compile, or a module
+            # load (which may wait for the kernels running: CUDA's lazy loading), between two
+            # launches would hold back the second kernel while the first spins on its flags
             for launch in launches:
                 self._prepare(*launch)
         if len(launches) == 1:
@@ -66,10 +69,11 @@ class Launcher:
     prepare_always = False  # a launcher whose kernels need more than Triton's JIT before each launch
 
     def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        """Build ``kernel`` for this launch's arguments (a lookup once it is in Triton's cache)."""
+        """Build ``kernel`` for this launch's arguments (a lookup once it is in Triton's cache)
+        and load it into the CUDA context (once)."""
         compiled = kernel.warmup(*args, grid=grid, **meta)
-        if hasattr(compiled, "result"):  # async compile mode
-            compiled.result()
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
+        compiled._init_handles()  # cuModuleLoadData, the function's attributes: loaded now, not at launch
 
     def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
         self.launches += 1

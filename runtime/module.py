@@ -106,11 +106,11 @@ from rdepc.ir.contract import (
     COLUMNS,
     CONTROL,
     CTL_TICKETS,
+    DEFAULT_MODE,
     MODES,
     NATIVE_SPIN_BOUND,
     KernelContract,
     Tiles,
-    default_mode,
     kernel_args,
     mode_kernels,
 )
@@ -120,13 +120,13 @@ from rdepc.toolchain import import_kernels
 class RDEPModule:
     """One generated layer on one backend and device (see the module docstring).
 
-    ``mode``: ``split`` (the default on a GPU: the transport kernel and the GEMM kernel
+    ``mode``: ``unified`` (the default, ``DEFAULT_MODE``: one kernel, every program takes
+    any task, one ticket counter) or ``split`` (the transport kernel and the GEMM kernel
     launched side by side, each with its own programs; they must run concurrently: on a
     GPU every program is resident, on the CPU each interpreted program runs in its own
-    thread, ``ConcurrentInterpreter``) or ``unified`` (the default under the interpreter:
-    one kernel, every program takes any task, one ticket counter). ``programs``: how many
-    run at once, by default one per SM of this process's share of the GPU, and under the
-    interpreter two (unified) or three (split). ``comm_programs``: split mode's transport
+    thread, ``ConcurrentInterpreter``). ``programs``: how many run at once, by default one
+    per SM of this process's share of the GPU, and under the interpreter two (unified) or
+    three (split). ``comm_programs``: split mode's transport
     programs, the rest the GEMM kernel's (default: in the ratio of the schedule's
     communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
@@ -150,7 +150,7 @@ class RDEPModule:
         self.kernels_path = Path(kernels_path)
         self.device = self._device(backend, device)
         self.interpret = self.device.type == "cpu"
-        mode = mode or default_mode(self.interpret)
+        mode = mode or DEFAULT_MODE
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank

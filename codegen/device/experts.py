@@ -31,8 +31,6 @@ from rdepc.codegen.device.layout import (
     SB_ROW_ID,
     SB_SCALE,
     SCALE_COLS,
-    ST_COLS,
-    ST_MTILES,
     TMA,
     UP_COLS,
     B,
@@ -91,7 +89,6 @@ def gemm1(
     weight_of,
     hbuf,
     hbuf_rid,
-    stats,
     saved_x,
     saved_pre,
     q,
@@ -164,7 +161,6 @@ def gemm1(
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
-            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
 
 
 @triton.jit
@@ -387,7 +383,7 @@ def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
 
 @triton.jit
 def expert_item(
-    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x, saved_pre,
+    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
@@ -405,7 +401,7 @@ def expert_item(
             )  # fmt: skip
         else:
             gemm1(
-                heap, w_up, weight_of, hbuf, hbuf_rid, stats, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                heap, w_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
                 BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
             )  # fmt: skip
     elif kind == KIND_GEMM2:

@@ -33,8 +33,7 @@ from rdepc.codegen.device.waits import wait_deps
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
 def rdep_gemm(
     heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue,
-    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
-    profile,
+    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, ctl, profile,
     n_programs, rank0, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, PROFILE: tl.constexpr,
     GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
@@ -59,10 +58,10 @@ def rdep_gemm(
     me = tl.cast(rank0, tl.int64)
     (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     ) = owner_buffers(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
-        tile_done, tile_table, stats,
+        tile_done, tile_table,
     )  # fmt: skip
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
@@ -138,7 +137,7 @@ def rdep_gemm(
                 start = now(ctl, GLOBALTIMER)
             if hi > lo:
                 expert_item(
-                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x,
+                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x,
                     saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment, i, local, row0, lo,
                     hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
                 )  # fmt: skip

@@ -60,7 +60,7 @@ from rdepc.codegen.device.waits import wait_deps
 @triton.jit
 def owner_buffers(
     me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-    tile_table, stats,
+    tile_table,
 ):  # fmt: skip
     """The owner-side private buffers moved back by ``me`` (rank0) ranks' rows: a process
     that runs one rank holds only that rank's rows, so indexing them by the global rank
@@ -79,10 +79,9 @@ def owner_buffers(
     staging_rid -= me * (B * S)
     tile_done -= me * (SEGMENTS * TILE_SLOTS)
     tile_table -= me * (SEGMENTS * TILE_SLOTS * 4)
-    stats -= me * ST_COLS
     return (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     )  # fmt: skip
 
 
@@ -138,11 +137,12 @@ def rdep_layer(
         saved_out -= me * n_tokens * K * H
     (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     ) = owner_buffers(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
-        tile_done, tile_table, stats,
+        tile_done, tile_table,
     )  # fmt: skip
+    stats -= me * ST_COLS
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
@@ -236,7 +236,7 @@ def rdep_layer(
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
-                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats,
+                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid,
                             saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment,
                             item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
                             BACKWARD, SAVE,

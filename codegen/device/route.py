@@ -199,7 +199,7 @@ def scan(
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
-    bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
+    m_tiles = bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
@@ -228,5 +228,5 @@ def scan(
     st = stats + tl.cast(q, tl.int64) * ST_COLS
     tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
     tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
-    tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_MTILES, m_tiles)  # the padding-free counter: the m-tiles the grouped GEMM runs
     tl.store(st + ST_CAP, policy)

@@ -209,11 +209,13 @@ def m_tile(first, rows, s, j, BM: tl.constexpr):
 def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
     """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
     every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
-    SEGMENTS * TILE_SLOTS, 4]. The scan writes it once per call (the backward's again,
-    from the forward's rows); a GEMM work item reads its m-tile's four words as scalars,
-    which keeps its GEMM loop in uniform registers."""
+    SEGMENTS * TILE_SLOTS, 4]; returns how many have live rows (the m-tiles its grouped
+    GEMM runs). The scan writes it once per call (the backward's again, from the forward's
+    rows); a GEMM work item reads its m-tile's four words as scalars, which keeps its GEMM
+    loop in uniform registers."""
     table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
     field = tl.arange(0, 4)
+    live = tl.zeros([SLOT_BLOCK], tl.int32)
     for s in range(0, SEGMENTS):
         j0 = 0
         while j0 < n_slots:  # while, not range: the interpreter cannot take a runtime bound in a range
@@ -227,6 +229,8 @@ def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
             )
             at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
             tl.store(table + at, words, mask=(j < n_slots)[:, None])
+            live += ((hi > lo) & (j < n_slots)).to(tl.int32)
+    return tl.sum(live, axis=0)
 
 
 @triton.jit

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 9db25f0cb1d886ac914772dc269358011eed5c1af66bd620ca94d11b8038228c
+# content-sha256: 4078bbb3f23a6c84b8a1c6f0f08f4b3a9fc55fbf25280a940cc2e2b399be7ec1
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -496,11 +496,13 @@ def m_tile(first, rows, s, j, BM: tl.constexpr):
 def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
     """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
     every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
-    SEGMENTS * TILE_SLOTS, 4]. The scan writes it once per call (the backward's again,
-    from the forward's rows); a GEMM work item reads its m-tile's four words as scalars,
-    which keeps its GEMM loop in uniform registers."""
+    SEGMENTS * TILE_SLOTS, 4]; returns how many have live rows (the m-tiles its grouped
+    GEMM runs). The scan writes it once per call (the backward's again, from the forward's
+    rows); a GEMM work item reads its m-tile's four words as scalars, which keeps its GEMM
+    loop in uniform registers."""
     table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
     field = tl.arange(0, 4)
+    live = tl.zeros([SLOT_BLOCK], tl.int32)
     for s in range(0, SEGMENTS):
         j0 = 0
         while j0 < n_slots:  # while, not range: the interpreter cannot take a runtime bound in a range
@@ -514,6 +516,8 @@ def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
             )
             at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
             tl.store(table + at, words, mask=(j < n_slots)[:, None])
+            live += ((hi > lo) & (j < n_slots)).to(tl.int32)
+    return tl.sum(live, axis=0)
 
 
 @triton.jit
@@ -717,7 +721,7 @@ def scan(
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
-    bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
+    m_tiles = bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
@@ -746,7 +750,7 @@ def scan(
     st = stats + tl.cast(q, tl.int64) * ST_COLS
     tl.store(st + ST_ARRIVED + local, arrived, mask=local < E_MAX)
     tl.store(st + ST_ADMITTED + local, admitted, mask=local < E_MAX)
-    tl.store(st + ST_MTILES, 0)
+    tl.store(st + ST_MTILES, m_tiles)  # the padding-free counter: the m-tiles the grouped GEMM runs
     tl.store(st + ST_CAP, policy)
 
 
@@ -1105,25 +1109,57 @@ def gemm_rows_tn(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    TMA: tl.constexpr,
     CAST_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One [BM, BN] fp32 tile of Aᵀ·B over rows first .. first + n_rows of the row-major
     matrices A [*, a_cols] at ``a`` (its columns col_a .. col_a + BM) and B [*, b_cols] at
     ``b`` (columns col_b .. col_b + BN): a weight gradient, summed over one expert's rows in
-    chunks of BK from its first row — a fixed order whatever the schedule, no atomics."""
+    chunks of BK from its first row — a fixed order whatever the schedule, no atomics.
+
+    Compiled, the chunks' loads are software-pipelined ``STAGES`` deep; with ``TMA`` both
+    operands are read through tensor descriptors bounded to the expert's rows, so the last
+    chunk's rows past them read as zero. The interpreter takes the chunks in a while loop
+    (it cannot take a runtime bound in a range) through masked pointer loads: the same
+    chunks in the same order."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     ca = col_a + tl.arange(0, BM)
     cb = col_b + tl.arange(0, BN)
-    r0 = 0
-    while r0 < n_rows:  # while, not range: the interpreter cannot take a runtime bound in a range
-        rows = tl.cast(first + r0 + tl.arange(0, BK), tl.int64)
-        live = r0 + tl.arange(0, BK) < n_rows
-        x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
-        y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
-        acc = mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
-        r0 += BK
+    start = tl.cast(first, tl.int64)
+    if CAST_F32:
+        r0 = 0
+        while r0 < n_rows:
+            acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)
+            r0 += BK
+    elif TMA:
+        proxy_fence()
+        rows = tl.maximum(n_rows, 1)  # an expert without rows runs no chunk; a descriptor needs one
+        a_desc = tl.make_tensor_descriptor(a + start * a_cols, shape=[rows, a_cols], strides=[a_cols, 1],
+                                           block_shape=[BK, BM])  # fmt: skip
+        b_desc = tl.make_tensor_descriptor(b + start * b_cols, shape=[rows, b_cols], strides=[b_cols, 1],
+                                           block_shape=[BK, BN])  # fmt: skip
+        for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
+            acc = mma(tl.trans(a_desc.load([r0, col_a])), b_desc.load([r0, col_b]), acc, CAST_F32, PRECISION)
+    else:
+        for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
+            acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)
     return acc
+
+
+@triton.jit
+def rows_tn_chunk(
+    a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK: tl.constexpr, CAST_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``gemm_rows_tn``'s chunk of rows r0 .. r0 + BK through masked pointer loads: acc + its
+    Aᵀ·B (rows past n_rows and columns past the matrices read as zero)."""
+    rows = start + r0 + tl.arange(0, BK)
+    live = r0 + tl.arange(0, BK) < n_rows
+    x = tl.load(a + rows[:, None] * a_cols + ca[None, :], mask=live[:, None] & (ca < a_cols)[None, :], other=0.0)
+    y = tl.load(b + rows[:, None] * b_cols + cb[None, :], mask=live[:, None] & (cb < b_cols)[None, :], other=0.0)
+    return mma(tl.trans(x), y, acc, CAST_F32, PRECISION)
 
 
 @triton.jit
@@ -1212,7 +1248,6 @@ def gemm1(
     weight_of,
     hbuf,
     hbuf_rid,
-    stats,
     saved_x,
     saved_pre,
     q,
@@ -1285,7 +1320,6 @@ def gemm1(
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
-            tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_MTILES, 1)  # the padding-free counter
 
 
 @triton.jit
@@ -1453,6 +1487,7 @@ def wgrad(
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
     """Backward, owner q, work item ``item``: one tile of a local expert's weight gradients,
@@ -1478,8 +1513,9 @@ def wgrad(
         xs = saved_x + base * H
         ds = dh + base * (UP_COLS * F)
         d_up = gemm_rows_tn(
-            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, CAST_F32, PRECISION
-        )
+            xs, H, i, ds, UP_COLS * F, c, first, n, BLOCK_H, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
+            PRECISION,
+        )  # fmt: skip
         h = i + tl.arange(0, BLOCK_H)
         up = narrow(d_up, DTYPE, CAST_F32)
         store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
@@ -1488,7 +1524,9 @@ def wgrad(
         k = (t - per) % h_blocks * BLOCK_H
         a_rows = act_rows + base * F
         o_rows = do_rows + base * H
-        d_down = gemm_rows_tn(a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, CAST_F32, PRECISION)
+        d_down = gemm_rows_tn(
+            a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION
+        )
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
 
@@ -1504,7 +1542,7 @@ def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
 
 @triton.jit
 def expert_item(
-    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x, saved_pre,
+    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
@@ -1522,7 +1560,7 @@ def expert_item(
             )  # fmt: skip
         else:
             gemm1(
-                heap, w_up, weight_of, hbuf, hbuf_rid, stats, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                heap, w_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
                 BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
@@ -1541,7 +1579,7 @@ def expert_item(
         if BACKWARD:  # the backward's table only
             wgrad(
                 saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
-                CAST_F32,
+                STAGES, CAST_F32,
             )  # fmt: skip
 
 
@@ -1961,7 +1999,7 @@ def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop,
 @triton.jit
 def owner_buffers(
     me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-    tile_table, stats,
+    tile_table,
 ):  # fmt: skip
     """The owner-side private buffers moved back by ``me`` (rank0) ranks' rows: a process
     that runs one rank holds only that rank's rows, so indexing them by the global rank
@@ -1980,10 +2018,9 @@ def owner_buffers(
     staging_rid -= me * (B * S)
     tile_done -= me * (SEGMENTS * TILE_SLOTS)
     tile_table -= me * (SEGMENTS * TILE_SLOTS * 4)
-    stats -= me * ST_COLS
     return (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     )  # fmt: skip
 
 
@@ -2039,11 +2076,12 @@ def rdep_layer(
         saved_out -= me * n_tokens * K * H
     (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     ) = owner_buffers(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
-        tile_done, tile_table, stats,
+        tile_done, tile_table,
     )  # fmt: skip
+    stats -= me * ST_COLS
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
     route_scratch -= me * (2 * E_PAD + 2)
@@ -2137,7 +2175,7 @@ def rdep_layer(
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
-                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats,
+                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid,
                             saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment,
                             item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
                             BACKWARD, SAVE,
@@ -2183,8 +2221,7 @@ def rdep_layer(
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
 def rdep_gemm(
     heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue,
-    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, stats, ctl,
-    profile,
+    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, ctl, profile,
     n_programs, rank0, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, PROFILE: tl.constexpr,
     GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
@@ -2209,10 +2246,10 @@ def rdep_gemm(
     me = tl.cast(rank0, tl.int64)
     (
         saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid, tile_done,
-        tile_table, stats,
+        tile_table,
     ) = owner_buffers(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
-        tile_done, tile_table, stats,
+        tile_done, tile_table,
     )  # fmt: skip
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
@@ -2288,7 +2325,7 @@ def rdep_gemm(
                 start = now(ctl, GLOBALTIMER)
             if hi > lo:
                 expert_item(
-                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, stats, saved_x,
+                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x,
                     saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment, i, local, row0, lo,
                     hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
                 )  # fmt: skip
