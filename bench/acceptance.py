@@ -199,9 +199,11 @@ def environment(device: str) -> dict:
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    # a wheel on the GPU machine has no .git: RDEPC_COMMIT, set by whoever packed it, names the tree
-    commit = git("rev-parse", "HEAD")
-    env["commit"] = commit or os.environ.get("RDEPC_COMMIT") or "unknown"
+    # RDEPC_COMMIT, set by whoever packed the wheel, names the tree: a copy on the GPU machine
+    # may carry a .git of another commit than the wheel's, or none
+    packed = os.environ.get("RDEPC_COMMIT")
+    commit = "" if packed else git("rev-parse", "HEAD")
+    env["commit"] = packed or commit or "unknown"
     env["tree_changed"] = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
     return env
 
