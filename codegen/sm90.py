@@ -59,11 +59,13 @@ from rdepc.ir.contract import (
 from rdepc.toolchain import package_home
 
 # The native builds of one generated file, each (function, constexprs): split mode's
-# transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE) and
-# backward, then the unified kernel's forward and backward.
+# transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE; the GEMM
+# kernel also as a call without autograd launches it) and backward, then the unified
+# kernel's forward and backward.
 KERNELS = {
     "rdep_transport": ("rdep_layer", {"GEMMS": False, "BACKWARD": False, "SAVE": True}),
     "rdep_gemm": ("rdep_gemm", {"BACKWARD": False, "SAVE": True}),
+    "rdep_gemm.forward": ("rdep_gemm", {"BACKWARD": False, "SAVE": False}),  # a call that keeps nothing
     "rdep_transport.backward": ("rdep_layer", {"GEMMS": False, "BACKWARD": True, "SAVE": False}),
     "rdep_gemm.backward": ("rdep_gemm", {"BACKWARD": True, "SAVE": False}),
     "rdep_layer": ("rdep_layer", {"GEMMS": True, "BACKWARD": False, "SAVE": True}),

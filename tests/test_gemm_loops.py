@@ -1,0 +1,90 @@
+"""The GEMM kernel's main loops as compiled for sm_90 (no GPU): moonlight's and qwen3's
+``rdep_gemm`` builds against the lean grouped GEMM of ``bench/lean_gemm.py`` at the same
+tiles — figures read from the SASS (``rdepc.codegen.sass``), held here so that a change
+that costs the loops shows in CI. ``bench/gemm_loops.py`` writes the whole table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from rdepc.codegen import write_module
+from rdepc.codegen.sm90 import compile_cubins
+
+import rdepc
+from rdepc.driver import generate_spec
+
+BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward"]
+_YARDSTICK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from bench.lean_gemm import compile_sass
+print(json.dumps([compile_sass(2048, 2816, BN=256), compile_sass(1408, 2048, BN=128)]))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gemm_loops")
+    jobs = []
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for name in ("moonlight", "qwen3_30b_a3b"):
+            out = tmp / name
+            out.mkdir()
+            write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec), out)
+            jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+    finally:
+        os.chdir(cwd)
+    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=BUILDS)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _YARDSTICK, str(ROOT)], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    yard = {r["loops"][0]["shapes"][0]: r["loops"][0]["instructions"] for r in json.loads(done.stdout)}
+    return results, yard
+
+
+def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
+    """Forward builds (keeping what a backward walks, and not): every GEMM loop within 10 %
+    of the yardstick's instructions per iteration at its shape, its shared-memory addresses
+    in uniform registers (no R2UR), no spill inside, one MMA group in flight while the next
+    chunk loads; the kernel without stack."""
+    results, yard = compiled
+    assert set(yard) == {"64x256x16", "64x128x16"}
+    forward = [r for r in results if not r["kernel"].endswith("backward")]
+    assert len(forward) == 4
+    for r in forward:
+        assert r["stack"] == 0 and r["local_bytes"] == 0, (r["layer"], r["kernel"], r["stack"])
+        assert r["ctas_per_sm"] == 1 and r["shared"] <= 227 * 1024
+        shapes = sorted(loop["shapes"][0] for loop in r["loops"])
+        assert shapes == ["64x128x16", "64x256x16"], (r["kernel"], shapes)  # GEMM2's loop, GEMM1's
+        for loop in r["loops"]:
+            where = (r["layer"], r["kernel"], loop["shapes"], loop["instructions"])
+            assert loop["instructions"] <= 1.10 * yard[loop["shapes"][0]], where
+            assert loop["r2ur"] == 0 and loop["spill_loads"] == loop["spill_stores"] == 0, where
+            assert loop["wait_depth"] >= 1 and loop["tma_loads"] == 2 and loop["hgmma"] == 4, where
+
+
+def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
+    """The backward's GEMM kernel: four loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two
+    weight gradients — each on TMA, pipelined (wait depth 1) and without a spill inside.
+    What it does not meet yet is recorded here as it is: its loops take 1.25-1.4× the
+    yardstick's instructions (per-thread shared-memory addresses, R2UR) and ~940 bytes of
+    stack per thread, which the weight-gradient tiles' descriptors and the activation's
+    backward leave it (bench/results/gemm-loops-sm90.md)."""
+    results, yard = compiled
+    backward = [r for r in results if r["kernel"].endswith("backward")]
+    assert len(backward) == 2
+    for r in backward:
+        assert len(r["loops"]) == 4, r["loops"]
+        for loop in r["loops"]:
+            where = (r["layer"], loop["shapes"], loop["instructions"])
+            assert loop["spill_loads"] == loop["spill_stores"] == 0 and loop["wait_depth"] >= 1, where
+            assert loop["tma_loads"] == 2 and loop["instructions"] <= 1.5 * yard[loop["shapes"][0]], where
+        assert r["stack"] <= 1024, r["stack"]
