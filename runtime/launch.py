@@ -190,7 +190,10 @@ class ConcurrentInterpreter(Launcher):
                     numbered = "program_base" in given
                     for i in range(grid[0]):
                         mine = given | {"program_base": _implicit_cvt(i)} if numbered else given
-                        threads.append(threading.Thread(target=_program, args=(fn, mine, errors), daemon=True))
+                        name = f"{kernel.fn.__name__} program {i}"
+                        threads.append(
+                            threading.Thread(target=_program, args=(fn, mine, errors), name=name, daemon=True)
+                        )
                 interpreter_builder.set_grid_dim(1, 1, 1)
                 interpreter_builder.set_grid_idx(0, 0, 0)
                 for t in threads:
