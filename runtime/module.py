@@ -482,7 +482,7 @@ class RDEPModule:
 
     def _raise_from(self, words: list[int], ids, gates, backward: bool = False) -> None:
         p = self.contract
-        err = kernel_error(p, words, self.mode, self.spin_bound, backward)
+        err = kernel_error(p, words, self.mode, self.spin_bound, backward, self.per_queue[-1])
         if err is not None:
             self._readback.clear()
             if self.per_rank:

@@ -37,10 +37,17 @@ class KernelError(RuntimeError):
 
 
 def kernel_error(
-    contract: KernelContract, words: list[int], mode: str, spin_bound: int, backward: bool = False
+    contract: KernelContract,
+    words: list[int],
+    mode: str,
+    spin_bound: int,
+    backward: bool = False,
+    gemm_programs: int = 0,
 ) -> KernelError | None:
     """The call's fatal error, or None (``backward``: of a backward call, whose entries are
-    the backward's table)."""
+    the backward's table). ``gemm_programs``: split mode's GEMM kernel programs per call,
+    which its ``gemm_programs`` word counts as they start: an expired wait whose call
+    started fewer says the two kernels did not run at once."""
     names = ("err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
     code, entry, dep, rank, epoch, queue, segment = (words[AT[n]] for n in names)
     seen, expected = words[AT["err_seen"]], words[AT["err_expected"]]
@@ -84,6 +91,14 @@ def kernel_error(
         "seen": seen,
         "expected": expected,
     }
+    if mode == "split" and code == 1 and gemm_programs:
+        started = words[AT["gemm_programs"]] - (epoch - 1) * gemm_programs
+        record["gemm_programs_started"] = started
+        if started < gemm_programs:
+            what += (
+                f"; {started} of the GEMM kernel's {gemm_programs} programs had started: split mode's two kernels "
+                "did not run at once (another kernel held the GPU's SMs, or the GEMM kernel was held back)"
+            )
     kernel = "backward" if backward else "forward"
     return KernelError(f"rdepc layer {p.layer}: the {kernel} kernel stopped in call {epoch}: {what}", record)
 

@@ -335,3 +335,27 @@ def test_cli_runs_split(monkeypatch, capsys):
     assert cli.main(["run", str(tiny_segmented(SPECS)), "--mode", "split", "--comm-programs", "2", "--check"]) == 0
     out = capsys.readouterr().out
     assert "2 launches, split mode: transport kernel 2 programs, GEMM kernel 1" in out and "check passed" in out
+
+
+def test_a_gemm_kernel_that_never_started_is_named_in_the_error():
+    """Split mode needs both kernels running at once. A GEMM kernel held back (here: its
+    launch dropped) leaves the transport kernel's returns waiting; the error says how many
+    of the GEMM kernel's programs had started, and the next call recovers."""
+    case = small(2)
+    m = case.layer().module(schedule="pipelined", mode="split")
+    inputs = case.inputs()
+    good = m(*inputs)
+    launch, bound = m.launcher, m.spin_bound
+    m.spin_bound = 200  # the returns' waits give up soon
+
+    def transport_only(launches):
+        launch(launches[:1])
+
+    m.launcher = transport_only
+    m.launcher.launches = 0
+    with pytest.raises(KernelError) as e:
+        m(*inputs)
+    assert "0 of the GEMM kernel's 2 programs had started" in str(e.value)
+    assert e.value.record["gemm_programs_started"] == 0
+    m.launcher, m.spin_bound = launch, bound
+    assert torch.equal(m(*inputs), good)

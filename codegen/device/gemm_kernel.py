@@ -17,6 +17,7 @@ from rdepc.codegen.device.layout import (
     CTL_CALLS,
     CTL_ERR_CODE,
     CTL_EXITS,
+    CTL_GEMM_PROGRAMS,
     ERR_WAIT,
     KIND_GEMM1,
     KIND_GEMM2,
@@ -63,6 +64,7 @@ def rdep_gemm(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
         tile_done, tile_table,
     )  # fmt: skip
+    tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F

@@ -56,6 +56,9 @@ CONTROL += ("bad_ids", "bad_ids_at", "bad_gates", "bad_gates_at", "dup_tokens", 
 # (``exits``) closes the call, so that a launch carries no per-call argument and a captured
 # CUDA graph replays correctly.
 CONTROL += ("calls", "exits")
+# Split mode: the GEMM kernel's programs that have started, over calls (a wait that expires
+# says whether the two kernels ran at once).
+CONTROL += ("gemm_programs",)
 CTL_TICKETS = 20
 assert len(CONTROL) <= CTL_TICKETS
 INT32_MAX = 2**31 - 1

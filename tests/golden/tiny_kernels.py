@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 4078bbb3f23a6c84b8a1c6f0f08f4b3a9fc55fbf25280a940cc2e2b399be7ec1
+# content-sha256: 35a69210641ef65b03d416093dab3bb50f415735eb43bce8b00b6aa73c6520fb
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -167,6 +167,7 @@ CTL_DUP_TOKENS = tl.constexpr(14)
 CTL_DUP_TOKENS_AT = tl.constexpr(15)
 CTL_CALLS = tl.constexpr(16)
 CTL_EXITS = tl.constexpr(17)
+CTL_GEMM_PROGRAMS = tl.constexpr(18)
 CTL_TICKETS = tl.constexpr(20)  # the ticket counter, cumulative over calls
 ERR_WAIT = tl.constexpr(1)  # wait expired
 ERR_OVERFLOW = tl.constexpr(2)  # owner overflow
@@ -2251,6 +2252,7 @@ def rdep_gemm(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
         tile_done, tile_table,
     )  # fmt: skip
+    tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
