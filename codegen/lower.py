@@ -38,9 +38,10 @@ by item index — still topological, which is what makes the persistent kernel
 deadlock-free even when its programs run one at a time as in the interpreter.
 
 Two kernel modes take the same table. **Unified**: one ticket counter, every program runs
-any task. **Role-split**: one queue per (rank, role) as the scheduler assigned the tasks
-(communication: scan, dispatch, return, unpack; compute: route, compute, combine), each
-with its own ticket counter and programs; it needs every queue to have a running program.
+any task. **Split**: the transport kernel's queue (route, scan, dispatch, return, unpack,
+combine: the communication role's tasks) with its ticket counter, and the GEMM kernel's
+(gemm1, gemm2, wgrad: the compute role's), whose programs stride over its items; both need
+programs running at once (``KernelContract.work``, ``launch_grid``).
 
 Two dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
 ``(epoch − 1) × items``), so that under a transport with one process per rank a fast

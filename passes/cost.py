@@ -5,10 +5,11 @@ program split needs, each cited below: how many programs a GPU keeps resident (o
 and how many bytes per second one communication program moves over NVLink.
 
 In an overlapped (segmented) schedule a rank's programs are split into two roles
-(docs/ARCHITECTURE.md, decision 2): ``p`` communication programs (scan, dispatch, return,
-unpack) and ``N − p`` compute programs (route, expert GEMMs, combine tiles). Bulk has
-nothing to overlap, so all ``N`` programs take every task in turn (the unified mode). With
-a split
+(docs/ARCHITECTURE.md, decision 2): ``p`` communication programs (route, scan, dispatch,
+return, unpack, combine: split mode's transport kernel) and ``N − p`` compute programs (the
+expert GEMMs: its GEMM kernel). Bulk has nothing to overlap, so all ``N`` programs take
+every task in turn (the unified mode); split mode gives it the split that minimises its
+stages' sum (``best_split`` with ``overlapped`` false). With a split
 
 * NVLink bytes move at ``min(link, p · link_per_sm)`` — injection saturates with a few
   dozen programs, which is why overlap pays: the programs bulk leaves idle during its

@@ -1,7 +1,8 @@
 """The scheduler: resources, program split, a global topological order, and its timeline.
 
 Every task goes to one resource of the rank that runs it: its communication programs
-(scan, dispatch, return, unpack) or its compute programs (route, expert GEMMs, combine).
+(route, scan, dispatch, return, unpack, combine: split mode's transport kernel) or its
+compute programs (the expert GEMMs: split mode's GEMM kernel).
 How many programs communication gets is decided here, from the cost model
 (:func:`rdepc.passes.cost.best_split`, refined on the predicted timeline).
 

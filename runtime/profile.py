@@ -86,7 +86,7 @@ def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[i
         ]
     if contract.unified:
         return [(0, "all programs" + (f" ({programs})" if programs else ""))]
-    # A role-split schedule run by the unified kernel: every program takes tasks of both roles.
+    # An overlapped schedule run by the unified kernel: every program takes tasks of both roles.
     shared = f" (unified kernel: any of {programs} programs)" if programs else " (unified kernel)"
     return [(0, f"communication{shared}"), (1, f"compute{shared}")]
 
