@@ -17,7 +17,8 @@ at the construct (``UNSUPPORTED``). The kernels are generated for the backend as
 whatever the spec's ``transport`` statement names.
 One generated file serves both kernel modes (unified: ``rdep_layer``; split: ``rdep_layer``
 without its GEMM tasks, a constexpr, beside ``rdep_gemm``). Shared experts are computed
-densely on the front-end by ``rdepc.RDEPMoE``, outside the routed kernels; symbolic tokens (``param T <= N``) run with the call's T'.
+densely on the front-end by ``rdepc.RDEPMoE``, outside the routed kernels; symbolic tokens
+(``param T <= N``) run with the call's T'.
 
 Generating source needs neither torch nor triton.
 """
