@@ -9,7 +9,6 @@ from rdepc.codegen.device.kernel import owner_buffers
 from rdepc.codegen.device.layout import (
     C_DEP_START,
     C_GUARD,
-    C_ITEMS,
     C_KIND,
     C_OWNER,
     C_RANK,
@@ -28,7 +27,7 @@ from rdepc.codegen.device.layout import (
 )
 from rdepc.codegen.device.rows import bound_m_tile
 from rdepc.codegen.device.signals import signal, wait
-from rdepc.codegen.device.waits import wait_deps
+from rdepc.codegen.device.waits import wait_deps, wait_done
 
 
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
@@ -103,8 +102,7 @@ def rdep_gemm(
         seen = target * 0
         expected = target * 0
         if (guard >= 0) & (guard != guarded):  # gemm1, gemm2: their owner's scan first
-            want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            got, want = wait_done(heap, table, guard, target, bound, ctl + CTL_ERR_CODE, BACKWARD)
             if got < want:
                 blocked = guard
                 seen = got

@@ -53,8 +53,8 @@ from rdepc.codegen.device.layout import (
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
 from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
-from rdepc.codegen.device.signals import signal, wait
-from rdepc.codegen.device.waits import wait_deps
+from rdepc.codegen.device.signals import signal
+from rdepc.codegen.device.waits import wait_deps, wait_done
 
 
 @triton.jit
@@ -185,8 +185,7 @@ def rdep_layer(
         expected = target * 0
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
-            want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            got, want = wait_done(heap, table, guard, target, bound, ctl + CTL_ERR_CODE, BACKWARD)
             if got < want:
                 blocked = guard
                 seen = got

@@ -1,11 +1,20 @@
-"""What a work item waits for before it runs: its entry's dependencies' done flags, each
-bounded (``signals.wait``); shared by the kernels that take work items."""
+"""What a work item waits for before it runs: an entry's done flag (a GEMM item's guard, its
+owner's scan) and its entry's dependencies' done flags, each bounded (``signals.wait``);
+shared by the kernels that take work items."""
 
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import done_flag
 from rdepc.codegen.device.layout import C_DEP_COUNT, C_DEP_START, C_ITEMS, C_KIND, KIND_GEMM1, KIND_GEMM2, NCOL
 from rdepc.codegen.device.signals import wait
+
+
+@triton.jit
+def wait_done(heap, table, entry, target, bound, stop, BACKWARD: tl.constexpr):
+    """Wait until task-table entry ``entry`` has finished its items in call ``target``: (the
+    value its done flag showed, the value waited for)."""
+    want = target * tl.load(table + entry * NCOL + C_ITEMS)
+    return wait(done_flag(heap, table, entry, BACKWARD), want, bound, stop), want
 
 
 @triton.jit

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 35a69210641ef65b03d416093dab3bb50f415735eb43bce8b00b6aa73c6520fb
+# content-sha256: f342725cc605c69c423017385b59ce2ffe2b79c722b4486d50a4af6af3be81ae
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1968,6 +1968,14 @@ def combine_grad(
 
 
 @triton.jit
+def wait_done(heap, table, entry, target, bound, stop, BACKWARD: tl.constexpr):
+    """Wait until task-table entry ``entry`` has finished its items in call ``target``: (the
+    value its done flag showed, the value waited for)."""
+    want = target * tl.load(table + entry * NCOL + C_ITEMS)
+    return wait(done_flag(heap, table, entry, BACKWARD), want, bound, stop), want
+
+
+@triton.jit
 def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop, BACKWARD: tl.constexpr):
     """Wait for every dependency of the task-table entry at ``row`` in call ``target``:
     (the entry that did not finish or -1, the value its flag showed, the value expected).
@@ -2125,8 +2133,7 @@ def rdep_layer(
         expected = target * 0
         guard = tl.load(row + C_GUARD)
         if guard >= 0:  # GEMM items: their owner's scan first
-            want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            got, want = wait_done(heap, table, guard, target, bound, ctl + CTL_ERR_CODE, BACKWARD)
             if got < want:
                 blocked = guard
                 seen = got
@@ -2291,8 +2298,7 @@ def rdep_gemm(
         seen = target * 0
         expected = target * 0
         if (guard >= 0) & (guard != guarded):  # gemm1, gemm2: their owner's scan first
-            want = target * tl.load(table + guard * NCOL + C_ITEMS)
-            got = wait(done_flag(heap, table, guard, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            got, want = wait_done(heap, table, guard, target, bound, ctl + CTL_ERR_CODE, BACKWARD)
             if got < want:
                 blocked = guard
                 seen = got
