@@ -95,7 +95,7 @@ def settle_cache_keys(module) -> None:
     from triton.runtime.jit import JITFunction
 
     fns = {n: f for n, f in vars(module).items() if isinstance(f, JITFunction)}
-    calls = {n: {m for m in fns if m != n and re.search(rf"\b{m}\s*\(", f.src)} for n, f in fns.items()}
+    calls = {n: {m for m in fns if m != n and re.search(rf"\b{m}\s*\(", getattr(f, "src", ""))} for n, f in fns.items()}
     done: list[str] = []
 
     def visit(n: str, path: tuple[str, ...]) -> None:

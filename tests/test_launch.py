@@ -66,7 +66,7 @@ def test_device_functions_are_rewritten_before_programs_start(kernels, monkeypat
 
     monkeypatch.setattr(FunctionRewriter, "rewrite_ast", spy)
     flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    ConcurrentInterpreter(True)(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})
+    ConcurrentInterpreter(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
     assert out.tolist() == [0, 1, 1, 1]
     assert len(threads) >= 2 and set(threads) == {threading.main_thread().name}
 
@@ -76,6 +76,8 @@ def test_a_failing_program_stops_its_waiting_peers(kernels):
     start = time.monotonic()
     with pytest.raises(Exception, match="program 0 fails"):
         # Without the stop, three programs would spin 2^30 times for a flag nobody bumps.
-        ConcurrentInterpreter(True)(kernels.handshake, (4,), (flag, out, 1 << 30), {"fail": True, "program_base": 0})
+        ConcurrentInterpreter(True)(
+            [(kernels.handshake, (4,), (flag, out, 1 << 30), {"fail": True, "program_base": 0})]
+        )
     assert time.monotonic() - start < 30
-    assert not [t for t in threading.enumerate() if t.daemon and t.is_alive() and t.name.startswith("Thread-")]
+    assert not [t for t in threading.enumerate() if t.daemon and t.is_alive() and " program " in t.name]

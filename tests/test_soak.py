@@ -70,8 +70,9 @@ def test_soak_slice(tmp_path):
     assert c["hangs"] == 0 and c["leaked processes"] == 0 and c["leaked shm segments"] == 0
     assert c["other errors"] == 0 and c["checks failed"] == 0 and c["KernelErrors unexpected (no fault)"] == 0
     assert c["KernelErrors"] == c["KernelErrors naming rank and task"] > 0
-    # every rank of every case without a fault: 4 cases of W = 2, 3 of W = 3 before the lost rank's
-    assert c["calls"] >= 22 and c["checks passed"] == 4 * 2 + 3 * 3
+    # every rank of every case without a fault: 4 cases of W = 2, 3 of W = 3 before the lost rank's;
+    # the lost rank's case may finish a rank's check before the kill lands 0.6 s into it, or not
+    assert c["calls"] >= 22 and 4 * 2 + 3 * 3 <= c["checks passed"] <= 4 * 2 + 3 * 3 + 3
     for kind in ("stall", "withhold"):  # deterministic: the peers' waits must expire
         assert c[f"faults {kind} tripped"] == c[f"faults {kind}"] == 2
     assert c["faults kill"] == 1 and c["faults lost"] == 1 and c["ranks killed"] >= 1
