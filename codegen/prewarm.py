@@ -25,9 +25,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rdepc.codegen.sm90 import launch_options, native_launch, own_constexprs, specialize, variant_meta
+from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
 
-from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, KernelContract, Tiles, mode_kernels
+from rdepc.ir.contract import (
+    DEFAULT_MODE,
+    H100_SMS,
+    NATIVE_SPIN_BOUND,
+    KernelContract,
+    Tiles,
+    mode_kernels,
+    own_constexprs,
+)
 from rdepc.toolchain import package_home
 
 # What each pass of a launch compiles: (backward, save, profile) per launch, in launch order.
@@ -44,7 +52,7 @@ def launch_requests(
     kernels_path: str | Path,
     plan_path: str | Path,
     *,
-    mode: str = "split",
+    mode: str = DEFAULT_MODE,
     pass_: str = "forward",
     tiles: Tiles | None = None,
     sms: int = H100_SMS,

@@ -31,6 +31,10 @@ _DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+|\d+)")
 _HGMMA = re.compile(r"HGMMA\.(\d+x\d+x\d+)")
 
 
+# An H100 SM (CUDA occupancy limits for compute capability 9.0).
+H100_SM = {"registers": 65536, "shared": 228 * 1024, "threads": 2048, "blocks": 32}
+
+
 @dataclass(frozen=True)
 class Loop:
     """One GEMM main loop: its address range and per-iteration figures (module docstring)."""
@@ -124,8 +128,5 @@ def ctas_per_sm(registers: int, shared: int, threads: int, sm: dict | None = Non
     by_threads = sm["threads"] // threads
     return max(0, min(by_regs, by_shared, by_threads, sm["blocks"]))
 
-
-# An H100 SM (CUDA occupancy limits for compute capability 9.0).
-H100_SM = {"registers": 65536, "shared": 228 * 1024, "threads": 2048, "blocks": 32}
 
 __all__ = ["H100_SM", "Loop", "ctas_per_sm", "disassemble", "gemm_loops"]

@@ -48,6 +48,7 @@ from pathlib import Path
 from rdepc.codegen import sass
 
 from rdepc.ir.contract import (
+    DEFAULT_MODE,
     H100_SMS,
     NATIVE_SPIN_BOUND,
     POINTEE,
@@ -55,6 +56,7 @@ from rdepc.ir.contract import (
     Tiles,
     kernel_args,
     mode_kernels,
+    own_constexprs,
 )
 from rdepc.toolchain import package_home
 
@@ -164,7 +166,7 @@ class Specialized:
 def native_launch(
     contract: KernelContract,
     tiles: Tiles,
-    mode: str = "split",
+    mode: str = DEFAULT_MODE,
     sms: int = H100_SMS,
     tokens: int | None = None,
     rank: int | None = None,
@@ -196,12 +198,6 @@ def kernel_meta(contract: KernelContract, tiles: Tiles, kernel: str, profile: bo
     fn, variant = KERNELS[kernel]
     meta = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | variant
     return own_constexprs(contract, fn, meta)
-
-
-def own_constexprs(contract: KernelContract, fn: str, meta: dict) -> dict:
-    """``meta`` without the constexprs the generated kernel ``fn`` does not take."""
-    names = {n for n, kind in kernel_args(contract, fn) if kind == "constexpr"}
-    return {k: v for k, v in meta.items() if k in names}
 
 
 def variant_meta(
@@ -430,7 +426,6 @@ __all__ = [
     "launch_specialization",
     "launch_values",
     "native_launch",
-    "own_constexprs",
     "specialize",
     "variant_meta",
 ]

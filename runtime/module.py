@@ -113,6 +113,7 @@ from rdepc.ir.contract import (
     Tiles,
     kernel_args,
     mode_kernels,
+    own_constexprs,
 )
 from rdepc.toolchain import import_kernels
 
@@ -217,15 +218,16 @@ class RDEPModule:
         """The programs of a call and of each kernel (``KernelContract.launch_grid``) within a
         budget of ``programs`` that run at once: by default, under the interpreter, two
         (unified) or three (split: one transport program, two GEMM programs, each a thread);
-        on a GPU one per SM of this process's share of it (per-rank processes on one GPU
-        share it). ``comm``: split mode's transport programs (default: the schedule's)."""
+        on a GPU one per SM (split mode: of this process's share of the GPU, per-rank
+        processes on one GPU sharing it). ``comm``: split mode's transport programs (default: the schedule's)."""
         if programs is None:
             if self.interpret:
                 programs = 2 if self.mode == "unified" else 3
                 comm = 1 if comm is None and self.mode == "split" else comm
-            else:
-                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-                programs = max(2, sms // ranks.sharing_device(self.per_rank))
+            else:  # split: the rank processes sharing this GPU each run both kernels at once, on their share
+                programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.mode == "split":
+                    programs = max(2, programs // ranks.sharing_device(self.per_rank))
         return self.contract.launch_grid(self.work, programs, comm)
 
     def _spin_bound(self, spin_bound: int | None) -> int:
@@ -426,14 +428,11 @@ class RDEPModule:
                 return a.new_zeros(1)
             return a
 
-        if not self.interpret:
-            meta["num_warps"] = tl.num_warps
+        options = {"num_warps": tl.num_warps} if not self.interpret else {}
         launches = []
         for kernel, extra in mode_kernels(self.mode):
-            wanted = kernel_args(p, kernel)
-            args = tuple(arg(name, kind) for name, kind in wanted if kind != "constexpr")
-            names = {name for name, kind in wanted if kind == "constexpr"} | {"num_warps"}
-            kernel_meta = {k: v for k, v in (meta | extra).items() if k in names}
+            args = tuple(arg(name, kind) for name, kind in kernel_args(p, kernel) if kind != "constexpr")
+            kernel_meta = own_constexprs(p, kernel, meta | extra) | options
             launches.append((getattr(self.kernels, kernel), (self.per_queue[len(launches)],), args, kernel_meta))
         self.launcher(launches)
 

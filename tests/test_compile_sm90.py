@@ -318,9 +318,9 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     (NVSHMEM's bitcode as ``extern_libs``) gives the key prewarm computes for the nvshmem
     transport's file too (its arguments: aligned stand-ins with the rank's launch values)."""
     from rdepc.codegen.prewarm import PASSES, launch_requests
-    from rdepc.codegen.sm90 import native_launch, own_constexprs, variant_meta
+    from rdepc.codegen.sm90 import native_launch, variant_meta
 
-    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, Tiles, kernel_args
+    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, Tiles, kernel_args, own_constexprs
 
     monkeypatch.chdir(ROOT)
     layer = rdepc.load("examples/tiny.rdep")
@@ -372,7 +372,8 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
             meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("split", kernel)
             meta = own_constexprs(plan, kernel, meta) | {"num_warps": tiles.num_warps}
             launches.append(_described(shmem.kernels_path, kernel, (scalars["n_programs"],), args, meta, "nvshmem"))
-        requests += launch_requests(shmem.kernels_path, shmem.directory / "plan.json", tiles=tiles, ranks=[1])
+        requests += launch_requests(shmem.kernels_path, shmem.directory / "plan.json", mode="split", tiles=tiles,
+                                    ranks=[1])  # fmt: skip
     job = tmp_path / "launches.json"
     job.write_text(json.dumps({"launches": launches, "requests": requests}))
     env = dict(os.environ, TRITON_INTERPRET="0")

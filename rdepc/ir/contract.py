@@ -483,9 +483,16 @@ def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tu
         raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
     names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
     names += ("dw_down", "table", "deps", "queue", "first_item", "queues", "weight_of", "group", "tile_table", "hbuf")
-    names += ("hbuf_rid",)
-    names += ("staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
-    return [(n, every.get(n, "i32")) for n in (*names, "program_base")] + [(c, "constexpr") for c in GEMM_CONSTEXPRS]
+    names += ("hbuf_rid", "staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
+    args = [(n, every[n]) for n in names] + [("program_base", "i32")]  # its programs' first number: its own
+    return args + [(c, "constexpr") for c in GEMM_CONSTEXPRS]
+
+
+def own_constexprs(contract: KernelContract, kernel: str, meta: dict) -> dict:
+    """``meta`` without the constexprs the generated ``kernel`` does not take (a launch passes
+    each kernel of its mode only its own)."""
+    names = {n for n, kind in kernel_args(contract, kernel) if kind == "constexpr"}
+    return {k: v for k, v in meta.items() if k in names}
 
 
 def _layer_args(dt: str) -> list[tuple[str, str]]:
