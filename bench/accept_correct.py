@@ -83,7 +83,7 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
 def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None):
     """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
-    ``mode`` None: the device's default kernel mode (a dry run's: the interpreter's)."""
+    ``mode`` None: the default kernel mode (``DEFAULT_MODE``)."""
     from bench.acceptance import Variant
     from rdepc.ir.contract import DEFAULT_MODE
 

@@ -65,7 +65,7 @@ def plan(dry: bool) -> list:
 
 def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=None, pass_="forward", overrides=None):
     """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``);
-    ``mode`` None: the device's default kernel mode (emulated-mp's: the interpreter's)."""
+    ``mode`` None: the default kernel mode (``DEFAULT_MODE``)."""
     from bench.acceptance import Variant
     from rdepc.ir.contract import DEFAULT_MODE
 

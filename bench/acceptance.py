@@ -221,7 +221,7 @@ class Variant:
     file: str
     overrides: tuple[tuple[str, int], ...]
     schedule: str | None = None
-    mode: str | None = None  # None: the module's default (split on a GPU, unified in a dry run)
+    mode: str = "unified"  # the stages' variant() helpers give rdepc.ir.contract.DEFAULT_MODE where none is asked
     pass_: str = "forward"
     backend: str = "emulated"
     edit: str | None = None
@@ -245,13 +245,10 @@ class Variant:
         from rdepc.codegen.prewarm import launch_requests
         from rdepc.runtime import tune
 
-        from rdepc.ir.contract import DEFAULT_MODE
-
         compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret)
         plan = compiled.kernel
         tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
-        mode = self.mode or DEFAULT_MODE
-        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=mode,
+        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=self.mode,
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
 
 
