@@ -14,14 +14,17 @@ from rdepc.runtime.transport import get
 
 
 def generator_digest() -> str:
-    """SHA-256 of the code generator's own source (codegen/, device code included): a changed
-    generator never reuses kernels it emitted before, even at the same rdepc version."""
-    from rdepc import codegen
+    """SHA-256 of the code generator's own source (codegen/, device code included) and of the
+    IR it writes (rdepc/ir: the kernel contract in plan.json): a changed generator or
+    contract never reuses what was built before, even at the same rdepc version."""
+    from rdepc import codegen, ir
 
     h = hashlib.sha256()
-    for path in sorted(Path(codegen.__file__).parent.rglob("*.py")):
-        h.update(path.relative_to(Path(codegen.__file__).parent).as_posix().encode("utf-8"))
-        h.update(path.read_bytes())
+    for package in (codegen, ir):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}".encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
