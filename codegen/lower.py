@@ -178,6 +178,13 @@ def lower(
             raise AssertionError(f"a rank runs {n_runs} task-table entries, more than its {slots} {name} counters")
     place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(bufs)}
     heap_bytes = mp.regions("forward_backward")["total"] + guard * (len(bufs) + 1)
+    # The forward's regions lead the slice: an inference module allocates that prefix alone,
+    # and every offset its forward reads lies inside it.
+    fwd = mp.regions("forward")
+    n_fwd = sum(b.region in fwd for b in bufs)
+    forward_bytes = fwd["total"] + guard * (n_fwd + 1)
+    if any(b.region in fwd for b in bufs[n_fwd:]) or place[bufs[n_fwd].name] != forward_bytes:
+        raise AssertionError("the forward's heap regions are not a prefix of the slice")
     names_heap = ("tokens", "counts", "offsets", "admitted", "keys", "flags", "payload", "return")
     names_heap += ("bwd_flags", "bwd_payload", "bwd_row_ids", "bwd_return")
     heap = [(name, place[name]) for name in names_heap]
@@ -278,6 +285,7 @@ def lower(
         rows_max=tuple(geo.rows_max),
         from_one=from_one,
         heap_bytes=heap_bytes,
+        forward_bytes=forward_bytes,
         heap=tuple(heap),
         layout=layout,
         private=tuple(private),

@@ -22,11 +22,25 @@ GPU they run natively:
     .venv/bin/python examples/train_moe.py
     .venv/bin/python examples/train_moe.py --steps 8 --layers 1 --json build/train.json
     .venv/bin/python examples/train_moe.py --device cuda --steps 200
+
+With a per-rank backend (``--backend emulated-mp`` on the CPU, ``nvshmem`` on GPUs) each
+of the spec's W ranks is a process, started by torchrun (``-D W=2`` sets the spec's W):
+
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_moe.py --backend emulated-mp -D W=2
+
+Every rank builds the model with the same seed (so the replicated parameters start equal,
+and its experts are its slice of the same layer), draws its own batch [1, T'] (its own
+sequence, seeded by its rank) and trains through ``rdepc.distributed.data_parallel``:
+DistributedDataParallel over the replicated parameters, each rank's experts its own. The
+loss reported is the mean over the ranks. At the end every rank checks that the
+replicated parameters are still identical on every rank and that no two ranks hold the
+same expert weights (digests gathered over torch.distributed); rank 0 prints the summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -34,10 +48,13 @@ import time
 from pathlib import Path
 
 import torch
+from rdepc.runtime.ranks import RanksError
 from torch import nn
 from torch.nn import functional as F
 
 import rdepc
+import rdepc.distributed
+from rdepc.api import parse_override
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 64
@@ -65,21 +82,27 @@ class Block(nn.Module):
         self.mix = CausalConv(moe.H)
         self.moe_norm = nn.RMSNorm(moe.H)
         self.moe = moe
+        self.per_rank = rdepc.distributed.is_per_rank(moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(self.mix_norm(x))
-        return x + self.moe(self.moe_norm(x))
+        h = self.moe_norm(x)
+        if self.per_rank:  # a rank's block takes its own tokens, [T', H]
+            return x + self.moe(h.reshape(-1, h.shape[-1])).view_as(h)
+        return x + self.moe(h)
 
 
 class MoELM(nn.Module):
-    def __init__(self, spec: str, layers: int, device: str, seed: int):
+    def __init__(
+        self, spec: str, layers: int, device: str | None, seed: int, backend: str = "emulated", overrides=None
+    ):
         super().__init__()
-        moes = [
-            rdepc.RDEPMoE(spec, device=device, generator=torch.Generator().manual_seed(seed + i)) for i in range(layers)
-        ]
+        seeds = [torch.Generator().manual_seed(seed + i) for i in range(layers)]
+        moes = [rdepc.RDEPMoE(spec, backend=backend, device=device, generator=g, **(overrides or {})) for g in seeds]
         first = moes[0]
         self.W, self.T, self.H = first.W, first.T, first.H
         dtype = first.w_down.dtype  # the layer's; its router stays fp32
+        device = first.w_down.device  # nvshmem: the GPU this rank runs on
         torch.manual_seed(seed)  # the non-MoE parameters
         self.embed = nn.Embedding(VOCAB, self.H)
         self.blocks = nn.ModuleList(Block(m) for m in moes)
@@ -100,15 +123,16 @@ class MoELM(nn.Module):
 
 class MarkovData:
     """A fixed random first-order Markov chain over VOCAB tokens: each token has 4 likely
-    successors (most of the mass) and a little noise; batches are deterministic in ``seed``."""
+    successors (most of the mass) and a little noise; batches are deterministic in ``seed``
+    and ``rank`` (the chain is the same for every rank, its draws its own)."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, rank: int = 0):
         g = torch.Generator().manual_seed(seed + 1000)
         logits = torch.full((VOCAB, VOCAB), -2.0)
         succ = torch.stack([torch.randperm(VOCAB, generator=g)[:4] for _ in range(VOCAB)])
         logits.scatter_(1, succ, torch.tensor([5.0, 3.0, 2.0, 1.0]).expand(VOCAB, 4))
         self.P = torch.softmax(logits, dim=-1)
-        self.g = torch.Generator().manual_seed(seed + 2000)
+        self.g = torch.Generator().manual_seed(seed + 2000 + 7919 * rank)
 
     def entropy(self) -> float:
         """The chain's mean conditional entropy (nats): the best loss a model can reach."""
@@ -145,10 +169,56 @@ def summarize(stats: dict | None) -> str:
     return f"rows per expert {rows}, dropped rows {stats.get('dropped_rows')}, capacity {cap or 'dropless'}"
 
 
+def digest(params) -> str:
+    """A digest of the parameters' exact bytes."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rank_checks(model: MoELM, world: int) -> list[str]:
+    """What is wrong with the ranks' models after training (nothing: []): the replicated
+    parameters must be identical on every rank, and no two ranks may hold the same expert
+    weights. Collective: every rank gathers every rank's digests and gives the same answer."""
+    import torch.distributed as dist
+
+    mine = {
+        "dense": digest(p for _, p in rdepc.distributed.dense_parameters(model)),
+        "experts": [digest(p for _, p in rdepc.distributed.expert_parameters(b.moe)) for b in model.blocks],
+    }
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    problems = []
+    if len({d["dense"] for d in every}) != 1:
+        problems.append("the replicated (dense) parameters differ across ranks")
+    for j in range(len(model.blocks)):
+        if len({d["experts"][j] for d in every}) != world:
+            problems.append(f"block {j}: two ranks hold the same expert weights")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="examples/tiny.rdep", help="the layer's .rdep file (default: %(default)s)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the Triton interpreter")
+    ap.add_argument(
+        "--backend",
+        choices=("emulated", "emulated-mp", "nvshmem"),
+        default="emulated",
+        help="emulated: every rank in this process; emulated-mp (CPU) and nvshmem (GPUs): one process per rank, "
+        "under torchrun --nproc-per-node W",
+    )
+    ap.add_argument(
+        "-D",
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one of the spec's params (e.g. -D W=2), as rdepc's own -D",
+    )
+    ap.add_argument(
+        "--device", choices=("cpu", "cuda"), help="cpu (the Triton interpreter; the default) or cuda (nvshmem: its GPU)"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=2, help="MoE blocks")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -157,55 +227,102 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.layers < 1:
         ap.error("--steps and --layers must be at least 1")
+    if args.backend == "nvshmem":  # its GPU: the one NVSHMEM picks for the rank
+        if args.device == "cpu":
+            ap.error("--backend nvshmem runs on GPUs: leave out --device cpu")
+        args.device = "cuda"
+    elif args.backend == "emulated-mp" and args.device == "cuda":
+        ap.error("--backend emulated-mp runs on the CPU (its heap is host shared memory): use nvshmem on GPUs")
+    args.device = args.device or "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available")
+        ap.error(f"--device cuda{' (nvshmem)' if args.backend == 'nvshmem' else ''}: no CUDA device is available")
+    try:
+        overrides = dict(parse_override(d) for d in args.define)
+    except rdepc.UsageError as e:
+        ap.error(str(e))
+    per_rank = args.backend != "emulated"
 
     spec = Path(args.spec)
     if not spec.exists() and (ROOT / spec).exists():  # the default, from any directory
         spec = ROOT / spec
 
     torch.manual_seed(args.seed)
-    model = MoELM(str(spec), args.layers, args.device, args.seed)
-    data = MarkovData(args.seed)
+    try:  # a per-rank backend joins the process group here (torchrun's environment)
+        model = MoELM(str(spec), args.layers, args.device, args.seed, args.backend, overrides)
+    except (rdepc.UsageError, rdepc.SpecError, RanksError) as e:
+        print(f"train_moe: {e}", file=sys.stderr)
+        return 2
+    rank, world, net = 0, 1, model
+    if per_rank:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        net = rdepc.distributed.data_parallel(model)  # the replicated parameters DDP's; the experts each rank's own
+    lead = rank == 0  # it prints; every rank checks
+    device = model.blocks[0].moe.w_down.device
+    data = MarkovData(args.seed, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     W, T = model.W, model.T
+    B = 1 if per_rank else W  # sequences per process: one per rank
     n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"{args.layers} x {model.blocks[0].moe!r}\n"
-        f"{n_params} parameters, batch [W={W}, T'={T}] tokens, vocab {VOCAB}, "
-        f"entropy floor {data.entropy():.3f}, uniform {math.log(VOCAB):.3f}",
-        flush=True,
-    )
+    if lead:
+        where = f", {world} processes (one per rank)" if per_rank else ""
+        print(
+            f"{args.layers} x {model.blocks[0].moe!r}{where}\n"
+            f"{n_params} parameters{' on rank 0' if per_rank else ''}, batch [W={W}, T'={T}] tokens, vocab {VOCAB}, "
+            f"entropy floor {data.entropy():.3f}, uniform {math.log(VOCAB):.3f}",
+            flush=True,
+        )
 
     losses: list[float] = []
     start = time.perf_counter()
-    progress(0, args.steps, None, 0.0)
+    if lead:
+        progress(0, args.steps, None, 0.0)
     for i in range(args.steps):
-        seq = data.batch(W, T).to(args.device)
-        logits = model(seq[:, :-1])
+        seq = data.batch(B, T).to(device)
+        logits = net(seq[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        progress(i + 1, args.steps, losses[-1], time.perf_counter() - start)
+        mean = loss.detach()
+        if per_rank:  # the objective DDP's gradients are for: the mean of the ranks' losses
+            mean = mean.clone()
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(mean.item())
+        if lead:
+            progress(i + 1, args.steps, losses[-1], time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    sys.stderr.write("\n")
+    if lead:
+        sys.stderr.write("\n")
 
-    for j, b in enumerate(model.blocks):
-        print(f"block {j}: {summarize(b.moe.last_stats)}")
-    if args.json:
-        out = {"losses": losses, "steps": args.steps, "device": args.device, "spec": args.spec, "seconds": seconds}
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps ({seconds:.0f} s)")
+    problems = rank_checks(model, world) if per_rank else []
+    if lead:
+        for j, b in enumerate(model.blocks):
+            print(f"block {j}{' (rank 0)' if per_rank else ''}: {summarize(b.moe.last_stats)}")
+        if args.json:
+            out = {"losses": losses, "steps": args.steps, "device": args.device, "spec": args.spec, "seconds": seconds}
+            if per_rank:
+                out |= {"backend": args.backend, "ranks": world}
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        for problem in problems:
+            print(problem)
+        if per_rank and not problems:
+            print(f"{world} ranks: each holds its own experts, the replicated parameters identical on every rank")
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps ({seconds:.0f} s)")
+    if problems:
+        return 1
 
     k = min(3, len(losses))
     head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
     if not all(math.isfinite(v) for v in losses):
-        print("the loss is not finite", file=sys.stderr)
+        if lead:
+            print("the loss is not finite", file=sys.stderr)
         return 1
     if not tail < head:
-        print(f"the loss did not fall: mean of the last {k} {tail:.4f} >= mean of the first {k} {head:.4f}")
+        if lead:
+            print(f"the loss did not fall: mean of the last {k} {tail:.4f} >= mean of the first {k} {head:.4f}")
         return 1
     return 0
 

@@ -223,6 +223,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     budgets = [
         ("symmetric heap, rdepc plan fwd+bwd, private ring per layer", sym.private_total.value),
         ("symmetric heap, rdepc plan fwd+bwd, one shared ring", sym.shared_total.value),
+        ("symmetric heap, forward only (inference), private ring per layer", sym.inference_private_total.value),
         ("paper bulk, all layers (Table 4)", memory.bulk_total.value),
     ]
     if memory.segmented_total is not None:

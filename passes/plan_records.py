@@ -76,6 +76,8 @@ class SymmetricPlan:
     forward_backward: tuple[Figure, ...]
     private_total: Figure
     shared_total: Figure
+    inference_private_total: Figure  # the forward regions only: modules built with inference=True
+    inference_shared_total: Figure
 
     def regions(self, phase: str) -> dict[str, int]:
         return {fig.key.rsplit(".", 1)[1]: fig.value for fig in getattr(self, phase)}
@@ -236,6 +238,8 @@ def sym_json(s: SymmetricPlan) -> dict:
         "forward_backward": {f.key.rsplit(".", 1)[1]: jsonval(f) for f in s.forward_backward},
         "private_total": jsonval(s.private_total),
         "shared_total": jsonval(s.shared_total),
+        "inference_private_total": jsonval(s.inference_private_total),
+        "inference_shared_total": jsonval(s.inference_shared_total),
     }
 
 

@@ -178,4 +178,11 @@ def symmetric_figures(env: Env, strategy: str, key: str, spec: LayerSpec) -> Sym
             "B",
             "forward+backward heap once (one ring shared by layers run one after another)",
         ),
+        env.fig(
+            f"{key}.inference_private_total",
+            fm["forward"]["total"] * L,
+            "B",
+            "forward heap × L: what modules built with inference=True allocate (a private ring per layer)",
+        ),
+        env.fig(f"{key}.inference_shared_total", fm["forward"]["total"], "B", "forward heap once (one shared ring)"),
     )

@@ -55,6 +55,8 @@ def _ffn(x: torch.Tensor, w_gate, w_up, w_down, act: str) -> torch.Tensor:
 class RDEPMoE(nn.Module):
     """An MoE block whose routed experts run the kernels rdepc compiled from a spec."""
 
+    rdepc_block = True  # how rdepc.distributed recognises the block
+
     def __init__(
         self,
         spec,
@@ -62,6 +64,7 @@ class RDEPMoE(nn.Module):
         layer: str | None = None,
         backend: str = "emulated",
         device=None,
+        dtype: torch.dtype | None = None,
         schedule: str | None = None,
         generator: torch.Generator | None = None,
         module_options: dict | None = None,
@@ -70,20 +73,29 @@ class RDEPMoE(nn.Module):
         super().__init__()
         from rdepc.api import Layer, check_device, load
 
-        check_device(device)  # before loading and compiling
+        meta = _is_meta(device)
+        if not meta:
+            check_device(device)  # before loading and compiling
         self.layer = spec if isinstance(spec, Layer) else load(spec, layer, **overrides)
         s = self.layer.spec
         sh = self.layer.shapes
         self.W, self.T, self.H, self.F, self.E, self.K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
         self.act = s.expert.act
-        self.kernels = self.layer.module(backend, device, schedule=schedule, **(module_options or {}))
-        self.kernels.routed_by = "the router: x, the router weight or the logits given hold NaN or inf for that token"
-        kw = {"device": self.kernels.device, "dtype": TORCH_DTYPES[s.precision.dtype.value]}  # nvshmem: its GPU
+        self.dtype = TORCH_DTYPES[s.precision.dtype.value]  # the compute dtype: the spec's
+        self.backend, self.schedule, self.module_options = backend, schedule, dict(module_options or {})
+        self._kernels = None
+        if meta:  # no kernels yet: built on the parameters' device at the first call
+            self.experts = self._local_experts()
+            where = torch.device("meta")
+        else:
+            self._kernels = self._build(device)
+            self.experts = self._kernels.local_experts
+            where = self._kernels.device  # nvshmem: its GPU
         # Per-rank backends: this rank's experts only (``experts``, global ids in local order).
-        self.experts = self.kernels.local_experts
+        kw = {"device": where, "dtype": dtype or self.dtype}
         n_exp = len(self.experts)
-        self.router = nn.Parameter(torch.empty(self.E, self.H, device=kw["device"], dtype=torch.float32))
-        self.register_buffer("router_bias", torch.zeros(self.E, device=kw["device"]) if s.router.bias else None)
+        self.router = nn.Parameter(torch.empty(self.E, self.H, device=where, dtype=torch.float32))
+        self.register_buffer("router_bias", torch.zeros(self.E, device=where) if s.router.bias else None)
         gated = s.expert.gated
         if gated:  # w_gate and w_up: its halves (__getattr__)
             self.w_gate_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, 2, **kw))
@@ -100,7 +112,52 @@ class RDEPMoE(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_up = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_down = nn.Parameter(torch.empty(n, Fs, self.H, **kw))
-        self.reset_parameters(generator)
+        if not meta:
+            self.reset_parameters(generator)
+        from rdepc import checkpoint
+
+        checkpoint.install(self)  # one state-dict key per expert, by global id: checkpoints reshard
+        from rdepc import distributed
+
+        distributed.mark_experts(self)  # per rank: the guard against DDP / FSDP2 over the experts
+
+    def _build(self, device):
+        """The compiled layer on ``device`` (``RDEPModule``)."""
+        kernels = self.layer.module(self.backend, device, schedule=self.schedule, **self.module_options)
+        kernels.routed_by = "the router: x, the router weight or the logits given hold NaN or inf for that token"
+        return kernels
+
+    def _local_experts(self) -> tuple[int, ...]:
+        """The experts this block holds, without building its kernels (meta construction)."""
+        from rdepc.runtime.module import local_experts
+        from rdepc.runtime.ranks import process_group
+        from rdepc.runtime.transport import get
+
+        rank = process_group(self.W)[0] if get(self.backend).per_rank else None
+        return local_experts(self.layer.generated.kernel, rank)  # the ownership map: the spec's
+
+    @property
+    def kernels(self):
+        """The compiled layer (``RDEPModule``), built at first use on the parameters' device
+        (after meta construction, a copy or unpickling), and again if they moved."""
+        where = self._materialised()
+        if self._kernels is None or self._kernels.device != where:
+            self._kernels = self._build(where)
+        return self._kernels
+
+    def _materialised(self) -> torch.device:
+        """The parameters' device; a RuntimeError while they are on the meta device."""
+        where = self.w_down.device
+        if where.type == "meta":
+            raise RuntimeError(
+                f"layer '{self.layer.spec.name}': its parameters are on the meta device: "
+                "call to_empty(device=...) and reset_parameters() first"
+            )
+        return where
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_kernels": None}  # rebuilt from the spec (and the cache) at the first call
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -110,13 +167,15 @@ class RDEPMoE(nn.Module):
         experts = ("w_gate_up", "w_up", "w_down")
         for name, p in self.named_parameters():
             if name == "router":  # drawn [H, E] as x · router reads it, kept [E, H] like nn.Linear
-                p.copy_((torch.randn(self.H, self.E, generator=generator) / math.sqrt(self.H)).T)
+                p.copy_((torch.randn(self.H, self.E, generator=generator, device="cpu") / math.sqrt(self.H)).T)
                 continue
             for w in (p[..., 0], p[..., 1]) if name == "w_gate_up" else (p,):  # gate, then up
                 fan_in = w.shape[-2]
                 shape = (self.E, *w.shape[1:]) if name in experts else w.shape
-                full = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+                full = torch.randn(shape, generator=generator, device="cpu") / math.sqrt(fan_in)
                 w.copy_((full[list(self.experts)] if name in experts else full).to(w.dtype))
+        if self.router_bias is not None:
+            self.router_bias.zero_()
 
     def __getattr__(self, name: str):
         params = self.__dict__.get("_parameters", {})
@@ -124,10 +183,16 @@ class RDEPMoE(nn.Module):
             return params["w_gate_up"][..., 0 if name == "w_gate" else 1]
         return super().__getattr__(name)
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> R.Routing:
+    def route(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, router_bias: torch.Tensor | None = None
+    ) -> R.Routing:
         """(ids [..., T', K] int64, gates [..., T', K] fp32, logits [..., T', E] fp32) by the
-        spec's router; from ``logits`` instead of ``x · routerᵀ`` when given."""
-        return R.route(x, self.router, self.layer.spec.router, self.K, self.router_bias, logits)
+        spec's router; from ``logits`` instead of ``x · routerᵀ`` when given, with
+        ``router_bias`` instead of this block's when given."""
+        if logits is None and self.router is None:
+            raise ValueError(f"layer '{self.layer.spec.name}' has no router weight of its own: pass logits=")
+        bias = self.router_bias if router_bias is None else router_bias
+        return R.route(x, self.router, self.layer.spec.router, self.K, bias, logits)
 
     def forward(
         self,
@@ -137,83 +202,107 @@ class RDEPMoE(nn.Module):
         tokens=None,
         router_outputs: bool = False,
         logits: torch.Tensor | None = None,
+        router_bias: torch.Tensor | None = None,
     ):
-        """``x`` [W, T', H] (a per-rank backend: [T', H]), or [N, H] split over the W ranks in
-        order; any float dtype, cast to the layer's and ``y`` cast back. Returns ``y``, or
-        ``(y, RouterOutputs(logits, aux_loss, z_loss))`` with ``router_outputs``: the router's
-        fp32 logits for the user's own losses, and the losses the spec declares (its
-        coefficient × the loss; None when it declares none). ``logits``: route from these
-        instead of this block's router (a model that keeps its own router module).
+        """``x``: any float dtype, cast to the layer's and ``y`` cast back; in one process
+        [W, T', H] (rank r's tokens ``x[r]``), or [N, H] / [B, S, H] (B ≠ W) of any N ≤ W·T
+        tokens, split over the W ranks in order — padded with tokens that route nowhere to
+        a multiple of W, and ``y`` has x's shape; on a per-rank backend this rank's [T', H]
+        (or [B, S, H], B·S ≤ T). Returns ``y``, or ``(y, RouterOutputs(logits, aux_loss,
+        z_loss))`` with ``router_outputs``: the router's fp32 logits for the user's own
+        losses, and the losses the spec declares (its coefficient × the loss; None when it
+        declares none). ``logits``: route from these instead of this block's router (a model
+        that keeps its own router module); ``router_bias`` [E]: the selection bias to use
+        instead of this block's buffer.
 
-        Padding: ``mask`` (x's shape without H; False, or 0, for padding) and, in one process,
-        ``tokens`` (how many of the T' tokens each of the W ranks brings, a list: ranks of
-        different lengths, the tokens past each count padding). A padding token routes
-        nowhere (expert id -1), takes no capacity, gets y = 0 (shared experts included) and
-        is left out of the router's losses; ``tokens`` also sets the capacity's token count.
-        Its row of x (and of ``logits``) is read as zeros, whatever it holds (NaN included):
-        its router logits are those of a zero row, and no gradient reaches it."""
-        ranked = self._as_ranks(x)  # checks x first
+        Padding: ``mask`` (x's shape without H; False, or 0, for padding) and, with
+        [W, T', H] in one process, ``tokens`` (how many of the T' tokens each of the W
+        ranks brings, a list: ranks of different lengths, the tokens past each count
+        padding). A padding token routes nowhere (expert id -1), takes no capacity, gets
+        y = 0 (shared experts included) and is left out of the router's losses; ``tokens``
+        also sets the capacity's token count. Its row of x (and of ``logits``) is read as
+        zeros, whatever it holds (NaN included): its router logits are those of a zero row,
+        and no gradient reaches it."""
+        ranked, n, tokens = self._as_ranks(x, tokens)  # checks x first
         shape, dtype = x.shape, x.dtype
-        x = ranked.to(self.w_down.dtype)  # fp32 or autocast inputs: cast at the boundary
+        x = ranked.to(self.dtype)  # fp32 or autocast inputs: cast at the boundary
         if logits is not None:
-            logits = self._logits(logits, shape).reshape(*x.shape[:-1], self.E)
-        real = self._real(mask, tokens, shape, x)
+            logits = self._spread(self._logits(logits, shape), n, x.shape[:-1], (self.E,))
+        if mask is not None:
+            mask = self._spread(self._mask(mask, shape, x), n, x.shape[:-1])
+        real = self._real(mask, tokens, x)
         if real is not None:  # a padding token's contents never matter, NaN included: it reads as zeros
             x = torch.where(real[..., None], x, 0.0)
             logits = None if logits is None else torch.where(real[..., None], logits, 0.0)
-        routing = self.route(x, logits)
+        routing = self.route(x, logits, router_bias)
         ids = routing.ids if real is None else torch.where(real[..., None], routing.ids, -1)
-        y = self.kernels(x, ids, routing.gates, self.w_gate, self.w_up, self.w_down, tokens=tokens)
+        w_down = self.w_down.to(self.dtype)  # parameters in another dtype (master weights): compute in the spec's
+        w_up = (self.w_gate_up if self.w_gate is not None else self.w_up).to(self.dtype)
+        y = self.kernels.routed(x, ids, routing.gates, w_up, w_down, tokens=tokens)
         if self.shared_act is not None:
             shared = torch.zeros_like(y)
             for j in range(self.shared_up.shape[0]):
-                gate = None if self.shared_gate is None else self.shared_gate[j]
-                shared = shared + _ffn(x, gate, self.shared_up[j], self.shared_down[j], self.shared_act)
+                gate = None if self.shared_gate is None else self.shared_gate[j].to(self.dtype)
+                up, down = self.shared_up[j].to(self.dtype), self.shared_down[j].to(self.dtype)
+                shared = shared + _ffn(x, gate, up, down, self.shared_act)
             y = y + shared  # a padding token's: f(0) = 0
-        y = y.reshape(shape).to(dtype)
+        y = self._unspread(y, n).reshape(shape).to(dtype)
         if not router_outputs:
             return y
         out = R.outputs(routing, self.layer.spec.router, real)
-        return y, out._replace(logits=out.logits.reshape(*shape[:-1], self.E))
+        return y, out._replace(logits=self._unspread(out.logits, n).reshape(*shape[:-1], self.E))
 
-    def _real(self, mask, tokens, shape, x: torch.Tensor) -> torch.Tensor | None:
-        """The real tokens, bool shaped like ``x`` without H; None when every token is."""
-        real = None
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape[:-1]):
-                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-                raise ValueError(f"layer '{self.layer.spec.name}': mask must be shaped {tuple(shape[:-1])}, got {got}")
-            if mask.device != x.device:
-                raise ValueError(f"layer '{self.layer.spec.name}': mask is on {mask.device}, x on {x.device}")
-            real = mask.reshape(x.shape[:-1]).bool()
-        covered = self.kernels.padding(tokens, x.shape[-2])[1]  # checks tokens as the kernels' call does
-        if covered is not None:
-            real = covered if real is None else real & covered
-        return real
-
-    def _as_ranks(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as the kernels take it: [W, T', H] in one process, a rank's [T', H] per rank;
-        [N, H] in one process is the W ranks' tokens in rank order, N/W each."""
+    def _as_ranks(self, x: torch.Tensor, tokens) -> tuple[torch.Tensor, int | None, object]:
+        """``x`` as the kernels take it — [W, T', H] in one process, a rank's [T', H] per
+        rank — the number of tokens it was padded from (None when it was not), and the
+        tokens each rank brings (``tokens``, or those of the padding)."""
         name = f"layer '{self.layer.spec.name}'"
         dense(name, "x", x)
         if not x.dtype.is_floating_point:  # token ids or a mask by mistake: never cast them silently
-            raise TypeError(f"{name}: x must be a floating-point tensor (cast to {self.w_down.dtype}), got {x.dtype}")
-        want = "[T', H]" if self.kernels.per_rank else "[N, H] or [W, T', H]"
-        if x.dim() not in ((2,) if self.kernels.per_rank else (2, 3)):
-            raise ValueError(f"{name}: x must be {want} with H={self.H}, got {tuple(x.shape)}")
+            raise TypeError(f"{name}: x must be a floating-point tensor (cast to {self.dtype}), got {x.dtype}")
+        if x.dim() < 2:
+            raise ValueError(f"{name}: x must be [..., H] with H={self.H}, got {tuple(x.shape)}")
         if x.shape[-1] != self.H:
-            raise ValueError(f"x has hidden size {x.shape[-1]}, but layer '{self.layer.spec.name}' has {self.H}")
-        if x.device != self.kernels.device:  # before the router reads it
-            raise ValueError(f"{name}: x is on {x.device}, the block on {self.kernels.device}")
-        if self.kernels.per_rank or x.dim() != 2:
-            return x
-        N = x.shape[0]
-        if N % self.W:
+            raise ValueError(f"x has hidden size {x.shape[-1]}, but {name} has {self.H}")
+        if x.device != self._materialised():  # before the router reads it
+            raise ValueError(f"{name}: x is on {x.device}, the block on {self.w_down.device}")
+        if _per_rank(self.backend):  # tokens= is refused by the kernels' check, in its words
+            return x.reshape(-1, self.H), None, tokens
+        if x.dim() == 3 and x.shape[0] == self.W:
+            return x, None, tokens
+        if tokens is not None:
+            raise ValueError(f"{name}: tokens= goes with x [W={self.W}, T', H]; got {tuple(x.shape)} (use mask=)")
+        N = math.prod(x.shape[:-1])
+        Tn = -(-N // self.W)
+        if Tn > self.T:
             raise ValueError(
-                f"x [{N}, {self.H}] cannot be split over the {self.W} ranks of layer '{self.layer.spec.name}' "
-                f"({N} tokens is not a multiple of {self.W}): pass [W, T', H]"
+                f"{name}: x has {N} tokens, more than the {self.W} ranks x T={self.T} the layer takes in one call"
             )
-        return x.reshape(self.W, N // self.W, self.H)
+        flat = F_.pad(x.reshape(N, self.H), (0, 0, 0, self.W * Tn - N))
+        counts = [min(Tn, max(0, N - r * Tn)) for r in range(self.W)]
+        return flat.reshape(self.W, Tn, self.H), N, (None if N % self.W == 0 else counts)
+
+    def _spread(self, t: torch.Tensor, n: int | None, lead, trail=()) -> torch.Tensor:
+        """``t`` (x's shape without H, then ``trail``) laid out as the ranked x's ``lead``: padded
+        with zeros (False) from ``n`` tokens when x was."""
+        if n is None:
+            return t.reshape(*lead, *trail)
+        flat = t.reshape(n, *trail)
+        pad = flat.new_zeros((math.prod(lead) - n, *trail))
+        return torch.cat((flat, pad)).reshape(*lead, *trail)
+
+    def _unspread(self, t: torch.Tensor, n: int | None) -> torch.Tensor:
+        """The ranked ``t`` back to the caller's tokens (the padding dropped)."""
+        return t if n is None else t.reshape(-1, t.shape[-1])[:n]
+
+    def _mask(self, mask, shape, x: torch.Tensor) -> torch.Tensor:
+        """``mask`` checked: x's shape without H, on x's device."""
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape[:-1]):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"layer '{self.layer.spec.name}': mask must be shaped {tuple(shape[:-1])}, got {got}")
+        if mask.device != x.device:
+            raise ValueError(f"layer '{self.layer.spec.name}': mask is on {mask.device}, x on {x.device}")
+        return mask.bool()
 
     def _logits(self, logits, shape) -> torch.Tensor:
         """The given router ``logits`` checked: x's shape with E for H, on x's device."""
@@ -226,20 +315,44 @@ class RDEPMoE(nn.Module):
             raise ValueError(
                 f"{name}: logits must be {list(want)} (x's shape, E={self.E} for H), got {tuple(logits.shape)}"
             )
-        if logits.device != self.kernels.device:
-            raise ValueError(f"{name}: logits is on {logits.device}, the block on {self.kernels.device}")
+        if logits.device != self.w_down.device:
+            raise ValueError(f"{name}: logits is on {logits.device}, the block on {self.w_down.device}")
         return logits
+
+    def _real(self, mask, tokens, x: torch.Tensor) -> torch.Tensor | None:
+        """The real tokens, bool shaped like the ranked ``x`` without H; None when every token is."""
+        covered = self.kernels.padding(tokens, x.shape[-2])[1]  # checks tokens as the kernels' call does
+        if covered is None:
+            return mask
+        return covered if mask is None else mask & covered
 
     @property
     def last_stats(self) -> dict | None:
-        return self.kernels.last_stats
+        return None if self._kernels is None else self._kernels.last_stats
 
     def extra_repr(self) -> str:
         shared = "" if self.shared_act is None else f", shared {self.shared_up.shape[0]} x {self.shared_act}"
         return (
             f"{self.layer.spec.name}: W={self.W} T<={self.T} H={self.H} F={self.F} E={self.E} K={self.K}, "
-            f"{self.act}{shared}, {self.kernels.transport.name} on {self.kernels.device}"
+            f"{self.act}{shared}, {self.backend} on {self.w_down.device}"
         )
+
+
+def _is_meta(device) -> bool:
+    """Whether the block is built on the meta device: ``device="meta"``, or none given inside
+    ``with torch.device("meta")``."""
+    if device is None:
+        return torch.empty(0).device.type == "meta"
+    try:
+        return torch.device(device).type == "meta"
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _per_rank(backend: str) -> bool:
+    from rdepc.runtime.transport import get
+
+    return get(backend).per_rank
 
 
 __all__ = ["RDEPMoE"]

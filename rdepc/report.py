@@ -197,7 +197,14 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     )
     out += table(_heap_rows(s), ["region", "forward", "fwd+bwd", "fwd+bwd bytes", "accounting"])
     out += table(
-        _fig_rows([("per layer x L (private rings)", s.private_total), ("one shared ring", s.shared_total)]),
+        _fig_rows(
+            [
+                ("per layer x L (private rings)", s.private_total),
+                ("one shared ring", s.shared_total),
+                ("inference: per layer x L", s.inference_private_total),
+                ("inference: one shared ring", s.inference_shared_total),
+            ]
+        ),
     )
     if mem.alternative is not None:
         alt = mem.alternative

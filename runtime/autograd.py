@@ -1,7 +1,7 @@
-"""The module's autograd: what a forward keeps for its backward (the routing context), the
-``torch.autograd.Function`` whose backward launches the kernel's backward pass
-(:func:`routed`), and dL/dg through the capacity weights policy (``rdepc.runtime.module``
-says what the backward does on the device)."""
+"""The module's autograd: what a forward keeps for its backward (the routing context) and
+dL/dg through the capacity weights policy. The backward itself is ``rdepc::forward``'s
+registered autograd (``rdepc.runtime.ops``); ``rdepc.runtime.module`` says what it does on
+the device."""
 
 from __future__ import annotations
 
@@ -20,32 +20,6 @@ class RoutingContext:
     accepted: torch.Tensor
     slot: torch.Tensor
     gprime: torch.Tensor
-
-
-class _Routed(torch.autograd.Function):
-    """forward runs the kernel and keeps what the backward walks; backward runs the kernel's
-    backward pass over it."""
-
-    @staticmethod
-    def forward(ctx, module, x, topk_ids, gates, w_gate, w_up, w_down, brought):
-        y, context, kept = module._run(x, topk_ids, gates, w_gate, w_up, w_down, brought, save=True)
-        ctx.module, ctx.kept, ctx.context = module, kept, context
-        ctx.n_tokens = x.shape[-2]
-        ctx.save_for_backward(gates, w_gate, w_up, w_down)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        gates, w_gate, w_up, w_down = ctx.saved_tensors
-        dx, dgates, dwg, dwu, dwd = ctx.module._backward(
-            grad_y, ctx.context, ctx.kept, ctx.n_tokens, gates, w_gate, w_up, w_down
-        )
-        return None, dx, None, dgates, dwg, dwu, dwd, None
-
-
-def routed(module, x, topk_ids, gates, w_gate, w_up, w_down, brought) -> torch.Tensor:
-    """``module``'s forward, differentiable: y, with the backward (``module._backward``) in its graph."""
-    return _Routed.apply(module, x, topk_ids, gates, w_gate, w_up, w_down, brought)
 
 
 def gate_grad(
@@ -73,4 +47,4 @@ def gate_grad(
     return torch.where(ok & routed, dg, 0.0)
 
 
-__all__ = ["RoutingContext", "gate_grad", "routed"]
+__all__ = ["RoutingContext", "gate_grad"]

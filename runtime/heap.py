@@ -10,17 +10,45 @@ from __future__ import annotations
 import torch
 from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 
-from rdepc.ir.contract import KERNELS, POINTEE, KernelContract, Work, kernel_args
+from rdepc.ir.contract import BACKWARD_PRIVATE, KERNELS, POINTEE, KernelContract, Work, kernel_args
 
 
-def private_buffers(contract: KernelContract, per_rank: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The plan's private buffers as this process allocates them: (name, dtype, shape)."""
+def private_buffers(
+    contract: KernelContract, per_rank: bool, inference: bool = False
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The plan's private buffers as this process allocates them: (name, dtype, shape);
+    ``inference``: the forward's only (not ``BACKWARD_PRIVATE``)."""
     out = []
     for name, dt, shape in contract.private:
+        if inference and name in BACKWARD_PRIVATE:
+            continue
         if per_rank and name not in ("ctl", "bwd_ctl"):  # [W, ...] buffers: only this rank's row
             shape = (1, *shape[1:])
         out.append((name, TORCH_DTYPES.get(dt) or INT_DTYPES[dt], tuple(shape)))
     return out
+
+
+# The private words a call counts in over calls, which the heap's done flags are read against:
+# modules that share a heap (RDEPModule's ``share``) share them.
+SHARED_COUNTERS = ("ctl", "tile_done", "bwd_ctl", "bwd_tile_done")
+NO_BACKWARD = "it runs no backward; call it under torch.no_grad(), or build it without inference=True"
+
+
+def check_sharing(module, other) -> None:
+    """Refuse, in one line naming what differs, a module that would share ``other``'s heap:
+    both must run the same layer on the same backend and device with the same work (the done
+    flags' targets and the tickets follow the work items and the programs), and ``other``
+    must hold every region ``module`` uses (a training module's backward regions)."""
+    name = module._name()
+    if type(other) is not type(module):
+        raise ValueError(f"{name}: share takes an RDEPModule, not {type(other).__name__}")
+    what = {"layer": "contract", "backend": "transport", "device": "device", "mode": "mode", "tiles": "tiles"}
+    what["programs"] = "per_queue"
+    for label, attr in what.items():
+        if getattr(module, attr) != getattr(other, attr):
+            raise ValueError(f"{name}: cannot share the heap of a module of another {label}")
+    if other.inference and not module.inference:
+        raise ValueError(f"{name}: cannot share the heap of a module built with inference=True")
 
 
 def allocate_private(buffers, profile_words: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -124,7 +152,10 @@ def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], bac
 
 
 __all__ = [
+    "NO_BACKWARD",
+    "SHARED_COUNTERS",
     "allocate_private",
+    "check_sharing",
     "own_slices",
     "owner_row_buffers",
     "owner_rows",

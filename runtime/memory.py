@@ -62,21 +62,36 @@ class HeapSizeError(UsageError):
     from (raised by :class:`RDEPModule` before it allocates anything)."""
 
 
-def heap_shortfall(p: KernelContract, slices: int, private: int, room: str) -> str:
-    """Why ``slices`` rank slices of the heap plus ``private`` bytes do not fit ``room`` (the
-    memory in words): the heap's regions and the spec statements that size them."""
+def heap_span(p: KernelContract, slices: int, inference: bool = False) -> int:
+    """Bytes the heap of ``slices`` rank slices spans. The emulated transports' kernels find
+    a peer's slice ``HEAP_BYTES`` (``p.heap_bytes``) after the one before; a module built
+    for ``inference`` uses the first ``p.forward_bytes`` of each, so the last slice ends
+    there. One slice (nvshmem's, per GPU) is then only that."""
+    return (slices - 1) * p.heap_bytes + (p.forward_bytes if inference else p.heap_bytes)
+
+
+def heap_shortfall(p: KernelContract, slices: int, private: int, room: str, inference: bool = False) -> str:
+    """Why ``slices`` rank slices of the heap (``inference``: the forward's regions of each)
+    plus ``private`` bytes do not fit ``room`` (the memory in words): the heap's regions and
+    the spec statements that size them."""
     size = {name: n for name, _, _, n in p.layout}
-    payload = size["payload"] + size["bwd_payload"]
-    returned = size["return"] + size["bwd_return"] + size["return_ids"] + size["bwd_return_ids"]
-    rest = p.heap_bytes - payload - returned
+    payload = size["payload"] + (0 if inference else size["bwd_payload"])
+    returned = size["return"] + size["return_ids"]
+    returned += 0 if inference else size["bwd_return"] + size["bwd_return_ids"]
+    used = p.forward_bytes if inference else p.heap_bytes
+    rest = used - payload - returned
     bulk = p.strategy == "bulk"
     r_ret = f"T·K={p.T * p.K}" if bulk else f"B·S={p.B * p.S}"
+    passes = "forward only (inference)" if inference else "forward and backward"
     regions = (
         f"payload B={p.B} × S={p.S} rows {human(payload)}, return {r_ret} rows {human(returned)}, "
-        f"control, sideband and ids {human(rest)}; forward and backward"
+        f"control, sideband and ids {human(rest)}; {passes}"
     )
     heap = f"{slices} ranks × {human(p.heap_bytes)}" if slices > 1 else "this rank's slice"
-    total = slices * p.heap_bytes + private
+    if inference and slices > 1:
+        heap = f"{slices} ranks {human(p.heap_bytes)} apart, each using its first {human(used)}"
+    span = heap_span(p, slices, inference)
+    total = span + private
     if bulk:
         cap = f"capacity {p.capacity}"
         if p.cap_factor is not None:
@@ -95,23 +110,31 @@ def heap_shortfall(p: KernelContract, slices: int, private: int, room: str) -> s
             "landing rows follow it)"
         )
     return (
-        f"the symmetric heap needs {human(slices * p.heap_bytes)} ({heap}: {regions}) and the private buffers "
+        f"the symmetric heap needs {human(span)} ({heap}: {regions}) and the private buffers "
         f"{human(private)} more, {human(total)} in all, but {room}; {sizing}"
     )
 
 
-def check_fits(p: KernelContract, transport, device, buffers, rank: int | None) -> None:
+def check_fits(
+    p: KernelContract, transport, device, buffers, rank: int | None, inference: bool = False, heap: bool = True
+) -> None:
     """Refuse a heap (and private ``buffers``: (name, dtype, shape)) larger than the memory
     they come from (``transport.room``), in one line naming what sizes them, before anything
-    is allocated. On a per-rank transport (``rank``: this process's) the ranks agree first:
-    none goes on into the collective allocation a peer refused."""
+    is allocated. ``inference``: the heap's forward regions only (:func:`heap_span`);
+    ``heap`` false: the module allocates none (it shares another's). On a per-rank transport
+    (``rank``: this process's) the ranks agree first: none goes on into the collective
+    allocation a peer refused."""
     slices = transport.heap_ranks(p.W)
     private = sum(math.prod(shape) * dt.itemsize for _, dt, shape in buffers)
     room = transport.room(device)
     message = None
-    if room is not None and slices * p.heap_bytes + private > room[0]:
+    span = heap_span(p, slices, inference) if heap else 0
+    if room is not None and span + private > room[0]:
         name = f"rdepc layer {p.layer}" + (f" (rank {rank} of {p.W})" if rank is not None else "")
-        message = f"{name}: {heap_shortfall(p, slices, private, room[1])}"
+        if heap:
+            message = f"{name}: {heap_shortfall(p, slices, private, room[1], inference)}"
+        else:  # the heap is another module's
+            message = f"{name}: the private buffers need {human(private)}, but {room[1]}"
     if rank is not None:
         import torch.distributed as dist
 

@@ -81,11 +81,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from rdepc.runtime import ranks, tune
+from rdepc.runtime import ops, ranks, tune
 from rdepc.runtime import transport as transports
-from rdepc.runtime.autograd import RoutingContext, gate_grad, routed
+from rdepc.runtime.autograd import RoutingContext
 from rdepc.runtime.heap import (
+    NO_BACKWARD,
+    SHARED_COUNTERS,
     allocate_private,
+    check_sharing,
     own_slices,
     owner_row_buffers,
     owner_rows,
@@ -131,7 +134,9 @@ class RDEPModule:
     programs, the rest the GEMM kernel's (default: in the ratio of the schedule's
     communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
-    ``profile``: record the start and end of every work item (``last_profile``)."""
+    ``profile``: record the start and end of every work item (``last_profile``).
+    ``inference``: the forward's heap and buffers only; a call that would save is refused.
+    ``share``: a module of this layer whose heap and call counters this one uses (one ring)."""
 
     def __init__(
         self,
@@ -146,8 +151,11 @@ class RDEPModule:
         mode: str | None = None,
         comm_programs: int | None = None,
         profile: bool = False,
+        inference: bool = False,
+        share: RDEPModule | None = None,
     ):
         self.contract = contract
+        self.inference = inference
         self.kernels_path = Path(kernels_path)
         self.device = self._device(backend, device)
         self.interpret = self.device.type == "cpu"
@@ -155,9 +163,9 @@ class RDEPModule:
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank
-        buffers = private_buffers(contract, self.per_rank)
+        buffers = private_buffers(contract, self.per_rank, inference)
         check_fits(
-            contract, self.transport, self.device, buffers, self.rank
+            contract, self.transport, self.device, buffers, self.rank, inference, heap=share is None
         )  # before anything is allocated or imported
         self.mode = mode
         self.profiling = profile
@@ -166,10 +174,10 @@ class RDEPModule:
         self.tiles, self.tiles_source = self._tiles(tiles)
         self.work = contract.work(self.tiles, mode, rank=self.rank)
         self.bwd_work = contract.work(self.tiles, mode, rank=self.rank, backward=True)
-        self.local_experts = self._local_experts()
+        self.local_experts = local_experts(contract, self.rank)
         self.grid, self.per_queue = self._grid(programs, comm_programs)  # all resident at once on a GPU
         self.spin_bound = self._spin_bound(spin_bound)
-        self._allocate(buffers)
+        self._allocate(buffers, share)
         self._start()
 
     def _transport(self, backend: str, mode: str) -> transports.Transport:
@@ -206,14 +214,6 @@ class RDEPModule:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def _local_experts(self) -> tuple[int, ...]:
-        """The global ids of the experts whose weights forward takes, in that order: per rank,
-        this rank's experts in local order; otherwise every expert."""
-        p = self.contract
-        if not self.per_rank:
-            return tuple(range(p.E))
-        return tuple(sorted((e for e in range(p.E) if p.owner[e] == self.rank), key=lambda e: p.local[e]))
-
     def _grid(self, programs: int | None, comm: int | None) -> tuple[int, tuple[int, ...]]:
         """The programs of a call and of each kernel (``KernelContract.launch_grid``) within a
         budget of ``programs`` that run at once: by default, under the interpreter, two
@@ -240,18 +240,34 @@ class RDEPModule:
         interpreted = 10_000 if self.mode == "unified" and not self.per_rank else 1 << 20
         return interpreted if self.interpret else NATIVE_SPIN_BOUND
 
-    def _allocate(self, buffers) -> None:
-        """The symmetric heap (the transport's: collective on a per-rank backend), the task
-        tables, the private buffers and the placeholders a launch passes."""
+    def _allocate(self, buffers, share: RDEPModule | None = None) -> None:
+        """The symmetric heap (the transport's: collective on a per-rank backend; inference:
+        each slice's forward prefix; ``share``: that module's), the task tables, the private
+        buffers and the placeholders a launch passes."""
         p, device = self.contract, self.device
-        self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device)
+        counters = ()
+        if share is None:
+            used = p.forward_bytes if self.inference else None
+            self.heap = self.transport.allocate_heap(p.W, p.heap_bytes, device, used)
+        else:  # the heap's done flags count every sharer's calls: so must the words they are read against
+            check_sharing(self, share)
+            self.heap = share.heap
+            counters = {n: share.private[n] for n, _, _ in buffers if n in SHARED_COUNTERS}
         self.tables, self.bwd_tables = task_tables(p, self.work, self.bwd_work, self.per_queue, self.per_rank, device)
-        self.private = allocate_private(buffers, 2 * self.work.n_items if self.profiling else 1, device)
+        own = [b for b in buffers if b[0] not in counters]
+        self.private = allocate_private(own, 2 * self.work.n_items if self.profiling else 1, device) | dict(counters)
         self._unused = placeholders(p, device)
         self._flags, self._bwd_flags, self._published = regions(p)
 
+    def _refuse_saving(self) -> None:
+        """A module built for inference has no backward regions: a call that would keep what
+        a backward walks is refused before it runs."""
+        if self.inference:
+            raise RuntimeError(f"{self._name()} was built with inference=True (the forward heap only): {NO_BACKWARD}")
+
     def _start(self) -> None:
         """The host's state between calls, before the first."""
+        self.handle = ops.register(self)  # what the rdepc::forward and rdepc::backward ops name it by
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
         self.launcher = self.transport.launcher(self.interpret, concurrent=self.mode == "split")
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
@@ -274,15 +290,43 @@ class RDEPModule:
         (one process): how many of the T' tokens each rank brings, a list of W ints (or a CPU
         tensor); rank r's tokens past ``tokens[r]`` are padding: they route nowhere, get
         y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ."""
-        self._settle(wait=False)  # the previous native call's errors, if its record has landed
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+        operand = w_up
+        if self.contract.gated:  # a view of one [E, H, F, 2] tensor has no gradient of its own halves: stack
+            grads = torch.is_grad_enabled() and (w_gate.requires_grad or w_up.requires_grad)
+            operand = torch.stack((w_gate, w_up), dim=-1) if grads else gate_up(w_gate, w_up)
+        return self._routed(x, topk_ids, topk_weights, operand, w_down, tokens)
+
+    def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, tokens=None) -> torch.Tensor:
+        """:meth:`forward` with GEMM1's operand as the kernel reads it: a gated expert's gate
+        and up interleaved, ``w_up`` [E, H, F, 2] (``RDEPMoE``'s ``w_gate_up``), else [E, H, F]."""
+        halves = (w_up[..., 0], w_up[..., 1]) if self.contract.gated else (None, w_up)
+        self._check(x, topk_ids, topk_weights, *halves, w_down)
+        return self._routed(x, topk_ids, topk_weights, w_up, w_down, tokens)
+
+    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, tokens) -> torch.Tensor:
+        """The checked call, through the ``rdepc::forward`` op (differentiable, and what
+        ``torch.compile`` captures); it keeps what the backward walks when a gradient may
+        be asked for."""
         brought, real = self.padding(tokens, x.shape[-2])
         if real is not None:  # the tokens past each rank's count route nowhere
             topk_ids = torch.where(real[..., None], topk_ids, -1)
-        inputs = (x, topk_weights, w_gate, w_up, w_down)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return routed(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought)
-        return self._run(x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save=False)[0]
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_up, w_down))
+        if save:
+            self._refuse_saving()
+        return ops.forward(self.handle, x, topk_ids, topk_weights, w_up, w_down, brought, save)[0]
+
+    def _forward_op(self, x, topk_ids, gates, w_up, w_down, brought, save: bool) -> list[torch.Tensor]:
+        """``rdepc::forward``'s implementation: the call, its routing context and (``save``)
+        what it kept, in ``ops.forward_layout``'s order."""
+        self._settle(wait=False)  # the previous native call's errors, if its record has landed
+        y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save)
+        out = [y, context.accepted, context.slot, context.gprime]
+        return out + ([kept[name] for name, _, _ in ops.kept_layout(self, x.shape[-2])] if save else [])
+
+    def _routing_tables(self) -> tuple[str, ...]:
+        """The private buffers a backward walks as the forward left them (dedup: rowpos finds the links again)."""
+        return ("sorted_rows", "route_scratch", "recv", "group", *(("rowpos",) if self.contract.dedup else ()))
 
     def padding(self, tokens, Tn: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``tokens`` (see :meth:`forward`) checked: the tokens each rank brings as the kernel
@@ -306,8 +350,9 @@ class RDEPModule:
             raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
         self._withheld = (entry, backward)
 
-    def _run(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, brought, save: bool = False):
-        """Launch the forward. ``save``: keep what the backward walks, returned third."""
+    def _run(self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False):
+        """Launch the forward (``w_up``: GEMM1's operand). ``save``: keep what the backward
+        walks, returned third."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -325,7 +370,7 @@ class RDEPModule:
         launches = self.launcher.launches
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
         given["tokens_of"] = brought
-        given |= self._weights(w_gate, w_up, w_down)
+        given |= self._operands(w_up, w_down)
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner))
@@ -338,8 +383,7 @@ class RDEPModule:
         if save:  # the routing tables the backward walks, as this call left them
             lo, hi = self._published
             kept["published"] = own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi].clone()
-            routing = ("sorted_rows", "route_scratch", "recv", "group", *(("rowpos",) if p.dedup else ()))
-            kept |= {n: self.private[n].clone() for n in routing}  # dedup: rowpos finds the links again
+            kept |= {n: self.private[n].clone() for n in self._routing_tables()}
         accepted = accepted.bool()
         self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
         self._record(ids, gates)
@@ -348,16 +392,22 @@ class RDEPModule:
             self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
         return y, self.last_context, kept
 
-    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, gates, w_gate, w_up, w_down):
+    def _backward_op(self, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept) -> list[torch.Tensor]:
+        """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down]."""
+        Tn = dy.shape[-2]
+        kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
+        context = RoutingContext(topk_ids.to(torch.int64).contiguous(), accepted, slot, gprime)
+        return list(self._backward(dy, context, kept, Tn, w_up, w_down))
+
+    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down):
         """Launch the backward over a forward's routing context and what it kept; returns the
-        gradients of x, the gates and the weights (w_gate None for an ungated expert)."""
+        gradients of x, g' and GEMM1's and GEMM2's operands."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
         self._settle(wait=False)
         lead = () if self.per_rank else (p.W,)
-        weights = self._weights(w_gate, w_up, w_down)
-        up = weights["w_up"]
+        weights = self._operands(w_up, w_down)
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": aligned(dy.detach().to(self.dtype).contiguous()),
@@ -368,7 +418,7 @@ class RDEPModule:
             "topk_ids": context.topk_ids,  # dedup: the links, and which slots lead at their owner
             "slot": context.slot,
             **{name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=True).items()},
-            "dw_up": torch.zeros(up.shape, **new),  # an owner without rows runs no weight gradient
+            "dw_up": torch.zeros(weights["w_up"].shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
         given |= weights | {k: v for k, v in kept.items() if k != "published"}
@@ -376,25 +426,14 @@ class RDEPModule:
         own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi] = kept["published"]
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
-        to_expert = (context.topk_ids >= 0) & (context.topk_ids < p.E)
-        dgates = gate_grad(gates, context.accepted, given["dgprime"], p.weights, to_expert).to(gates.dtype)
-        dw_up = given["dw_up"]
-        if p.gated:
-            dwg, dwu = dw_up[..., 0], dw_up[..., 1]
-        else:
-            dwg, dwu = None, dw_up
-        return given["dx"], dgates, dwg, dwu, given["dw_down"]
+        return given["dx"], given["dgprime"], given["dw_up"], given["dw_down"]
 
     def _owner_rows(self, cols: int) -> torch.Tensor:
         return owner_rows(self.contract, self.per_rank, cols, self.dtype, self.device)
 
-    def _weights(self, w_gate, w_up, w_down) -> dict[str, torch.Tensor]:
-        """The kernel's weight arguments: ``w_up`` is a gated expert's [Wg Wu], interleaved."""
-        if self.contract.gated:
-            weights = {"w_up": gate_up(w_gate.detach(), w_up.detach()), "w_down": w_down}
-        else:
-            weights = {"w_up": w_up, "w_down": w_down}
-        return {k: aligned(w.detach().contiguous()) for k, w in weights.items()}
+    def _operands(self, w_up, w_down) -> dict[str, torch.Tensor]:
+        """The kernel's weight arguments, contiguous and aligned (``w_up``: GEMM1's operand)."""
+        return {"w_up": aligned(w_up.detach().contiguous()), "w_down": aligned(w_down.detach().contiguous())}
 
     def _launch(self, given: dict, Tn: int, backward: bool, save: bool) -> None:
         """One launch of the persistent kernel: the forward, or with ``backward`` its backward
@@ -532,10 +571,18 @@ class RDEPModule:
         )
 
 
+def local_experts(contract: KernelContract, rank: int | None) -> tuple[int, ...]:
+    """The global ids of the experts whose weights a module's forward takes, in that order:
+    rank ``rank``'s experts in local order (a per-rank module); with None every expert."""
+    if rank is None:
+        return tuple(range(contract.E))
+    return tuple(sorted((e for e in range(contract.E) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
+
+
 def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
     """The module of a compiled layer directory (``rdepc compile FILE -o DIR``)."""
     contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     return RDEPModule(contract, kernels_path, **options)
 
 
-__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled"]
+__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled", "local_experts"]

@@ -92,18 +92,21 @@ def _shm_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def shared_heap(W: int, heap_bytes: int):
+def shared_heap(W: int, heap_bytes: int, used: int | None = None):
     """The ``[W, heap_bytes]`` symmetric heap of all ranks (uint8, zeroed), mapped by every
-    rank's process. Collective: every rank of the process group calls it."""
+    rank's process; with ``used``, the ``[W, used]`` prefixes of those slices, the file
+    ending where the last one does. Collective: every rank of the process group calls it."""
     import torch
 
+    used = heap_bytes if used is None else used
+    size = (W - 1) * heap_bytes + used
     rank, _ = process_group(W)
     path = None
     if rank == 0:
         path = _shm_dir() / f"{HEAP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, W * heap_bytes)  # a new file reads as zeros
+            os.ftruncate(fd, size)  # a new file reads as zeros
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -113,12 +116,12 @@ def shared_heap(W: int, heap_bytes: int):
     try:
         # the broadcast is inside: a peer lost before it fails rank 0 here, after the file exists
         path = broadcast(str(path) if path else None)
-        flat = torch.from_file(path, shared=True, size=W * heap_bytes, dtype=torch.uint8)
+        flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         barrier()  # every rank has mapped it: the name is no longer needed
     finally:
         if mine is not None:
             mine.unlink(missing_ok=True)
-    return flat.view(W, heap_bytes)
+    return flat.view(W, heap_bytes) if used == heap_bytes else flat.as_strided((W, used), (heap_bytes, 1))
 
 
 def remove_heaps(pid: int) -> list[str]:

@@ -16,6 +16,8 @@ def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """[E, H, F] gate and up weights as the one [E, H, F, 2] operand GEMM1 reads (column 2f
     gate f, 2f + 1 up f): a view when they are already the halves of one such tensor,
     otherwise a new tensor."""
+    if torch.compiler.is_compiling():  # fake tensors have no storage to compare: interleave
+        return torch.stack((w_gate, w_up), dim=-1)
     shape = (*w_gate.shape, 2)
     strides = [1]
     for n in reversed(shape[1:]):

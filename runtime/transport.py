@@ -28,6 +28,11 @@ Its *host* half allocates the heap. Three exist:
 
 The done flags every wait reads are symmetric: each rank's in its own slice (``flags``).
 
+A module built for inference allocates the forward's prefix of each slice only
+(``allocate_heap``'s ``used``): on ``nvshmem`` that is the whole allocation; on the emulated
+transports, whose ``peer`` steps ``HEAP_BYTES`` from one slice to the next (a constant of the
+generated kernels), the last slice ends there and the others keep their strides.
+
 Before a module allocates its heap it asks its transport how many rank slices this
 process allocates (``heap_ranks``) and how much memory they may take (``room``): free
 memory on the device (CUDA: the driver's free bytes plus torch's cached free blocks; CPU:
@@ -69,9 +74,10 @@ class Transport:
         :func:`free_memory`); None when unknown, and the module does not check."""
         return free_memory(device)
 
-    def allocate_heap(self, W: int, heap_bytes: int, device):
+    def allocate_heap(self, W: int, heap_bytes: int, device, used: int | None = None):
         """The heap the kernel's ``heap`` argument points at, zeroed (collective on a per-rank
-        transport: every rank calls it)."""
+        transport: every rank calls it). ``used``: the bytes of each slice the module uses,
+        a prefix (a module built for inference: the forward's regions); default all."""
         raise NotImplementedError
 
     def peers_lost(self, why: str) -> None:
@@ -92,11 +98,15 @@ class Emulated(Transport):
     name: str = "emulated"
     processes: str = TRANSPORT_PROCESSES["emulated"]
 
-    def allocate_heap(self, W: int, heap_bytes: int, device):
-        """The symmetric heap of all W ranks: one zeroed uint8 tensor [W, heap_bytes]."""
+    def allocate_heap(self, W: int, heap_bytes: int, device, used: int | None = None):
+        """The symmetric heap of all W ranks: one zeroed uint8 tensor [W, heap_bytes], or with
+        ``used`` the [W, used] prefixes of the slices (:func:`strided_slices`)."""
         import torch
 
-        return torch.zeros((W, heap_bytes), dtype=torch.uint8, device=device)
+        if used is None or used == heap_bytes:
+            return torch.zeros((W, heap_bytes), dtype=torch.uint8, device=device)
+        flat = torch.zeros((W - 1) * heap_bytes + used, dtype=torch.uint8, device=device)
+        return strided_slices(flat, W, heap_bytes, used)
 
 
 @dataclass(frozen=True)
@@ -120,11 +130,12 @@ class EmulatedMP(Transport):
             return shm, f"{_shm_dir()} has {human(shm)} free"
         return host
 
-    def allocate_heap(self, W: int, heap_bytes: int, device):
-        """Every rank's slice, [W, heap_bytes], in one shared-memory file all ranks map."""
+    def allocate_heap(self, W: int, heap_bytes: int, device, used: int | None = None):
+        """Every rank's slice, [W, heap_bytes] (with ``used``: [W, used], as ``emulated``), in
+        one shared-memory file all ranks map."""
         from rdepc.runtime.ranks import shared_heap
 
-        return shared_heap(W, heap_bytes)
+        return shared_heap(W, heap_bytes, used)
 
 
 @dataclass(frozen=True)
@@ -144,12 +155,12 @@ class Nvshmem(Transport):
         _, total = torch.cuda.mem_get_info(device)
         return total, f"{torch.device(device)} has {human(total)} in all"
 
-    def allocate_heap(self, W: int, heap_bytes: int, device):
-        """This rank's copy, [heap_bytes], one NVSHMEM symmetric allocation; peers through
-        nvshmem_ptr."""
+    def allocate_heap(self, W: int, heap_bytes: int, device, used: int | None = None):
+        """This rank's copy, [heap_bytes] (with ``used``: [used]), one NVSHMEM symmetric
+        allocation; peers through nvshmem_ptr, which needs no stride between them."""
         from rdepc.runtime.nvshmem import NvshmemWorld
 
-        return NvshmemWorld.start().alloc_heap(heap_bytes)
+        return NvshmemWorld.start().alloc_heap(heap_bytes if used is None else used)
 
     def peers_lost(self, why: str) -> None:
         from rdepc.runtime.nvshmem import NvshmemWorld
@@ -161,6 +172,14 @@ class Nvshmem(Transport):
         from rdepc.runtime.nvshmem import NvshmemWorld
 
         return NvshmemWorld.start().launcher()
+
+
+def strided_slices(flat, W: int, heap_bytes: int, used: int):
+    """``flat`` ((W - 1)·heap_bytes + used bytes) as [W, used]: each rank's slice where the
+    kernels' ``peer`` finds it, ``heap_bytes`` (their compiled ``HEAP_BYTES``) after the one
+    before, and its first ``used`` bytes. The last slice ends there; the tails of the others
+    lie between the slices, allocated but never read."""
+    return flat.as_strided((W, used), (heap_bytes, 1))
 
 
 TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": Nvshmem()}

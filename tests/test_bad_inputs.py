@@ -321,7 +321,7 @@ def moe():
 
 @pytest.mark.parametrize(
     "case",
-    ["list", "numpy", "None", "int", "bool", "complex", "sparse", "meta", "rank 1", "rank 4", "W", "N", "H", "T"],
+    ["list", "numpy", "None", "int", "bool", "complex", "sparse", "meta", "rank 1", "N", "H", "T"],
 )
 def test_rdepmoe_refuses_bad_x_in_one_line(moe, case):
     x = torch.randn(W, TOKENS, H)
@@ -334,10 +334,8 @@ def test_rdepmoe_refuses_bad_x_in_one_line(moe, case):
         "complex": (x.to(torch.complex64), TypeError, r"layer 'small': x must be a floating-point tensor"),
         "sparse": (x.to_sparse(), TypeError, r"layer 'small': x must be a dense \(strided\) tensor"),
         "meta": (x.to("meta"), ValueError, r"layer 'small': x is on meta, the block on cpu"),
-        "rank 1": (x[0, 0], ValueError, r"layer 'small': x must be \[N, H\] or \[W, T', H\] with H=32, got \(32,\)"),
-        "rank 4": (x[None], ValueError, r"layer 'small': x must be \[N, H\] or \[W, T', H\] with H=32"),
-        "W": (x.reshape(3, 4, H), ValueError, r"rdepc layer small: x must be \[W=2, T', H=32\], got \(3, 4, 32\)"),
-        "N": (x.reshape(-1, H)[:3], ValueError, r"x \[3, 32\] cannot be split over the 2 ranks of layer 'small'"),
+        "rank 1": (x[0, 0], ValueError, r"layer 'small': x must be \[\.\.\., H\] with H=32, got \(32,\)"),
+        "N": (torch.randn(3, 6, H), ValueError, r"layer 'small': x has 18 tokens, more than the 2 ranks x T=8"),
         "H": (x[..., :-1], ValueError, r"x has hidden size 31, but layer 'small' has 32"),
         "T": (torch.randn(W, T + 1, H), ValueError, r"rdepc layer small: x has T'=9 tokens per rank, more than"),
     }[case]

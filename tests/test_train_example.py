@@ -1,6 +1,6 @@
 """examples/train_moe.py end to end, in a subprocess: a CI-sized run (one MoE block, a few
 steps, backward through the compiled kernels under the Triton interpreter) exits 0 and its
-loss falls."""
+loss falls; a per-rank backend started without torchrun is refused in one line."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def test_train_example_loss_falls(tmp_path):
     assert len(losses) == steps
     assert all(math.isfinite(v) for v in losses), losses
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+def test_per_rank_backend_outside_torchrun_is_refused_in_one_line(tmp_path):
+    """--backend emulated-mp runs one process per rank: started alone, the script says how to
+    start it (the torchrun launch itself is tests/test_distributed.py's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"RDEPC_CACHE_DIR": str(tmp_path / "rdepc-cache"), "NO_COLOR": "1"}
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", "emulated-mp", "-D", "W=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "train_moe: a per-rank backend runs one process per rank: start them with "
+        "`torchrun --nproc-per-node 2 ...` (or rdepc.runtime.ranks.spawn)"
+    ], p.stderr

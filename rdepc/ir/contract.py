@@ -70,6 +70,11 @@ NATIVE_SPIN_BOUND = 1 << 26
 H100_SMS = 132
 
 
+# The private buffers only the backward's launch reads (its control words and tile counters):
+# a module built for inference allocates the others.
+BACKWARD_PRIVATE = frozenset({"bwd_ctl", "bwd_tile_done"})
+
+
 def ctl_words(W: int) -> int:
     """Words of the private control block: CONTROL's words, then the ticket counter of the
     kernel that takes tickets (unified mode's, or split mode's transport kernel's)."""
@@ -200,6 +205,9 @@ class KernelContract:
     from_one: tuple[int, ...]  # rows one source may send owner q (distinct top-K, capacity)
     # the symmetric heap (one rank's slice) and the private buffers
     heap_bytes: int
+    # the forward's part of a slice: its regions come first, so it is the prefix [0, forward_bytes)
+    # and the backward's regions the rest (a module built for inference allocates only it)
+    forward_bytes: int
     heap: tuple[tuple[str, int], ...]  # name → byte offset
     layout: tuple[tuple[str, str, int, int], ...]  # the heap's buffers: (name, region, offset, size)
     private: tuple[tuple[str, str, tuple[int, ...]], ...]  # per-rank private buffers: (name, dtype, shape)

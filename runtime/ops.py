@@ -1,0 +1,144 @@
+"""The layer's forward and backward as ``torch.library`` custom ops, so that ``torch.compile``
+(``fullgraph=True`` included) captures a model with RDEP layers without a graph break.
+
+    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, brought, save)
+        -> [y, accepted, slot, gprime, *kept]
+    rdepc::backward(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+        -> [dx, dgprime, dw_up, dw_down]
+
+``handle`` names the :class:`rdepc.runtime.RDEPModule` whose heap, task tables and kernels
+the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
+is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
+[E, H, F, 2]). With ``save`` the forward also returns what the backward walks: the routing
+context (the accepted set, each slot's place at its owner, g') and ``kept`` (the owners'
+rows, the routing tables; :func:`kept_layout`). The ops are opaque to the compiler:
+their fake (meta) implementations give only the outputs' shapes, from the module, and their
+real ones run exactly what an eager call runs, so compiled results equal eager ones bitwise.
+
+Autograd is registered on ``rdepc::forward``: its backward calls ``rdepc::backward`` and
+takes dL/dg' through the capacity weights policy (:func:`rdepc.runtime.autograd.gate_grad`,
+torch ops the compiler traces). The ops keep the module's state beside the graph (its heap,
+its control words, ``last_stats``): they are not functional, and a graph must not reorder
+two calls of one layer, which their data dependencies already forbid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from rdepc.runtime.autograd import gate_grad
+from rdepc.runtime.heap import own_slices, owner_row_buffers
+from torch import Tensor
+
+_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def register(module) -> int:
+    """A new handle for ``module`` (held weakly)."""
+    handle = next(_HANDLES)
+    _MODULES[handle] = module
+    return handle
+
+
+def module_of(handle: int):
+    module = _MODULES.get(handle)
+    if module is None:
+        raise RuntimeError(f"rdepc layer handle {handle}: its module no longer exists")
+    return module
+
+
+@torch.library.custom_op("rdepc::forward", mutates_args=())
+def forward(
+    handle: int, x: Tensor, topk_ids: Tensor, gates: Tensor, w_up: Tensor, w_down: Tensor, brought: Tensor, save: bool
+) -> list[Tensor]:
+    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, brought, save)
+
+
+@forward.register_fake
+def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, brought, save):
+    layout = forward_layout(module_of(handle), x.shape[-2], save)
+    return [torch.empty(shape, dtype=dtype, device=x.device) for _, shape, dtype in layout]
+
+
+@torch.library.custom_op("rdepc::backward", mutates_args=())
+def backward(
+    handle: int,
+    dy: Tensor,
+    topk_ids: Tensor,
+    accepted: Tensor,
+    slot: Tensor,
+    gprime: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    kept: list[Tensor],
+) -> list[Tensor]:
+    return module_of(handle)._backward_op(dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+
+
+@backward.register_fake
+def _backward_fake(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept):
+    module = module_of(handle)
+    lead = dy.shape[:-1]
+    return [
+        torch.empty(dy.shape, dtype=module.dtype, device=dy.device),
+        torch.empty((*lead, module.contract.K), dtype=torch.float32, device=dy.device),
+        torch.empty(w_up.shape, dtype=module.dtype, device=dy.device),
+        torch.empty(w_down.shape, dtype=module.dtype, device=dy.device),
+    ]
+
+
+def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of ``rdepc::forward``'s outputs at T' = ``Tn``: y, the routing
+    context and, with ``save``, :func:`kept_layout`."""
+    p = module.contract
+    lead = () if module.per_rank else (p.W,)
+    out = [
+        ("y", (*lead, Tn, p.H), module.dtype),
+        ("accepted", (*lead, Tn, p.K), torch.bool),
+        ("slot", (*lead, Tn, p.K), torch.int32),
+        ("gprime", (*lead, Tn, p.K), torch.float32),
+    ]
+    return out + (kept_layout(module, Tn) if save else [])
+
+
+def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What a forward keeps for its backward, in order: the owners' rows (input,
+    pre-activations; the expert outputs at the front-ends, or under dedup at the owners),
+    the offsets its owners published, and the routing tables."""
+    p = module.contract
+    lead = () if module.per_rank else (p.W,)
+    owners = 1 if module.per_rank else p.W
+    out = [(name, (owners, p.R_MAX, cols), module.dtype) for name, cols in owner_row_buffers(p, False).items()]
+    if not p.dedup:
+        out.append(("saved_out", (*lead, Tn, p.K, p.H), module.dtype))
+    lo, hi = module._published
+    slices = own_slices(module.heap, module.per_rank, module.rank)
+    out.append(("published", (slices.shape[0], hi - lo), slices.dtype))
+    return out + [(n, tuple(module.private[n].shape), module.private[n].dtype) for n in module._routing_tables()]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    handle, _x, topk_ids, gates, w_up, w_down, _brought, save = inputs
+    ctx.handle, ctx.saved = handle, save
+    ctx.save_for_backward(topk_ids, gates, w_up, w_down, *output[1:])
+
+
+def _forward_backward(ctx, grads):
+    if not ctx.saved:
+        raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
+    topk_ids, gates, w_up, w_down, accepted, slot, gprime, *kept = ctx.saved_tensors
+    module = module_of(ctx.handle)
+    dy = grads[0]
+    dx, dgprime, dw_up, dw_down = backward(ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+    to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
+    dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
+    return None, dx, None, dgates, dw_up, dw_down, None, None
+
+
+forward.register_autograd(_forward_backward, setup_context=_setup_context)
+
+
+__all__ = ["backward", "forward", "forward_layout", "kept_layout", "module_of", "register"]
