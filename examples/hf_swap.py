@@ -5,13 +5,15 @@
 
 Builds the model from a config (nothing is downloaded), runs it, replaces every sparse MoE
 block with ``rdepc.hf.swap`` (the same weights, the routed experts run by rdepc's compiled
-kernels), runs it again on the same tokens and prints how far the logits moved.
+kernels), runs it again on the same tokens and prints how far the logits moved. Needs
+transformers 5.x (``pip install 'transformers>=5.0'``, or rdepc's test extras).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +21,11 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:
+    sys.exit("examples/hf_swap.py needs transformers, which is not installed: pip install 'transformers>=5.0'")
 
 from rdepc.hf import swap
 

@@ -1,0 +1,175 @@
+"""Tiny random transformers MoE blocks of every family transformers 5.x ships, for test_hf.py:
+each with the spec that describes it, or the SwapError that refuses it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+H = 32  # hidden size of every block here
+
+
+def import_transformers():
+    """transformers, imported with Triton in interpreter mode: it imports Triton itself, and
+    a process keeps the first mode (a CPU module needs the interpreter). None when missing."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import transformers
+
+        for model in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+            getattr(transformers, model)  # transformers imports lazily: import the models now
+        return transformers
+    except ImportError:
+        return None
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family's block: ``module`` (transformers.models.<module>), its config class and
+    keywords, its block class; the spec's router, E, K, F and shared line, or the start of the
+    SwapError that refuses it."""
+
+    module: str
+    config: str
+    block: str
+    kw: dict = field(default_factory=dict)
+    router: str = "softmax, renormalize"
+    E: int = 4
+    K: int = 2
+    F: int = 16
+    shared: str = ""
+    refused: str | None = None
+
+
+CASES = {
+    "mixtral": Case(
+        "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": Case(
+        "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False},
+        router="softmax", E=8, K=3,
+    ),
+    "olmoe": Case(
+        "olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
+        {"intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True},
+        E=8,
+    ),
+    "deepseek_v2_greedy": Case(
+        "deepseek_v2", "DeepseekV2Config", "DeepseekV2Moe",
+        {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2,
+         "routed_scaling_factor": 1.5, "topk_method": "greedy"},
+        router="softmax, scale 1.5", shared="shared 2 x swiglu(ffn = 16)",
+    ),
+    "deepseek_v3": Case(
+        "deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
+        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
+        router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5", E=8,
+        shared="shared 1 x swiglu(ffn = 16)",
+    ),
+    "glm4_moe": Case(
+        "glm4_moe", "Glm4MoeConfig", "Glm4MoeMoE",
+        {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "norm_topk_prob": False},
+        router="sigmoid, bias, scale 1", shared="shared swiglu(ffn = 16)",
+    ),
+    "ernie4_5_moe": Case(
+        "ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1},
+        router="softmax, bias, renormalize", shared="shared swiglu(ffn = 16)",
+    ),
+    "ernie4_5_moe_unshared": Case(
+        "ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 0},
+        router="softmax, bias, renormalize",
+    ),
+    "hunyuan_v1_moe": Case(
+        "hunyuan_v1_moe", "HunYuanMoEV1Config", "HunYuanMoEV1Moe",
+        {"intermediate_size": 16, "num_experts": 4, "moe_topk": 2}, shared="shared swiglu(ffn = 16)",
+    ),
+    "deepseek_v2_group_limited": Case(
+        "deepseek_v2", "DeepseekV2Config", "DeepseekV2Moe",
+        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+        router="softmax, groups 4, top_groups 2", E=8, shared="shared swiglu(ffn = 16)",
+        refused="(DeepseekV2Moe): its router DeepseekV2TopkRouter has topk_method group_limited_greedy",
+    ),
+    "qwen2_moe": Case(
+        "qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2},
+        router="softmax", shared="shared swiglu(ffn = 16)",
+        refused="(Qwen2MoeSparseMoeBlock): Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x))",
+    ),
+    "qwen3_next": Case(
+        "qwen3_next", "Qwen3NextConfig", "Qwen3NextSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2},
+        shared="shared swiglu(ffn = 16)",
+        refused="(Qwen3NextSparseMoeBlock): Qwen3-Next scales its shared expert by sigmoid(shared_expert_gate(x))",
+    ),
+    "gpt_oss": Case(
+        "gpt_oss", "GptOssConfig", "GptOssMLP",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        refused="(GptOssMLP): GPT-OSS adds a router bias to the logits",
+    ),
+    "llama4": Case(
+        "llama4", "Llama4TextConfig", "Llama4TextMoe",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        router="sigmoid", shared="shared swiglu(ffn = 16)",
+        refused="(Llama4TextMoe): Llama-4 scales each expert's input by a sigmoid of its top-K logit",
+    ),
+}  # fmt: skip
+
+
+def spec_text(case: Case, tokens: int = 8, dtype: str = "fp32") -> str:
+    shared = f"  {case.shared}\n" if case.shared else ""
+    return (
+        "layer m {\n"
+        f"  shape  ranks 2, tokens {tokens}, hidden {H}, experts {case.E}, top {case.K}\n"
+        f"  expert swiglu(ffn = {case.F})\n"
+        f"  dtype  {dtype}\n"
+        f"  router {case.router}\n"
+        f"{shared}"
+        "  schedule bulk\n"
+        "}\n"
+    )
+
+
+def randomize(module: nn.Module, seed: int = 0) -> None:
+    """Every parameter and floating buffer drawn N(0, 0.3²) (a selection bias N(0, 0.05²)):
+    transformers leaves expert weights empty and zeroes routers, where every token would tie."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            std = 0.05 if "bias" in name else 0.3
+            t.copy_(torch.randn(t.shape, generator=g) * std)
+
+
+def block(transformers, case: Case, seed: int = 0) -> nn.Module:
+    """The family's block, alone, with random weights, in a holder module at ``mlp``."""
+    modeling = importlib.import_module(f"transformers.models.{case.module}.modeling_{case.module}")
+    config = getattr(transformers, case.config)(hidden_size=H, **case.kw)
+    cls = getattr(modeling, case.block)
+    made = cls(config, layer_idx=0) if "layer_idx" in cls.__init__.__code__.co_varnames else cls(config)
+    randomize(made, seed)
+    holder = nn.Module()
+    holder.mlp = made
+    return holder
+
+
+def expert_grads(block: nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers block's gradients by its own names: the input's is separate."""
+    return {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
