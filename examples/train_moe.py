@@ -327,5 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave_process_group() -> None:
+    """Per rank: leave the process group together and explicitly. A rank whose process ends
+    first, with the group still alive, leaves its peers' gloo threads to be torn down at
+    interpreter exit, which can abort them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    leave_process_group()
+    sys.exit(status)

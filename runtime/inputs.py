@@ -99,10 +99,13 @@ def brought_tokens(
 def token_mask(counts: list[int], Tn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``counts`` on ``device`` (int64 [W]) and the mask of the tokens they cover (bool [W, Tn]),
     without the host waiting for the device (a pinned copy, queued)."""
-    host = torch.tensor(counts, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    brought = host.to(device, non_blocking=True)
+    if torch.compiler.is_compiling():  # a constant of the graph: no pinned staging to trace
+        brought = torch.tensor(counts, dtype=torch.int64, device=device)
+    else:
+        host = torch.tensor(counts, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        brought = host.to(device, non_blocking=True)
     return brought, torch.arange(Tn, device=device)[None, :] < brought[:, None]
 
 

@@ -396,7 +396,7 @@ class RDEPModule:
         """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down]."""
         Tn = dy.shape[-2]
         kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
-        context = RoutingContext(topk_ids.to(torch.int64).contiguous(), accepted, slot, gprime)
+        context = RoutingContext(aligned(topk_ids.to(torch.int64).contiguous()), accepted, slot, gprime)
         return list(self._backward(dy, context, kept, Tn, w_up, w_down))
 
     def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down):

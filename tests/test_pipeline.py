@@ -123,7 +123,7 @@ def run_all(case: Seg) -> dict[str, RDEPModule]:
     return modules
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(segs())
 @example(Seg(W=2, E=4, K=2, T=12, S=5, B=1, routing="zipf:1.5"))  # B = 1: every segment reuses the one slot
 @example(Seg(W=3, E=6, K=2, T=10, S=8, B=3, capacity="factor 0.5, weights zero"))  # deep, drops
