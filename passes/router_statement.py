@@ -2,6 +2,8 @@
 
     router softmax, renormalize                                            # Mixtral, Qwen3 norm_topk_prob
     router sigmoid, bias, groups 8, top_groups 4, renormalize, scale 2.5   # DeepSeek-V3
+    router softmax, groups 8, top_groups 3, group_score max, scale 16      # DeepSeek-V2
+    router softmax, logit_bias, renormalize                                # GPT-OSS
     router softmax, renormalize, aux_loss 0.01, z_loss 0.001
 
 Without the statement a layer routes as ``router softmax, renormalize``. The semantics are
@@ -16,8 +18,9 @@ from rdepc import syntax as S
 from rdepc.ir.spec import Router, Shape
 
 SCORES = ("softmax", "sigmoid")
-FLAGS = (*SCORES, "renormalize", "bias")
-KEYED = ("groups", "top_groups", "scale", "aux_loss", "z_loss")
+FLAGS = (*SCORES, "renormalize", "bias", "logit_bias")
+KEYED = ("groups", "top_groups", "group_score", "scale", "aux_loss", "z_loss")
+GROUP_SCORES = ("top2", "max")  # the first is the default
 
 
 def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
@@ -52,6 +55,18 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
             return None
         numbers[name] = Fraction(v.value)
     groups = top_groups = 1
+    group_score = GROUP_SCORES[0]
+    if "group_score" in opts:
+        group_score = layer.choice(opts["group_score"], GROUP_SCORES, "router group_score")
+        if group_score is None:
+            return None
+        if "groups" not in opts:
+            d.error(
+                "router group_score needs groups and top_groups: it scores the groups a token picks from",
+                opts["group_score"].span,
+                "e.g. 'groups 8, top_groups 3, group_score max'",
+            )
+            return None
     if ("groups" in opts) != ("top_groups" in opts):
         given, missing = ("groups", "top_groups") if "groups" in opts else ("top_groups", "groups")
         d.error(f"router {given} needs {missing}", opts[given].span, "e.g. 'groups 8, top_groups 4'")
@@ -81,6 +96,8 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
         bias="bias" in opts,
         groups=groups,
         top_groups=top_groups,
+        group_score=group_score,
+        logit_bias="logit_bias" in opts,
         scale=numbers.get("scale", Fraction(1)),
         aux_loss=numbers.get("aux_loss"),
         z_loss=numbers.get("z_loss"),

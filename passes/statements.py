@@ -36,6 +36,7 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
 DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
+SHARED_GATES = ("sigmoid",)  # Qwen2-MoE, Qwen3-Next: sigmoid(x · w_sg^T) scales the shared experts' sum
 
 
 class Statements:
@@ -97,9 +98,12 @@ class Statements:
     def shared(self, st: S.Stmt | None) -> Shared | None:
         if st is None:
             return None
-        _, pos = self.args(st, positional=1)
+        opts, pos = self.args(st, keyed=("gate",), positional=1)
         if not pos:
             self.diags.error("'shared' needs the shared experts", st.keyword_span, self._usage("shared"))
+            return None
+        gate = self.choice(opts["gate"], SHARED_GATES, "shared gate") if "gate" in opts else None
+        if "gate" in opts and gate is None:
             return None
         v = pos[0].value
         count: Poly | None = Poly.const(1)
@@ -110,7 +114,7 @@ class Statements:
             self.diags.error("'shared' needs an expert function", v.span, self._usage("shared"))
             return None
         fn = self.call(v, "shared expert")
-        return None if fn is None or count is None else Shared(int(count.value), fn)
+        return None if fn is None or count is None else Shared(int(count.value), fn, gate)
 
     def precision(self, st: S.Stmt | None) -> Precision | None:
         if st is None:

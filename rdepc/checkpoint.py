@@ -6,8 +6,8 @@ own on a per-rank backend), ``{prefix}experts.{e}.w_gate_up`` [H, F, 2] (gated e
 ``{prefix}experts.{e}.w_up`` [H, F], and ``{prefix}experts.{e}.w_down`` [F, H]: views of
 that expert's row of the parameter, so that ``torch.distributed.checkpoint.load`` (which
 writes into the tensors it is given) fills the parameters directly. The whole-tensor keys
-``w_gate_up`` / ``w_up`` / ``w_down`` do not appear. Router, router bias and shared experts
-keep their ordinary keys: they are replicated.
+``w_gate_up`` / ``w_up`` / ``w_down`` do not appear. The router and its biases, the shared
+experts and their gate keep their ordinary keys: they are replicated.
 
 Loading (``load_state_dict``) takes the block's own experts from such keys and drops every
 other expert's: each rank can load the whole layer's state dict strictly, and a DCP

@@ -13,14 +13,16 @@ Semantics, in order:
 
 1. router, as the spec's ``router`` statement says (docs/language.md; without one,
    ``router softmax, renormalize``): ``logits = x · routerᵀ`` in fp32 (``router`` [E, H], an
-   fp32 parameter whatever the layer's dtype: its master copy), scores (softmax or sigmoid)
-   over the E experts, the top-K by score (plus ``router_bias`` [E], a buffer, when the spec
-   says ``bias``; within the ``top_groups`` best groups when it says ``groups``), gates the
-   chosen scores, renormalised to sum 1 and scaled when the spec says so;
+   fp32 parameter whatever the layer's dtype: its master copy; plus ``router_logit_bias`` [E],
+   an fp32 parameter, when the spec says ``logit_bias``), scores (softmax or sigmoid) over the
+   E experts, the top-K by score (plus ``router_bias`` [E], a buffer, when the spec says
+   ``bias``; within the ``top_groups`` best groups when it says ``groups``), gates the chosen
+   scores, renormalised to sum 1 and scaled when the spec says so;
 2. routed experts: the compiled layer (``Layer.module``), ``sum_k g'_k f_{e_k}(x)`` with the
    spec's capacity policy — never the reference operator;
 3. shared experts (the spec's ``shared N x act(ffn = F)``): computed densely on the
-   front-end rank, replicated, and added.
+   front-end rank, replicated, and added; with ``gate sigmoid`` their sum is first scaled
+   per token by ``sigmoid(x · shared_gate_projᵀ)`` (``shared_gate_proj`` [1, H]).
 
 Experts are ``nn.Parameter``s: a gated expert's ``w_gate_up`` [E, H, F, 2] (gate and up
 interleaved, the operand GEMM1 reads: ``w_gate`` and ``w_up`` are its two halves, views),
@@ -95,6 +97,8 @@ class RDEPMoE(nn.Module):
         kw = {"device": where, "dtype": dtype or self.dtype}
         n_exp = len(self.experts)
         self.router = nn.Parameter(torch.empty(self.E, self.H, device=where, dtype=torch.float32))
+        logit_bias = torch.zeros(self.E, device=where, dtype=torch.float32) if s.router.logit_bias else None
+        self.router_logit_bias = None if logit_bias is None else nn.Parameter(logit_bias)
         self.register_buffer("router_bias", torch.zeros(self.E, device=where) if s.router.bias else None)
         gated = s.expert.gated
         if gated:  # w_gate and w_up: its halves (__getattr__)
@@ -104,7 +108,7 @@ class RDEPMoE(nn.Module):
             self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
         self.w_down = nn.Parameter(torch.empty(n_exp, self.F, self.H, **kw))
         self.shared_act = None
-        self.shared_gate = self.shared_up = self.shared_down = None
+        self.shared_gate = self.shared_up = self.shared_down = self.shared_gate_proj = None
         if s.shared is not None:
             n, Fs = s.shared.count, int(s.shared.fn.F)
             self.shared_act = s.shared.fn.act
@@ -112,6 +116,8 @@ class RDEPMoE(nn.Module):
                 self.shared_gate = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_up = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_down = nn.Parameter(torch.empty(n, Fs, self.H, **kw))
+            if s.shared.gate is not None:  # one gate over the N experts' sum, as the models hold it
+                self.shared_gate_proj = nn.Parameter(torch.empty(1, self.H, **kw))
         if not meta:
             self.reset_parameters(generator)
         from rdepc import checkpoint
@@ -166,8 +172,12 @@ class RDEPMoE(nn.Module):
         keeps its own: with one seed, every rank's block is a slice of the same layer."""
         experts = ("w_gate_up", "w_up", "w_down")
         for name, p in self.named_parameters():
-            if name == "router":  # drawn [H, E] as x · router reads it, kept [E, H] like nn.Linear
-                p.copy_((torch.randn(self.H, self.E, generator=generator, device="cpu") / math.sqrt(self.H)).T)
+            if name in ("router", "shared_gate_proj"):  # drawn [H, n] as x · w reads it, kept [n, H] (nn.Linear)
+                w = torch.randn(self.H, p.shape[0], generator=generator, device="cpu") / math.sqrt(self.H)
+                p.copy_(w.T.to(p.dtype))
+                continue
+            if name == "router_logit_bias":  # zero: the router starts as it would without one
+                p.zero_()
                 continue
             for w in (p[..., 0], p[..., 1]) if name == "w_gate_up" else (p,):  # gate, then up
                 fan_in = w.shape[-2]
@@ -187,12 +197,12 @@ class RDEPMoE(nn.Module):
         self, x: torch.Tensor, logits: torch.Tensor | None = None, router_bias: torch.Tensor | None = None
     ) -> R.Routing:
         """(ids [..., T', K] int64, gates [..., T', K] fp32, logits [..., T', E] fp32) by the
-        spec's router; from ``logits`` instead of ``x · routerᵀ`` when given, with
-        ``router_bias`` instead of this block's when given."""
+        spec's router; from ``logits`` instead of ``x · routerᵀ (+ router_logit_bias)`` when
+        given, with ``router_bias`` instead of this block's when given."""
         if logits is None and self.router is None:
             raise ValueError(f"layer '{self.layer.spec.name}' has no router weight of its own: pass logits=")
         bias = self.router_bias if router_bias is None else router_bias
-        return R.route(x, self.router, self.layer.spec.router, self.K, bias, logits)
+        return R.route(x, self.router, self.layer.spec.router, self.K, bias, logits, self.router_logit_bias)
 
     def forward(
         self,
@@ -245,6 +255,8 @@ class RDEPMoE(nn.Module):
                 gate = None if self.shared_gate is None else self.shared_gate[j].to(self.dtype)
                 up, down = self.shared_up[j].to(self.dtype), self.shared_down[j].to(self.dtype)
                 shared = shared + _ffn(x, gate, up, down, self.shared_act)
+            if self.shared_gate_proj is not None:
+                shared = shared * torch.sigmoid(F_.linear(x, self.shared_gate_proj.to(self.dtype)))
             y = y + shared  # a padding token's: f(0) = 0
         y = self._unspread(y, n).reshape(shape).to(dtype)
         if not router_outputs:
@@ -332,6 +344,7 @@ class RDEPMoE(nn.Module):
 
     def extra_repr(self) -> str:
         shared = "" if self.shared_act is None else f", shared {self.shared_up.shape[0]} x {self.shared_act}"
+        shared += "" if self.shared_gate_proj is None else " (sigmoid-gated)"
         return (
             f"{self.layer.spec.name}: W={self.W} T<={self.T} H={self.H} F={self.F} E={self.E} K={self.K}, "
             f"{self.act}{shared}, {self.backend} on {self.w_down.device}"

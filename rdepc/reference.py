@@ -71,26 +71,37 @@ def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, 
     raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, router, K: int, bias: torch.Tensor | None = None):
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    router,
+    K: int,
+    bias: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
+):
     """The router of docs/language.md, one token at a time: ``x`` [N, H], ``weight`` [E, H],
     ``router`` a spec's :class:`rdepc.ir.spec.Router`. Returns (ids [N, K], gates [N, K]) in fp32.
 
-    Per token: logits z = W·x; scores s = softmax(z) or sigmoid(z); a choice score c = s (+ bias);
-    with G groups, each group's score is the sum of its two best c, and only the experts of the
-    ``top_groups`` best groups may be chosen; the K best c are chosen; their gates are their s,
-    divided by their sum when ``renormalize``, times ``scale``.
+    Per token: logits z = W·x (+ ``logit_bias``); scores s = softmax(z) or sigmoid(z); a choice
+    score c = s (+ bias); with G groups, each group's score is the sum of its two best c
+    (``group_score top2``) or its best c (``max``), and only the experts of the ``top_groups``
+    best groups may be chosen; the K best c are chosen; their gates are their s, divided by
+    their sum when ``renormalize``, times ``scale``.
     """
     E = weight.shape[0]
     ids, gates = [], []
     for xt in x.float():
         z = weight.float() @ xt
+        if logit_bias is not None:
+            z = z + logit_bias.float()
         s = torch.softmax(z, dim=0) if router.score == "softmax" else torch.sigmoid(z)
         c = s if bias is None else s + bias.float()
         allowed = list(range(E))
         if router.groups > 1:
             size = E // router.groups
-            best_two = [sorted(c[g * size : (g + 1) * size].tolist(), reverse=True)[:2] for g in range(router.groups)]
-            group_rank = sorted(range(router.groups), key=lambda g: -sum(best_two[g]))
+            counted = 1 if router.group_score == "max" else 2
+            best = [sorted(c[g * size : (g + 1) * size].tolist(), reverse=True)[:counted] for g in range(router.groups)]
+            group_rank = sorted(range(router.groups), key=lambda g: -sum(best[g]))
             allowed = [e for g in sorted(group_rank[: router.top_groups]) for e in range(g * size, (g + 1) * size)]
         chosen = sorted(allowed, key=lambda e: -c[e].item())[:K]
         g = s[chosen]
@@ -101,6 +112,29 @@ def route(x: torch.Tensor, weight: torch.Tensor, router, K: int, bias: torch.Ten
     if not gates:  # no tokens
         return torch.zeros((0, K), dtype=torch.int64), torch.zeros((0, K))
     return torch.tensor(ids, dtype=torch.int64).reshape(-1, K), torch.stack(gates).reshape(-1, K)
+
+
+def shared_experts(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The spec's shared experts on every token of ``x`` [..., H]: the sum over the N experts
+    (``w_gate`` and ``w_up`` [N, H, F_s] — ``w_gate`` None unless swiglu —, ``w_down``
+    [N, F_s, H]) of each one's output; with ``shared ..., gate sigmoid`` that sum times
+    sigmoid(x · ``gate``ᵀ) per token (``gate`` [1, H]). In x's dtype, computed in fp32."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    rows = x.reshape(-1, x.shape[-1]).to(ct)
+    total = torch.zeros_like(rows)
+    for j in range(w_up.shape[0]):
+        wg = None if w_gate is None else w_gate[j].to(ct)
+        total = total + expert_fn(rows, wg, w_up[j].to(ct), w_down[j].to(ct), act)
+    if gate is not None:
+        total = total * torch.sigmoid(rows @ gate.to(ct).reshape(-1, 1))
+    return total.reshape(x.shape).to(x.dtype)
 
 
 FP8_MAX = 448.0  # the largest finite fp8 e4m3 (e4m3fn) value
@@ -496,4 +530,5 @@ __all__ = [
     "reference_for",
     "route",
     "row_id_for",
+    "shared_experts",
 ]

@@ -32,15 +32,22 @@ def route(
     K: int,
     bias: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> Routing:
-    """Route ``x`` [..., H] with ``weight`` [E, H] (or given ``logits`` [..., E]), in fp32."""
-    logits = F_.linear(x.float(), weight.float()) if logits is None else logits.float()
+    """Route ``x`` [..., H] with ``weight`` [E, H] and ``logit_bias`` [E] (the spec's
+    ``logit_bias``), or from given ``logits`` [..., E] (which hold any bias already), in fp32."""
+    if logits is None:
+        logits = F_.linear(x.float(), weight.float(), None if logit_bias is None else logit_bias.float())
+    logits = logits.float()
     s = scores(logits, router)
     choice = s if bias is None else s + bias.float()
     if router.groups > 1:
         size = choice.shape[-1] // router.groups
         grouped = choice.unflatten(-1, (router.groups, size))
-        group_score = grouped.topk(min(2, size), dim=-1).values.sum(dim=-1)  # DeepSeek-V3: its best two
+        if router.group_score == "max":  # DeepSeek-V2: its best expert
+            group_score = grouped.amax(dim=-1)
+        else:  # DeepSeek-V3: its best two
+            group_score = grouped.topk(min(2, size), dim=-1).values.sum(dim=-1)
         best = group_score.topk(router.top_groups, dim=-1).indices
         kept = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, best, True)
         choice = choice.masked_fill(~kept.repeat_interleave(size, dim=-1), float("-inf"))

@@ -101,29 +101,26 @@ CASES = {
     ),
     "deepseek_v2_group_limited": Case(
         "deepseek_v2", "DeepseekV2Config", "DeepseekV2Moe",
-        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
-        router="softmax, groups 4, top_groups 2", E=8, shared="shared swiglu(ffn = 16)",
-        refused="(DeepseekV2Moe): its router DeepseekV2TopkRouter has topk_method group_limited_greedy",
+        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 1,
+         "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},  # K > M: the groups limit
+        router="softmax, groups 4, top_groups 2, group_score max", E=8, K=3, shared="shared swiglu(ffn = 16)",
     ),
     "qwen2_moe": Case(
         "qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock",
         {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
          "num_experts_per_tok": 2},
-        router="softmax", shared="shared swiglu(ffn = 16)",
-        refused="(Qwen2MoeSparseMoeBlock): Qwen2-MoE scales its shared expert by sigmoid(shared_expert_gate(x))",
+        router="softmax", shared="shared swiglu(ffn = 16), gate sigmoid",
     ),
     "qwen3_next": Case(
         "qwen3_next", "Qwen3NextConfig", "Qwen3NextSparseMoeBlock",
         {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
          "num_experts_per_tok": 2},
-        shared="shared swiglu(ffn = 16)",
-        refused="(Qwen3NextSparseMoeBlock): Qwen3-Next scales its shared expert by sigmoid(shared_expert_gate(x))",
+        shared="shared 2 x swiglu(ffn = 8), gate sigmoid",  # one gate over the N experts' sum
     ),
     "gpt_oss": Case(
         "gpt_oss", "GptOssConfig", "GptOssMLP",
         {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
-        refused="(GptOssMLP): GPT-OSS adds a router bias to the logits",
+        refused="(GptOssMLP): GPT-OSS's experts have biases and a clamped SwiGLU, which a spec cannot express",
     ),
     "llama4": Case(
         "llama4", "Llama4TextConfig", "Llama4TextMoe",

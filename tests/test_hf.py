@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import rdepc
 from rdepc.hf import RDEPBlock, SwapError, swap, unswap
+from rdepc.reference import route
 
 transformers = fam.import_transformers()
 if transformers is None:
@@ -103,6 +104,8 @@ def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
         out[f"{s}.gate_proj.weight"] = m.shared_gate.grad.transpose(1, 2).flatten(0, 1)
         out[f"{s}.up_proj.weight"] = m.shared_up.grad.transpose(1, 2).flatten(0, 1)
         out[f"{s}.down_proj.weight"] = m.shared_down.grad.permute(2, 0, 1).flatten(1, 2)
+    if block.hf_shared_gate:
+        out[f"{block.hf_shared_gate}.weight"] = m.shared_gate_proj.grad
     return out
 
 
@@ -182,6 +185,19 @@ def test_what_the_table_does_not_know_is_refused(tmp_path, name, change, message
     assert str(err.value).startswith(message), err.value
 
 
+def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
+    """What the refusal says of GPT-OSS's router: the spec's router reproduces it (its experts
+    are what is missing)."""
+    holder = fam.block(transformers, fam.CASES["gpt_oss"])
+    gate = holder.mlp.router
+    router = rdepc.load(spec_file(tmp_path, "softmax, logit_bias, renormalize")).spec.router
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, want_gates, want_ids = gate(x)
+        ids, gates = route(x, gate.weight, router, 2, logit_bias=gate.bias)
+    assert torch.equal(ids, want_ids) and torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
+
+
 def test_a_block_class_outside_the_table_is_refused(tmp_path):
     class MyMoe(torch.nn.Module):
         def __init__(self):
@@ -204,6 +220,18 @@ def test_a_block_class_outside_the_table_is_refused(tmp_path):
         ("deepseek_v3", {"shared": "shared 2 x swiglu(ffn = 16)"}, "has shared 1 x swiglu(ffn = 16), but layer 'm' ("),
         ("hunyuan_v1_moe", {"shared": ""}, "has shared 1 x swiglu(ffn = 16), but layer 'm' ("),
         ("mixtral", {"F": 32}, "has ffn 16, but layer 'm' ("),
+        ("mixtral", {"router": "softmax, logit_bias, renormalize"}, "has router logit_bias False, but layer 'm' ("),
+        (
+            "deepseek_v2_group_limited",
+            {"router": "softmax, groups 4, top_groups 2"},
+            "has router group_score max, but layer 'm' (",
+        ),
+        (
+            "qwen2_moe",
+            {"shared": "shared swiglu(ffn = 16)"},
+            "has shared 1 x swiglu(ffn = 16), gate sigmoid, but layer 'm' (",
+        ),
+        ("deepseek_v3", {"shared": "shared swiglu(ffn = 16), gate sigmoid"}, "has shared 1 x swiglu(ffn = 16), but"),
     ],
 )
 def test_a_spec_that_disagrees_with_a_family_names_both(tmp_path, name, kw, message):
@@ -287,6 +315,23 @@ def test_the_deepseek_v3_bias_is_the_gates_buffer_through_dtype_moves_and_update
     assert torch.equal(
         model.state_dict()["model.layers.0.mlp.gate.e_score_correction_bias"], ref.gate.e_score_correction_bias
     )
+
+
+def test_a_gated_shared_expert_round_trips_through_the_blocks_state_dict(tmp_path):
+    """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name."""
+    case = fam.CASES["qwen2_moe"]
+    holder = fam.block(transformers, case)
+    want = {k: v.clone() for k, v in holder.mlp.state_dict().items()}
+    swap(holder, case_spec(tmp_path, case))
+    state = holder.mlp.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    other = fam.block(transformers, case, seed=1)
+    assert not other.mlp.load_state_dict(state, strict=True).missing_keys
+    swap(other, case_spec(tmp_path, case))
+    assert torch.equal(other.mlp.moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    back = unswap(other.mlp)
+    assert type(back).__name__ == "Qwen2MoeSparseMoeBlock"
+    assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)
 
 
 def test_a_swapped_model_round_trips_through_transformers_checkpoints(tmp_path):

@@ -61,8 +61,10 @@ def test_examples_parse_with_exact_spans(example):
     assert module.file == str(example)
     assert module.text == text
     assert module.layer_names == (example.stem,)
-    # H and F (deepseek_v3 also E) narrow a layer to a CPU-sized run (tests/test_examples.py)
-    narrowable = {"tiny": [], "deepseek_v3": ["E", "H", "F"]}.get(example.stem, ["H", "F"])
+    # H and F (the DeepSeeks also E) narrow a layer to a CPU-sized run (tests/test_examples.py)
+    narrowable = {"tiny": [], "deepseek_v3": ["E", "H", "F"], "deepseek_v2": ["E", "H", "F"]}.get(
+        example.stem, ["H", "F"]
+    )
     assert [p.name for p in module.params] == ["W", "T", "K", "L", *narrowable]
     count = 0
     for n in nodes(module):
@@ -111,6 +113,21 @@ def test_argument_forms():
     assert e1.key.text == "1"
     (lst,) = stmt(m, "model").args
     assert isinstance(lst.value, S.ListVal) and [i.text for i in lst.value.items] == ["1", "2"]
+
+
+def test_the_router_and_shared_options_are_ordinary_arguments():
+    text = layer(
+        "  shared    2 x swiglu(ffn = 16), gate sigmoid",
+        "  router    softmax, logit_bias, groups 8, top_groups 3, group_score max",
+    )
+    m = parse_text(text)
+    count, gate = stmt(m, "shared").args
+    assert isinstance(count.value, S.CountCall)
+    assert isinstance(gate, S.Keyed) and gate.name == "gate" and gate.value.id == "sigmoid"
+    assert text_at(text, gate.span) == "gate sigmoid"
+    args = stmt(m, "router").args
+    assert [type(a).__name__ for a in args] == ["Flag", "Flag", "Keyed", "Keyed", "Keyed"]
+    assert (args[1].name, args[4].name, args[4].value.id) == ("logit_bias", "group_score", "max")
 
 
 def test_keyed_with_and_without_equals_is_the_same():

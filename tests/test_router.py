@@ -1,25 +1,31 @@
-"""The router statement: elaboration, the runtime router against the reference's per-token
-one, its losses, and a DeepSeek-V3-style router through RDEPMoE's compiled kernels."""
+"""The torch side of a layer — the router statement and the shared experts' gate: elaboration,
+the runtime router against the reference's per-token one, its losses, a DeepSeek-V3-style
+router, a logit bias and a gated shared expert through RDEPMoE's compiled kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rdepc.runtime import router as R
 from rdepc.runtime.tensors import max_relative_error
 
 import rdepc
 from rdepc.api import Layer, SpecError, elaborate_layer
+from rdepc.diagnostics import Severity
 from rdepc.ir.spec import Router
 from rdepc.parser import parse_text
-from rdepc.reference import reference_for, route
+from rdepc.reference import reference_for, route, shared_experts
 
 MIXTRAL = "router softmax, renormalize"
 QWEN3_UNNORMALISED = "router softmax"
 DEEPSEEK = "router sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5"
+DEEPSEEK_V2 = "router softmax, groups 4, top_groups 2, group_score max, scale 16"
+GPT_OSS = "router softmax, logit_bias, renormalize"
 
 
-def text(router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype: str = "fp32") -> str:
+def text(router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype: str = "fp32", shared="") -> str:
     return (
         "layer t {\n"
         f"  shape     ranks {W}, tokens {T}, hidden 32, experts {E}, top {K}\n"
@@ -27,6 +33,7 @@ def text(router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype
         f"  dtype     {dtype}\n"
         f"  {router}\n"
         "  schedule  bulk\n"
+        f"{shared}"
         "}\n"
     )
 
@@ -44,6 +51,17 @@ def test_the_deepseek_router_elaborates():
     r = spec_of(DEEPSEEK + ", aux_loss 0.001, z_loss 1").router
     assert (r.score, r.renormalize, r.bias, r.groups, r.top_groups) == ("sigmoid", True, True, 4, 2)
     assert (float(r.scale), float(r.aux_loss), float(r.z_loss)) == (2.5, 0.001, 1.0)
+    assert (r.group_score, r.logit_bias) == ("top2", False)
+
+
+def test_the_deepseek_v2_and_gpt_oss_routers_elaborate():
+    r = spec_of(DEEPSEEK_V2).router
+    assert (r.score, r.renormalize, r.groups, r.top_groups, r.group_score, float(r.scale)) == (
+        "softmax", False, 4, 2, "max", 16.0
+    )  # fmt: skip
+    assert spec_of("router softmax, groups 4, top_groups 2, group_score top2").router.group_score == "top2"
+    r = spec_of(GPT_OSS).router
+    assert (r.score, r.logit_bias, r.bias, r.renormalize) == ("softmax", True, False, True)
 
 
 @pytest.mark.parametrize(
@@ -58,6 +76,19 @@ def test_the_deepseek_router_elaborates():
         ("router softmax, scale 0", "router scale must be positive, got 0", 25),
         ("router softmax, aux_loss -1", "router aux_loss must be zero or more, got -1", 28),
         ("router softmax, z_los 1", "unknown option 'z_los' in 'router'", 19),
+        (
+            "router softmax, group_score max",
+            "router group_score needs groups and top_groups: it scores the groups a token picks from",
+            19,
+        ),
+        (
+            "router softmax, groups 4, top_groups 2, group_score sum",
+            "router group_score must be one of top2, max; got sum",
+            55,
+        ),
+        ("router softmax, group_score", "'group_score' in 'router' needs a value", 19),
+        ("router softmax, logit_bias 1", "'logit_bias' in 'router' takes no value", 19),
+        ("router softmax, logit_bais", "unknown option 'logit_bais' in 'router'", 19),
     ],
 )
 def test_router_errors_point_at_the_statement(router, message, col):
@@ -68,22 +99,65 @@ def test_router_errors_point_at_the_statement(router, message, col):
     assert (d.span.line, d.span.col) == (5, col)
 
 
-@pytest.mark.parametrize("router", [MIXTRAL, QWEN3_UNNORMALISED, DEEPSEEK, "router sigmoid, groups 2, top_groups 1"])
+ROUTERS = [
+    MIXTRAL,
+    QWEN3_UNNORMALISED,
+    DEEPSEEK,
+    "router sigmoid, groups 2, top_groups 1",
+    DEEPSEEK_V2,
+    "router sigmoid, bias, groups 4, top_groups 2, group_score max, renormalize",
+    GPT_OSS,
+    "router sigmoid, logit_bias, bias, groups 4, top_groups 2, group_score max, scale 2",
+]
+
+
+@pytest.mark.parametrize("router", ROUTERS)
 def test_the_runtime_router_matches_the_per_token_reference(router):
     r = spec_of(router).router
     g = torch.Generator().manual_seed(3)
     x, weight = torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g)
     bias = torch.randn(8, generator=g) * 0.1 if r.bias else None
-    ids, gates, logits = R.route(x, weight, r, 3, bias)
-    want_ids, want_gates = route(x, weight, r, 3, bias)
+    logit_bias = torch.randn(8, generator=g) if r.logit_bias else None
+    ids, gates, logits = R.route(x, weight, r, 3, bias, logit_bias=logit_bias)
+    want_ids, want_gates = route(x, weight, r, 3, bias, logit_bias)
     assert torch.equal(ids, want_ids)
     assert torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
-    assert torch.allclose(logits, x @ weight.T, rtol=1e-5, atol=1e-5)
+    want_logits = x @ weight.T + (0 if logit_bias is None else logit_bias)
+    assert torch.allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
     sums = gates.sum(-1)
     if r.renormalize:
         assert torch.allclose(sums, torch.full_like(sums, float(r.scale)))
     elif r.score == "softmax":
-        assert (sums < 1).all()
+        assert (sums < float(r.scale)).all()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    groups=st.sampled_from([2, 4]),
+    size=st.integers(1, 3),
+    data=st.data(),
+    options=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.sampled_from(["top2", "max"])),
+    seed=st.integers(0, 2**16),
+)
+def test_every_router_rule_matches_the_reference(groups, size, data, options, seed):
+    """Any score, bias, logit bias and group rule: the runtime's ids and gates are the per-token
+    reference's (continuous random inputs: no ties)."""
+    sigmoid, bias, logit_bias, group_score = options
+    E = groups * size
+    M = data.draw(st.integers(1, groups), label="top_groups")
+    K = data.draw(st.integers(1, M * size), label="K")
+    r = Router(
+        score="sigmoid" if sigmoid else "softmax", bias=bias, logit_bias=logit_bias, groups=groups, top_groups=M,
+        group_score=group_score,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(6, 16, generator=g), torch.randn(E, 16, generator=g) / 4  # no sigmoid saturates to 1
+    b = torch.randn(E, generator=g) * 0.1 if bias else None
+    lb = torch.randn(E, generator=g) if logit_bias else None
+    ids, gates, _ = R.route(x, weight, r, K, b, logit_bias=lb)
+    want_ids, want_gates = route(x, weight, r, K, b, lb)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
 
 
 def test_zero_tokens_route_to_empty_tensors():
@@ -98,6 +172,22 @@ def test_group_limited_routing_picks_only_from_the_best_groups():
     logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 0.0, 0.0, 9.0, -9.0]])  # group 1 sums best (5+4 > 9-9)
     ids, _, _ = R.route(None, torch.empty(8, 1), r, 2, logits=logits)
     assert ids.tolist() == [[2, 3]]  # not expert 6, the best alone: its group is not chosen
+
+
+def test_a_group_scores_its_best_two_or_its_best():
+    logits = torch.tensor([[5.0, -9.0, 4.0, 4.0, 0.0, 0.0, -1.0, -1.0]])  # group 0's best, group 1's best two
+    for rule, want in (("top2", [[2, 3]]), ("max", [[0, 1]])):
+        r = spec_of(f"router sigmoid, groups 4, top_groups 1, group_score {rule}", K=2).router
+        assert R.route(None, torch.empty(8, 1), r, 2, logits=logits).ids.tolist() == want, rule
+
+
+def test_a_logit_bias_moves_the_scores_and_the_gates():
+    r = spec_of(GPT_OSS, K=2).router
+    x, weight = torch.ones(1, 1), torch.zeros(8, 1)  # every logit 0 but for the bias
+    logit_bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0])
+    ids, gates, logits = R.route(x, weight, r, 2, logit_bias=logit_bias)
+    assert ids.tolist() == [[7, 6]] and torch.equal(logits, logit_bias[None])
+    assert torch.allclose(gates, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))  # GPT-OSS: softmax of the top-K logits
 
 
 def test_a_bias_chooses_but_does_not_weigh():
@@ -156,3 +246,63 @@ def test_the_router_keeps_fp32_in_a_bf16_layer():
     _, gates, logits = moe.route(x)
     assert gates.dtype == logits.dtype == torch.float32
     assert torch.equal(logits, x.float() @ moe.router.T)
+
+
+def test_a_logit_bias_and_a_gated_shared_expert_train_through_rdepmoe_as_the_reference():
+    """router_logit_bias [E] and shared_gate_proj [1, H]: fp32 / the layer's dtype parameters,
+    the bias zero at first; outputs and every gradient as the reference's."""
+    shared = "  shared    2 x swiglu(ffn = 16), gate sigmoid\n"
+    spec = spec_of("router softmax, logit_bias, groups 4, top_groups 2, group_score max", shared=shared)
+    moe = rdepc.RDEPMoE(Layer(spec), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(moe.router_logit_bias, torch.zeros(8)) and moe.shared_gate_proj.shape == (1, 32)
+    with torch.no_grad():
+        moe.router_logit_bias.copy_(torch.linspace(-1, 1, 8))
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+    y = moe(x)
+    (y * dy).sum().backward()
+    ref = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
+    ids, gates = route(x.reshape(-1, 32), ref["router"], spec.router, 3, None, ref["router_logit_bias"])
+    wgu = ref["w_gate_up"]
+    routed, _ = reference_for(spec)(
+        x, ids.reshape(2, 8, 3), gates.reshape(2, 8, 3), wgu[..., 0], wgu[..., 1], ref["w_down"]
+    )
+    parts = (ref["shared_gate"], ref["shared_up"], ref["shared_down"])
+    want = routed + shared_experts(x, *parts, "swiglu", ref["shared_gate_proj"])
+    assert max_relative_error(y.detach(), want.detach()) <= 1e-5
+    (want * dy).sum().backward()
+    for name, p in moe.named_parameters():
+        assert max_relative_error(p.grad, ref[name].grad) <= 1e-5, name
+    assert ref["router_logit_bias"].grad.abs().sum() > 0 and ref["shared_gate_proj"].grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- the shared gate
+def shared_spec(stmt: str):
+    """(spec, warnings) of a layer whose 'shared' statement, line 7, is ``stmt``."""
+    return elaborate_layer(parse_text(text("router softmax", shared=f"{stmt}\n"), "r.rdep"), None, {})
+
+
+def test_a_gated_shared_expert():
+    spec, warnings = shared_spec("  shared    2 x swiglu(ffn = 512), gate sigmoid")
+    assert warnings == () and (spec.shared.count, spec.shared.gate) == (2, "sigmoid")
+    span = spec.span_of("shared.gate")
+    assert (span.line, span.col, span.end_col) == (7, 36, 48)
+    assert shared_spec("  shared    swiglu(ffn = 512)")[0].shared.gate is None
+
+
+@pytest.mark.parametrize(
+    ("stmt", "message", "col"),
+    [
+        ("  shared    swiglu(ffn = 8), gate", "'gate' in 'shared' needs a value", 30),
+        ("  shared    swiglu(ffn = 8), gate relu", "shared gate must be one of sigmoid; got relu", 35),
+        ("  shared    swiglu(ffn = 8), gate sigmoid, gate sigmoid", "'gate' given twice in 'shared'", 44),
+        ("  shared    swiglu(ffn = 8), gates sigmoid", "unknown option 'gates' in 'shared'", 30),
+        ("  shared    gate sigmoid", "'shared' needs the shared experts", 3),
+    ],
+)
+def test_shared_gate_errors_point_at_the_option(stmt, message, col):
+    with pytest.raises(SpecError) as info:
+        shared_spec(stmt)
+    (d,) = [d for d in info.value.diagnostics if d.severity is Severity.ERROR]
+    assert (d.message, d.span.line, d.span.col) == (message, 7, col)
+    assert f"r.rdep:7:{col}: error: {message}" in str(info.value)

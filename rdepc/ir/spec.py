@@ -87,6 +87,7 @@ class ExpertFn:
 class Shared:
     count: int
     fn: ExpertFn
+    gate: str | None = None  # "sigmoid": the shared experts' sum scaled per token by sigmoid(x · w_sg^T)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +173,8 @@ class Router:
     bias: bool = False  # a per-expert bias added to s for choosing only (DeepSeek-V3)
     groups: int = 1  # E experts in ``groups`` groups; a token picks from its ``top_groups`` best
     top_groups: int = 1
+    group_score: str = "top2"  # a group's score: the sum of its best two c (DeepSeek-V3), or its best (max, V2)
+    logit_bias: bool = False  # a learned per-expert bias added to the logits before scoring (GPT-OSS)
     scale: Fraction = Fraction(1)  # routed scaling factor, applied to the gates last
     aux_loss: Fraction | None = None  # coefficient of the load-balancing loss, None: not computed
     z_loss: Fraction | None = None  # coefficient of the router z-loss, None: not computed

@@ -1,0 +1,262 @@
+"""The table of transformers (5.x) sparse MoE blocks that :mod:`rdepc.hf` swaps, and of those
+it refuses. Each mapped block becomes an ``RDEPBlock`` that keeps the block's router module
+(``gate``) and routes from its logits as the spec's ``router`` says:
+
+============== =========================== =========================================== ==================
+family         block class                 spec ``router``                             shared experts
+============== =========================== =========================================== ==================
+Mixtral        MixtralSparseMoeBlock       softmax, renormalize                        none
+Qwen3-MoE      Qwen3MoeSparseMoeBlock      softmax (renormalize: ``norm_topk_prob``)   none
+OLMoE          OlmoeSparseMoeBlock         softmax (renormalize: ``norm_topk_prob``)   none
+Qwen2-MoE      Qwen2MoeSparseMoeBlock      softmax (renormalize: ``norm_topk_prob``)   ``shared_expert``,
+                                                                                       gate sigmoid
+Qwen3-Next     Qwen3NextSparseMoeBlock     softmax (renormalize: ``norm_topk_prob``)   ``shared_expert``,
+                                                                                       gate sigmoid
+DeepSeek-V2    DeepseekV2Moe               ``greedy``: softmax, scale S;               ``shared_experts``
+                                           ``group_limited_greedy``: softmax, groups
+                                           G, top_groups M, group_score max, scale S
+DeepSeek-V3    DeepseekV3MoE               sigmoid, bias, groups G, top_groups M,      ``shared_experts``
+                                           (renormalize), scale S
+GLM-4-MoE      Glm4MoeMoE                  as DeepSeek-V3                              ``shared_experts``
+Ernie-4.5-MoE  Ernie4_5_MoeSparseMoeBlock  softmax, bias, renormalize (the bias:       ``shared_experts``
+                                           ``gate.moe_statics``)                       or none
+HunYuan-MoE-V1 HunYuanMoEV1Moe             softmax, renormalize (the weight:           ``shared_mlp``
+               (``HunYuanMoEV1Gate``)      ``gate.wg.weight``)
+============== =========================== =========================================== ==================
+
+S is the gate's ``routed_scaling_factor``, G and M its ``num_group`` and ``topk_group``
+(``groups G, top_groups G`` limits nothing: it is the spec without groups), and the bias the
+gate's ``e_score_correction_bias``, read at every call (it follows ``model.to(...)`` and the
+training loop's in-place updates). The experts are fused (``gate_up_proj`` [E, 2F, H],
+``down_proj`` [E, H, F], SiLU-gated: the spec's ``swiglu(ffn = F)``); the one shared MLP of
+width F_s is the spec's ``shared N x swiglu(ffn = F_s / N)`` for any N dividing it, and Qwen's
+``shared_expert_gate`` (``Linear(H, 1)``, scaling that MLP's output by its sigmoid) the
+spec's ``gate sigmoid``.
+
+Refused (``REFUSED``), because the spec language cannot express them: GPT-OSS (``GptOssMLP``:
+expert biases and a clamped SwiGLU; its router is the spec's ``softmax, logit_bias,
+renormalize``), Llama-4 (``Llama4TextMoe``: the gate scales the expert's input, a sigmoid of
+the top-K logits), Ernie-4.5 with a ``moe_norm_min`` of 1/E or more (the gates' sum clamped),
+and a DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from torch import nn
+
+ANY = object()  # an attribute whose value swap does not read (or reads through the router rule)
+SILU = ("SiLU", "SiLUActivation")
+
+
+@dataclass(frozen=True)
+class Part:
+    """A submodule swap knows: its class, and the children, parameters, buffers and plain
+    attributes it may have, each name mapped to the value it must have (or ANY; a child to its
+    Part). ``classes`` None: any class, not looked into (an activation, compared with the spec)."""
+
+    classes: tuple[str, ...] | None
+    children: dict[str, Part] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
+    buffers: dict[str, object] = field(default_factory=dict)
+    attrs: dict[str, object] = field(default_factory=dict)
+
+
+_ACT = Part(None)
+_LINEAR = Part(("Linear",), params={"weight": ANY, "bias": None}, attrs={"in_features": ANY, "out_features": ANY})
+_EXPERT_LAYOUT = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
+
+
+def _mlp(cls: str) -> Part:
+    children = {"gate_proj": _LINEAR, "up_proj": _LINEAR, "down_proj": _LINEAR, "act_fn": _ACT}
+    return Part((cls,), children, attrs={"config": ANY, "hidden_size": ANY, "intermediate_size": ANY})
+
+
+def _experts(cls: str) -> Part:
+    attrs = {"num_experts": ANY, "hidden_dim": ANY, "intermediate_dim": ANY, "config": ANY}
+    attrs |= _EXPERT_LAYOUT | {"is_concatenated": True}  # the attributes transformers' expert kernels read
+    return Part((cls,), {"act_fn": _ACT}, params={"gate_up_proj": ANY, "down_proj": ANY}, attrs=attrs)
+
+
+def _gate(cls: str, *attrs: str, **parts) -> Part:
+    known = dict.fromkeys(("top_k", "num_experts", *attrs), ANY)
+    return Part((cls,), params={"weight": ANY}, attrs=known, **parts)
+
+
+# --------------------------------------------------------------------- the routers, in spec terms
+def router_terms(
+    score: str, renormalize: bool, bias: bool = False, groups=(1, 1), scale=1, group_score="top2", logit_bias=False
+) -> dict:
+    """A router rule as the spec's ``router`` options, normalised so that equal routing compares
+    equal: ``groups G, top_groups G`` (or more) keeps every group, so it is no groups at all."""
+    g, m = groups
+    if (m or 1) >= (g or 1):
+        g, m, group_score = 1, 1, "top2"  # no group is ever left out: how groups score does not matter
+    return {
+        "score": score,
+        "logit_bias": logit_bias,
+        "bias": bias,
+        "groups": g,
+        "top_groups": m,
+        "group_score": group_score,
+        "renormalize": renormalize,
+        "scale": Fraction(str(scale)),
+    }
+
+
+def _softmax_renormalized(gate) -> dict:
+    return router_terms("softmax", True)
+
+
+def _softmax_norm_topk(gate) -> dict:
+    return router_terms("softmax", bool(gate.norm_topk_prob))
+
+
+def _deepseek_v2(gate) -> dict | str:
+    method = gate.topk_method
+    if method == "greedy":  # the top-K softmax scores, never renormalised
+        return router_terms("softmax", False, scale=gate.routed_scaling_factor)
+    if method == "group_limited_greedy":  # a group scores its best expert; the others are masked to 0
+        groups = (gate.num_group, gate.topk_group)
+        return router_terms("softmax", False, groups=groups, scale=gate.routed_scaling_factor, group_score="max")
+    return f"topk_method {method!r}, which rdepc.hf does not map"
+
+
+def _deepseek_v3(gate) -> dict:
+    groups = (gate.num_group, gate.topk_group)
+    return router_terms("sigmoid", bool(gate.norm_topk_prob), True, groups, gate.routed_scaling_factor)
+
+
+def _ernie(gate) -> dict | str:
+    if gate.norm_min * gate.num_experts >= 1:  # a softmax's top-K sum is at least 1/E: below, never clamped
+        return f"norm_min {gate.norm_min} (the gates' sum clamped at it), which is not below 1/E"
+    return router_terms("softmax", True, True)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How swap maps one transformers block class: everything the block may hold (its gate's
+    and experts' classes among it), its gate's rule in the spec's router terms (or why there is
+    none), where the gate keeps its selection bias, the block its shared MLP and the gate that
+    scales that MLP's output (``shared_gate``: a ``Linear(H, 1)``, through a sigmoid)."""
+
+    name: str
+    block: Part
+    router: Callable[[nn.Module], dict | str]
+    bias: str | None = None
+    shared: str | None = None
+    shared_gate: str | None = None
+
+
+def _family(name, block, *, gate, experts, router, shared=None, shared_gate=None, attrs=None, bias=None) -> Family:
+    children = {"gate": gate, "experts": _experts(experts)}
+    if shared is not None:
+        children[shared[0]] = _mlp(shared[1])
+    if shared_gate is not None:
+        children[shared_gate] = _LINEAR
+    part = Part((block,), children, attrs=attrs or {})
+    return Family(name, part, router, bias, None if shared is None else shared[0], shared_gate)
+
+
+_V3_GATE = ("hidden_dim", "routed_scaling_factor", "num_group", "topk_group", "norm_topk_prob")
+_CONFIG = {"config": ANY}
+
+FAMILIES: dict[str, Family] = {
+    f.block.classes[0]: f
+    for f in (
+        _family(
+            "Mixtral", "MixtralSparseMoeBlock",
+            gate=_gate("MixtralTopKRouter", "hidden_dim"),
+            experts="MixtralExperts",
+            router=_softmax_renormalized,
+            attrs={"top_k": ANY, "jitter_noise": 0},  # jitter: noise on the input in training
+        ),
+        _family(
+            "Qwen3-MoE", "Qwen3MoeSparseMoeBlock",
+            gate=_gate("Qwen3MoeTopKRouter", "hidden_dim", "norm_topk_prob"),
+            experts="Qwen3MoeExperts",
+            router=_softmax_norm_topk,
+        ),
+        _family(
+            "OLMoE", "OlmoeSparseMoeBlock",
+            gate=_gate("OlmoeTopKRouter", "hidden_dim", "norm_topk_prob"),
+            experts="OlmoeExperts",
+            router=_softmax_norm_topk,
+        ),
+        _family(
+            "Qwen2-MoE", "Qwen2MoeSparseMoeBlock",
+            gate=_gate("Qwen2MoeTopKRouter", "hidden_dim", "norm_topk_prob"),
+            experts="Qwen2MoeExperts",
+            router=_softmax_norm_topk,
+            shared=("shared_expert", "Qwen2MoeMLP"),
+            shared_gate="shared_expert_gate",
+        ),
+        _family(
+            "Qwen3-Next", "Qwen3NextSparseMoeBlock",
+            gate=_gate("Qwen3NextTopKRouter", "hidden_dim", "norm_topk_prob"),
+            experts="Qwen3NextExperts",
+            router=_softmax_norm_topk,
+            shared=("shared_expert", "Qwen3NextMLP"),
+            shared_gate="shared_expert_gate",
+        ),
+        _family(
+            "DeepSeek-V2", "DeepseekV2Moe",
+            gate=_gate("DeepseekV2TopkRouter", "hidden_dim", "routed_scaling_factor", "topk_method", "num_group",
+                       "topk_group"),
+            experts="DeepseekV2Experts",
+            router=_deepseek_v2,
+            shared=("shared_experts", "DeepseekV2MLP"),
+            attrs=_CONFIG,
+        ),
+        _family(
+            "DeepSeek-V3", "DeepseekV3MoE",
+            gate=_gate("DeepseekV3TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
+            experts="DeepseekV3Experts",
+            router=_deepseek_v3,
+            shared=("shared_experts", "DeepseekV3MLP"),
+            attrs=_CONFIG,
+            bias="e_score_correction_bias",
+        ),
+        _family(
+            "GLM-4-MoE", "Glm4MoeMoE",
+            gate=_gate("Glm4MoeTopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
+            experts="Glm4MoeExperts",
+            router=_deepseek_v3,
+            shared=("shared_experts", "Glm4MoeMLP"),
+            attrs=_CONFIG,
+            bias="e_score_correction_bias",
+        ),
+        _family(
+            "Ernie-4.5-MoE", "Ernie4_5_MoeSparseMoeBlock",
+            gate=_gate("Ernie4_5_MoeTopKRouter", "norm_min", children={
+                "moe_statics": Part(("Ernie4_5_MoeStatics",), params={"e_score_correction_bias": ANY}),
+            }),
+            experts="Ernie4_5_MoeExperts",
+            router=_ernie,
+            shared=("shared_experts", "Ernie4_5_MoeMLP"),  # None without moe_num_shared_experts
+            attrs=dict.fromkeys(("hidden_dim", "num_experts", "top_k"), ANY),
+            bias="moe_statics.e_score_correction_bias",  # [1, E]
+        ),
+        _family(
+            "HunYuan-MoE-V1", "HunYuanMoEV1Moe",
+            gate=Part(("HunYuanMoEV1Gate",), {"wg": _LINEAR},
+                      attrs=dict.fromkeys(("config", "layer_idx", "num_experts", "top_k"), ANY)),
+            experts="HunYuanMoEV1Experts",
+            router=_softmax_renormalized,
+            shared=("shared_mlp", "HunYuanMoEV1MLP"),
+            attrs=_CONFIG,
+        ),
+    )
+}  # fmt: skip
+
+REFUSED: dict[str, str] = {
+    "GptOssMLP": "GPT-OSS's experts have biases and a clamped SwiGLU, which a spec cannot express (its router is "
+    "'softmax, logit_bias, renormalize')",
+    "Llama4TextMoe": "Llama-4 scales each expert's input by a sigmoid of its top-K logit (not its output), which a "
+    "spec cannot express",
+}
+
+__all__ = ["ANY", "FAMILIES", "REFUSED", "SILU", "Family", "Part", "router_terms"]
