@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
 
+from rdepc.passes.balance_statement import elaborate_balance
 from rdepc.passes.expressions import evaluate, parameters
 from rdepc.passes.router_statement import elaborate_router
 from rdepc.passes.spec_checks import Checks
@@ -43,6 +44,7 @@ STATEMENTS = (
     "schedule",
     "transport",
     "router",
+    "balance",
 )
 REQUIRED = ("shape", "expert")
 
@@ -234,6 +236,9 @@ class _Layer(Statements, Checks):
         capacity = self.capacity(stmts.get("capacity"), shape)
         segment = self.segment(stmts.get("segment"))
         router = elaborate_router(self, stmts.get("router"), shape)
+        balance = None
+        if ownership is not None:
+            balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value))
         if len(self.diags.errors) > errors_before or None in (
             expert,
             precision,
@@ -242,6 +247,7 @@ class _Layer(Statements, Checks):
             ownership,
             capacity,
             router,
+            balance,
         ):
             return None
         if capacity.drop == "lowest_gate" and "gate" not in route.sideband:
@@ -279,6 +285,7 @@ class _Layer(Statements, Checks):
             span=decl.name_span,
             spans=tuple(sorted(self.spans.items())),
             router=router,
+            balance=balance,
         )
         self.warn(spec)
         ir = self.to_ir(spec)

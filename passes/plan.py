@@ -24,6 +24,7 @@ or a segmented schedule without a segment statement). Neither torch nor triton i
 from __future__ import annotations
 
 import sympy as sp
+from rdepc.passes.balance_plan import balance_plan
 from rdepc.passes.capacity import capacity_plan
 from rdepc.passes.hardware import profile
 from rdepc.passes.padding import padding_plan
@@ -264,6 +265,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         padding,
         verdicts,
         tuple(warnings),
+        balance_plan(env, spec, opts),
     )
 
 

@@ -168,6 +168,20 @@ class PaddingPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class BalancePlan:
+    """``balance replicate``: the redundant slots' memory, and (with a sampled routing) the
+    owner imbalance before and after the replication solver's plan."""
+
+    slots: int
+    min_rows: int
+    slot_bytes: Figure
+    slot_bytes_training: Figure
+    imbalance_before: Figure | None  # None: no --routing
+    imbalance_after: Figure | None
+    replicas: Figure | None
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     budget: str
     bytes: int
@@ -196,6 +210,7 @@ class Plan:
     padding: PaddingPlan | None
     verdicts: tuple[Verdict, ...]
     warnings: tuple[str, ...] = field(default=())
+    balance: BalancePlan | None = None
 
     def figures(self) -> Iterator[Figure]:
         """Every figure of the plan, in report order."""
@@ -376,6 +391,17 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         ],
         "warnings": list(pl.warnings),
     }
+    if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
+        b = pl.balance
+        out["balance"] = {
+            "slots": b.slots,
+            "min_rows": b.min_rows,
+            "slot_bytes": j(b.slot_bytes),
+            "slot_bytes_training": j(b.slot_bytes_training),
+            "imbalance_before": j(b.imbalance_before),
+            "imbalance_after": j(b.imbalance_after),
+            "replicas": j(b.replicas),
+        }
     if mem.alternative is not None:
         name = "plan_bulk" if mem.alternative.strategy == "bulk" else "plan_segmented"
         out["symmetric_bytes"][name] = sym_json(mem.alternative)

@@ -323,6 +323,24 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         )
         out += table(rows, ["figure", "value", "accounting"])
 
+    # -- balance -----------------------------------------------------------------------------
+    if pl.balance is not None:
+        bl = pl.balance
+        add("")
+        add(f"Balance: replicate hot experts, N = {bl.slots} slots per rank, at least {bl.min_rows} rows a replica")
+        items = [("slot memory per rank", bl.slot_bytes), ("slot memory per rank, training", bl.slot_bytes_training)]
+        if bl.imbalance_before is None:
+            rows = _fig_rows(items)
+            rows.append(["owner imbalance", "-", "needs a routing: --routing uniform or zipf:ALPHA"])
+        else:
+            items += [
+                ("owner imbalance, before", bl.imbalance_before),
+                ("owner imbalance, after", bl.imbalance_after),
+                ("replicas", bl.replicas),
+            ]
+            rows = _fig_rows(items)
+        out += table(rows, ["figure", "value", "accounting"])
+
     # -- warnings ----------------------------------------------------------------------------
     add("")
     if pl.warnings:

@@ -181,6 +181,15 @@ class Router:
 
 
 @dataclass(frozen=True, slots=True)
+class Balance:
+    """``balance``: none, or exact-load replication of hot experts (docs/language.md, 'balance')."""
+
+    kind: str = "none"  # none | replicate
+    slots: int = 0  # N redundant expert slots per rank
+    min_rows: int = 0  # U: the least a replica carries
+
+
+@dataclass(frozen=True, slots=True)
 class Segment:
     rows: sp.Integer  # S
     buffers: sp.Integer  # B
@@ -207,6 +216,7 @@ class LayerSpec:
     span: Span
     spans: tuple[tuple[str, Span], ...] = field(default=())
     router: Router = field(default=Router())
+    balance: Balance = field(default=Balance())
 
     def span_of(self, key: str) -> Span:
         """The span of ``"statement.option"``, else of the statement, else of the layer."""
@@ -249,6 +259,8 @@ class LayerSpec:
             out.append(("symbolic tokens", "shape.tokens"))
         if not self.route_row.is_eq7:
             out.append(("a route_row encoding other than eq. 7", "route_row.id"))
+        if self.balance.kind != "none":
+            out.append(("expert replication", "balance"))
         return tuple(out)
 
 
@@ -322,4 +334,8 @@ def spec_to_json(spec: LayerSpec) -> dict:
         "transport": spec.transport,
         "dedup": spec.dedup,
         "features": [f for f, _ in spec.features()],
-    }
+    } | (  # only when asked for, so the JSON of a layer without it stays as it was
+        {"balance": {"kind": spec.balance.kind, "slots": spec.balance.slots, "min_rows": spec.balance.min_rows}}
+        if spec.balance.kind != "none"
+        else {}
+    )

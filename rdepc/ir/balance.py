@@ -1,0 +1,179 @@
+"""Exact-load expert replication (``balance replicate``): the solver's NumPy reference.
+
+Every microbatch, from the exact post-router load ``L[src, e]`` (rows source rank ``src``
+routes to expert ``e``), every rank derives the same plan: which hot experts get a replica
+in which of the N redundant slots of which rank, the quota each instance of an expert
+carries, and how each source splits its rows of an expert over the instances. The
+ownership map never changes: every expert keeps its home, replicas only add capacity.
+
+The algorithm is UltraEP's (Algorithm 1): a binary search over the per-rank load threshold
+τ with a greedy feasibility oracle, then a locality-first reroute. Integer arithmetic and
+fixed tie-breaks (lowest rank, lowest expert id) make the plan a pure function of its
+input, so ranks need no agreement step. numpy only: ``rdepc plan`` runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class ReplicationPlan:
+    """One microbatch's plan. Ranks identify instances: a rank holds at most one of an expert."""
+
+    slots: np.ndarray  # [W, N] int64: the expert in each redundant slot of each rank, -1 empty
+    quota: np.ndarray  # [E, W] int64: rows the instance of e on rank t computes (0: no instance)
+    split: np.ndarray  # [W, E, W] int64: rows of source src for expert e sent to its instance on t
+    threshold: int  # the per-rank load bound the plan meets
+
+    @property
+    def rank_loads(self) -> np.ndarray:
+        """Rows each rank computes under the plan, [W]."""
+        return self.quota.sum(axis=0)
+
+
+def owner_loads(load, owner) -> np.ndarray:
+    """Rows each rank computes without replication: its home experts' loads, [W]."""
+    import numpy as np
+
+    load = np.asarray(load, dtype=np.int64)
+    return np.bincount(np.asarray(owner), weights=load.sum(axis=0), minlength=load.shape[0]).astype(np.int64)
+
+
+def imbalance(loads) -> float:
+    """max/mean of per-rank loads (1.0 for an idle layer)."""
+    import numpy as np
+
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = loads.mean()
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def solve(load, owner, slots: int, min_rows: int) -> ReplicationPlan:
+    """The plan for load ``L[src, e]`` (W sources × E experts), ``owner[e]`` its home rank,
+    ``slots`` redundant slots per rank and ``min_rows`` the least a replica may carry."""
+    import numpy as np
+
+    load = np.asarray(load, dtype=np.int64)
+    owner = np.asarray(owner, dtype=np.int64)
+    W, E = load.shape
+    if owner.shape != (E,) or (owner < 0).any() or (owner >= W).any():
+        raise ValueError(f"owner must give each of the {E} experts a rank in 0..{W - 1}")
+    if (load < 0).any() or slots < 0 or min_rows < 1:
+        raise ValueError("loads and slots must be non-negative and min_rows positive")
+    lam = load.sum(axis=0)
+    ell = owner_loads(load, owner)
+    home = np.zeros((E, W), dtype=np.int64)
+    home[np.arange(E), owner] = lam
+    best, tau_best = home, int(ell.max()) if W else 0
+    lo, hi = -(-int(ell.sum()) // W), tau_best
+    while lo < hi:  # feasibility is taken as monotone in τ, as the seed's search does
+        tau = (lo + hi) // 2
+        quota = _probe(lam, owner, ell, tau, slots, min_rows)
+        if quota is None:
+            lo = tau + 1
+        else:
+            best, tau_best, hi = quota, tau, tau
+    return ReplicationPlan(_slot_table(best, owner, slots), best, _reroute(load, best), tau_best)
+
+
+def _probe(lam, owner, ell, tau: int, slots: int, min_rows: int):
+    """The greedy oracle: the quotas [E, W] that bring every rank to at most τ, or None.
+
+    Overloaded ranks shed excess hottest home expert first, each transfer creating one
+    replica on the admissible rank with the most slack (no slot left, a rank that already
+    holds the expert, or no slack: not admissible), of at least ``min_rows`` rows."""
+    import numpy as np
+
+    E, W = len(lam), len(ell)
+    exc = np.maximum(ell - tau, 0)
+    slk = np.maximum(tau - ell, 0)
+    used = np.zeros(W, dtype=np.int64)
+    quota = np.zeros((E, W), dtype=np.int64)
+    quota[np.arange(E), owner] = lam
+    for r in sorted(np.flatnonzero(exc), key=lambda r: (-exc[r], r)):
+        for e in sorted(np.flatnonzero(owner == r), key=lambda e: (-lam[e], e)):
+            while exc[r] > 0 and quota[e, r] > 0:
+                ok = (slk > 0) & (used < slots) & (quota[e] == 0)
+                ok[r] = False
+                if not ok.any():
+                    break
+                t = int(np.argmax(np.where(ok, slk, -1)))  # the first of the most slack: lowest rank
+                # A replica carries at least min_rows even when less excess is left (the rank
+                # then ends below τ): the seed's oracle gives up there, which made the search
+                # miss thresholds its probes could meet.
+                delta = min(max(int(exc[r]), min_rows), int(slk[t]), int(quota[e, r]))
+                if delta < min_rows:
+                    break
+                quota[e, r] -= delta
+                quota[e, t] += delta
+                exc[r] = max(int(exc[r]) - delta, 0)
+                slk[t] -= delta
+                used[t] += 1
+            if exc[r] == 0:
+                break
+        if exc[r] > 0:
+            return None  # this rank cannot get under τ; the rest cannot help it
+    return quota
+
+
+def _slot_table(quota, owner, slots: int):
+    """[W, N]: each rank's replicas, lowest expert id first, then -1."""
+    import numpy as np
+
+    E, W = quota.shape
+    table = np.full((W, slots), -1, dtype=np.int64)
+    held = quota > 0
+    held[np.arange(E), owner] = False
+    for t in range(W):
+        experts = np.flatnonzero(held[:, t])
+        table[t, : len(experts)] = experts
+    return table
+
+
+def _reroute(load, quota):
+    """The split [W, E, W]: each source's rows of e over e's instances, keeping row sums (a
+    source's rows of e all assigned) and column sums (an instance gets exactly its quota).
+
+    A source holding an instance fills it with its own rows first (locality); the remaining
+    rows go out in proportion to the instances' remaining quotas, source by source in rank
+    order, floors first and the leftover rows to the largest remainders (lowest rank on a
+    tie). Each leftover row lands where the floor fell short of a positive fraction, so no
+    instance is given more than its remaining quota."""
+    import numpy as np
+
+    W, E = load.shape
+    split = np.zeros((W, E, W), dtype=np.int64)
+    for e in range(E):
+        hosts = np.flatnonzero(quota[e] > 0)
+        if len(hosts) <= 1:  # no replica: every row goes to the one instance (or there are none)
+            if len(hosts):
+                split[:, e, hosts[0]] = load[:, e]
+            continue
+        demand = load[:, e].copy()
+        rem = quota[e].copy()
+        local = np.minimum(demand[hosts], rem[hosts])
+        split[hosts, e, hosts] = local
+        demand[hosts] -= local
+        rem[hosts] -= local
+        total = int(rem.sum())
+        for src in np.flatnonzero(demand):
+            d = int(demand[src])
+            num = d * rem
+            share = num // total
+            left = d - int(share.sum())
+            if left:
+                frac = num - share * total
+                order = np.lexsort((np.arange(W), -frac))  # largest remainder, then lowest rank
+                share[order[:left]] += 1
+            split[src, e] += share
+            rem -= share
+            total -= d
+    return split
+
+
+__all__ = ["ReplicationPlan", "imbalance", "owner_loads", "solve"]

@@ -1,0 +1,207 @@
+"""Exact-load expert replication: the ``balance`` statement, the solver's NumPy reference
+(rdepc.ir.balance) and its properties, the planner's figures, and compile's refusal."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rdepc.ir.balance import imbalance, owner_loads, solve
+
+SPEC = """layer m {{
+  shape ranks 8, tokens 512, hidden 64, experts 32, top 4
+  expert swiglu(ffn = 128)
+  {balance}
+}}
+"""
+
+
+def balanced_owner(W, E):
+    return np.repeat(np.arange(W), E // W)
+
+
+def zipf_load(W, E, T, K, alpha, seed):
+    """Rows per (source, expert): each token picks K distinct experts, weights ∝ 1/rank^α
+    over a random ranking of the experts (so the hot ones land on any owner)."""
+    rng = np.random.default_rng(seed)
+    logw = -alpha * np.log(np.arange(1, E + 1))[rng.permutation(E)]
+    load = np.zeros((W, E), dtype=np.int64)
+    for r in range(W):
+        keys = logw - np.log(-np.log(1 - rng.random((T, E))))
+        load[r] = np.bincount(np.argpartition(-keys, K - 1, axis=1)[:, :K].ravel(), minlength=E)
+    return load
+
+
+def hot_load(W, E, T, K, hot, seed):
+    """Uniform routing, except that ``hot`` experts of one owner take half of every token's slots."""
+    rng = np.random.default_rng(seed)
+    load = rng.multinomial(T * K // 2, np.full(E, 1 / E), size=W)
+    load[:, :hot] += rng.multinomial(T * K // 2, np.full(hot, 1 / hot), size=W)
+    return load
+
+
+def check_plan(load, owner, slots, min_rows):
+    p = solve(load, owner, slots, min_rows)
+    W, E = load.shape
+    assert (p.split >= 0).all() and (p.quota >= 0).all()
+    assert (p.split.sum(axis=2) == load).all()  # row sums: each source's rows of e all assigned
+    assert (p.split.sum(axis=0) == p.quota).all()  # column sums: each instance gets its quota
+    assert (p.quota.sum(axis=1) == load.sum(axis=0)).all()
+    replica = p.quota > 0
+    replica[np.arange(E), owner] = False
+    assert (replica.sum(axis=0) <= slots).all()  # at most N replicas a rank, never on the home
+    assert (p.quota[replica] >= min_rows).all()  # every replica carries at least U rows
+    for t in range(W):  # the slot table names exactly the replicas, each expert once a rank
+        named = p.slots[t][p.slots[t] >= 0]
+        assert list(named) == sorted(set(named)) == list(np.flatnonzero(replica[:, t]))
+        assert (owner[named] != t).all()
+    assert p.rank_loads.max() <= p.threshold
+    assert p.rank_loads.max() <= owner_loads(load, owner).max()
+    return p
+
+
+@st.composite
+def instances(draw):
+    W = draw(st.integers(1, 6))
+    E = W * draw(st.integers(1, 4))
+    owner = np.array(draw(st.permutations(list(np.repeat(np.arange(W), E // W)))))
+    load = np.array(draw(st.lists(st.lists(st.integers(0, 60), min_size=E, max_size=E), min_size=W, max_size=W)))
+    slots = draw(st.integers(0, E - E // W))
+    return load, owner, slots, draw(st.integers(1, 20))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(instances())
+def test_plan_properties(case):
+    load, owner, slots, min_rows = case
+    p = check_plan(load, owner, slots, min_rows)
+    q = solve(load.copy(), owner.copy(), slots, min_rows)  # a pure function: identical arrays
+    for a, b in ((p.slots, q.slots), (p.quota, q.quota), (p.split, q.split)):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert p.threshold == q.threshold
+
+
+def test_no_slots_no_replicas():
+    load = zipf_load(4, 16, 256, 2, 1.5, 0)
+    owner = balanced_owner(4, 16)
+    p = check_plan(load, owner, 0, 1)
+    assert (p.slots.size == 0) and (p.rank_loads == owner_loads(load, owner)).all()
+
+
+def test_locality_first():
+    # expert 0 homed on rank 0 and hot from every source; a replica's rank keeps its own rows
+    load = np.array([[40, 1, 1, 1], [40, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]])
+    owner = np.arange(4)
+    p = check_plan(load, owner, 1, 1)
+    for t in np.flatnonzero(p.quota[0] > 0):
+        assert p.split[t, 0, t] == min(load[t, 0], p.quota[0, t])
+
+
+# Slots suffice when every rank may take N = E_loc replicas (W = 8, E = 32: 4 a rank) and the
+# hottest expert's load is at most a few ranks' mean: then the search reaches ≤ 1.05.
+CASES = [("zipf", a, s) for a in (1.0, 1.5, 2.0) for s in (0, 1)] + [("hot", h, s) for h in (1, 2) for s in (0, 1)]
+
+
+@pytest.mark.parametrize("kind,arg,seed", CASES)
+def test_skewed_loads_balance(kind, arg, seed):
+    W, E, T, K = 8, 32, 1024, 4
+    load = zipf_load(W, E, T, K, arg, seed) if kind == "zipf" else hot_load(W, E, T, K, arg, seed)
+    owner = balanced_owner(W, E)
+    before = imbalance(owner_loads(load, owner))
+    p = check_plan(load, owner, 4, 16)
+    after = imbalance(p.rank_loads)
+    assert before > 1.3 and after <= 1.05, (before, after)
+
+
+def test_imbalance():
+    assert imbalance([2, 2, 2]) == 1.0 and imbalance([4, 0]) == 2.0 and imbalance([0, 0]) == 1.0
+
+
+# ---------------------------------------------------------------------- the statement
+
+
+def elab(tmp_path, balance):
+    from rdepc.passes.elaborate import elaborate
+
+    from rdepc.parser import parse_file
+
+    f = tmp_path / "b.rdep"
+    f.write_text(SPEC.format(balance=balance))
+    specs, diags = elaborate(parse_file(str(f)), sympy=False)
+    return specs, [(d.span.line, d.span.col, d.message) for d in diags.errors]
+
+
+def test_statement_elaborates(tmp_path):
+    (s,), errors = elab(tmp_path, "balance replicate(slots = 2, min_rows = 16)")
+    assert not errors and (s.balance.kind, s.balance.slots, s.balance.min_rows) == ("replicate", 2, 16)
+    assert ("expert replication", "balance") in s.features()
+    (s,), _ = elab(tmp_path, "balance none")
+    assert s.balance.kind == "none" and not s.features()
+
+
+@pytest.mark.parametrize(
+    "text,where,message",
+    [
+        ("balance replicate(slots = 29, min_rows = 4)", (4, 29), "balance slots = 29 is more than rank 0 can fill"),
+        ("balance replicate(slots = 0, min_rows = 4)", (4, 29), "balance slots must be positive"),
+        ("balance replicate(slots = 2, min_rows = 0)", (4, 43), "balance min_rows must be positive"),
+        ("balance replicate(slots = 2, min_row = 4)", (4, 32), "unknown option 'min_row' to replicate"),
+        ("balance replicat", (4, 11), "unknown balance kind 'replicat'"),
+        ("balance replicate", (4, 11), "'balance replicate' needs its slots and min_rows"),
+    ],
+)
+def test_statement_errors(tmp_path, text, where, message):
+    specs, errors = elab(tmp_path, text)
+    assert not specs and any((ln, col) == where and m.startswith(message) for ln, col, m in errors), errors
+
+
+# ---------------------------------------------------------------------- plan and compile
+
+
+def run_cli(*argv):
+    import contextlib
+    import io
+
+    from rdepc.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_plan_reports_imbalance_and_slot_memory(tmp_path):
+    f = tmp_path / "b.rdep"
+    f.write_text(SPEC.format(balance="balance replicate(slots = 2, min_rows = 16)"))
+    status, out, _ = run_cli("plan", str(f), "--routing", "zipf:1.5")
+    assert status == 0
+    lines = {ln.split("  ")[1].strip(): ln for ln in out.splitlines() if ln.startswith("  ") and "  " in ln[2:]}
+    assert "98,304 B" in lines["slot memory per rank"]  # 2 slots · 3·64·128 params · 2 bytes
+    assert "196,608 B" in lines["slot memory per rank, training"]
+    before = float(lines["owner imbalance, before"].split()[3].rstrip("x"))
+    after = float(lines["owner imbalance, after"].split()[3].rstrip("x"))
+    assert before > 2 and after <= 1.05
+    status, out, _ = run_cli("plan", str(f))
+    assert status == 0 and "needs a routing: --routing uniform or zipf:ALPHA" in out
+    assert "owner imbalance, before" not in out
+
+
+def test_compile_stops_at_the_balance_statement(tmp_path):
+    f = tmp_path / "b.rdep"
+    f.write_text(SPEC.format(balance="balance replicate(slots = 2, min_rows = 16)"))
+    status, _, err = run_cli("compile", str(f), "-o", str(tmp_path / "out"))
+    assert status == 1
+    assert err.startswith(f"{f}:4:3: error: not supported yet: expert replication (the 'codegen' stage")
+    status, _, err = run_cli("check", str(f))
+    assert status == 0 and err.startswith(f"{f}:4:3: note: not supported yet: expert replication")
+
+
+def test_api_compile_stops_too(tmp_path):
+    import rdepc
+    from rdepc.diagnostics import SpecError
+
+    f = tmp_path / "b.rdep"
+    f.write_text(SPEC.format(balance="balance replicate(slots = 2, min_rows = 16)"))
+    with pytest.raises(SpecError) as e:
+        rdepc.load(f).compile()
+    assert any(d.message.startswith("not supported yet: expert replication") for d in e.value.diagnostics)
