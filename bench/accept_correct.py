@@ -65,10 +65,11 @@ def plan(dry: bool, device: str | None = None) -> list:
     grads = trained("deepseek_v3", dry, "dedup", fit)
     out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads, fit), runs + grads))
     for name in ("tiny",) if dry else ("qwen3_30b_a3b", "tiny"):
-        runs = tuple(variant(name, dry, s) for s in (("bulk",) if dry else ("bulk", "pipelined")))
+        pairs = (("bulk", None),) if dry else (("bulk", None), ("pipelined", None), ("bulk", "split"))
+        runs = tuple(variant(name, dry, s, m) for s, m in pairs)
         out.append(Planned(f"cuda_graph/{name}", cuda_graph, (runs,), runs))
     for name in ("tiny",) if dry else ("tiny", "moonlight"):
-        runs = (variant(name, dry),)
+        runs = (variant(name, dry),) if dry else (variant(name, dry), variant(name, dry, mode="split"))
         out.append(Planned(f"withheld/{name}", withheld, (runs,), runs))
     return out
 
@@ -104,11 +105,13 @@ def own(name: str, dry: bool, edit: str | None = None, tokens: int | None = None
 
 def trained(name: str, dry: bool, edit: str | None = None, fit: dict | None = None) -> tuple:
     """What a backward check runs: a call under autograd and its backward, in every schedule
-    (a dry run: the example's own, except in DRY_FULL), unified; ``fit``: narrowed as
+    and kernel mode (a dry run: the example's own schedule, except in DRY_FULL, unified: the
+    interpreter runs split mode's programs as threads, slowly); ``fit``: narrowed as
     :func:`fit_backward` found it fits."""
     schedules = SCHEDULES if not dry or name in DRY_FULL else (own(name, dry, edit),)
+    modes = ("unified",) if dry else MODES
     narrow = fit["narrowed"] if fit else None
-    return tuple(variant(name, dry, s, "unified", "train", edit, narrow=narrow) for s in schedules)
+    return tuple(variant(name, dry, s, m, "train", edit, narrow=narrow) for s in schedules for m in modes)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -339,8 +342,8 @@ def backward(check, variants, fit: dict | None, device: str, dry: bool) -> None:
     first = None
     errs = {}
     for v in variants:
-        schedule = v.schedule
-        m = layer.module(v.backend, device, schedule=schedule, mode=v.mode)
+        schedule = f"{v.schedule} {v.mode}"
+        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
         got = settled(m, lambda m=m: grads_in(m, inputs, dy, dtype))
         errs[schedule] = {n: max_relative_error(got[n], want[n]) for n in got}
         for n, e in errs[schedule].items():
@@ -418,8 +421,8 @@ def cuda_graph(check, variants, device: str, dry: bool) -> None:
     layer = variants[0].layer()
     captured = check.figure("captured", device == "cuda")
     for v in variants:
-        schedule = v.schedule
-        m = layer.module(v.backend, device, schedule=schedule, mode=v.mode)
+        schedule = f"{v.schedule} {v.mode}"
+        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
         make = [inputs_for(layer, device, seed=s) for s in (0, 1, 2)]
         eager = [m(*inp) for inp in make]
         m.synchronize()
@@ -457,27 +460,31 @@ def withheld(check, variants, device: str, dry: bool) -> None:
 
     from rdepc.per_rank import waited_on
 
-    (v,) = variants
-    layer = v.layer()
+    layer = variants[0].layer()
     inputs = inputs_for(layer, device)
-    m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
-    clean = settled(m, lambda: m(*inputs))
-    plan = m.contract
-    # an entry of rank 1 that rank 0 waits for: a dependent's wait must expire
-    entry = check.figure("withheld_entry", waited_on(plan, 1)[0])
-    check.figure("withheld_task", plan.names[entry])
-    check.figure("spin_bound", m.spin_bound)
-    m.withhold(entry)
-    t0 = time.perf_counter()
-    error = None
-    try:
-        settled(m, lambda: m(*inputs))
-    except KernelError as e:
-        error = e
-    check.figure("seconds_to_error", round(time.perf_counter() - t0, 3))
-    check.expect(error is not None, "the call with a withheld task did not fail")
-    if error is not None:
-        check.figure("error", str(error).splitlines()[0][:300])
-    again = settled(m, lambda: m(*inputs))
-    check.figure("recovered_bitwise", bool(torch.equal(again, clean)))
-    check.expect(torch.equal(again, clean), "the call after the failure is not bitwise a clean call")
+    for i, v in enumerate(variants):  # the default mode's figures by their names, another mode's after it
+
+        def fig(name: str, value, mode=v.mode, first=i == 0):
+            return check.figure(name if first else f"{mode}: {name}", value)
+
+        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+        clean = settled(m, lambda m=m: m(*inputs))
+        plan = m.contract
+        # an entry of rank 1 that rank 0 waits for: a dependent's wait must expire
+        entry = fig("withheld_entry", waited_on(plan, 1)[0])
+        fig("withheld_task", plan.names[entry])
+        fig("spin_bound", m.spin_bound)
+        m.withhold(entry)
+        t0 = time.perf_counter()
+        error = None
+        try:
+            settled(m, lambda m=m: m(*inputs))
+        except KernelError as e:
+            error = e
+        fig("seconds_to_error", round(time.perf_counter() - t0, 3))
+        check.expect(error is not None, f"{v.mode}: the call with a withheld task did not fail")
+        if error is not None:
+            fig("error", str(error).splitlines()[0][:300])
+        again = settled(m, lambda m=m: m(*inputs))
+        fig("recovered_bitwise", bool(torch.equal(again, clean)))
+        check.expect(torch.equal(again, clean), f"{v.mode}: the call after the failure is not bitwise a clean call")

@@ -75,7 +75,6 @@ def rdep_gemm(
     item = (program_base + tl.program_id(0)).to(tl.int32)
     entry = -1
     next_first = item0 - item0  # the first item of the entry after the current one
-    first = next_first
     kind = 0
     rank = 0
     owner = 0
@@ -86,7 +85,6 @@ def rdep_gemm(
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (item < n_items) & (failed == 0):
         while next_first <= item:  # step to the item's entry: at most once per entry over the whole call
-            first = next_first
             entry = tl.load(queue + pos)
             pos += 1
             next_first = tl.load(first_item + pos) - item0
@@ -97,7 +95,10 @@ def rdep_gemm(
             segment = tl.load(row + C_SEGMENT)
             guard = tl.load(row + C_GUARD)
         row = table + entry * NCOL
-        i = (item - first).to(tl.int32)
+        # the entry's first item, read again rather than carried: Triton 3.6 drops a value the
+        # inner loop assigns from the outer loop's carried values when it aliased another one
+        # before the loop (every item after an entry's first then took the wrong m-tile)
+        i = (item - (tl.load(first_item + pos - 1) - item0)).to(tl.int32)
         blocked = -1
         seen = target * 0
         expected = target * 0

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: f342725cc605c69c423017385b59ce2ffe2b79c722b4486d50a4af6af3be81ae
+# content-sha256: ce34eae763c70b3933dfe18343bb197f35860e4ea2b98295faf774f029265cf9
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2271,7 +2271,6 @@ def rdep_gemm(
     item = (program_base + tl.program_id(0)).to(tl.int32)
     entry = -1
     next_first = item0 - item0  # the first item of the entry after the current one
-    first = next_first
     kind = 0
     rank = 0
     owner = 0
@@ -2282,7 +2281,6 @@ def rdep_gemm(
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (item < n_items) & (failed == 0):
         while next_first <= item:  # step to the item's entry: at most once per entry over the whole call
-            first = next_first
             entry = tl.load(queue + pos)
             pos += 1
             next_first = tl.load(first_item + pos) - item0
@@ -2293,7 +2291,10 @@ def rdep_gemm(
             segment = tl.load(row + C_SEGMENT)
             guard = tl.load(row + C_GUARD)
         row = table + entry * NCOL
-        i = (item - first).to(tl.int32)
+        # the entry's first item, read again rather than carried: Triton 3.6 drops a value the
+        # inner loop assigns from the outer loop's carried values when it aliased another one
+        # before the loop (every item after an entry's first then took the wrong m-tile)
+        i = (item - (tl.load(first_item + pos - 1) - item0)).to(tl.int32)
         blocked = -1
         seen = target * 0
         expected = target * 0
