@@ -26,6 +26,7 @@ from __future__ import annotations
 import sympy as sp
 from rdepc.passes.balance_plan import balance_plan
 from rdepc.passes.capacity import capacity_plan
+from rdepc.passes.compute_plan import compute_plan
 from rdepc.passes.hardware import profile
 from rdepc.passes.padding import padding_plan
 from rdepc.passes.plan_records import MemoryFigures, Plan, PlanOptions, Pooling, Verdict
@@ -266,6 +267,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         verdicts,
         tuple(warnings),
         balance_plan(env, spec, opts),
+        compute_plan(env, spec),
     )
 
 

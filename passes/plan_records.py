@@ -182,6 +182,19 @@ class BalancePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class ComputePlan:
+    """The expert GEMMs' FLOPs per rank and layer, forward, and their time at F_gpu: the routed
+    experts at the busiest owner (expected, worst) and the shared experts at a front-end."""
+
+    routed: Figure
+    routed_worst: Figure
+    routed_time: Figure
+    routed_worst_time: Figure
+    shared: Figure | None  # None: no shared experts
+    shared_time: Figure | None
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     budget: str
     bytes: int
@@ -211,6 +224,7 @@ class Plan:
     verdicts: tuple[Verdict, ...]
     warnings: tuple[str, ...] = field(default=())
     balance: BalancePlan | None = None
+    compute: ComputePlan | None = None
 
     def figures(self) -> Iterator[Figure]:
         """Every figure of the plan, in report order."""
@@ -391,6 +405,12 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         ],
         "warnings": list(pl.warnings),
     }
+    if pl.compute is not None:
+        c = pl.compute
+        out["compute"] = {
+            k: j(getattr(c, k))
+            for k in ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
+        }
     if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
         b = pl.balance
         out["balance"] = {

@@ -34,6 +34,10 @@ def fmt_num(v: float) -> str:
     return f"{v:,.2f}" if abs(v) >= 10 else f"{v:.4g}"
 
 
+def _flops(fig: Figure) -> str:
+    return f"{fig.value / 1e12:,.2f} TFLOP" if fig.value >= 1e10 else f"{fig.value / 1e9:,.3f} GFLOP"
+
+
 def fmt(fig: Figure | None) -> str:
     if fig is None or fig.value is None:
         return "-"
@@ -283,6 +287,20 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     rows.append(["min ffn hiding transport", f"{tr.min_ffn.value:,.0f}", tr.min_ffn.what])
     rows.append(["expert ffn / minimum", fmt(tr.ffn_margin), f"F = {tr.ffn.value:,}"])
     out += table(rows, ["figure", "value", "accounting"])
+
+    # -- compute -----------------------------------------------------------------------------
+    if pl.compute is not None:
+        c = pl.compute
+        add("")
+        rate = f"{pl.hw.flops.value / 1e12:.1f} TFLOP/s"
+        add(f"Expert compute per rank per layer, forward (a backward is 2x: dX and dW; time at {rate})")
+        rows = [
+            ["routed experts, busiest owner", _flops(c.routed), fmt(c.routed_time), _flops(c.routed_worst),
+             fmt(c.routed_worst_time), c.routed.what],
+        ]  # fmt: skip
+        if c.shared is not None:
+            rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])
+        out += table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
 
     # -- dedup -------------------------------------------------------------------------------
     dd = pl.dedup

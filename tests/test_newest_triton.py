@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import ROOT
@@ -56,11 +57,15 @@ def test_examples_check_under_the_newest_triton(newest, tmp_path):
         str(dedup),
         *(a for d in NARROW["deepseek_v3"] for a in ("-D", d)),
     ]
-    failed = []
-    for name, args in runs.items():
-        got = _run(newest, "-m", "rdepc", "run", *args, "--check")
-        if got.returncode != 0 or not got.stdout.rstrip().endswith("check passed"):
-            failed.append(f"{name}: exit {got.returncode}\n{got.stdout[-800:]}{got.stderr[-1500:]}")
+    one_thread = newest | {"OMP_NUM_THREADS": "1"}  # the runs side by side, one core each
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        got = pool.map(lambda args: _run(one_thread, "-m", "rdepc", "run", *args, "--check"), runs.values())
+        done = dict(zip(runs, got, strict=True))
+    failed = [
+        f"{name}: exit {r.returncode}\n{r.stdout[-800:]}{r.stderr[-1500:]}"
+        for name, r in done.items()
+        if r.returncode != 0 or not r.stdout.rstrip().endswith("check passed")
+    ]
     assert not failed, "\n\n".join(failed)
 
 

@@ -84,6 +84,18 @@ def test_moonlight_table4_and_eq20(capsys):
     assert round(j["transport"]["ffn_margin"], 1) == 1.8
 
 
+def test_compute_counts_routed_and_shared_expert_flops(moonlight):
+    c, rate = moonlight["compute"], 1377e12  # b200's dense rate
+    per_row = 6 * 2048 * 1408  # SwiGLU: gate, up and down, 2·H·F FLOPs each
+    busiest = 8 * 3072  # E_max·μ rows, below R_max = W·T·K (dropless)
+    assert c["routed"] == busiest * per_row and c["routed_worst"] == 8 * 4096 * 6 * per_row
+    assert c["routed_time"] == pytest.approx(c["routed"] / rate)
+    assert c["shared"] == 4096 * 2 * per_row  # T tokens through 2 shared SwiGLU experts of F = 1408
+    assert c["shared_time"] == pytest.approx(c["shared"] / rate)
+    tiny = to_json(plan(rdepc.load(EX / "tiny.rdep").spec))["compute"]
+    assert tiny["shared"] is None and tiny["routed"] > 0
+
+
 def test_required_json_keys(moonlight):
     j = moonlight
     for key in ("mu", "cv_uniform", "routing_context_bytes"):

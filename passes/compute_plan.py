@@ -1,0 +1,38 @@
+"""The planner's compute figures: the FLOPs of one layer's expert GEMMs per rank and their
+time at the profile's dense rate — the routed experts at the busiest owner (its expected
+load and its worst case, as the transport figures count rows) and the shared experts,
+which every front-end computes for each of its own T tokens. The backward does two GEMMs
+for each of the forward's (dX and dW), so a forward and backward cost 3× the forward."""
+
+from __future__ import annotations
+
+import sympy as sp
+from rdepc.passes.plan_records import ComputePlan
+from rdepc.passes.plan_symbols import E_max, Env, F, F_gpu, H, R_max, T, mu
+
+from rdepc.ir.spec import LayerSpec
+
+N_sh = sp.Symbol("N_sh", positive=True, integer=True)  # shared experts
+F_sh = sp.Symbol("F_sh", positive=True, integer=True)  # a shared expert's ffn width
+
+
+def compute_plan(env: Env, spec: LayerSpec) -> ComputePlan:
+    mats = 3 if spec.expert.gated else 2  # gate, up and down; up and down ungated
+    per_row = 2 * mats * H * F
+    how = f"{2 * mats}·H·F FLOPs a row" + (" (gate, up, down)" if mats == 3 else " (up, down)")
+    rows = sp.Min(E_max * mu, R_max)
+    routed = env.fig("compute.routed", rows * per_row, "FLOP", f"min(E_max·μ, R_max) rows at the busiest owner × {how}")
+    worst = env.fig("compute.routed_worst", R_max * per_row, "FLOP", f"R_max rows × {how}")
+    routed_t = env.fig("compute.routed_time", routed.formula / F_gpu, "s", "the same at F_gpu")
+    worst_t = env.fig("compute.routed_worst_time", worst.formula / F_gpu, "s", "the same at F_gpu")
+    shared = shared_t = None
+    if spec.shared is not None:
+        sh = spec.shared
+        env.values[N_sh], env.exact[N_sh] = sh.count, sp.Integer(sh.count)
+        env.values[F_sh], env.exact[F_sh] = int(sh.fn.F), sp.Integer(int(sh.fn.F))
+        s_mats = 3 if sh.fn.gated else 2
+        words = f"T tokens × N_sh·{2 * s_mats}·H·F_sh" + (" + H (the gate)" if sh.gate else "")
+        flops = T * N_sh * 2 * s_mats * H * F_sh + (2 * T * H if sh.gate else 0)
+        shared = env.fig("compute.shared", flops, "FLOP", f"{words}: every front-end, its own tokens")
+        shared_t = env.fig("compute.shared_time", flops / F_gpu, "s", "the same at F_gpu")
+    return ComputePlan(routed, worst, routed_t, worst_t, shared, shared_t)
