@@ -96,10 +96,19 @@ ENCODINGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ENCODINGS))
-@pytest.mark.parametrize(
-    "capacity", ["dropless", "factor 0.75, drop arrival", "factor 0.75", "rows 3, drop lowest_gate"]
-)
+# every encoding dropless (its decoding); each dropping policy under two encodings, one of them
+# rank-major for drop arrival, the one encoding under which arrival order is eq. 7's
+ENCODED = [(name, "dropless") for name in sorted(ENCODINGS)] + [
+    ("rank-major, gaps", "factor 0.75, drop arrival"),
+    ("slot-major", "factor 0.75, drop arrival"),
+    ("token-major", "factor 0.75"),
+    ("permutation", "factor 0.75"),
+    ("token-major", "rows 3, drop lowest_gate"),
+    ("permutation", "rows 3, drop lowest_gate"),
+]
+
+
+@pytest.mark.parametrize(("name", "capacity"), ENCODED)
 def test_route_row_encodings_decode_and_admit_as_the_reference(name, capacity):
     lay = layer(capacity, ENCODINGS[name].replace("W", "3").replace("K", "2"))
     assert not lay.spec.route_row.is_eq7

@@ -201,7 +201,7 @@ def runs(draw) -> Run:
     )
 
 
-@settings(max_examples=25)
+@settings(max_examples=12)
 @given(runs())
 @example(Run(W=1, E=3, K=2, T=13, tokens=11))  # W = 1
 @example(Run(W=3, E=3, K=2, T=9, routing="hot", tiles=SMALL))  # E_loc = 1
