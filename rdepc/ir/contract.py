@@ -33,11 +33,10 @@ MODES = ("unified", "split")
 
 
 # The kernel mode a module runs when none is asked for. Split mode is asked for by name until
-# a GPU has run it through the acceptance: on an H200 its forward-only calls stopped at the
-# spin bound with the GEMM kernel not started (bench/results/h200-2026-11-26-split/), which
-# the loading of every kernel before any launch addresses, unmeasured (docs/gpu.md). Under
-# the interpreter unified is also the faster: split mode's programs are threads that spin
-# against each other for the GIL.
+# its backward has passed a GPU run: its forward has (bitwise the unified kernel's for five
+# examples on an H200, 17-20 % faster at T' = 4096: bench/results/h200-2026-11-26-fixed/), its
+# backward not yet (docs/gpu.md). Under the interpreter unified is also the faster: split
+# mode's programs are threads that spin against each other for the GIL.
 DEFAULT_MODE = "unified"
 
 
