@@ -205,3 +205,27 @@ def test_api_compile_stops_too(tmp_path):
     with pytest.raises(SpecError) as e:
         rdepc.load(f).compile()
     assert any(d.message.startswith("not supported yet: expert replication") for d in e.value.diagnostics)
+
+
+def test_the_balance_bench_writes_imbalance_before_and_after_for_every_example_shape(tmp_path):
+    """bench/balance.py: every shape and routing once, with JSON and plot; the skewed
+    routings end near 1 with 2 slots a rank where they started above 3."""
+    import json
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    from bench import balance
+
+    out = tmp_path / "balance"
+    assert balance.main(["--out", str(out), "--slots", "2", "--reps", "1"]) == 0
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert [s["name"] for s in results["shapes"]] == [name for name, _ in balance.SHAPES]
+    for shape in results["shapes"]:
+        assert [c["routing"] for c in shape["cases"]] == list(balance.ROUTINGS)
+        for c in shape["cases"]:
+            assert c["after"] <= c["before"] and c["replicas"] <= 2 * shape["W"]
+            if c["routing"] != "uniform":
+                assert c["before"] > 3 and c["after"] <= 1.11, (shape["name"], c)

@@ -1,0 +1,121 @@
+"""Owner imbalance with and without exact-load replication (``balance replicate``), from the
+replication solver's NumPy reference (``rdepc.ir.balance.solve``) over sampled routings.
+
+    python bench/balance.py --out bench/results/balance-cpu
+
+For each layer shape, routing and number of redundant slots N per rank: the owner imbalance
+(max/mean of per-rank rows) of the sampled load before and after the solver's plan, the
+replicas it placed and the solver's time in NumPy on this CPU (median of ``--reps``). The
+loads are what ``rdepc plan --routing`` samples (``passes.sampled_routing.source_counts``,
+token n of the W·T belongs to rank n // T). No kernel runs: the layer time with replication
+needs the solver and the reroute on the device (not built yet). Writes OUT.json and OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# the examples, at their own T' (nvl72_e128 at 256 tokens a rank), with their ownership maps
+SHAPES = (("moonlight", None), ("qwen3_30b_a3b", None), ("nvl72_e128", 256))
+ROUTINGS = ("uniform", "zipf:1.0", "zipf:1.2", "zipf:1.5", "zipf:2.0")
+
+
+def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int, reps: int) -> dict:
+    import numpy as np
+    from rdepc.passes.sampled_routing import source_counts
+
+    from rdepc.ir.balance import imbalance, owner_loads, solve
+
+    name, _, a = routing.partition(":")
+    W, T, E, K = (shape[k] for k in "WTEK")
+    load = np.asarray(source_counts(W, T, E, K, name, float(a or 0), seed), dtype=np.int64)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        plan = solve(load, owner, slots, min_rows)
+        times.append(time.perf_counter() - t0)
+    return {
+        "routing": routing,
+        "slots": slots,
+        "min_rows": min_rows,
+        "before": imbalance(owner_loads(load, owner)),
+        "after": imbalance(plan.rank_loads),
+        "replicas": int((plan.slots >= 0).sum()),
+        "solve_ms": 1e3 * sorted(times)[len(times) // 2],
+    }
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = results["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        rows = shape["cases"]
+        x = list(range(len(ROUTINGS)))
+        before = [next(r["before"] for r in rows if r["routing"] == ro) for ro in ROUTINGS]
+        ax.plot(x, before, "k-o", label="no replication")
+        for n in sorted({r["slots"] for r in rows}):
+            after = [next(r["after"] for r in rows if r["routing"] == ro and r["slots"] == n) for ro in ROUTINGS]
+            ax.plot(x, after, "-o", label=f"N = {n} slot{'s' if n > 1 else ''} per rank")
+        ax.axhline(1.05, color="grey", ls=":", lw=1, label="1.05")
+        ax.set_xticks(x, ROUTINGS, rotation=30)
+        ax.set_yscale("log")  # the balanced lines sit near 1, the unbalanced ones up to 20x
+        ax.set_yticks([1, 1.25, 1.5, 2, 3, 5, 10, 20], ["1", "1.25", "1.5", "2", "3", "5", "10", "20"])
+        ax.set_ylabel("owner imbalance, max/mean rows (log)")
+        ax.set_title(f"{shape['name']}: W={shape['W']} E={shape['E']} K={shape['K']} T'={shape['T']}")
+        ax.legend(fontsize=8)
+    fig.suptitle("exact-load replication (the solver's NumPy reference), one sampled routing each")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="build/balance", help="writes OUT.json and OUT.png")
+    ap.add_argument("--slots", type=int, nargs="+", default=[1, 2, 4], help="redundant slots per rank")
+    ap.add_argument("--min-rows", type=int, default=64, help="the fewest rows a replica carries")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=5, help="solver runs timed per case (median)")
+    args = ap.parse_args(argv)
+    import numpy as np
+
+    env = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "python": platform.python_version()}
+    env |= {"numpy": np.__version__, "machine": platform.machine(), "processor": platform.processor()}
+    results = {"environment": env, "shapes": []}
+    import rdepc
+
+    for name, tokens in SHAPES:
+        layer = rdepc.load(ROOT / "examples" / f"{name}.rdep", **({"T": tokens} if tokens else {}))
+        shape = {k: layer.shapes[k] for k in "WTEK"}
+        owner = np.asarray(layer.spec.ownership.owner, dtype=np.int64)
+        cases = []
+        for routing in ROUTINGS:
+            for n in args.slots:
+                c = case(shape, owner, routing, n, args.min_rows, args.seed, args.reps)
+                cases.append(c)
+                print(f"{name} {routing:9} N={n}: {c['before']:.3f} -> {c['after']:.3f}, "
+                      f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms", flush=True)  # fmt: skip
+        results["shapes"].append({"name": name, **shape, "cases": cases})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
