@@ -299,7 +299,8 @@ def spec_to_json(spec: LayerSpec) -> dict:
         "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated},
         "shared": None
         if spec.shared is None
-        else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)},
+        else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)}
+        | ({"gate": spec.shared.gate} if spec.shared.gate else {}),
         "precision": {
             "dtype": spec.precision.dtype.value,
             "dispatch": spec.precision.dispatch.value,
