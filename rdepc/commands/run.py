@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rdepc.api import UsageError
 from rdepc.commands.common import overrides, print_diags
+from rdepc.ir.balance import imbalance
 from rdepc.ir.contract import DEFAULT_MODE
 
 # the max relative error --check accepts by default, per dtype
@@ -157,7 +158,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
     lines += [
         f"  transport       {moved}{'' if sent == back == want else f' (MISMATCH: expected {want} each way)'}",
         f"  rows per expert {st['rows_per_expert'].tolist()}",
-        f"  rows per owner  {st['rows_per_owner'].tolist()}",
+        f"  rows per owner  {st['rows_per_owner'].tolist()} (max/mean {imbalance(st['rows_per_owner'].tolist()):.3f})",
         f"  dropped rows    {st['dropped_rows']} ({cap})",
     ]
     if st["dropped_rows"]:
