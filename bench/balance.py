@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.moe_bench import write_results  # noqa: E402
 
 # the examples, at their own T' (nvl72_e128 at 256 tokens a rank), with their ownership maps
 SHAPES = (("moonlight", None), ("qwen3_30b_a3b", None), ("nvl72_e128", 256))
@@ -109,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {routing:9} N={n}: {c['before']:.3f} -> {c['after']:.3f}, "
                       f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms", flush=True)  # fmt: skip
         results["shapes"].append({"name": name, **shape, "cases": cases})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    write_results(results, Path(args.out), plot)
     return 0
 
 

@@ -16,14 +16,13 @@ and OUT.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.moe_bench import environment  # noqa: E402
+from bench.moe_bench import environment, write_results  # noqa: E402
 
 
 def measure(dedup: bool, routing: str, tokens: int, hidden: int, ffn: int, device: str) -> dict:
@@ -123,12 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             runs.append(r)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(torch.device(args.device)), "runs": runs}
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    write_results(results, Path(args.out), plot)
     return 0
 
 

@@ -166,6 +166,14 @@ def run_case(case: Case, device, reps: int, warmup: int) -> list[dict]:
     return runs
 
 
+def write_results(results: dict, out: Path, plot) -> None:
+    """OUT.json and ``plot(results, OUT.png)``, the folder made: what every bench script writes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
 def environment(device) -> dict:
     from importlib import metadata
 
@@ -265,11 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs.append(run)
     results = {"config": args.config, "environment": environment(device), "reps": reps, "runs": runs}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    write_results(results, Path(args.out), plot)
     return 0
 
 
