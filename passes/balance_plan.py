@@ -20,7 +20,7 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
     if b.kind == "none":
         return None
     env.values[N], env.exact[N] = b.slots, sp.Integer(b.slots)
-    mats = 3 if spec.expert.gated else 2  # gate, up and down projections; up and down ungated
+    mats = spec.expert.matrices
     expert = mats * H * F * a
     words = f"{mats}·H·F·a" + (" (gate, up, down)" if mats == 3 else " (up, down)")
     slot_bytes = env.fig("balance.slot_bytes", N * expert, "B", f"N·{words}: N replicas' weights per rank")

@@ -17,7 +17,7 @@ F_sh = sp.Symbol("F_sh", positive=True, integer=True)  # a shared expert's ffn w
 
 
 def compute_plan(env: Env, spec: LayerSpec) -> ComputePlan:
-    mats = 3 if spec.expert.gated else 2  # gate, up and down; up and down ungated
+    mats = spec.expert.matrices
     per_row = 2 * mats * H * F
     how = f"{2 * mats}·H·F FLOPs a row" + (" (gate, up, down)" if mats == 3 else " (up, down)")
     rows = sp.Min(E_max * mu, R_max)
@@ -30,7 +30,7 @@ def compute_plan(env: Env, spec: LayerSpec) -> ComputePlan:
         sh = spec.shared
         env.values[N_sh], env.exact[N_sh] = sh.count, sp.Integer(sh.count)
         env.values[F_sh], env.exact[F_sh] = int(sh.fn.F), sp.Integer(int(sh.fn.F))
-        s_mats = 3 if sh.fn.gated else 2
+        s_mats = sh.fn.matrices
         words = f"T tokens × N_sh·{2 * s_mats}·H·F_sh" + (" + H (the gate)" if sh.gate else "")
         flops = T * N_sh * 2 * s_mats * H * F_sh + (2 * T * H if sh.gate else 0)
         shared = env.fig("compute.shared", flops, "FLOP", f"{words}: every front-end, its own tokens")

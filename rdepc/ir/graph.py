@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rdepc.ir.sizes import return_ring
-from rdepc.ir.spec import LayerSpec
+from rdepc.ir.spec import LayerSpec, weight_matrices
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -90,7 +90,7 @@ class Geometry:
     @property
     def flop_coef(self) -> int:
         """FLOPs per (row, H, F): 6 for a gated (SwiGLU) expert, 4 for gelu/relu."""
-        return 6 if self.act == "swiglu" else 4
+        return 2 * weight_matrices(self.act)
 
     @property
     def steps(self) -> int:

@@ -73,6 +73,11 @@ class Shape:
         return self.T_bound if self.T_bound is not None else int(self.T)
 
 
+def weight_matrices(act: str) -> int:
+    """An expert's [H, F] weight matrices: gate, up and down for swiglu; up and down else."""
+    return 3 if act == "swiglu" else 2
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertFn:
     act: str  # swiglu | gelu | relu
@@ -81,6 +86,10 @@ class ExpertFn:
     @property
     def gated(self) -> bool:
         return self.act == "swiglu"
+
+    @property
+    def matrices(self) -> int:
+        return weight_matrices(self.act)
 
 
 @dataclass(frozen=True, slots=True)
