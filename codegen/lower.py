@@ -261,6 +261,8 @@ def lower(
         ring=ring,
         unified=sched.unified,
         act=spec.expert.act,
+        act_limit=float(spec.expert.limit or 0),
+        act_alpha=float(spec.expert.alpha or 0),
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
         dispatch_scale=spec.precision.dispatch_scale,

@@ -43,6 +43,7 @@ from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 from rdepc.ir import sizes
 from rdepc.ir.graph import CostModel, Rates, TaskGraph
 from rdepc.ir.sizes import BM
+from rdepc.ir.spec import weight_matrices
 
 # Programs one GPU keeps resident: one per SM.
 SMS: dict[str, Value] = {
@@ -87,7 +88,7 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
     rows = task_rows(tg, load)
     row_d = geo.H * geo.d + geo.sb
     row_a = geo.H * geo.a
-    weights = (3 if geo.act == "swiglu" else 2) * geo.H * geo.F * geo.a
+    weights = weight_matrices(geo.act) * geo.H * geo.F * geo.a
     down = geo.H * geo.F * geo.a  # GEMM2's weights per expert
     R = rates(hw)
     n = len(tg.tasks)

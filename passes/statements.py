@@ -5,12 +5,15 @@ to the elaborator's per-layer context (``rdepc.passes.elaborate._Layer``, which 
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from rdepc.passes.expressions import MAX_VALUE, evaluate
 
 from rdepc import syntax as S
 from rdepc.diagnostics import Span, did_you_mean
 from rdepc.ir.exact import Poly
 from rdepc.ir.spec import (
+    CLAMPED_SWIGLU,
     ROUTE_VARS,
     SCALE_BLOCK,
     USER_SIDEBAND,
@@ -32,7 +35,7 @@ LIMITS = {"ranks": 1024, "experts": 65536, "hidden": 1 << 20, "ffn": 1 << 20, "t
 
 DTYPES = {d.value: d for d in Dtype}
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
-ACTIVATIONS = ("swiglu", "gelu", "relu")
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "gelu", "relu")
 SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
 DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
@@ -74,19 +77,37 @@ class Statements:
         if v.fn not in ACTIVATIONS:
             self.diags.error(f"unknown expert function '{v.fn}'", v.fn_span, did_you_mean(v.fn, ACTIVATIONS))
             return None
-        ffn = None
+        allowed = ("ffn", *CLAMPED_SWIGLU) if v.fn == "clamped_swiglu" else ("ffn",)
+        given: dict[str, S.KwArg] = {}
         for kw in v.kwargs:
-            if kw.name != "ffn":
-                self.diags.error(f"unknown argument '{kw.name}' to {v.fn}", kw.name_span, "the only argument is 'ffn'")
-            elif ffn is not None:
-                self.diags.error(f"'ffn' given twice to {v.fn}", kw.name_span)
+            if kw.name not in allowed:
+                names = " and ".join(f"'{a}'" for a in allowed)
+                self.diags.error(
+                    f"unknown argument '{kw.name}' to {v.fn}",
+                    kw.name_span,
+                    f"the only argument is {names}" if len(allowed) == 1 else f"its arguments are {names}",
+                )
+            elif kw.name in given:
+                self.diags.error(f"'{kw.name}' given twice to {v.fn}", kw.name_span)
             else:
-                ffn = kw
-        if ffn is None:
+                given[kw.name] = kw
+        if "ffn" not in given:
             self.diags.error(f"{v.fn} needs its ffn width", v.span, f"e.g. {v.fn}(ffn = 1408)")
             return None
-        F = self.size(ffn, f"{what} ffn width", limit=LIMITS["ffn"])
-        return None if F is None else ExpertFn(v.fn, F)
+        F = self.size(given["ffn"], f"{what} ffn width", limit=LIMITS["ffn"])
+        if v.fn != "clamped_swiglu":
+            return None if F is None else ExpertFn(v.fn, F)
+        params = dict(CLAMPED_SWIGLU)
+        for name in CLAMPED_SWIGLU:
+            if name in given:
+                value, span = self.expr(given[name], f"clamped_swiglu {name}")
+                if value is None:
+                    return None
+                if not value.is_const or value.value <= 0:
+                    self.diags.error(f"clamped_swiglu {name} must be a positive number, got {value}", span)
+                    return None
+                params[name] = Fraction(value.value)
+        return None if F is None else ExpertFn(v.fn, F, params["limit"], params["alpha"])
 
     def expert_fn(self, st: S.Stmt) -> ExpertFn | None:
         _, pos = self.args(st, positional=1)

@@ -33,11 +33,12 @@ width F_s is the spec's ``shared N x swiglu(ffn = F_s / N)`` for any N dividing 
 ``shared_expert_gate`` (``Linear(H, 1)``, scaling that MLP's output by its sigmoid) the
 spec's ``gate sigmoid``.
 
-Refused (``REFUSED``), because the spec language cannot express them: GPT-OSS (``GptOssMLP``:
-expert biases and a clamped SwiGLU; its router is the spec's ``softmax, logit_bias,
-renormalize``), Llama-4 (``Llama4TextMoe``: the gate scales the expert's input, a sigmoid of
-the top-K logits), Ernie-4.5 with a ``moe_norm_min`` of 1/E or more (the gates' sum clamped),
-and a DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
+Refused (``REFUSED``), because the spec language cannot express them: GPT-OSS
+(``GptOssMLP``: expert biases; its clamped SwiGLU is the spec's ``clamped_swiglu(ffn = F,
+limit = 7, alpha = 1.702)`` and its router ``softmax, logit_bias, renormalize``), Llama-4
+(``Llama4TextMoe``: the gate scales the expert's input, a sigmoid of the top-K logits),
+Ernie-4.5 with a ``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a
+DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 REFUSED: dict[str, str] = {
-    "GptOssMLP": "GPT-OSS's experts have biases and a clamped SwiGLU, which a spec cannot express (its router is "
-    "'softmax, logit_bias, renormalize')",
+    "GptOssMLP": "GPT-OSS's experts have biases, which a spec cannot express (its activation is "
+    "'clamped_swiglu(ffn = F, limit = 7, alpha = 1.702)', its router 'softmax, logit_bias, renormalize')",
     "Llama4TextMoe": "Llama-4 scales each expert's input by a sigmoid of its top-K logit (not its output), which a "
     "spec cannot express",
 }

@@ -41,17 +41,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F_
 
+from rdepc.reference import expert_fn
 from rdepc.runtime import router as R
 from rdepc.runtime.inputs import dense
 from rdepc.runtime.tensors import TORCH_DTYPES
-
-
-def _ffn(x: torch.Tensor, w_gate, w_up, w_down, act: str) -> torch.Tensor:
-    if act == "swiglu":
-        return (F_.silu(x @ w_gate) * (x @ w_up)) @ w_down
-    if act == "gelu":
-        return F_.gelu(x @ w_up, approximate="none") @ w_down
-    return F_.relu(x @ w_up) @ w_down
 
 
 class RDEPMoE(nn.Module):
@@ -107,11 +100,12 @@ class RDEPMoE(nn.Module):
             self.w_gate = None
             self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
         self.w_down = nn.Parameter(torch.empty(n_exp, self.F, self.H, **kw))
-        self.shared_act = None
+        self.shared_act = self._shared_act_params = None
         self.shared_gate = self.shared_up = self.shared_down = self.shared_gate_proj = None
         if s.shared is not None:
             n, Fs = s.shared.count, int(s.shared.fn.F)
             self.shared_act = s.shared.fn.act
+            self._shared_act_params = (s.shared.fn.limit, s.shared.fn.alpha)
             if s.shared.fn.gated:
                 self.shared_gate = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
             self.shared_up = nn.Parameter(torch.empty(n, self.H, Fs, **kw))
@@ -254,7 +248,7 @@ class RDEPMoE(nn.Module):
             for j in range(self.shared_up.shape[0]):
                 gate = None if self.shared_gate is None else self.shared_gate[j].to(self.dtype)
                 up, down = self.shared_up[j].to(self.dtype), self.shared_down[j].to(self.dtype)
-                shared = shared + _ffn(x, gate, up, down, self.shared_act)
+                shared = shared + expert_fn(x, gate, up, down, self.shared_act, *self._shared_act_params)
             if self.shared_gate_proj is not None:
                 shared = shared * torch.sigmoid(F_.linear(x, self.shared_gate_proj.to(self.dtype)))
             y = y + shared  # a padding token's: f(0) = 0

@@ -45,9 +45,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F_
 
-from rdepc.ir.spec import SCALE_BLOCK
+from rdepc.ir.spec import CLAMPED_SWIGLU, SCALE_BLOCK, is_gated
 
-ACTS = ("swiglu", "gelu", "relu")
+ACTS = ("swiglu", "clamped_swiglu", "gelu", "relu")
 DROPS = ("round_robin", "arrival", "lowest_gate")
 WEIGHTS = ("renormalize", "zero")
 ROUTINGS = ("uniform", "zipf:A", "hot", "one")
@@ -60,10 +60,26 @@ RowId = Callable[[int, int, int], int]
 # ----------------------------------------------------------------------------------------
 
 
-def expert_fn(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, act: str):
-    """One expert on rows ``x`` [N, H]: swiglu (silu(x·Wg) ⊙ x·Wu)·Wd, or act(x·Wu)·Wd."""
+def expert_fn(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    limit: float | None = None,
+    alpha: float | None = None,
+):
+    """One expert on rows ``x`` [N, H]: swiglu (silu(x·Wg) ⊙ x·Wu)·Wd; clamped_swiglu
+    (GPT-OSS) with g = min(x·Wg, limit), u = x·Wu clamped to ±limit: ((u + 1) ⊙ g ⊙
+    σ(alpha·g))·Wd (``limit`` and ``alpha`` default to GPT-OSS's 7 and 1.702); or act(x·Wu)·Wd."""
     if act == "swiglu":
         return (F_.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    if act == "clamped_swiglu":
+        limit = float(CLAMPED_SWIGLU["limit"] if limit is None else limit)
+        alpha = float(CLAMPED_SWIGLU["alpha"] if alpha is None else alpha)
+        gate = (x @ w_gate).clamp(max=limit)
+        up = (x @ w_up).clamp(min=-limit, max=limit)
+        return ((up + 1) * gate * torch.sigmoid(gate * alpha)) @ w_down
     if act == "gelu":
         return F_.gelu(x @ w_up, approximate="none") @ w_down
     if act == "relu":
@@ -121,6 +137,8 @@ def shared_experts(
     w_down: torch.Tensor,
     act: str,
     gate: torch.Tensor | None = None,
+    limit: float | None = None,
+    alpha: float | None = None,
 ) -> torch.Tensor:
     """The spec's shared experts on every token of ``x`` [..., H]: the sum over the N experts
     (``w_gate`` and ``w_up`` [N, H, F_s] — ``w_gate`` None unless swiglu —, ``w_down``
@@ -131,7 +149,7 @@ def shared_experts(
     total = torch.zeros_like(rows)
     for j in range(w_up.shape[0]):
         wg = None if w_gate is None else w_gate[j].to(ct)
-        total = total + expert_fn(rows, wg, w_up[j].to(ct), w_down[j].to(ct), act)
+        total = total + expert_fn(rows, wg, w_up[j].to(ct), w_down[j].to(ct), act, limit, alpha)
     if gate is not None:
         total = total * torch.sigmoid(rows @ gate.to(ct).reshape(-1, 1))
     return total.reshape(x.shape).to(x.dtype)
@@ -243,6 +261,8 @@ def moe_reference(
     w_down: torch.Tensor,
     *,
     act: str = "swiglu",
+    act_limit: float | None = None,
+    act_alpha: float | None = None,
     capacity: int | Sequence[int] | None = None,
     drop: str = "round_robin",
     weights: str = "renormalize",
@@ -252,7 +272,8 @@ def moe_reference(
     """The RDEP operator (eq. 4) with the capacity policy of section 3.6.
 
     x [W, T', H]; topk_ids [W, T', K] (int, in [0, E), or -1: no expert); topk_weights [W, T', K];
-    w_gate [E, H, F] (``None`` unless ``act="swiglu"``), w_up [E, H, F], w_down [E, F, H].
+    w_gate [E, H, F] (``None`` unless the expert is gated: swiglu, clamped_swiglu), w_up
+    [E, H, F], w_down [E, F, H]; ``act_limit`` and ``act_alpha``: clamped_swiglu's (``expert_fn``).
     ``capacity``: ``None`` for dropless, else cap_e for every expert or one per expert.
     ``owner``: the owner rank π(e) of each expert; it is only checked (length E, ranks in
     [0, W)) — where an expert lives does not change the operator, which is the point.
@@ -279,10 +300,10 @@ def moe_reference(
     E, _, F = w_up.shape
     if w_down.shape != (E, F, H):
         raise ValueError(f"w_down must be [E, F, H] = [{E}, {F}, {H}], got {tuple(w_down.shape)}")
-    if act == "swiglu":
+    if is_gated(act):
         if w_gate is None or w_gate.shape != w_up.shape:
             got = None if w_gate is None else tuple(w_gate.shape)
-            raise ValueError(f"swiglu experts need w_gate shaped like w_up {tuple(w_up.shape)}, got {got}")
+            raise ValueError(f"{act} experts need w_gate shaped like w_up {tuple(w_up.shape)}, got {got}")
     elif w_gate is not None:
         raise ValueError(f"{act} experts are not gated: pass w_gate=None")
     if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= E):
@@ -313,7 +334,7 @@ def moe_reference(
             mask = (ids[:, :, k] == e) & accepted[:, :, k]
             if not bool(mask.any()):
                 continue
-            out_k[mask] = expert_fn(xf[mask], None if wg is None else wg[e], wu[e], wd[e], act)
+            out_k[mask] = expert_fn(xf[mask], None if wg is None else wg[e], wu[e], wd[e], act, act_limit, act_alpha)
         y = y + gp[:, :, k, None] * out_k
     return y.to(x.dtype), accepted
 
@@ -417,6 +438,8 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             w_up,
             w_down,
             act=act,
+            act_limit=spec.expert.limit,
+            act_alpha=spec.expert.alpha,
             capacity=capacity_for(spec, T, brought),
             drop=spec.capacity.drop,
             weights=spec.capacity.weights,

@@ -41,6 +41,7 @@ VOCABULARY = [
     "balanced", "map", "dropless", "factor", "rows", "drop", "round_robin", "arrival", "lowest_gate", "weights",
     "renormalize", "zero", "buffers", "cut", "auto", "expert", "source", "bulk", "pipelined", "deep", "emulated",
     "nvshmem", "dedup", "on", "off", "softmax", "sigmoid", "bias", "groups", "top_groups", "aux_loss", "z_loss", "x",
+    "clamped_swiglu", "limit", "alpha",
     "W", "T", "K", "E", "H", "F",
 ]  # fmt: skip
 
@@ -259,9 +260,9 @@ def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list
     keys = draw(st.permutations(list(shape_vals)))
     eq = draw(st.sampled_from([" ", " = "]))
     stmts = {"shape": "shape " + ", ".join(f"{k}{eq}{shape_vals[k]}" for k in keys)}
-    act = draw(st.sampled_from(["swiglu", "swiglu", "gelu", "relu"]))
+    act = draw(st.sampled_from(["swiglu", "clamped_swiglu", "gelu", "relu"]))
     tags.append(f"expert {act}")
-    stmts["expert"] = f"expert {act}(ffn = {size(F)})"
+    stmts["expert"] = f"expert {act}(ffn = {size(F)}{', limit = 7.5' if act == 'clamped_swiglu' else ''})"
 
     if draw(st.booleans()):
         n = draw(st.integers(1, 4))

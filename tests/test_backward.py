@@ -15,6 +15,7 @@ from rdepc.runtime.module import KernelError
 
 from rdepc.api import Layer, elaborate_layer
 from rdepc.ir.contract import Tiles
+from rdepc.ir.spec import is_gated
 from rdepc.parser import parse_text
 from rdepc.reference import combine_weights, random_inputs, reference_for
 
@@ -39,6 +40,7 @@ class Case:
     H: int = 32
     F: int = 32
     act: str = "swiglu"
+    act_args: str = ""  # after ffn, e.g. ", limit = 0.5"
     capacity: str = "dropless"
     routing: str = "uniform"
     seed: int = 0
@@ -48,7 +50,7 @@ class Case:
         text = (
             "layer grad {\n"
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
-            f"  expert    {self.act}(ffn = {self.F})\n"
+            f"  expert    {self.act}(ffn = {self.F}{self.act_args})\n"
             "  dtype     fp32\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
@@ -61,7 +63,7 @@ class Case:
         return Layer(spec)
 
     def inputs(self):
-        gated = self.act == "swiglu"
+        gated = is_gated(self.act)
         return random_inputs(
             self.W, self.T, self.H, self.F, self.E, self.K, gated=gated, routing=self.routing, seed=self.seed
         )
@@ -116,8 +118,10 @@ def check(case: Case, strategies=STRATEGIES, tol: float = 1e-4) -> dict:
         Case(act="relu", E=3, T=8, S=3, B=2),  # one owner holds two experts, a return ring of 6 rows
         Case(K=3, capacity="factor 0.5", routing="zipf:1.5", dedup=True),  # a return ring, drops
         Case(act="relu", E=3, T=8, S=3, B=2, dedup=True),  # every segment resident: rows land in place
+        # GPT-OSS's activation, its limit low enough that about half the pre-activations clamp
+        Case(act="clamped_swiglu", act_args=", limit = 0.5, alpha = 1.5", capacity="rows 5"),
     ],
-    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring", "dedup-ring", "dedup-relu"],
+    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring", "dedup-ring", "dedup-relu", "clamped"],
 )
 def test_gradients_match_autograd_through_the_reference_in_every_schedule(case):
     check(case)

@@ -535,6 +535,24 @@ def test_expert_function_errors():
     assert msgs("swiglu(ffn = 8), [8]") == ["unexpected argument to 'expert'"]
     assert msgs("ffn 8") == ["'expert' needs the expert function", "unknown option 'ffn' in 'expert'"]
     assert msgs("swiglu(ffn = 1408.5)") == ["expert ffn width must be a whole number, got 2817/2"]
+    assert msgs("swiglu(ffn = 8, limit = 7)") == ["unknown argument 'limit' to swiglu"]
+    assert msgs("clamped_swiglu(ffn = 8, limit = 0)") == ["clamped_swiglu limit must be a positive number, got 0"]
+    assert msgs("clamped_swiglu(ffn = 8, alpha = -1)") == ["clamped_swiglu alpha must be a positive number, got -1"]
+    assert msgs("clamped_swiglu(ffn = 8, limit = 1, limit = 2)") == ["'limit' given twice to clamped_swiglu"]
+    assert msgs("clamp_swiglu(ffn = 8)") == ["unknown expert function 'clamp_swiglu'"]
+
+
+def test_clamped_swiglu_takes_its_numbers_or_gpt_oss_defaults():
+    def expert(call):
+        specs, diags = elaborate(parse_text(spec_text().replace("swiglu(ffn = 1408)", call)))
+        assert not diags.errors, [d.message for d in diags.errors]
+        return specs[0].expert
+
+    e = expert("clamped_swiglu(ffn = 64, limit = 6.5, alpha = 1.5)")
+    assert (e.act, e.F, e.limit, e.alpha, e.gated, e.matrices) == ("clamped_swiglu", 64, 6.5, 1.5, True, 3)
+    e = expert("clamped_swiglu(ffn = 64)")
+    assert (float(e.limit), float(e.alpha)) == (7.0, 1.702)
+    assert expert("swiglu(ffn = 64)").limit is None
 
 
 def test_layer_selection_and_duplicates():

@@ -96,6 +96,40 @@ def test_gelu_is_exact_erf_not_tanh():
     assert (out - tanh).abs().max() > 1e-5
 
 
+def test_clamped_swiglu_is_gpt_oss_activation_and_gradient():
+    """expert_fn's clamped_swiglu against transformers' GPT-OSS experts (gate and up
+    interleaved in one [H, 2F] matrix, as GptOssExperts holds them; biases zero), output and
+    gradients; and its defaults are GPT-OSS's limit 7 and alpha 1.702."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    cfg = gpt_oss.GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=1, swiglu_limit=0.5)
+    experts = gpt_oss.GptOssExperts(cfg)
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(1, 8, 12, generator=gen)
+    down = torch.randn(1, 6, 8, generator=gen)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+        experts.gate_up_proj_bias.zero_()
+        experts.down_proj_bias.zero_()
+    x = torch.randn(10, 8, generator=gen, requires_grad=True)
+    want = experts._apply_gate(x @ experts.gate_up_proj[0]) @ experts.down_proj[0]
+    wg, wu = gate_up[0, :, 0::2].clone().requires_grad_(), gate_up[0, :, 1::2].clone().requires_grad_()
+    got = expert_fn(x, wg, wu, down[0], "clamped_swiglu", limit=0.5, alpha=cfg.swiglu_alpha)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    dy = torch.randn(want.shape, generator=gen)
+    (dx_want, dgu) = torch.autograd.grad(want, (x, experts.gate_up_proj), dy)
+    dx, dwg, dwu = torch.autograd.grad(got, (x, wg, wu), dy)
+    torch.testing.assert_close(dx, dx_want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.stack((dwg, dwu), dim=-1).reshape(8, 12), dgu[0], atol=1e-6, rtol=1e-6)
+    pre = x @ gate_up[0]
+    assert (pre[:, 0::2] > 0.5).any() and (pre[:, 1::2].abs() > 0.5).any()  # both clamps are exercised
+    default = gpt_oss.GptOssConfig()
+    x0 = torch.linspace(-12, 12, 48).reshape(6, 8)
+    eye = torch.eye(8)
+    limited = expert_fn(x0, eye, eye, eye, "clamped_swiglu", default.swiglu_limit, default.swiglu_alpha)
+    torch.testing.assert_close(expert_fn(x0, eye, eye, eye, "clamped_swiglu"), limited, atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------
 # The accepted set
 # ----------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from rdepc.codegen.device.gemm import copy_rows, gate_up, gemm_rows_tn, gemm_til
 from rdepc.codegen.device.heap import peer
 from rdepc.codegen.device.layout import (
     ACT,
+    ACT_ALPHA,
+    ACT_LIMIT,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
@@ -39,6 +41,36 @@ from rdepc.codegen.device.layout import (
     S,
 )
 from rdepc.codegen.device.rows import ring_row
+
+
+@triton.jit
+def glu(gate, up):
+    """A gated expert's activation of its fp32 gate and up pre-activations: SwiGLU
+    silu(gate)·up, or GPT-OSS's clamped variant: g = min(gate, limit), u = up clamped to
+    ±limit, (u + 1)·g·σ(alpha·g)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        return (u + 1.0) * g * tl.sigmoid(ACT_ALPHA * g)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def glu_backward(gate, up, da):
+    """``glu``'s backward at pre-activations ``gate`` and ``up`` for dL/d(activation) ``da``:
+    (dL/dgate, dL/dup, the activation). A clamped input passes no gradient (as torch's
+    clamp: inside the bounds, bounds included)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        sig = tl.sigmoid(ACT_ALPHA * g)
+        gs = g * sig
+        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + ACT_ALPHA * gs * (1.0 - sig)), 0.0)
+        d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
+        return d_gate, d_up, (u + 1.0) * gs
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu, silu * up
 
 
 @triton.jit
@@ -108,7 +140,7 @@ def gemm1(
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
     GEMM1 over the segment's pooled, expert-contiguous rows in payload slot s % B — h =
-    silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
+    glu(x Wg, x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
     ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F, 2]), else
     ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
@@ -137,7 +169,7 @@ def gemm1(
         )  # fmt: skip
         if GATED:
             gate, up = gate_up(acc, BM, BLOCK_F)
-            act = gate * tl.sigmoid(gate) * up  # SwiGLU
+            act = glu(gate, up)
         elif ACT == "gelu":
             act = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU
         else:
@@ -247,7 +279,7 @@ def bgemm1(
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
     in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
-    [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
+    ``glu_backward``'s (dgate, dup), interleaved as the weights' [E, H, F, 2], else
     dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
     A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
     the rows' row_ids for the return.
@@ -279,12 +311,10 @@ def bgemm1(
             pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
             gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
             up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            silu = gate * sig
+            d_gate, d_up, act = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
-            tl.store(out, narrow(da * up * sig * (1.0 + gate * (1.0 - sig)), DTYPE, CAST_F32), mask=keep)
-            tl.store(out + 1, narrow(da * silu, DTYPE, CAST_F32), mask=keep)
-            act = silu * up
+            tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
+            tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
         else:
             h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
             if ACT == "gelu":

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
 from rdepc.ir.sizes import m_tile_slots
-from rdepc.ir.spec import SCALE_BLOCK
+from rdepc.ir.spec import SCALE_BLOCK, is_gated
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
@@ -172,6 +172,9 @@ class KernelContract:
     ring: bool  # returns land in a ring of B slots at the front-end and are unpacked
     unified: bool  # the schedule gives every program every task (bulk): one queue per rank
     act: str
+    # clamped_swiglu's limit and alpha (ExpertFn); 0 for the other activations
+    act_limit: float
+    act_alpha: float
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None
@@ -316,7 +319,7 @@ class KernelContract:
 
     @property
     def gated(self) -> bool:
-        return self.act == "swiglu"
+        return is_gated(self.act)
 
     @property
     def scale_cols(self) -> int:

@@ -73,19 +73,32 @@ class Shape:
         return self.T_bound if self.T_bound is not None else int(self.T)
 
 
+GATED_ACTS = ("swiglu", "clamped_swiglu")  # GEMM1 computes gate and up: its weights are [Wg Wu]
+CLAMPED_SWIGLU = {"limit": Fraction(7), "alpha": Fraction(1702, 1000)}  # GPT-OSS's values, the defaults
+
+
+def is_gated(act: str) -> bool:
+    return act in GATED_ACTS
+
+
 def weight_matrices(act: str) -> int:
-    """An expert's [H, F] weight matrices: gate, up and down for swiglu; up and down else."""
-    return 3 if act == "swiglu" else 2
+    """An expert's [H, F] weight matrices: gate, up and down for a gated expert; up and down else."""
+    return 3 if is_gated(act) else 2
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertFn:
-    act: str  # swiglu | gelu | relu
+    """An expert's function. ``clamped_swiglu`` (GPT-OSS): g = min(x·Wg, limit), u = x·Wu
+    clamped to ±limit, (u + 1)·g·σ(alpha·g); ``limit`` and ``alpha`` are None for the others."""
+
+    act: str  # swiglu | clamped_swiglu | gelu | relu
     F: sp.Expr  # ffn width
+    limit: Fraction | None = None
+    alpha: Fraction | None = None
 
     @property
     def gated(self) -> bool:
-        return self.act == "swiglu"
+        return is_gated(self.act)
 
     @property
     def matrices(self) -> int:
@@ -290,6 +303,10 @@ def jsonable(v):
     return v
 
 
+def _act_params(fn: ExpertFn) -> dict:
+    return {} if fn.limit is None else {"limit": float(fn.limit), "alpha": float(fn.alpha)}
+
+
 def spec_to_json(spec: LayerSpec) -> dict:
     """The elaborated spec as plain data (what ``rdepc compile`` writes and golden files hold)."""
     sh = spec.shape
@@ -305,10 +322,12 @@ def spec_to_json(spec: LayerSpec) -> dict:
             for p in spec.params
         },
         "shape": {"W": j(sh.W), "T": j(sh.T), "T_bound": sh.T_bound, "H": j(sh.H), "E": j(sh.E), "K": j(sh.K)},
-        "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated},
+        "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated}
+        | _act_params(spec.expert),
         "shared": None
         if spec.shared is None
         else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)}
+        | _act_params(spec.shared.fn)
         | ({"gate": spec.shared.gate} if spec.shared.gate else {}),
         "precision": {
             "dtype": spec.precision.dtype.value,

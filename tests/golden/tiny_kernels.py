@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: ce34eae763c70b3933dfe18343bb197f35860e4ea2b98295faf774f029265cf9
+# content-sha256: b1aaaa7fdb3dcbe5490d9908c9be003e7a8149b0537a9f298da739e7cd10177a
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -84,6 +84,8 @@ DISPATCH_SCALE = tl.constexpr("none")  # fp8 payload scales: row, block or none
 PRECISION = tl.constexpr("ieee")  # fp32 tl.dot in IEEE fp32, not TF32
 TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 16-byte aligned)
 ACT = tl.constexpr("swiglu")  # the expert's activation
+ACT_LIMIT = tl.constexpr(0.0)  # clamped_swiglu: gate <= limit, up within +-limit (else 0)
+ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -1202,6 +1204,36 @@ def copy_rows(
 
 
 @triton.jit
+def glu(gate, up):
+    """A gated expert's activation of its fp32 gate and up pre-activations: SwiGLU
+    silu(gate)·up, or GPT-OSS's clamped variant: g = min(gate, limit), u = up clamped to
+    ±limit, (u + 1)·g·σ(alpha·g)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        return (u + 1.0) * g * tl.sigmoid(ACT_ALPHA * g)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def glu_backward(gate, up, da):
+    """``glu``'s backward at pre-activations ``gate`` and ``up`` for dL/d(activation) ``da``:
+    (dL/dgate, dL/dup, the activation). A clamped input passes no gradient (as torch's
+    clamp: inside the bounds, bounds included)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        sig = tl.sigmoid(ACT_ALPHA * g)
+        gs = g * sig
+        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + ACT_ALPHA * gs * (1.0 - sig)), 0.0)
+        d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
+        return d_gate, d_up, (u + 1.0) * gs
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu, silu * up
+
+
+@triton.jit
 def payload_tile(
     rows,
     at,
@@ -1268,7 +1300,7 @@ def gemm1(
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
     GEMM1 over the segment's pooled, expert-contiguous rows in payload slot s % B — h =
-    silu(x Wg) * (x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
+    glu(x Wg, x Wu) for a gated expert (one [BM, 2 * BLOCK_F] tile of x [Wg Wu],
     ``w_up``, whose columns interleave gate and up: the weights' layout [E, H, F, 2]), else
     ACT(x Wu) (one [BM, BLOCK_F] tile), the activation fused — into the owner's
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
@@ -1297,7 +1329,7 @@ def gemm1(
         )  # fmt: skip
         if GATED:
             gate, up = gate_up(acc, BM, BLOCK_F)
-            act = gate * tl.sigmoid(gate) * up  # SwiGLU
+            act = glu(gate, up)
         elif ACT == "gelu":
             act = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))  # exact GELU
         else:
@@ -1407,7 +1439,7 @@ def bgemm1(
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
     in payload slot s % B (the forward's places): dA = dO Wdᵀ, then dH — for a gated expert
-    [dA ⊙ up ⊙ silu'(gate), dA ⊙ silu(gate)], interleaved as the weights' [E, H, F, 2], else
+    ``glu_backward``'s (dgate, dup), interleaved as the weights' [E, H, F, 2], else
     dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
     A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
     the rows' row_ids for the return.
@@ -1439,12 +1471,10 @@ def bgemm1(
             pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
             gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
             up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            silu = gate * sig
+            d_gate, d_up, act = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
-            tl.store(out, narrow(da * up * sig * (1.0 + gate * (1.0 - sig)), DTYPE, CAST_F32), mask=keep)
-            tl.store(out + 1, narrow(da * silu, DTYPE, CAST_F32), mask=keep)
-            act = silu * up
+            tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
+            tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
         else:
             h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
             if ACT == "gelu":
