@@ -263,6 +263,7 @@ def lower(
         act=spec.expert.act,
         act_limit=float(spec.expert.limit or 0),
         act_alpha=float(spec.expert.alpha or 0),
+        bias=spec.expert.bias,
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
         dispatch_scale=spec.precision.dispatch_scale,

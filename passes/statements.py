@@ -5,6 +5,7 @@ to the elaborator's per-layer context (``rdepc.passes.elaborate._Layer``, which 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 from rdepc.passes.expressions import MAX_VALUE, evaluate
@@ -110,11 +111,12 @@ class Statements:
         return None if F is None else ExpertFn(v.fn, F, params["limit"], params["alpha"])
 
     def expert_fn(self, st: S.Stmt) -> ExpertFn | None:
-        _, pos = self.args(st, positional=1)
+        opts, pos = self.args(st, flags=("bias",), positional=1)
         if not pos or not isinstance(pos[0].value, S.Call):
             self.diags.error("'expert' needs the expert function", st.keyword_span, self._usage("expert"))
             return None
-        return self.call(pos[0].value, "expert")
+        fn = self.call(pos[0].value, "expert")
+        return fn if fn is None or "bias" not in opts else replace(fn, bias=True)
 
     def shared(self, st: S.Stmt | None) -> Shared | None:
         if st is None:

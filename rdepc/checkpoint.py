@@ -3,7 +3,9 @@ key, by global id, so that a checkpoint saved at W ranks loads at any other W.
 
 A block's state dict holds, for every expert ``e`` it owns (all E in one process, a rank's
 own on a per-rank backend), ``{prefix}experts.{e}.w_gate_up`` [H, F, 2] (gated experts) or
-``{prefix}experts.{e}.w_up`` [H, F], and ``{prefix}experts.{e}.w_down`` [F, H]: views of
+``{prefix}experts.{e}.w_up`` [H, F], and ``{prefix}experts.{e}.w_down`` [F, H] (and its
+biases, when the spec's experts have them: ``b_gate_up`` [F, 2] or ``b_up`` [F], ``b_down``
+[H]): views of
 that expert's row of the parameter, so that ``torch.distributed.checkpoint.load`` (which
 writes into the tensors it is given) fills the parameters directly. The whole-tensor keys
 ``w_gate_up`` / ``w_up`` / ``w_down`` do not appear. The router and its biases, the shared
@@ -33,7 +35,8 @@ from itertools import chain
 import torch
 from torch import nn
 
-EXPERT_PARAMS = ("w_gate_up", "w_up", "w_down")  # those a block has: gated w_gate_up, else w_up; w_down
+# those a block has: gated w_gate_up, else w_up; w_down; with expert biases b_gate_up or b_up, and b_down
+EXPERT_PARAMS = ("w_gate_up", "w_up", "w_down", "b_gate_up", "b_up", "b_down")
 _KEY = re.compile(r"experts\.(\d+)\.(\w+)")
 
 

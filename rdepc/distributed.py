@@ -3,7 +3,8 @@ parallelism (DDP, FSDP2) over the rest of a model.
 
 On a per-rank backend (``emulated-mp``, ``nvshmem``: one process per rank, started by
 ``torchrun --nproc-per-node W``) each rank's :class:`rdepc.RDEPMoE` holds only its own
-experts — ``w_gate_up`` (gated experts) or ``w_up``, and ``w_down`` — while its router and
+experts — ``w_gate_up`` (gated experts) or ``w_up``, and ``w_down``, and their biases if
+any — while its router and
 shared experts, like the rest of the model, are replicated. Data parallelism over such a
 model must
 
@@ -41,11 +42,13 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rdepc.checkpoint import EXPERT_PARAMS
 from rdepc.diagnostics import UsageError
 from rdepc.runtime.transport import get as get_transport
 
-# An RDEPMoE's expert parameters, by attribute name (a gated expert's w_up is a view of w_gate_up).
-EXPERT_WEIGHTS = ("w_gate_up", "w_up", "w_down")
+# An RDEPMoE's expert parameters, by attribute name (a gated expert's w_up is a view of w_gate_up),
+# expert biases included.
+EXPERT_WEIGHTS = EXPERT_PARAMS
 FIX_DDP = "rdepc.distributed.data_parallel(model)"
 FIX_FSDP = "shard it with rdepc.distributed.fully_shard(module), which leaves them out (ignored_params)"
 

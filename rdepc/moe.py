@@ -26,7 +26,9 @@ Semantics, in order:
 
 Experts are ``nn.Parameter``s: a gated expert's ``w_gate_up`` [E, H, F, 2] (gate and up
 interleaved, the operand GEMM1 reads: ``w_gate`` and ``w_up`` are its two halves, views),
-gelu and relu experts' ``w_up`` [E, H, F] (``w_gate`` None), ``w_down`` [E, F, H], and
+gelu and relu experts' ``w_up`` [E, H, F] (``w_gate`` None), ``w_down`` [E, F, H]; with
+``expert ..., bias`` their biases ``b_gate_up`` [E, F, 2] (halves ``b_gate``, ``b_up``) or
+``b_up`` [E, F], and ``b_down`` [E, H] (zero-initialised; None without); and
 ``shared_gate`` / ``shared_up`` [N, H, F_s], ``shared_down`` [N, F_s, H]. The compiled
 kernels are bound to the device given at construction; build the block on the device it
 runs on. The block trains: the router through the gates and the shared experts in plain
@@ -45,6 +47,8 @@ from rdepc.reference import expert_fn
 from rdepc.runtime import router as R
 from rdepc.runtime.inputs import dense
 from rdepc.runtime.tensors import TORCH_DTYPES
+
+BIASES = ("b_gate_up", "b_up", "b_down")  # the expert biases' parameters, when the spec has them
 
 
 class RDEPMoE(nn.Module):
@@ -100,6 +104,15 @@ class RDEPMoE(nn.Module):
             self.w_gate = None
             self.w_up = nn.Parameter(torch.empty(n_exp, self.H, self.F, **kw))
         self.w_down = nn.Parameter(torch.empty(n_exp, self.F, self.H, **kw))
+        if s.expert.bias:  # expert biases (GPT-OSS): b_gate and b_up halves of b_gate_up when gated
+            if gated:
+                self.b_gate_up = nn.Parameter(torch.empty(n_exp, self.F, 2, **kw))
+            else:
+                self.b_up = nn.Parameter(torch.empty(n_exp, self.F, **kw))
+            self.b_down = nn.Parameter(torch.empty(n_exp, self.H, **kw))
+        for name in ("b_gate_up", "b_gate", "b_up", "b_down"):  # those this block's experts have not
+            if name not in self._parameters and not (gated and s.expert.bias and name in ("b_gate", "b_up")):
+                setattr(self, name, None)
         self.shared_act = self._shared_act_params = None
         self.shared_gate = self.shared_up = self.shared_down = self.shared_gate_proj = None
         if s.shared is not None:
@@ -163,14 +176,15 @@ class RDEPMoE(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal weights scaled by 1/sqrt(fan_in), drawn in fp32 on the CPU (deterministic
         with a seeded ``generator``). Expert weights are drawn for all E experts and each rank
-        keeps its own: with one seed, every rank's block is a slice of the same layer."""
+        keeps its own: with one seed, every rank's block is a slice of the same layer. Expert
+        biases start at zero."""
         experts = ("w_gate_up", "w_up", "w_down")
         for name, p in self.named_parameters():
             if name in ("router", "shared_gate_proj"):  # drawn [H, n] as x · w reads it, kept [n, H] (nn.Linear)
                 w = torch.randn(self.H, p.shape[0], generator=generator, device="cpu") / math.sqrt(self.H)
                 p.copy_(w.T.to(p.dtype))
                 continue
-            if name == "router_logit_bias":  # zero: the router starts as it would without one
+            if name in ("router_logit_bias", *BIASES):  # zero: the router (experts) start as without them
                 p.zero_()
                 continue
             for w in (p[..., 0], p[..., 1]) if name == "w_gate_up" else (p,):  # gate, then up
@@ -185,6 +199,8 @@ class RDEPMoE(nn.Module):
         params = self.__dict__.get("_parameters", {})
         if name in ("w_gate", "w_up") and "w_gate_up" in params:  # a gated expert's halves: views
             return params["w_gate_up"][..., 0 if name == "w_gate" else 1]
+        if name in ("b_gate", "b_up") and "b_gate_up" in params:  # a gated expert's bias halves: views
+            return params["b_gate_up"][..., 0 if name == "b_gate" else 1]
         return super().__getattr__(name)
 
     def route(
@@ -242,7 +258,11 @@ class RDEPMoE(nn.Module):
         ids = routing.ids if real is None else torch.where(real[..., None], routing.ids, -1)
         w_down = self.w_down.to(self.dtype)  # parameters in another dtype (master weights): compute in the spec's
         w_up = (self.w_gate_up if self.w_gate is not None else self.w_up).to(self.dtype)
-        y = self.kernels.routed(x, ids, routing.gates, w_up, w_down, tokens=tokens)
+        b_up = b_down = None
+        if self.b_down is not None:  # expert biases: GEMM1's laid out as its operand's columns
+            b_up = (self.b_gate_up if self.b_gate is not None else self.b_up).to(self.dtype)
+            b_down = self.b_down.to(self.dtype)
+        y = self.kernels.routed(x, ids, routing.gates, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
         if self.shared_act is not None:
             shared = torch.zeros_like(y)
             for j in range(self.shared_up.shape[0]):

@@ -63,7 +63,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     import torch
 
     import rdepc
-    from rdepc.reference import random_inputs, reference_for
+    from rdepc.reference import random_biases, random_inputs, reference_for
     from rdepc.runtime.records import KernelError
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
@@ -87,6 +87,10 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     n = counts[rank]
     args = [x[rank, :n], ids[rank, :n], gates[rank, :n], None if wg is None else wg[mine], wu[mine], wd[mine]]
     args = [None if a is None else a.contiguous().to(dev) for a in args]
+    full_biases = {}
+    if spec.expert.bias:
+        full_biases = random_biases(E, H, F, gated=spec.expert.gated, seed=case.seed, dtype=dt)
+    biases = {k: None if v is None else v[mine].contiguous().to(dev) for k, v in full_biases.items()}
     rng = random.Random(case.seed * 1000 + rank)
     out: dict = {"rank": rank, "tokens": n, "calls": []}
     if case.withhold is not None and case.withhold[0] == rank:
@@ -102,7 +106,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
             _kill_after(case.kill[1])  # timed from the call's start, whatever delay came before
         t0 = time.perf_counter()
         try:
-            y = module(*args)
+            y = module(*args, **biases)
         except KernelError as e:
             out["error"] = e
             out["error_after"] = time.perf_counter() - t0  # how long the failing call took to stop
@@ -120,7 +124,8 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         f32 = [
             None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in (x, ids, gates, wg, wu, wd)
         ]
-        ref, accepted_ref = reference_for(spec)(*f32)
+        ref_biases = {k: v if v is None else v.float() for k, v in full_biases.items()}
+        ref, accepted_ref = reference_for(spec)(*f32, **ref_biases)
         out["error_rel"] = max_relative_error(y.cpu(), ref[rank, :n])
         out["accepted_same"] = bool(torch.equal(st["accepted"].cpu(), accepted_ref[rank, :n]))
     return out

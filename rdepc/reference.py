@@ -68,23 +68,32 @@ def expert_fn(
     act: str,
     limit: float | None = None,
     alpha: float | None = None,
+    biases: tuple | None = None,
 ):
     """One expert on rows ``x`` [N, H]: swiglu (silu(x·Wg) ⊙ x·Wu)·Wd; clamped_swiglu
     (GPT-OSS) with g = min(x·Wg, limit), u = x·Wu clamped to ±limit: ((u + 1) ⊙ g ⊙
-    σ(alpha·g))·Wd (``limit`` and ``alpha`` default to GPT-OSS's 7 and 1.702); or act(x·Wu)·Wd."""
+    σ(alpha·g))·Wd (``limit`` and ``alpha`` default to GPT-OSS's 7 and 1.702); or act(x·Wu)·Wd.
+    ``biases`` (b_gate [F] or None, b_up [F], b_down [H]): added after each projection."""
+    bg, bu, bd = biases or (None, None, None)
+
+    def proj(w, b):
+        return x @ w if b is None else x @ w + b
+
     if act == "swiglu":
-        return (F_.silu(x @ w_gate) * (x @ w_up)) @ w_down
-    if act == "clamped_swiglu":
+        h = F_.silu(proj(w_gate, bg)) * proj(w_up, bu)
+    elif act == "clamped_swiglu":
         limit = float(CLAMPED_SWIGLU["limit"] if limit is None else limit)
         alpha = float(CLAMPED_SWIGLU["alpha"] if alpha is None else alpha)
-        gate = (x @ w_gate).clamp(max=limit)
-        up = (x @ w_up).clamp(min=-limit, max=limit)
-        return ((up + 1) * gate * torch.sigmoid(gate * alpha)) @ w_down
-    if act == "gelu":
-        return F_.gelu(x @ w_up, approximate="none") @ w_down
-    if act == "relu":
-        return F_.relu(x @ w_up) @ w_down
-    raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
+        gate = proj(w_gate, bg).clamp(max=limit)
+        up = proj(w_up, bu).clamp(min=-limit, max=limit)
+        h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    elif act == "gelu":
+        h = F_.gelu(proj(w_up, bu), approximate="none")
+    elif act == "relu":
+        h = F_.relu(proj(w_up, bu))
+    else:
+        raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
+    return h @ w_down if bd is None else h @ w_down + bd
 
 
 def route(
@@ -263,6 +272,9 @@ def moe_reference(
     act: str = "swiglu",
     act_limit: float | None = None,
     act_alpha: float | None = None,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     capacity: int | Sequence[int] | None = None,
     drop: str = "round_robin",
     weights: str = "renormalize",
@@ -273,7 +285,8 @@ def moe_reference(
 
     x [W, T', H]; topk_ids [W, T', K] (int, in [0, E), or -1: no expert); topk_weights [W, T', K];
     w_gate [E, H, F] (``None`` unless the expert is gated: swiglu, clamped_swiglu), w_up
-    [E, H, F], w_down [E, F, H]; ``act_limit`` and ``act_alpha``: clamped_swiglu's (``expert_fn``).
+    [E, H, F], w_down [E, F, H]; ``act_limit`` and ``act_alpha``: clamped_swiglu's (``expert_fn``);
+    ``b_gate``, ``b_up`` [E, F] and ``b_down`` [E, H]: expert biases (all None: none).
     ``capacity``: ``None`` for dropless, else cap_e for every expert or one per expert.
     ``owner``: the owner rank π(e) of each expert; it is only checked (length E, ranks in
     [0, W)) — where an expert lives does not change the operator, which is the point.
@@ -319,6 +332,17 @@ def moe_reference(
     g = torch.where(topk_ids.to(x.device) >= 0, topk_weights.to(ct), 0)  # no expert: the gate counts as 0
     wg = None if w_gate is None else w_gate.to(ct)
     wu, wd = w_up.to(ct), w_down.to(ct)
+    if (b_up is None) != (b_down is None) or (b_gate is not None and b_up is None):
+        raise ValueError("expert biases come together: b_up and b_down (and b_gate for a gated expert), or none")
+    if b_up is not None and (b_up.shape != (E, F) or b_down.shape != (E, H)):
+        raise ValueError(f"b_up must be [E, F] = [{E}, {F}] and b_down [E, H] = [{E}, {H}]")
+    if b_up is not None and is_gated(act) and (b_gate is None or b_gate.shape != (E, F)):
+        raise ValueError(f"{act} experts with biases need b_gate [E, F] = [{E}, {F}]")
+
+    def biases(e: int):
+        if b_up is None:
+            return None
+        return (None if b_gate is None else b_gate[e].to(ct), b_up[e].to(ct), b_down[e].to(ct))
 
     accepted = accepted_rows(topk_ids, g, capacity, num_experts=E, drop=drop, row_id=row_id)
     accepted = accepted.to(x.device)
@@ -334,7 +358,8 @@ def moe_reference(
             mask = (ids[:, :, k] == e) & accepted[:, :, k]
             if not bool(mask.any()):
                 continue
-            out_k[mask] = expert_fn(xf[mask], None if wg is None else wg[e], wu[e], wd[e], act, act_limit, act_alpha)
+            wge = None if wg is None else wg[e]
+            out_k[mask] = expert_fn(xf[mask], wge, wu[e], wd[e], act, act_limit, act_alpha, biases(e))
         y = y + gp[:, :, k, None] * out_k
     return y.to(x.dtype), accepted
 
@@ -407,7 +432,7 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
     W, H, E, K, F = int(sh.W), int(sh.H), int(sh.E), int(sh.K), int(spec.expert.F)
     act = spec.expert.act
 
-    def fn(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=None):
+    def fn(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=None, b_gate=None, b_up=None, b_down=None):
         if x.dim() != 3 or x.shape[0] != W or x.shape[2] != H:
             raise ValueError(f"{spec.name}: x must be [W={W}, T', H={H}], got {tuple(x.shape)}")
         T = x.shape[1]
@@ -440,6 +465,9 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             act=act,
             act_limit=spec.expert.limit,
             act_alpha=spec.expert.alpha,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
             capacity=capacity_for(spec, T, brought),
             drop=spec.capacity.drop,
             weights=spec.capacity.weights,
@@ -539,6 +567,32 @@ def random_inputs(
     return Inputs(cast(x), ids.to(device), gates.to(device), cast(w_gate), cast(w_up), cast(w_down))
 
 
+def random_biases(
+    E: int,
+    H: int,
+    F: int,
+    *,
+    gated: bool = True,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    experts=None,
+) -> dict[str, torch.Tensor | None]:
+    """Random, deterministic expert biases for a spec whose experts have them, as keyword
+    arguments of ``moe_reference`` and the compiled layer: b_gate (None unless ``gated``),
+    b_up [E, F] and b_down [E, H], N(0, 1/4), drawn on the CPU from their own generator
+    (``seed``), so that ``random_inputs`` draws the same with or without them. ``experts``:
+    only those rows (a rank's own experts, in local order)."""
+    gen = torch.Generator().manual_seed(1_000_003 + seed)
+    out = {
+        "b_gate": torch.randn(E, F, generator=gen) / 2 if gated else None,
+        "b_up": torch.randn(E, F, generator=gen) / 2,
+        "b_down": torch.randn(E, H, generator=gen) / 2,
+    }
+    rows = slice(None) if experts is None else list(experts)
+    return {k: None if v is None else v[rows].contiguous().to(dtype=dtype, device=device) for k, v in out.items()}
+
+
 __all__ = [
     "Inputs",
     "accepted_rows",
@@ -549,6 +603,7 @@ __all__ = [
     "fp8_dispatch",
     "moe_reference",
     "owner_pairs",
+    "random_biases",
     "random_inputs",
     "reference_for",
     "route",

@@ -21,11 +21,23 @@ def dense(name: str, arg: str, t) -> None:
 
 
 def check_inputs(
-    p: KernelContract, name: str, own: int | None, dtype, device, x, topk_ids, topk_weights, w_gate, w_up, w_down
+    p: KernelContract,
+    name: str,
+    own: int | None,
+    dtype,
+    device,
+    x,
+    topk_ids,
+    topk_weights,
+    w_gate,
+    w_up,
+    w_down,
+    biases: dict | None = None,
 ) -> None:
     """A ValueError or TypeError, in one line starting with ``name``, unless the call's
     tensors are what the layer takes: ``own`` is a per-rank module's number of experts (its
-    tokens [T', H] and its experts' weights), None in one process ([W, T', H], every expert)."""
+    tokens [T', H] and its experts' weights), None in one process ([W, T', H], every expert).
+    ``biases``: the expert biases by name (b_gate, b_up, b_down; each None when not given)."""
     W, T, H, F, E, K = p.W, p.T, p.H, p.F, p.E, p.K
     for arg, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_up", w_up)):
         dense(name, arg, t)
@@ -58,6 +70,18 @@ def check_inputs(
         experts["w_gate"] = (w_gate, (n_exp, H, F))
     elif w_gate is not None:
         raise ValueError(f"{name}: {p.act} experts are not gated: pass w_gate=None")
+    given = {k: v for k, v in (biases or {}).items() if v is not None}
+    if p.bias:
+        want = {"b_up": (n_exp, F), "b_down": (n_exp, H)} | ({"b_gate": (n_exp, F)} if p.gated else {})
+        missing = [f"{k} {list(want[k])}" for k in want if k not in given]
+        if missing:
+            raise ValueError(f"{name}: the experts have biases ('expert ..., bias'): {', '.join(missing)} required")
+        extra = sorted(set(given) - set(want))
+        if extra:
+            raise ValueError(f"{name}: {p.act} experts are not gated: pass {extra[0]}=None")
+        experts |= {k: (given[k], want[k]) for k in want}
+    elif given:
+        raise ValueError(f"{name}: the spec's experts have no biases, but {', '.join(sorted(given))} was given")
     for arg, (w, shape) in experts.items():
         dense(name, arg, w)
         if tuple(w.shape) != shape:

@@ -1,17 +1,19 @@
 """The layer's forward and backward as ``torch.library`` custom ops, so that ``torch.compile``
 (``fullgraph=True`` included) captures a model with RDEP layers without a graph break.
 
-    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, brought, save)
+    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
         -> [y, accepted, slot, gprime, *kept]
     rdepc::backward(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
-        -> [dx, dgprime, dw_up, dw_down]
+        -> [dx, dgprime, dw_up, dw_down, (db_up, db_down)]
 
 ``handle`` names the :class:`rdepc.runtime.RDEPModule` whose heap, task tables and kernels
 the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
-[E, H, F, 2]). With ``save`` the forward also returns what the backward walks: the routing
-context (the accepted set, each slot's place at its owner, g') and ``kept`` (the owners'
-rows, the routing tables; :func:`kept_layout`). The ops are opaque to the compiler:
+[E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
+have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated). With ``save`` the
+forward also returns what the backward walks: the routing context (the accepted set, each
+slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables;
+:func:`kept_layout`). The ops are opaque to the compiler:
 their fake (meta) implementations give only the outputs' shapes, from the module, and their
 real ones run exactly what an eager call runs, so compiled results equal eager ones bitwise.
 
@@ -52,13 +54,22 @@ def module_of(handle: int):
 
 @torch.library.custom_op("rdepc::forward", mutates_args=())
 def forward(
-    handle: int, x: Tensor, topk_ids: Tensor, gates: Tensor, w_up: Tensor, w_down: Tensor, brought: Tensor, save: bool
+    handle: int,
+    x: Tensor,
+    topk_ids: Tensor,
+    gates: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    b_up: Tensor | None,
+    b_down: Tensor | None,
+    brought: Tensor,
+    save: bool,
 ) -> list[Tensor]:
-    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, brought, save)
+    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
 
 
 @forward.register_fake
-def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, brought, save):
+def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save):
     layout = forward_layout(module_of(handle), x.shape[-2], save)
     return [torch.empty(shape, dtype=dtype, device=x.device) for _, shape, dtype in layout]
 
@@ -87,7 +98,14 @@ def _backward_fake(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, k
         torch.empty((*lead, module.contract.K), dtype=torch.float32, device=dy.device),
         torch.empty(w_up.shape, dtype=module.dtype, device=dy.device),
         torch.empty(w_down.shape, dtype=module.dtype, device=dy.device),
-    ]
+    ] + (
+        [
+            torch.empty((w_up.shape[0], *w_up.shape[2:]), dtype=module.dtype, device=dy.device),
+            torch.empty((w_down.shape[0], module.contract.H), dtype=module.dtype, device=dy.device),
+        ]
+        if module.contract.bias
+        else []
+    )
 
 
 def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -121,7 +139,7 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, _x, topk_ids, gates, w_up, w_down, _brought, save = inputs
+    handle, _x, topk_ids, gates, w_up, w_down, _b_up, _b_down, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
     ctx.save_for_backward(topk_ids, gates, w_up, w_down, *output[1:])
 
@@ -132,10 +150,11 @@ def _forward_backward(ctx, grads):
     topk_ids, gates, w_up, w_down, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
-    dx, dgprime, dw_up, dw_down = backward(ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+    dx, dgprime, dw_up, dw_down, *db = backward(ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
-    return None, dx, None, dgates, dw_up, dw_down, None, None
+    db_up, db_down = db or (None, None)
+    return None, dx, None, dgates, dw_up, dw_down, db_up, db_down, None, None
 
 
 forward.register_autograd(_forward_backward, setup_context=_setup_context)

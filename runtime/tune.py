@@ -173,7 +173,7 @@ def tune_layer(
     import torch
     from rdepc.runtime.tensors import TORCH_DTYPES, gate_up
 
-    from rdepc.reference import random_inputs
+    from rdepc.reference import random_biases, random_inputs
 
     sh = layer.shapes
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
@@ -188,25 +188,27 @@ def tune_layer(
         packed = gate_up(w_gate, w_up)
         w_gate, w_up = packed[..., 0], packed[..., 1]
     inputs = (x, ids, gates, w_gate, w_up, w_down)
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    biases = random_biases(E, H, F, gated=spec.expert.gated, dtype=dt, device=device) if spec.expert.bias else {}
     name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu (Triton interpreter)"
 
     def time_tiles(t: Tiles) -> float:
         m = layer.module("emulated", device, schedule=schedule, mode=mode, tiles=t)
         for _ in range(warmup):
-            m(*inputs)
+            m(*inputs, **biases)
         m.synchronize()  # a candidate whose run fails raises here, before it is timed
         times = []
         for _ in range(reps):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                m(*inputs)
+                m(*inputs, **biases)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                m(*inputs)
+                m(*inputs, **biases)
                 times.append((time.perf_counter() - t0) * 1e3)
         m.synchronize()
         return sorted(times)[len(times) // 2]

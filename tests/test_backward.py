@@ -17,7 +17,7 @@ from rdepc.api import Layer, elaborate_layer
 from rdepc.ir.contract import Tiles
 from rdepc.ir.spec import is_gated
 from rdepc.parser import parse_text
-from rdepc.reference import combine_weights, random_inputs, reference_for
+from rdepc.reference import combine_weights, random_biases, random_inputs, reference_for
 
 STRATEGIES = ("bulk", "pipelined", "deep")
 TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
@@ -41,6 +41,7 @@ class Case:
     F: int = 32
     act: str = "swiglu"
     act_args: str = ""  # after ffn, e.g. ", limit = 0.5"
+    bias: bool = False  # expert biases
     capacity: str = "dropless"
     routing: str = "uniform"
     seed: int = 0
@@ -50,7 +51,7 @@ class Case:
         text = (
             "layer grad {\n"
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
-            f"  expert    {self.act}(ffn = {self.F}{self.act_args})\n"
+            f"  expert    {self.act}(ffn = {self.F}{self.act_args}){', bias' if self.bias else ''}\n"
             "  dtype     fp32\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
@@ -68,27 +69,34 @@ class Case:
             self.W, self.T, self.H, self.F, self.E, self.K, gated=gated, routing=self.routing, seed=self.seed
         )
 
+    def biases(self) -> dict:
+        return random_biases(self.E, self.H, self.F, gated=is_gated(self.act), seed=self.seed) if self.bias else {}
 
-def grads(fn, inputs, dy=None):
-    """(y, accepted or None, {name: grad}) of sum(y * dy) through ``fn``."""
+
+def grads(fn, inputs, dy=None, biases=None):
+    """(y, accepted or None, {name: grad}) of sum(y * dy) through ``fn``; ``biases``: the
+    expert biases by name, passed as keywords (and their gradients returned)."""
     x, ids, g, wg, wu, wd = inputs
-    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
-    out = fn(leaves[0], ids, *leaves[1:])
+    named = dict(zip(NAMES, (x, g, wg, wu, wd), strict=True)) | (biases or {})
+    leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in named.items()}
+    out = fn(
+        *(leaves[n] for n in NAMES[:1]), ids, *(leaves[n] for n in NAMES[1:]), **{k: leaves[k] for k in biases or {}}
+    )
     y, accepted = out if isinstance(out, tuple) else (out, None)
     if dy is None:
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
     (y * dy).sum().backward()
-    return y.detach(), accepted, dy, {n: t.grad for n, t in zip(NAMES, leaves, strict=True) if t is not None}
+    return y.detach(), accepted, dy, {n: t.grad for n, t in leaves.items() if t is not None}
 
 
 def check(case: Case, strategies=STRATEGIES, tol: float = 1e-4) -> dict:
     layer = case.layer()
-    inputs = case.inputs()
-    _, accepted, dy, want = grads(reference_for(layer.spec), inputs)
+    inputs, biases = case.inputs(), case.biases()
+    _, accepted, dy, want = grads(reference_for(layer.spec), inputs, biases=biases)
     got_all = {}
     for strategy in strategies:
         m = layer.module(schedule=strategy, tiles=TILES)
-        y, _, _, got = grads(m, inputs, dy)
+        y, _, _, got = grads(m, inputs, dy, biases)
         assert torch.equal(m.last_stats["accepted"], accepted), f"{strategy}: accepted set differs for {case}"
         assert torch.equal(m.last_context.accepted, accepted)
         for name, w in want.items():
@@ -117,11 +125,22 @@ def check(case: Case, strategies=STRATEGIES, tol: float = 1e-4) -> dict:
         Case(act="gelu", capacity="rows 3"),
         Case(act="relu", E=3, T=8, S=3, B=2),  # one owner holds two experts, a return ring of 6 rows
         Case(K=3, capacity="factor 0.5", routing="zipf:1.5", dedup=True),  # a return ring, drops
-        Case(act="relu", E=3, T=8, S=3, B=2, dedup=True),  # every segment resident: rows land in place
-        # GPT-OSS's activation, its limit low enough that about half the pre-activations clamp
-        Case(act="clamped_swiglu", act_args=", limit = 0.5, alpha = 1.5", capacity="rows 5"),
+        # every segment resident: rows land in place; expert biases, summed per (token, owner) at the owner
+        Case(act="relu", E=3, T=8, S=3, B=2, dedup=True, bias=True),
+        # GPT-OSS's experts: its activation, the limit low enough that about half the pre-activations
+        # clamp, and biases
+        Case(act="clamped_swiglu", act_args=", limit = 0.5, alpha = 1.5", capacity="rows 5", bias=True),
     ],
-    ids=["dropless", "renormalize", "zero-weights", "gelu-rows", "relu-ring", "dedup-ring", "dedup-relu", "clamped"],
+    ids=[
+        "dropless",
+        "renormalize",
+        "zero-weights",
+        "gelu-rows",
+        "relu-ring",
+        "dedup-ring",
+        "dedup-relu-bias",
+        "clamped-bias",
+    ],
 )
 def test_gradients_match_autograd_through_the_reference_in_every_schedule(case):
     check(case)

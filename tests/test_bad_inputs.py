@@ -38,11 +38,11 @@ ARGS = ("x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down")
 TINY = ROOT / "examples" / "tiny.rdep"
 
 
-def small_spec(act: str = "swiglu", capacity: str = "dropless", extra: str = ""):
+def small_spec(act: str = "swiglu", capacity: str = "dropless", extra: str = "", bias: bool = False):
     text = (
         "layer small {\n"
         f"  shape     ranks {W}, tokens {T}, hidden {H}, experts {E}, top {K}\n"
-        f"  expert    {act}(ffn = {F})\n"
+        f"  expert    {act}(ffn = {F}){', bias' if bias else ''}\n"
         f"{extra}"
         "  dtype     fp32\n"
         f"  capacity  {capacity}\n"
@@ -172,6 +172,22 @@ def test_weights_for_the_wrong_experts_and_gating(small):
         gelu(x, ids, g, wg, wu, wd)
     with pytest.raises(ValueError, match=r"^rdepc layer small: swiglu experts are gated: w_gate \[E=4, H=32, F=32\]"):
         module(x, ids, g, None, wu, wd)
+
+
+def test_expert_biases_are_required_exactly_when_the_spec_has_them(small):
+    module, good, _ = small
+    x, ids, g, wg, wu, wd = good
+    b = {"b_gate": torch.zeros(E, F), "b_up": torch.zeros(E, F), "b_down": torch.zeros(E, H)}
+    with pytest.raises(ValueError, match=r"^rdepc layer small: the spec's experts have no biases, but b_down, b_gate"):
+        module(x, ids, g, wg, wu, wd, **b)
+    biased = Layer(small_spec(bias=True)).module()
+    want = rf"b_up \[{E}, {F}\], b_down \[{E}, {H}\], b_gate \[{E}, {F}\] required$"
+    with pytest.raises(
+        ValueError, match=r"^rdepc layer small: the experts have biases \('expert \.\.\., bias'\): " + want
+    ):
+        biased(x, ids, g, wg, wu, wd)
+    with pytest.raises(ValueError, match=rf"^rdepc layer small: b_down must be \[{E}, {H}\], got \({E}, {F + 1}\)$"):
+        biased(x, ids, g, wg, wu, wd, **(b | {"b_down": torch.zeros(E, F + 1)}))
 
 
 def test_the_per_rank_signature_wants_its_own_experts(small):

@@ -552,7 +552,10 @@ def test_clamped_swiglu_takes_its_numbers_or_gpt_oss_defaults():
     assert (e.act, e.F, e.limit, e.alpha, e.gated, e.matrices) == ("clamped_swiglu", 64, 6.5, 1.5, True, 3)
     e = expert("clamped_swiglu(ffn = 64)")
     assert (float(e.limit), float(e.alpha)) == (7.0, 1.702)
-    assert expert("swiglu(ffn = 64)").limit is None
+    assert expert("swiglu(ffn = 64)").limit is None and not expert("swiglu(ffn = 64)").bias
+    assert expert("clamped_swiglu(ffn = 64), bias").bias and expert("relu(ffn = 64), bias").bias
+    errors = errors_of(spec_text().replace("swiglu(ffn = 1408)", "swiglu(ffn = 8), biases"))
+    assert [(d.message, d.hint) for d in errors] == [("unknown option 'biases' in 'expert'", "did you mean 'bias'?")]
 
 
 def test_layer_selection_and_duplicates():

@@ -25,11 +25,14 @@ DEEPSEEK_V2 = "router softmax, groups 4, top_groups 2, group_score max, scale 16
 GPT_OSS = "router softmax, logit_bias, renormalize"
 
 
-def text(router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype: str = "fp32", shared="") -> str:
+def text(
+    router: str = "", W: int = 2, T: int = 8, E: int = 8, K: int = 3, dtype: str = "fp32", shared="",
+    expert="swiglu(ffn = 32)",
+) -> str:  # fmt: skip
     return (
         "layer t {\n"
         f"  shape     ranks {W}, tokens {T}, hidden 32, experts {E}, top {K}\n"
-        "  expert    swiglu(ffn = 32)\n"
+        f"  expert    {expert}\n"
         f"  dtype     {dtype}\n"
         f"  {router}\n"
         "  schedule  bulk\n"
@@ -274,6 +277,37 @@ def test_a_logit_bias_and_a_gated_shared_expert_train_through_rdepmoe_as_the_ref
     for name, p in moe.named_parameters():
         assert max_relative_error(p.grad, ref[name].grad) <= 1e-5, name
     assert ref["router_logit_bias"].grad.abs().sum() > 0 and ref["shared_gate_proj"].grad.abs().sum() > 0
+
+
+def test_gpt_oss_experts_train_through_rdepmoe_as_the_reference():
+    """clamped_swiglu with expert biases under GPT-OSS's router: the biases are parameters
+    (b_gate_up [E, F, 2], its halves b_gate and b_up, and b_down [E, H]), zero at first and
+    saved per expert; outputs and every gradient as the reference's."""
+    spec = spec_of(GPT_OSS, expert="clamped_swiglu(ffn = 32, limit = 1), bias")
+    moe = rdepc.RDEPMoE(Layer(spec), generator=torch.Generator().manual_seed(0))
+    assert moe.b_gate_up.shape == (8, 32, 2) and moe.b_down.shape == (8, 32) and not moe.b_down.any()
+    assert moe.b_gate.data_ptr() == moe.b_gate_up.data_ptr() and moe.b_up.shape == (8, 32)
+    assert {"experts.3.b_gate_up", "experts.3.b_down"} <= set(moe.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in (moe.b_gate_up, moe.b_down, moe.router_logit_bias):
+            p.copy_(torch.randn(p.shape, generator=gen) / 2)
+    x = torch.randn(2, 8, 32, generator=gen)
+    dy = torch.randn(2, 8, 32, generator=gen)
+    y = moe(x)
+    (y * dy).sum().backward()
+    ref = {n: p.detach().clone().requires_grad_(True) for n, p in moe.named_parameters()}
+    ids, gates = route(x.reshape(-1, 32), ref["router"], spec.router, 3, None, ref["router_logit_bias"])
+    wgu, bgu = ref["w_gate_up"], ref["b_gate_up"]
+    want, _ = reference_for(spec)(
+        x, ids.reshape(2, 8, 3), gates.reshape(2, 8, 3), wgu[..., 0], wgu[..., 1], ref["w_down"],
+        b_gate=bgu[..., 0], b_up=bgu[..., 1], b_down=ref["b_down"],
+    )  # fmt: skip
+    assert max_relative_error(y.detach(), want.detach()) <= 1e-5
+    (want * dy).sum().backward()
+    for name, p in moe.named_parameters():
+        assert max_relative_error(p.grad, ref[name].grad) <= 1e-5, name
+    assert ref["b_gate_up"].grad.abs().sum() > 0 and ref["b_down"].grad.abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------- the shared gate

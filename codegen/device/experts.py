@@ -7,12 +7,13 @@ gradients); ``expert_item`` runs one work item of any of them. The GEMM main loo
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import narrow
-from rdepc.codegen.device.gemm import copy_rows, gate_up, gemm_rows_tn, gemm_tile, store_rows
+from rdepc.codegen.device.gemm import column_sums, copy_rows, gate_up, gemm_rows_tn, gemm_tile, store_rows
 from rdepc.codegen.device.heap import peer
 from rdepc.codegen.device.layout import (
     ACT,
     ACT_ALPHA,
     ACT_LIMIT,
+    BIAS,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
@@ -74,6 +75,20 @@ def glu_backward(gate, up, da):
 
 
 @triton.jit
+def bias_row(bias, n_cols, col0, BN: tl.constexpr):
+    """fp32 [BN]: columns col0 .. col0 + BN of one expert's bias row (``n_cols`` long), 0 past it."""
+    c = col0 + tl.arange(0, BN)
+    return tl.load(bias + c, mask=c < n_cols, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_bias(bias, values, n_cols, col0, BN: tl.constexpr):
+    """Store [BN] ``values`` at columns col0 .. col0 + BN of a bias row, clipped to ``n_cols``."""
+    c = col0 + tl.arange(0, BN)
+    tl.store(bias + c, values, mask=c < n_cols)
+
+
+@triton.jit
 def payload_tile(
     rows,
     at,
@@ -118,6 +133,7 @@ def payload_tile(
 def gemm1(
     heap,
     w_up,
+    b_up,
     weight_of,
     hbuf,
     hbuf_rid,
@@ -148,7 +164,8 @@ def gemm1(
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
     kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
     with their scales; under DEDUP each slot reads the payload row of its token's first
-    slot here.
+    slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
+    before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
@@ -167,6 +184,8 @@ def gemm1(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
             CAST_F32, False, DISPATCH_SCALE != "none",
         )  # fmt: skip
+        if BIAS:
+            acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
         if GATED:
             gate, up = gate_up(acc, BM, BLOCK_F)
             act = glu(gate, up)
@@ -200,6 +219,7 @@ def gemm2(
     rows,
     hbuf_rid,
     w,
+    bias,
     weight_of,
     staging,
     staging_rid,
@@ -227,6 +247,7 @@ def gemm2(
     at the rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
     DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
     the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
+    With ``BIAS`` the forward adds the expert's b_down (``bias``) to its output.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
@@ -242,6 +263,8 @@ def gemm2(
             rows += base * F
             w += e * (F * H)
             acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+            if BIAS:
+                acc += bias_row(bias + e * H, H, h, BLOCK_H)[None, :]
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
@@ -351,6 +374,8 @@ def wgrad(
     do_rows,
     dw_up,
     dw_down,
+    db_up,
+    db_down,
     weight_of,
     group,
     q,
@@ -366,7 +391,9 @@ def wgrad(
     every schedule and no float atomics, so the result is deterministic and the same for
     bulk, pipelined and deep. Items run expert by expert: first the [BLOCK_H, UP_COLS *
     BLOCK_F] tiles of GEMM1's weight gradient ([Wg Wu] or Wu) = Xᵀ dH, then the [BLOCK_F,
-    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros. With
+    ``BIAS`` the tiles of the first H-block (F-block) also sum their columns of dH (dO) over
+    the same rows, in the same order: the bias gradients db_up and db_down.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
@@ -390,6 +417,11 @@ def wgrad(
         h = i + tl.arange(0, BLOCK_H)
         up = narrow(d_up, DTYPE, CAST_F32)
         store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
+        if BIAS:  # noqa: SIM102 - BIAS is folded at compile time, the block tested at run time
+            if i == 0:
+                sum_up = column_sums(ds, UP_COLS * F, c, first, n, UP_COLS * BLOCK_F, BLOCK_K)
+                sum_up = narrow(sum_up, DTYPE, CAST_F32)
+                store_bias(db_up + e * (UP_COLS * F), sum_up, UP_COLS * F, c, UP_COLS * BLOCK_F)
     else:
         j = (t - per) // h_blocks * BLOCK_F
         k = (t - per) % h_blocks * BLOCK_H
@@ -400,6 +432,10 @@ def wgrad(
         )
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+        if BIAS:  # noqa: SIM102 - as above
+            if j == 0:
+                sum_down = column_sums(o_rows, H, k, first, n, BLOCK_H, BLOCK_K)
+                store_bias(db_down + e * H, narrow(sum_down, DTYPE, CAST_F32), H, k, BLOCK_H)
 
 
 @triton.jit
@@ -414,7 +450,8 @@ def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
 @triton.jit
 def expert_item(
     kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
+    BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
@@ -431,24 +468,24 @@ def expert_item(
             )  # fmt: skip
         else:
             gemm1(
-                heap, w_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                heap, w_up, b_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
                 BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
-                dh, hbuf_rid, w_up, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
-                BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                dh, hbuf_rid, w_up, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h,
+                BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
             )  # fmt: skip
         else:
             gemm2(
-                hbuf, hbuf_rid, w_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
-                BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                hbuf, hbuf_rid, w_down, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi,
+                h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only
             wgrad(
-                saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
-                STAGES, CAST_F32,
+                saved_x, dh, act_rows, do_rows, dw_up, dw_down, db_up, db_down, weight_of, group, q, item, BLOCK_H,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
             )  # fmt: skip

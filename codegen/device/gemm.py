@@ -266,6 +266,24 @@ def rows_tn_chunk(
 
 
 @triton.jit
+def column_sums(a, a_cols, col0, first, n_rows, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 [BN]: the sums of columns col0 .. col0 + BN (0 past ``a_cols``) of rows first ..
+    first + n_rows of the row-major matrix A [*, a_cols] at ``a``, in chunks of BK rows from
+    the first — as ``gemm_rows_tn``, a fixed order whatever the schedule (a bias gradient)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    cols = col0 + tl.arange(0, BN)
+    start = tl.cast(first, tl.int64)
+    r0 = 0
+    while r0 < n_rows:
+        live = r0 + tl.arange(0, BK) < n_rows
+        rows = start + r0 + tl.arange(0, BK)
+        mask = live[:, None] & (cols < a_cols)[None, :]
+        acc += tl.sum(tl.load(a + rows[:, None] * a_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
+        r0 += BK
+    return acc
+
+
+@triton.jit
 def gate_up(acc, BM: tl.constexpr, BN: tl.constexpr):
     """Split a tile of x·[Wg Wu] whose columns interleave gate and up (column 2f is gate f,
     2f + 1 is up f) into its gate and up halves, [BM, BN] each. In Hopper's accumulator
@@ -304,6 +322,7 @@ def copy_rows(
 
 
 __all__ = [
+    "column_sums",
     "copy_rows",
     "fp8_scale",
     "gate_up",

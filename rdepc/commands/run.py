@@ -99,7 +99,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
     import torch
 
     from rdepc.passes.sampled_routing import owners_per_token_expr
-    from rdepc.reference import owner_pairs, random_inputs, reference_for
+    from rdepc.reference import owner_pairs, random_biases, random_inputs, reference_for
     from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
 
     spec, sh = layer.spec, layer.shapes
@@ -121,13 +121,18 @@ def _run_one_process(args, layer, tokens: int) -> int:
         gated=spec.expert.gated,
         device=args.device,
     )
+    biases = {}
+    if spec.expert.bias:
+        gated, dt = spec.expert.gated, TORCH_DTYPES[dtype_name]
+        biases = random_biases(E, H, F, gated=gated, seed=args.seed, dtype=dt, device=args.device)
     t0 = time.perf_counter()
-    y = kernels(*inputs)
+    y = kernels(*inputs, **biases)
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     as_fp32 = [None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in inputs]
-    ref, accepted_ref = reference_for(spec)(*as_fp32)
+    ref_biases = {k: None if v is None else v.float() for k, v in biases.items()}
+    ref, accepted_ref = reference_for(spec)(*as_fp32, **ref_biases)
     err = max_relative_error(y, ref)
     st = kernels.last_stats
     same = bool(torch.equal(st["accepted"].cpu(), accepted_ref.cpu()))

@@ -175,6 +175,7 @@ class KernelContract:
     # clamped_swiglu's limit and alpha (ExpertFn); 0 for the other activations
     act_limit: float
     act_alpha: float
+    bias: bool  # expert biases: b_up (GEMM1's, laid out as its columns) and b_down (GEMM2's)
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None
@@ -492,7 +493,8 @@ def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tu
     if kernel != "rdep_gemm":
         raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
     names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
-    names += ("dw_down", "table", "deps", "queue", "first_item", "queues", "weight_of", "group", "tile_table", "hbuf")
+    names += ("dw_down", "b_up", "b_down", "db_up", "db_down", "table", "deps", "queue", "first_item", "queues")
+    names += ("weight_of", "group", "tile_table", "hbuf")
     names += ("hbuf_rid", "staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
     args = [(n, every[n]) for n in names] + [("program_base", "i32")]  # its programs' first number: its own
     return args + [(c, "constexpr") for c in GEMM_CONSTEXPRS]
@@ -517,6 +519,8 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
     args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
     args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
+    # expert biases (BIAS; otherwise placeholders): GEMM1's [E, F, 2] or [E, F], GEMM2's [E, H], their gradients
+    args += [(n, f"*{dt}") for n in ("b_up", "b_down", "db_up", "db_down")]
     tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]

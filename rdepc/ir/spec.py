@@ -89,12 +89,15 @@ def weight_matrices(act: str) -> int:
 @dataclass(frozen=True, slots=True)
 class ExpertFn:
     """An expert's function. ``clamped_swiglu`` (GPT-OSS): g = min(x·Wg, limit), u = x·Wu
-    clamped to ±limit, (u + 1)·g·σ(alpha·g); ``limit`` and ``alpha`` are None for the others."""
+    clamped to ±limit, (u + 1)·g·σ(alpha·g); ``limit`` and ``alpha`` are None for the others.
+    ``bias`` (GPT-OSS): a learned bias after each projection, b_up beside x·Wu (and b_gate
+    beside x·Wg) before the activation, b_down after its product with Wd."""
 
     act: str  # swiglu | clamped_swiglu | gelu | relu
     F: sp.Expr  # ffn width
     limit: Fraction | None = None
     alpha: Fraction | None = None
+    bias: bool = False
 
     @property
     def gated(self) -> bool:
@@ -275,6 +278,8 @@ class LayerSpec:
             out.append(("shared experts", "shared"))
         if self.expert.act != "swiglu":
             out.append((f"{self.expert.act} experts", "expert"))
+        if self.expert.bias:
+            out.append(("expert biases", "expert.bias"))
         if self.transport == "nvshmem":
             out.append(("transport nvshmem", "transport"))
         if self.shape.symbolic:
@@ -304,7 +309,8 @@ def jsonable(v):
 
 
 def _act_params(fn: ExpertFn) -> dict:
-    return {} if fn.limit is None else {"limit": float(fn.limit), "alpha": float(fn.alpha)}
+    out = {} if fn.limit is None else {"limit": float(fn.limit), "alpha": float(fn.alpha)}
+    return out | ({"bias": True} if fn.bias else {})
 
 
 def spec_to_json(spec: LayerSpec) -> dict:

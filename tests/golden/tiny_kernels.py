@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: b1aaaa7fdb3dcbe5490d9908c9be003e7a8149b0537a9f298da739e7cd10177a
+# content-sha256: 2122d69f1bc5d86be5079ab00106c44a17f2e7ba7d71eb69094571af5dd59160
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -86,6 +86,7 @@ TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 
 ACT = tl.constexpr("swiglu")  # the expert's activation
 ACT_LIMIT = tl.constexpr(0.0)  # clamped_swiglu: gate <= limit, up within +-limit (else 0)
 ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)
+BIAS = tl.constexpr(False)  # expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -1166,6 +1167,24 @@ def rows_tn_chunk(
 
 
 @triton.jit
+def column_sums(a, a_cols, col0, first, n_rows, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 [BN]: the sums of columns col0 .. col0 + BN (0 past ``a_cols``) of rows first ..
+    first + n_rows of the row-major matrix A [*, a_cols] at ``a``, in chunks of BK rows from
+    the first — as ``gemm_rows_tn``, a fixed order whatever the schedule (a bias gradient)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    cols = col0 + tl.arange(0, BN)
+    start = tl.cast(first, tl.int64)
+    r0 = 0
+    while r0 < n_rows:
+        live = r0 + tl.arange(0, BK) < n_rows
+        rows = start + r0 + tl.arange(0, BK)
+        mask = live[:, None] & (cols < a_cols)[None, :]
+        acc += tl.sum(tl.load(a + rows[:, None] * a_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32), axis=0)
+        r0 += BK
+    return acc
+
+
+@triton.jit
 def gate_up(acc, BM: tl.constexpr, BN: tl.constexpr):
     """Split a tile of x·[Wg Wu] whose columns interleave gate and up (column 2f is gate f,
     2f + 1 is up f) into its gate and up halves, [BM, BN] each. In Hopper's accumulator
@@ -1234,6 +1253,20 @@ def glu_backward(gate, up, da):
 
 
 @triton.jit
+def bias_row(bias, n_cols, col0, BN: tl.constexpr):
+    """fp32 [BN]: columns col0 .. col0 + BN of one expert's bias row (``n_cols`` long), 0 past it."""
+    c = col0 + tl.arange(0, BN)
+    return tl.load(bias + c, mask=c < n_cols, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_bias(bias, values, n_cols, col0, BN: tl.constexpr):
+    """Store [BN] ``values`` at columns col0 .. col0 + BN of a bias row, clipped to ``n_cols``."""
+    c = col0 + tl.arange(0, BN)
+    tl.store(bias + c, values, mask=c < n_cols)
+
+
+@triton.jit
 def payload_tile(
     rows,
     at,
@@ -1278,6 +1311,7 @@ def payload_tile(
 def gemm1(
     heap,
     w_up,
+    b_up,
     weight_of,
     hbuf,
     hbuf_rid,
@@ -1308,7 +1342,8 @@ def gemm1(
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
     kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
     with their scales; under DEDUP each slot reads the payload row of its token's first
-    slot here.
+    slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
+    before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
@@ -1327,6 +1362,8 @@ def gemm1(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
             CAST_F32, False, DISPATCH_SCALE != "none",
         )  # fmt: skip
+        if BIAS:
+            acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
         if GATED:
             gate, up = gate_up(acc, BM, BLOCK_F)
             act = glu(gate, up)
@@ -1360,6 +1397,7 @@ def gemm2(
     rows,
     hbuf_rid,
     w,
+    bias,
     weight_of,
     staging,
     staging_rid,
@@ -1387,6 +1425,7 @@ def gemm2(
     at the rows' places among the owner's rows, ``w`` GEMM1's weights, read transposed.
     DEDUP with ``SAVE``: a row's output leaves summed with its token's other slots here, so
     the owner keeps the outputs at the rows' places among its rows, for the gate gradient.
+    With ``BIAS`` the forward adds the expert's b_down (``bias``) to its output.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
@@ -1402,6 +1441,8 @@ def gemm2(
             rows += base * F
             w += e * (F * H)
             acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+            if BIAS:
+                acc += bias_row(bias + e * H, H, h, BLOCK_H)[None, :]
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
@@ -1511,6 +1552,8 @@ def wgrad(
     do_rows,
     dw_up,
     dw_down,
+    db_up,
+    db_down,
     weight_of,
     group,
     q,
@@ -1526,7 +1569,9 @@ def wgrad(
     every schedule and no float atomics, so the result is deterministic and the same for
     bulk, pipelined and deep. Items run expert by expert: first the [BLOCK_H, UP_COLS *
     BLOCK_F] tiles of GEMM1's weight gradient ([Wg Wu] or Wu) = Xᵀ dH, then the [BLOCK_F,
-    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros.
+    BLOCK_H] tiles of dWd = Aᵀ dO. An expert that received no rows gets zeros. With
+    ``BIAS`` the tiles of the first H-block (F-block) also sum their columns of dH (dO) over
+    the same rows, in the same order: the bias gradients db_up and db_down.
     """
     h_blocks = (H + BLOCK_H - 1) // BLOCK_H
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
@@ -1550,6 +1595,11 @@ def wgrad(
         h = i + tl.arange(0, BLOCK_H)
         up = narrow(d_up, DTYPE, CAST_F32)
         store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
+        if BIAS:  # noqa: SIM102 - BIAS is folded at compile time, the block tested at run time
+            if i == 0:
+                sum_up = column_sums(ds, UP_COLS * F, c, first, n, UP_COLS * BLOCK_F, BLOCK_K)
+                sum_up = narrow(sum_up, DTYPE, CAST_F32)
+                store_bias(db_up + e * (UP_COLS * F), sum_up, UP_COLS * F, c, UP_COLS * BLOCK_F)
     else:
         j = (t - per) // h_blocks * BLOCK_F
         k = (t - per) % h_blocks * BLOCK_H
@@ -1560,6 +1610,10 @@ def wgrad(
         )
         f = j + tl.arange(0, BLOCK_F)
         store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+        if BIAS:  # noqa: SIM102 - as above
+            if j == 0:
+                sum_down = column_sums(o_rows, H, k, first, n, BLOCK_H, BLOCK_K)
+                store_bias(db_down + e * H, narrow(sum_down, DTYPE, CAST_F32), H, k, BLOCK_H)
 
 
 @triton.jit
@@ -1574,7 +1628,8 @@ def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
 @triton.jit
 def expert_item(
     kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, q, s, item, local, row0, lo, hi, BM: tl.constexpr,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
+    BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
@@ -1591,26 +1646,26 @@ def expert_item(
             )  # fmt: skip
         else:
             gemm1(
-                heap, w_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
+                heap, w_up, b_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
                 BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
-                dh, hbuf_rid, w_up, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
-                BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                dh, hbuf_rid, w_up, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h,
+                BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
             )  # fmt: skip
         else:
             gemm2(
-                hbuf, hbuf_rid, w_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h, BM,
-                BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                hbuf, hbuf_rid, w_down, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi,
+                h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only
             wgrad(
-                saved_x, dh, act_rows, do_rows, dw_up, dw_down, weight_of, group, q, item, BLOCK_H, BLOCK_F, BLOCK_K,
-                STAGES, CAST_F32,
+                saved_x, dh, act_rows, do_rows, dw_up, dw_down, db_up, db_down, weight_of, group, q, item, BLOCK_H,
+                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
             )  # fmt: skip
 
 
@@ -2066,10 +2121,10 @@ def owner_buffers(
 @triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue, first_item, queues, owner_of, local_of,
-    n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows, route_scratch, recv, group,
-    tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl, profile, tokens_of, n_tokens,
-    n_programs, rank0,
+    saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, table, deps, queue, first_item,
+    queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows,
+    route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl,
+    profile, tokens_of, n_tokens, n_programs, rank0,
     rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
     GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
@@ -2214,9 +2269,9 @@ def rdep_layer(
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
                             kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid,
-                            saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment,
-                            item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
-                            BACKWARD, SAVE,
+                            saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down,
+                            db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F,
+                            BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
@@ -2258,11 +2313,11 @@ def rdep_layer(
 
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
 def rdep_gemm(
-    heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, table, deps, queue,
-    first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, ctl, profile,
-    n_programs, rank0, bound, program_base, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
-    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, PROFILE: tl.constexpr,
-    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up,
+    db_down, table, deps, queue, first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging,
+    staging_rid, tile_done, ctl, profile, n_programs, rank0, bound, program_base, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+    PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """Split mode's GEMM kernel: the work items of the GEMM entries (queue 1 of ``queues``:
     gemm1, gemm2 and the backward's wgrad, in the task table's order, m-tile major within
@@ -2365,8 +2420,8 @@ def rdep_gemm(
             if hi > lo:
                 expert_item(
                     kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x,
-                    saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, owner, segment, i, local, row0, lo,
-                    hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                    saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, owner,
+                    segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
