@@ -6,14 +6,15 @@
 
 swap maps exactly the transformers (5.x) block classes of the table in
 :mod:`rdepc.hf_families` (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, Qwen3-Next, DeepSeek-V2,
-DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, and how each one's router and shared
-experts read in spec terms); each becomes an :class:`RDEPBlock` that keeps the block's router
-module (``gate``: transformers still records its logits, and its weight is the router) and runs
-the routed experts, and the shared experts, in an ``RDEPMoE`` that routes from the gate's
-logits as the spec's ``router`` says.
+DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, and how each one's router,
+experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock` that keeps
+the block's router module (``gate``, GPT-OSS's ``router``: transformers still records its
+logits, and its weight is the router) and runs the routed experts, and the shared experts, in
+an ``RDEPMoE`` that routes from the gate's logits as the spec's ``router`` says. A block that
+returns its router's scores beside its output (GPT-OSS) still does.
 
 Refused, with a :class:`SwapError` naming the block's path, its class and the reason: the
-blocks the table refuses (GPT-OSS, Llama-4: what the spec language cannot express), every
+blocks the table refuses (Llama-4: what the spec language cannot express), every
 other module with an ``experts`` submodule, any submodule, parameter, buffer or attribute of a
 mapped block outside the table's (a bias on a shared expert's projections, router jitter
 noise, experts with biases or in another layout), and a spec that disagrees with the block:
@@ -25,7 +26,7 @@ Weights are copied once (the kernels read gate and up interleaved and ``w_down``
 [E, F, H]) and held in the block's dtype. An RDEPBlock's state dict presents the block's own
 transformers names and layout (``gate.weight``, ``experts.gate_up_proj`` [E, 2F, H],
 ``experts.down_proj`` [E, H, F], ``shared_experts.gate_proj.weight``, Qwen's
-``shared_expert_gate.weight``, the bias buffer...), and
+``shared_expert_gate.weight``, the bias buffer, GPT-OSS's ``experts.gate_up_proj_bias``...), and
 ``load_state_dict`` takes them: what a swapped model's ``save_pretrained`` writes, transformers
 loads, and a transformers checkpoint loads into a swapped model. :func:`unswap` gives the
 transformers blocks back, with the weights as trained.
@@ -121,30 +122,43 @@ def _shared_text(count: int, act: str, ffn: int, gate: str | None = None) -> str
     return f"{count} x {act}(ffn = {ffn})" + ("" if gate is None else f", gate {gate}")
 
 
+def _expert_text(act: str, limit=None, alpha=None, bias: bool = False) -> str:
+    """An expert function as a spec says it, less its width."""
+    params = "" if limit is None else f"(limit = {_show(limit)}, alpha = {_show(alpha)})"
+    return f"{act}{params}" + (", bias" if bias else "")
+
+
+def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, int, str]:
+    """(E, H, F, the expert function in spec terms) of a block's experts, in its family's layout."""
+    if fam.experts == "gpt_oss":  # gate_up_proj [E, H, 2F] interleaved, down_proj [E, F, H], biases
+        E, H, twoF = ex.gate_up_proj.shape
+        down, layout = (E, twoF // 2, H), "[E, F, H]"
+        text = _expert_text("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), bias=True)
+    else:
+        E, twoF, H = ex.gate_up_proj.shape
+        down, layout = (E, H, twoF // 2), "[E, H, F]"
+        act = type(ex.act_fn).__name__
+        text = "swiglu" if act in SILU else f"gated {act}"
+    if tuple(ex.down_proj.shape) != down:
+        raise SwapError(f"{where} has experts.down_proj {tuple(ex.down_proj.shape)}, not {layout} = {down}")
+    return E, H, twoF // 2, text
+
+
 def _check(name: str, block: nn.Module, layer: Layer) -> Family:
     """The block's family, once its structure is the table's and the spec describes it."""
     fam = family_of(name, block)
     where = f"{name} ({type(block).__name__})"
     _walk(where, block, fam.block)
     spec, sh = layer.spec, layer.shapes
-    ex, gate = block.experts, block.gate
-    E, twoF, H = ex.gate_up_proj.shape
-    if tuple(ex.down_proj.shape) != (E, H, twoF // 2):
-        raise SwapError(
-            f"{where} has experts.down_proj {tuple(ex.down_proj.shape)}, not [E, H, F] = {(E, H, twoF // 2)}"
-        )
-    act = type(ex.act_fn).__name__
+    gate = getattr(block, fam.gate)
+    E, H, F, expert = _experts_found(where, fam, block.experts)
     rule = fam.router(gate)
     if isinstance(rule, str):
         raise SwapError(f"{where}: its router {type(gate).__name__} has {rule}")
-    found = {
-        "hidden": H,
-        "experts": E,
-        "ffn": twoF // 2,
-        "top": gate.top_k,
-        "expert": "swiglu" if act in SILU else f"gated {act}",
-    }
-    want = {"hidden": sh["H"], "experts": sh["E"], "ffn": sh["F"], "top": sh["K"], "expert": spec.expert.act}
+    found = {"hidden": H, "experts": E, "ffn": F, "top": gate.top_k, "expert": expert}
+    ef = spec.expert
+    want = {"hidden": sh["H"], "experts": sh["E"], "ffn": sh["F"], "top": sh["K"]}
+    want["expert"] = _expert_text(ef.act, ef.limit, ef.alpha, ef.bias)
     r = spec.router
     spec_rule = router_terms(
         r.score, r.renormalize, r.bias, (r.groups, r.top_groups), r.scale, r.group_score, r.logit_bias
@@ -184,10 +198,12 @@ class RDEPBlock(nn.Module):
         super().__init__()
         fam = family or family_of(type(block).__name__, block)
         self.hf_class = type(block).__name__  # the table's key (a Family holds functions: not pickled)
+        self.hf_gate = fam.gate  # the router module's name: gate, or GPT-OSS's router
         has_shared = fam.shared is not None and getattr(block, fam.shared) is not None
         self.hf_shared = fam.shared if has_shared else None  # its shared MLP's name (Ernie's may be None)
         self.hf_shared_gate = fam.shared_gate if has_shared else None  # the Linear(H, 1) scaling it (Qwen)
-        self.gate = block.gate  # kept: its weight is the router, and transformers records its logits
+        gate = getattr(block, fam.gate)
+        setattr(self, fam.gate, gate)  # kept: its weight is the router, and transformers records its logits
         moe_options.setdefault("dtype", block.experts.gate_up_proj.dtype)  # the model's dtype; compute in the spec's
         self.moe = RDEPMoE(layer, **moe_options)
         self.moe.router = None  # routes by the gate's logits: one router weight, no tensor shared in checkpoints
@@ -196,7 +212,7 @@ class RDEPBlock(nn.Module):
         # The transformers block without its expert weights (meta), for unswap: its class, config and attributes.
         shared = [getattr(block, n) for n in (self.hf_shared, self.hf_shared_gate) if n]
         shells = [block.experts, *shared]
-        memo = {id(block.gate): block.gate}
+        memo = {id(gate): gate}
         for p in (p for m in shells for p in m.parameters()):
             memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         self.__dict__["_hf_shell"] = copy.deepcopy(block, memo)  # not a submodule: no state, no parameters
@@ -213,23 +229,37 @@ class RDEPBlock(nn.Module):
     def family(self) -> Family:
         return FAMILIES[self.hf_class]
 
+    @property
+    def router_module(self) -> nn.Module:
+        """The block's router module (``gate``, or GPT-OSS's ``router``)."""
+        return getattr(self, self.hf_gate)
+
     def router_bias(self) -> torch.Tensor | None:
         """The gate's selection bias [E] as it is now, or None."""
         bias = self.family.bias
-        return None if bias is None else operator.attrgetter(bias)(self.gate).reshape(-1)
+        return None if bias is None else operator.attrgetter(bias)(self.router_module).reshape(-1)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # any number of tokens: the block pads them to the W ranks
-        logits = self.gate(x)[0]  # every mapped gate returns (logits, gates, ids): transformers records them
-        return self.moe(x, logits=logits, router_bias=self.router_bias()).reshape(shape)
+        routed = self.router_module(x)  # every mapped gate returns (logits, gates, ids): transformers records them
+        y = self.moe(x, logits=routed[0], router_bias=self.router_bias()).reshape(shape)
+        return (y, routed[1]) if self.family.returns_scores else y
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The block's transformers key of each expert weight -> (the RDEPMoE parameter that
         holds it, its transformers shape)."""
         m = self.moe
         E, H, F = len(m.experts), m.H, m.F
-        out = {"experts.gate_up_proj": ("w_gate_up", (E, 2 * F, H)), "experts.down_proj": ("w_down", (E, H, F))}
+        if self.family.experts == "gpt_oss":
+            out = {
+                "experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)),
+                "experts.gate_up_proj_bias": ("b_gate_up", (E, 2 * F)),
+                "experts.down_proj": ("w_down", (E, F, H)),
+                "experts.down_proj_bias": ("b_down", (E, H)),
+            }
+        else:
+            out = {"experts.gate_up_proj": ("w_gate_up", (E, 2 * F, H)), "experts.down_proj": ("w_down", (E, H, F))}
         s = self.hf_shared
         if s:
             width = m.shared_up.shape[0] * m.shared_up.shape[2]  # N shared experts of F_s: one MLP of N·F_s
@@ -247,9 +277,14 @@ class RDEPBlock(nn.Module):
         and ``down_proj`` [H, N·F_s] (shared expert j: hidden units j·F_s onward), and the gate
         that scales it, ``shared_expert_gate.weight`` [1, H]."""
         out = {}
+        interleaved = self.family.experts == "gpt_oss"  # [E, H, 2F] and [E, 2F]: rdepc's own layout
         for key, (name, _) in self.layout().items():
             p = source = getattr(self.moe, name).detach()
-            if name == "w_gate_up":  # [E, H, F, 2] -> [E, 2, F, H]
+            if interleaved and name in ("w_gate_up", "b_gate_up"):
+                p = p.flatten(-2, -1)
+            elif interleaved and name in ("w_down", "b_down"):
+                pass
+            elif name == "w_gate_up":  # [E, H, F, 2] -> [E, 2, F, H]
                 p = p.permute(0, 3, 2, 1).flatten(1, 2)
             elif name == "w_down":
                 p = p.transpose(1, 2)
@@ -267,12 +302,15 @@ class RDEPBlock(nn.Module):
         error when its shape is not the block's."""
         m = self.moe
         name, want = self.layout()[key]
-        if name in ("w_gate_up", "w_down") and value.dim() == 3 and value.shape[0] == m.E != len(m.experts):
+        experts = ("w_gate_up", "w_down", "b_gate_up", "b_down")
+        if name in experts and value.dim() == len(want) and value.shape[0] == m.E != len(m.experts):
             value = value[list(m.experts)]  # a per-rank block: its own experts' rows
         if tuple(value.shape) != want:
             return f"copying a param with shape {tuple(value.shape)}, the block's is {want}"
         p = getattr(m, name)
-        if name == "w_gate_up":
+        if self.family.experts == "gpt_oss" and name in experts:  # rdepc's layout, gate and up interleaved
+            p.copy_(value.unflatten(-1, (m.F, 2)) if name in ("w_gate_up", "b_gate_up") else value)
+        elif name == "w_gate_up":
             p.copy_(value.unflatten(1, (2, m.F)).permute(0, 3, 2, 1))
         elif name == "w_down":
             p.copy_(value.transpose(1, 2))
@@ -288,8 +326,9 @@ class RDEPBlock(nn.Module):
         """The transformers block again: this block's gate module, and experts holding its weights
         (in the RDEPMoE parameters' dtype, on their device)."""
         shell = self.__dict__["_hf_shell"]
-        block = copy.deepcopy(shell, {id(shell.gate): self.gate})
-        block.gate = self.gate
+        gate = self.router_module
+        block = copy.deepcopy(shell, {id(getattr(shell, self.hf_gate)): gate})
+        setattr(block, self.hf_gate, gate)
         layout = self.layout()
         for key, value in self.hf_state_dict().items():
             owner, _, leaf = key.rpartition(".")

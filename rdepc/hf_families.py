@@ -33,9 +33,15 @@ width F_s is the spec's ``shared N x swiglu(ffn = F_s / N)`` for any N dividing 
 ``shared_expert_gate`` (``Linear(H, 1)``, scaling that MLP's output by its sigmoid) the
 spec's ``gate sigmoid``.
 
-Refused (``REFUSED``), because the spec language cannot express them: GPT-OSS
-(``GptOssMLP``: expert biases; its clamped SwiGLU is the spec's ``clamped_swiglu(ffn = F,
-limit = 7, alpha = 1.702)`` and its router ``softmax, logit_bias, renormalize``), Llama-4
+GPT-OSS (``GptOssMLP``) keeps its router at ``router`` (a ``Linear`` with a bias: the spec's
+``softmax, logit_bias, renormalize``, top-K of the logits then a softmax over them), its
+experts in another layout (``gate_up_proj`` [E, H, 2F] with gate and up interleaved, as
+rdepc's ``w_gate_up``, ``down_proj`` [E, F, H]) with biases (``gate_up_proj_bias`` [E, 2F],
+``down_proj_bias`` [E, H]: the spec's ``bias``) and its clamped SwiGLU (``limit``, ``alpha``:
+the spec's ``clamped_swiglu(ffn = F, limit = 7, alpha = 1.702)``), and returns the router's
+top-K scores beside its output, as the block does.
+
+Refused (``REFUSED``), because the spec language cannot express them: Llama-4
 (``Llama4TextMoe``: the gate scales the expert's input, a sigmoid of the top-K logits),
 Ernie-4.5 with a ``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a
 DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
@@ -82,6 +88,20 @@ def _experts(cls: str) -> Part:
     return Part((cls,), {"act_fn": _ACT}, params={"gate_up_proj": ANY, "down_proj": ANY}, attrs=attrs)
 
 
+_GPT_OSS_ROUTER = Part(
+    ("GptOssTopKRouter",),
+    params={"weight": ANY, "bias": ANY},
+    attrs=dict.fromkeys(("top_k", "num_experts", "hidden_dim"), ANY),
+)
+_GPT_OSS_EXPERTS = Part(
+    ("GptOssExperts",),
+    params=dict.fromkeys(("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"), ANY),
+    attrs=dict.fromkeys(("intermediate_size", "num_experts", "hidden_size", "alpha", "limit", "config"), ANY)
+    | {"has_gate": True, "has_bias": True, "has_post_expert_norm": False, "is_transposed": True}
+    | {"is_concatenated": False},  # the layout transformers' expert kernels read: gate and up interleaved
+)
+
+
 def _gate(cls: str, *attrs: str, **parts) -> Part:
     known = dict.fromkeys(("top_k", "num_experts", *attrs), ANY)
     return Part((cls,), params={"weight": ANY}, attrs=known, **parts)
@@ -110,6 +130,10 @@ def router_terms(
 
 def _softmax_renormalized(gate) -> dict:
     return router_terms("softmax", True)
+
+
+def _softmax_logit_bias(gate) -> dict:  # GPT-OSS: softmax over the top-K logits (bias included)
+    return router_terms("softmax", True, logit_bias=True)
 
 
 def _softmax_norm_topk(gate) -> dict:
@@ -142,7 +166,10 @@ class Family:
     """How swap maps one transformers block class: everything the block may hold (its gate's
     and experts' classes among it), its gate's rule in the spec's router terms (or why there is
     none), where the gate keeps its selection bias, the block its shared MLP and the gate that
-    scales that MLP's output (``shared_gate``: a ``Linear(H, 1)``, through a sigmoid)."""
+    scales that MLP's output (``shared_gate``: a ``Linear(H, 1)``, through a sigmoid); the
+    gate's name in the block, the experts' layout (``fused``: ``gate_up_proj`` [E, 2F, H],
+    gate rows then up rows, ``down_proj`` [E, H, F], SiLU; ``gpt_oss``: see the module
+    docstring) and whether the block returns the router's scores beside its output."""
 
     name: str
     block: Part
@@ -150,6 +177,9 @@ class Family:
     bias: str | None = None
     shared: str | None = None
     shared_gate: str | None = None
+    gate: str = "gate"
+    experts: str = "fused"
+    returns_scores: bool = False
 
 
 def _family(name, block, *, gate, experts, router, shared=None, shared_gate=None, attrs=None, bias=None) -> Family:
@@ -160,6 +190,16 @@ def _family(name, block, *, gate, experts, router, shared=None, shared_gate=None
         children[shared_gate] = _LINEAR
     part = Part((block,), children, attrs=attrs or {})
     return Family(name, part, router, bias, None if shared is None else shared[0], shared_gate)
+
+
+_GPT_OSS = Family(
+    "GPT-OSS",
+    Part(("GptOssMLP",), {"router": _GPT_OSS_ROUTER, "experts": _GPT_OSS_EXPERTS}),
+    _softmax_logit_bias,
+    gate="router",
+    experts="gpt_oss",
+    returns_scores=True,
+)
 
 
 _V3_GATE = ("hidden_dim", "routed_scaling_factor", "num_group", "topk_group", "norm_topk_prob")
@@ -250,12 +290,11 @@ FAMILIES: dict[str, Family] = {
             shared=("shared_mlp", "HunYuanMoEV1MLP"),
             attrs=_CONFIG,
         ),
+        _GPT_OSS,
     )
 }  # fmt: skip
 
 REFUSED: dict[str, str] = {
-    "GptOssMLP": "GPT-OSS's experts have biases, which a spec cannot express (its activation is "
-    "'clamped_swiglu(ffn = F, limit = 7, alpha = 1.702)', its router 'softmax, logit_bias, renormalize')",
     "Llama4TextMoe": "Llama-4 scales each expert's input by a sigmoid of its top-K logit (not its output), which a "
     "spec cannot express",
 }

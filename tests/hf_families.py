@@ -49,6 +49,7 @@ class Case:
     F: int = 16
     shared: str = ""
     refused: str | None = None
+    expert: str = "swiglu(ffn = {F})"
 
 
 CASES = {
@@ -119,8 +120,9 @@ CASES = {
     ),
     "gpt_oss": Case(
         "gpt_oss", "GptOssConfig", "GptOssMLP",
-        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
-        refused="(GptOssMLP): GPT-OSS's experts have biases, which a spec cannot express",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 1.0},
+        router="softmax, logit_bias, renormalize",
+        expert="clamped_swiglu(ffn = {F}, limit = 1), bias",  # a limit the random weights' rows pass
     ),
     "llama4": Case(
         "llama4", "Llama4TextConfig", "Llama4TextMoe",
@@ -136,7 +138,7 @@ def spec_text(case: Case, tokens: int = 8, dtype: str = "fp32") -> str:
     return (
         "layer m {\n"
         f"  shape  ranks 2, tokens {tokens}, hidden {H}, experts {case.E}, top {case.K}\n"
-        f"  expert swiglu(ffn = {case.F})\n"
+        f"  expert {case.expert.format(F=case.F)}\n"
         f"  dtype  {dtype}\n"
         f"  router {case.router}\n"
         f"{shared}"

@@ -96,7 +96,13 @@ DEEPSEEK_V3_SHARED = "  shared 1 x swiglu(ffn = 16)\n"
 def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
     """A swapped block's gradients under the transformers block's names and layouts."""
     m = block.moe
-    out = {f"gate.{n}": p.grad for n, p in block.gate.named_parameters() if p.grad is not None}
+    gate = block.router_module
+    out = {f"{block.hf_gate}.{n}": p.grad for n, p in gate.named_parameters() if p.grad is not None}
+    if block.hf_class == "GptOssMLP":  # gate and up interleaved in [E, H, 2F], as rdepc holds them
+        out["experts.gate_up_proj"] = m.w_gate_up.grad.flatten(2, 3)
+        out["experts.gate_up_proj_bias"] = m.b_gate_up.grad.flatten(1, 2)
+        out["experts.down_proj"], out["experts.down_proj_bias"] = m.w_down.grad, m.b_down.grad
+        return out
     out["experts.gate_up_proj"] = m.w_gate_up.grad.permute(0, 3, 2, 1).flatten(1, 2)  # [E, H, F, 2] -> [E, 2F, H]
     out["experts.down_proj"] = m.w_down.grad.transpose(1, 2)
     s = block.hf_shared
@@ -126,12 +132,15 @@ def test_every_family_is_swapped_with_equal_outputs_and_gradients_or_refused(tmp
     x, dy = torch.randn(2, 4, fam.H, generator=g), torch.randn(2, 4, fam.H, generator=g)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = original(xa), holder.mlp(xb)
+    if isinstance(ya, tuple):  # GPT-OSS: (output, its router's top-K scores), and so the swapped block
+        assert isinstance(yb, tuple) and torch.equal(yb[1], ya[1])
+        ya, yb = ya[0], yb[0]
     (ya * dy).sum().backward()
     (yb * dy).sum().backward()
     assert relative(yb, ya) <= 1e-5
     assert relative(xb.grad, xa.grad) <= 1e-5
     want, got = fam.expert_grads(original), rdep_grads(holder.mlp)
-    assert set(got) == set(want) and any(k.startswith("gate.") for k in want)
+    assert set(got) == set(want) and any(k.startswith(("gate.", "router.")) for k in want)
     for k in want:
         assert relative(got[k], want[k]) <= 1e-5, k
 
@@ -186,8 +195,8 @@ def test_what_the_table_does_not_know_is_refused(tmp_path, name, change, message
 
 
 def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
-    """What the refusal says of GPT-OSS's router: the spec's router reproduces it (its experts
-    are what is missing)."""
+    """GPT-OSS's router (softmax over the top-K logits, its bias on them) is the spec's
+    'softmax, logit_bias, renormalize', routed by the reference operator one token at a time."""
     holder = fam.block(transformers, fam.CASES["gpt_oss"])
     gate = holder.mlp.router
     router = rdepc.load(spec_file(tmp_path, "softmax, logit_bias, renormalize")).spec.router
@@ -317,9 +326,11 @@ def test_the_deepseek_v3_bias_is_the_gates_buffer_through_dtype_moves_and_update
     )
 
 
-def test_a_gated_shared_expert_round_trips_through_the_blocks_state_dict(tmp_path):
-    """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name."""
-    case = fam.CASES["qwen2_moe"]
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
+    """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name;
+    GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down."""
+    case = fam.CASES[name]
     holder = fam.block(transformers, case)
     want = {k: v.clone() for k, v in holder.mlp.state_dict().items()}
     swap(holder, case_spec(tmp_path, case))
@@ -328,9 +339,15 @@ def test_a_gated_shared_expert_round_trips_through_the_blocks_state_dict(tmp_pat
     other = fam.block(transformers, case, seed=1)
     assert not other.mlp.load_state_dict(state, strict=True).missing_keys
     swap(other, case_spec(tmp_path, case))
-    assert torch.equal(other.mlp.moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    moe = other.mlp.moe
+    if name == "qwen2_moe":
+        assert torch.equal(moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    else:
+        assert torch.equal(moe.w_gate_up.flatten(2, 3), want["experts.gate_up_proj"])
+        assert torch.equal(moe.b_gate, want["experts.gate_up_proj_bias"][:, 0::2])
+        assert torch.equal(moe.b_down, want["experts.down_proj_bias"])
     back = unswap(other.mlp)
-    assert type(back).__name__ == "Qwen2MoeSparseMoeBlock"
+    assert type(back).__name__ == case.block
     assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)
 
 
