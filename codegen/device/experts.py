@@ -52,7 +52,7 @@ def glu(gate, up):
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        return (u + 1.0) * g * tl.sigmoid(ACT_ALPHA * g)
+        return (u + 1.0) * g * tl.sigmoid(g * ACT_ALPHA)
     return gate * tl.sigmoid(gate) * up
 
 
@@ -64,9 +64,9 @@ def glu_backward(gate, up, da):
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        sig = tl.sigmoid(ACT_ALPHA * g)
+        sig = tl.sigmoid(g * ACT_ALPHA)
         gs = g * sig
-        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + ACT_ALPHA * gs * (1.0 - sig)), 0.0)
+        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + gs * ACT_ALPHA * (1.0 - sig)), 0.0)
         d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
         return d_gate, d_up, (u + 1.0) * gs
     sig = tl.sigmoid(gate)

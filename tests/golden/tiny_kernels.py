@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 2122d69f1bc5d86be5079ab00106c44a17f2e7ba7d71eb69094571af5dd59160
+# content-sha256: ab07edccac9fe3a36d64b19b624d57a804e1d8bf036383a7d6b41325a1ce4970
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -87,6 +87,7 @@ ACT = tl.constexpr("swiglu")  # the expert's activation
 ACT_LIMIT = tl.constexpr(0.0)  # clamped_swiglu: gate <= limit, up within +-limit (else 0)
 ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)
 BIAS = tl.constexpr(False)  # expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down
+RECOMPUTE = tl.constexpr(False)  # the backward computes GEMM1's pre-activations again (not kept)
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -1230,7 +1231,7 @@ def glu(gate, up):
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        return (u + 1.0) * g * tl.sigmoid(ACT_ALPHA * g)
+        return (u + 1.0) * g * tl.sigmoid(g * ACT_ALPHA)
     return gate * tl.sigmoid(gate) * up
 
 
@@ -1242,9 +1243,9 @@ def glu_backward(gate, up, da):
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        sig = tl.sigmoid(ACT_ALPHA * g)
+        sig = tl.sigmoid(g * ACT_ALPHA)
         gs = g * sig
-        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + ACT_ALPHA * gs * (1.0 - sig)), 0.0)
+        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + gs * ACT_ALPHA * (1.0 - sig)), 0.0)
         d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
         return d_gate, d_up, (u + 1.0) * gs
     sig = tl.sigmoid(gate)
