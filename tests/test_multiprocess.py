@@ -89,7 +89,7 @@ def cases(W: int, segmented: str) -> list[Case]:
     return out
 
 
-@pytest.mark.parametrize("W", [3, 4])  # an odd count and an even one; W = 2 runs in test_rdepmoe_per_rank_*
+@pytest.mark.parametrize("W", [3])  # an odd count; W = 2 runs in test_rdepmoe_per_rank_*, 4 in test_rdepc_run_*
 def test_every_rank_matches_emulated_bitwise(W, tmp_path):
     job = Job(tuple(cases(W, str(tiny_segmented(tmp_path)))))
     results = ranks.spawn(run_rank, W, job, timeout=600, delays=[0.1 * r for r in range(W)])

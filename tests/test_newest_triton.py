@@ -44,10 +44,16 @@ def _run(env: dict[str, str], *argv: str, timeout: int = 600) -> subprocess.Comp
     )  # fmt: skip
 
 
+# Examples whose kernels are another example's: what sets them apart (their routers, Qwen2's
+# gated shared expert) is torch, not Triton.
+SAME_KERNELS = {"deepseek_v2", "qwen2_moe"}
+
+
 def test_examples_check_under_the_newest_triton(newest, tmp_path):
     runs = {
         name: [f"examples/{name}.rdep", *(a for d in overrides for a in ("-D", d))]
         for name, overrides in NARROW.items()
+        if name not in SAME_KERNELS
     }
     text = (ROOT / "examples" / "deepseek_v3.rdep").read_text(encoding="utf-8").replace("scale row", "scale block")
     dedup = tmp_path / "deepseek_v3_dedup.rdep"

@@ -123,7 +123,7 @@ def run_all(case: Seg) -> dict[str, RDEPModule]:
     return modules
 
 
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(segs())
 @example(Seg(W=2, E=4, K=2, T=12, S=5, B=1, routing="zipf:1.5"))  # B = 1: every segment reuses the one slot
 @example(Seg(W=3, E=6, K=2, T=10, S=8, B=3, capacity="factor 0.5, weights zero"))  # deep, drops
@@ -138,16 +138,14 @@ def test_every_strategy_matches_the_reference_and_each_other(case):
 
 
 def test_tiny_every_strategy_and_B(monkeypatch):
-    """tiny.rdep in segments of 32 rows, B = 2, bulk and deep (the property above runs every
-    strategy), and with B = 1 and 3 slots of 8 rows, where returns go through a ring: one
-    result, bitwise."""
+    """tiny.rdep in segments of 32 rows, B = 2, deep (the property above runs every strategy),
+    and with B = 1 and 3 slots of 8 rows, where returns go through a ring: one result,
+    bitwise."""
     monkeypatch.chdir(ROOT)
     base = rdepc.load(tiny_segmented(SPECS))
     inputs = random_inputs(4, 16, 64, 128, 8, 2, seed=3)
     ref, _ = reference_for(base.spec)(*inputs)
-    runs = [(base, s) for s in ("bulk", "deep")] + [
-        (rdepc.load(_tiny(B)), s) for B, s in ((1, "pipelined"), (3, "deep"))
-    ]
+    runs = [(base, "deep")] + [(rdepc.load(_tiny(B)), s) for B, s in ((1, "pipelined"), (3, "deep"))]
     want = None
     for layer, strategy in runs:
         m = layer.module(schedule=strategy)
