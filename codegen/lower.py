@@ -264,6 +264,7 @@ def lower(
         act_limit=float(spec.expert.limit or 0),
         act_alpha=float(spec.expert.alpha or 0),
         bias=spec.expert.bias,
+        recompute=spec.pre_activations == "recompute",
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
         dispatch_scale=spec.precision.dispatch_scale,

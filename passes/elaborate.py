@@ -45,6 +45,7 @@ STATEMENTS = (
     "transport",
     "router",
     "balance",
+    "activations",
 )
 REQUIRED = ("shape", "expert")
 
@@ -236,6 +237,7 @@ class _Layer(Statements, Checks):
         capacity = self.capacity(stmts.get("capacity"), shape)
         segment = self.segment(stmts.get("segment"))
         router = elaborate_router(self, stmts.get("router"), shape)
+        pre = self.activations(stmts.get("activations"), precision)
         balance = None
         if ownership is not None:
             balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value))
@@ -248,6 +250,7 @@ class _Layer(Statements, Checks):
             capacity,
             router,
             balance,
+            pre,
         ):
             return None
         if capacity.drop == "lowest_gate" and "gate" not in route.sideband:
@@ -286,6 +289,7 @@ class _Layer(Statements, Checks):
             spans=tuple(sorted(self.spans.items())),
             router=router,
             balance=balance,
+            pre_activations=pre,
         )
         self.warn(spec)
         ir = self.to_ir(spec)

@@ -67,7 +67,7 @@ from rdepc.passes.plan_symbols import (
 from rdepc.passes.symmetric import symmetric_figures
 from rdepc.passes.transport import dedup_plan, transport_plan
 
-from rdepc.ir.sizes import BM
+from rdepc.ir.sizes import BM, kept_columns
 from rdepc.ir.spec import LayerSpec
 
 # --- the planner -----------------------------------------------------------------------
@@ -129,13 +129,14 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )
-    row_width = H + 2 * F if spec.expert.gated else H + F
-    saved_row = env.fig(
-        "saved_activations.bytes_per_row",
-        row_width * a,
-        "B",
-        ("(H + 2F)·a: input row x and the gate and up pre-activations" if spec.expert.gated else "(H + F)·a: x, h"),
-    )
+    recompute = spec.pre_activations == "recompute"
+    row_width = sum(kept_columns(H, F, spec.expert.gated, recompute).values())
+    width_text = "(H + F)·a: x, h"
+    if recompute:
+        width_text = "H·a: input row x (the backward computes the pre-activations again)"
+    elif spec.expert.gated:
+        width_text = "(H + 2F)·a: input row x and the gate and up pre-activations"
+    saved_row = env.fig("saved_activations.bytes_per_row", row_width * a, "B", width_text)
     dense_params = dense_bytes = None
     if values.get(V) is not None and values.get(L_all) is not None:
         dp = V * H + 4 * L_all * H**2 + 3 * L_dense * H * D_dense
@@ -171,7 +172,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         ),
         saved_rows,
         saved_row,
-        env.fig("saved_activations.per_layer", R_max * row_width * a, "B", "owner rows × (H + 2F)·a, one layer"),
+        env.fig("saved_activations.per_layer", R_max * row_width * a, "B", "owner rows × bytes per row, one layer"),
         env.fig("saved_activations.total", R_max * row_width * a * L, "B", "× L MoE layers"),
         env.fig(
             "saved_activations.per_layer_expected",

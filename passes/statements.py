@@ -40,6 +40,7 @@ ACTIVATIONS = ("swiglu", "clamped_swiglu", "gelu", "relu")
 SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
 DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
+PRE_ACTIVATIONS = ("keep", "recompute")  # the first is the default
 SHARED_GATES = ("sigmoid",)  # Qwen2-MoE, Qwen3-Next: sigmoid(x · w_sg^T) scales the shared experts' sum
 
 
@@ -439,6 +440,28 @@ class Statements:
         if S_ is None or B is None or cut is None:
             return None
         return Segment(S_, B if isinstance(B, Poly) else Poly.const(B), cut)
+
+    def activations(self, st: S.Stmt | None, precision: Precision | None) -> str | None:
+        """GEMM1's pre-activations for the backward: kept (the default), or recomputed."""
+        if st is None:
+            return PRE_ACTIVATIONS[0]
+        opts, _ = self.args(st, keyed=("pre",))
+        if "pre" not in opts:
+            if st.args:  # an unknown option was named already
+                return None
+            self.diags.error("'activations' needs a policy for the pre-activations", st.keyword_span,
+                             "e.g. 'activations pre recompute'")  # fmt: skip
+            return None
+        policy = self.choice(opts["pre"], PRE_ACTIVATIONS, "activations pre")
+        if policy == "recompute" and precision is not None and precision.dispatch_scale is not None:
+            self.diags.error(
+                "recomputed pre-activations need the rows GEMM1 read: under fp8 dispatch the owner keeps "
+                "them dequantised, so GEMM1 again would not give the forward's pre-activations",
+                opts["pre"].value.span,
+                "keep them ('activations pre keep'), or dispatch in the compute dtype",
+            )
+            return None
+        return policy
 
     def schedule(self, st: S.Stmt | None) -> str:
         return self.one_flag(st, SCHEDULES, "auto")

@@ -11,6 +11,7 @@ import torch
 from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 
 from rdepc.ir.contract import BACKWARD_PRIVATE, KERNELS, POINTEE, KernelContract, Work, kernel_args
+from rdepc.ir.sizes import kept_columns
 
 
 def private_buffers(
@@ -132,12 +133,12 @@ def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch
 
 def owner_row_buffers(contract: KernelContract, backward: bool) -> dict[str, int]:
     """The owner-row buffers (:func:`owner_rows`) a call keeping what backward walks
-    allocates (saved_x, saved_pre and, under dedup, saved_out) or, with ``backward``, its
-    backward (dh, act_rows, do_rows): name -> columns."""
-    pre = 2 * contract.F if contract.gated else contract.F
+    allocates (``sizes.kept_columns``: saved_x, saved_pre unless recomputed, and under dedup
+    saved_out) or, with ``backward``, its backward (dh, act_rows, do_rows): name -> columns."""
+    p = contract
     if backward:
-        return {"dh": pre, "act_rows": contract.F, "do_rows": contract.H}
-    return {"saved_x": contract.H, "saved_pre": pre} | ({"saved_out": contract.H} if contract.dedup else {})
+        return {"dh": 2 * p.F if p.gated else p.F, "act_rows": p.F, "do_rows": p.H}
+    return kept_columns(p.H, p.F, p.gated, p.recompute) | ({"saved_out": p.H} if p.dedup else {})
 
 
 def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], backward: bool) -> None:

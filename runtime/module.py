@@ -403,24 +403,26 @@ class RDEPModule:
             self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
         return y, self.last_context, kept
 
-    def _backward_op(self, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept) -> list[torch.Tensor]:
+    def _backward_op(self, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept) -> list[torch.Tensor]:
         """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down],
         then, when the experts have biases, [db_up, db_down]."""
         Tn = dy.shape[-2]
         kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
         context = RoutingContext(aligned(topk_ids.to(torch.int64).contiguous()), accepted, slot, gprime)
-        return list(self._backward(dy, context, kept, Tn, w_up, w_down))
+        return list(self._backward(dy, context, kept, Tn, w_up, w_down, b_up))
 
-    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down):
+    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down, b_up=None):
         """Launch the backward over a forward's routing context and what it kept; returns the
         gradients of x, g' and GEMM1's and GEMM2's operands (and their biases, when the
-        experts have them)."""
+        experts have them). ``b_up``: GEMM1's bias, which recomputed pre-activations add."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
         self._settle(wait=False)
         lead = () if self.per_rank else (p.W,)
         weights = self._operands(w_up, w_down)
+        if b_up is not None:
+            weights["b_up"] = aligned(b_up.detach().contiguous())
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": aligned(dy.detach().to(self.dtype).contiguous()),

@@ -3,7 +3,7 @@
 
     rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
         -> [y, accepted, slot, gprime, *kept]
-    rdepc::backward(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+    rdepc::backward(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
         -> [dx, dgprime, dw_up, dw_down, (db_up, db_down)]
 
 ``handle`` names the :class:`rdepc.runtime.RDEPModule` whose heap, task tables and kernels
@@ -84,13 +84,14 @@ def backward(
     gprime: Tensor,
     w_up: Tensor,
     w_down: Tensor,
+    b_up: Tensor | None,
     kept: list[Tensor],
 ) -> list[Tensor]:
-    return module_of(handle)._backward_op(dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+    return module_of(handle)._backward_op(dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
 
 
 @backward.register_fake
-def _backward_fake(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept):
+def _backward_fake(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept):
     module = module_of(handle)
     lead = dy.shape[:-1]
     return [
@@ -139,18 +140,20 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, _x, topk_ids, gates, w_up, w_down, _b_up, _b_down, _brought, save = inputs
+    handle, _x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
-    ctx.save_for_backward(topk_ids, gates, w_up, w_down, *output[1:])
+    ctx.save_for_backward(topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
 
 
 def _forward_backward(ctx, grads):
     if not ctx.saved:
         raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
-    topk_ids, gates, w_up, w_down, accepted, slot, gprime, *kept = ctx.saved_tensors
+    topk_ids, gates, w_up, w_down, b_up, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
-    dx, dgprime, dw_up, dw_down, *db = backward(ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, kept)
+    dx, dgprime, dw_up, dw_down, *db = backward(
+        ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept
+    )
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
     db_up, db_down = db or (None, None)

@@ -5,6 +5,7 @@ the forward's; a withheld backward task trips with the kernel's record."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -42,6 +43,7 @@ class Case:
     act: str = "swiglu"
     act_args: str = ""  # after ffn, e.g. ", limit = 0.5"
     bias: bool = False  # expert biases
+    extra: str = ""  # more statements
     capacity: str = "dropless"
     routing: str = "uniform"
     seed: int = 0
@@ -57,6 +59,7 @@ class Case:
             f"  capacity  {self.capacity}\n"
             f"  segment   rows {self.S}, buffers {self.B}\n"
             "  schedule  pipelined\n"
+            + self.extra
             + ("  sideband  row_id, local_expert, gate\n  transport emulated, dedup\n" if self.dedup else "")
             + "}\n"
         )
@@ -256,22 +259,50 @@ def test_a_withheld_backward_task_trips_with_the_kernels_record_and_the_next_bac
         assert float((check_again[name] - want[name]).abs().max()) <= 1e-4 * float(want[name].abs().max())
 
 
-def test_what_the_forward_keeps_is_the_planners_saved_activations():
+@pytest.mark.parametrize("pre", ["keep", "recompute"])
+def test_what_the_forward_keeps_is_the_planners_saved_activations(pre):
     from rdepc.passes.plan import plan
 
-    layer = Case(capacity="factor 1.0").layer()
+    case = Case(capacity="factor 1.0", extra=f"  activations pre {pre}\n")
+    layer = case.layer()
     m = layer.module(schedule="pipelined", tiles=TILES)
-    x, ids, g, wg, wu, wd = Case(capacity="factor 1.0").inputs()
+    x, ids, g, wg, wu, wd = case.inputs()
     from rdepc.runtime import ops
     from rdepc.runtime.tensors import gate_up
 
     brought, _ = m.padding(None, x.shape[-2])  # what a differentiable call's rdepc::forward returns
-    out = ops.forward(m.handle, x, ids, g, gate_up(wg, wu), wd, brought, True)
+    out = ops.forward(m.handle, x, ids, g, gate_up(wg, wu), wd, None, None, brought, True)
     kept = dict(zip((name for name, _, _ in ops.forward_layout(m, x.shape[-2], True)), out, strict=True))
     figures = {f.key: f.value for f in plan(layer.spec).figures()}
-    per_owner = (kept["saved_x"][0].numel() + kept["saved_pre"][0].numel()) * kept["saved_x"].element_size()
+    rows = [kept[n][0] for n in ("saved_x", "saved_pre") if n in kept]
+    assert ("saved_pre" in kept) == (pre == "keep")
+    per_owner = sum(r.numel() for r in rows) * kept["saved_x"].element_size()
     assert per_owner == figures["saved_activations.per_layer"]
     assert (
         kept["saved_out"][0].numel() * kept["saved_out"].element_size()
         == figures["saved_activations.outputs_per_layer"]
     )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(act="clamped_swiglu", act_args=", limit = 0.5", bias=True, capacity="rows 5"),
+        Case(act="relu", E=3, T=8, S=3, B=2, dedup=True),
+    ],
+    ids=["gated-bias", "relu-dedup"],
+)
+def test_recomputed_pre_activations_give_the_kept_ones_outputs_and_gradients_bitwise(case):
+    """activations pre recompute: the forward keeps no pre-activations and the backward runs
+    GEMM1 again from the kept input rows, with the forward's tile and reduction order; outputs
+    and every gradient are bitwise those of keeping them."""
+    inputs, biases = case.inputs(), case.biases()
+    kept = case.layer().module(schedule="pipelined", tiles=TILES)
+    y, _, dy, want = grads(kept, inputs, biases=biases)
+    again = dataclasses.replace(case, extra="  activations pre recompute\n").layer()
+    for strategy in ("pipelined", "bulk"):
+        m = again.module(schedule=strategy, tiles=TILES)
+        got_y, _, _, got = grads(m, inputs, dy, biases)
+        assert m.contract.recompute and torch.equal(got_y, y), strategy
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{strategy}: d{name}"

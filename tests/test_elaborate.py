@@ -516,6 +516,9 @@ def test_segment_statement_used_no_warning(stmts):
         ("  capacity factor", "'factor' in 'capacity' needs a value"),
         ("  capacity dropless 3", "'dropless' in 'capacity' takes no value"),
         ("  segment rows 64, [1]", "unexpected argument to 'segment'"),
+        ("  activations", "'activations' needs a policy for the pre-activations"),
+        ("  activations pre maybe", "activations pre must be one of keep, recompute; got maybe"),
+        ("  activations x recompute", "unknown option 'x' in 'activations'"),
     ],
 )
 def test_statement_errors(stmt, message):
@@ -619,3 +622,14 @@ def test_long_literals_are_a_diagnostic(literal, message):
 def test_literal_limits_are_exact():
     spec, _ = spec_of(spec_text(pre="param X = 4611686018427387904\nparam Y = 0000000000000000000000001\n"))
     assert {p.name: p.value for p in spec.params} == {"X": 2**62, "Y": 1}
+
+
+def test_pre_activations_are_kept_unless_recomputed_and_fp8_rows_refuse_recompute():
+    specs, diags = elaborate(parse_text(spec_text()))
+    assert specs[0].pre_activations == "keep"
+    specs, diags = elaborate(parse_text(spec_text("  activations pre recompute")))
+    assert not diags.errors and specs[0].pre_activations == "recompute"
+    errors = errors_of(spec_text("  dtype bf16, dispatch fp8_e4m3, scale row", "  activations pre recompute"))
+    assert [(d.message.split(":")[0], d.span.line, d.span.col) for d in errors] == [
+        ("recomputed pre-activations need the rows GEMM1 read", 5, 19)
+    ]

@@ -30,6 +30,7 @@ from rdepc.codegen.device.layout import (
     PAYLOAD,
     PRECISION,
     R_MAX,
+    RECOMPUTE,
     SB_LINKS,
     SB_ROW_ID,
     SB_SCALE,
@@ -197,8 +198,9 @@ def gemm1(
         store_rows(hbuf + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
         if SAVE:
             kept = tl.cast(q, tl.int64) * R_MAX + row0 + m
-            pre = narrow(acc, DTYPE, CAST_F32)
-            store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
+            if not RECOMPUTE:  # else the backward computes them again from the input rows kept below
+                pre = narrow(acc, DTYPE, CAST_F32)
+                store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
             if f == 0:
                 first = tl.cast(q, tl.int64) * R_MAX + row0
                 if DEDUP:
@@ -282,6 +284,9 @@ def bgemm1(
     w_down,
     weight_of,
     saved_pre,
+    w_up,
+    b_up,
+    saved_x,
     dh,
     act_rows,
     do_rows,
@@ -305,7 +310,8 @@ def bgemm1(
     ``glu_backward``'s (dgate, dup), interleaved as the weights' [E, H, F, 2], else
     dA ⊙ ACT'(h) — written at the rows' places among the owner's rows, beside the activation
     A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
-    the rows' row_ids for the return.
+    the rows' row_ids for the return. The pre-activations are the forward's (``saved_pre``),
+    or with ``RECOMPUTE`` GEMM1's tile again from the kept input rows (``pre_activations``).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -330,16 +336,24 @@ def bgemm1(
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
+        if RECOMPUTE:
+            again = pre_activations(saved_x, w_up, b_up, e, q, row0, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
         if GATED:
-            pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
-            gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
-            up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+            if RECOMPUTE:
+                gate, up = gate_up(again, BM, BLOCK_F)
+            else:
+                pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+                gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+                up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
             d_gate, d_up, act = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
             tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
             tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
         else:
-            h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            if RECOMPUTE:
+                h = again
+            else:
+                h = tl.load(saved_pre + row[:, None] * F + c[None, :], mask=keep, other=0.0).to(tl.float32)
             if ACT == "gelu":
                 act = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
                 slope = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * tl.exp(
@@ -364,6 +378,26 @@ def bgemm1(
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
+
+
+@triton.jit
+def pre_activations(
+    saved_x, w_up, b_up, e, q, row0, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+):  # fmt: skip
+    """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
+    (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among owner q's kept
+    input rows, expert ``e``, rounded to DTYPE as the forward would have kept them. The same
+    rows, weights, tile and reduction order as the forward's GEMM1, so the same values."""
+    xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
+    w = w_up + e * (H * (UP_COLS * F))
+    acc = gemm_tile(
+        xs, R_MAX, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
+        PRECISION,
+    )  # fmt: skip
+    if BIAS:
+        acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
+    return narrow(acc, DTYPE, CAST_F32).to(tl.float32)
 
 
 @triton.jit
@@ -463,8 +497,8 @@ def expert_item(
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
-                heap, w_down, weight_of, saved_pre, dh, act_rows, do_rows, hbuf_rid, q, s, local, row0, lo, hi, f, BM,
-                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                heap, w_down, weight_of, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s, local,
+                row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
             )  # fmt: skip
         else:
             gemm1(

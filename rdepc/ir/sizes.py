@@ -24,6 +24,14 @@ from typing import Any
 BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
 
 
+def kept_columns(H: Any, F: Any, gated: bool, recompute: bool) -> dict[str, Any]:
+    """Columns of each owner-row buffer a forward keeps for its backward, per row: the input
+    rows x (saved_x) and, unless the backward computes them again (``activations pre
+    recompute``), GEMM1's pre-activations (saved_pre: gate and up of a gated expert, h of
+    another). The planner's saved-activation figures and the runtime's buffers read this."""
+    return {"saved_x": H} | ({} if recompute else {"saved_pre": (2 if gated else 1) * F})
+
+
 def ceil_div(a: int, b: int) -> int:
     """⌈a / b⌉ of two ints, exactly."""
     return -(-a // b)

@@ -242,6 +242,9 @@ class LayerSpec:
     spans: tuple[tuple[str, Span], ...] = field(default=())
     router: Router = field(default=Router())
     balance: Balance = field(default=Balance())
+    # GEMM1's pre-activations for the backward: kept at the owner from the forward, or computed
+    # again in the backward from the kept input rows (``activations pre recompute``)
+    pre_activations: str = "keep"
 
     def span_of(self, key: str) -> Span:
         """The span of ``"statement.option"``, else of the statement, else of the layer."""
@@ -335,6 +338,7 @@ def spec_to_json(spec: LayerSpec) -> dict:
         else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)}
         | _act_params(spec.shared.fn)
         | ({"gate": spec.shared.gate} if spec.shared.gate else {}),
+        "activations": {"pre": spec.pre_activations},
         "precision": {
             "dtype": spec.precision.dtype.value,
             "dispatch": spec.precision.dispatch.value,
