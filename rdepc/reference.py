@@ -576,21 +576,18 @@ def random_biases(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
-    experts=None,
 ) -> dict[str, torch.Tensor | None]:
     """Random, deterministic expert biases for a spec whose experts have them, as keyword
     arguments of ``moe_reference`` and the compiled layer: b_gate (None unless ``gated``),
     b_up [E, F] and b_down [E, H], N(0, 1/4), drawn on the CPU from their own generator
-    (``seed``), so that ``random_inputs`` draws the same with or without them. ``experts``:
-    only those rows (a rank's own experts, in local order)."""
+    (``seed``), so that ``random_inputs`` draws the same with or without them."""
     gen = torch.Generator().manual_seed(1_000_003 + seed)
     out = {
         "b_gate": torch.randn(E, F, generator=gen) / 2 if gated else None,
         "b_up": torch.randn(E, F, generator=gen) / 2,
         "b_down": torch.randn(E, H, generator=gen) / 2,
     }
-    rows = slice(None) if experts is None else list(experts)
-    return {k: None if v is None else v[rows].contiguous().to(dtype=dtype, device=device) for k, v in out.items()}
+    return {k: None if v is None else v.to(dtype=dtype, device=device) for k, v in out.items()}
 
 
 __all__ = [
