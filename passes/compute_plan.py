@@ -2,7 +2,8 @@
 time at the profile's dense rate — the routed experts at the busiest owner (its expected
 load and its worst case, as the transport figures count rows) and the shared experts,
 which every front-end computes for each of its own T tokens. The backward does two GEMMs
-for each of the forward's (dX and dW), so a forward and backward cost 3× the forward."""
+for each of the forward's (dX and dW); under ``activations pre recompute`` the routed
+experts' backward also runs GEMM1 again (its gate and up projections, or up alone)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def compute_plan(env: Env, spec: LayerSpec) -> ComputePlan:
     worst = env.fig("compute.routed_worst", R_max * per_row, "FLOP", f"R_max rows × {how}")
     routed_t = env.fig("compute.routed_time", routed.formula / F_gpu, "s", "the same at F_gpu")
     worst_t = env.fig("compute.routed_worst_time", worst.formula / F_gpu, "s", "the same at F_gpu")
+    gemm1 = 2 * (mats - 1) * H * F  # GEMM1's FLOPs a row: every matrix but down
+    recompute = spec.pre_activations == "recompute"
+    bwd_row = 2 * per_row + (gemm1 if recompute else 0)
+    bwd_how = "2× the forward (dX and dW)"
+    if recompute:
+        bwd_how += f" + GEMM1 again, {2 * (mats - 1)}·H·F a row (recompute)"
+    bwd = env.fig("compute.routed_backward", rows * bwd_row, "FLOP", f"min(E_max·μ, R_max) rows × {bwd_how}")
+    bwd_worst = env.fig("compute.routed_backward_worst", R_max * bwd_row, "FLOP", f"R_max rows × {bwd_how}")
+    bwd_t = env.fig("compute.routed_backward_time", bwd.formula / F_gpu, "s", "the same at F_gpu")
+    bwd_worst_t = env.fig("compute.routed_backward_worst_time", bwd_worst.formula / F_gpu, "s", "the same at F_gpu")
     shared = shared_t = None
     if spec.shared is not None:
         sh = spec.shared
@@ -35,4 +46,4 @@ def compute_plan(env: Env, spec: LayerSpec) -> ComputePlan:
         flops = T * N_sh * 2 * s_mats * H * F_sh + (2 * T * H if sh.gate else 0)
         shared = env.fig("compute.shared", flops, "FLOP", f"{words}: every front-end, its own tokens")
         shared_t = env.fig("compute.shared_time", flops / F_gpu, "s", "the same at F_gpu")
-    return ComputePlan(routed, worst, routed_t, worst_t, shared, shared_t)
+    return ComputePlan(routed, worst, routed_t, worst_t, bwd, bwd_worst, bwd_t, bwd_worst_t, shared, shared_t)

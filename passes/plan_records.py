@@ -183,13 +183,18 @@ class BalancePlan:
 
 @dataclass(frozen=True, slots=True)
 class ComputePlan:
-    """The expert GEMMs' FLOPs per rank and layer, forward, and their time at F_gpu: the routed
-    experts at the busiest owner (expected, worst) and the shared experts at a front-end."""
+    """The expert GEMMs' FLOPs per rank and layer and their time at F_gpu: the routed experts at
+    the busiest owner (expected, worst), forward and backward, and the shared experts' forward
+    at a front-end."""
 
     routed: Figure
     routed_worst: Figure
     routed_time: Figure
     routed_worst_time: Figure
+    routed_backward: Figure  # dX and dW, and GEMM1 again under recompute
+    routed_backward_worst: Figure
+    routed_backward_time: Figure
+    routed_backward_worst_time: Figure
     shared: Figure | None  # None: no shared experts
     shared_time: Figure | None
 
@@ -407,10 +412,9 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
     }
     if pl.compute is not None:
         c = pl.compute
-        out["compute"] = {
-            k: j(getattr(c, k))
-            for k in ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
-        }
+        keys = ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
+        keys += tuple(f"routed_backward{w}{t}" for w in ("", "_worst") for t in ("", "_time"))
+        out["compute"] = {k: j(getattr(c, k)) for k in keys}
     if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
         b = pl.balance
         out["balance"] = {

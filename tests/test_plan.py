@@ -96,6 +96,18 @@ def test_compute_counts_routed_and_shared_expert_flops(moonlight):
     assert tiny["shared"] is None and tiny["routed"] > 0
 
 
+def test_compute_counts_the_backward_and_recomputes_gemm1(moonlight, tmp_path):
+    c = moonlight["compute"]
+    assert c["routed_backward"] == 2 * c["routed"] and c["routed_backward_worst"] == 2 * c["routed_worst"]
+    assert c["routed_backward_time"] == pytest.approx(2 * c["routed_time"])
+    text = (EX / "moonlight.rdep").read_text(encoding="utf-8")
+    text = text.replace("  schedule", "  activations pre recompute\n  schedule")
+    (tmp_path / "moonlight.rdep").write_text(text, encoding="utf-8")
+    again = to_json(plan(rdepc.load(tmp_path / "moonlight.rdep").spec))["compute"]
+    gemm1 = 8 * 3072 * 4 * 2048 * 1408  # the busiest owner's rows × gate and up, 2·H·F FLOPs each
+    assert again["routed"] == c["routed"] and again["routed_backward"] == c["routed_backward"] + gemm1
+
+
 def test_required_json_keys(moonlight):
     j = moonlight
     for key in ("mu", "cv_uniform", "routing_context_bytes"):
