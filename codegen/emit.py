@@ -184,6 +184,7 @@ def constants(p: KernelContract) -> str:
         _c("ACT_ALPHA", p.act_alpha, "clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)"),
         _c("BIAS", p.bias, "expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down"),
         _c("RECOMPUTE", p.recompute, "the backward computes GEMM1's pre-activations again (not kept)"),
+        _c("GATE_INPUT", p.gate_input, "the gate scales the expert's input: rows go out as g'*x, come back unweighted"),
         _c("GATED", p.gated, "a gated expert: GEMM1's weights are [Wg Wu], interleaved"),
         _c("UP_COLS", 2 if p.gated else 1, "GEMM1 output columns per ffn column"),
         _c("KEYED", p.keyed, "admission by key (a drop policy other than arrival order), not by row order"),

@@ -265,6 +265,7 @@ def lower(
         act_alpha=float(spec.expert.alpha or 0),
         bias=spec.expert.bias,
         recompute=spec.pre_activations == "recompute",
+        gate_input=spec.gate_on == "input",
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
         dispatch_scale=spec.precision.dispatch_scale,

@@ -197,6 +197,28 @@ class _Layer(Statements, Checks):
     def _min(self, e: Poly) -> Fraction:
         return e.extremes(self.bounds)[0]
 
+    def _gate_input_fits(self, capacity, dedup: bool) -> bool:
+        """``expert ..., gate input`` scales each row before it is sent: its owner's expert reads
+        it scaled, so the scale must be final at dispatch and the row the slot's own."""
+        at = self.spans.get("expert.gate")
+        if dedup:
+            self.diags.error(
+                "dedup sends one row per (token, owner) for all its slots there; with the gate on the expert's "
+                "input every slot's row is scaled by its own gate",
+                self.spans.get("transport.dedup"),
+                f"drop 'dedup', or gate the experts' outputs (expert gate at {at})",
+            )
+            return False
+        if capacity.policy != "dropless" and capacity.weights == "renormalize":
+            self.diags.error(
+                "with the gate on the expert's input a capacity that drops needs 'weights zero': a row is scaled "
+                "when it is sent, before its owner admits it, so its gate cannot follow the slots that survive",
+                self.spans.get("capacity.weights", self.spans.get("capacity")),
+                "add 'weights zero' to the capacity statement, or make it dropless",
+            )
+            return False
+        return True
+
     def _max(self, e: Poly) -> Fraction:
         return e.extremes(self.bounds)[1]
 
@@ -223,7 +245,7 @@ class _Layer(Statements, Checks):
         if any(kw not in stmts for kw in REQUIRED):
             return None
         shape = self.shape(stmts["shape"])
-        expert = self.expert_fn(stmts["expert"])
+        expert, gate_on = self.expert_fn(stmts["expert"])
         shared = self.shared(stmts.get("shared"))
         precision = self.precision(stmts.get("dtype"))
         model = self.model(stmts.get("model"))
@@ -251,7 +273,10 @@ class _Layer(Statements, Checks):
             router,
             balance,
             pre,
+            gate_on,
         ):
+            return None
+        if gate_on == "input" and not self._gate_input_fits(capacity, dedup):
             return None
         if capacity.drop == "lowest_gate" and "gate" not in route.sideband:
             self.diags.error(
@@ -290,6 +315,7 @@ class _Layer(Statements, Checks):
             router=router,
             balance=balance,
             pre_activations=pre,
+            gate_on=gate_on,
         )
         self.warn(spec)
         ir = self.to_ir(spec)

@@ -125,7 +125,8 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         alt = symmetric_figures(env, "bulk", "symmetric_bytes.plan_bulk", spec)
     elif has_seg:
         alt = symmetric_figures(env, "pipelined", "symmetric_bytes.plan_segmented", spec)
-    out_rows = R_max if spec.dedup else T * K  # where the expert outputs wait for the backward
+    # where the expert outputs wait for the backward; with the gate on the input, x (T rows) instead
+    out_rows = R_max if spec.dedup else T if spec.gate_on == "input" else T * K
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )
@@ -187,6 +188,9 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             "R_max·H·a: each row's expert output at its owner (dedup returns them summed), for the gate "
             "gradient, one layer"
             if spec.dedup
+            else "T·H·a: the layer's input x at its front-end, for the gate gradient (the gate scales the "
+            "expert's input), one layer"
+            if spec.gate_on == "input"
             else "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
         ),
         env.fig("saved_activations.outputs_total", out_rows * H * a * L, "B", "× L MoE layers"),
@@ -233,7 +237,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         budgets.append(("paper segmented, all layers (Table 4)", memory.segmented_total.value))
     budgets.append(("routing context (eq. 20)", memory.routing_context.value))
     budgets.append(("owner activations saved for backward, all layers", memory.saved_total.value))
-    budgets.append(("expert outputs saved for the gate gradient, all layers", memory.saved_outputs_total.value))
+    budgets.append(("kept for the gate gradient, all layers", memory.saved_outputs_total.value))
     if dense_bytes is not None:
         budgets.append(("replicated dense weights, lower bound (eq. 21)", dense_bytes.value))
     together = sym.private_total.value + memory.routing_context.value + memory.saved_total.value

@@ -41,6 +41,7 @@ SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
 DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
 PRE_ACTIVATIONS = ("keep", "recompute")  # the first is the default
+GATE_PLACES = ("output", "input")  # where the gate scales the expert: the first is the default (Llama-4: input)
 SHARED_GATES = ("sigmoid",)  # Qwen2-MoE, Qwen3-Next: sigmoid(x · w_sg^T) scales the shared experts' sum
 
 
@@ -111,13 +112,16 @@ class Statements:
                 params[name] = Fraction(value.value)
         return None if F is None else ExpertFn(v.fn, F, params["limit"], params["alpha"])
 
-    def expert_fn(self, st: S.Stmt) -> ExpertFn | None:
-        opts, pos = self.args(st, flags=("bias",), positional=1)
+    def expert_fn(self, st: S.Stmt) -> tuple[ExpertFn | None, str | None]:
+        """The routed experts' function, and where the gate scales them (``gate output``, the
+        default: y = Σ g'·f(x); ``gate input``: y = Σ f(g'·x))."""
+        opts, pos = self.args(st, keyed=("gate",), flags=("bias",), positional=1)
+        gate = self.choice(opts["gate"], GATE_PLACES, "expert gate") if "gate" in opts else GATE_PLACES[0]
         if not pos or not isinstance(pos[0].value, S.Call):
             self.diags.error("'expert' needs the expert function", st.keyword_span, self._usage("expert"))
-            return None
+            return None, gate
         fn = self.call(pos[0].value, "expert")
-        return fn if fn is None or "bias" not in opts else replace(fn, bias=True)
+        return (fn if fn is None or "bias" not in opts else replace(fn, bias=True)), gate
 
     def shared(self, st: S.Stmt | None) -> Shared | None:
         if st is None:

@@ -6,15 +6,16 @@
 
 swap maps exactly the transformers (5.x) block classes of the table in
 :mod:`rdepc.hf_families` (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, Qwen3-Next, DeepSeek-V2,
-DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, and how each one's router,
-experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock` that keeps
-the block's router module (``gate``, GPT-OSS's ``router``: transformers still records its
-logits, and its weight is the router) and runs the routed experts, and the shared experts, in
-an ``RDEPMoE`` that routes from the gate's logits as the spec's ``router`` says. A block that
-returns its router's scores beside its output (GPT-OSS) still does.
+DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, Llama-4, and how each one's
+router, experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock`
+that keeps the block's router module (``gate``, GPT-OSS's and Llama-4's ``router``:
+transformers still records its logits, and its weight is the router) and runs the routed
+experts, and the shared experts, in an ``RDEPMoE`` that routes from the gate's logits as the
+spec's ``router`` says. A block that returns its router's scores (GPT-OSS) or logits
+(Llama-4) beside its output still does.
 
 Refused, with a :class:`SwapError` naming the block's path, its class and the reason: the
-blocks the table refuses (Llama-4: what the spec language cannot express), every
+blocks the table refuses (what the spec language cannot express), every
 other module with an ``experts`` submodule, any submodule, parameter, buffer or attribute of a
 mapped block outside the table's (a bias on a shared expert's projections, router jitter
 noise, experts with biases or in another layout), and a spec that disagrees with the block:
@@ -134,6 +135,11 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
         E, H, twoF = ex.gate_up_proj.shape
         down, layout = (E, twoF // 2, H), "[E, F, H]"
         text = _expert_text("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), bias=True)
+    elif fam.experts == "llama4":  # gate_up_proj [E, H, 2F], gate columns then up; down_proj [E, F, H]
+        E, H, twoF = ex.gate_up_proj.shape
+        down, layout = (E, twoF // 2, H), "[E, F, H]"
+        act = type(ex.act_fn).__name__
+        text = "swiglu" if act in SILU else f"gated {act}"
     else:
         E, twoF, H = ex.gate_up_proj.shape
         down, layout = (E, H, twoF // 2), "[E, H, F]"
@@ -155,9 +161,9 @@ def _check(name: str, block: nn.Module, layer: Layer) -> Family:
     rule = fam.router(gate)
     if isinstance(rule, str):
         raise SwapError(f"{where}: its router {type(gate).__name__} has {rule}")
-    found = {"hidden": H, "experts": E, "ffn": F, "top": gate.top_k, "expert": expert}
+    found = {"hidden": H, "experts": E, "ffn": F, "top": gate.top_k, "expert": expert, "expert gate": fam.gate_on}
     ef = spec.expert
-    want = {"hidden": sh["H"], "experts": sh["E"], "ffn": sh["F"], "top": sh["K"]}
+    want = {"hidden": sh["H"], "experts": sh["E"], "ffn": sh["F"], "top": sh["K"], "expert gate": spec.gate_on}
     want["expert"] = _expert_text(ef.act, ef.limit, ef.alpha, ef.bias)
     r = spec.router
     spec_rule = router_terms(
@@ -179,7 +185,8 @@ def _check(name: str, block: nn.Module, layer: Layer) -> Family:
             raise SwapError(f"{where} has shared {has}, but layer '{spec.name}' ({spec.file}) says {says}")
     else:
         Fs = mlp.gate_proj.weight.shape[0]
-        act = "swiglu" if type(mlp.act_fn).__name__ in SILU else f"gated {type(mlp.act_fn).__name__}"
+        fn = type(getattr(mlp, "act_fn", None) or mlp.activation_fn).__name__  # Llama-4's: activation_fn
+        act = "swiglu" if fn in SILU else f"gated {fn}"
         if (act, Fs, gated) != (sp.fn.act, sp.count * int(sp.fn.F), sp.gate):  # N experts of F_s/N each
             raise SwapError(
                 f"{where} has shared {_shared_text(1, act, Fs, gated)}, but layer '{spec.name}' ({spec.file}) "
@@ -242,16 +249,19 @@ class RDEPBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # any number of tokens: the block pads them to the W ranks
-        routed = self.router_module(x)  # every mapped gate returns (logits, gates, ids): transformers records them
-        y = self.moe(x, logits=routed[0], router_bias=self.router_bias()).reshape(shape)
-        return (y, routed[1]) if self.family.returns_scores else y
+        routed = self.router_module(x)  # its logits among its outputs: transformers records them
+        y = self.moe(x, logits=routed[self.family.logits], router_bias=self.router_bias())
+        y = y if self.family.flat else y.reshape(shape)
+        return (y, routed[1]) if self.family.returns_router else y
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The block's transformers key of each expert weight -> (the RDEPMoE parameter that
         holds it, its transformers shape)."""
         m = self.moe
         E, H, F = len(m.experts), m.H, m.F
-        if self.family.experts == "gpt_oss":
+        if self.family.experts == "llama4":
+            out = {"experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)), "experts.down_proj": ("w_down", (E, F, H))}
+        elif self.family.experts == "gpt_oss":
             out = {
                 "experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)),
                 "experts.gate_up_proj_bias": ("b_gate_up", (E, 2 * F)),
@@ -284,6 +294,10 @@ class RDEPBlock(nn.Module):
                 p = p.flatten(-2, -1)
             elif interleaved and name in ("w_down", "b_down"):
                 pass
+            elif self.family.experts == "llama4" and name == "w_gate_up":  # [E, H, F, 2] -> [E, H, 2F]
+                p = p.transpose(2, 3).flatten(2, 3)
+            elif self.family.experts == "llama4" and name == "w_down":  # [E, F, H] as rdepc holds it
+                pass
             elif name == "w_gate_up":  # [E, H, F, 2] -> [E, 2, F, H]
                 p = p.permute(0, 3, 2, 1).flatten(1, 2)
             elif name == "w_down":
@@ -310,6 +324,8 @@ class RDEPBlock(nn.Module):
         p = getattr(m, name)
         if self.family.experts == "gpt_oss" and name in experts:  # rdepc's layout, gate and up interleaved
             p.copy_(value.unflatten(-1, (m.F, 2)) if name in ("w_gate_up", "b_gate_up") else value)
+        elif self.family.experts == "llama4" and name in experts:  # [E, H, 2F] gate then up; [E, F, H]
+            p.copy_(value.unflatten(-1, (2, m.F)).transpose(2, 3) if name == "w_gate_up" else value)
         elif name == "w_gate_up":
             p.copy_(value.unflatten(1, (2, m.F)).permute(0, 3, 2, 1))
         elif name == "w_down":

@@ -22,6 +22,8 @@ Ernie-4.5-MoE  Ernie4_5_MoeSparseMoeBlock  softmax, bias, renormalize (the bias:
                                            ``gate.moe_statics``)                       or none
 HunYuan-MoE-V1 HunYuanMoEV1Moe             softmax, renormalize (the weight:           ``shared_mlp``
                (``HunYuanMoEV1Gate``)      ``gate.wg.weight``)
+GPT-OSS        GptOssMLP                   softmax, logit_bias, renormalize            none
+Llama-4        Llama4TextMoe               sigmoid (and ``expert ..., gate input``)    ``shared_expert``
 ============== =========================== =========================================== ==================
 
 S is the gate's ``routed_scaling_factor``, G and M its ``num_group`` and ``topk_group``
@@ -41,10 +43,16 @@ rdepc's ``w_gate_up``, ``down_proj`` [E, F, H]) with biases (``gate_up_proj_bias
 the spec's ``clamped_swiglu(ffn = F, limit = 7, alpha = 1.702)``), and returns the router's
 top-K scores beside its output, as the block does.
 
-Refused (``REFUSED``), because the spec language cannot express them: Llama-4
-(``Llama4TextMoe``: the gate scales the expert's input, a sigmoid of the top-K logits),
-Ernie-4.5 with a ``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a
-DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
+Llama-4 (``Llama4TextMoe``) scales each expert's input, not its output, by a sigmoid of its
+top-K logit: the spec's ``expert swiglu(ffn = F), gate input`` with ``router sigmoid``. Its
+router (``router``, an ``nn.Linear`` without bias) returns (scores, logits), its experts hold
+``gate_up_proj`` [E, H, 2F] (gate columns, then up) and ``down_proj`` [E, F, H], its one
+shared MLP (``shared_expert``) is ungated, and the block returns its output with the tokens
+flattened ([N, H]) and its router's logits beside it.
+
+Refused (``REFUSED``), because the spec language cannot express them: Ernie-4.5 with a
+``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a DeepSeek-V2 ``topk_method``
+other than ``greedy`` and ``group_limited_greedy``.
 """
 
 from __future__ import annotations
@@ -102,6 +110,24 @@ _GPT_OSS_EXPERTS = Part(
 )
 
 
+_LLAMA4_ROUTER = Part(
+    ("Llama4Router",),
+    params={"weight": ANY, "bias": None},
+    attrs=dict.fromkeys(("in_features", "out_features", "num_experts", "top_k"), ANY),
+)
+_LLAMA4_EXPERTS = Part(
+    ("Llama4TextExperts",),
+    {"act_fn": _ACT},
+    params={"gate_up_proj": ANY, "down_proj": ANY},
+    attrs=dict.fromkeys(("num_experts", "intermediate_size", "hidden_size", "expert_dim"), ANY),
+)
+_LLAMA4_SHARED = Part(
+    ("Llama4TextMLP",),
+    {"gate_proj": _LINEAR, "up_proj": _LINEAR, "down_proj": _LINEAR, "activation_fn": _ACT},
+    attrs={"config": ANY},
+)
+
+
 def _gate(cls: str, *attrs: str, **parts) -> Part:
     known = dict.fromkeys(("top_k", "num_experts", *attrs), ANY)
     return Part((cls,), params={"weight": ANY}, attrs=known, **parts)
@@ -136,6 +162,10 @@ def _softmax_logit_bias(gate) -> dict:  # GPT-OSS: softmax over the top-K logits
     return router_terms("softmax", True, logit_bias=True)
 
 
+def _sigmoid(gate) -> dict:  # Llama-4: the sigmoid of the top-K logits, as they are
+    return router_terms("sigmoid", False)
+
+
 def _softmax_norm_topk(gate) -> dict:
     return router_terms("softmax", bool(gate.norm_topk_prob))
 
@@ -167,9 +197,13 @@ class Family:
     and experts' classes among it), its gate's rule in the spec's router terms (or why there is
     none), where the gate keeps its selection bias, the block its shared MLP and the gate that
     scales that MLP's output (``shared_gate``: a ``Linear(H, 1)``, through a sigmoid); the
-    gate's name in the block, the experts' layout (``fused``: ``gate_up_proj`` [E, 2F, H],
-    gate rows then up rows, ``down_proj`` [E, H, F], SiLU; ``gpt_oss``: see the module
-    docstring) and whether the block returns the router's scores beside its output."""
+    gate's name in the block, which of its outputs are the logits (``logits``), the experts'
+    layout (``fused``: ``gate_up_proj`` [E, 2F, H], gate rows then up rows, ``down_proj``
+    [E, H, F], SiLU; ``gpt_oss`` and ``llama4``: see the module docstring), where the gate
+    scales the experts (``gate_on``: the spec's ``expert ..., gate``), whether the block
+    returns its router's second output beside its own (GPT-OSS: the top-K scores; Llama-4:
+    the logits) and whether it returns its output with the tokens flattened, [N, H] (``flat``:
+    Llama-4)."""
 
     name: str
     block: Part
@@ -178,8 +212,11 @@ class Family:
     shared: str | None = None
     shared_gate: str | None = None
     gate: str = "gate"
+    logits: int = 0
     experts: str = "fused"
-    returns_scores: bool = False
+    gate_on: str = "output"
+    returns_router: bool = False
+    flat: bool = False
 
 
 def _family(name, block, *, gate, experts, router, shared=None, shared_gate=None, attrs=None, bias=None) -> Family:
@@ -198,7 +235,24 @@ _GPT_OSS = Family(
     _softmax_logit_bias,
     gate="router",
     experts="gpt_oss",
-    returns_scores=True,
+    returns_router=True,
+)
+
+_LLAMA4 = Family(
+    "Llama-4",
+    Part(
+        ("Llama4TextMoe",),
+        {"router": _LLAMA4_ROUTER, "experts": _LLAMA4_EXPERTS, "shared_expert": _LLAMA4_SHARED},
+        attrs=dict.fromkeys(("top_k", "hidden_dim", "num_experts"), ANY),
+    ),
+    _sigmoid,
+    shared="shared_expert",
+    gate="router",
+    logits=1,
+    experts="llama4",
+    gate_on="input",
+    returns_router=True,
+    flat=True,
 )
 
 
@@ -291,12 +345,10 @@ FAMILIES: dict[str, Family] = {
             attrs=_CONFIG,
         ),
         _GPT_OSS,
+        _LLAMA4,
     )
 }  # fmt: skip
 
-REFUSED: dict[str, str] = {
-    "Llama4TextMoe": "Llama-4 scales each expert's input by a sigmoid of its top-K logit (not its output), which a "
-    "spec cannot express",
-}
+REFUSED: dict[str, str] = {}  # block classes that have experts but that no spec can describe
 
 __all__ = ["ANY", "FAMILIES", "REFUSED", "SILU", "Family", "Part", "router_terms"]

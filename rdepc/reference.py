@@ -12,7 +12,9 @@ output (I_t, g_t) over K slots,
     y_t = Σ_k g'_{t,k} f_{I_{t,k}}(x_t)
 
 where f_e is expert e and g' are the combine weights after the capacity policy (section
-3.6). Without capacity (dropless) g' = g and every route row is accepted. With a capacity
+3.6). With the gate on the expert's input (``gate="input"``, Llama-4) it is
+y_t = Σ_k f_{I_{t,k}}(g'_{t,k}·x_t), the scaled row rounded to x's dtype as a model that
+computes in that dtype rounds it. Without capacity (dropless) g' = g and every route row is accepted. With a capacity
 cap_e, the owner of expert e admits at most cap_e of the rows sent to e:
 
 * ``drop="round_robin"``: rows are admitted by token index first; among the rows of token
@@ -50,6 +52,7 @@ from rdepc.ir.spec import CLAMPED_SWIGLU, SCALE_BLOCK, is_gated
 ACTS = ("swiglu", "clamped_swiglu", "gelu", "relu")
 DROPS = ("round_robin", "arrival", "lowest_gate")
 WEIGHTS = ("renormalize", "zero")
+GATES = ("output", "input")
 ROUTINGS = ("uniform", "zipf:A", "hot", "one")
 
 RowId = Callable[[int, int, int], int]
@@ -280,6 +283,8 @@ def moe_reference(
     weights: str = "renormalize",
     owner: Sequence[int] | None = None,
     row_id: RowId | None = None,
+    gate: str = "output",
+    dispatch: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The RDEP operator (eq. 4) with the capacity policy of section 3.6.
 
@@ -290,13 +295,18 @@ def moe_reference(
     ``capacity``: ``None`` for dropless, else cap_e for every expert or one per expert.
     ``owner``: the owner rank π(e) of each expert; it is only checked (length E, ranks in
     [0, W)) — where an expert lives does not change the operator, which is the point.
-    ``row_id``: a callable (r, t, k) → int, injective; eq. 7 by default.
+    ``row_id``: a callable (r, t, k) → int, injective; eq. 7 by default. ``gate``: where
+    g' scales expert e, ``"output"`` (eq. 4) or ``"input"``. ``dispatch``: what the experts'
+    input rows go through on the wire (e.g. :func:`fp8_dispatch`), applied to x, or under
+    ``gate="input"`` to each scaled row; None: nothing.
 
     Returns ``(y, accepted)``: y [W, T', H] in x's dtype and the accepted set [W, T', K]
     (bool). Computes in float32 (float64 if x is float64); deterministic.
     """
     if act not in ACTS:
         raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
+    if gate not in GATES:
+        raise ValueError(f"unknown gate placement {gate!r}; expected one of {', '.join(GATES)}")
     if x.dim() != 3:
         raise ValueError(f"x must be [W, T, H], got shape {tuple(x.shape)}")
     W, T, H = x.shape
@@ -328,7 +338,8 @@ def moe_reference(
             raise ValueError(f"owner must give a rank in [0, {W}) for each of the {E} experts, got {owner}")
 
     ct = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(ct)
+    sent = dispatch or (lambda rows: rows)
+    xf = sent(x).to(ct) if gate == "output" else x.to(ct)
     g = torch.where(topk_ids.to(x.device) >= 0, topk_weights.to(ct), 0)  # no expert: the gate counts as 0
     wg = None if w_gate is None else w_gate.to(ct)
     wu, wd = w_up.to(ct), w_down.to(ct)
@@ -354,13 +365,14 @@ def moe_reference(
     ids = topk_ids.to(x.device)
     for k in range(K):
         out_k = torch.zeros((W, T, H), dtype=ct, device=x.device)
+        x_k = xf if gate == "output" else sent((xf * gp[:, :, k, None]).to(x.dtype)).to(ct)
         for e in range(E):
             mask = (ids[:, :, k] == e) & accepted[:, :, k]
             if not bool(mask.any()):
                 continue
             wge = None if wg is None else wg[e]
-            out_k[mask] = expert_fn(xf[mask], wge, wu[e], wd[e], act, act_limit, act_alpha, biases(e))
-        y = y + gp[:, :, k, None] * out_k
+            out_k[mask] = expert_fn(x_k[mask], wge, wu[e], wd[e], act, act_limit, act_alpha, biases(e))
+        y = y + (gp[:, :, k, None] * out_k if gate == "output" else out_k)
     return y.to(x.dtype), accepted
 
 
@@ -423,8 +435,8 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
     route-row encoding. Returns ``fn(x, topk_ids, topk_weights, w_gate, w_up, w_down, tokens=None)
     -> (y, accepted)``; ``tokens``: how many of the T' tokens each rank brings (the others are
     padding: no expert, y = 0; the capacity follows their total). With fp8 dispatch the
-    experts see x as ``fp8_dispatch`` quantises it (``dispatch_rounding=False``: the
-    unquantised x). Shared experts, other dispatch dtypes
+    experts see x (with the gate on their input, g'·x) as ``fp8_dispatch`` quantises it
+    (``dispatch_rounding=False``: unquantised). Shared experts, other dispatch dtypes
     and dedup are not part of it: it is the routed operator of eq. 4, computed exactly.
     """
     spec = getattr(layer_or_spec, "spec", layer_or_spec)
@@ -453,8 +465,15 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             for r, n in enumerate(counts):
                 topk_ids[r, n:] = -1
             brought = sum(counts)
+        dispatch = None
         if dispatch_rounding and spec.precision.dispatch_scale is not None:
-            x = fp8_dispatch(x, spec.precision.dispatch_scale)
+            scale = spec.precision.dispatch_scale
+            if spec.gate_on == "input":  # the scaled rows go on the wire, in the compute dtype first
+                name = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision.dtype.value, "float32")
+                wire = getattr(torch, name)
+                dispatch = lambda rows: fp8_dispatch(rows.to(wire), scale)  # noqa: E731
+            else:
+                x = fp8_dispatch(x, scale)
         return moe_reference(
             x,
             topk_ids,
@@ -473,6 +492,8 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
             weights=spec.capacity.weights,
             owner=spec.ownership.owner,
             row_id=row_id_for(spec, T),
+            gate=spec.gate_on,
+            dispatch=dispatch,
         )
 
     fn.spec = spec

@@ -228,8 +228,8 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ("saved activations per layer", mem.saved_per_layer),
             ("  expected load instead", mem.saved_expected),
             (f"saved activations x {v['L']}", mem.saved_total),
-            ("saved expert outputs per layer", mem.saved_outputs),
-            (f"saved expert outputs x {v['L']}", mem.saved_outputs_total),
+            ("kept for the gate gradient per layer", mem.saved_outputs),
+            (f"kept for the gate gradient x {v['L']}", mem.saved_outputs_total),
             ("dense params lower bound", mem.dense_params),
             ("dense weights lower bound", mem.dense_bytes),
         ]
@@ -293,10 +293,12 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         c = pl.compute
         add("")
         rate = f"{pl.hw.flops.value / 1e12:.1f} TFLOP/s"
-        add(f"Expert compute per rank per layer, forward (a backward is 2x: dX and dW; time at {rate})")
+        add(f"Expert compute per rank per layer (time at {rate}; the shared experts' backward is 2x their forward)")
         rows = [
             ["routed experts, busiest owner", _flops(c.routed), fmt(c.routed_time), _flops(c.routed_worst),
              fmt(c.routed_worst_time), c.routed.what],
+            ["  its backward", _flops(c.routed_backward), fmt(c.routed_backward_time),
+             _flops(c.routed_backward_worst), fmt(c.routed_backward_worst_time), c.routed_backward.what],
         ]  # fmt: skip
         if c.shared is not None:
             rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])

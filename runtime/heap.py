@@ -141,6 +141,13 @@ def owner_row_buffers(contract: KernelContract, backward: bool) -> dict[str, int
     return kept_columns(p.H, p.F, p.gated, p.recompute) | ({"saved_out": p.H} if p.dedup else {})
 
 
+def keeps_outputs(contract: KernelContract) -> bool:
+    """Whether a call keeping what backward walks keeps each accepted slot's expert output at
+    its front-end (``saved_out`` [T', K, H]) for the gate gradient: not under dedup (the owners
+    keep them) nor when the gate scales the expert's input (its gradient reads x)."""
+    return not contract.dedup and not contract.gate_input
+
+
 def reset_control(private: dict, heap: torch.Tensor, flags: tuple[int, int], backward: bool) -> None:
     """After a kernel error in one process: the pass's control words, tile counters and done
     flags (``flags``: offset, size) zeroed. The programs stopped early, their tickets and
@@ -157,6 +164,7 @@ __all__ = [
     "SHARED_COUNTERS",
     "allocate_private",
     "check_sharing",
+    "keeps_outputs",
     "own_slices",
     "owner_row_buffers",
     "owner_rows",

@@ -89,6 +89,7 @@ from rdepc.runtime.heap import (
     SHARED_COUNTERS,
     allocate_private,
     check_sharing,
+    keeps_outputs,
     own_slices,
     owner_row_buffers,
     owner_rows,
@@ -384,9 +385,10 @@ class RDEPModule:
         given |= self._operands(w_up, w_down, b_up, b_down)
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
-            # under dedup at the owners (they return them summed per (token, owner))
+            # under dedup at the owners (they return them summed per (token, owner)); none when the
+            # gate is on the expert's input (its gradient reads x)
             kept = {name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=False).items()}
-            if not p.dedup:
+            if keeps_outputs(p):
                 kept["saved_out"] = torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device)
             given |= kept
         self.epoch += 1
@@ -403,18 +405,20 @@ class RDEPModule:
             self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
         return y, self.last_context, kept
 
-    def _backward_op(self, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept) -> list[torch.Tensor]:
+    def _backward_op(self, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept) -> list[torch.Tensor]:
         """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down],
         then, when the experts have biases, [db_up, db_down]."""
         Tn = dy.shape[-2]
         kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
         context = RoutingContext(aligned(topk_ids.to(torch.int64).contiguous()), accepted, slot, gprime)
-        return list(self._backward(dy, context, kept, Tn, w_up, w_down, b_up))
+        return list(self._backward(dy, context, kept, Tn, w_up, w_down, b_up, x))
 
-    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down, b_up=None):
+    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down, b_up=None, x=None):
         """Launch the backward over a forward's routing context and what it kept; returns the
         gradients of x, g' and GEMM1's and GEMM2's operands (and their biases, when the
-        experts have them). ``b_up``: GEMM1's bias, which recomputed pre-activations add."""
+        experts have them). ``b_up``: GEMM1's bias, which recomputed pre-activations add;
+        ``x``: the forward's input, which the gate gradient reads when the gate is on the
+        expert's input."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -423,6 +427,8 @@ class RDEPModule:
         weights = self._operands(w_up, w_down)
         if b_up is not None:
             weights["b_up"] = aligned(b_up.detach().contiguous())
+        if p.gate_input and x is None:
+            raise ValueError("this layer's gate scales the expert's input: its backward needs the forward's x")
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": aligned(dy.detach().to(self.dtype).contiguous()),
@@ -436,6 +442,8 @@ class RDEPModule:
             "dw_up": torch.zeros(weights["w_up"].shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
+        if p.gate_input:
+            given["x"] = aligned(x.detach().to(self.dtype).contiguous())
         if p.bias:  # GEMM1's bias as its operand's columns: [E, F, 2] or [E, F]
             given["db_up"] = torch.zeros(weights["w_up"].shape[:1] + weights["w_up"].shape[2:], **new)
             given["db_down"] = torch.zeros((weights["w_down"].shape[0], p.H), **new)

@@ -3,14 +3,15 @@
 
     rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
         -> [y, accepted, slot, gprime, *kept]
-    rdepc::backward(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
+    rdepc::backward(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
         -> [dx, dgprime, dw_up, dw_down, (db_up, db_down)]
 
 ``handle`` names the :class:`rdepc.runtime.RDEPModule` whose heap, task tables and kernels
 the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
 [E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
-have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated). With ``save`` the
+have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); the backward's ``x``
+the forward's input (None unless the gate scales the expert's input). With ``save`` the
 forward also returns what the backward walks: the routing context (the accepted set, each
 slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables;
 :func:`kept_layout`). The ops are opaque to the compiler:
@@ -31,7 +32,7 @@ import weakref
 
 import torch
 from rdepc.runtime.autograd import gate_grad
-from rdepc.runtime.heap import own_slices, owner_row_buffers
+from rdepc.runtime.heap import keeps_outputs, own_slices, owner_row_buffers
 from torch import Tensor
 
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -78,6 +79,7 @@ def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brough
 def backward(
     handle: int,
     dy: Tensor,
+    x: Tensor | None,
     topk_ids: Tensor,
     accepted: Tensor,
     slot: Tensor,
@@ -87,11 +89,11 @@ def backward(
     b_up: Tensor | None,
     kept: list[Tensor],
 ) -> list[Tensor]:
-    return module_of(handle)._backward_op(dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
+    return module_of(handle)._backward_op(dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
 
 
 @backward.register_fake
-def _backward_fake(handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept):
+def _backward_fake(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept):
     module = module_of(handle)
     lead = dy.shape[:-1]
     return [
@@ -125,13 +127,14 @@ def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ..
 
 def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What a forward keeps for its backward, in order: the owners' rows (input,
-    pre-activations; the expert outputs at the front-ends, or under dedup at the owners),
-    the offsets its owners published, and the routing tables."""
+    pre-activations; the expert outputs at the front-ends, or under dedup at the owners; none
+    when the gate is on the expert's input), the offsets its owners published, and the
+    routing tables."""
     p = module.contract
     lead = () if module.per_rank else (p.W,)
     owners = 1 if module.per_rank else p.W
     out = [(name, (owners, p.R_MAX, cols), module.dtype) for name, cols in owner_row_buffers(p, False).items()]
-    if not p.dedup:
+    if keeps_outputs(p):
         out.append(("saved_out", (*lead, Tn, p.K, p.H), module.dtype))
     lo, hi = module._published
     slices = own_slices(module.heap, module.per_rank, module.rank)
@@ -140,19 +143,20 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, _x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
+    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
-    ctx.save_for_backward(topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
+    x = x if module_of(handle).contract.gate_input else None  # the gate gradient reads x then
+    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
 
 
 def _forward_backward(ctx, grads):
     if not ctx.saved:
         raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
-    topk_ids, gates, w_up, w_down, b_up, accepted, slot, gprime, *kept = ctx.saved_tensors
+    x, topk_ids, gates, w_up, w_down, b_up, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
     dx, dgprime, dw_up, dw_down, *db = backward(
-        ctx.handle, dy, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept
+        ctx.handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept
     )
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)

@@ -128,7 +128,7 @@ CASES = {
         "llama4", "Llama4TextConfig", "Llama4TextMoe",
         {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
         router="sigmoid", shared="shared swiglu(ffn = 16)",
-        refused="(Llama4TextMoe): Llama-4 scales each expert's input by a sigmoid of its top-K logit",
+        expert="swiglu(ffn = {F}), gate input",  # the sigmoid of the top-K logits scales the expert's input
     ),
 }  # fmt: skip
 

@@ -48,12 +48,14 @@ class Case:
     routing: str = "uniform"
     seed: int = 0
     dedup: bool = False
+    gate_input: bool = False  # expert ..., gate input
 
     def layer(self) -> Layer:
         text = (
             "layer grad {\n"
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
-            f"  expert    {self.act}(ffn = {self.F}{self.act_args}){', bias' if self.bias else ''}\n"
+            f"  expert    {self.act}(ffn = {self.F}{self.act_args}){', bias' if self.bias else ''}"
+            f"{', gate input' if self.gate_input else ''}\n"
             "  dtype     fp32\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
@@ -306,3 +308,40 @@ def test_recomputed_pre_activations_give_the_kept_ones_outputs_and_gradients_bit
         assert m.contract.recompute and torch.equal(got_y, y), strategy
         for name in want:
             assert torch.equal(got[name], want[name]), f"{strategy}: d{name}"
+
+
+# ------------------------------------------------------------------ the gate on the expert's input
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(gate_input=True),
+        Case(W=3, E=6, T=10, B=3, capacity="factor 0.5, weights zero", routing="zipf:1.5", gate_input=True),
+        Case(
+            act="clamped_swiglu", act_args=", limit = 0.5", bias=True, capacity="rows 5, weights zero", gate_input=True
+        ),
+    ],
+    ids=["dropless", "zero-weights", "clamped-bias"],
+)
+def test_the_gate_on_the_experts_input_matches_autograd_through_the_reference(case):
+    """``expert ..., gate input`` (Llama-4): y = Σ f(g'·x). The dispatch scales each row, the
+    combine adds the returned rows unweighted, the backward sends dL/dy as it is and the
+    front-end forms dL/dx = Σ g'·dL/d(g'x) and dL/dg' = x·dL/d(g'x): every gradient against
+    autograd through the reference, bitwise across schedules; and it is not the output-gated
+    operator."""
+    from rdepc.passes.plan import plan
+    from rdepc.runtime import ops
+
+    got = check(case, strategies=("pipelined", "bulk"))
+    layer = case.layer()
+    m = layer.module(tiles=TILES)
+    assert layer.spec.gate_on == "input" and m.contract.gate_input
+    # no expert output is kept for the gate gradient: it reads x, which the planner counts instead
+    assert "saved_out" not in {name for name, _, _ in ops.kept_layout(m, case.T)}
+    figures = {f.key: f.value for f in plan(layer.spec).figures()}
+    assert figures["saved_activations.outputs_per_layer"] == case.T * case.H * 4
+    y = got["pipelined"][0]
+    other = grads(reference_for(dataclasses.replace(case, gate_input=False).layer().spec), case.inputs(),
+                  biases=case.biases())[0]  # fmt: skip
+    assert float((y - other).abs().max()) > 1e-3 * float(other.abs().max())

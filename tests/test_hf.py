@@ -103,8 +103,12 @@ def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
         out["experts.gate_up_proj_bias"] = m.b_gate_up.grad.flatten(1, 2)
         out["experts.down_proj"], out["experts.down_proj_bias"] = m.w_down.grad, m.b_down.grad
         return out
-    out["experts.gate_up_proj"] = m.w_gate_up.grad.permute(0, 3, 2, 1).flatten(1, 2)  # [E, H, F, 2] -> [E, 2F, H]
-    out["experts.down_proj"] = m.w_down.grad.transpose(1, 2)
+    if block.hf_class == "Llama4TextMoe":  # [E, H, F, 2] -> [E, H, 2F] (gate columns, then up); [E, F, H]
+        out["experts.gate_up_proj"] = m.w_gate_up.grad.transpose(2, 3).flatten(2, 3)
+        out["experts.down_proj"] = m.w_down.grad
+    else:
+        out["experts.gate_up_proj"] = m.w_gate_up.grad.permute(0, 3, 2, 1).flatten(1, 2)  # -> [E, 2F, H]
+        out["experts.down_proj"] = m.w_down.grad.transpose(1, 2)
     s = block.hf_shared
     if s:
         out[f"{s}.gate_proj.weight"] = m.shared_gate.grad.transpose(1, 2).flatten(0, 1)
@@ -132,11 +136,12 @@ def test_every_family_is_swapped_with_equal_outputs_and_gradients_or_refused(tmp
     x, dy = torch.randn(2, 4, fam.H, generator=g), torch.randn(2, 4, fam.H, generator=g)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = original(xa), holder.mlp(xb)
-    if isinstance(ya, tuple):  # GPT-OSS: (output, its router's top-K scores), and so the swapped block
+    if isinstance(ya, tuple):  # GPT-OSS, Llama-4: (output, its router's scores or logits), and so the swapped block
         assert isinstance(yb, tuple) and torch.equal(yb[1], ya[1])
         ya, yb = ya[0], yb[0]
-    (ya * dy).sum().backward()
-    (yb * dy).sum().backward()
+    assert yb.shape == ya.shape  # Llama-4's block returns its tokens flattened, [N, H]
+    (ya * dy.reshape(ya.shape)).sum().backward()
+    (yb * dy.reshape(yb.shape)).sum().backward()
     assert relative(yb, ya) <= 1e-5
     assert relative(xb.grad, xa.grad) <= 1e-5
     want, got = fam.expert_grads(original), rdep_grads(holder.mlp)
@@ -326,10 +331,11 @@ def test_the_deepseek_v3_bias_is_the_gates_buffer_through_dtype_moves_and_update
     )
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4"])
 def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name;
-    GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down."""
+    GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down;
+    Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
     want = {k: v.clone() for k, v in holder.mlp.state_dict().items()}
@@ -342,6 +348,10 @@ def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     moe = other.mlp.moe
     if name == "qwen2_moe":
         assert torch.equal(moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    elif name == "llama4":
+        assert torch.equal(moe.w_gate_up[..., 0], want["experts.gate_up_proj"][..., : case.F])
+        assert torch.equal(moe.w_gate_up[..., 1], want["experts.gate_up_proj"][..., case.F :])
+        assert torch.equal(moe.w_down, want["experts.down_proj"])
     else:
         assert torch.equal(moe.w_gate_up.flatten(2, 3), want["experts.gate_up_proj"])
         assert torch.equal(moe.b_gate, want["experts.gate_up_proj_bias"][:, 0::2])

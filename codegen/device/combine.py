@@ -13,6 +13,7 @@ from rdepc.codegen.device.layout import (
     DEDUP,
     DTYPE,
     E_MAX,
+    GATE_INPUT,
     K_PAD,
     OFFSETS,
     RENORMALIZE,
@@ -80,6 +81,10 @@ def combine(
     DEDUP: the returned rows are per (token, owner), at the token's first slot there, each
     sum_{k at q} g_k out_k; the combine adds them and applies the per-token factor, and the
     owners keep the expert outputs for the gate gradient (gemm2).
+
+    GATE_INPUT: the experts read g'·x (the dispatch scaled it), so y_t = sum_k out_tk over
+    the accepted slots, unweighted; g' is still written for the backward, and no output is
+    kept (the gate gradient reads x).
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -132,9 +137,12 @@ def combine(
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-                acc += wk[:, None] * out.to(tl.float32)
-                if SAVE:
-                    tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
+                if GATE_INPUT:
+                    acc += out.to(tl.float32)
+                else:
+                    acc += wk[:, None] * out.to(tl.float32)
+                    if SAVE:
+                        tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
 
 
@@ -142,6 +150,7 @@ def combine(
 def combine_grad(
     heap,
     landing,
+    x,
     dy,
     dx,
     accepted,
@@ -149,6 +158,7 @@ def combine_grad(
     topk_ids,
     owner_of,
     slot,
+    gprime,
     dgprime,
     r,
     tile,
@@ -163,6 +173,10 @@ def combine_grad(
     DEDUP: one dL/dx row came back per (token, owner), at the token's first slot there, the
     slots' rows summed by the owner; the owners also computed dL/dg' (BWD_DGATE), from the
     outputs they kept.
+
+    GATE_INPUT: a slot's row came back as dL/d(g'x), the gradient of the expert's input:
+    dL/dx_t = sum_k g'_tk dL/d(g'x)_tk and dL/dg'_tk = x_t · dL/d(g'x)_tk, with ``x`` the
+    forward's input.
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -190,13 +204,22 @@ def combine_grad(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             keep = real[:, None] & (c < H)[None, :]
-            d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            if GATE_INPUT:  # the gate gradient reads the forward's input
+                d = tl.load(x + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            else:
+                d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
             acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
             for kk in range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
-                acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
-                out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-                dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+                back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if GATE_INPUT:  # back: dL/d(g'x); the token's row times g', and x · it
+                    wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+                    acc += wk[:, None] * back
+                    dg += tl.where(k[None, :] == kk, tl.sum(d * back, axis=1)[:, None], 0.0)
+                else:  # back: dL/dx of the slot; dL/dg' = dL/dy · the output kept
+                    acc += back
+                    out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                    dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
             tl.store(dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
     tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])

@@ -21,6 +21,7 @@ from rdepc.codegen.device.layout import (
     E_MAX,
     E_PAD,
     EL_PAD,
+    GATE_INPUT,
     OFFSETS,
     PAYLOAD,
     SB_GATE,
@@ -76,6 +77,10 @@ def dispatch(
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
     dtype into q's backward payload ring, and its row_id beside it.
 
+    GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
+    format), as the expert's input; the backward sends dL/dy as it is (the combine added the
+    returned rows unweighted).
+
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
     A.3, condition 2). Spans are disjoint by construction, so placement needs no atomics.
@@ -128,6 +133,8 @@ def dispatch(
             send = keep
         if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
+            if GATE_INPUT:  # the gate scaled the forward's input: dL/dy goes as it is
+                scale = tl.where(keep, 1.0, 0.0)
             if DEDUP:  # dL/dy once per (token, owner), as it is, and each slot's g' beside it (bgemm1 scales)
                 put((dst + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at, scale, keep)
                 for h in range(0, H, BLOCK_H):
@@ -141,7 +148,11 @@ def dispatch(
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
         else:
-            payload_rows(dst, src, to, at, send, BLOCK_R, BLOCK_H, CAST_F32)
+            if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
+                scale = tl.load(gates + base + i, mask=send, other=0.0)
+            else:
+                scale = tl.zeros([BLOCK_R], tl.float32)  # unread
+            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, CAST_F32)
             sent = tl.sum(send.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
@@ -157,12 +168,21 @@ def dispatch(
 
 
 @triton.jit
+def gated(rows, scale, CAST_F32: tl.constexpr):
+    """GATE_INPUT: source rows (the layer's dtype) times their gates, rounded to the layer's
+    dtype as the reference's g·x is; otherwise the rows as they are."""
+    if GATE_INPUT:
+        return narrow(rows.to(tl.float32) * scale[:, None], DTYPE, CAST_F32)
+    return rows
+
+
+@triton.jit
 def payload_rows(
-    dst, src, to, at, send, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
+    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
 ):  # fmt: skip
     """The forward dispatch's payload rows (those ``send`` marks), from ``src`` to ``to``: as
     they are, narrowed to the dispatch dtype, or quantised to fp8 e4m3 (DISPATCH_SCALE) with
-    their scales into the sideband."""
+    their scales into the sideband. GATE_INPUT: each row times its gate ``scale`` first."""
     if DISPATCH_SCALE == "row":
         scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32))
         # fp8 e4m3, one scale per row: the row's largest magnitude first
@@ -170,21 +190,21 @@ def payload_rows(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(rows_h), axis=1))
         qscale = fp8_scale(amax)
         put(scales + at, qscale, send)
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
     elif DISPATCH_SCALE == "block":
         at_scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32)) + tl.cast(at, tl.int64) * SCALES
         for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
             c = h + tl.arange(0, SCALE_COLS)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
             put(at_scales + h // SCALE_COLS, qscale, send)
             put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
@@ -192,7 +212,7 @@ def payload_rows(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
             if DISPATCH_DTYPE == DTYPE:
                 put(to[:, None] + c[None, :], rows_h, m)
             elif tl.bfloat16 == DISPATCH_DTYPE:

@@ -149,8 +149,9 @@ def rdep_layer(
     recv -= me * (W * E_MAX * 2)
     if RING:
         landing -= me * (T * K * H)
-    if BACKWARD:  # dL/dy goes where x went, scaled by g'
-        x = dy
+    sent = x  # the rows the dispatch sends
+    if BACKWARD:  # dL/dy goes where x went, scaled by g' (GATE_INPUT: as it is)
+        sent = dy
         gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
@@ -227,7 +228,7 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        heap, sent, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
@@ -248,8 +249,8 @@ def rdep_layer(
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
-                            heap, landing, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, dgprime, rank,
-                            claim, n_tokens, BLOCK_H, CAST_F32,
+                            heap, landing, x, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, gprime,
+                            dgprime, rank, claim, n_tokens, BLOCK_H, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(

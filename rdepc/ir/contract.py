@@ -177,6 +177,7 @@ class KernelContract:
     act_alpha: float
     bias: bool  # expert biases: b_up (GEMM1's, laid out as its columns) and b_down (GEMM2's)
     recompute: bool  # the backward computes GEMM1's pre-activations again from the kept input rows
+    gate_input: bool  # the gate scales the expert's input (dispatch sends g'·x, the combine adds unweighted)
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None

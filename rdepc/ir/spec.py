@@ -245,6 +245,9 @@ class LayerSpec:
     # GEMM1's pre-activations for the backward: kept at the owner from the forward, or computed
     # again in the backward from the kept input rows (``activations pre recompute``)
     pre_activations: str = "keep"
+    # where the gate scales a routed expert: its output, y = Σ g'·f(x) (the default), or its
+    # input, y = Σ f(g'·x) (Llama-4; ``expert ..., gate input``)
+    gate_on: str = "output"
 
     def span_of(self, key: str) -> Span:
         """The span of ``"statement.option"``, else of the statement, else of the layer."""
@@ -283,6 +286,8 @@ class LayerSpec:
             out.append((f"{self.expert.act} experts", "expert"))
         if self.expert.bias:
             out.append(("expert biases", "expert.bias"))
+        if self.gate_on == "input":
+            out.append(("the gate on the expert's input", "expert.gate"))
         if self.transport == "nvshmem":
             out.append(("transport nvshmem", "transport"))
         if self.shape.symbolic:
@@ -331,7 +336,7 @@ def spec_to_json(spec: LayerSpec) -> dict:
             for p in spec.params
         },
         "shape": {"W": j(sh.W), "T": j(sh.T), "T_bound": sh.T_bound, "H": j(sh.H), "E": j(sh.E), "K": j(sh.K)},
-        "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated}
+        "expert": {"act": spec.expert.act, "F": j(spec.expert.F), "gated": spec.expert.gated, "gate": spec.gate_on}
         | _act_params(spec.expert),
         "shared": None
         if spec.shared is None

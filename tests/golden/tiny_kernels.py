@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 083db2fd0857f0ffd2225716d29a6bb8dbd75942c8fd9d72387cbedea730e587
+# content-sha256: 6fdd1185b1daf4cf6b6b1991a49f7e0a2deea7313cd8745e7091945a3183b761
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -88,6 +88,7 @@ ACT_LIMIT = tl.constexpr(0.0)  # clamped_swiglu: gate <= limit, up within +-limi
 ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)
 BIAS = tl.constexpr(False)  # expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down
 RECOMPUTE = tl.constexpr(False)  # the backward computes GEMM1's pre-activations again (not kept)
+GATE_INPUT = tl.constexpr(False)  # the gate scales the expert's input: rows go out as g'*x, come back unweighted
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -796,6 +797,10 @@ def dispatch(
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
     dtype into q's backward payload ring, and its row_id beside it.
 
+    GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
+    format), as the expert's input; the backward sends dL/dy as it is (the combine added the
+    returned rows unweighted).
+
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
     A.3, condition 2). Spans are disjoint by construction, so placement needs no atomics.
@@ -848,6 +853,8 @@ def dispatch(
             send = keep
         if BACKWARD:
             scale = tl.load(gates + base + i, mask=keep, other=0.0)
+            if GATE_INPUT:  # the gate scaled the forward's input: dL/dy goes as it is
+                scale = tl.where(keep, 1.0, 0.0)
             if DEDUP:  # dL/dy once per (token, owner), as it is, and each slot's g' beside it (bgemm1 scales)
                 put((dst + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at, scale, keep)
                 for h in range(0, H, BLOCK_H):
@@ -861,7 +868,11 @@ def dispatch(
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
         else:
-            payload_rows(dst, src, to, at, send, BLOCK_R, BLOCK_H, CAST_F32)
+            if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
+                scale = tl.load(gates + base + i, mask=send, other=0.0)
+            else:
+                scale = tl.zeros([BLOCK_R], tl.float32)  # unread
+            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, CAST_F32)
             sent = tl.sum(send.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
@@ -877,12 +888,21 @@ def dispatch(
 
 
 @triton.jit
+def gated(rows, scale, CAST_F32: tl.constexpr):
+    """GATE_INPUT: source rows (the layer's dtype) times their gates, rounded to the layer's
+    dtype as the reference's g·x is; otherwise the rows as they are."""
+    if GATE_INPUT:
+        return narrow(rows.to(tl.float32) * scale[:, None], DTYPE, CAST_F32)
+    return rows
+
+
+@triton.jit
 def payload_rows(
-    dst, src, to, at, send, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
+    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
 ):  # fmt: skip
     """The forward dispatch's payload rows (those ``send`` marks), from ``src`` to ``to``: as
     they are, narrowed to the dispatch dtype, or quantised to fp8 e4m3 (DISPATCH_SCALE) with
-    their scales into the sideband."""
+    their scales into the sideband. GATE_INPUT: each row times its gate ``scale`` first."""
     if DISPATCH_SCALE == "row":
         scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32))
         # fp8 e4m3, one scale per row: the row's largest magnitude first
@@ -890,21 +910,21 @@ def payload_rows(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(rows_h), axis=1))
         qscale = fp8_scale(amax)
         put(scales + at, qscale, send)
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
     elif DISPATCH_SCALE == "block":
         at_scales = (dst + SB_SCALE).to(tl.pointer_type(tl.float32)) + tl.cast(at, tl.int64) * SCALES
         for h in range(0, H, SCALE_COLS):  # fp8 e4m3, one scale per SCALE_COLS columns of a row
             c = h + tl.arange(0, SCALE_COLS)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
             put(at_scales + h // SCALE_COLS, qscale, send)
             put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
@@ -912,7 +932,7 @@ def payload_rows(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
-            rows_h = tl.load(src[:, None] + c[None, :], mask=m)
+            rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
             if DISPATCH_DTYPE == DTYPE:
                 put(to[:, None] + c[None, :], rows_h, m)
             elif tl.bfloat16 == DISPATCH_DTYPE:
@@ -1964,6 +1984,10 @@ def combine(
     DEDUP: the returned rows are per (token, owner), at the token's first slot there, each
     sum_{k at q} g_k out_k; the combine adds them and applies the per-token factor, and the
     owners keep the expert outputs for the gate gradient (gemm2).
+
+    GATE_INPUT: the experts read g'·x (the dispatch scaled it), so y_t = sum_k out_tk over
+    the accepted slots, unweighted; g' is still written for the backward, and no output is
+    kept (the gate gradient reads x).
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -2016,9 +2040,12 @@ def combine(
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-                acc += wk[:, None] * out.to(tl.float32)
-                if SAVE:
-                    tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
+                if GATE_INPUT:
+                    acc += out.to(tl.float32)
+                else:
+                    acc += wk[:, None] * out.to(tl.float32)
+                    if SAVE:
+                        tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
 
 
@@ -2026,6 +2053,7 @@ def combine(
 def combine_grad(
     heap,
     landing,
+    x,
     dy,
     dx,
     accepted,
@@ -2033,6 +2061,7 @@ def combine_grad(
     topk_ids,
     owner_of,
     slot,
+    gprime,
     dgprime,
     r,
     tile,
@@ -2047,6 +2076,10 @@ def combine_grad(
     DEDUP: one dL/dx row came back per (token, owner), at the token's first slot there, the
     slots' rows summed by the owner; the owners also computed dL/dg' (BWD_DGATE), from the
     outputs they kept.
+
+    GATE_INPUT: a slot's row came back as dL/d(g'x), the gradient of the expert's input:
+    dL/dx_t = sum_k g'_tk dL/d(g'x)_tk and dL/dg'_tk = x_t · dL/d(g'x)_tk, with ``x`` the
+    forward's input.
     """
     t = tile * COMBINE_TOKENS + tl.arange(0, COMBINE_TOKENS)
     k = tl.arange(0, K_PAD)
@@ -2074,14 +2107,23 @@ def combine_grad(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             keep = real[:, None] & (c < H)[None, :]
-            d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            if GATE_INPUT:  # the gate gradient reads the forward's input
+                d = tl.load(x + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            else:
+                d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
             acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
             for kk in range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
-                acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
-                out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
-                dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
+                back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if GATE_INPUT:  # back: dL/d(g'x); the token's row times g', and x · it
+                    wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+                    acc += wk[:, None] * back
+                    dg += tl.where(k[None, :] == kk, tl.sum(d * back, axis=1)[:, None], 0.0)
+                else:  # back: dL/dx of the slot; dL/dg' = dL/dy · the output kept
+                    acc += back
+                    out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                    dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
             tl.store(dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
     tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
 
@@ -2216,8 +2258,9 @@ def rdep_layer(
     recv -= me * (W * E_MAX * 2)
     if RING:
         landing -= me * (T * K * H)
-    if BACKWARD:  # dL/dy goes where x went, scaled by g'
-        x = dy
+    sent = x  # the rows the dispatch sends
+    if BACKWARD:  # dL/dy goes where x went, scaled by g' (GATE_INPUT: as it is)
+        sent = dy
         gates = gprime
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
@@ -2294,7 +2337,7 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        heap, sent, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
@@ -2315,8 +2358,8 @@ def rdep_layer(
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
-                            heap, landing, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, dgprime, rank,
-                            claim, n_tokens, BLOCK_H, CAST_F32,
+                            heap, landing, x, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, gprime,
+                            dgprime, rank, claim, n_tokens, BLOCK_H, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
