@@ -278,6 +278,14 @@ class _Layer(Statements, Checks):
             return None
         if gate_on == "input" and not self._gate_input_fits(capacity, dedup):
             return None
+        if pre[1] == "resend" and dedup:
+            self.diags.error(
+                "re-sent input rows go one per route row, where dedup sends one per (token, owner)",
+                self.spans.get("activations.input"),
+                "keep the input rows ('activations input keep'), or drop dedup "
+                f"(at {self.spans.get('transport.dedup')})",
+            )
+            return None
         if capacity.drop == "lowest_gate" and "gate" not in route.sideband:
             self.diags.error(
                 "drop lowest_gate needs the gate in the sideband: owners admit by gate",
@@ -314,7 +322,8 @@ class _Layer(Statements, Checks):
             spans=tuple(sorted(self.spans.items())),
             router=router,
             balance=balance,
-            pre_activations=pre,
+            pre_activations=pre[0],
+            input_activations=pre[1],
             gate_on=gate_on,
         )
         self.warn(spec)

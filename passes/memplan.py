@@ -51,6 +51,8 @@ _WHAT = {
     "bwd_row_ids": "int64 row_id per backward payload row: the owner returns each dL/dx row by it",
     "bwd_sideband": "dedup: fp32 g' and int32 links per backward payload row (the payload is one dL/dy row per"
     " (token, owner))",
+    "bwd_inputs": "activations input resend: the input rows x again, front-end → owner, in the payload's dtype, "
+    "at the backward payload rows' places",
     "bwd_return": "dL/dx rows landing at the front-end",
     "bwd_return_ids": "int64 row_id per backward return-ring row",
     "bwd_dgate": "dedup: fp32 dL/dg' per (token, slot) at the front-end, computed by the owners",
@@ -114,7 +116,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     done = flag_slots(W, T, max(geo.segments, default=0), ring)
     heap = sizes.heap_buffers(
         W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
-        keyed=tg.spec.keyed_admission, dedup=geo.dedup,
+        keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",
     )  # fmt: skip
     spec_rows = [
         (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))

@@ -125,18 +125,25 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         alt = symmetric_figures(env, "bulk", "symmetric_bytes.plan_bulk", spec)
     elif has_seg:
         alt = symmetric_figures(env, "pipelined", "symmetric_bytes.plan_segmented", spec)
-    # where the expert outputs wait for the backward; with the gate on the input, x (T rows) instead
-    out_rows = R_max if spec.dedup else T if spec.gate_on == "input" else T * K
+    # What waits for the gate gradient: the expert outputs (at the front-ends, or under dedup
+    # at the owners; none with the gate on the input) and the layer's input x at its front-end
+    # when the backward reads it (the gate on the input, or the input rows sent again).
+    gate_input, resend = spec.gate_on == "input", spec.input_activations == "resend"
+    out_rows = R_max if spec.dedup else 0 if gate_input else T * K
+    out_rows += T if gate_input or resend else 0
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )
     recompute = spec.pre_activations == "recompute"
-    row_width = sum(kept_columns(H, F, spec.expert.gated, recompute).values())
-    width_text = "(H + F)·a: x, h"
-    if recompute:
-        width_text = "H·a: input row x (the backward computes the pre-activations again)"
-    elif spec.expert.gated:
-        width_text = "(H + 2F)·a: input row x and the gate and up pre-activations"
+    row_width = sum(kept_columns(H, F, spec.expert.gated, recompute, resend).values())
+    kept = [] if resend else ["H: input row x"]
+    if not recompute:
+        kept.append("2F: the gate and up pre-activations" if spec.expert.gated else "F: the pre-activation h")
+    width_text = " + ".join(kept) + " (·a)" if kept else "nothing"
+    why = [
+        w for w, on in (("the backward sends x again", resend), ("computes the pre-activations again", recompute)) if on
+    ]
+    width_text += f"; {' and '.join(why)}" if why else ""
     saved_row = env.fig("saved_activations.bytes_per_row", row_width * a, "B", width_text)
     dense_params = dense_bytes = None
     if values.get(V) is not None and values.get(L_all) is not None:
@@ -190,7 +197,10 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             if spec.dedup
             else "T·H·a: the layer's input x at its front-end, for the gate gradient (the gate scales the "
             "expert's input), one layer"
-            if spec.gate_on == "input"
+            if gate_input
+            else "(T·K + T)·H·a: each slot's expert output at its front-end, for the gate gradient, and the "
+            "layer's input x, which the backward sends again, one layer"
+            if resend
             else "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
         ),
         env.fig("saved_activations.outputs_total", out_rows * H * a * L, "B", "× L MoE layers"),
@@ -237,7 +247,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         budgets.append(("paper segmented, all layers (Table 4)", memory.segmented_total.value))
     budgets.append(("routing context (eq. 20)", memory.routing_context.value))
     budgets.append(("owner activations saved for backward, all layers", memory.saved_total.value))
-    budgets.append(("kept for the gate gradient, all layers", memory.saved_outputs_total.value))
+    budgets.append(("expert outputs and x kept for the backward, all layers", memory.saved_outputs_total.value))
     if dense_bytes is not None:
         budgets.append(("replicated dense weights, lower bound (eq. 21)", dense_bytes.value))
     together = sym.private_total.value + memory.routing_context.value + memory.saved_total.value

@@ -41,6 +41,7 @@ SCHEDULES = ("auto", "bulk", "pipelined", "deep")
 TRANSPORTS = ("emulated", "nvshmem")
 DROPS = ("round_robin", "arrival", "lowest_gate")  # the first is the default
 PRE_ACTIVATIONS = ("keep", "recompute")  # the first is the default
+INPUT_ACTIVATIONS = ("keep", "resend")  # the owners' input rows: kept from the forward, or sent again
 GATE_PLACES = ("output", "input")  # where the gate scales the expert: the first is the default (Llama-4: input)
 SHARED_GATES = ("sigmoid",)  # Qwen2-MoE, Qwen3-Next: sigmoid(x · w_sg^T) scales the shared experts' sum
 
@@ -445,17 +446,31 @@ class Statements:
             return None
         return Segment(S_, B if isinstance(B, Poly) else Poly.const(B), cut)
 
-    def activations(self, st: S.Stmt | None, precision: Precision | None) -> str | None:
-        """GEMM1's pre-activations for the backward: kept (the default), or recomputed."""
+    def activations(self, st: S.Stmt | None, precision: Precision | None) -> tuple[str, str] | None:
+        """What the owners keep for the backward, per tensor: GEMM1's pre-activations kept (the
+        default) or recomputed; the input rows kept (the default) or sent again by the
+        backward's dispatch."""
         if st is None:
-            return PRE_ACTIVATIONS[0]
-        opts, _ = self.args(st, keyed=("pre",))
-        if "pre" not in opts:
+            return PRE_ACTIVATIONS[0], INPUT_ACTIVATIONS[0]
+        opts, _ = self.args(st, keyed=("pre", "input"))
+        if not opts:
             if st.args:  # an unknown option was named already
                 return None
-            self.diags.error("'activations' needs a policy for the pre-activations", st.keyword_span,
-                             "e.g. 'activations pre recompute'")  # fmt: skip
+            self.diags.error("'activations' needs a policy for the pre-activations or the input rows",
+                             st.keyword_span, "e.g. 'activations pre recompute, input resend'")  # fmt: skip
             return None
+        inputs = self.choice(opts["input"], INPUT_ACTIVATIONS, "activations input") if "input" in opts else "keep"
+        if inputs is None:
+            return None
+        if inputs == "resend" and precision is not None and precision.dispatch_scale is not None:
+            self.diags.error(
+                "re-sent input rows must be the rows GEMM1 read: under fp8 dispatch it read them quantised",
+                opts["input"].value.span,
+                "keep them ('activations input keep'), or dispatch in the compute dtype",
+            )
+            return None
+        if "pre" not in opts:
+            return PRE_ACTIVATIONS[0], inputs
         policy = self.choice(opts["pre"], PRE_ACTIVATIONS, "activations pre")
         if policy == "recompute" and precision is not None and precision.dispatch_scale is not None:
             self.diags.error(
@@ -465,7 +480,7 @@ class Statements:
                 "keep them ('activations pre keep'), or dispatch in the compute dtype",
             )
             return None
-        return policy
+        return None if policy is None else (policy, inputs)
 
     def schedule(self, st: S.Stmt | None) -> str:
         return self.one_flag(st, SCHEDULES, "auto")

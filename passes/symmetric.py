@@ -43,10 +43,12 @@ def done_counters_expr(strategy: str) -> sp.Expr:
     raise ValueError(f"unknown strategy '{strategy}'")
 
 
-def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) -> dict[str, dict[str, sp.Expr]]:
+def symmetric_formulas(
+    strategy: str, keyed: bool = False, dedup: bool = False, resend: bool = False
+) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
-    ``dedup`` the backward's sideband and gate gradients."""
+    ``dedup`` the backward's sideband and gate gradients, ``resend`` the input rows the backward sends again."""
     done = done_counters_expr(strategy)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
@@ -56,7 +58,23 @@ def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) 
         Sx, Bx, R_ret = R_max, sp.Integer(1), T * K
         ids, ring = sp.Integer(0), False  # every row lands at its (token, slot) place: nothing to decode
     heap = sizes.heap_buffers(
-        W, T, K, E_max, H, Sx, Bx, d, a, sb, done, R_ret=R_ret, ids=ids, ring=ring, keyed=keyed, dedup=dedup
+        W,
+        T,
+        K,
+        E_max,
+        H,
+        Sx,
+        Bx,
+        d,
+        a,
+        sb,
+        done,
+        R_ret=R_ret,
+        ids=ids,
+        ring=ring,
+        keyed=keyed,
+        dedup=dedup,
+        resend=resend,
     )
     # piecewise_fold: a ring's row_ids as one Piecewise of bytes, as docs/memory.md writes them
     buf = {}
@@ -69,7 +87,7 @@ def symmetric_formulas(strategy: str, keyed: bool = False, dedup: bool = False) 
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
     fb = {k: v for k, v in fwd.items() if k != "total"}
     fb["bwd_control"] = buf["bwd_flags"]
-    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"] + buf["bwd_sideband"]
+    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"] + buf["bwd_sideband"] + buf["bwd_inputs"]
     fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"] + buf["bwd_dgate"]
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     return {"S": Sx, "B": Bx, "R_ret": R_ret, "buffers": buf, "forward": fwd, "forward_backward": fb}
@@ -91,6 +109,7 @@ _BUFFER_WHAT = {
     "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, front-end → owner",
     "bwd_row_ids": "B·S int64 row_ids of the backward payload rows",
     "bwd_sideband": "dedup: B·S rows of 12 bytes (g', links) beside the backward payload (else 0)",
+    "bwd_inputs": "activations input resend: B·S input rows x of H·d bytes sent again (else 0)",
     "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
     "bwd_return_ids": "int64 row_id per backward return-ring row (as return_ids)",
     "bwd_dgate": "dedup: T·K fp32 dL/dg' per (token, slot), owner → front-end (else 0)",
@@ -102,7 +121,8 @@ _REGION_WHAT = {
     "sideband": _BUFFER_WHAT["sideband"],
     "return": "R_ret returned rows of H·a bytes, then their int64 row_ids if the ring rotates (each padded)",
     "bwd_control": _BUFFER_WHAT["bwd_flags"],
-    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, their int64 row_ids, dedup's (g', links) (each padded)",
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, their int64 row_ids, dedup's (g', links), re-sent input rows "
+    "(each padded)",
     "bwd_return": "R_ret dL/dx rows of H·a bytes, their int64 row_ids if the ring rotates, dedup's dL/dg' "
     "(each padded)",
     "total": "sum of the regions",
@@ -133,7 +153,7 @@ def symmetric_plan(
     strategy = resolved.strategy
     rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers
     env = Env(spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
-    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend")
     return {
         "strategy": strategy,
         "S": env.value(fm["S"]),
@@ -147,7 +167,7 @@ def symmetric_plan(
 
 def symmetric_figures(env: Env, strategy: str, key: str, spec: LayerSpec) -> SymmetricPlan:
     sideband = spec.route_row.sideband
-    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup)
+    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend")
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED

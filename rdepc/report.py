@@ -228,8 +228,8 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ("saved activations per layer", mem.saved_per_layer),
             ("  expected load instead", mem.saved_expected),
             (f"saved activations x {v['L']}", mem.saved_total),
-            ("kept for the gate gradient per layer", mem.saved_outputs),
-            (f"kept for the gate gradient x {v['L']}", mem.saved_outputs_total),
+            ("outputs and x kept per layer", mem.saved_outputs),
+            (f"outputs and x kept x {v['L']}", mem.saved_outputs_total),
             ("dense params lower bound", mem.dense_params),
             ("dense weights lower bound", mem.dense_bytes),
         ]

@@ -133,12 +133,15 @@ def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch
 
 def owner_row_buffers(contract: KernelContract, backward: bool) -> dict[str, int]:
     """The owner-row buffers (:func:`owner_rows`) a call keeping what backward walks
-    allocates (``sizes.kept_columns``: saved_x, saved_pre unless recomputed, and under dedup
-    saved_out) or, with ``backward``, its backward (dh, act_rows, do_rows): name -> columns."""
+    allocates (``sizes.kept_columns``: saved_x unless sent again, saved_pre unless recomputed,
+    and under dedup saved_out) or, with ``backward``, its backward (dh, act_rows, do_rows, and
+    saved_x when the backward's dispatch sends the input rows again): name -> columns."""
     p = contract
     if backward:
-        return {"dh": 2 * p.F if p.gated else p.F, "act_rows": p.F, "do_rows": p.H}
-    return kept_columns(p.H, p.F, p.gated, p.recompute) | ({"saved_out": p.H} if p.dedup else {})
+        return {"dh": 2 * p.F if p.gated else p.F, "act_rows": p.F, "do_rows": p.H} | (
+            {"saved_x": p.H} if p.resend else {}
+        )
+    return kept_columns(p.H, p.F, p.gated, p.recompute, p.resend) | ({"saved_out": p.H} if p.dedup else {})
 
 
 def keeps_outputs(contract: KernelContract) -> bool:

@@ -417,8 +417,7 @@ class RDEPModule:
         """Launch the backward over a forward's routing context and what it kept; returns the
         gradients of x, g' and GEMM1's and GEMM2's operands (and their biases, when the
         experts have them). ``b_up``: GEMM1's bias, which recomputed pre-activations add;
-        ``x``: the forward's input, which the gate gradient reads when the gate is on the
-        expert's input."""
+        ``x``: the forward's input (``KernelContract.backward_reads_x``)."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -427,8 +426,9 @@ class RDEPModule:
         weights = self._operands(w_up, w_down)
         if b_up is not None:
             weights["b_up"] = aligned(b_up.detach().contiguous())
-        if p.gate_input and x is None:
-            raise ValueError("this layer's gate scales the expert's input: its backward needs the forward's x")
+        if p.backward_reads_x and x is None:
+            raise ValueError("this layer's backward reads the forward's x (its gate scales the expert's input, or "
+                             "it sends the input rows again): pass it")  # fmt: skip
         new = {"device": self.device, "dtype": self.dtype}
         given = {
             "dy": aligned(dy.detach().to(self.dtype).contiguous()),
@@ -442,7 +442,7 @@ class RDEPModule:
             "dw_up": torch.zeros(weights["w_up"].shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
-        if p.gate_input:
+        if p.backward_reads_x:
             given["x"] = aligned(x.detach().to(self.dtype).contiguous())
         if p.bias:  # GEMM1's bias as its operand's columns: [E, F, 2] or [E, F]
             given["db_up"] = torch.zeros(weights["w_up"].shape[:1] + weights["w_up"].shape[2:], **new)

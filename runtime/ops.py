@@ -11,7 +11,7 @@ the call uses (an int: what a graph can hold; the registry keeps no module alive
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
 [E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
 have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); the backward's ``x``
-the forward's input (None unless the gate scales the expert's input). With ``save`` the
+the forward's input (None unless ``KernelContract.backward_reads_x``). With ``save`` the
 forward also returns what the backward walks: the routing context (the accepted set, each
 slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables;
 :func:`kept_layout`). The ops are opaque to the compiler:
@@ -145,7 +145,7 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 def _setup_context(ctx, inputs, output) -> None:
     handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
-    x = x if module_of(handle).contract.gate_input else None  # the gate gradient reads x then
+    x = x if module_of(handle).contract.backward_reads_x else None
     ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
 
 

@@ -6,6 +6,7 @@ the forward's; a withheld backward task trips with the kernel's record."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -345,3 +346,38 @@ def test_the_gate_on_the_experts_input_matches_autograd_through_the_reference(ca
     other = grads(reference_for(dataclasses.replace(case, gate_input=False).layer().spec), case.inputs(),
                   biases=case.biases())[0]  # fmt: skip
     assert float((y - other).abs().max()) > 1e-3 * float(other.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("case", "policy"),
+    [
+        (Case(act="clamped_swiglu", act_args=", limit = 0.5", bias=True, capacity="rows 5"), "input resend"),
+        (
+            Case(W=3, E=6, T=10, B=3, capacity="factor 0.5, weights zero", gate_input=True),
+            "pre recompute, input resend",
+        ),
+    ],
+    ids=["gated-bias", "gate-input-recompute"],
+)
+def test_resent_input_rows_give_the_kept_ones_outputs_and_gradients_bitwise(case, policy):
+    """activations input resend: the owners keep no input rows; the backward's dispatch sends
+    them again beside dL/dy, as the forward's dispatch sent them (g'·x under gate input), and
+    GEMM1 again reads them where the forward's GEMM1 read its payload. Outputs and every
+    gradient are bitwise those of keeping them; what the forward keeps is the planner's figure."""
+    from rdepc.passes.plan import plan
+    from rdepc.runtime import ops
+
+    inputs, biases = case.inputs(), case.biases()
+    y, _, dy, want = grads(case.layer().module(schedule="pipelined", tiles=TILES), inputs, biases=biases)
+    again = dataclasses.replace(case, extra=f"  activations {policy}\n").layer()
+    m = again.module(schedule="pipelined", tiles=TILES)  # B = 2 slots of 8 rows: the ring is reused
+    got_y, _, _, got = grads(m, inputs, dy, biases)
+    assert m.contract.resend and torch.equal(got_y, y)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"d{name}"
+    kept = {name: shape for name, shape, _ in ops.kept_layout(m, case.T)}
+    assert "saved_x" not in kept and ("saved_pre" in kept) == ("recompute" not in policy)
+    figures = {f.key: f.value for f in plan(again.spec).figures()}
+    owner_rows = [shape for name, shape in kept.items() if name in ("saved_x", "saved_pre")]
+    per_owner = sum(math.prod(shape[1:]) for shape in owner_rows)
+    assert per_owner * 4 == figures["saved_activations.per_layer"]

@@ -516,7 +516,8 @@ def test_segment_statement_used_no_warning(stmts):
         ("  capacity factor", "'factor' in 'capacity' needs a value"),
         ("  capacity dropless 3", "'dropless' in 'capacity' takes no value"),
         ("  segment rows 64, [1]", "unexpected argument to 'segment'"),
-        ("  activations", "'activations' needs a policy for the pre-activations"),
+        ("  activations", "'activations' needs a policy for the pre-activations or the input rows"),
+        ("  activations input maybe", "activations input must be one of keep, resend; got maybe"),
         ("  activations pre maybe", "activations pre must be one of keep, recompute; got maybe"),
         ("  activations x recompute", "unknown option 'x' in 'activations'"),
     ],
@@ -633,3 +634,32 @@ def test_pre_activations_are_kept_unless_recomputed_and_fp8_rows_refuse_recomput
     assert [(d.message.split(":")[0], d.span.line, d.span.col) for d in errors] == [
         ("recomputed pre-activations need the rows GEMM1 read", 5, 19)
     ]
+
+
+def test_input_rows_are_kept_unless_resent_and_neither_fp8_nor_dedup_resends():
+    specs, _ = elaborate(parse_text(spec_text()))
+    assert specs[0].input_activations == "keep"
+    specs, diags = elaborate(parse_text(spec_text("  activations pre recompute, input resend")))
+    assert not diags.errors and (specs[0].pre_activations, specs[0].input_activations) == ("recompute", "resend")
+    errors = errors_of(spec_text("  dtype bf16, dispatch fp8_e4m3", "  activations input resend"))
+    assert [(d.message.split(":")[0], d.span.line, d.span.col) for d in errors] == [
+        ("re-sent input rows must be the rows GEMM1 read", 5, 21)
+    ]
+    dedup = ("  sideband  row_id, local_expert, gate", "  transport emulated, dedup", "  activations input resend")
+    assert [(d.message.split(",")[0], d.span.line) for d in errors_of(spec_text(*dedup))] == [
+        ("re-sent input rows go one per route row", 6)
+    ]
+
+
+def test_the_gate_on_the_input_refuses_dedup_and_renormalised_drops_at_their_statements():
+    def where_(*stmts):
+        text = spec_text(*stmts).replace("swiglu(ffn = 1408)", "swiglu(ffn = 1408), gate input")
+        return [(d.message.split(" ")[0], d.span.line, d.span.col) for d in errors_of(text)]
+
+    specs, diags = elaborate(parse_text(spec_text().replace("1408)", "1408), gate input")))
+    assert not diags.errors and specs[0].gate_on == "input"
+    assert where_("  sideband  row_id, local_expert, gate", "  transport emulated, dedup") == [("dedup", 5, 23)]
+    assert where_("  capacity  factor 1.25") == [("with", 4, 3)]
+    for ok in ("  capacity  factor 1.25, weights zero", "  capacity  dropless"):
+        specs, diags = elaborate(parse_text(spec_text(ok).replace("1408)", "1408), gate input")))
+        assert not diags.errors and specs[0].gate_on == "input", ok

@@ -8,6 +8,7 @@ from rdepc.codegen.device.gemm import fp8_scale, to_e4m3
 from rdepc.codegen.device.heap import peer, put
 from rdepc.codegen.device.layout import (
     ADMITTED,
+    BWD_INPUTS,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
@@ -24,6 +25,7 @@ from rdepc.codegen.device.layout import (
     GATE_INPUT,
     OFFSETS,
     PAYLOAD,
+    RESEND,
     SB_GATE,
     SB_LINKS,
     SB_LOCAL_EXPERT,
@@ -44,6 +46,7 @@ from rdepc.codegen.device.rows import clip, links, locate, ring_row
 def dispatch(
     heap,
     x,
+    inputs,
     gates,
     order,
     owner_first,
@@ -80,6 +83,9 @@ def dispatch(
     GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
     format), as the expert's input; the backward sends dL/dy as it is (the combine added the
     returned rows unweighted).
+
+    RESEND: the backward also sends each row's input again (``inputs``, the forward's x; g'·x
+    under GATE_INPUT), as the forward's dispatch sent it, into q's BWD_INPUTS at the same place.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -147,6 +153,15 @@ def dispatch(
                     m = keep[:, None] & (c < H)[None, :]
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
+            if RESEND:  # the input rows again, as the forward's dispatch sent them (no dedup, no fp8)
+                g = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
+                src_x = inputs + (tl.cast(r, tl.int64) * n_tokens + t) * H
+                to_x = (dst + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE)) + tl.cast(at, tl.int64) * H
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = keep[:, None] & (c < H)[None, :]
+                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), g, CAST_F32)
+                    put(to_x[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
         else:
             if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
                 scale = tl.load(gates + base + i, mask=send, other=0.0)
@@ -213,9 +228,16 @@ def payload_rows(
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
-            if DISPATCH_DTYPE == DTYPE:
-                put(to[:, None] + c[None, :], rows_h, m)
-            elif tl.bfloat16 == DISPATCH_DTYPE:
-                put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32), DISPATCH_DTYPE, CAST_F32), m)
-            else:
-                put(to[:, None] + c[None, :], rows_h.to(DISPATCH_DTYPE), m)
+            put(to[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
+
+
+@triton.jit
+def on_wire(rows, CAST_F32: tl.constexpr):
+    """Rows in the layer's dtype as the payload carries them (a dispatch dtype that is not
+    fp8): as they are, or narrowed to it."""
+    if DISPATCH_DTYPE == DTYPE:
+        return rows
+    elif tl.bfloat16 == DISPATCH_DTYPE:
+        return narrow(rows.to(tl.float32), DISPATCH_DTYPE, CAST_F32)
+    else:
+        return rows.to(DISPATCH_DTYPE)

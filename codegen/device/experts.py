@@ -14,6 +14,7 @@ from rdepc.codegen.device.layout import (
     ACT_ALPHA,
     ACT_LIMIT,
     BIAS,
+    BWD_INPUTS,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
@@ -31,6 +32,7 @@ from rdepc.codegen.device.layout import (
     PRECISION,
     R_MAX,
     RECOMPUTE,
+    RESEND,
     SB_LINKS,
     SB_ROW_ID,
     SB_SCALE,
@@ -163,7 +165,8 @@ def gemm1(
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
-    kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
+    kept at the rows' places among the owner's rows, for the backward (the input rows not
+    under ``RESEND``: the backward sends them again). fp8 rows are read
     with their scales; under DEDUP each slot reads the payload row of its token's first
     slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
     before the activation, so the kept pre-activations hold it.
@@ -201,16 +204,18 @@ def gemm1(
             if not RECOMPUTE:  # else the backward computes them again from the input rows kept below
                 pre = narrow(acc, DTYPE, CAST_F32)
                 store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
-            if f == 0:
-                first = tl.cast(q, tl.int64) * R_MAX + row0
-                if DEDUP:
-                    src_rows = first_row
-                else:
-                    src_rows = at + m
-                if DISPATCH_SCALE != "none":
-                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
-                else:
-                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
+            # else the backward's dispatch sends the input rows again
+            if not RESEND:  # noqa: SIM102 - RESEND is folded at compile time, f tested at run time
+                if f == 0:
+                    first = tl.cast(q, tl.int64) * R_MAX + row0
+                    if DEDUP:
+                        src_rows = first_row
+                    else:
+                        src_rows = at + m
+                    if DISPATCH_SCALE != "none":
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
+                    else:
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -312,6 +317,9 @@ def bgemm1(
     A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
     the rows' row_ids for the return. The pre-activations are the forward's (``saved_pre``),
     or with ``RECOMPUTE`` GEMM1's tile again from the kept input rows (``pre_activations``).
+    With ``RESEND`` the input rows came again beside dO (BWD_INPUTS, in the payload's dtype,
+    at the same places): GEMM1 again reads them there as the forward's GEMM1 read its
+    payload, and F-block 0 copies them to the owner's rows (``saved_x``) for dWg and dWu.
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -336,8 +344,13 @@ def bgemm1(
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
+        inputs = (me + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE))
         if RECOMPUTE:
-            again = pre_activations(saved_x, w_up, b_up, e, q, row0, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+            if RESEND:  # the rows as the forward's payload held them
+                again = pre_activations(inputs, B * S, at, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+            else:
+                xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
+                again = pre_activations(xs, R_MAX, row0, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
         if GATED:
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
@@ -375,6 +388,8 @@ def bgemm1(
                     tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
             else:
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+            if RESEND:  # the input rows for the weight gradients, as the forward would have kept them
+                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
@@ -382,17 +397,17 @@ def bgemm1(
 
 @triton.jit
 def pre_activations(
-    saved_x, w_up, b_up, e, q, row0, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    xs, n_rows, row0, w_up, b_up, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr,
 ):  # fmt: skip
     """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
-    (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among owner q's kept
-    input rows, expert ``e``, rounded to DTYPE as the forward would have kept them. The same
-    rows, weights, tile and reduction order as the forward's GEMM1, so the same values."""
-    xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
+    (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among the ``n_rows``
+    input rows at ``xs`` (an owner's kept rows, or RESEND's ring), expert ``e``, rounded to
+    DTYPE as the forward would have kept them. The same rows, weights, tile and reduction
+    order as the forward's GEMM1, so the same values."""
     w = w_up + e * (H * (UP_COLS * F))
     acc = gemm_tile(
-        xs, R_MAX, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
+        xs, n_rows, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
         PRECISION,
     )  # fmt: skip
     if BIAS:

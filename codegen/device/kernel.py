@@ -228,7 +228,7 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, sent, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,

@@ -178,6 +178,7 @@ class KernelContract:
     bias: bool  # expert biases: b_up (GEMM1's, laid out as its columns) and b_down (GEMM2's)
     recompute: bool  # the backward computes GEMM1's pre-activations again from the kept input rows
     gate_input: bool  # the gate scales the expert's input (dispatch sends g'·x, the combine adds unweighted)
+    resend: bool  # the backward's dispatch sends the input rows again: the owners keep none from the forward
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None
@@ -234,6 +235,12 @@ class KernelContract:
     def per_rank(self) -> bool:
         """One process per rank (each runs its rank's entries), not all ranks in one."""
         return TRANSPORT_PROCESSES[self.transport] == "per-rank"
+
+    @property
+    def backward_reads_x(self) -> bool:
+        """The backward kernel reads the forward's input x: the gate gradient when the gate
+        scales the expert's input, or the input rows sent again (``activations input resend``)."""
+        return self.gate_input or self.resend
 
     @property
     def n_entries(self) -> int:

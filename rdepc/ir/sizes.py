@@ -24,12 +24,13 @@ from typing import Any
 BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
 
 
-def kept_columns(H: Any, F: Any, gated: bool, recompute: bool) -> dict[str, Any]:
+def kept_columns(H: Any, F: Any, gated: bool, recompute: bool, resend: bool = False) -> dict[str, Any]:
     """Columns of each owner-row buffer a forward keeps for its backward, per row: the input
-    rows x (saved_x) and, unless the backward computes them again (``activations pre
-    recompute``), GEMM1's pre-activations (saved_pre: gate and up of a gated expert, h of
-    another). The planner's saved-activation figures and the runtime's buffers read this."""
-    return {"saved_x": H} | ({} if recompute else {"saved_pre": (2 if gated else 1) * F})
+    rows x (saved_x) unless the backward's dispatch sends them again (``activations input
+    resend``), and GEMM1's pre-activations (saved_pre: gate and up of a gated expert, h of
+    another) unless the backward computes them again (``activations pre recompute``). The
+    planner's saved-activation figures and the runtime's buffers read this."""
+    return ({} if resend else {"saved_x": H}) | ({} if recompute else {"saved_pre": (2 if gated else 1) * F})
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -171,8 +172,10 @@ def heap_buffers(
     ring keeps (R_ret when it rotates, else 0); ``ring``: whether it rotates (slots of the
     return buffers: B, else one); ``keyed``, ``dedup``: the spec's admission and transport;
     ``d``, ``a``, ``sb``: bytes of a payload element, a layer element and a sideband row;
-    ``done``: done counters per rank."""
+    ``done``: done counters per rank; ``resend`` (keyword, default false): the backward's
+    dispatch sends the input rows again, in the payload's dtype (``activations input resend``)."""
     R_ret, ids, ring, keyed, dedup = kw["R_ret"], kw["ids"], kw["ring"], kw["keyed"], kw["dedup"]
+    resend = kw.get("resend", False)
     bwd_sb = sum(n for _, n in BWD_SIDEBAND)
     return [
         ("control", "tokens", W * 8, 1, 0),
@@ -189,6 +192,7 @@ def heap_buffers(
         ("bwd_payload", "bwd_payload", B * S * H * a, B, S * H * a),
         ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8),
         ("bwd_payload", "bwd_sideband", B * S * bwd_sb if dedup else 0, B, S * bwd_sb if dedup else 0),
+        ("bwd_payload", "bwd_inputs", B * S * H * d if resend else 0, B, S * H * d if resend else 0),
         ("bwd_return", "bwd_return", R_ret * H * a, B if ring else 1, S * H * a if ring else 0),
         ("bwd_return", "bwd_return_ids", ids * 8, B if ring else 1, S * 8 if ring else 0),
         ("bwd_return", "bwd_dgate", T * K * 4 if dedup else 0, 1, 0),

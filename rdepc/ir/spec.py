@@ -245,6 +245,9 @@ class LayerSpec:
     # GEMM1's pre-activations for the backward: kept at the owner from the forward, or computed
     # again in the backward from the kept input rows (``activations pre recompute``)
     pre_activations: str = "keep"
+    # the owners' input rows for the backward: kept from the forward, or sent again by the
+    # backward's dispatch beside dL/dy (``activations input resend``)
+    input_activations: str = "keep"
     # where the gate scales a routed expert: its output, y = Σ g'·f(x) (the default), or its
     # input, y = Σ f(g'·x) (Llama-4; ``expert ..., gate input``)
     gate_on: str = "output"
@@ -343,7 +346,7 @@ def spec_to_json(spec: LayerSpec) -> dict:
         else {"count": spec.shared.count, "act": spec.shared.fn.act, "F": j(spec.shared.fn.F)}
         | _act_params(spec.shared.fn)
         | ({"gate": spec.shared.gate} if spec.shared.gate else {}),
-        "activations": {"pre": spec.pre_activations},
+        "activations": {"pre": spec.pre_activations, "input": spec.input_activations},
         "precision": {
             "dtype": spec.precision.dtype.value,
             "dispatch": spec.precision.dispatch.value,

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 6fdd1185b1daf4cf6b6b1991a49f7e0a2deea7313cd8745e7091945a3183b761
+# content-sha256: e3ff23588516484213edbe4d3319b1865e3199980df91d6d8a2ad09d048f5168
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -89,6 +89,7 @@ ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha
 BIAS = tl.constexpr(False)  # expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down
 RECOMPUTE = tl.constexpr(False)  # the backward computes GEMM1's pre-activations again (not kept)
 GATE_INPUT = tl.constexpr(False)  # the gate scales the expert's input: rows go out as g'*x, come back unweighted
+RESEND = tl.constexpr(False)  # the backward's dispatch sends the input rows again (the owners kept none)
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -124,6 +125,7 @@ RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: the row_id of each return-ring row
 BWD_FLAGS = tl.constexpr(44288)  # int64 the backward's done counters
 BWD_PAYLOAD = tl.constexpr(44544)  # DTYPE [B*S, H]: g'·dL/dy rows at the forward's places
 BWD_ROW_IDS = tl.constexpr(77312)  # int64 [B*S]: their row_ids
+BWD_INPUTS = tl.constexpr(78336)  # DISPATCH_DTYPE [B*S, H]: RESEND, the input rows x again at those places
 BWD_RETURN = tl.constexpr(78336)  # DTYPE: dL/dx rows at the front-end, laid out as RETURN
 BWD_RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: their row_ids
 BWD_SB_GATE = tl.constexpr(-1)  # fp32 [B*S]: dedup, each backward row's g'
@@ -764,6 +766,7 @@ def scan(
 def dispatch(
     heap,
     x,
+    inputs,
     gates,
     order,
     owner_first,
@@ -800,6 +803,9 @@ def dispatch(
     GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
     format), as the expert's input; the backward sends dL/dy as it is (the combine added the
     returned rows unweighted).
+
+    RESEND: the backward also sends each row's input again (``inputs``, the forward's x; g'·x
+    under GATE_INPUT), as the forward's dispatch sent it, into q's BWD_INPUTS at the same place.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -867,6 +873,15 @@ def dispatch(
                     m = keep[:, None] & (c < H)[None, :]
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
+            if RESEND:  # the input rows again, as the forward's dispatch sent them (no dedup, no fp8)
+                g = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
+                src_x = inputs + (tl.cast(r, tl.int64) * n_tokens + t) * H
+                to_x = (dst + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE)) + tl.cast(at, tl.int64) * H
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = keep[:, None] & (c < H)[None, :]
+                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), g, CAST_F32)
+                    put(to_x[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
         else:
             if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
                 scale = tl.load(gates + base + i, mask=send, other=0.0)
@@ -933,12 +948,19 @@ def payload_rows(
             c = h + tl.arange(0, BLOCK_H)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
-            if DISPATCH_DTYPE == DTYPE:
-                put(to[:, None] + c[None, :], rows_h, m)
-            elif tl.bfloat16 == DISPATCH_DTYPE:
-                put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32), DISPATCH_DTYPE, CAST_F32), m)
-            else:
-                put(to[:, None] + c[None, :], rows_h.to(DISPATCH_DTYPE), m)
+            put(to[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
+
+
+@triton.jit
+def on_wire(rows, CAST_F32: tl.constexpr):
+    """Rows in the layer's dtype as the payload carries them (a dispatch dtype that is not
+    fp8): as they are, or narrowed to it."""
+    if DISPATCH_DTYPE == DTYPE:
+        return rows
+    elif tl.bfloat16 == DISPATCH_DTYPE:
+        return narrow(rows.to(tl.float32), DISPATCH_DTYPE, CAST_F32)
+    else:
+        return rows.to(DISPATCH_DTYPE)
 
 
 @triton.jit
@@ -1361,7 +1383,8 @@ def gemm1(
     private workspace ``hbuf``. F-block 0 also copies the rows' row_ids beside them:
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
-    kept at the rows' places among the owner's rows, for the backward. fp8 rows are read
+    kept at the rows' places among the owner's rows, for the backward (the input rows not
+    under ``RESEND``: the backward sends them again). fp8 rows are read
     with their scales; under DEDUP each slot reads the payload row of its token's first
     slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
     before the activation, so the kept pre-activations hold it.
@@ -1399,16 +1422,18 @@ def gemm1(
             if not RECOMPUTE:  # else the backward computes them again from the input rows kept below
                 pre = narrow(acc, DTYPE, CAST_F32)
                 store_rows(saved_pre + kept * (UP_COLS * F), pre, live, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)
-            if f == 0:
-                first = tl.cast(q, tl.int64) * R_MAX + row0
-                if DEDUP:
-                    src_rows = first_row
-                else:
-                    src_rows = at + m
-                if DISPATCH_SCALE != "none":
-                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
-                else:
-                    copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
+            # else the backward's dispatch sends the input rows again
+            if not RESEND:  # noqa: SIM102 - RESEND is folded at compile time, f tested at run time
+                if f == 0:
+                    first = tl.cast(q, tl.int64) * R_MAX + row0
+                    if DEDUP:
+                        src_rows = first_row
+                    else:
+                        src_rows = at + m
+                    if DISPATCH_SCALE != "none":
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
+                    else:
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -1510,6 +1535,9 @@ def bgemm1(
     A the forward computed (for dWd). F-block 0 also keeps the dO rows (for dWd) and copies
     the rows' row_ids for the return. The pre-activations are the forward's (``saved_pre``),
     or with ``RECOMPUTE`` GEMM1's tile again from the kept input rows (``pre_activations``).
+    With ``RESEND`` the input rows came again beside dO (BWD_INPUTS, in the payload's dtype,
+    at the same places): GEMM1 again reads them there as the forward's GEMM1 read its
+    payload, and F-block 0 copies them to the owner's rows (``saved_x``) for dWg and dWu.
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -1534,8 +1562,13 @@ def bgemm1(
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
         c = f + tl.arange(0, BLOCK_F)
         keep = live[:, None] & (c < F)[None, :]
+        inputs = (me + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE))
         if RECOMPUTE:
-            again = pre_activations(saved_x, w_up, b_up, e, q, row0, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+            if RESEND:  # the rows as the forward's payload held them
+                again = pre_activations(inputs, B * S, at, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+            else:
+                xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
+                again = pre_activations(xs, R_MAX, row0, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
         if GATED:
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
@@ -1573,6 +1606,8 @@ def bgemm1(
                     tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
             else:
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+            if RESEND:  # the input rows for the weight gradients, as the forward would have kept them
+                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
@@ -1580,17 +1615,17 @@ def bgemm1(
 
 @triton.jit
 def pre_activations(
-    saved_x, w_up, b_up, e, q, row0, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    xs, n_rows, row0, w_up, b_up, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr,
 ):  # fmt: skip
     """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
-    (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among owner q's kept
-    input rows, expert ``e``, rounded to DTYPE as the forward would have kept them. The same
-    rows, weights, tile and reduction order as the forward's GEMM1, so the same values."""
-    xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
+    (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among the ``n_rows``
+    input rows at ``xs`` (an owner's kept rows, or RESEND's ring), expert ``e``, rounded to
+    DTYPE as the forward would have kept them. The same rows, weights, tile and reduction
+    order as the forward's GEMM1, so the same values."""
     w = w_up + e * (H * (UP_COLS * F))
     acc = gemm_tile(
-        xs, R_MAX, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
+        xs, n_rows, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
         PRECISION,
     )  # fmt: skip
     if BIAS:
@@ -2337,7 +2372,7 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
-                        heap, sent, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
+                        heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
