@@ -46,9 +46,16 @@ def _max(x: sp.Expr, y: sp.Expr) -> sp.Expr:
     return sp.Max(x, y, evaluate=False)  # evaluated when the values are in
 
 
-def transport_plan(env: Env, strategy: str) -> TransportPlan:
+def transport_plan(env: Env, strategy: str, resend: bool = False) -> TransportPlan:
+    """``resend``: the backward's dispatch also sends each row's input again (H·d bytes)."""
     disp_row = H * d + sb
     ret_row = H * a
+    bwd_row, bwd_what = ret_row, "dL/dy rows, front-end → owner: T·K rows of H·a bytes"
+    if resend:
+        bwd_row, bwd_what = (
+            ret_row + H * d,
+            "dL/dy rows and the input rows again, front-end → owner: T·K rows of H·(a + d) bytes",
+        )
     expected_owner = E_max * mu
     admitted = sp.Min(expected_owner, R_max)  # a capacity below the mean load caps it
     segmented = strategy in SEGMENTED
@@ -74,7 +81,7 @@ def transport_plan(env: Env, strategy: str) -> TransportPlan:
     stages = (
         stage("dispatch", "payload + sideband, front-end → owner: T·K rows of H·d + sb bytes", disp_row, True),
         stage("return", "expert outputs, owner → front-end: rows of H·a bytes", ret_row, False),
-        stage("bwd_dispatch", "dL/dy rows, front-end → owner: T·K rows of H·a bytes", ret_row, True),
+        stage("bwd_dispatch", bwd_what, bwd_row, True),
         stage("bwd_return", "dL/dx rows, owner → front-end: rows of H·a bytes", ret_row, False),
     )
     segs = sp.ceiling(admitted / S) if segmented else sp.Integer(1)

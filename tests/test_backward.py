@@ -381,3 +381,4 @@ def test_resent_input_rows_give_the_kept_ones_outputs_and_gradients_bitwise(case
     owner_rows = [shape for name, shape in kept.items() if name in ("saved_x", "saved_pre")]
     per_owner = sum(math.prod(shape[1:]) for shape in owner_rows)
     assert per_owner * 4 == figures["saved_activations.per_layer"]
+    assert figures["transport.bwd_dispatch.row_bytes"] == case.H * (4 + 4)  # dL/dy and x again, fp32
