@@ -23,7 +23,7 @@ from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
-from rdepc.ir.spec import Dtype
+from rdepc.ir.spec import SCALE_BLOCK, Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
@@ -186,6 +186,10 @@ def constants(p: KernelContract) -> str:
         _c("RECOMPUTE", p.recompute, "the backward computes GEMM1's pre-activations again (not kept)"),
         _c("GATE_INPUT", p.gate_input, "the gate scales the expert's input: rows go out as g'*x, come back unweighted"),
         _c("RESEND", p.resend, "the backward's dispatch sends the input rows again (the owners kept none)"),
+        _c("BWD_FP8", p.bwd_fp8, "the backward's rows go as fp8 e4m3, with a scale per BWD_SCALE_COLS columns"),
+        _c("BWD_WIRE", "tl.float8e4nv" if p.bwd_fp8 else TL_DTYPE[p.dtype], "the backward's rows on the wire"),
+        _c("BWD_SCALE_COLS", SCALE_BLOCK, "columns of a backward row one fp8 scale covers"),
+        _c("BWD_SCALES", -(-p.H // SCALE_BLOCK) if p.bwd_fp8 else 0, "fp32 scales per backward row"),
         _c("GATED", p.gated, "a gated expert: GEMM1's weights are [Wg Wu], interleaved"),
         _c("UP_COLS", 2 if p.gated else 1, "GEMM1 output columns per ffn column"),
         _c("KEYED", p.keyed, "admission by key (a drop policy other than arrival order), not by row order"),
@@ -226,10 +230,12 @@ def constants(p: KernelContract) -> str:
         _c("RETURN", off["return"], f"DTYPE at the front-end: {ring}"),
         _c("RETURN_IDS", off.get("return_ids", -1), "int64 [B*S]: the row_id of each return-ring row"),
         _c("BWD_FLAGS", off["bwd_flags"], "int64 the backward's done counters"),
-        _c("BWD_PAYLOAD", off["bwd_payload"], "DTYPE [B*S, H]: g'·dL/dy rows at the forward's places"),
+        _c("BWD_PAYLOAD", off["bwd_payload"], "BWD_WIRE [B*S, H]: g'·dL/dy rows at the forward's places"),
+        _c("BWD_SCALES_AT", off["bwd_scales"], "fp32 [B*S, BWD_SCALES]: BWD_FP8, their scales"),
         _c("BWD_ROW_IDS", off["bwd_row_ids"], "int64 [B*S]: their row_ids"),
         _c("BWD_INPUTS", off["bwd_inputs"], "DISPATCH_DTYPE [B*S, H]: RESEND, the input rows x again at those places"),
-        _c("BWD_RETURN", off["bwd_return"], "DTYPE: dL/dx rows at the front-end, laid out as RETURN"),
+        _c("BWD_RETURN", off["bwd_return"], "BWD_WIRE: dL/dx rows at the front-end, laid out as RETURN"),
+        _c("BWD_RETURN_SCALES", off["bwd_return_scales"], "fp32 [rows, BWD_SCALES]: BWD_FP8, their scales"),
         _c("BWD_RETURN_IDS", off.get("bwd_return_ids", -1), "int64 [B*S]: their row_ids"),
         _c("BWD_SB_GATE", off.get("bwd_sideband_gate", -1), "fp32 [B*S]: dedup, each backward row's g'"),
         _c("BWD_SB_LINKS", off.get("bwd_sideband_links", -1), "int32 [B*S, 2]: dedup, its links (as SB_LINKS)"),

@@ -186,7 +186,8 @@ def lower(
     if any(b.region in fwd for b in bufs[n_fwd:]) or place[bufs[n_fwd].name] != forward_bytes:
         raise AssertionError("the forward's heap regions are not a prefix of the slice")
     names_heap = ("tokens", "counts", "offsets", "admitted", "keys", "flags", "payload", "return")
-    names_heap += ("bwd_flags", "bwd_payload", "bwd_row_ids", "bwd_inputs", "bwd_return")
+    names_heap += ("bwd_flags", "bwd_payload", "bwd_scales", "bwd_row_ids", "bwd_inputs", "bwd_return")
+    names_heap += ("bwd_return_scales",)
     heap = [(name, place[name]) for name in names_heap]
     if ring:
         heap += [("return_ids", place["return_ids"]), ("bwd_return_ids", place["bwd_return_ids"])]
@@ -267,6 +268,7 @@ def lower(
         recompute=spec.pre_activations == "recompute",
         gate_input=spec.gate_on == "input",
         resend=spec.input_activations == "resend",
+        bwd_fp8=spec.precision.backward_fp8,
         dtype=adt,
         dispatch=spec.precision.dispatch.value,
         dispatch_scale=spec.precision.dispatch_scale,

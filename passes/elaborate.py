@@ -278,6 +278,14 @@ class _Layer(Statements, Checks):
             return None
         if gate_on == "input" and not self._gate_input_fits(capacity, dedup):
             return None
+        if precision.backward_fp8 and dedup:
+            self.diags.error(
+                "an fp8 backward transport is not implemented with dedup: its owners sum dL/dx rows per "
+                "(token, owner) and compute dL/dg' from the dL/dy rows",
+                self.spans.get("dtype.backward"),
+                f"drop 'backward fp8_e4m3', or drop dedup (at {self.spans.get('transport.dedup')})",
+            )
+            return None
         if pre[1] == "resend" and dedup:
             self.diags.error(
                 "re-sent input rows go one per route row, where dedup sends one per (token, owner)",

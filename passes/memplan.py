@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from rdepc.ir import sizes
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
+from rdepc.ir.spec import SCALE_BLOCK
 
 BACKWARD_REGIONS = ("bwd_control", "bwd_payload", "bwd_return")
 ALIGN = 256  # docs/memory.md: every symmetric buffer is padded to a multiple of this
@@ -53,7 +54,9 @@ _WHAT = {
     " (token, owner))",
     "bwd_inputs": "activations input resend: the input rows x again, front-end → owner, in the payload's dtype, "
     "at the backward payload rows' places",
+    "bwd_scales": "backward fp8: fp32 scales of the g'·dL/dy rows, one per 128 columns of a row",
     "bwd_return": "dL/dx rows landing at the front-end",
+    "bwd_return_scales": "backward fp8: fp32 scales of the dL/dx rows, one per 128 columns of a row",
     "bwd_return_ids": "int64 row_id per backward return-ring row",
     "bwd_dgate": "dedup: fp32 dL/dg' per (token, slot) at the front-end, computed by the owners",
 }
@@ -117,6 +120,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     heap = sizes.heap_buffers(
         W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
         keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",
+        bwd_fp8=tg.spec.precision.backward_fp8, bwd_scales=sizes.ceil_div(H, SCALE_BLOCK),
     )  # fmt: skip
     spec_rows = [
         (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))

@@ -209,7 +209,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     )
 
     # -- transport -------------------------------------------------------------------------
-    transport = transport_plan(env, strategy, resend)
+    transport = transport_plan(env, strategy, resend, spec.precision.backward_fp8)
     if transport.min_ffn.value > values[F]:
         warnings.append(
             f"expert ffn {values[F]} is below {transport.min_ffn.value:.0f}, the width at which grouped-GEMM "

@@ -148,7 +148,7 @@ class Statements:
     def precision(self, st: S.Stmt | None) -> Precision | None:
         if st is None:
             return Precision(Dtype.BF16, Dtype.BF16, None)
-        opts, _ = self.args(st, keyed=("dispatch", "scale"), flags=tuple(DTYPES))
+        opts, _ = self.args(st, keyed=("dispatch", "scale", "backward"), flags=tuple(DTYPES))
         given = [n for n in opts if n in DTYPES]
         if len(given) != 1:
             msg = "'dtype' needs one compute dtype" if not given else "'dtype' names more than one compute dtype"
@@ -177,7 +177,13 @@ class Statements:
             if dispatch is not Dtype.FP8_E4M3:
                 self.diags.error("a dispatch scale is only used with fp8 dispatch", opts["scale"].span)
                 return None
-        return Precision(dtype, dispatch, scale)
+        backward = None
+        if "backward" in opts:
+            name = self.choice(opts["backward"], (given[0], "fp8_e4m3"), "backward transport dtype")
+            if name is None:
+                return None
+            backward = DTYPES[name] if DTYPES[name] is not dtype else None
+        return Precision(dtype, dispatch, scale, backward)
 
     def model(self, st: S.Stmt | None) -> Model | None:
         if st is None:

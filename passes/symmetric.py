@@ -28,7 +28,7 @@ from rdepc.passes.plan_symbols import (
 
 from rdepc.ir import sizes
 from rdepc.ir.sizes import BM
-from rdepc.ir.spec import LayerSpec
+from rdepc.ir.spec import SCALE_BLOCK, LayerSpec
 
 
 def done_counters_expr(strategy: str) -> sp.Expr:
@@ -44,11 +44,12 @@ def done_counters_expr(strategy: str) -> sp.Expr:
 
 
 def symmetric_formulas(
-    strategy: str, keyed: bool = False, dedup: bool = False, resend: bool = False
+    strategy: str, keyed: bool = False, dedup: bool = False, resend: bool = False, bwd_fp8: bool = False
 ) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
-    ``dedup`` the backward's sideband and gate gradients, ``resend`` the input rows the backward sends again."""
+    ``dedup`` the backward's sideband and gate gradients, ``resend`` the input rows the backward sends again,
+    ``bwd_fp8`` the backward's rows as fp8 with their scales."""
     done = done_counters_expr(strategy)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
@@ -75,6 +76,8 @@ def symmetric_formulas(
         keyed=keyed,
         dedup=dedup,
         resend=resend,
+        bwd_fp8=bwd_fp8,
+        bwd_scales=sp.ceiling(H / SCALE_BLOCK),
     )
     # piecewise_fold: a ring's row_ids as one Piecewise of bytes, as docs/memory.md writes them
     buf = {}
@@ -87,8 +90,9 @@ def symmetric_formulas(
     fwd["total"] = sum(fwd.values(), sp.Integer(0))
     fb = {k: v for k, v in fwd.items() if k != "total"}
     fb["bwd_control"] = buf["bwd_flags"]
-    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_row_ids"] + buf["bwd_sideband"] + buf["bwd_inputs"]
-    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_ids"] + buf["bwd_dgate"]
+    fb["bwd_payload"] = buf["bwd_payload"] + buf["bwd_scales"] + buf["bwd_row_ids"] + buf["bwd_sideband"]
+    fb["bwd_payload"] += buf["bwd_inputs"]
+    fb["bwd_return"] = buf["bwd_return"] + buf["bwd_return_scales"] + buf["bwd_return_ids"] + buf["bwd_dgate"]
     fb["total"] = fwd["total"] + fb["bwd_control"] + fb["bwd_payload"] + fb["bwd_return"]
     return {"S": Sx, "B": Bx, "R_ret": R_ret, "buffers": buf, "forward": fwd, "forward_backward": fb}
 
@@ -106,11 +110,13 @@ _BUFFER_WHAT = {
     "return": "R_ret returned rows of H·a bytes",
     "return_ids": "int64 row_id per return-ring row (R_ret·8 if the ring rotates, else 0): unpacks place rows by it",
     "bwd_flags": "int64 done counters of the backward's tasks: the forward's, and one weight-gradient task per owner",
-    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes, front-end → owner",
+    "bwd_payload": "B·S g'·dL/dy rows of H·a bytes (backward fp8: H), front-end → owner",
+    "bwd_scales": "backward fp8: B·S rows of ⌈H/128⌉ fp32 scales beside the backward payload (else 0)",
     "bwd_row_ids": "B·S int64 row_ids of the backward payload rows",
     "bwd_sideband": "dedup: B·S rows of 12 bytes (g', links) beside the backward payload (else 0)",
     "bwd_inputs": "activations input resend: B·S input rows x of H·d bytes sent again (else 0)",
-    "bwd_return": "R_ret dL/dx rows of H·a bytes, owner → front-end",
+    "bwd_return": "R_ret dL/dx rows of H·a bytes (backward fp8: H), owner → front-end",
+    "bwd_return_scales": "backward fp8: R_ret rows of ⌈H/128⌉ fp32 scales beside the dL/dx rows (else 0)",
     "bwd_return_ids": "int64 row_id per backward return-ring row (as return_ids)",
     "bwd_dgate": "dedup: T·K fp32 dL/dg' per (token, slot), owner → front-end (else 0)",
 }
@@ -153,7 +159,9 @@ def symmetric_plan(
     strategy = resolved.strategy
     rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers
     env = Env(spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
-    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend")
+    fm = symmetric_formulas(
+        strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend", spec.precision.backward_fp8
+    )
     return {
         "strategy": strategy,
         "S": env.value(fm["S"]),
@@ -167,7 +175,9 @@ def symmetric_plan(
 
 def symmetric_figures(env: Env, strategy: str, key: str, spec: LayerSpec) -> SymmetricPlan:
     sideband = spec.route_row.sideband
-    fm = symmetric_formulas(strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend")
+    fm = symmetric_formulas(
+        strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend", spec.precision.backward_fp8
+    )
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED

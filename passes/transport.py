@@ -39,23 +39,23 @@ from rdepc.passes.plan_symbols import (
 )
 from rdepc.passes.sampled_routing import owners_per_token_expr
 
-from rdepc.ir.spec import LayerSpec
+from rdepc.ir.spec import SCALE_BLOCK, LayerSpec
 
 
 def _max(x: sp.Expr, y: sp.Expr) -> sp.Expr:
     return sp.Max(x, y, evaluate=False)  # evaluated when the values are in
 
 
-def transport_plan(env: Env, strategy: str, resend: bool = False) -> TransportPlan:
-    """``resend``: the backward's dispatch also sends each row's input again (H·d bytes)."""
+def transport_plan(env: Env, strategy: str, resend: bool = False, bwd_fp8: bool = False) -> TransportPlan:
+    """``resend``: the backward's dispatch also sends each row's input again (H·d bytes);
+    ``bwd_fp8``: the backward's rows go as fp8 e4m3 with an fp32 scale per 128 columns."""
     disp_row = H * d + sb
     ret_row = H * a
-    bwd_row, bwd_what = ret_row, "dL/dy rows, front-end → owner: T·K rows of H·a bytes"
+    grad_row, grad_bytes = (H + 4 * sp.ceiling(H / SCALE_BLOCK), "H + 4·⌈H/128⌉") if bwd_fp8 else (ret_row, "H·a")
+    bwd_row, bwd_what = grad_row, f"g'·dL/dy rows, front-end → owner: T·K rows of {grad_bytes} bytes"
     if resend:
-        bwd_row, bwd_what = (
-            ret_row + H * d,
-            "dL/dy rows and the input rows again, front-end → owner: T·K rows of H·(a + d) bytes",
-        )
+        bwd_row = grad_row + H * d
+        bwd_what = f"g'·dL/dy rows and the input rows again, front-end → owner: T·K rows of {grad_bytes} + H·d bytes"
     expected_owner = E_max * mu
     admitted = sp.Min(expected_owner, R_max)  # a capacity below the mean load caps it
     segmented = strategy in SEGMENTED
@@ -82,7 +82,7 @@ def transport_plan(env: Env, strategy: str, resend: bool = False) -> TransportPl
         stage("dispatch", "payload + sideband, front-end → owner: T·K rows of H·d + sb bytes", disp_row, True),
         stage("return", "expert outputs, owner → front-end: rows of H·a bytes", ret_row, False),
         stage("bwd_dispatch", bwd_what, bwd_row, True),
-        stage("bwd_return", "dL/dx rows, owner → front-end: rows of H·a bytes", ret_row, False),
+        stage("bwd_return", f"dL/dx rows, owner → front-end: rows of {grad_bytes} bytes", grad_row, False),
     )
     segs = sp.ceiling(admitted / S) if segmented else sp.Integer(1)
     lo, hi = BARRIER_PEER_RANGE

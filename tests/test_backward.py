@@ -50,6 +50,7 @@ class Case:
     seed: int = 0
     dedup: bool = False
     gate_input: bool = False  # expert ..., gate input
+    dtype: str = "fp32"  # the dtype statement's options
 
     def layer(self) -> Layer:
         text = (
@@ -57,7 +58,7 @@ class Case:
             f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
             f"  expert    {self.act}(ffn = {self.F}{self.act_args}){', bias' if self.bias else ''}"
             f"{', gate input' if self.gate_input else ''}\n"
-            "  dtype     fp32\n"
+            f"  dtype     {self.dtype}\n"
             "  owner     balanced\n"
             f"  capacity  {self.capacity}\n"
             f"  segment   rows {self.S}, buffers {self.B}\n"
@@ -382,3 +383,29 @@ def test_resent_input_rows_give_the_kept_ones_outputs_and_gradients_bitwise(case
     per_owner = sum(math.prod(shape[1:]) for shape in owner_rows)
     assert per_owner * 4 == figures["saved_activations.per_layer"]
     assert figures["transport.bwd_dispatch.row_bytes"] == case.H * (4 + 4)  # dL/dy and x again, fp32
+
+
+# ------------------------------------------------------------------ an fp8 backward transport
+
+
+def test_an_fp8_backward_transport_is_within_its_bound_of_the_compute_dtypes_and_bitwise_across_schedules():
+    """``dtype ..., backward fp8_e4m3``: g'·dL/dy goes to the owners and dL/dx comes back as fp8
+    e4m3, one fp32 scale per 128 columns of a row, summed in fp32 at the front-end. The forward
+    is untouched (outputs bitwise); every gradient within 0.1 of the compute dtype's backward
+    (relative to its largest value; e4m3 keeps 3 mantissa bits: 2^-4 per element; dL/dg exact
+    unless the gate is on the input, where it reads the returned rows), and bitwise across
+    schedules (a return ring, pipelined; rows at their places, bulk). 160 columns: a full
+    128-column scale block and a partial one; drops, and the gate on the input."""
+    case = Case(H=160, capacity="factor 0.5, weights zero", routing="zipf:1.5", gate_input=True)
+    inputs, biases = case.inputs(), case.biases()
+    y, _, dy, want = grads(case.layer().module(schedule="pipelined", tiles=TILES), inputs, biases=biases)
+    fp8 = dataclasses.replace(case, dtype="fp32, backward fp8_e4m3").layer()
+    got_all = []
+    for strategy in ("pipelined", "bulk"):
+        m = fp8.module(schedule=strategy, tiles=TILES)
+        got_y, _, _, got = grads(m, inputs, dy, biases)
+        assert m.contract.bwd_fp8 and torch.equal(got_y, y), strategy
+        errors = {n: float((got[n] - want[n]).abs().max()) / float(want[n].abs().max()) for n in want}
+        assert all(e <= 0.1 for e in errors.values()) and errors["x"] > 0 and errors["w_up"] > 0, (strategy, errors)
+        got_all.append(got)
+    assert all(torch.equal(got_all[0][n], got_all[1][n]) for n in want)

@@ -663,3 +663,17 @@ def test_the_gate_on_the_input_refuses_dedup_and_renormalised_drops_at_their_sta
     for ok in ("  capacity  factor 1.25, weights zero", "  capacity  dropless"):
         specs, diags = elaborate(parse_text(spec_text(ok).replace("1408)", "1408), gate input")))
         assert not diags.errors and specs[0].gate_on == "input", ok
+
+
+def test_the_backward_transport_is_the_compute_dtype_or_fp8_and_not_with_dedup():
+    specs, _ = elaborate(parse_text(spec_text("  dtype bf16, backward fp8_e4m3")))
+    assert specs[0].precision.backward_fp8 and specs[0].precision.dispatch is Dtype.BF16
+    specs, _ = elaborate(parse_text(spec_text("  dtype bf16, backward bf16")))
+    assert specs[0].precision.backward is None  # the compute dtype: nothing changes
+    assert where(errors_of(spec_text("  dtype bf16, backward fp16"))) == [
+        (4, 24, "backward transport dtype must be one of bf16, fp8_e4m3; got fp16")
+    ]
+    dedup = ("  dtype bf16, backward fp8_e4m3", "  sideband row_id, local_expert, gate", "  transport emulated, dedup")
+    assert [(d.message.split(":")[0], d.span.line) for d in errors_of(spec_text(*dedup))] == [
+        ("an fp8 backward transport is not implemented with dedup", 4)
+    ]

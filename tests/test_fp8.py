@@ -2,7 +2,7 @@
 (``scale row``) or per 128 columns (``scale block``), the scales in the sideband, GEMM1
 applying them (the device functions: tests/test_device.py). The layer matches ``rdepc.reference`` on
 the same quantised rows within bf16's tolerance (and the unquantised operator within the
-bound docs/language.md states), bitwise across schedules, forward and backward."""
+bound docs/fp8.md states), bitwise across schedules, forward and backward."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rdepc.reference import FP8_MAX, fp8_dispatch, random_inputs, reference_for
 
 TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
 BF16_TOL = 2e-2  # rdepc run's bf16 tolerance
-FP8_BOUND = 0.1  # against the unquantised operator (docs/language.md, dtype)
+FP8_BOUND = 0.1  # against the unquantised operator (docs/fp8.md)
 
 
 @pytest.fixture(autouse=True)

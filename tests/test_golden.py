@@ -100,7 +100,7 @@ def test_golden_values_match_the_papers_arithmetic(monkeypatch):
     assert nvl["capacity"]["rows_per_expert"] == 17280  # ceil(1.25 * 72 * 4096 * 6 / 128)
     assert nvl["capacity"]["factor"] == "5/4"
     ds = load["deepseek_v3"]
-    assert ds["precision"] == {"dtype": "bf16", "dispatch": "fp8_e4m3", "dispatch_scale": "row"}
+    assert ds["precision"] == {"dtype": "bf16", "dispatch": "fp8_e4m3", "dispatch_scale": "row", "backward": "bf16"}
     assert ds["route_row"]["sideband"] == ["row_id", "local_expert", "gate", "scale"]
     assert ds["route_row"]["sideband_bytes"] == 20
     assert "fp8 dispatch" in ds["features"]

@@ -23,7 +23,7 @@ from rdepc.codegen.device.layout import (
     K,
     T,
 )
-from rdepc.codegen.device.returns import returned_rows
+from rdepc.codegen.device.returns import returned_grad, returned_rows
 
 
 @triton.jit
@@ -212,7 +212,10 @@ def combine_grad(
             for kk in range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
-                back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if RING:  # unpacked into the layer's dtype
+                    back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                else:  # BWD_FP8: with their scales
+                    back = returned_grad(peer(heap, r), landing, t * K + kk, c, m, CAST_F32)
                 if GATE_INPUT:  # back: dL/d(g'x); the token's row times g', and x · it
                     wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                     acc += wk[:, None] * back

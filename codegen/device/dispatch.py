@@ -8,11 +8,16 @@ from rdepc.codegen.device.gemm import fp8_scale, to_e4m3
 from rdepc.codegen.device.heap import peer, put
 from rdepc.codegen.device.layout import (
     ADMITTED,
+    BWD_FP8,
     BWD_INPUTS,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
     BWD_SB_LINKS,
+    BWD_SCALE_COLS,
+    BWD_SCALES,
+    BWD_SCALES_AT,
+    BWD_WIRE,
     CARRY_GATE,
     CARRY_LOCAL_EXPERT,
     DEDUP,
@@ -78,7 +83,8 @@ def dispatch(
 
     The backward sends along the same offsets (the forward's accepted set, never routed
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
-    dtype into q's backward payload ring, and its row_id beside it.
+    dtype (BWD_FP8: in fp8 e4m3, a scale per BWD_SCALE_COLS columns into BWD_SCALES_AT) into
+    q's backward payload ring, and its row_id beside it.
 
     GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
     format), as the expert's input; the backward sends dL/dy as it is (the combine added the
@@ -107,7 +113,7 @@ def dispatch(
     bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
     dst = peer(heap, q)
     if BACKWARD:
-        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
     else:
         payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
     rows = sorted_rows + tl.cast(r, tl.int64) * (T * K)
@@ -147,6 +153,13 @@ def dispatch(
                     c = h + tl.arange(0, BLOCK_H)
                     m = send[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), m)
+            elif BWD_FP8:  # g'·dL/dy in fp32, then fp8 e4m3 with a scale per BWD_SCALE_COLS columns
+                scales_at = (dst + BWD_SCALES_AT).to(tl.pointer_type(tl.float32)) + tl.cast(at, tl.int64) * BWD_SCALES
+                for h in range(0, H, BWD_SCALE_COLS):
+                    c = h + tl.arange(0, BWD_SCALE_COLS)
+                    m = keep[:, None] & (c < H)[None, :]
+                    v = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32) * scale[:, None]
+                    put_e4m3(v, to, scales_at, h, keep, m, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -180,6 +193,17 @@ def dispatch(
             if CARRY_GATE:
                 gate = tl.load(gates + base + i, mask=keep, other=0.0)
                 put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+
+
+@triton.jit
+def put_e4m3(v, to, scales_at, h, keep, m, CAST_F32: tl.constexpr):
+    """BWD_FP8: fp32 rows ``v`` (0 where masked), columns h .. h + BWD_SCALE_COLS, as fp8 e4m3
+    at rows ``to`` and each row's scale for the block at ``scales_at`` (its row's scales),
+    the ``keep`` rows only."""
+    qscale = fp8_scale(tl.max(tl.abs(v), axis=1))
+    put(scales_at + h // BWD_SCALE_COLS, qscale, keep)
+    c = h + tl.arange(0, BWD_SCALE_COLS)
+    put(to[:, None] + c[None, :], to_e4m3(v, qscale[:, None], CAST_F32), m)
 
 
 @triton.jit

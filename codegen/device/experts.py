@@ -14,11 +14,15 @@ from rdepc.codegen.device.layout import (
     ACT_ALPHA,
     ACT_LIMIT,
     BIAS,
+    BWD_FP8,
     BWD_INPUTS,
     BWD_PAYLOAD,
     BWD_ROW_IDS,
     BWD_SB_GATE,
     BWD_SB_LINKS,
+    BWD_SCALE_COLS,
+    BWD_SCALES_AT,
+    BWD_WIRE,
     DEDUP,
     DISPATCH_DTYPE,
     DISPATCH_SCALE,
@@ -107,15 +111,17 @@ def payload_tile(
     CAST_F32: tl.constexpr,
     TRANS_B: tl.constexpr,
     SCALED: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
-    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them."""
+    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
+    per ``COLS`` columns."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
                 rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
-                scales, SCALE_COLS, a_index=first_row,
+                scales, COLS, a_index=first_row,
             )  # fmt: skip
         else:
             acc = gemm_tile(
@@ -125,7 +131,7 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            SCALE_COLS,
+            COLS,
         )  # fmt: skip
     else:
         acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
@@ -186,7 +192,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none",
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS,
         )  # fmt: skip
         if BIAS:
             acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
@@ -323,13 +329,15 @@ def bgemm1(
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
-    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
+    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy. BWD_FP8: the dO rows are fp8,
+    read with their scales (and kept dequantised).
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
         me = peer(heap, q)
-        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
+        scales = (me + BWD_SCALES_AT).to(tl.pointer_type(tl.float32))  # BWD_FP8: [B*S, BWD_SCALES]
         w = w_down + e * (F * H)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
@@ -338,7 +346,9 @@ def bgemm1(
             link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
-        da = payload_tile(rows, at, w, F, f, rows, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, False)
+        da = payload_tile(
+            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS
+        )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
@@ -386,6 +396,8 @@ def bgemm1(
                     d = tl.load(rows + tl.cast(first_row, tl.int64)[:, None] * H + cols[None, :], mask=mk, other=0.0)
                     do = narrow(d.to(tl.float32) * gp[:, None], DTYPE, CAST_F32)
                     tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
+            elif BWD_FP8:  # dequantised, as the GEMM above read them
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K, scales, BWD_SCALE_COLS)
             else:
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
             if RESEND:  # the input rows for the weight gradients, as the forward would have kept them

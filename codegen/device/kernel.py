@@ -262,7 +262,7 @@ def rdep_layer(
                     if kind == KIND_UNPACK:
                         unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
-                            rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2

@@ -5,14 +5,20 @@ to its (token, slot) place, or (RING) through a return ring that ``unpack`` empt
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import narrow
+from rdepc.codegen.device.dispatch import put_e4m3
 from rdepc.codegen.device.heap import peer, put
 from rdepc.codegen.device.layout import (
     ADMITTED,
     BWD_DGATE,
+    BWD_FP8,
     BWD_PAYLOAD,
     BWD_RETURN,
     BWD_RETURN_IDS,
+    BWD_RETURN_SCALES,
     BWD_SB_LINKS,
+    BWD_SCALE_COLS,
+    BWD_SCALES,
+    BWD_WIRE,
     DEDUP,
     DTYPE,
     E_MAX,
@@ -40,10 +46,26 @@ from rdepc.codegen.device.rows import clip, decode, locate, owned_by, ring_row
 @triton.jit
 def returned_rows(me, BACKWARD: tl.constexpr):
     """Where returned rows land in a front-end's heap slice ``me``: each at its (token,
-    slot) place, or (RING) in the return ring; the forward's region, or the backward's."""
+    slot) place, or (RING) in the return ring; the forward's region, or the backward's (in
+    BWD_WIRE: under BWD_FP8 with their scales at BWD_RETURN_SCALES, ``returned_grad``)."""
     if BACKWARD:
-        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
-    return (me + RETURN).to(tl.pointer_type(DTYPE))
+        rows = (me + BWD_RETURN).to(tl.pointer_type(BWD_WIRE))
+    else:
+        rows = (me + RETURN).to(tl.pointer_type(DTYPE))
+    return rows
+
+
+@triton.jit
+def returned_grad(me, landing, row, c, m, CAST_F32: tl.constexpr):
+    """dL/dx rows ``row`` (int [N]) of the backward's landing rows ``landing`` in front-end
+    slice ``me``, columns ``c``, in fp32: under BWD_FP8 times their scales, rounded to the
+    layer's dtype (as a return ring's unpack keeps them: the same sums either way)."""
+    back = tl.load(landing + tl.cast(row, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if BWD_FP8:
+        scales = (me + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32))
+        at = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
+        back = narrow(back * tl.load(scales + at, mask=m, other=0.0), DTYPE, CAST_F32).to(tl.float32)
+    return back
 
 
 @triton.jit
@@ -138,13 +160,14 @@ def return_rows(
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
         if RING:
             at = ring_row(row, s, claim)  # the claim's slot of r's return ring
-            to = landing + tl.cast(at, tl.int64) * H
+            to_row = tl.cast(at, tl.int64)
             if DEDUP:
                 put(ids + at, tl.where(ok, rid, -1), live)  # -1: no row here (the token returns from elsewhere)
             else:
                 put(ids + at, rid, ok)
         else:
-            to = landing + (t * K + k) * H
+            to_row = tl.cast(t * K + k, tl.int64)
+        to = landing + to_row * H
         if DEDUP:
             if BACKWARD:
                 dg = tl.zeros([BLOCK_R, K_PAD], tl.float32)  # dL/dg' of the token's slots here, hop by hop
@@ -179,10 +202,18 @@ def return_rows(
                     k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
         else:
             frm = out + tl.cast(frm, tl.int64) * H
-            for h in range(0, H, BLOCK_H):
-                c = h + tl.arange(0, BLOCK_H)
-                m = ok[:, None] & (c < H)[None, :]
-                put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+            if BACKWARD and BWD_FP8:  # fp8 e4m3, a scale per BWD_SCALE_COLS columns beside each row
+                scales_at = (front + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32)) + to_row * BWD_SCALES
+                for h in range(0, H, BWD_SCALE_COLS):
+                    c = h + tl.arange(0, BWD_SCALE_COLS)
+                    m = ok[:, None] & (c < H)[None, :]
+                    put_e4m3(tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32), to, scales_at, h,
+                             ok, m, CAST_F32)  # fmt: skip
+            else:
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = ok[:, None] & (c < H)[None, :]
+                    put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
 
 
 @triton.jit
@@ -204,6 +235,7 @@ def unpack(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
     """RING, front-end r: copy the piece owner q returned for segment s out of its
@@ -212,7 +244,8 @@ def unpack(
     claim + B.
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
-    (offset, count) per local expert, cut to the segment.
+    (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
+    fp8 with their scales, and land dequantised.
     """
     local = tl.arange(0, EL_PAD)
     me = peer(heap, r)
@@ -240,4 +273,8 @@ def unpack(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
-            tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
+            if BACKWARD and BWD_FP8:  # dequantised into the layer's dtype; the combine adds in fp32
+                rows_h = narrow(returned_grad(me, ring, at, c, m, CAST_F32), DTYPE, CAST_F32)
+            else:
+                rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
+            tl.store(to[:, None] + c[None, :], rows_h, mask=m)

@@ -179,6 +179,7 @@ class KernelContract:
     recompute: bool  # the backward computes GEMM1's pre-activations again from the kept input rows
     gate_input: bool  # the gate scales the expert's input (dispatch sends g'·x, the combine adds unweighted)
     resend: bool  # the backward's dispatch sends the input rows again: the owners keep none from the forward
+    bwd_fp8: bool  # the backward's rows (g'·dL/dy out, dL/dx back) go as fp8 e4m3, a scale per 128 columns
     dtype: str  # compute dtype: weights, activations, returned rows
     dispatch: str  # payload dtype on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" or "block" (per SCALE_BLOCK columns); else None

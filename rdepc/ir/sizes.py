@@ -173,9 +173,12 @@ def heap_buffers(
     return buffers: B, else one); ``keyed``, ``dedup``: the spec's admission and transport;
     ``d``, ``a``, ``sb``: bytes of a payload element, a layer element and a sideband row;
     ``done``: done counters per rank; ``resend`` (keyword, default false): the backward's
-    dispatch sends the input rows again, in the payload's dtype (``activations input resend``)."""
+    dispatch sends the input rows again, in the payload's dtype (``activations input resend``);
+    ``bwd_fp8`` (keyword, default false): the backward's rows go as fp8 e4m3, 1 byte an
+    element, with ``bwd_scales`` fp32 scales a row beside them (``dtype ..., backward fp8_e4m3``)."""
     R_ret, ids, ring, keyed, dedup = kw["R_ret"], kw["ids"], kw["ring"], kw["keyed"], kw["dedup"]
     resend = kw.get("resend", False)
+    bd, bsc = (1, kw["bwd_scales"] * 4) if kw.get("bwd_fp8", False) else (a, 0)
     bwd_sb = sum(n for _, n in BWD_SIDEBAND)
     return [
         ("control", "tokens", W * 8, 1, 0),
@@ -189,11 +192,13 @@ def heap_buffers(
         ("return", "return", R_ret * H * a, B if ring else 1, S * H * a if ring else R_ret * H * a),
         ("return", "return_ids", ids * 8, B if ring else 1, S * 8 if ring else 0),
         ("bwd_control", "bwd_flags", (done + 1) * 8, 1, 0),
-        ("bwd_payload", "bwd_payload", B * S * H * a, B, S * H * a),
+        ("bwd_payload", "bwd_payload", B * S * H * bd, B, S * H * bd),
+        ("bwd_payload", "bwd_scales", B * S * bsc, B, S * bsc),
         ("bwd_payload", "bwd_row_ids", B * S * 8, B, S * 8),
         ("bwd_payload", "bwd_sideband", B * S * bwd_sb if dedup else 0, B, S * bwd_sb if dedup else 0),
         ("bwd_payload", "bwd_inputs", B * S * H * d if resend else 0, B, S * H * d if resend else 0),
-        ("bwd_return", "bwd_return", R_ret * H * a, B if ring else 1, S * H * a if ring else 0),
+        ("bwd_return", "bwd_return", R_ret * H * bd, B if ring else 1, S * H * bd if ring else 0),
+        ("bwd_return", "bwd_return_scales", R_ret * bsc, B if ring else 1, S * bsc if ring else 0),
         ("bwd_return", "bwd_return_ids", ids * 8, B if ring else 1, S * 8 if ring else 0),
         ("bwd_return", "bwd_dgate", T * K * 4 if dedup else 0, 1, 0),
     ]

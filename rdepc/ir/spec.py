@@ -120,6 +120,13 @@ class Precision:
     dtype: Dtype  # weights, activations, returned rows
     dispatch: Dtype  # payload rows on the wire
     dispatch_scale: str | None  # fp8 dispatch: "row" (one scale per row) or "block" (per SCALE_BLOCK columns)
+    # the backward's rows on the wire (g'·dL/dy out, dL/dx back): None, the compute dtype; or
+    # fp8 e4m3 with one fp32 scale per SCALE_BLOCK columns of a row, accumulated in fp32
+    backward: Dtype | None = None
+
+    @property
+    def backward_fp8(self) -> bool:
+        return self.backward is Dtype.FP8_E4M3
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +358,7 @@ def spec_to_json(spec: LayerSpec) -> dict:
             "dtype": spec.precision.dtype.value,
             "dispatch": spec.precision.dispatch.value,
             "dispatch_scale": spec.precision.dispatch_scale,
+            "backward": (spec.precision.backward or spec.precision.dtype).value,
         },
         "model": {k: j(getattr(spec.model, k)) for k in ("moe_layers", "vocab", "layers", "dense_layers", "dense_ffn")},
         "route_row": {

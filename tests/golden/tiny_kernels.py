@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: e3ff23588516484213edbe4d3319b1865e3199980df91d6d8a2ad09d048f5168
+# content-sha256: 0c5b7d9b2c0a06616e62b96402f8d1ce0624097e37882a196202392b1a075d6e
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -90,6 +90,10 @@ BIAS = tl.constexpr(False)  # expert biases: GEMM1's epilogue adds b_up before t
 RECOMPUTE = tl.constexpr(False)  # the backward computes GEMM1's pre-activations again (not kept)
 GATE_INPUT = tl.constexpr(False)  # the gate scales the expert's input: rows go out as g'*x, come back unweighted
 RESEND = tl.constexpr(False)  # the backward's dispatch sends the input rows again (the owners kept none)
+BWD_FP8 = tl.constexpr(False)  # the backward's rows go as fp8 e4m3, with a scale per BWD_SCALE_COLS columns
+BWD_WIRE = tl.constexpr(tl.float32)  # the backward's rows on the wire
+BWD_SCALE_COLS = tl.constexpr(128)  # columns of a backward row one fp8 scale covers
+BWD_SCALES = tl.constexpr(0)  # fp32 scales per backward row
 GATED = tl.constexpr(True)  # a gated expert: GEMM1's weights are [Wg Wu], interleaved
 UP_COLS = tl.constexpr(2)  # GEMM1 output columns per ffn column
 KEYED = tl.constexpr(False)  # admission by key (a drop policy other than arrival order), not by row order
@@ -123,10 +127,12 @@ SB_LINKS = tl.constexpr(-1)  # sideband links, int32 [B*S, 2]: the token's first
 RETURN = tl.constexpr(36096)  # DTYPE at the front-end: row t*K + k of each (token, slot)
 RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: the row_id of each return-ring row
 BWD_FLAGS = tl.constexpr(44288)  # int64 the backward's done counters
-BWD_PAYLOAD = tl.constexpr(44544)  # DTYPE [B*S, H]: g'·dL/dy rows at the forward's places
+BWD_PAYLOAD = tl.constexpr(44544)  # BWD_WIRE [B*S, H]: g'·dL/dy rows at the forward's places
+BWD_SCALES_AT = tl.constexpr(77312)  # fp32 [B*S, BWD_SCALES]: BWD_FP8, their scales
 BWD_ROW_IDS = tl.constexpr(77312)  # int64 [B*S]: their row_ids
 BWD_INPUTS = tl.constexpr(78336)  # DISPATCH_DTYPE [B*S, H]: RESEND, the input rows x again at those places
-BWD_RETURN = tl.constexpr(78336)  # DTYPE: dL/dx rows at the front-end, laid out as RETURN
+BWD_RETURN = tl.constexpr(78336)  # BWD_WIRE: dL/dx rows at the front-end, laid out as RETURN
+BWD_RETURN_SCALES = tl.constexpr(86528)  # fp32 [rows, BWD_SCALES]: BWD_FP8, their scales
 BWD_RETURN_IDS = tl.constexpr(-1)  # int64 [B*S]: their row_ids
 BWD_SB_GATE = tl.constexpr(-1)  # fp32 [B*S]: dedup, each backward row's g'
 BWD_SB_LINKS = tl.constexpr(-1)  # int32 [B*S, 2]: dedup, its links (as SB_LINKS)
@@ -798,7 +804,8 @@ def dispatch(
 
     The backward sends along the same offsets (the forward's accepted set, never routed
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
-    dtype into q's backward payload ring, and its row_id beside it.
+    dtype (BWD_FP8: in fp8 e4m3, a scale per BWD_SCALE_COLS columns into BWD_SCALES_AT) into
+    q's backward payload ring, and its row_id beside it.
 
     GATE_INPUT: the forward sends g·x, rounded to the layer's dtype (then to the dispatch
     format), as the expert's input; the backward sends dL/dy as it is (the combine added the
@@ -827,7 +834,7 @@ def dispatch(
     bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
     dst = peer(heap, q)
     if BACKWARD:
-        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
     else:
         payload = (dst + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
     rows = sorted_rows + tl.cast(r, tl.int64) * (T * K)
@@ -867,6 +874,13 @@ def dispatch(
                     c = h + tl.arange(0, BLOCK_H)
                     m = send[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(src[:, None] + c[None, :], mask=m), m)
+            elif BWD_FP8:  # g'·dL/dy in fp32, then fp8 e4m3 with a scale per BWD_SCALE_COLS columns
+                scales_at = (dst + BWD_SCALES_AT).to(tl.pointer_type(tl.float32)) + tl.cast(at, tl.int64) * BWD_SCALES
+                for h in range(0, H, BWD_SCALE_COLS):
+                    c = h + tl.arange(0, BWD_SCALE_COLS)
+                    m = keep[:, None] & (c < H)[None, :]
+                    v = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32) * scale[:, None]
+                    put_e4m3(v, to, scales_at, h, keep, m, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -900,6 +914,17 @@ def dispatch(
             if CARRY_GATE:
                 gate = tl.load(gates + base + i, mask=keep, other=0.0)
                 put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+
+
+@triton.jit
+def put_e4m3(v, to, scales_at, h, keep, m, CAST_F32: tl.constexpr):
+    """BWD_FP8: fp32 rows ``v`` (0 where masked), columns h .. h + BWD_SCALE_COLS, as fp8 e4m3
+    at rows ``to`` and each row's scale for the block at ``scales_at`` (its row's scales),
+    the ``keep`` rows only."""
+    qscale = fp8_scale(tl.max(tl.abs(v), axis=1))
+    put(scales_at + h // BWD_SCALE_COLS, qscale, keep)
+    c = h + tl.arange(0, BWD_SCALE_COLS)
+    put(to[:, None] + c[None, :], to_e4m3(v, qscale[:, None], CAST_F32), m)
 
 
 @triton.jit
@@ -1325,15 +1350,17 @@ def payload_tile(
     CAST_F32: tl.constexpr,
     TRANS_B: tl.constexpr,
     SCALED: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
-    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them."""
+    (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
+    per ``COLS`` columns."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
                 rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
-                scales, SCALE_COLS, a_index=first_row,
+                scales, COLS, a_index=first_row,
             )  # fmt: skip
         else:
             acc = gemm_tile(
@@ -1343,7 +1370,7 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            SCALE_COLS,
+            COLS,
         )  # fmt: skip
     else:
         acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
@@ -1404,7 +1431,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none",
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS,
         )  # fmt: skip
         if BIAS:
             acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
@@ -1541,13 +1568,15 @@ def bgemm1(
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
-    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy.
+    g'·(dL/dy Wdᵀ), and the dO rows it keeps are g'·dL/dy. BWD_FP8: the dO rows are fp8,
+    read with their scales (and kept dequantised).
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
         at = ring_row(row0, s, s)
         me = peer(heap, q)
-        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(DTYPE))
+        rows = (me + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
+        scales = (me + BWD_SCALES_AT).to(tl.pointer_type(tl.float32))  # BWD_FP8: [B*S, BWD_SCALES]
         w = w_down + e * (F * H)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
@@ -1556,7 +1585,9 @@ def bgemm1(
             link = (me + BWD_SB_LINKS).to(tl.pointer_type(tl.int32))
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
-        da = payload_tile(rows, at, w, F, f, rows, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, False)
+        da = payload_tile(
+            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS
+        )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
         row = tl.cast(q, tl.int64) * R_MAX + row0 + m  # the owner's rows, as the forward saved them
@@ -1604,6 +1635,8 @@ def bgemm1(
                     d = tl.load(rows + tl.cast(first_row, tl.int64)[:, None] * H + cols[None, :], mask=mk, other=0.0)
                     do = narrow(d.to(tl.float32) * gp[:, None], DTYPE, CAST_F32)
                     tl.store(do_rows + (first + m)[:, None] * H + cols[None, :], do, mask=mk)
+            elif BWD_FP8:  # dequantised, as the GEMM above read them
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K, scales, BWD_SCALE_COLS)
             else:
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
             if RESEND:  # the input rows for the weight gradients, as the forward would have kept them
@@ -1761,10 +1794,26 @@ def expert_item(
 @triton.jit
 def returned_rows(me, BACKWARD: tl.constexpr):
     """Where returned rows land in a front-end's heap slice ``me``: each at its (token,
-    slot) place, or (RING) in the return ring; the forward's region, or the backward's."""
+    slot) place, or (RING) in the return ring; the forward's region, or the backward's (in
+    BWD_WIRE: under BWD_FP8 with their scales at BWD_RETURN_SCALES, ``returned_grad``)."""
     if BACKWARD:
-        return (me + BWD_RETURN).to(tl.pointer_type(DTYPE))
-    return (me + RETURN).to(tl.pointer_type(DTYPE))
+        rows = (me + BWD_RETURN).to(tl.pointer_type(BWD_WIRE))
+    else:
+        rows = (me + RETURN).to(tl.pointer_type(DTYPE))
+    return rows
+
+
+@triton.jit
+def returned_grad(me, landing, row, c, m, CAST_F32: tl.constexpr):
+    """dL/dx rows ``row`` (int [N]) of the backward's landing rows ``landing`` in front-end
+    slice ``me``, columns ``c``, in fp32: under BWD_FP8 times their scales, rounded to the
+    layer's dtype (as a return ring's unpack keeps them: the same sums either way)."""
+    back = tl.load(landing + tl.cast(row, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if BWD_FP8:
+        scales = (me + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32))
+        at = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
+        back = narrow(back * tl.load(scales + at, mask=m, other=0.0), DTYPE, CAST_F32).to(tl.float32)
+    return back
 
 
 @triton.jit
@@ -1859,13 +1908,14 @@ def return_rows(
             tl.atomic_add(stats + tl.cast(q, tl.int64) * ST_COLS + ST_RETURNED, tl.sum(ok.to(tl.int32), axis=0))
         if RING:
             at = ring_row(row, s, claim)  # the claim's slot of r's return ring
-            to = landing + tl.cast(at, tl.int64) * H
+            to_row = tl.cast(at, tl.int64)
             if DEDUP:
                 put(ids + at, tl.where(ok, rid, -1), live)  # -1: no row here (the token returns from elsewhere)
             else:
                 put(ids + at, rid, ok)
         else:
-            to = landing + (t * K + k) * H
+            to_row = tl.cast(t * K + k, tl.int64)
+        to = landing + to_row * H
         if DEDUP:
             if BACKWARD:
                 dg = tl.zeros([BLOCK_R, K_PAD], tl.float32)  # dL/dg' of the token's slots here, hop by hop
@@ -1900,10 +1950,18 @@ def return_rows(
                     k_row = tl.where(on, tl.load(link + 2 * k_row + 1, mask=on, other=-1), -1)
         else:
             frm = out + tl.cast(frm, tl.int64) * H
-            for h in range(0, H, BLOCK_H):
-                c = h + tl.arange(0, BLOCK_H)
-                m = ok[:, None] & (c < H)[None, :]
-                put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+            if BACKWARD and BWD_FP8:  # fp8 e4m3, a scale per BWD_SCALE_COLS columns beside each row
+                scales_at = (front + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32)) + to_row * BWD_SCALES
+                for h in range(0, H, BWD_SCALE_COLS):
+                    c = h + tl.arange(0, BWD_SCALE_COLS)
+                    m = ok[:, None] & (c < H)[None, :]
+                    put_e4m3(tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32), to, scales_at, h,
+                             ok, m, CAST_F32)  # fmt: skip
+            else:
+                for h in range(0, H, BLOCK_H):
+                    c = h + tl.arange(0, BLOCK_H)
+                    m = ok[:, None] & (c < H)[None, :]
+                    put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
 
 
 @triton.jit
@@ -1925,6 +1983,7 @@ def unpack(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
     """RING, front-end r: copy the piece owner q returned for segment s out of its
@@ -1933,7 +1992,8 @@ def unpack(
     claim + B.
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
-    (offset, count) per local expert, cut to the segment.
+    (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
+    fp8 with their scales, and land dequantised.
     """
     local = tl.arange(0, EL_PAD)
     me = peer(heap, r)
@@ -1961,7 +2021,11 @@ def unpack(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
-            tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
+            if BACKWARD and BWD_FP8:  # dequantised into the layer's dtype; the combine adds in fp32
+                rows_h = narrow(returned_grad(me, ring, at, c, m, CAST_F32), DTYPE, CAST_F32)
+            else:
+                rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
+            tl.store(to[:, None] + c[None, :], rows_h, mask=m)
 
 
 @triton.jit
@@ -2150,7 +2214,10 @@ def combine_grad(
             for kk in range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
-                back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if RING:  # unpacked into the layer's dtype
+                    back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                else:  # BWD_FP8: with their scales
+                    back = returned_grad(peer(heap, r), landing, t * K + kk, c, m, CAST_F32)
                 if GATE_INPUT:  # back: dL/d(g'x); the token's row times g', and x · it
                     wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                     acc += wk[:, None] * back
@@ -2406,7 +2473,7 @@ def rdep_layer(
                     if kind == KIND_UNPACK:
                         unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
-                            rid_t, rid_k, BLOCK_R, BLOCK_H, BACKWARD,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
