@@ -34,7 +34,9 @@ EVERY_EXAMPLE = ("rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep
 
 
 # Examples whose builds another example's cover: a router or a shared gate is torch, not a kernel.
-SAME_KERNELS = ("deepseek_v2.rdep", "qwen2_moe.rdep", "qwen3_next_80b_a3b.rdep")
+SAME_KERNELS = (
+    "deepseek_v2.rdep", "qwen2_moe.rdep", "qwen3_next_80b_a3b.rdep", "ernie45_21b_a3b.rdep", "hunyuan_a13b.rdep"
+)  # fmt: skip
 
 # nvshmem's builds differ from emulated's by the transport's device half alone: fp32 and bf16,
 # fp8 dispatch and dedup (deepseek_v3) cover what links against NVSHMEM's bitcode

@@ -20,6 +20,9 @@ NARROW = {
     "gpt_oss_120b": ("T=8", "E=16", "H=64", "F=64"),
     "qwen3_next_80b_a3b": ("T=8", "E=32", "H=64", "F=64", "FS=64"),  # 4 experts a rank, top-10
     "llama4_scout": ("T=8", "H=64", "F=64", "FS=64"),  # the gate on the expert's input
+    # their routers and shared experts are torch: 4 ranks keep the run short
+    "ernie45_21b_a3b": ("W=4", "T=8", "E=16", "H=64", "F=64"),
+    "hunyuan_a13b": ("W=4", "T=8", "E=16", "H=64", "F=64", "FS=64"),
     # 72 ranks put 10,800 entries in the task table (about 4 minutes in the interpreter at
     # T=2); 12 ranks keep E = 128 unevenly owned (8 ranks own 11 experts, 4 own 10), top-2.
     "nvl72_e128": ("W=12", "T=4", "K=2", "H=64", "F=64"),

@@ -44,9 +44,9 @@ def _run(env: dict[str, str], *argv: str, timeout: int = 600) -> subprocess.Comp
     )  # fmt: skip
 
 
-# Examples whose kernels are another example's: what sets them apart (their routers, Qwen2's and
-# Qwen3-Next's gated shared expert) is torch, not Triton.
-SAME_KERNELS = {"deepseek_v2", "qwen2_moe", "qwen3_next_80b_a3b"}
+# Examples whose kernels are another example's: what sets them apart (their routers, their shared
+# experts, Qwen2's and Qwen3-Next's gate on them) is torch, not Triton.
+SAME_KERNELS = {"deepseek_v2", "qwen2_moe", "qwen3_next_80b_a3b", "ernie45_21b_a3b", "hunyuan_a13b"}
 
 
 def test_examples_check_under_the_newest_triton(newest, tmp_path):

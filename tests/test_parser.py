@@ -61,8 +61,8 @@ def test_examples_parse_with_exact_spans(example):
     assert module.file == str(example)
     assert module.text == text
     assert module.layer_names == (example.stem,)
-    # H and F (the DeepSeeks, Qwen3 and GPT-OSS also E, Qwen2-MoE, Qwen3-Next and Llama-4 their shared FS)
-    # narrow a layer to a CPU-sized run (tests/test_examples.py)
+    # H and F (the DeepSeeks, Qwen3, GPT-OSS and Ernie also E; Qwen2-MoE, Qwen3-Next, Llama-4 and HunYuan their
+    # shared FS) narrow a layer to a CPU-sized run (tests/test_examples.py)
     narrowable = {
         "tiny": [],
         "deepseek_v3": ["E", "H", "F"],
@@ -71,6 +71,8 @@ def test_examples_parse_with_exact_spans(example):
         "gpt_oss_120b": ["E", "H", "F"],
         "qwen3_next_80b_a3b": ["E", "H", "F", "FS"],
         "llama4_scout": ["E", "H", "F", "FS"],
+        "ernie45_21b_a3b": ["E", "H", "F"],
+        "hunyuan_a13b": ["E", "H", "F", "FS"],
         "qwen3_30b_a3b": ["E", "H", "F"],
     }.get(example.stem, ["H", "F"])
     assert [p.name for p in module.params] == ["W", "T", "K", "L", *narrowable]
