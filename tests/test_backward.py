@@ -409,3 +409,17 @@ def test_an_fp8_backward_transport_is_within_its_bound_of_the_compute_dtypes_and
         assert all(e <= 0.1 for e in errors.values()) and errors["x"] > 0 and errors["w_up"] > 0, (strategy, errors)
         got_all.append(got)
     assert all(torch.equal(got_all[0][n], got_all[1][n]) for n in want)
+
+
+def test_the_gate_on_the_input_resent_rows_and_an_fp8_backward_are_bitwise_in_split_mode():
+    """The transport kernel and the GEMM kernel launched side by side (split) give what the one
+    persistent kernel gives (unified), all three constructs at once, drops included."""
+    case = Case(
+        capacity="factor 0.5, weights zero", routing="zipf:1.5", gate_input=True, dtype="fp32, backward fp8_e4m3",
+        extra="  activations pre recompute, input resend\n",
+    )  # fmt: skip
+    layer = case.layer()
+    inputs = case.inputs()
+    y, _, dy, want = grads(layer.module(schedule="pipelined", tiles=TILES), inputs)
+    got_y, _, _, got = grads(layer.module(schedule="pipelined", mode="split", tiles=TILES), inputs, dy)
+    assert torch.equal(got_y, y) and all(torch.equal(got[n], want[n]) for n in want)
