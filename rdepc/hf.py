@@ -14,12 +14,13 @@ experts, and the shared experts, in an ``RDEPMoE`` that routes from the gate's l
 spec's ``router`` says. A block that returns its router's scores (GPT-OSS) or logits
 (Llama-4) beside its output still does.
 
-Refused, with a :class:`SwapError` naming the block's path, its class and the reason: the
-blocks the table refuses (what the spec language cannot express), every
-other module with an ``experts`` submodule, any submodule, parameter, buffer or attribute of a
-mapped block outside the table's (a bias on a shared expert's projections, router jitter
-noise, experts with biases or in another layout), and a spec that disagrees with the block:
-its sizes, expert function, top-K, router or shared experts (``model.layers.0.mlp
+Refused, with a :class:`SwapError` naming the block's path, its class and the reason: a
+router the spec language cannot express (Ernie-4.5's clamped gate sum, a DeepSeek-V2
+``topk_method`` other than ``greedy`` and ``group_limited_greedy``), every other module with
+an ``experts`` submodule, any submodule, parameter, buffer or attribute of a mapped block
+outside the table's (a bias on a shared expert's projections, router jitter noise, experts
+with biases or in another layout), and a spec that disagrees with the block: its sizes,
+expert function, top-K, router or shared experts (``model.layers.0.mlp
 (MixtralSparseMoeBlock) has ffn 32, but layer 'm' (m.rdep) says 64``). A spec's capacity
 policy is its own: blocks are dropless, and a spec that may drop routes computes what it says.
 
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from rdepc.api import Layer, UsageError, load
-from rdepc.hf_families import ANY, FAMILIES, REFUSED, SILU, Family, Part, router_terms
+from rdepc.hf_families import ANY, FAMILIES, SILU, Family, Part, router_terms
 from rdepc.moe import RDEPMoE
 
 
@@ -59,11 +60,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, m in model.named_modules():
         if any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
             continue
-        if (
-            type(m).__name__ in FAMILIES
-            or type(m).__name__ in REFUSED
-            or isinstance(m._modules.get("experts"), nn.Module)
-        ):
+        if type(m).__name__ in FAMILIES or isinstance(m._modules.get("experts"), nn.Module):
             found.append((name, m))
     return found
 
@@ -71,8 +68,6 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def family_of(name: str, block: nn.Module) -> Family:
     """The table's row for ``block`` (at ``name`` in its model), or a :class:`SwapError`."""
     cls = type(block).__name__
-    if cls in REFUSED:
-        raise SwapError(f"{name} ({cls}): {REFUSED[cls]}")
     if cls not in FAMILIES:
         raise SwapError(
             f"{name} ({cls}) has experts, but {cls} is not a block class rdepc.hf maps (rdepc.hf_families lists them)"
@@ -427,4 +422,4 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), attr, new)
 
 
-__all__ = ["FAMILIES", "REFUSED", "Family", "RDEPBlock", "SwapError", "family_of", "moe_blocks", "swap", "unswap"]
+__all__ = ["FAMILIES", "Family", "RDEPBlock", "SwapError", "family_of", "moe_blocks", "swap", "unswap"]

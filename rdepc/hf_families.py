@@ -50,9 +50,9 @@ router (``router``, an ``nn.Linear`` without bias) returns (scores, logits), its
 shared MLP (``shared_expert``) is ungated, and the block returns its output with the tokens
 flattened ([N, H]) and its router's logits beside it.
 
-Refused (``REFUSED``), because the spec language cannot express them: Ernie-4.5 with a
-``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a DeepSeek-V2 ``topk_method``
-other than ``greedy`` and ``group_limited_greedy``.
+Refused by their router rule, because the spec language cannot express them: Ernie-4.5 with
+a ``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a DeepSeek-V2
+``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
 """
 
 from __future__ import annotations
@@ -349,6 +349,4 @@ FAMILIES: dict[str, Family] = {
     )
 }  # fmt: skip
 
-REFUSED: dict[str, str] = {}  # block classes that have experts but that no spec can describe
-
-__all__ = ["ANY", "FAMILIES", "REFUSED", "SILU", "Family", "Part", "router_terms"]
+__all__ = ["ANY", "FAMILIES", "SILU", "Family", "Part", "router_terms"]

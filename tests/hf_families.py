@@ -1,5 +1,5 @@
 """Tiny random transformers MoE blocks of every family transformers 5.x ships, for test_hf.py:
-each with the spec that describes it, or the SwapError that refuses it."""
+each with the spec that describes it."""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def import_transformers():
 @dataclass(frozen=True)
 class Case:
     """One family's block: ``module`` (transformers.models.<module>), its config class and
-    keywords, its block class; the spec's router, E, K, F and shared line, or the start of the
-    SwapError that refuses it."""
+    keywords, its block class; the spec's router, E, K, F, shared line and expert function."""
 
     module: str
     config: str
@@ -48,7 +47,6 @@ class Case:
     K: int = 2
     F: int = 16
     shared: str = ""
-    refused: str | None = None
     expert: str = "swiglu(ffn = {F})"
 
 

@@ -120,17 +120,11 @@ def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(fam.CASES))
-def test_every_family_is_swapped_with_equal_outputs_and_gradients_or_refused(tmp_path, name):
+def test_every_family_is_swapped_with_equal_outputs_and_gradients(tmp_path, name):
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
     original = copy.deepcopy(holder.mlp)
     spec = case_spec(tmp_path, case)
-    if case.refused:
-        with pytest.raises(SwapError) as err:
-            swap(holder, spec)
-        assert str(err.value).startswith(f"mlp {case.refused}"), err.value
-        assert holder.mlp.__class__.__name__ == case.block  # nothing replaced
-        return
     assert swap(holder, spec) == ["mlp"] and isinstance(holder.mlp, RDEPBlock)
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(2, 4, fam.H, generator=g), torch.randn(2, 4, fam.H, generator=g)
