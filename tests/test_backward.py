@@ -239,11 +239,16 @@ def test_the_backward_walks_its_own_forward_when_another_ran_since():
 
 
 def test_the_heap_is_the_plans_forward_backward_figure():
-    for strategy in STRATEGIES:
-        layer = Case(act="relu", E=3, T=8, S=3).layer()
-        m = layer.module(schedule=strategy, tiles=TILES)
-        want = symmetric_plan(layer.spec, strategy)["forward_backward"]["total"]
-        assert tuple(m.heap.shape) == (2, want) == (2, m.contract.heap_bytes), strategy
+    """Also with the backward's regions grown: re-sent input rows, fp8 rows and their scales."""
+    grown = Case(act="relu", E=3, T=8, S=3, dtype="fp32, backward fp8_e4m3", extra="  activations input resend\n")
+    for case in (Case(act="relu", E=3, T=8, S=3), grown):
+        for strategy in STRATEGIES:
+            layer = case.layer()
+            m = layer.module(schedule=strategy, tiles=TILES)
+            want = symmetric_plan(layer.spec, strategy)["forward_backward"]["total"]
+            assert tuple(m.heap.shape) == (2, want) == (2, m.contract.heap_bytes), (case, strategy)
+    buffers = symmetric_plan(grown.layer().spec, "pipelined")["buffers"]
+    assert buffers["bwd_inputs"] > 0 and buffers["bwd_scales"] > 0 and buffers["bwd_return_scales"] > 0
 
 
 def test_a_withheld_backward_task_trips_with_the_kernels_record_and_the_next_backward_recovers():
