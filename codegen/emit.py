@@ -23,7 +23,8 @@ from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
-from rdepc.ir.spec import SCALE_BLOCK, Dtype
+from rdepc.ir.sizes import SCALE_BLOCK, block_scales
+from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
@@ -189,7 +190,7 @@ def constants(p: KernelContract) -> str:
         _c("BWD_FP8", p.bwd_fp8, "the backward's rows go as fp8 e4m3, with a scale per BWD_SCALE_COLS columns"),
         _c("BWD_WIRE", "tl.float8e4nv" if p.bwd_fp8 else TL_DTYPE[p.dtype], "the backward's rows on the wire"),
         _c("BWD_SCALE_COLS", SCALE_BLOCK, "columns of a backward row one fp8 scale covers"),
-        _c("BWD_SCALES", -(-p.H // SCALE_BLOCK) if p.bwd_fp8 else 0, "fp32 scales per backward row"),
+        _c("BWD_SCALES", block_scales(p.H) if p.bwd_fp8 else 0, "fp32 scales per backward row"),
         _c("GATED", p.gated, "a gated expert: GEMM1's weights are [Wg Wu], interleaved"),
         _c("UP_COLS", 2 if p.gated else 1, "GEMM1 output columns per ffn column"),
         _c("KEYED", p.keyed, "admission by key (a drop policy other than arrival order), not by row order"),

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from rdepc.ir import sizes
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
-from rdepc.ir.spec import SCALE_BLOCK
 
 BACKWARD_REGIONS = ("bwd_control", "bwd_payload", "bwd_return")
 ALIGN = 256  # docs/memory.md: every symmetric buffer is padded to a multiple of this
@@ -120,7 +119,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     heap = sizes.heap_buffers(
         W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
         keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",
-        bwd_fp8=tg.spec.precision.backward_fp8, bwd_scales=sizes.ceil_div(H, SCALE_BLOCK),
+        bwd_fp8=tg.spec.precision.backward_fp8,
     )  # fmt: skip
     spec_rows = [
         (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))

@@ -13,10 +13,10 @@ from rdepc.passes.expressions import MAX_VALUE, evaluate
 from rdepc import syntax as S
 from rdepc.diagnostics import Span, did_you_mean
 from rdepc.ir.exact import Poly
+from rdepc.ir.sizes import block_scales
 from rdepc.ir.spec import (
     CLAMPED_SWIGLU,
     ROUTE_VARS,
-    SCALE_BLOCK,
     USER_SIDEBAND,
     Capacity,
     Dtype,
@@ -248,7 +248,7 @@ class Statements:
         offset, coeffs = radix
         scales = 1
         if prec is not None and prec.dispatch_scale == "block":
-            scales = -(-int(shape.H.value) // SCALE_BLOCK)
+            scales = block_scales(int(shape.H.value))
         return RouteRow(formula, coeffs, offset, sideband, is_eq7=formula == eq7, scales=scales)
 
     def radix(self, formula: Poly, shape: Shape, span: Span | None):

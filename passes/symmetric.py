@@ -28,7 +28,7 @@ from rdepc.passes.plan_symbols import (
 
 from rdepc.ir import sizes
 from rdepc.ir.sizes import BM
-from rdepc.ir.spec import SCALE_BLOCK, LayerSpec
+from rdepc.ir.spec import LayerSpec
 
 
 def done_counters_expr(strategy: str) -> sp.Expr:
@@ -77,7 +77,6 @@ def symmetric_formulas(
         dedup=dedup,
         resend=resend,
         bwd_fp8=bwd_fp8,
-        bwd_scales=sp.ceiling(H / SCALE_BLOCK),
     )
     # piecewise_fold: a ring's row_ids as one Piecewise of bytes, as docs/memory.md writes them
     buf = {}

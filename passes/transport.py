@@ -39,7 +39,8 @@ from rdepc.passes.plan_symbols import (
 )
 from rdepc.passes.sampled_routing import owners_per_token_expr
 
-from rdepc.ir.spec import SCALE_BLOCK, LayerSpec
+from rdepc.ir.sizes import block_scales
+from rdepc.ir.spec import LayerSpec
 
 
 def _max(x: sp.Expr, y: sp.Expr) -> sp.Expr:
@@ -51,7 +52,7 @@ def transport_plan(env: Env, strategy: str, resend: bool = False, bwd_fp8: bool 
     ``bwd_fp8``: the backward's rows go as fp8 e4m3 with an fp32 scale per 128 columns."""
     disp_row = H * d + sb
     ret_row = H * a
-    grad_row, grad_bytes = (H + 4 * sp.ceiling(H / SCALE_BLOCK), "H + 4·⌈H/128⌉") if bwd_fp8 else (ret_row, "H·a")
+    grad_row, grad_bytes = (H + 4 * block_scales(H), "H + 4·⌈H/128⌉") if bwd_fp8 else (ret_row, "H·a")
     bwd_row, bwd_what = grad_row, f"g'·dL/dy rows, front-end → owner: T·K rows of {grad_bytes} bytes"
     if resend:
         bwd_row = grad_row + H * d

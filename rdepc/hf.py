@@ -126,18 +126,15 @@ def _expert_text(act: str, limit=None, alpha=None, bias: bool = False) -> str:
 
 def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, int, str]:
     """(E, H, F, the expert function in spec terms) of a block's experts, in its family's layout."""
-    if fam.experts == "gpt_oss":  # gate_up_proj [E, H, 2F] interleaved, down_proj [E, F, H], biases
+    if fam.experts in ("gpt_oss", "llama4"):  # gate_up_proj [E, H, 2F], down_proj [E, F, H]
         E, H, twoF = ex.gate_up_proj.shape
         down, layout = (E, twoF // 2, H), "[E, F, H]"
-        text = _expert_text("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), bias=True)
-    elif fam.experts == "llama4":  # gate_up_proj [E, H, 2F], gate columns then up; down_proj [E, F, H]
-        E, H, twoF = ex.gate_up_proj.shape
-        down, layout = (E, twoF // 2, H), "[E, F, H]"
-        act = type(ex.act_fn).__name__
-        text = "swiglu" if act in SILU else f"gated {act}"
     else:
         E, twoF, H = ex.gate_up_proj.shape
         down, layout = (E, H, twoF // 2), "[E, H, F]"
+    if fam.experts == "gpt_oss":  # gate and up interleaved, biases
+        text = _expert_text("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), bias=True)
+    else:
         act = type(ex.act_fn).__name__
         text = "swiglu" if act in SILU else f"gated {act}"
     if tuple(ex.down_proj.shape) != down:
@@ -283,16 +280,15 @@ class RDEPBlock(nn.Module):
         that scales it, ``shared_expert_gate.weight`` [1, H]."""
         out = {}
         interleaved = self.family.experts == "gpt_oss"  # [E, H, 2F] and [E, 2F]: rdepc's own layout
+        down_as_held = self.family.experts in ("gpt_oss", "llama4")  # [E, F, H] (and [E, H]) as rdepc holds them
         for key, (name, _) in self.layout().items():
             p = source = getattr(self.moe, name).detach()
             if interleaved and name in ("w_gate_up", "b_gate_up"):
                 p = p.flatten(-2, -1)
-            elif interleaved and name in ("w_down", "b_down"):
+            elif down_as_held and name in ("w_down", "b_down"):
                 pass
             elif self.family.experts == "llama4" and name == "w_gate_up":  # [E, H, F, 2] -> [E, H, 2F]
                 p = p.transpose(2, 3).flatten(2, 3)
-            elif self.family.experts == "llama4" and name == "w_down":  # [E, F, H] as rdepc holds it
-                pass
             elif name == "w_gate_up":  # [E, H, F, 2] -> [E, 2, F, H]
                 p = p.permute(0, 3, 2, 1).flatten(1, 2)
             elif name == "w_down":

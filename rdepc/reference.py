@@ -47,7 +47,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F_
 
-from rdepc.ir.spec import CLAMPED_SWIGLU, SCALE_BLOCK, is_gated
+from rdepc.ir.sizes import SCALE_BLOCK
+from rdepc.ir.spec import CLAMPED_SWIGLU, is_gated
 
 ACTS = ("swiglu", "clamped_swiglu", "gelu", "relu")
 DROPS = ("round_robin", "arrival", "lowest_gate")
@@ -469,8 +470,9 @@ def reference_for(layer_or_spec, dispatch_rounding: bool = True) -> Callable[...
         if dispatch_rounding and spec.precision.dispatch_scale is not None:
             scale = spec.precision.dispatch_scale
             if spec.gate_on == "input":  # the scaled rows go on the wire, in the compute dtype first
-                name = {"bf16": "bfloat16", "fp16": "float16"}.get(spec.precision.dtype.value, "float32")
-                wire = getattr(torch, name)
+                wire = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+                    spec.precision.dtype.value
+                ]
                 dispatch = lambda rows: fp8_dispatch(rows.to(wire), scale)  # noqa: E731
             else:
                 x = fp8_dispatch(x, scale)

@@ -144,7 +144,8 @@ def dispatch(
         else:
             send = keep
         if BACKWARD:
-            scale = tl.load(gates + base + i, mask=keep, other=0.0)
+            gp = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
+            scale = gp
             if GATE_INPUT:  # the gate scaled the forward's input: dL/dy goes as it is
                 scale = tl.where(keep, 1.0, 0.0)
             if DEDUP:  # dL/dy once per (token, owner), as it is, and each slot's g' beside it (bgemm1 scales)
@@ -159,7 +160,7 @@ def dispatch(
                     c = h + tl.arange(0, BWD_SCALE_COLS)
                     m = keep[:, None] & (c < H)[None, :]
                     v = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32) * scale[:, None]
-                    put_e4m3(v, to, scales_at, h, keep, m, CAST_F32)
+                    put_e4m3(v, to, scales_at, h, keep, m, BWD_SCALE_COLS, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -167,13 +168,12 @@ def dispatch(
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
             if RESEND:  # the input rows again, as the forward's dispatch sent them (no dedup, no fp8)
-                g = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
                 src_x = inputs + (tl.cast(r, tl.int64) * n_tokens + t) * H
                 to_x = (dst + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE)) + tl.cast(at, tl.int64) * H
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
                     m = keep[:, None] & (c < H)[None, :]
-                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), g, CAST_F32)
+                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), gp, CAST_F32)
                     put(to_x[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
         else:
             if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
@@ -196,13 +196,13 @@ def dispatch(
 
 
 @triton.jit
-def put_e4m3(v, to, scales_at, h, keep, m, CAST_F32: tl.constexpr):
-    """BWD_FP8: fp32 rows ``v`` (0 where masked), columns h .. h + BWD_SCALE_COLS, as fp8 e4m3
-    at rows ``to`` and each row's scale for the block at ``scales_at`` (its row's scales),
-    the ``keep`` rows only."""
+def put_e4m3(v, to, scales_at, h, keep, m, COLS: tl.constexpr, CAST_F32: tl.constexpr):
+    """fp32 rows ``v`` (0 where masked), columns h .. h + COLS, as fp8 e4m3 at rows ``to`` and
+    each row's scale for the block at ``scales_at`` (its row's scales), the ``keep`` rows only:
+    fp8 dispatch's ``scale block`` and the fp8 backward."""
     qscale = fp8_scale(tl.max(tl.abs(v), axis=1))
-    put(scales_at + h // BWD_SCALE_COLS, qscale, keep)
-    c = h + tl.arange(0, BWD_SCALE_COLS)
+    put(scales_at + h // COLS, qscale, keep)
+    c = h + tl.arange(0, COLS)
     put(to[:, None] + c[None, :], to_e4m3(v, qscale[:, None], CAST_F32), m)
 
 
@@ -244,9 +244,7 @@ def payload_rows(
             c = h + tl.arange(0, SCALE_COLS)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
-            qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
-            put(at_scales + h // SCALE_COLS, qscale, send)
-            put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+            put_e4m3(rows_h, to, at_scales, h, send, m, SCALE_COLS, CAST_F32)
     else:
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)

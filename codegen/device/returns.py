@@ -207,8 +207,8 @@ def return_rows(
                 for h in range(0, H, BWD_SCALE_COLS):
                     c = h + tl.arange(0, BWD_SCALE_COLS)
                     m = ok[:, None] & (c < H)[None, :]
-                    put_e4m3(tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32), to, scales_at, h,
-                             ok, m, CAST_F32)  # fmt: skip
+                    v = tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                    put_e4m3(v, to, scales_at, h, ok, m, BWD_SCALE_COLS, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -273,8 +273,8 @@ def unpack(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
-            if BACKWARD and BWD_FP8:  # dequantised into the layer's dtype; the combine adds in fp32
-                rows_h = narrow(returned_grad(me, ring, at, c, m, CAST_F32), DTYPE, CAST_F32)
+            if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
+                rows_h = returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE)
             else:
                 rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
             tl.store(to[:, None] + c[None, :], rows_h, mask=m)

@@ -14,8 +14,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
-from rdepc.ir.sizes import m_tile_slots
-from rdepc.ir.spec import SCALE_BLOCK, is_gated
+from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
+from rdepc.ir.spec import is_gated
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")

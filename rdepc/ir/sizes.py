@@ -38,6 +38,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Columns one fp8 scale covers under ``scale block`` and in an fp8 backward (DeepEP's block of
+# 128 elements).
+SCALE_BLOCK = 128
+
+
+def block_scales(H: Any) -> Any:
+    """fp32 scales a row of H columns carries at one per SCALE_BLOCK columns, ⌈H/128⌉ (an int,
+    or a sympy expression for a symbol): fp8 dispatch's ``scale block``, the fp8 backward."""
+    return ceil_div(H, SCALE_BLOCK)
+
+
 # --- capacity: the accepted set ----------------------------------------------------------
 
 
@@ -175,10 +186,11 @@ def heap_buffers(
     ``done``: done counters per rank; ``resend`` (keyword, default false): the backward's
     dispatch sends the input rows again, in the payload's dtype (``activations input resend``);
     ``bwd_fp8`` (keyword, default false): the backward's rows go as fp8 e4m3, 1 byte an
-    element, with ``bwd_scales`` fp32 scales a row beside them (``dtype ..., backward fp8_e4m3``)."""
+    element, with :func:`block_scales` fp32 scales a row beside them (``dtype ..., backward
+    fp8_e4m3``)."""
     R_ret, ids, ring, keyed, dedup = kw["R_ret"], kw["ids"], kw["ring"], kw["keyed"], kw["dedup"]
     resend = kw.get("resend", False)
-    bd, bsc = (1, kw["bwd_scales"] * 4) if kw.get("bwd_fp8", False) else (a, 0)
+    bd, bsc = (1, block_scales(H) * 4) if kw.get("bwd_fp8", False) else (a, 0)
     bwd_sb = sum(n for _, n in BWD_SIDEBAND)
     return [
         ("control", "tokens", W * 8, 1, 0),
@@ -207,6 +219,8 @@ def heap_buffers(
 __all__ = [
     "BM",
     "BWD_SIDEBAND",
+    "SCALE_BLOCK",
+    "block_scales",
     "bulk_rows",
     "cap_e",
     "capacity_rule",

@@ -40,9 +40,6 @@ SIDEBAND_BYTES = {"row_id": 8, "local_expert": 4, "gate": 4, "scale": 4, "links"
 # next accepted slot on the same owner, int32 each: which slots one payload row carries.
 USER_SIDEBAND = tuple(f for f in SIDEBAND_BYTES if f != "links")
 
-# Columns one fp8 scale covers under ``scale block`` (DeepEP's block of 128 elements).
-SCALE_BLOCK = 128
-
 ROUTE_VARS = ("rank", "token", "slot")
 
 

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 0c5b7d9b2c0a06616e62b96402f8d1ce0624097e37882a196202392b1a075d6e
+# content-sha256: cf44ca68a5159b0882a0fb143866ad9e13df2c230b991a8568a267cc28981896
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -865,7 +865,8 @@ def dispatch(
         else:
             send = keep
         if BACKWARD:
-            scale = tl.load(gates + base + i, mask=keep, other=0.0)
+            gp = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
+            scale = gp
             if GATE_INPUT:  # the gate scaled the forward's input: dL/dy goes as it is
                 scale = tl.where(keep, 1.0, 0.0)
             if DEDUP:  # dL/dy once per (token, owner), as it is, and each slot's g' beside it (bgemm1 scales)
@@ -880,7 +881,7 @@ def dispatch(
                     c = h + tl.arange(0, BWD_SCALE_COLS)
                     m = keep[:, None] & (c < H)[None, :]
                     v = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32) * scale[:, None]
-                    put_e4m3(v, to, scales_at, h, keep, m, CAST_F32)
+                    put_e4m3(v, to, scales_at, h, keep, m, BWD_SCALE_COLS, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -888,13 +889,12 @@ def dispatch(
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
             if RESEND:  # the input rows again, as the forward's dispatch sent them (no dedup, no fp8)
-                g = tl.load(gates + base + i, mask=keep, other=0.0)  # g', which is g on every accepted row
                 src_x = inputs + (tl.cast(r, tl.int64) * n_tokens + t) * H
                 to_x = (dst + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE)) + tl.cast(at, tl.int64) * H
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
                     m = keep[:, None] & (c < H)[None, :]
-                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), g, CAST_F32)
+                    rows_h = gated(tl.load(src_x[:, None] + c[None, :], mask=m), gp, CAST_F32)
                     put(to_x[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
         else:
             if GATE_INPUT:  # the gate scales the expert's input (no dedup: every slot sends its own row)
@@ -917,13 +917,13 @@ def dispatch(
 
 
 @triton.jit
-def put_e4m3(v, to, scales_at, h, keep, m, CAST_F32: tl.constexpr):
-    """BWD_FP8: fp32 rows ``v`` (0 where masked), columns h .. h + BWD_SCALE_COLS, as fp8 e4m3
-    at rows ``to`` and each row's scale for the block at ``scales_at`` (its row's scales),
-    the ``keep`` rows only."""
+def put_e4m3(v, to, scales_at, h, keep, m, COLS: tl.constexpr, CAST_F32: tl.constexpr):
+    """fp32 rows ``v`` (0 where masked), columns h .. h + COLS, as fp8 e4m3 at rows ``to`` and
+    each row's scale for the block at ``scales_at`` (its row's scales), the ``keep`` rows only:
+    fp8 dispatch's ``scale block`` and the fp8 backward."""
     qscale = fp8_scale(tl.max(tl.abs(v), axis=1))
-    put(scales_at + h // BWD_SCALE_COLS, qscale, keep)
-    c = h + tl.arange(0, BWD_SCALE_COLS)
+    put(scales_at + h // COLS, qscale, keep)
+    c = h + tl.arange(0, COLS)
     put(to[:, None] + c[None, :], to_e4m3(v, qscale[:, None], CAST_F32), m)
 
 
@@ -965,9 +965,7 @@ def payload_rows(
             c = h + tl.arange(0, SCALE_COLS)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
-            qscale = fp8_scale(tl.max(tl.abs(rows_h), axis=1))
-            put(at_scales + h // SCALE_COLS, qscale, send)
-            put(to[:, None] + c[None, :], to_e4m3(rows_h, qscale[:, None], CAST_F32), m)
+            put_e4m3(rows_h, to, at_scales, h, send, m, SCALE_COLS, CAST_F32)
     else:
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
@@ -1955,8 +1953,8 @@ def return_rows(
                 for h in range(0, H, BWD_SCALE_COLS):
                     c = h + tl.arange(0, BWD_SCALE_COLS)
                     m = ok[:, None] & (c < H)[None, :]
-                    put_e4m3(tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32), to, scales_at, h,
-                             ok, m, CAST_F32)  # fmt: skip
+                    v = tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+                    put_e4m3(v, to, scales_at, h, ok, m, BWD_SCALE_COLS, CAST_F32)
             else:
                 for h in range(0, H, BLOCK_H):
                     c = h + tl.arange(0, BLOCK_H)
@@ -2021,8 +2019,8 @@ def unpack(
         for h in range(0, H, BLOCK_H):
             c = h + tl.arange(0, BLOCK_H)
             m = ok[:, None] & (c < H)[None, :]
-            if BACKWARD and BWD_FP8:  # dequantised into the layer's dtype; the combine adds in fp32
-                rows_h = narrow(returned_grad(me, ring, at, c, m, CAST_F32), DTYPE, CAST_F32)
+            if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
+                rows_h = returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE)
             else:
                 rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
             tl.store(to[:, None] + c[None, :], rows_h, mask=m)
