@@ -36,7 +36,7 @@ from rdepc.ir.contract import KernelContract
 from rdepc.ir.graph import MemoryPlan, Schedule
 
 # LayerSpec.features() the code generator does not implement (see the module docstring).
-UNSUPPORTED: frozenset[str] = frozenset({"expert replication"})
+UNSUPPORTED: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

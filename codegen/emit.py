@@ -55,7 +55,8 @@ def generate(contract: KernelContract) -> str:
         "import triton\nimport triton.language as tl\n" + (imports + "\n" if imports else ""),
         constants(contract),
     ]
-    code = [transport.source(contract.transport), *(include(m) for m in DEVICE_MODULES)]
+    modules = DEVICE_MODULES + (("balance",) if contract.balance[0] else ())
+    code = [transport.source(contract.transport), *(include(m) for m in modules)]
     text = "\n\n".join(p.rstrip("\n") for p in head) + "\n\n\n" + "\n\n\n".join(p.strip("\n") for p in code) + "\n"
     return text.replace(HASH_FIELD + _ZERO, HASH_FIELD + content_hash(text), 1)
 
@@ -173,6 +174,10 @@ def constants(p: KernelContract) -> str:
         _c("R_MAX", p.R_MAX, "rows of the busiest owner: the backward's saved rows per owner"),
         _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({scale})"),
         _c("SCALES", p.scales if p.scale_cols else 0, "fp32 scales per payload row, in the sideband"),
+        _c("HOMES", p.homes, "home experts: the E - W*SLOTS the router picks from (balance replicate)"),
+        _c("HOMES_PAD", next_pow2(p.homes)),
+        _c("SLOTS", p.balance[0], "redundant expert slots a rank (balance replicate; else 0)"),
+        _c("MIN_ROWS", p.balance[1], "the least rows a replica takes"),
         "",
         "# The spec's choices, which the device functions branch on at compile time.",
         _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),

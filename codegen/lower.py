@@ -305,6 +305,7 @@ def lower(
         wgrad_deps=tuple(wgrad_deps),
         programs=tuple(sched.kernel_split),
         guard=guard,
+        balance=(spec.balance.slots, spec.balance.min_rows) if spec.balance.kind == "replicate" else (0, 0),
     )
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from rdepc import syntax as S
 from rdepc.diagnostics import did_you_mean
-from rdepc.ir.spec import Balance, Ownership
+from rdepc.ir.spec import Balance, Capacity, Ownership
 
 KINDS = ("none", "replicate")
 OPTIONS = ("slots", "min_rows")
 USAGE = "e.g. 'balance replicate(slots = 2, min_rows = 64)' or 'balance none'"
 
 
-def elaborate_balance(layer, st: S.Stmt | None, ownership: Ownership, W: int) -> Balance | None:
+def elaborate_balance(
+    layer, st: S.Stmt | None, ownership: Ownership, W: int, capacity: Capacity | None
+) -> Balance | None:
     """The statement's Balance, or None after reporting its errors on ``layer.diags``.
 
     ``layer`` is the elaborator's per-layer context (``args``, ``size``, ``diags``, ``spans``).
@@ -77,6 +79,15 @@ def elaborate_balance(layer, st: S.Stmt | None, ownership: Ownership, W: int) ->
             f"{E} experts and a replica never sits on its home, so at most E - E_loc = {most} slots",
             given["slots"].value.span,
             "a single rank homes every expert: there is nowhere to replicate to" if most == 0 else None,
+        )
+        return None
+    if capacity is not None and capacity.policy != "dropless":
+        # Admission is per expert instance: a replica would admit rows against a cap of its
+        # own, so what a capacity keeps would depend on the plan.
+        d.error(
+            "balance replicate needs a dropless capacity: a replica would admit rows against its own cap",
+            v.span,
+            "drop 'capacity', or use 'balance none'",
         )
         return None
     return Balance("replicate", int(slots.value), int(min_rows.value))

@@ -262,7 +262,7 @@ class _Layer(Statements, Checks):
         pre = self.activations(stmts.get("activations"), precision)
         balance = None
         if ownership is not None:
-            balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value))
+            balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value), capacity)
         if len(self.diags.errors) > errors_before or None in (
             expert,
             precision,

@@ -44,10 +44,11 @@ class Compiled:
 
     def module(self, backend: str = "emulated", device=None, **options):
         """An ``rdepc.runtime.RDEPModule`` running these kernels (``device`` "cpu": the
-        Triton interpreter; "cuda": natively)."""
-        from rdepc.runtime.module import RDEPModule
+        Triton interpreter; "cuda": natively); a ``balance replicate`` layer's behind its
+        balance plan (``rdepc.runtime.balance.ReplicatedModule``)."""
+        from rdepc.runtime.balance import layer_module
 
-        return RDEPModule(self.kernel, self.kernels_path, backend=backend, device=device, **options)
+        return layer_module(self.kernel, self.kernels_path, backend=backend, device=device, **options)
 
 
 def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", interpret=True):

@@ -605,15 +605,19 @@ class RDEPModule:
 def local_experts(contract: KernelContract, rank: int | None) -> tuple[int, ...]:
     """The global ids of the experts whose weights a module's forward takes, in that order:
     rank ``rank``'s experts in local order (a per-rank module); with None every expert."""
+    homes = contract.homes  # a balance replicate layer's slots hold copies, not experts of their own
     if rank is None:
-        return tuple(range(contract.E))
-    return tuple(sorted((e for e in range(contract.E) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
+        return tuple(range(homes))
+    return tuple(sorted((e for e in range(homes) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
 
 
 def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
-    """The module of a compiled layer directory (``rdepc compile FILE -o DIR``)."""
+    """The module of a compiled layer directory (``rdepc compile FILE -o DIR``): a
+    ``ReplicatedModule`` for a ``balance replicate`` layer."""
+    from rdepc.runtime.balance import layer_module
+
     contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
-    return RDEPModule(contract, kernels_path, **options)
+    return layer_module(contract, kernels_path, **options)
 
 
 __all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled", "local_experts"]

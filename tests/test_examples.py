@@ -11,6 +11,7 @@ from conftest import EXAMPLES, ROOT
 # -D overrides per example; T is the bound the plan sizes buffers for, the run uses all of it.
 NARROW = {
     "tiny": (),
+    "tiny_balance": (),  # balance replicate: 1 slot a rank
     "moonlight": ("T=8", "H=64", "F=64"),
     "mixtral_8x7b": ("T=8", "H=64", "F=64"),
     "qwen3_30b_a3b": ("T=8", "E=32", "H=64", "F=64"),  # 4 experts a rank

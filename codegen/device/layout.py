@@ -36,6 +36,10 @@ SLOT_BLOCK = tl.constexpr(64)
 R_MAX = tl.constexpr(128)
 SCALE_COLS = tl.constexpr(0)
 SCALES = tl.constexpr(0)
+HOMES = tl.constexpr(8)
+HOMES_PAD = tl.constexpr(8)
+SLOTS = tl.constexpr(0)
+MIN_ROWS = tl.constexpr(0)
 
 # The spec's choices.
 DTYPE = tl.constexpr(tl.float32)

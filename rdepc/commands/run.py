@@ -33,6 +33,9 @@ def cmd_run(args) -> int:
     from rdepc.runtime import transport
 
     if transport.get(args.backend).per_rank:
+        from rdepc.driver import check_backend
+
+        check_backend(layer.spec, args.backend)  # before any rank process starts
         return _run_per_rank(args, layer, tokens)
     return _run_one_process(args, layer, tokens)
 
@@ -150,7 +153,8 @@ def _run_one_process(args, layer, tokens: int) -> int:
     accepted = int(st["accepted"].sum())
     agree = "matches the reference" if same else "DIFFERS from the reference"
     lines.append(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")
-    pairs = owner_pairs(inputs.topk_ids, st["accepted"], spec.ownership.owner)
+    # the owners the rows went to: a balance replicate layer's physical experts and their ranks
+    pairs = owner_pairs(kernels.last_context.topk_ids.cpu(), st["accepted"], kernels.contract.owner)
     uniform = float(owners_per_token_expr(E, K, spec.ownership.experts_per_rank(W))) / K
     lines.append(
         f"  redundancy      {accepted - pairs} of {accepted} accepted route rows repeat a (token, owner) pair "
@@ -166,6 +170,12 @@ def _run_one_process(args, layer, tokens: int) -> int:
         f"  rows per owner  {st['rows_per_owner'].tolist()} (max/mean {imbalance(st['rows_per_owner'].tolist()):.3f})",
         f"  dropped rows    {st['dropped_rows']} ({cap})",
     ]
+    if "balance" in st:
+        bl = st["balance"]
+        lines.append(
+            f"  balance         max/mean {bl['imbalance_before']:.3f} before, {bl['imbalance_after']:.3f} after "
+            f"(rows per rank {bl['before']} -> {bl['after']}; slots hold experts {bl['slots'].tolist()}, -1 empty)"
+        )
     if st["dropped_rows"]:
         order = f"drop {spec.capacity.drop}"
         lines.append(f"  dropped per src {st['dropped_per_source'].tolist()} per front-end rank ({order})")

@@ -231,11 +231,18 @@ class KernelContract:
     guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
     combine_tokens: int = COMBINE_TOKENS
     options: tuple[tuple[str, str], ...] = ()  # the codegen options it was generated with
+    # balance replicate: (N slots a rank, U least rows a replica); E counts the slots as experts
+    balance: tuple[int, int] = (0, 0)
 
     @property
     def per_rank(self) -> bool:
         """One process per rank (each runs its rank's entries), not all ranks in one."""
         return TRANSPORT_PROCESSES[self.transport] == "per-rank"
+
+    @property
+    def homes(self) -> int:
+        """The experts the router picks from: E less the W·N redundant slots (``rdepc.passes.replicate``)."""
+        return self.E - self.W * self.balance[0]
 
     @property
     def backward_reads_x(self) -> bool:

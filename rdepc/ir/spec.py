@@ -301,8 +301,6 @@ class LayerSpec:
             out.append(("symbolic tokens", "shape.tokens"))
         if not self.route_row.is_eq7:
             out.append(("a route_row encoding other than eq. 7", "route_row.id"))
-        if self.balance.kind != "none":
-            out.append(("expert replication", "balance"))
         return tuple(out)
 
 

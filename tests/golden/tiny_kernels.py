@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: cf44ca68a5159b0882a0fb143866ad9e13df2c230b991a8568a267cc28981896
+# content-sha256: 719fb393488c34ca76f6696651b713fb7fc3a567bbdd8a8d2f38397dccb2fb53
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -76,6 +76,10 @@ SLOT_BLOCK = tl.constexpr(64)  # m-tile slots per block of the scan's m-tile tab
 R_MAX = tl.constexpr(128)  # rows of the busiest owner: the backward's saved rows per owner
 SCALE_COLS = tl.constexpr(0)  # payload columns one fp8 scale covers (none: no fp8)
 SCALES = tl.constexpr(0)  # fp32 scales per payload row, in the sideband
+HOMES = tl.constexpr(8)  # home experts: the E - W*SLOTS the router picks from (balance replicate)
+HOMES_PAD = tl.constexpr(8)
+SLOTS = tl.constexpr(0)  # redundant expert slots a rank (balance replicate; else 0)
+MIN_ROWS = tl.constexpr(0)  # the least rows a replica takes
 
 # The spec's choices, which the device functions branch on at compile time.
 DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows

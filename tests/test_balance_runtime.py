@@ -1,0 +1,163 @@
+"""``balance replicate`` at run time: the plan the device derives is rdepc.ir.balance's to the
+row; the layer's outputs, dL/dx and dL/dg are the layer's without replication bitwise, its
+expert gradients within fp32 rounding (replicas' sums added into their home's), in every
+strategy and kernel mode; the statistics and ``rdepc run`` report the owners' balance; what
+is not built is refused at the statement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import rdepc
+from rdepc.diagnostics import SpecError
+from rdepc.ir.balance import imbalance, solve
+
+W, T, H, F, E, K = 4, 16, 64, 128, 8, 2
+OWNER = np.repeat(np.arange(W), E // W)
+SPEC = """layer b {{
+  shape ranks 4, tokens 16, hidden 64, experts 8, top 2
+  expert swiglu(ffn = 128)
+  dtype fp32
+  {capacity}
+  balance replicate(slots = {N}, min_rows = {U})
+}}
+"""
+
+
+def layer_file(tmp, N: int, U: int, capacity: str = "") -> str:
+    f = tmp / f"b_{N}_{U}{'_cap' if capacity else ''}.rdep"
+    f.write_text(SPEC.format(N=N, U=U, capacity=capacity))
+    return str(f)
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("balance")
+    return {(N, U): rdepc.load(layer_file(tmp, N, U)).module("emulated", "cpu") for N, U in ((1, 2), (2, 5))}
+
+
+def device_plan(module, load):
+    """The plan the layer's balance_solve kernel derives for ``load`` [W, E]."""
+    i32 = {"dtype": torch.int32}
+    out = {
+        "phys": torch.empty((E, W), **i32),
+        "cum": torch.empty((W, E, W), **i32),
+        "slots": torch.empty((W, module.slots), **i32),
+        "loads": torch.empty((2, W), **i32),
+    }
+    args = (torch.tensor(load, **i32), module.owner, out["phys"], out["cum"], out["slots"], out["loads"])
+    module._launch([(module.inner.kernels.balance_solve, (1,), args, {})])
+    return out
+
+
+loads = st.lists(st.integers(0, 40), min_size=W * E, max_size=W * E).map(lambda v: np.array(v).reshape(W, E))
+
+
+@pytest.mark.parametrize("slots", [(1, 2), (2, 5)], ids=["N1-U2", "N2-U5"])
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(load=loads)
+@example(load=np.zeros((W, E), dtype=np.int64))
+@example(load=np.tile([60, 0, 1, 1, 1, 0, 1, 1], (W, 1)))
+def test_the_device_plan_is_the_references(modules, slots, load):
+    module = modules[slots]
+    want = solve(load, OWNER, *slots)
+    got = device_plan(module, load)
+    assert (got["slots"].numpy() == want.slots).all()
+    assert (got["cum"].numpy() == np.cumsum(want.split, axis=2)).all()
+    assert (got["loads"][1].numpy() == want.rank_loads).all()
+    held = want.quota > 0
+    for e, t in zip(*np.nonzero(held), strict=True):  # the instance of e on t: the home, or its slot there
+        slot = list(want.slots[t]).index(e) if OWNER[e] != t else None
+        assert got["phys"][e, t] == (e if slot is None else E + t * slots[0] + slot)
+
+
+def skewed(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(W, T, E, generator=g)
+    logits[..., 0] += 3  # rank 0's experts are hot
+    logits[..., 1] += 2
+    ids = logits.topk(K, -1).indices
+    gates = torch.rand(W, T, K, generator=g)
+    x = torch.randn(W, T, H, generator=g)
+    weights = [torch.randn(E, H, F, generator=g) / 8, torch.randn(E, H, F, generator=g) / 8]
+    return ids, gates, x, [*weights, torch.randn(E, F, H, generator=g) / 11]
+
+
+def train_step(module, ids, gates, x, weights):
+    leaves = [t.clone().requires_grad_() for t in (x, gates, *weights)]
+    y = module(leaves[0], ids, leaves[1], *leaves[2:])
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    return y.detach(), [t.grad for t in leaves]
+
+
+@pytest.fixture(scope="module")
+def unreplicated():
+    module = rdepc.load("examples/tiny.rdep").module("emulated", "cpu")
+    return train_step(module, *skewed()), module.last_stats
+
+
+@pytest.mark.parametrize(
+    "schedule, mode", [("bulk", "unified"), ("pipelined", "unified"), ("deep", "unified"), ("bulk", "split")]
+)
+def test_outputs_are_the_unreplicated_layers_and_gradients_agree(unreplicated, schedule, mode):
+    (y0, g0), stats0 = unreplicated
+    module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu", schedule=schedule, mode=mode)
+    y, g = train_step(module, *skewed())
+    assert torch.equal(y, y0)
+    assert torch.equal(g[0], g0[0]) and torch.equal(g[1], g0[1])  # dL/dx, dL/dg
+    for a, b in zip(g[2:], g0[2:], strict=True):  # a replica's gradient is summed into its home's
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+    st = module.last_stats
+    bl = st["balance"]
+    assert (bl["slots"] >= 0).any()  # the hot experts were replicated
+    assert bl["imbalance_after"] < bl["imbalance_before"] == imbalance(stats0["rows_per_owner"].tolist())
+    assert bl["after"] == st["rows_per_owner"].tolist()
+    assert torch.equal(st["rows_per_expert"], stats0["rows_per_expert"])  # summed over each expert's instances
+
+
+def test_each_source_splits_its_rows_by_the_plans_quotas():
+    module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu")
+    ids, gates, x, weights = skewed(1)
+    with torch.no_grad():
+        module(x, ids, gates, *weights)
+    load = np.stack([np.bincount(ids[r].reshape(-1), minlength=E) for r in range(W)])
+    assert (module.last_plan["load"].numpy() == load).all()
+    want = solve(load, OWNER, module.slots, module.min_rows)
+    phys = module.last_context.topk_ids.numpy()  # each route row's physical expert
+    inst = module.last_plan["phys"].numpy()
+    for r in range(W):
+        for e in range(E):
+            for t in range(W):
+                sent = int(((ids[r].numpy() == e) & (phys[r] == inst[e, t])).sum()) if inst[e, t] >= 0 else 0
+                assert sent == want.split[r, e, t], (r, e, t)
+
+
+def test_rdepc_run_prints_the_balance_before_and_after(main):
+    status, out, err = main("run", "examples/tiny_balance.rdep", "--check", "--routing", "zipf:1.5")
+    assert status == 0, err
+    line = next(x for x in out.splitlines() if x.lstrip().startswith("balance"))
+    before, after = (float(v) for v in line.split("max/mean ")[1].split(" after")[0].split(" before, "))
+    assert before > 2 and after <= 1.05
+    assert out.rstrip().endswith("check passed")
+
+
+def test_a_capacity_that_drops_is_refused_at_the_statement(tmp_path):
+    f = layer_file(tmp_path, 1, 2, capacity="capacity factor 1.25")
+    with pytest.raises(SpecError) as e:
+        rdepc.load(f)
+    d = e.value.diagnostics[0]
+    assert d.message.startswith("balance replicate needs a dropless capacity")
+    assert (d.span.line, d.span.col) == (6, 11)  # at replicate(...)
+
+
+@pytest.mark.parametrize("backend", ["emulated-mp", "nvshmem"])
+def test_per_rank_backends_are_refused_at_the_statement(tmp_path, main, backend):
+    status, _, err = main("compile", "examples/tiny_balance.rdep", "--backend", backend, "-o", str(tmp_path))
+    assert status == 1
+    assert err.startswith(
+        f"examples/tiny_balance.rdep:17:3: error: not supported yet: balance replicate on the {backend}"
+    )
