@@ -201,6 +201,10 @@ def test_device_code_is_copied(tmp_path):
                 assert text in body, f"{module}.{name} is not copied verbatim"
         code = body[body.index("@triton.jit") :]
         assert "tl.constexpr(" not in code.replace(": tl.constexpr", "")  # no constants after the block
+    # balance replicate adds the balance module's functions, and only then
+    src = generate_spec(rdepc.load(ROOT / "examples" / "tiny_balance.rdep").spec).source
+    assert all(text in src for _, text in functions("balance"))
+    assert "def balance_solve(" not in generate_spec(rdepc.load(spec_file(tmp_path)).spec).source
 
 
 # ----------------------------------------------------------- features and schedules

@@ -2,8 +2,8 @@
 
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
-compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring, qwen3
-deep): split mode's transport kernel and GEMM kernel, forward (keeping what a backward
+compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring; examples
+whose builds another's cover are skipped, SAME_KERNELS): split mode's transport kernel and GEMM kernel, forward (keeping what a backward
 walks) and backward, and the unified kernel's forward — for the one-process ``emulated``
 transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the examples are dealt over two
 processes (deepseek_v3 with its fp8 dispatch). tiny's compile through the command line
@@ -38,7 +38,9 @@ EVERY_EXAMPLE = ("rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep
 # other sizes.
 SAME_KERNELS = (
     "deepseek_v2.rdep", "qwen2_moe.rdep", "qwen3_next_80b_a3b.rdep", "ernie45_21b_a3b.rdep", "hunyuan_a13b.rdep",
-    "nvl72_e128.rdep",
+    "nvl72_e128.rdep", "tiny_balance.rdep",  # tiny's at E = 12; its balance kernels: test_the_balance_kernels_...
+    # moonlight's choices to the constant (deep is table data); its GEMM builds compile in test_gemm_loops
+    "qwen3_30b_a3b.rdep",
 )  # fmt: skip
 
 # nvshmem's builds differ from emulated's by the transport's device half alone: bf16, fp8
@@ -456,3 +458,58 @@ def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monk
     assert [r["status"] for r in again] == ["cached", "cached", "duplicate"]
     assert [r["key"] for r in again] == [r["key"] for r in first]
     assert out["jit_cache_hits"] == [True]
+
+
+_BALANCE = r"""
+import importlib.util, json, subprocess, sys, tempfile
+from pathlib import Path
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SIGNATURES = {
+    "balance_count": {"topk_ids": "*i64", "load": "*i32", "n_tokens": "i32"},
+    "balance_solve": {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads")},
+    "balance_reroute": {"topk_ids": "*i64", "phys_ids": "*i64", "phys": "*i32", "cum": "*i32", "n_tokens": "i32"},
+}
+spec = importlib.util.spec_from_file_location("k", sys.argv[1])
+k = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(k)
+out = {}
+for name, sig in SIGNATURES.items():
+    c = triton.compile(ASTSource(getattr(k, name), sig, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin"
+    cubin.write_bytes(c.asm["cubin"])
+    dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout
+    out[name] = {key: int(v) for key, v in __import__("re").findall(r"\b(REG|STACK|LOCAL):(\d+)", dump)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("shape", ["tiny_balance", "moonlight-shaped"])
+def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, shape):
+    """The count, solve and reroute kernels of a ``balance replicate`` layer build for sm_90
+    (ptxas) with no spills: tiny_balance, and moonlight's shape (8 ranks, 64 experts, top-6)
+    with 2 slots a rank. The solver's 64-bit divisions (the proportional split) call a
+    subroutine: a few bytes of stack, nothing more."""
+    path = ROOT / "examples" / "tiny_balance.rdep"
+    if shape != "tiny_balance":
+        path = tmp_path / "m.rdep"
+        path.write_text(
+            "layer m {\n  shape ranks 8, tokens 4096, hidden 2048, experts 64, top 6\n"
+            "  expert swiglu(ffn = 1408)\n  dtype bf16\n  balance replicate(slots = 2, min_rows = 64)\n}\n"
+        )
+    g = generate_spec(rdepc.load(path).spec)
+    written = write_module(g, tmp_path)
+    kernels = next(p for p in written if p.name.endswith("_kernels.py"))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _BALANCE, str(kernels)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(got) == {"balance_count", "balance_solve", "balance_reroute"}
+    for name, r in got.items():
+        assert r.get("LOCAL", 0) == 0 and r.get("STACK", 0) <= 64, (name, r)
+        assert 0 < r["REG"] <= 255, (name, r)

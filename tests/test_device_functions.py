@@ -325,7 +325,7 @@ def test_every_global_a_device_function_reads_is_a_constant_the_emitter_writes(e
     plan = generate_spec(rdepc.load(path).spec, schedule=None if example == "tiny-segmented" else "bulk").kernel
     block = emit.constants(plan)
     have = written(block) | written(transport.source(plan.transport))
-    modules = (*emit.DEVICE_MODULES, "heap", "signals")
+    modules = (*emit.DEVICE_MODULES, "balance", "heap", "signals")
     read = {m: free_constants(include(m)) for m in modules}
     assert {"W", "RID_0", "DROP", "S"} <= read["rows"] and read["signals"] == {"SCOPE"}
     missing = {m: sorted(names - have) for m, names in read.items() if names - have}

@@ -65,6 +65,7 @@ def test_examples_parse_with_exact_spans(example):
     # shared FS) narrow a layer to a CPU-sized run (tests/test_examples.py)
     narrowable = {
         "tiny": [],
+        "tiny_balance": [],
         "deepseek_v3": ["E", "H", "F"],
         "deepseek_v2": ["E", "H", "F"],
         "qwen2_moe": ["E", "H", "F", "FS"],
