@@ -3,13 +3,13 @@
 The compiles run in subprocesses (rdepc.codegen.sm90): this process runs the Triton
 interpreter for the other tests, and Triton fixes its mode at first import. Each example is
 compiled for its own schedule (tiny bulk, moonlight pipelined with a return ring; examples
-whose builds another's cover are skipped, SAME_KERNELS): split mode's transport kernel
-and GEMM kernel, forward (keeping what a backward walks) and backward, and the unified kernel's forward — for the one-process ``emulated``
-transport and for ``nvshmem`` (NVSHMEM's bitcode linked); the examples are dealt over two
-processes (deepseek_v3 with its fp8 dispatch). tiny's compile through the command line
-takes every build, the unified backward too. Each kernel is
-compiled as a launch runs it; that a launch's real arguments specialise it the same way is
-checked in this process, with Triton's binder and no compile.
+whose builds another's cover are skipped, SAME_KERNELS): split mode's transport kernel and
+GEMM kernel, forward (keeping what a backward walks) and backward, and the unified
+kernel's forward — for the one-process ``emulated`` transport and for ``nvshmem``
+(NVSHMEM's bitcode linked); the examples are dealt over two processes (deepseek_v3 with its
+fp8 dispatch). tiny's compile through the command line takes every build, the unified
+backward too. Each kernel is compiled as a launch runs it; that a launch's real arguments
+specialise it the same way is checked in this process, with Triton's binder and no compile.
 """
 
 from __future__ import annotations
