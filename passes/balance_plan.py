@@ -1,13 +1,14 @@
 """The planner's figures for ``balance replicate``: what the N redundant slots cost in
 memory, and, under one sampled routing (``--routing``), the owner imbalance (max/mean of
 per-rank rows) before and after the replication solver's plan for that routing's exact
-load (:func:`rdepc.ir.balance.solve`, the plan every rank would derive)."""
+load (:func:`rdepc.ir.balance.solve`, the plan every rank would derive), the busiest
+rank's routed GEMM time both ways, and the replicas' weights the plan moves."""
 
 from __future__ import annotations
 
 import sympy as sp
 from rdepc.passes.plan_records import BalancePlan, PlanOptions
-from rdepc.passes.plan_symbols import E, Env, F, Figure, H, K, T, W, a
+from rdepc.passes.plan_symbols import B_eff, E, Env, F, F_gpu, Figure, H, K, T, W, a
 from rdepc.passes.sampled_routing import source_counts
 
 from rdepc.ir.spec import LayerSpec
@@ -28,6 +29,7 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
         "balance.slot_bytes_training", 2 * N * expert, "B", "training: the same again for the replicas' gradients"
     )
     before = after = replicas = None
+    times: tuple[Figure | None, ...] = (None,) * 4
     if opts.routing is not None:
         from rdepc.ir.balance import imbalance, owner_loads, solve
 
@@ -42,4 +44,37 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
         after = Figure("balance.imbalance_after", None, imbalance(plan.rank_loads), "x", "the same after replication")
         used = int((plan.slots >= 0).sum())
         replicas = Figure("balance.replicas", None, used, "", f"replicas placed, of N·W = {b.slots * v[W]} slots")
-    return BalancePlan(b.slots, b.min_rows, slot_bytes, train, before, after, replicas)
+        times = _times(env, spec, load, plan, used)
+    return BalancePlan(b.slots, b.min_rows, slot_bytes, train, before, after, replicas, *times)
+
+
+def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ...]:
+    """The busiest rank's routed forward GEMMs at F_gpu before and after the plan, the
+    replicas' weights moved per call, and the busiest home's pushes at B_eff (a home sends
+    each of its replicated experts once to each replica)."""
+    import numpy as np
+
+    from rdepc.ir.balance import owner_loads
+
+    v = env.values
+    per_row = 2 * spec.expert.matrices * v[H] * v[F]
+    flops = float(v[F_gpu])
+    how = f"rows of the busiest rank × {2 * spec.expert.matrices}·H·F FLOPs at F_gpu"
+    before = int(owner_loads(load, spec.ownership.owner).max())
+    after = int(plan.rank_loads.max())
+    expert = int(spec.expert.matrices * v[H] * v[F] * v[a])
+    owner = np.asarray(spec.ownership.owner)
+    held = plan.slots[plan.slots >= 0]
+    busiest = int(np.bincount(owner[held], minlength=v[W]).max()) if len(held) else 0
+    return (
+        Figure("balance.time_before", None, before * per_row / flops, "s", f"{before} {how}, without replication"),
+        Figure("balance.time_after", None, after * per_row / flops, "s", f"{after} {how}, with the plan"),
+        Figure("balance.weight_bytes", None, used * expert, "B", "the replicas' weights, moved every call"),
+        Figure(
+            "balance.weight_time",
+            None,
+            busiest * expert / float(v[B_eff]),
+            "s",
+            f"the busiest home's {busiest} replica pushes at B_eff",
+        ),  # fmt: skip
+    )

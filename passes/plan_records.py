@@ -179,6 +179,12 @@ class BalancePlan:
     imbalance_before: Figure | None  # None: no --routing
     imbalance_after: Figure | None
     replicas: Figure | None
+    # the busiest rank's routed forward GEMMs at F_gpu, without and with the plan; the
+    # replicas' weights moved per call and the busiest home's share of them at B_eff
+    time_before: Figure | None = None
+    time_after: Figure | None = None
+    weight_bytes: Figure | None = None
+    weight_time: Figure | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +431,10 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "imbalance_before": j(b.imbalance_before),
             "imbalance_after": j(b.imbalance_after),
             "replicas": j(b.replicas),
+            "time_before": j(b.time_before),
+            "time_after": j(b.time_after),
+            "weight_bytes": j(b.weight_bytes),
+            "weight_time": j(b.weight_time),
         }
     if mem.alternative is not None:
         name = "plan_bulk" if mem.alternative.strategy == "bulk" else "plan_segmented"

@@ -40,6 +40,27 @@ def physical_layer(spec: LayerSpec) -> LayerSpec:
     )
 
 
+def physical_counts(spec: LayerSpec, counts) -> tuple[list[list[int]], object]:
+    """Rows per (source, physical expert) of a routing's ``counts`` [W][E] under the plan
+    every rank derives for it (:func:`rdepc.ir.balance.solve`), and that plan: what the
+    kernels of ``physical_layer(spec)`` move and compute for that routing."""
+    import numpy as np
+
+    from rdepc.ir.balance import solve
+
+    b, owner = spec.balance, spec.ownership.owner
+    W, E, N = int(spec.shape.W), len(owner), b.slots
+    load = np.asarray(counts, dtype=np.int64)
+    plan = solve(load, owner, N, b.min_rows)
+    out = np.zeros((W, E + W * N), dtype=np.int64)
+    out[:, :E] = plan.split[:, np.arange(E), owner]  # each source's rows its experts' homes take
+    for t in range(W):
+        for j, e in enumerate(plan.slots[t]):
+            if e >= 0:
+                out[:, slot_expert(E, N, t, j)] = plan.split[:, e, t]
+    return out.tolist(), plan
+
+
 def dump(spec: LayerSpec) -> str:
     b = spec.balance
     if b.kind != "replicate":
@@ -51,4 +72,4 @@ def dump(spec: LayerSpec) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["dump", "physical_layer", "slot_expert"]
+__all__ = ["dump", "physical_counts", "physical_layer", "slot_expert"]

@@ -357,6 +357,10 @@ def render(pl: Plan, symbolic: bool = False) -> str:
                 ("owner imbalance, before", bl.imbalance_before),
                 ("owner imbalance, after", bl.imbalance_after),
                 ("replicas", bl.replicas),
+                ("busiest rank's GEMMs, before", bl.time_before),
+                ("busiest rank's GEMMs, after", bl.time_after),
+                ("replicas' weights moved", bl.weight_bytes),
+                ("busiest home's pushes", bl.weight_time),
             ]
             rows = _fig_rows(items)
         out += table(rows, ["figure", "value", "accounting"])

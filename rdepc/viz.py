@@ -156,9 +156,16 @@ def _exposed_intervals(sched: Schedule, r: int) -> list[tuple[float, float]]:
 
 
 def write_png(
-    sched: Schedule, path: str | Path, bulk: Schedule | None = None, max_ranks: int = 8, dpi: int = 130
+    sched: Schedule,
+    path: str | Path,
+    bulk: Schedule | None = None,
+    max_ranks: int = 8,
+    dpi: int = 130,
+    unreplicated: Schedule | None = None,
 ) -> Path:
-    """A Gantt chart of the predicted schedule (matplotlib, imported here only)."""
+    """A Gantt chart of the predicted schedule (matplotlib, imported here only); ``bulk`` and
+    ``unreplicated`` (a ``balance replicate`` layer's schedule without its replicas) are
+    drawn as a line at their makespan."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,7 +177,8 @@ def write_png(
     lanes = [(r, None) for r in ranks] if sched.unified else [(r, role) for r in ranks for role in ("comm", "compute")]
     lane_of = {key: i for i, key in enumerate(lanes)}
     us = 1e6
-    span = max(sched.makespan, bulk.makespan if bulk else 0.0) * us or 1.0
+    span = max(sched.makespan, bulk.makespan if bulk else 0.0, unreplicated.makespan if unreplicated else 0.0) * us
+    span = span or 1.0
     fig_h = 2.6 + 0.42 * len(lanes)
     fig, ax = plt.subplots(figsize=(13, fig_h))
     # One bar per run of back-to-back tasks of one stage and segment on one lane, so that a
@@ -224,6 +232,17 @@ def write_png(
             ha="right",
             va="center",
             fontsize=8,
+        )
+    if unreplicated is not None:
+        ax.axvline(unreplicated.makespan * us, color="#9467bd", linestyle="--", linewidth=1)
+        ax.text(
+            unreplicated.makespan * us,
+            -0.86,
+            f"without replication: {unreplicated.makespan * us:,.0f} µs  ",
+            ha="right",
+            va="center",
+            fontsize=8,
+            color="#9467bd",
         )
     ax.axvline(sched.makespan * us, color="#555555", linestyle=":", linewidth=1)
     ax.text(

@@ -181,9 +181,32 @@ def test_plan_reports_imbalance_and_slot_memory(tmp_path):
     before = float(lines["owner imbalance, before"].split()[3].rstrip("x"))
     after = float(lines["owner imbalance, after"].split()[3].rstrip("x"))
     assert before > 2 and after <= 1.05
+    # the busiest rank's GEMM time falls with its rows; the replicas' weights are what the plan moves
+    t_before, t_after = (lines[f"busiest rank's GEMMs, {w}"] for w in ("before", "after"))
+    rows = [int(x.split(" rows of the busiest rank")[0].split()[-1]) for x in (t_before, t_after)]
+    assert rows[0] > rows[1] > 0 and rows[0] / rows[1] >= before / after * 0.99
+    replicas = int(lines["replicas"].split()[1])
+    assert f"{replicas * 3 * 64 * 128 * 2:,} B" in lines["replicas' weights moved"]
+    assert "replica pushes at B_eff" in lines["busiest home's pushes"]
     status, out, _ = run_cli("plan", str(f))
     assert status == 0 and "needs a routing: --routing uniform or zipf:ALPHA" in out
     assert "owner imbalance, before" not in out
+
+
+def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
+    f = tmp_path / "b.rdep"
+    f.write_text(SPEC.format(balance="balance replicate(slots = 2, min_rows = 16)"))
+    png = tmp_path / "b.png"
+    status, out, _ = run_cli("viz", str(f), "--routing", "zipf:1.5", "--png", str(png))
+    assert status == 0 and png.stat().st_size > 0
+    line = next(x for x in out.splitlines() if x.startswith("balance: "))
+    before, after = (float(v) for v in line.split("max/mean ")[1].split(" after")[0].split(" before, "))
+    assert before > 2 and after <= 1.05
+    ours = float(next(x for x in out.splitlines() if "makespan" in x).split()[1].replace(",", ""))
+    theirs = float(next(x for x in out.splitlines() if "unreplicated" in x).split()[1].replace(",", ""))
+    assert ours < theirs  # the busiest owner's compute shrank
+    status, out, _ = run_cli("viz", str(f))
+    assert status == 0 and "the balanced owners need a routing" in out
 
 
 def test_the_balance_bench_writes_imbalance_before_and_after_for_every_example_shape(tmp_path):

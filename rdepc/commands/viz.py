@@ -28,8 +28,17 @@ def cmd_viz(args) -> int:
             f"routing: {name}, seed {args.seed}, one sampled routing (rows per expert {min(per_expert):,} to "
             f"{max(per_expert):,}, mean {sum(per_expert) / len(per_expert):,.1f}, before capacity)"
         )
+    unreplicated, layer = None, spec
+    if spec.balance.kind == "replicate":
+        if counts is None:
+            print("balance: replicate; the balanced owners need a routing (--routing uniform or zipf:ALPHA)")
+        else:  # the physical layer under the plan for this routing, beside the layer without replication
+            tg, counts, unreplicated = _balanced(spec, args, tg, counts)
+            layer = tg.spec
     sched = schedule(tg, args.hw, counts=counts)
     print(report(sched))
+    if unreplicated is not None:
+        print(f"  unreplicated    {unreplicated.makespan * 1e6:,.1f} µs predicted without replication, for comparison")
     from rdepc import viz
 
     wrote = []
@@ -39,9 +48,9 @@ def cmd_viz(args) -> int:
         if args.png:
             bulk = None
             if sched.strategy != "bulk":
-                bulk = schedule(build_for(spec, "bulk", None, args.hw), args.hw, counts=counts)
+                bulk = schedule(build_for(layer, "bulk", None, args.hw), args.hw, counts=counts)
                 print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
-            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks))
+            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks, unreplicated=unreplicated))
         if args.dot:
             try:
                 level = "tiles" if args.full else "tasks" if args.tasks else "stages"
@@ -56,3 +65,23 @@ def cmd_viz(args) -> int:
     for path in wrote:
         print(f"wrote {path}")
     return 0
+
+
+def _balanced(spec, args, tg, counts):
+    """(the physical layer's graph, its rows per (source, physical expert) under the plan for
+    ``counts``, the schedule of the layer without replication), and the plan's figures printed."""
+    from rdepc.ir.balance import imbalance, owner_loads
+    from rdepc.passes.replicate import physical_counts, physical_layer
+    from rdepc.passes.schedule import build_for, schedule
+
+    phys, plan = physical_counts(spec, counts)
+    before = owner_loads(counts, spec.ownership.owner).tolist()
+    after = plan.rank_loads.tolist()
+    held = [[int(e) for e in row if e >= 0] for row in plan.slots]
+    print(
+        f"balance: max/mean {imbalance(before):.3f} before, {imbalance(after):.3f} after (rows per rank {before} -> "
+        f"{after}; replicas per rank {held}); the timeline is the physical layer's under this plan, without the "
+        "replicas' weight pushes (launched before the layer, not tasks of its graph)"
+    )
+    unreplicated = schedule(tg, args.hw, counts=counts)
+    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated
