@@ -76,5 +76,5 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
             busiest * expert / float(v[B_eff]),
             "s",
             f"the busiest home's {busiest} replica pushes at B_eff",
-        ),  # fmt: skip
+        ),
     )
