@@ -64,6 +64,7 @@ from rdepc.passes.plan_symbols import (
     spec_values,
     t_b,
 )
+from rdepc.passes.replicate import physical_layer
 from rdepc.passes.symmetric import symmetric_figures
 from rdepc.passes.transport import dedup_plan, transport_plan
 
@@ -78,18 +79,23 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     hw = profile(opts.hw)
     if not 0 < opts.overflow < 1:
         raise ValueError(f"overflow target must be in (0, 1), got {opts.overflow}")
-    resolved = resolve_strategy(spec, opts.strategy, opts.hw)  # auto: the scheduler's choice, as compile
+    # what compile builds: under balance replicate the physical layer, whose slots are experts
+    # of their ranks (its buffers are what a module allocates); the load figures stay the spec's
+    layer = physical_layer(spec)
+    resolved = resolve_strategy(layer, opts.strategy, opts.hw)  # auto: the scheduler's choice, as compile
     strategy, rows, buffers = resolved.strategy, resolved.S, resolved.B
     if strategy in SEGMENTED and spec.segment is None and rows is None:
         # No segment statement: the S and B the scheduler chooses on this profile, as compile does.
         from rdepc.passes.schedule import resolve
 
-        choice = resolve(spec, strategy, hw=opts.hw)
+        choice = resolve(layer, strategy, hw=opts.hw)
         rows, buffers = choice.S, choice.B
     values = spec_values(spec, strategy, rows, buffers)
-    values.update({F_gpu: hw.flops.value, B_eff: hw.link.value, t_b: hw.barrier_per_peer.value, P: opts.overflow})
+    rates = {F_gpu: hw.flops.value, B_eff: hw.link.value, t_b: hw.barrier_per_peer.value, P: opts.overflow}
+    values.update(rates)
     policy = spec.capacity.policy
     env = Env(values, policy)
+    mem_env = env if layer is spec else Env(spec_values(layer, strategy, rows, buffers) | rates, policy)
     Wv = values[W]
     per_rank = spec.ownership.experts_per_rank(Wv)
     warnings: list[str] = [resolved.note] if resolved.note else []
@@ -119,12 +125,12 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     seg_pl = PAPER_TENSORS * B * S * H * d
     has_seg = spec.segment is not None
     t4 = "Table 4: 4 routed row tensors (dispatch, return; fwd, bwd)"
-    sym = symmetric_figures(env, strategy, "symmetric_bytes.plan", spec)
+    sym = symmetric_figures(mem_env, strategy, "symmetric_bytes.plan", layer)
     alt = None
     if strategy in SEGMENTED:
-        alt = symmetric_figures(env, "bulk", "symmetric_bytes.plan_bulk", spec)
+        alt = symmetric_figures(mem_env, "bulk", "symmetric_bytes.plan_bulk", layer)
     elif has_seg:
-        alt = symmetric_figures(env, "pipelined", "symmetric_bytes.plan_segmented", spec)
+        alt = symmetric_figures(mem_env, "pipelined", "symmetric_bytes.plan_segmented", layer)
     # What waits for the gate gradient: the expert outputs (at the front-ends, or under dedup
     # at the owners; none with the gate on the input) and the layer's input x at its front-end
     # when the backward reads it (the gate on the input, or the input rows sent again).

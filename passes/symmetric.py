@@ -142,7 +142,8 @@ def symmetric_plan(
     buffers: int | None = None,
     hw: str = "h100",
 ) -> dict:
-    """The symmetric heap of one layer per rank, exactly as docs/memory.md defines it.
+    """The symmetric heap of one layer per rank, exactly as docs/memory.md defines it (a
+    ``balance replicate`` layer's: its physical layer's, as compile builds it).
 
     ``strategy`` is bulk, pipelined, deep, auto (the strategy, S and B the scheduler chooses
     on the profile ``hw``, as compile does) or None (the spec's own schedule, resolved the same
@@ -154,6 +155,9 @@ def symmetric_plan(
          "forward": {"control", "payload", "sideband", "return", "total"},
          "forward_backward": {... forward regions, "bwd_control", "bwd_payload", "bwd_return", "total"}}
     """
+    from rdepc.passes.replicate import physical_layer
+
+    spec = physical_layer(spec)  # what compile builds (balance replicate: the slots are experts)
     resolved = resolve_strategy(spec, strategy, hw)
     strategy = resolved.strategy
     rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers

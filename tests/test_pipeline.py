@@ -266,7 +266,18 @@ def _module(spec, strategy: str, tmp_path: Path, guard: int = 0, order=None, **o
 
 def test_the_heap_is_the_planners(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
-    for path in (tiny_segmented(tmp_path), ROOT / "examples/moonlight.rdep", ROOT / "examples/qwen3_30b_a3b.rdep"):
+    balanced = tmp_path / "m.rdep"  # balance replicate: the physical layer's heap, its slots experts of their ranks
+    balanced.write_text(
+        (ROOT / "examples/moonlight.rdep")
+        .read_text()
+        .replace("  schedule", "  balance   replicate(slots = 2, min_rows = 64)\n  schedule")
+    )
+    for path in (
+        tiny_segmented(tmp_path),
+        ROOT / "examples/moonlight.rdep",
+        ROOT / "examples/qwen3_30b_a3b.rdep",
+        balanced,
+    ):
         spec = rdepc.load(path).spec
         name = path.stem
         for strategy in STRATEGIES:
