@@ -1,10 +1,13 @@
 """The device half of each transport, as the emitter writes it into a generated file: a
-banner, the memory scope of signals and waits (``SCOPE``), and four device functions with
+banner, the memory scope of signals and waits (``SCOPE``), and five device functions with
 one contract, so the kernel body is the same whatever moves the bytes —
 
 ``peer(heap, rank)``
     the base address of ``rank``'s slice of the symmetric heap (a ``uint8`` pointer; the
     kernel adds the memory plan's byte offsets and casts to typed views);
+``peer_in(heap, rank, stride)``
+    the same for another symmetric allocation whose slices lie ``stride`` bytes apart
+    (the balance plan's; NVSHMEM ignores the stride);
 ``put(ptr, value, mask)``
     a store into a peer's slice (or one's own);
 ``signal(flag)``

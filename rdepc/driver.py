@@ -150,30 +150,10 @@ def run_passes(
     return last
 
 
-def check_backend(spec: LayerSpec, backend: str) -> None:
-    """What a layer cannot be built for on ``backend``, as an error at its statement: a
-    ``balance replicate`` layer on a backend of one process per rank (the loads and the
-    replicas' weights would cross processes: not built)."""
-    from rdepc.ir.contract import TRANSPORT_PROCESSES
-
-    if spec.balance.kind == "replicate" and TRANSPORT_PROCESSES.get(backend) == "per-rank":
-        diags = Diagnostics(
-            {spec.file: Path(spec.file).read_text(encoding="utf-8")} if Path(spec.file).is_file() else {}
-        )
-        diags.error(
-            f"not supported yet: balance replicate on the {backend} backend (one process per rank: the loads and the "
-            "replicas' weights would cross processes)",
-            spec.span_of("balance"),
-            "--backend emulated runs it (every rank in one process)",
-        )
-        diags.check()
-
-
 def generate_spec(spec: LayerSpec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated"):
     """Run the passes over a checked LayerSpec up to and including codegen (the "not
     supported yet" checks included): an ``rdepc.codegen.Generated``. ``schedule`` as
     ``--schedule``, ``backend`` the transport the kernels are generated for."""
-    check_backend(spec, backend)
     return run_passes(spec_passes(Options(schedule=schedule, hw=hw, backend=backend)), {"elaborate": spec})
 
 
@@ -198,7 +178,6 @@ def compile_file(
     spec, warnings = timed("elaborate", lambda: elaborate_layer(module, options.layer, options.overrides))
     outputs["elaborate"] = spec
     warnings = (*warnings, *backend_warnings(spec, options.backend))
-    check_backend(spec, options.backend)
     run_passes(spec_passes(options) if passes is None else passes, outputs, timed)
     if options.time_passes:
         total = sum(times.values())
@@ -257,7 +236,6 @@ __all__ = [
     "Result",
     "SpecError",
     "backend_warnings",
-    "check_backend",
     "choose_layer",
     "compile_file",
     "dump_json",

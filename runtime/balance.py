@@ -3,27 +3,33 @@
 The kernels are those of the physical layer (``rdepc.passes.replicate``: each of the W·N
 redundant slots an expert of its rank). Every call, before the layer's launch and without a
 host sync, the generated file's balance kernels count the load the router produced
-(L[src, e]), solve the plan every rank would derive (``rdepc.ir.balance``, the same plan to
-the row) and give each route row its physical expert; the weights the layer launches with
-are the home experts' followed by each slot's copy of the expert it holds this call (one
-gather). Route-row identity, return by id and the combine are the physical layer's, so the
-outputs are those of the layer without replication, bitwise. The backward is the physical
-layer's; each replica's weight gradient is added into its home expert's in rank order
-(:class:`Distribute`), so expert gradients equal the layer's without replication up to the
-order of that sum.
+(L[src, e]), solve the plan every rank derives (``rdepc.ir.balance``, the same plan to the
+row) and give each route row its physical expert; the weights the layer launches with are
+the home experts' followed by each slot's copy of the expert it holds this call. Route-row
+identity, return by id and the combine are the physical layer's, so the outputs are those
+of the layer without replication, bitwise. The backward is the physical layer's; each
+replica's weight gradient is added into its home expert's in rank order, so expert
+gradients equal the layer's without replication up to the order of that sum.
 
-One process holds every rank (the ``emulated`` backend): the per-rank backends would need
-the count exchange and the weight distribution between processes, which are not built.
+One process (``emulated``): every rank's loads and weights are at hand; the slots' copies
+are one gather (:class:`Distribute`). One process per rank (``emulated-mp``, ``nvshmem``):
+the ranks exchange through a symmetric allocation of their own (:class:`Exchange`): each
+puts its row of L into every rank's copy, homes push the replicated experts' weights into
+the slots' buffers, and in the backward replicas hand their weight gradients to the homes,
+which add them in rank order — the same sums as one process, bitwise.
 """
 
 from __future__ import annotations
 
 import torch
-from rdepc.runtime.launch import Launcher
-from rdepc.runtime.module import RDEPModule
+from rdepc.runtime.heap import own_slices
+from rdepc.runtime.module import RDEPModule, local_experts
+from rdepc.runtime.records import KernelError
 
 from rdepc.ir.balance import imbalance
 from rdepc.ir.contract import KernelContract
+
+PAD = 256  # bytes: the exchange's counters, and the alignment of its regions
 
 
 class Distribute(torch.autograd.Function):
@@ -47,29 +53,75 @@ class Distribute(torch.autograd.Function):
         return dw, None, None
 
 
+class Exchange(torch.autograd.Function):
+    """One process per rank: this rank's home weights [E_loc, ...] (any number of operands)
+    → its physical ones [E_loc + N, ...] (the homes', then the slots' copies, pushed by
+    their homes); backward: the slots' gradients handed to their homes, the homes'
+    gradients plus their replicas' in rank order."""
+
+    @staticmethod
+    def forward(ctx, module, slots, *ws):
+        ctx.module, ctx.slots, ctx.shapes = module, slots, [w.shape for w in ws]
+        packed = _pack(ws, module.dtype)
+        module._exchange_slots(slots, packed)
+        n = module.slots
+        got = module._region("slots", n * packed.shape[1]).view(n, packed.shape[1]).clone()
+        return tuple(torch.cat((w, part)) for w, part in zip(ws, _unpack(got, ctx.shapes, n), strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        m, shapes = ctx.module, ctx.shapes
+        E_loc = shapes[0][0]
+        grads = [torch.zeros((E_loc + m.slots, *s[1:]), dtype=m.dtype, device=m.device) if g is None else g
+                 for g, s in zip(grads, shapes, strict=True)]  # fmt: skip
+        mine = _pack([g[E_loc:] for g in grads], m.dtype)
+        home = _pack([g[:E_loc] for g in grads], m.dtype).clone()
+        m._exchange_grads(ctx.slots, mine, home)
+        return None, None, *(u.to(g.dtype) for u, g in zip(_unpack(home, shapes, E_loc), grads, strict=True))
+
+
+def _pack(ws, dtype) -> torch.Tensor:
+    """Operands [n, ...] side by side as one [n, P] tensor of ``dtype`` (one row an expert)."""
+    n = ws[0].shape[0]
+    return torch.cat([w.detach().reshape(n, -1).to(dtype) for w in ws], dim=1).contiguous()
+
+
+def _unpack(packed: torch.Tensor, shapes, n: int) -> list[torch.Tensor]:
+    out, at = [], 0
+    for s in shapes:
+        size = 1
+        for d in s[1:]:
+            size *= d
+        out.append(packed[:, at : at + size].reshape(n, *s[1:]))
+        at += size
+    return out
+
+
 class ReplicatedModule:
     """An RDEPModule for a ``balance replicate`` layer: the same call signatures (home
-    experts' weights [E, ...], expert ids in [0, E)), the physical layer's kernels inside
+    experts' weights, expert ids in [0, E)), the physical layer's kernels inside
     (``inner``). ``last_stats`` is the physical layer's, with the per-expert counts summed
-    over each expert's instances, and ``balance``: the rows per rank before and after the
-    plan, their max/mean, and the slot table (the home expert each slot held, -1 empty)."""
+    over each expert's instances (one process) or counting this rank's home instances (per
+    rank: its slots' rows in ``balance["slot_rows"]``), and ``balance``: the rows per rank
+    before and after the plan, their max/mean, and the slot table (the home expert each
+    slot held, -1 empty)."""
 
     def __init__(self, contract: KernelContract, kernels_path, **options):
         self.inner = RDEPModule(contract, kernels_path, **options)
-        if self.inner.per_rank:
-            raise ValueError(
-                f"rdepc layer {contract.layer}: balance replicate runs on the emulated backend (one process holds "
-                f"every rank); on {self.inner.transport.name} the ranks would exchange their loads and the replicas' "
-                "weights between processes, which is not built yet"
-            )
-        p = contract
-        self.contract = p
+        p = self.contract = contract
         self.slots, self.min_rows = p.balance
         self.homes = p.homes
-        self.owner = torch.tensor(p.owner[: self.homes], dtype=torch.int32, device=self.inner.device)
+        self.per_rank, self.rank, self.device = self.inner.per_rank, self.inner.rank, self.inner.device
+        self.dtype = self.inner.dtype
+        i32 = {"dtype": torch.int32, "device": self.device}
+        self.owner = torch.tensor(p.owner[: self.homes], **i32)
+        self.local_of = torch.tensor(p.local[: self.homes], **i32)
+        self.local_experts = local_experts(p, self.rank)
         self._plan: dict[str, torch.Tensor] | None = None
         self._stats: dict | None = None
-        self._launch = Launcher(self.inner.interpret)  # its own: the layer's launches are counted apart
+        self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
+        if self.per_rank:
+            self._allocate_exchange()
 
     def __getattr__(self, name: str):  # the rest of RDEPModule's surface: the physical layer's
         if name == "inner":
@@ -91,69 +143,143 @@ class ReplicatedModule:
     def forward(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None,
                 tokens=None) -> torch.Tensor:  # fmt: skip
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
-        self._check_homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
-        ids, place = self._plan_call(topk_ids, tokens, x.shape[-2])
+        ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
+        ids = self._plan_call(topk_ids, tokens, x.shape[-2])
+        w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws)
         return self.inner.forward(
-            x, ids, topk_weights, *(place(w) for w in (w_gate, w_up, w_down)),
-            b_gate=place(b_gate), b_up=place(b_up), b_down=place(b_down), tokens=tokens,
-        )  # fmt: skip
+            x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
+        )
 
     def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None) -> torch.Tensor:
         """As :meth:`RDEPModule.routed` (GEMM1's operand as the kernel reads it), home experts' weights."""
-        self._check_homes(None, w_up, w_down, None, b_up, b_down)
-        ids, place = self._plan_call(topk_ids, tokens, x.shape[-2])
-        return self.inner.routed(
-            x, ids, topk_weights, place(w_up), place(w_down), b_up=place(b_up), b_down=place(b_down), tokens=tokens
-        )
+        ws = self._homes(w_up, w_down, b_up, b_down)
+        ids = self._plan_call(topk_ids, tokens, x.shape[-2])
+        w_up, w_down, b_up, b_down = self._physical(ws)
+        return self.inner.routed(x, ids, topk_weights, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
 
-    def _check_homes(self, *weights) -> None:
+    def _homes(self, *weights) -> tuple:
+        n = len(self.local_experts)
         for w in weights:
-            if w is not None and (w.dim() == 0 or w.shape[0] != self.homes):
+            if w is not None and (w.dim() == 0 or w.shape[0] != n):
                 raise ValueError(
-                    f"rdepc layer {self.contract.layer}: expert weights and biases are given for its {self.homes} "
-                    f"experts (their first dimension), got {tuple(w.shape)}"
+                    f"{self.inner._name()}: expert weights and biases are given for its {n} home experts "
+                    f"(their first dimension), got {tuple(w.shape)}"
                 )
+        return weights
 
-    def _plan_call(self, topk_ids, tokens, Tn: int):
-        """This call's plan, on the device: the physical expert of every route row and the
-        function that gives a home-expert tensor its slots' copies."""
+    def _physical(self, ws) -> list:
+        """Each given home-expert tensor with its slots' copies after it, for this call's plan."""
+        plan = self._plan
+        if self.per_rank:
+            given = [w for w in ws if w is not None]
+            out = iter(Exchange.apply(self, plan["slots"].reshape(-1), *given))
+            return [None if w is None else next(out) for w in ws]
+        held = plan["slots"].reshape(-1).to(torch.int64)
+        phys = plan["phys"].to(torch.int64)
+        replica_of = torch.where(phys >= self.homes, phys - self.homes, self.contract.W * self.slots)
+        return [None if w is None else Distribute.apply(w, held, replica_of) for w in ws]
+
+    def _plan_call(self, topk_ids, tokens, Tn: int) -> torch.Tensor:
+        """This call's plan, on the device; each route row's physical expert."""
         p, inner = self.contract, self.inner
         W, E, N = p.W, self.homes, self.slots
-        dev = inner.device
-        if topk_ids.dim() != 3 or topk_ids.shape[:2] != (W, Tn):
-            raise ValueError(f"{inner._name()}: topk_ids must be [W={W}, T'={Tn}, K], got {tuple(topk_ids.shape)}")
+        lead = () if self.per_rank else (W,)
+        if topk_ids.dim() != len(lead) + 2 or tuple(topk_ids.shape[:-1]) != (*lead, Tn):
+            want = "[T', K]" if self.per_rank else f"[W={W}, T'={Tn}, K]"
+            raise ValueError(f"{inner._name()}: topk_ids must be {want}, got {tuple(topk_ids.shape)}")
         _, real = inner.padding(tokens, Tn)
-        ids = topk_ids.detach().to(device=dev, dtype=torch.int64)
+        ids = topk_ids.detach().to(device=self.device, dtype=torch.int64)
         if real is not None:
             ids = torch.where(real[..., None], ids, -1)
         ids = ids.contiguous()
-        i32 = {"dtype": torch.int32, "device": dev}
+        i32 = {"dtype": torch.int32, "device": self.device}
         plan = {
-            "load": torch.zeros((W, E), **i32),
             "phys": torch.empty((E, W), **i32),
             "cum": torch.empty((W, E, W), **i32),
             "slots": torch.empty((W, N), **i32),
             "loads": torch.empty((2, W), **i32),
         }
-        phys_ids = torch.empty_like(ids)
         k = inner.kernels
-        n = max(Tn, 0)
         flat = ids if ids.numel() else ids.new_full((1,), -1)
-        out = phys_ids if ids.numel() else ids.new_empty((1,))
-        self._launch([(k.balance_count, (W,), (flat, plan["load"], n), {})])
+        if self.per_rank:
+            self.calls += 1
+            args = (self.bal, self.stride, self.at["loads"], flat, Tn, self.rank, W * self.calls, self.bound, self.err)
+            self._run(k.balance_exchange, (1,), args)
+            self._check_err("every rank's loads")
+            plan["load"] = self._region("loads", W * E, torch.int32).view(W, E)
+        else:
+            plan["load"] = torch.zeros((W, E), **i32)
+            self._run(k.balance_count, (W,), (flat, plan["load"], Tn))
         solve = (plan["load"], self.owner, plan["phys"], plan["cum"], plan["slots"], plan["loads"])
-        self._launch([(k.balance_solve, (1,), solve, {})])
-        self._launch([(k.balance_reroute, (W,), (flat, out, plan["phys"], plan["cum"], n), {})])
+        self._run(k.balance_solve, (1,), solve)
+        phys_ids = torch.empty_like(flat)
+        rank0 = self.rank if self.per_rank else 0
+        self._run(
+            k.balance_reroute, (1 if self.per_rank else W,), (flat, phys_ids, plan["phys"], plan["cum"], Tn, rank0)
+        )
         self._plan, self._stats = plan, None
-        held = plan["slots"].reshape(-1).to(torch.int64)
-        # replica_of[e, t]: the slot (0..W·N-1) holding e on rank t, W·N where t holds none
-        phys = plan["phys"].to(torch.int64)
-        replica_of = torch.where(phys >= E, phys - E, W * N)
+        return phys_ids[: ids.numel()].view(ids.shape)
 
-        def place(w):
-            return None if w is None else Distribute.apply(w, held, replica_of)
+    def _run(self, kernel, grid, args) -> None:
+        self._launch([(kernel, grid, args, {})])
 
-        return phys_ids.to(topk_ids.dtype) if topk_ids.dtype == torch.int32 else phys_ids, place
+    # ------------------------------------------------------------------ one process per rank
+    def _allocate_exchange(self) -> None:
+        """The symmetric allocation the ranks exchange through (collective): three int64
+        counters, the load table [W, E] int32, N slots of weights, N slots of gradients —
+        each slot P elements of the layer's dtype, room for every operand an expert has."""
+        p, N = self.contract, self.slots
+        P = p.H * p.F * (3 if p.gated else 2) + ((2 * p.F if p.gated else p.F) + p.H if p.bias else 0)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        sizes = {"counters": PAD, "loads": p.W * self.homes * 4, "slots": N * P * elem, "grads": N * P * elem}
+        self.at, end = {}, 0
+        for name, size in sizes.items():
+            self.at[name] = end
+            end += -(-size // PAD) * PAD
+        self.stride = end
+        self.bal = self.inner.transport.allocate_heap(p.W, end, self.device)
+        self.own = own_slices(self.bal, True, self.rank)[0]
+        self.expected = torch.zeros(3, dtype=torch.int64, device=self.device)  # arrivals counted over calls
+        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.bound, self.calls = self.inner.spin_bound, 0
+        self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
+
+    def _region(self, name: str, n: int, dtype=None) -> torch.Tensor:
+        """The first ``n`` elements of this rank's region ``name`` of the exchange."""
+        dtype = dtype or self.dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        return self.own[self.at[name] : self.at[name] + n * size].view(dtype)
+
+    def _exchange_slots(self, slots: torch.Tensor, packed: torch.Tensor) -> None:
+        """Push the replicated home experts' weights to their slots; wait for this rank's."""
+        k, P = self.inner.kernels, packed.shape[1]
+        push = (self.bal, self.stride, self.at["slots"], slots, self.owner, self.local_of, packed, P, self.rank)
+        self._run(k.balance_push, (self.contract.W * self.slots,), push)
+        self._await(1, slots)
+
+    def _exchange_grads(self, slots: torch.Tensor, mine: torch.Tensor, home: torch.Tensor) -> None:
+        """Hand the slots' gradients ``mine`` [N, P] to their homes; add the replicas' into ``home`` [E_loc, P]."""
+        k, P = self.inner.kernels, mine.shape[1]
+        give = (self.bal, self.stride, self.at["grads"], slots, self.owner, mine, P, self.rank)
+        self._run(k.balance_give, (self.slots,), give)
+        self._await(2, slots)
+        if home.shape[0]:
+            reduce = (self.bal, self.stride, self.at["grads"], slots, self.homes_here, home, P)
+            self._run(k.balance_reduce, (home.shape[0],), reduce)
+
+    def _await(self, counter: int, slots: torch.Tensor) -> None:
+        args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.bound, self.err)
+        self._run(self.inner.kernels.balance_await, (1,), args)
+        self._check_err(("", "the slots' weights", "the replicas' gradients")[counter])
+
+    def _check_err(self, what: str) -> None:
+        """Under the interpreter at once (host memory, no sync): a wait of the exchange expired.
+        Natively the word is left for a later read (a dead peer also trips the layer's own waits)."""
+        if self.inner.interpret and int(self.err[0]):
+            raise KernelError(
+                f"{self.inner._name()}: the balance exchange waited {self.bound} spins for {what} from other ranks",
+                {},
+            )
 
     # ------------------------------------------------------------------ results
     @property
@@ -172,20 +298,21 @@ class ReplicatedModule:
             return st
         if self._stats is None:
             st = dict(st)
-            slots = self._plan["slots"].reshape(-1).cpu()
+            slots = self._plan["slots"].cpu()
+            before, after = self._plan["loads"].cpu().tolist()
+            bl = {"before": before, "after": after, "imbalance_before": imbalance(before)}
+            bl |= {"imbalance_after": imbalance(after), "slots": slots}
             for key in ("rows_per_expert", "received_per_expert", "dropped_per_expert"):
                 v = st[key]
+                if self.per_rank:  # this rank's instances: its home experts', then its slots'
+                    n = len(self.local_experts)
+                    st[key], bl[f"slot_{key.removesuffix('_per_expert')}"] = v[:n], v[n:]
+                    continue
+                held = slots.reshape(-1)
                 folded = v[: self.homes].clone()
-                folded.index_add_(0, slots.clamp(min=0), torch.where(slots >= 0, v[self.homes :], 0).to(v.dtype))
+                folded.index_add_(0, held.clamp(min=0), torch.where(held >= 0, v[self.homes :], 0).to(v.dtype))
                 st[key] = folded
-            before, after = self._plan["loads"].cpu().tolist()
-            st["balance"] = {
-                "before": before,
-                "after": after,
-                "imbalance_before": imbalance(before),
-                "imbalance_after": imbalance(after),
-                "slots": self._plan["slots"].cpu(),
-            }
+            st["balance"] = bl
             self._stats = st
         return self._stats
 
@@ -200,4 +327,4 @@ def layer_module(contract: KernelContract, kernels_path, **options):
     return RDEPModule(contract, kernels_path, **options)
 
 
-__all__ = ["Distribute", "ReplicatedModule", "layer_module"]
+__all__ = ["Distribute", "Exchange", "ReplicatedModule", "layer_module"]

@@ -175,7 +175,7 @@ class RDEPModule:
         self.tiles, self.tiles_source = self._tiles(tiles)
         self.work = contract.work(self.tiles, mode, rank=self.rank)
         self.bwd_work = contract.work(self.tiles, mode, rank=self.rank, backward=True)
-        self.local_experts = local_experts(contract, self.rank)
+        self.local_experts = local_experts(contract, self.rank, slots=True)  # the weights its launches take
         self.grid, self.per_queue = self._grid(programs, comm_programs)  # all resident at once on a GPU
         self.spin_bound = self._spin_bound(spin_bound)
         self._allocate(buffers, share)
@@ -602,13 +602,15 @@ class RDEPModule:
         )
 
 
-def local_experts(contract: KernelContract, rank: int | None) -> tuple[int, ...]:
+def local_experts(contract: KernelContract, rank: int | None, slots: bool = False) -> tuple[int, ...]:
     """The global ids of the experts whose weights a module's forward takes, in that order:
-    rank ``rank``'s experts in local order (a per-rank module); with None every expert."""
-    homes = contract.homes  # a balance replicate layer's slots hold copies, not experts of their own
+    rank ``rank``'s experts in local order (a per-rank module); with None every expert. A
+    ``balance replicate`` layer's slots hold copies, not experts of their own: they count
+    only with ``slots`` (what its physical layer's launches take)."""
+    n = contract.E if slots else contract.homes
     if rank is None:
-        return tuple(range(homes))
-    return tuple(sorted((e for e in range(homes) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
+        return tuple(range(n))
+    return tuple(sorted((e for e in range(n) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
 
 
 def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:

@@ -1,8 +1,9 @@
 """``balance replicate`` at run time: the plan the device derives is rdepc.ir.balance's to the
 row; the layer's outputs, dL/dx and dL/dg are the layer's without replication bitwise, its
 expert gradients within fp32 rounding (replicas' sums added into their home's), in every
-strategy and kernel mode; the statistics and ``rdepc run`` report the owners' balance; what
-is not built is refused at the statement."""
+strategy and kernel mode; one process per rank (emulated-mp) is the one-process layer
+bitwise; the statistics and ``rdepc run`` report the owners' balance; a capacity that
+drops is refused at the statement."""
 
 from __future__ import annotations
 
@@ -88,10 +89,12 @@ def skewed(seed: int = 0):
     return ids, gates, x, [*weights, torch.randn(E, F, H, generator=g) / 11]
 
 
-def train_step(module, ids, gates, x, weights):
+def train_step(module, ids, gates, x, weights, rank: int | None = None):
+    """y and the gradients of sum(y·dy) for a fixed dy (``rank``: that rank's slice of it)."""
     leaves = [t.clone().requires_grad_() for t in (x, gates, *weights)]
     y = module(leaves[0], ids, leaves[1], *leaves[2:])
-    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    dy = torch.linspace(-1, 1, W * T * H).reshape(W, T, H)
+    (y * (dy if rank is None else dy[rank])).sum().backward()
     return y.detach(), [t.grad for t in leaves]
 
 
@@ -155,13 +158,32 @@ def test_a_capacity_that_drops_is_refused_at_the_statement(tmp_path):
     assert (d.span.line, d.span.col) == (6, 11)  # at replicate(...)
 
 
-@pytest.mark.parametrize("backend", ["emulated-mp", "nvshmem"])
-def test_per_rank_backends_are_refused_at_the_statement(tmp_path, main, backend):
-    status, _, err = main("compile", "examples/tiny_balance.rdep", "--backend", backend, "-o", str(tmp_path))
-    assert status == 1
-    assert err.startswith(
-        f"examples/tiny_balance.rdep:17:3: error: not supported yet: balance replicate on the {backend}"
-    )
+def rank_step(rank: int, W_: int, file: str):
+    """One rank's process: its tokens and home experts through the emulated-mp layer, forward and backward."""
+    module = rdepc.load(file).module("emulated-mp")
+    ids, gates, x, weights = skewed()
+    mine = list(module.local_experts)
+    y, g = train_step(module, ids[rank], gates[rank], x[rank], [w[mine] for w in weights], rank)
+    return y, g, mine, module.last_stats["balance"]
+
+
+def test_one_process_per_rank_is_the_one_process_layer_bitwise():
+    """emulated-mp: every rank exchanges its loads, derives the same plan, pushes its hot
+    experts' weights to the slots and adds its replicas' gradients home in rank order: each
+    rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's."""
+    from rdepc.runtime import ranks
+
+    f = str(ROOT / "examples" / "tiny_balance.rdep")
+    got = ranks.spawn(rank_step, W, f, timeout=600)
+    one = rdepc.load(f).module("emulated", "cpu")
+    y0, g0 = train_step(one, *skewed())
+    plan = one.last_stats["balance"]
+    for rank, (y, g, mine, bl) in enumerate(got):
+        assert torch.equal(y, y0[rank])
+        assert torch.equal(g[0], g0[0][rank]) and torch.equal(g[1], g0[1][rank])
+        for a, b in zip(g[2:], g0[2:], strict=True):
+            assert torch.equal(a, b[mine])
+        assert torch.equal(bl["slots"], plan["slots"]) and bl["after"] == plan["after"]  # the same plan everywhere
 
 
 def test_dedup_sums_per_physical_owner_within_rounding(tmp_path):

@@ -201,6 +201,8 @@ def test_device_code_is_copied(tmp_path):
                 assert text in body, f"{module}.{name} is not copied verbatim"
         code = body[body.index("@triton.jit") :]
         assert "tl.constexpr(" not in code.replace(": tl.constexpr", "")  # no constants after the block
+    names = [n for m in (*DEVICE_MODULES, "balance") for n, _ in functions(m)]
+    assert len(names) == len(set(names)), "a device function name is defined twice"  # one file holds them all
     # balance replicate adds the balance module's functions, and only then
     src = generate_spec(rdepc.load(ROOT / "examples" / "tiny_balance.rdep").spec).source
     assert all(text in src for _, text in functions("balance"))

@@ -8,20 +8,39 @@ reference ``rdepc.ir.balance.solve`` runs it, same tie-breaks, so the two agree 
 and ``balance_reroute`` (one program per source: each route row's physical expert, by its
 position among the source's rows of its expert and the plan's cumulative split). Slot j of
 rank t is physical expert HOMES + t·SLOTS + j (``rdepc.passes.replicate``).
+
+One process per rank, the ranks exchange through a symmetric allocation of their own
+(``rdepc.runtime.balance``: three int64 counters at its start — loads, slot weights,
+replica gradients arrived — then the load table, the slots' weights and the replicas'
+gradients): ``balance_exchange`` replaces the count, ``balance_push``/``balance_await``
+fill the slots, ``balance_give``/``balance_await``/``balance_reduce`` bring the replicas'
+weight gradients home in the backward.
 """
 
 import triton
 import triton.language as tl
-from rdepc.codegen.device.layout import HOMES, HOMES_PAD, K_PAD, MIN_ROWS, ROUTE_ROWS, SLOTS, W_PAD, E, K, W
+from rdepc.codegen.device.heap import peer_in, put
+from rdepc.codegen.device.layout import (
+    DTYPE,
+    HOMES,
+    HOMES_PAD,
+    K_PAD,
+    MIN_ROWS,
+    ROUTE_ROWS,
+    SLOTS,
+    SLOTS_PAD,
+    W_PAD,
+    E,
+    K,
+    W,
+)
+from rdepc.codegen.device.signals import signal, wait
 
 
 @triton.jit
-def balance_count(topk_ids, load, n_tokens):
-    """Program r: L[r, e] for the home experts (ids outside [0, HOMES) count nowhere: -1 is
-    no expert, the layer's input check reports the others)."""
-    r = tl.program_id(0)
-    n = n_tokens * K
-    ids = topk_ids + tl.cast(r, tl.int64) * n
+def count_rows(ids, n):
+    """Rows of the ``n`` route rows at ``ids`` per home expert, [HOMES_PAD] (ids outside
+    [0, HOMES) count nowhere: -1 is no expert, the layer's input check reports the others)."""
     experts = tl.arange(0, HOMES_PAD)
     counts = tl.zeros([HOMES_PAD], tl.int32)
     start = 0
@@ -30,7 +49,41 @@ def balance_count(topk_ids, load, n_tokens):
         e = tl.load(ids + i, mask=i < n, other=-1)
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
         start += ROUTE_ROWS
+    return counts
+
+
+@triton.jit
+def balance_count(topk_ids, load, n_tokens):
+    """Program r (one process holds every rank): L[r, e], source r's rows of each home expert."""
+    r = tl.program_id(0)
+    n = n_tokens * K
+    experts = tl.arange(0, HOMES_PAD)
+    counts = count_rows(topk_ids + tl.cast(r, tl.int64) * n, n)
     tl.store(load + r * HOMES + experts, counts, mask=experts < HOMES)
+
+
+@triton.jit
+def balance_exchange(bal, stride, loads_at, topk_ids, n_tokens, rank, target, bound, err):
+    """One process per rank, rank ``rank``'s one program: its row of L (its own rows per home
+    expert) into every rank's copy of the load table (``loads_at``: [W, HOMES] int32), a
+    signal on each rank's first counter, then the wait until every source's row has landed
+    here (``target``: W a call, counted over calls; ``err`` set when the bound expires)."""
+    experts = tl.arange(0, HOMES_PAD)
+    counts = count_rows(topk_ids, n_tokens * K)
+    for t in range(W):
+        base = peer_in(bal, t, stride)
+        row = (base + loads_at).to(tl.pointer_type(tl.int32)) + rank * HOMES
+        put(row + experts, counts, experts < HOMES)
+        signal(base.to(tl.pointer_type(tl.int64)))
+    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)), target, bound, err)
+
+
+@triton.jit
+def settle(flag, target, bound, err):
+    """Wait for ``flag`` to reach ``target``; on expiry set ``err`` (the host raises)."""
+    seen = wait(flag, target, bound, err)
+    if seen < target:
+        tl.store(err, 1)
 
 
 @triton.jit
@@ -159,16 +212,18 @@ def split_rows(load, cum, quota, e, w_idx):
 
 
 @triton.jit
-def balance_reroute(topk_ids, phys_ids, phys, cum, n_tokens):
-    """Program r: each route row's physical expert. A row's position among r's rows of its
+def balance_reroute(topk_ids, phys_ids, phys, cum, n_tokens, rank0):
+    """Program i, source r = ``rank0`` + i (one process per rank: its own, i = 0): each
+    route row's physical expert. A row's position among r's rows of its
     expert (row order) picks the instance whose cumulative split first passes it. A token
     that names an expert twice sends both rows to one instance, so the layer's input check
     still sees the repeat; an id outside [0, HOMES) other than -1 becomes E (out of range
     there too)."""
-    r = tl.program_id(0)
+    me = tl.program_id(0)
+    r = rank0 + me
     n = n_tokens * K
-    ids = topk_ids + tl.cast(r, tl.int64) * n
-    out = phys_ids + tl.cast(r, tl.int64) * n
+    ids = topk_ids + tl.cast(me, tl.int64) * n
+    out = phys_ids + tl.cast(me, tl.int64) * n
     experts = tl.arange(0, HOMES_PAD)
     w_idx = tl.arange(0, W_PAD)
     k_idx = tl.arange(0, K_PAD)
@@ -194,3 +249,79 @@ def balance_reroute(topk_ids, phys_ids, phys, cum, n_tokens):
         p = tl.load(phys + e * W + at, mask=mine, other=0)
         tl.store(out + i, tl.where(mine, p, tl.where(given == -1, -1, E)).to(tl.int64), mask=live)
         start += ROUTE_ROWS
+
+
+@triton.jit
+def copy_elems(src, dst, n):
+    """``n`` elements from ``src`` to ``dst`` (either may be a peer's), in blocks."""
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, 1024)
+        put(dst + i, tl.load(src + i, mask=i < n), i < n)
+        start += 1024
+
+
+@triton.jit
+def balance_push(bal, stride, slots_at, slot_table, owner_of, local_of, packed, P, rank):
+    """Program s = t·SLOTS + j: when slot j of rank t holds an expert homed here, its
+    weights (``packed`` [E_loc, P], the local experts' operands flattened side by side) go
+    into rank t's slot j (``slots_at``: [SLOTS, P] of DTYPE), then one signal on t's second
+    counter."""
+    s = tl.program_id(0)
+    e = tl.load(slot_table + s)
+    home = tl.load(owner_of + tl.maximum(e, 0))
+    if (e >= 0) & (home == rank):
+        base = peer_in(bal, s // SLOTS, stride)
+        dst = (base + slots_at).to(tl.pointer_type(DTYPE)) + tl.cast(s % SLOTS, tl.int64) * P
+        copy_elems(packed + tl.cast(tl.load(local_of + e), tl.int64) * P, dst, P)
+        signal(base.to(tl.pointer_type(tl.int64)) + 1)
+
+
+@triton.jit
+def balance_await(bal, stride, counter: tl.constexpr, slot_table, owner_of, expected, rank, bound, err):
+    """Wait on this rank's counter ``counter`` for this call's arrivals, counted over calls
+    in ``expected``: (1) one push per slot of this rank the plan filled; (2) one replica
+    gradient per slot of any rank that holds an expert homed here."""
+    s = tl.arange(0, SLOTS_PAD)
+    e = tl.load(slot_table + s, mask=s < W * SLOTS, other=-1)
+    if counter == 1:
+        mine = (s // SLOTS == rank) & (e >= 0)
+    else:
+        mine = (e >= 0) & (tl.load(owner_of + tl.maximum(e, 0), mask=e >= 0, other=-1) == rank)
+    target = tl.load(expected + counter) + tl.sum(mine.to(tl.int64), axis=0)
+    tl.store(expected + counter, target)
+    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)) + counter, target, bound, err)
+
+
+@triton.jit
+def balance_give(bal, stride, grads_at, slot_table, owner_of, packed, P, rank):
+    """Program j: the weight gradients of this rank's slot j (``packed`` [SLOTS, P]) into
+    its own ``grads_at`` region, then a signal on the third counter of the expert's home."""
+    j = tl.program_id(0)
+    e = tl.load(slot_table + rank * SLOTS + j)
+    if e >= 0:
+        dst = (peer_in(bal, rank, stride) + grads_at).to(tl.pointer_type(DTYPE)) + tl.cast(j, tl.int64) * P
+        copy_elems(packed + tl.cast(j, tl.int64) * P, dst, P)
+        home = peer_in(bal, tl.load(owner_of + e), stride)
+        signal(home.to(tl.pointer_type(tl.int64)) + 2)
+
+
+@triton.jit
+def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
+    """Program i: home expert ``homes[i]``'s gradient (``packed`` row i, [E_loc, P]) plus
+    each replica's, read from the replicas' ranks in rank order and added in DTYPE (as the
+    one-process layer adds them)."""
+    i = tl.program_id(0)
+    e = tl.load(homes + i)
+    row = packed + tl.cast(i, tl.int64) * P
+    start = 0
+    while start < P:
+        c = start + tl.arange(0, 1024)
+        acc = tl.load(row + c, mask=c < P)
+        for t in range(W):
+            for j in range(SLOTS):
+                if tl.load(slot_table + t * SLOTS + j) == e:
+                    src = (peer_in(bal, t, stride) + grads_at).to(tl.pointer_type(DTYPE)) + tl.cast(j, tl.int64) * P
+                    acc = (acc.to(tl.float32) + tl.load(src + c, mask=c < P).to(tl.float32)).to(DTYPE)
+        tl.store(row + c, acc, mask=c < P)
+        start += 1024

@@ -16,6 +16,13 @@ def peer(heap, rank):
 
 
 @triton.jit
+def peer_in(heap, rank, stride):
+    """Base of rank ``rank``'s slice of another symmetric allocation, whose slices lie
+    ``stride`` bytes apart (the balance plan's: ``rdepc.runtime.balance``)."""
+    return heap + tl.cast(rank, tl.int64) * stride
+
+
+@triton.jit
 def put(ptr, value, mask):
     """A store into a peer's slice of the heap (or our own)."""
     tl.store(ptr, value, mask=mask)

@@ -39,6 +39,7 @@ SCALES = tl.constexpr(0)
 HOMES = tl.constexpr(8)
 HOMES_PAD = tl.constexpr(8)
 SLOTS = tl.constexpr(0)
+SLOTS_PAD = tl.constexpr(2)
 MIN_ROWS = tl.constexpr(0)
 
 # The spec's choices.

@@ -35,6 +35,13 @@ def peer(heap, rank):
 
 
 @triton.jit
+def peer_in(heap, rank, stride):
+    """Base of rank ``rank``'s copy of another symmetric allocation (``stride``: the emulated
+    transports' slice stride; NVSHMEM finds the copy itself)."""
+    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
 def put(ptr, value, mask):
     """A store into a peer's copy of the heap (or our own): NVLink makes it a plain store."""
     tl.store(ptr, value, mask=mask)

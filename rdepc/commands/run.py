@@ -33,9 +33,6 @@ def cmd_run(args) -> int:
     from rdepc.runtime import transport
 
     if transport.get(args.backend).per_rank:
-        from rdepc.driver import check_backend
-
-        check_backend(layer.spec, args.backend)  # before any rank process starts
         return _run_per_rank(args, layer, tokens)
     return _run_one_process(args, layer, tokens)
 
@@ -325,9 +322,18 @@ def _rank_lines(results: list[dict], tol: float) -> tuple[list[str], bool]:
             ok = ok and not judge(err, tol, r["accepted_same"])
         rows = dict(zip(r["local_experts"], st["rows_per_expert"], strict=True))
         times = ", ".join(f"{t:.2f}" for t in r["calls"])
+        bl = st.get("balance")
+        balance = ""
+        if bl is not None:  # balance replicate: the plan every rank derived, and this rank's slots
+            pairs = zip(bl["slots"][r["rank"]].tolist(), bl["slot_rows"].tolist(), strict=True)
+            held = {e: n for e, n in pairs if e >= 0}
+            balance = (
+                f", balance max/mean {bl['imbalance_before']:.3f} before, {bl['imbalance_after']:.3f} after "
+                f"(slots hold {held or 'nothing'})"
+            )
         lines.append(
             f"{head} {check}; rows per own expert {rows}, dropped {st['dropped_rows']}, "
-            f"m-tiles {st['m_tiles']}, rows out {sum(st['dispatched_rows'])} and back {sum(st['returned_rows'])}; "
-            f"call {times} s"
+            f"m-tiles {st['m_tiles']}, rows out {sum(st['dispatched_rows'])} and back {sum(st['returned_rows'])}"
+            f"{balance}; call {times} s"
         )
     return lines, ok

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 719fb393488c34ca76f6696651b713fb7fc3a567bbdd8a8d2f38397dccb2fb53
+# content-sha256: 66a347d5a3ee64f8ca273615597183a0e7374e94b71fca7416f319a780f1bd59
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -79,6 +79,7 @@ SCALES = tl.constexpr(0)  # fp32 scales per payload row, in the sideband
 HOMES = tl.constexpr(8)  # home experts: the E - W*SLOTS the router picks from (balance replicate)
 HOMES_PAD = tl.constexpr(8)
 SLOTS = tl.constexpr(0)  # redundant expert slots a rank (balance replicate; else 0)
+SLOTS_PAD = tl.constexpr(2)  # W*SLOTS rounded up to a power of two
 MIN_ROWS = tl.constexpr(0)  # the least rows a replica takes
 
 # The spec's choices, which the device functions branch on at compile time.
@@ -209,6 +210,13 @@ SCOPE = tl.constexpr("gpu")  # memory scope of signals and waits: every rank on 
 def peer(heap, rank):
     """Base of rank ``rank``'s slice of the symmetric heap (int64: slices may exceed 2 GiB)."""
     return heap + tl.cast(rank, tl.int64) * HEAP_BYTES
+
+
+@triton.jit
+def peer_in(heap, rank, stride):
+    """Base of rank ``rank``'s slice of another symmetric allocation, whose slices lie
+    ``stride`` bytes apart (the balance plan's: ``rdepc.runtime.balance``)."""
+    return heap + tl.cast(rank, tl.int64) * stride
 
 
 @triton.jit
