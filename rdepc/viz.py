@@ -223,37 +223,16 @@ def write_png(
         lane = lane_of[(r, None if sched.unified else "comm")]
         for s, e in _exposed_intervals(sched, r):
             ax.plot([s * us, e * us], [lane + 0.43, lane + 0.43], color="#d62728", linewidth=2.2, solid_capstyle="butt")
+    # a makespan as a vertical line with its label: (schedule, label, label height, colour, line style)
+    marks = [(sched, "this schedule", -0.62, "#555555", ":")]
     if bulk is not None and bulk is not sched:
-        ax.axvline(bulk.makespan * us, color="black", linestyle="--", linewidth=1)
-        ax.text(
-            bulk.makespan * us,
-            -1.1,
-            f"bulk, no overlap: {bulk.makespan * us:,.0f} µs  ",
-            ha="right",
-            va="center",
-            fontsize=8,
-        )
+        marks.append((bulk, "bulk, no overlap", -1.1, "black", "--"))
     if unreplicated is not None:
-        ax.axvline(unreplicated.makespan * us, color="#9467bd", linestyle="--", linewidth=1)
-        ax.text(
-            unreplicated.makespan * us,
-            -0.86,
-            f"without replication: {unreplicated.makespan * us:,.0f} µs  ",
-            ha="right",
-            va="center",
-            fontsize=8,
-            color="#9467bd",
-        )
-    ax.axvline(sched.makespan * us, color="#555555", linestyle=":", linewidth=1)
-    ax.text(
-        sched.makespan * us,
-        -0.62,
-        f"this schedule: {sched.makespan * us:,.0f} µs  ",
-        ha="right",
-        va="center",
-        fontsize=8,
-        color="#444444",
-    )
+        marks.append((unreplicated, "without replication", -0.86, "#9467bd", "--"))
+    for other, what, y, color, style in marks:
+        at = other.makespan * us
+        ax.axvline(at, color=color, linestyle=style, linewidth=1)
+        ax.text(at, y, f"{what}: {at:,.0f} µs  ", ha="right", va="center", fontsize=8, color=color)
     labels = [
         f"rank {r}" if role is None else f"rank {r} · {'send/receive' if role == 'comm' else 'compute'}"
         for r, role in lanes

@@ -75,7 +75,7 @@ class Exchange(torch.autograd.Function):
         grads = [torch.zeros((E_loc + m.slots, *s[1:]), dtype=m.dtype, device=m.device) if g is None else g
                  for g, s in zip(grads, shapes, strict=True)]  # fmt: skip
         mine = _pack([g[E_loc:] for g in grads], m.dtype)
-        home = _pack([g[:E_loc] for g in grads], m.dtype).clone()
+        home = _pack([g[:E_loc] for g in grads], m.dtype)  # a new tensor: the replicas' are added into it
         m._exchange_grads(ctx.slots, mine, home)
         return None, None, *(u.to(g.dtype) for u, g in zip(_unpack(home, shapes, E_loc), grads, strict=True))
 
