@@ -7,8 +7,13 @@ For each layer shape, routing and number of redundant slots N per rank: the owne
 (max/mean of per-rank rows) of the sampled load before and after the solver's plan, the
 replicas it placed and the solver's time in NumPy on this CPU (median of ``--reps``). The
 loads are what ``rdepc plan --routing`` samples (``passes.sampled_routing.source_counts``,
-token n of the W·T belongs to rank n // T). No kernel runs: the layer time with replication
-needs the solver and the reroute on the device (not built yet). Writes OUT.json and OUT.png.
+token n of the W·T belongs to rank n // T).
+
+``--device-plan cpu|cuda`` also runs the generated ``balance_solve`` kernel on each load
+(a layer of the shape's W, T, E, K and ownership with ``balance replicate``): whether its
+plan equals the reference's table for table, and its time (cuda: CUDA events, median of
+``--reps`` after a warm-up; cpu: the Triton interpreter's wall time, which says nothing
+about a GPU). Writes OUT.json and OUT.png.
 """
 
 from __future__ import annotations
@@ -30,7 +35,56 @@ SHAPES = (("moonlight", None), ("qwen3_30b_a3b", None), ("nvl72_e128", 256))
 ROUTINGS = ("uniform", "zipf:1.0", "zipf:1.2", "zipf:1.5", "zipf:2.0")
 
 
-def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int, reps: int) -> dict:
+def device_solver(shape: dict, slots: int, min_rows: int, device: str):
+    """``solve(load) -> (plan tables, ms)``: the generated balance_solve kernel of a layer of
+    ``shape`` (balanced ownership, dropless: what the solver reads) on ``device``."""
+    import tempfile
+
+    import torch
+    from rdepc.runtime.launch import Launcher
+
+    import rdepc
+    from rdepc.compiled import compile_layer
+    from rdepc.toolchain import import_kernels
+
+    W, T, E, K = (shape[k] for k in "WTEK")
+    text = (
+        f"layer b {{\n  shape ranks {W}, tokens {T}, hidden 64, experts {E}, top {K}\n  expert swiglu(ffn = 64)\n"
+        f"  dtype fp32\n  balance replicate(slots = {slots}, min_rows = {min_rows})\n}}\n"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "b.rdep").write_text(text)
+        interpret = device == "cpu"
+        compiled = compile_layer(rdepc.load(Path(d) / "b.rdep").spec, interpret=interpret)
+    kernels = import_kernels(compiled.kernels_path, interpret)
+    launch = Launcher(interpret)
+    owner = torch.tensor(compiled.kernel.owner[:E], dtype=torch.int32, device=device)
+
+    def solve(load, reps: int):
+        i32 = {"dtype": torch.int32, "device": device}
+        out = {"phys": torch.empty((E, W), **i32), "cum": torch.empty((W, E, W), **i32)}
+        out |= {"slots": torch.empty((W, slots), **i32), "loads": torch.empty((2, W), **i32)}
+        args = (torch.tensor(load, **i32), owner, out["phys"], out["cum"], out["slots"], out["loads"])
+        times = []
+        for _ in range(reps + (device == "cuda")):  # cuda: the first builds the kernel
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                launch([(kernels.balance_solve, (1,), args, {})])
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                launch([(kernels.balance_solve, (1,), args, {})])
+                times.append(1e3 * (time.perf_counter() - t0))
+        times = times[1:] if device == "cuda" else times
+        return {k: v.cpu().numpy() for k, v in out.items()}, sorted(times)[len(times) // 2]
+
+    return solve
+
+
+def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int, reps: int, on_device=None) -> dict:
     import numpy as np
     from rdepc.passes.sampled_routing import source_counts
 
@@ -44,7 +98,7 @@ def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int,
         t0 = time.perf_counter()
         plan = solve(load, owner, slots, min_rows)
         times.append(time.perf_counter() - t0)
-    return {
+    out = {
         "routing": routing,
         "slots": slots,
         "min_rows": min_rows,
@@ -53,6 +107,11 @@ def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int,
         "replicas": int((plan.slots >= 0).sum()),
         "solve_ms": 1e3 * sorted(times)[len(times) // 2],
     }
+    if on_device is not None:
+        got, ms = on_device(load, reps)
+        same = (got["slots"] == plan.slots).all() and (got["cum"] == np.cumsum(plan.split, axis=2)).all()
+        out |= {"device_plan_equal": bool(same and (got["loads"][1] == plan.rank_loads).all()), "device_solve_ms": ms}
+    return out
 
 
 def plot(results: dict, png: Path) -> None:
@@ -90,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-rows", type=int, default=64, help="the fewest rows a replica carries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=5, help="solver runs timed per case (median)")
+    ap.add_argument("--device-plan", choices=("cpu", "cuda"), help="also run the generated solver kernel there")
+    ap.add_argument("--shapes", nargs="+", choices=[n for n, _ in SHAPES], help="these shapes only")
     args = ap.parse_args(argv)
     import numpy as np
 
@@ -98,17 +159,29 @@ def main(argv: list[str] | None = None) -> int:
     results = {"environment": env, "shapes": []}
     import rdepc
 
+    if args.device_plan == "cuda":
+        import torch
+
+        env |= {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, tokens in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
         layer = rdepc.load(ROOT / "examples" / f"{name}.rdep", **({"T": tokens} if tokens else {}))
         shape = {k: layer.shapes[k] for k in "WTEK"}
         owner = np.asarray(layer.spec.ownership.owner, dtype=np.int64)
         cases = []
-        for routing in ROUTINGS:
-            for n in args.slots:
-                c = case(shape, owner, routing, n, args.min_rows, args.seed, args.reps)
+        for n in args.slots:
+            on_device = device_solver(shape, n, args.min_rows, args.device_plan) if args.device_plan else None
+            for routing in ROUTINGS:
+                c = case(shape, owner, routing, n, args.min_rows, args.seed, args.reps, on_device)
                 cases.append(c)
+                dev = ""
+                if on_device is not None:
+                    same = "equal" if c["device_plan_equal"] else "DIFFERS"
+                    dev = f"; device plan {same}, {c['device_solve_ms']:.3f} ms on {args.device_plan}"
                 print(f"{name} {routing:9} N={n}: {c['before']:.3f} -> {c['after']:.3f}, "
-                      f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms", flush=True)  # fmt: skip
+                      f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms{dev}", flush=True)  # fmt: skip
+        cases.sort(key=lambda c: (ROUTINGS.index(c["routing"]), c["slots"]))
         results["shapes"].append({"name": name, **shape, "cases": cases})
     write_results(results, Path(args.out), plot)
     return 0

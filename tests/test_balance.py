@@ -231,3 +231,23 @@ def test_the_balance_bench_writes_imbalance_before_and_after_for_every_example_s
             assert c["after"] <= c["before"] and c["replicas"] <= 2 * shape["W"]
             if c["routing"] != "uniform":
                 assert c["before"] > 3 and c["after"] <= 1.11, (shape["name"], c)
+
+
+def test_the_balance_bench_runs_the_generated_solver_at_moonlights_shape(tmp_path):
+    """--device-plan: the generated balance_solve kernel (Triton interpreter) derives the
+    reference's plan, table for table, for moonlight's shape (8 ranks, 64 experts, top-6,
+    4096 tokens a rank) over every routing."""
+    import json
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    from bench import balance
+
+    out = tmp_path / "balance"
+    argv = ["--out", str(out), "--slots", "2", "--reps", "1", "--device-plan", "cpu", "--shapes", "moonlight"]
+    assert balance.main(argv) == 0
+    (shape,) = json.loads(out.with_suffix(".json").read_text())["shapes"]
+    assert [c["routing"] for c in shape["cases"]] == list(balance.ROUTINGS)
+    assert all(c["device_plan_equal"] and c["device_solve_ms"] > 0 for c in shape["cases"])
