@@ -1,7 +1,8 @@
 """Exact-load expert replication (``balance replicate``), on the device: every call, the
 load the router just produced → the plan every rank would derive → physical expert ids.
 
-Three launches before the layer's, no host sync between them (graph-capturable):
+Three launches before the layer's, no host sync between them (nothing there keeps a CUDA
+graph from capturing them):
 ``balance_count`` (one program per source: L[src, e], rows of src for home expert e),
 ``balance_solve`` (one program: the plan, UltraEP's Algorithm 1 exactly as the NumPy
 reference ``rdepc.ir.balance.solve`` runs it, same tie-breaks, so the two agree to the row)
