@@ -10,7 +10,7 @@ import importlib
 _LAZY = {
     "KernelError": "rdepc.runtime.records",
     "RDEPModule": "rdepc.runtime.module",
-    "load_compiled": "rdepc.runtime.module",
+    "load_compiled": "rdepc.runtime.balance",
     "Transport": "rdepc.runtime.transport",
     "Emulated": "rdepc.runtime.transport",
 }

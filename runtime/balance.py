@@ -21,6 +21,8 @@ which add them in rank order — the same sums as one process, bitwise.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from rdepc.runtime.heap import own_slices
 from rdepc.runtime.module import RDEPModule, local_experts
@@ -327,4 +329,11 @@ def layer_module(contract: KernelContract, kernels_path, **options):
     return RDEPModule(contract, kernels_path, **options)
 
 
-__all__ = ["Distribute", "Exchange", "ReplicatedModule", "layer_module"]
+def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options):
+    """The module of a compiled layer directory (``rdepc compile FILE -o DIR``): an
+    RDEPModule, or a :class:`ReplicatedModule` for a ``balance replicate`` layer."""
+    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    return layer_module(contract, kernels_path, **options)
+
+
+__all__ = ["Distribute", "Exchange", "ReplicatedModule", "layer_module", "load_compiled"]

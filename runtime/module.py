@@ -613,13 +613,4 @@ def local_experts(contract: KernelContract, rank: int | None, slots: bool = Fals
     return tuple(sorted((e for e in range(n) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
 
 
-def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options) -> RDEPModule:
-    """The module of a compiled layer directory (``rdepc compile FILE -o DIR``): a
-    ``ReplicatedModule`` for a ``balance replicate`` layer."""
-    from rdepc.runtime.balance import layer_module
-
-    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
-    return layer_module(contract, kernels_path, **options)
-
-
-__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "load_compiled", "local_experts"]
+__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "local_experts"]
