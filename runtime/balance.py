@@ -21,6 +21,7 @@ which add them in rank order — the same sums as one process, bitwise.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -30,6 +31,8 @@ from rdepc.runtime.records import KernelError
 
 from rdepc.ir.balance import imbalance
 from rdepc.ir.contract import KernelContract
+from rdepc.ir.sizes import ceil_div
+from rdepc.ir.spec import weight_matrices
 
 PAD = 256  # bytes: the exchange's counters, and the alignment of its regions
 
@@ -91,9 +94,7 @@ def _pack(ws, dtype) -> torch.Tensor:
 def _unpack(packed: torch.Tensor, shapes, n: int) -> list[torch.Tensor]:
     out, at = [], 0
     for s in shapes:
-        size = 1
-        for d in s[1:]:
-            size *= d
+        size = math.prod(s[1:])
         out.append(packed[:, at : at + size].reshape(n, *s[1:]))
         at += size
     return out
@@ -113,8 +114,6 @@ class ReplicatedModule:
         p = self.contract = contract
         self.slots, self.min_rows = p.balance
         self.homes = p.homes
-        self.per_rank, self.rank, self.device = self.inner.per_rank, self.inner.rank, self.inner.device
-        self.dtype = self.inner.dtype
         i32 = {"dtype": torch.int32, "device": self.device}
         self.owner = torch.tensor(p.owner[: self.homes], **i32)
         self.local_of = torch.tensor(p.local[: self.homes], **i32)
@@ -205,7 +204,17 @@ class ReplicatedModule:
         flat = ids if ids.numel() else ids.new_full((1,), -1)
         if self.per_rank:
             self.calls += 1
-            args = (self.bal, self.stride, self.at["loads"], flat, Tn, self.rank, W * self.calls, self.bound, self.err)
+            args = (
+                self.bal,
+                self.stride,
+                self.at["loads"],
+                flat,
+                Tn,
+                self.rank,
+                W * self.calls,
+                self.spin_bound,
+                self.err,
+            )
             self._run(k.balance_exchange, (1,), args)
             self._check_err("every rank's loads")
             plan["load"] = self._region("loads", W * E, torch.int32).view(W, E).clone()  # the next call rewrites it
@@ -231,19 +240,19 @@ class ReplicatedModule:
         counters, the load table [W, E] int32, N slots of weights, N slots of gradients —
         each slot P elements of the layer's dtype, room for every operand an expert has."""
         p, N = self.contract, self.slots
-        P = p.H * p.F * (3 if p.gated else 2) + ((2 * p.F if p.gated else p.F) + p.H if p.bias else 0)
+        P = weight_matrices(p.act) * p.H * p.F + ((2 * p.F if p.gated else p.F) + p.H if p.bias else 0)
         elem = torch.empty((), dtype=self.dtype).element_size()
         sizes = {"counters": PAD, "loads": p.W * self.homes * 4, "slots": N * P * elem, "grads": N * P * elem}
         self.at, end = {}, 0
         for name, size in sizes.items():
             self.at[name] = end
-            end += -(-size // PAD) * PAD
+            end += ceil_div(size, PAD) * PAD
         self.stride = end
         self.bal = self.inner.transport.allocate_heap(p.W, end, self.device)
         self.own = own_slices(self.bal, True, self.rank)[0]
         self.expected = torch.zeros(3, dtype=torch.int64, device=self.device)  # arrivals counted over calls
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.bound, self.calls = self.inner.spin_bound, 0
+        self.calls = 0
         self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
 
     def _region(self, name: str, n: int, dtype=None) -> torch.Tensor:
@@ -270,7 +279,7 @@ class ReplicatedModule:
             self._run(k.balance_reduce, (home.shape[0],), reduce)
 
     def _await(self, counter: int, slots: torch.Tensor) -> None:
-        args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.bound, self.err)
+        args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.spin_bound, self.err)
         self._run(self.inner.kernels.balance_await, (1,), args)
         self._check_err(("", "the slots' weights", "the replicas' gradients")[counter])
 
@@ -279,7 +288,8 @@ class ReplicatedModule:
         Natively the word is left for a later read (a dead peer also trips the layer's own waits)."""
         if self.inner.interpret and int(self.err[0]):
             raise KernelError(
-                f"{self.inner._name()}: the balance exchange waited {self.bound} spins for {what} from other ranks",
+                f"{self.inner._name()}: the balance exchange waited {self.spin_bound} spins for {what} from "
+                "other ranks",
                 {},
             )
 
