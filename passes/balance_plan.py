@@ -1,8 +1,9 @@
 """The planner's figures for ``balance replicate``: what the N redundant slots cost in
-memory, and, under one sampled routing (``--routing``), the owner imbalance (max/mean of
-per-rank rows) before and after the replication solver's plan for that routing's exact
-load (:func:`rdepc.ir.balance.solve`, the plan every rank would derive), the busiest
-rank's routed GEMM time both ways, and the replicas' weights the plan moves."""
+memory (the runtime's layout: :func:`rdepc.ir.balance.exchange_regions`), and, under one
+sampled routing (``--routing``), the owner imbalance (max/mean of per-rank rows) before and
+after the replication solver's plan for that routing's exact load
+(:func:`rdepc.ir.balance.solve`, the plan every rank would derive), the busiest rank's
+routed GEMM time both ways, and the replicas' weights the plan moves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rdepc.passes.plan_records import BalancePlan, PlanOptions
 from rdepc.passes.plan_symbols import B_eff, E, Env, F, F_gpu, Figure, H, K, T, W, a
 from rdepc.passes.sampled_routing import source_counts
 
+from rdepc.ir.balance import exchange_regions, imbalance, owner_loads, slot_elems, solve
 from rdepc.ir.spec import LayerSpec
 
 N = sp.Symbol("N", positive=True, integer=True)  # redundant expert slots per rank
@@ -21,19 +23,23 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
     if b.kind == "none":
         return None
     env.values[N], env.exact[N] = b.slots, sp.Integer(b.slots)
-    mats = spec.expert.matrices
-    expert = mats * H * F * a
-    words = f"{mats}·H·F·a" + (" (gate, up, down)" if mats == 3 else " (up, down)")
-    slot_bytes = env.fig("balance.slot_bytes", N * expert, "B", f"N·{words}: N replicas' weights per rank")
-    train = env.fig(
-        "balance.slot_bytes_training", 2 * N * expert, "B", "training: the same again for the replicas' gradients"
+    mats, bias = spec.expert.matrices, spec.expert.bias
+    words = f"N·({mats}·H·F + biases)·a" if bias else f"N·{mats}·H·F·a"
+    words += " (gate, up, down)" if mats == 3 else " (up, down)"
+    slot = slot_elems(mats, H, F, bias)
+    slot_bytes = env.fig("balance.slot_bytes", N * slot * a, "B", f"{words}: N replicas' weights per rank")
+    v = env.values
+    _, stride = exchange_regions(v[W], v[E], b.slots, slot_elems(mats, v[H], v[F], bias), v[a])
+    exchange = Figure(
+        "balance.exchange_bytes",
+        None,
+        stride,
+        "B",
+        "one process per rank: a symmetric allocation of its own (counters, W·E loads, N weight and N gradient slots)",
     )
     before = after = replicas = None
     times: tuple[Figure | None, ...] = (None,) * 4
     if opts.routing is not None:
-        from rdepc.ir.balance import imbalance, owner_loads, solve
-
-        v = env.values
         load = source_counts(v[W], v[T], v[E], v[K], opts.routing, opts.alpha, opts.seed)
         owner = spec.ownership.owner
         plan = solve(load, owner, b.slots, b.min_rows)
@@ -45,7 +51,7 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
         used = int((plan.slots >= 0).sum())
         replicas = Figure("balance.replicas", None, used, "", f"replicas placed, of N·W = {b.slots * v[W]} slots")
         times = _times(env, spec, load, plan, used)
-    return BalancePlan(b.slots, b.min_rows, slot_bytes, train, before, after, replicas, *times)
+    return BalancePlan(b.slots, b.min_rows, slot_bytes, exchange, before, after, replicas, *times)
 
 
 def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ...]:
@@ -53,8 +59,6 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
     replicas' weights moved per call, and the busiest home's pushes at B_eff (a home sends
     each of its replicated experts once to each replica)."""
     import numpy as np
-
-    from rdepc.ir.balance import owner_loads
 
     v = env.values
     per_row = 2 * spec.expert.matrices * v[H] * v[F]

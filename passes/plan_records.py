@@ -175,7 +175,7 @@ class BalancePlan:
     slots: int
     min_rows: int
     slot_bytes: Figure
-    slot_bytes_training: Figure
+    exchange_bytes: Figure  # per rank, one process per rank: the exchange's own symmetric allocation
     imbalance_before: Figure | None  # None: no --routing
     imbalance_after: Figure | None
     replicas: Figure | None
@@ -427,7 +427,7 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "slots": b.slots,
             "min_rows": b.min_rows,
             "slot_bytes": j(b.slot_bytes),
-            "slot_bytes_training": j(b.slot_bytes_training),
+            "exchange_bytes": j(b.exchange_bytes),
             "imbalance_before": j(b.imbalance_before),
             "imbalance_after": j(b.imbalance_after),
             "replicas": j(b.replicas),

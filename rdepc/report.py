@@ -348,7 +348,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         bl = pl.balance
         add("")
         add(f"Balance: replicate hot experts, N = {bl.slots} slots per rank, at least {bl.min_rows} rows a replica")
-        items = [("slot memory per rank", bl.slot_bytes), ("slot memory per rank, training", bl.slot_bytes_training)]
+        items = [("slot memory per rank", bl.slot_bytes), ("exchange allocation per rank", bl.exchange_bytes)]
         if bl.imbalance_before is None:
             rows = _fig_rows(items)
             rows.append(["owner imbalance", "-", "needs a routing: --routing uniform or zipf:ALPHA"])

@@ -13,10 +13,12 @@ gradients equal the layer's without replication up to the order of that sum.
 
 One process (``emulated``): every rank's loads and weights are at hand; the slots' copies
 are one gather (:class:`Distribute`). One process per rank (``emulated-mp``, ``nvshmem``):
-the ranks exchange through a symmetric allocation of their own (:class:`Exchange`): each
-puts its row of L into every rank's copy, homes push the replicated experts' weights into
-the slots' buffers, and in the backward replicas hand their weight gradients to the homes,
-which add them in rank order — the same sums as one process, bitwise.
+the ranks exchange through a symmetric allocation of their own: each puts its row of L into
+every rank's copy, homes push the replicated experts' weights into the slots' buffers, and
+in the backward replicas hand their weight gradients to the homes, which add them in rank
+order — the same sums as one process, bitwise. The plan and the exchange are custom ops
+(``rdepc::balance_plan``, ``rdepc::balance_weights``, :mod:`rdepc.runtime.ops`), so
+``torch.compile`` captures a replicated layer whole, as it does any other.
 """
 
 from __future__ import annotations
@@ -25,16 +27,14 @@ import math
 from pathlib import Path
 
 import torch
+from rdepc.runtime import ops
 from rdepc.runtime.heap import own_slices
 from rdepc.runtime.module import RDEPModule, local_experts
 from rdepc.runtime.records import KernelError
 
-from rdepc.ir.balance import imbalance
+from rdepc.ir.balance import exchange_regions, imbalance, slot_elems
 from rdepc.ir.contract import KernelContract
-from rdepc.ir.sizes import ceil_div
 from rdepc.ir.spec import weight_matrices
-
-PAD = 256  # bytes: the exchange's counters, and the alignment of its regions
 
 
 class Distribute(torch.autograd.Function):
@@ -58,37 +58,13 @@ class Distribute(torch.autograd.Function):
         return dw, None, None
 
 
-class Exchange(torch.autograd.Function):
-    """One process per rank: this rank's home weights [E_loc, ...] (any number of operands)
-    → its physical ones [E_loc + N, ...] (the homes', then the slots' copies, pushed by
-    their homes); backward: the slots' gradients handed to their homes, the homes'
-    gradients plus their replicas' in rank order."""
-
-    @staticmethod
-    def forward(ctx, module, slots, *ws):
-        ctx.module, ctx.slots, ctx.shapes = module, slots, [w.shape for w in ws]
-        packed = _pack(ws, module.dtype)
-        module._exchange_slots(slots, packed)
-        n = module.slots
-        got = module._region("slots", n * packed.shape[1]).view(n, packed.shape[1]).clone()
-        return tuple(torch.cat((w, part)) for w, part in zip(ws, _unpack(got, ctx.shapes, n), strict=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        m, shapes = ctx.module, ctx.shapes
-        E_loc = shapes[0][0]
-        grads = [torch.zeros((E_loc + m.slots, *s[1:]), dtype=m.dtype, device=m.device) if g is None else g
-                 for g, s in zip(grads, shapes, strict=True)]  # fmt: skip
-        mine = _pack([g[E_loc:] for g in grads], m.dtype)
-        home = _pack([g[:E_loc] for g in grads], m.dtype)  # a new tensor: the replicas' are added into it
-        m._exchange_grads(ctx.slots, mine, home)
-        return None, None, *(u.to(g.dtype) for u, g in zip(_unpack(home, shapes, E_loc), grads, strict=True))
+_PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
 
 
 def _pack(ws, dtype) -> torch.Tensor:
     """Operands [n, ...] side by side as one [n, P] tensor of ``dtype`` (one row an expert)."""
     n = ws[0].shape[0]
-    return torch.cat([w.detach().reshape(n, -1).to(dtype) for w in ws], dim=1).contiguous()
+    return torch.cat([w.reshape(n, -1).to(dtype) for w in ws], dim=1).contiguous()
 
 
 def _unpack(packed: torch.Tensor, shapes, n: int) -> list[torch.Tensor]:
@@ -121,6 +97,7 @@ class ReplicatedModule:
         self._plan: dict[str, torch.Tensor] | None = None
         self._stats: dict | None = None
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
+        self.handle = ops.register(self)
         if self.per_rank:
             self._allocate_exchange()
 
@@ -145,8 +122,8 @@ class ReplicatedModule:
                 tokens=None) -> torch.Tensor:  # fmt: skip
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
-        ids = self._plan_call(topk_ids, tokens, x.shape[-2])
-        w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws)
+        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
+        w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws, plan)
         return self.inner.forward(
             x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
         )
@@ -154,8 +131,8 @@ class ReplicatedModule:
     def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None) -> torch.Tensor:
         """As :meth:`RDEPModule.routed` (GEMM1's operand as the kernel reads it), home experts' weights."""
         ws = self._homes(w_up, w_down, b_up, b_down)
-        ids = self._plan_call(topk_ids, tokens, x.shape[-2])
-        w_up, w_down, b_up, b_down = self._physical(ws)
+        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
+        w_up, w_down, b_up, b_down = self._physical(ws, plan)
         return self.inner.routed(x, ids, topk_weights, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
 
     def _homes(self, *weights) -> tuple:
@@ -168,31 +145,42 @@ class ReplicatedModule:
                 )
         return weights
 
-    def _physical(self, ws) -> list:
+    def _physical(self, ws, plan: dict) -> list:
         """Each given home-expert tensor with its slots' copies after it, for this call's plan."""
-        plan = self._plan
         if self.per_rank:
             given = [w for w in ws if w is not None]
-            out = iter(Exchange.apply(self, plan["slots"].reshape(-1), *given))
+            shapes = [w.shape for w in given]
+            packed = ops.balance_weights(self.handle, plan["slots"].reshape(-1), _pack(given, self.dtype))
+            out = iter(_unpack(packed, shapes, shapes[0][0] + self.slots))
             return [None if w is None else next(out) for w in ws]
         held = plan["slots"].reshape(-1).to(torch.int64)
         phys = plan["phys"].to(torch.int64)
         replica_of = torch.where(phys >= self.homes, phys - self.homes, self.contract.W * self.slots)
         return [None if w is None else Distribute.apply(w, held, replica_of) for w in ws]
 
-    def _plan_call(self, topk_ids, tokens, Tn: int) -> torch.Tensor:
-        """This call's plan, on the device; each route row's physical expert."""
+    def _plan_call(self, topk_ids, tokens, Tn: int) -> tuple[torch.Tensor, dict]:
+        """Each route row's physical expert under this call's plan, and the plan (on the device)."""
         p, inner = self.contract, self.inner
-        W, E, N = p.W, self.homes, self.slots
-        lead = () if self.per_rank else (W,)
+        lead = () if self.per_rank else (p.W,)
         if topk_ids.dim() != len(lead) + 2 or tuple(topk_ids.shape[:-1]) != (*lead, Tn):
-            want = "[T', K]" if self.per_rank else f"[W={W}, T'={Tn}, K]"
+            want = "[T', K]" if self.per_rank else f"[W={p.W}, T'={Tn}, K]"
             raise ValueError(f"{inner._name()}: topk_ids must be {want}, got {tuple(topk_ids.shape)}")
         _, real = inner.padding(tokens, Tn)
         ids = topk_ids.detach().to(device=self.device, dtype=torch.int64)
         if real is not None:
             ids = torch.where(real[..., None], ids, -1)
-        ids = ids.contiguous()
+        phys_ids, *tables = ops.balance_plan(self.handle, ids.contiguous(), Tn)
+        return phys_ids, dict(zip(_PLAN, tables, strict=True))
+
+    def plan_layout(self, shape) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of ``rdepc::balance_plan``'s outputs for expert ids of ``shape``."""
+        W, E, N = self.contract.W, self.homes, self.slots
+        tables = {"load": (W, E), "phys": (E, W), "cum": (W, E, W), "slots": (W, N), "loads": (2, W)}
+        return [(tuple(shape), torch.int64)] + [(tables[name], torch.int32) for name in _PLAN]
+
+    def _plan_op(self, ids: torch.Tensor, Tn: int) -> list[torch.Tensor]:
+        """``rdepc::balance_plan``: count (or exchange) the loads, solve, reroute."""
+        W, E, N = self.contract.W, self.homes, self.slots
         i32 = {"dtype": torch.int32, "device": self.device}
         plan = {
             "phys": torch.empty((E, W), **i32),
@@ -200,7 +188,7 @@ class ReplicatedModule:
             "slots": torch.empty((W, N), **i32),
             "loads": torch.empty((2, W), **i32),
         }
-        k = inner.kernels
+        k = self.inner.kernels
         flat = ids if ids.numel() else ids.new_full((1,), -1)
         if self.per_rank:
             self.calls += 1
@@ -229,26 +217,43 @@ class ReplicatedModule:
             k.balance_reroute, (1 if self.per_rank else W,), (flat, phys_ids, plan["phys"], plan["cum"], Tn, rank0)
         )
         self._plan, self._stats = plan, None
-        return phys_ids[: ids.numel()].view(ids.shape)
+        return [phys_ids[: ids.numel()].view(ids.shape)] + [plan[name] for name in _PLAN]
+
+    def _weights_op(self, slots: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
+        """``rdepc::balance_weights``: push the replicated home experts' weights to their
+        slots; wait for this rank's; the homes' rows, then the slots'."""
+        k, P = self.inner.kernels, home.shape[1]
+        push = (self.bal, self.stride, self.at["slots"], slots, self.owner, self.local_of, home, P, self.rank)
+        self._run(k.balance_push, (self.contract.W * self.slots,), push)
+        self._await(1, slots)
+        return torch.cat((home, self._region("slots", self.slots * P).view(self.slots, P)))
+
+    def _grads_op(self, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``rdepc::balance_grads``: hand the slots' gradients (the last N rows of ``grad``)
+        to their homes; each home row plus its replicas', in rank order."""
+        k, P = self.inner.kernels, grad.shape[1]
+        n = grad.shape[0] - self.slots
+        mine, home = grad[n:].contiguous(), grad[:n].clone()
+        give = (self.bal, self.stride, self.at["grads"], slots, self.owner, mine, P, self.rank)
+        self._run(k.balance_give, (self.slots,), give)
+        self._await(2, slots)
+        if n:
+            reduce = (self.bal, self.stride, self.at["grads"], slots, self.homes_here, home, P)
+            self._run(k.balance_reduce, (n,), reduce)
+        return home
 
     def _run(self, kernel, grid, args) -> None:
         self._launch([(kernel, grid, args, {})])
 
     # ------------------------------------------------------------------ one process per rank
     def _allocate_exchange(self) -> None:
-        """The symmetric allocation the ranks exchange through (collective): three int64
-        counters, the load table [W, E] int32, N slots of weights, N slots of gradients —
-        each slot P elements of the layer's dtype, room for every operand an expert has."""
-        p, N = self.contract, self.slots
-        P = weight_matrices(p.act) * p.H * p.F + ((2 * p.F if p.gated else p.F) + p.H if p.bias else 0)
+        """The symmetric allocation the ranks exchange through (collective;
+        :func:`rdepc.ir.balance.exchange_regions`, the planner's figure too)."""
+        p = self.contract
+        P = slot_elems(weight_matrices(p.act), p.H, p.F, p.bias)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        sizes = {"counters": PAD, "loads": p.W * self.homes * 4, "slots": N * P * elem, "grads": N * P * elem}
-        self.at, end = {}, 0
-        for name, size in sizes.items():
-            self.at[name] = end
-            end += ceil_div(size, PAD) * PAD
-        self.stride = end
-        self.bal = self.inner.transport.allocate_heap(p.W, end, self.device)
+        self.at, self.stride = exchange_regions(p.W, self.homes, self.slots, P, elem)
+        self.bal = self.inner.transport.allocate_heap(p.W, self.stride, self.device)
         self.own = own_slices(self.bal, True, self.rank)[0]
         self.expected = torch.zeros(3, dtype=torch.int64, device=self.device)  # arrivals counted over calls
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -260,23 +265,6 @@ class ReplicatedModule:
         dtype = dtype or self.dtype
         size = torch.empty((), dtype=dtype).element_size()
         return self.own[self.at[name] : self.at[name] + n * size].view(dtype)
-
-    def _exchange_slots(self, slots: torch.Tensor, packed: torch.Tensor) -> None:
-        """Push the replicated home experts' weights to their slots; wait for this rank's."""
-        k, P = self.inner.kernels, packed.shape[1]
-        push = (self.bal, self.stride, self.at["slots"], slots, self.owner, self.local_of, packed, P, self.rank)
-        self._run(k.balance_push, (self.contract.W * self.slots,), push)
-        self._await(1, slots)
-
-    def _exchange_grads(self, slots: torch.Tensor, mine: torch.Tensor, home: torch.Tensor) -> None:
-        """Hand the slots' gradients ``mine`` [N, P] to their homes; add the replicas' into ``home`` [E_loc, P]."""
-        k, P = self.inner.kernels, mine.shape[1]
-        give = (self.bal, self.stride, self.at["grads"], slots, self.owner, mine, P, self.rank)
-        self._run(k.balance_give, (self.slots,), give)
-        self._await(2, slots)
-        if home.shape[0]:
-            reduce = (self.bal, self.stride, self.at["grads"], slots, self.homes_here, home, P)
-            self._run(k.balance_reduce, (home.shape[0],), reduce)
 
     def _await(self, counter: int, slots: torch.Tensor) -> None:
         args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.spin_bound, self.err)
@@ -346,4 +334,4 @@ def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options):
     return layer_module(contract, kernels_path, **options)
 
 
-__all__ = ["Distribute", "Exchange", "ReplicatedModule", "layer_module", "load_compiled"]
+__all__ = ["Distribute", "ReplicatedModule", "layer_module", "load_compiled"]

@@ -32,7 +32,7 @@ import weakref
 
 import torch
 from rdepc.runtime.autograd import gate_grad
-from rdepc.runtime.heap import keeps_outputs, own_slices, owner_row_buffers
+from rdepc.runtime.heap import keeps_outputs, owner_row_buffers
 from torch import Tensor
 
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -137,8 +137,8 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
     if keeps_outputs(p):
         out.append(("saved_out", (*lead, Tn, p.K, p.H), module.dtype))
     lo, hi = module._published
-    slices = own_slices(module.heap, module.per_rank, module.rank)
-    out.append(("published", (slices.shape[0], hi - lo), slices.dtype))
+    owned = 1 if module.per_rank else module.heap.shape[0]  # own_slices' rows, without slicing (fake mode)
+    out.append(("published", (owned, hi - lo), module.heap.dtype))
     return out + [(n, tuple(module.private[n].shape), module.private[n].dtype) for n in module._routing_tables()]
 
 
@@ -167,4 +167,66 @@ def _forward_backward(ctx, grads):
 forward.register_autograd(_forward_backward, setup_context=_setup_context)
 
 
-__all__ = ["backward", "forward", "forward_layout", "kept_layout", "module_of", "register"]
+# ---------------------------------------------------------------------- balance replicate
+# A replicated layer (rdepc.runtime.balance) adds its plan and, one process per rank, the
+# slots' weights exchange: launches of its own around the layer's, opaque to the compiler too.
+
+
+@torch.library.custom_op("rdepc::balance_plan", mutates_args=())
+def balance_plan(handle: int, ids: Tensor, Tn: int) -> list[Tensor]:
+    """This call's plan from the route rows' expert ids (-1: none): [physical ids, load,
+    phys, cum, slots, loads] (:attr:`ReplicatedModule.last_plan`)."""
+    return module_of(handle)._plan_op(ids, Tn)
+
+
+@balance_plan.register_fake
+def _balance_plan_fake(handle, ids, Tn):
+    return [torch.empty(s, dtype=d, device=ids.device) for s, d in module_of(handle).plan_layout(ids.shape)]
+
+
+@torch.library.custom_op("rdepc::balance_weights", mutates_args=())
+def balance_weights(handle: int, slots: Tensor, home: Tensor) -> Tensor:
+    """One process per rank: this rank's home experts' operands [E_loc, P] → its physical
+    ones [E_loc + N, P], the slots' rows pushed by their homes."""
+    return module_of(handle)._weights_op(slots, home)
+
+
+@balance_weights.register_fake
+def _balance_weights_fake(handle, slots, home):
+    return home.new_empty((home.shape[0] + module_of(handle).slots, home.shape[1]))
+
+
+@torch.library.custom_op("rdepc::balance_grads", mutates_args=())
+def balance_grads(handle: int, slots: Tensor, grad: Tensor) -> Tensor:
+    """The backward of :func:`balance_weights`: the slots' gradients handed to their homes,
+    each home's [E_loc, P] plus its replicas' in rank order."""
+    return module_of(handle)._grads_op(slots, grad)
+
+
+@balance_grads.register_fake
+def _balance_grads_fake(handle, slots, grad):
+    return grad.new_empty((grad.shape[0] - module_of(handle).slots, grad.shape[1]))
+
+
+def _weights_context(ctx, inputs, output) -> None:
+    ctx.handle, ctx.slots = inputs[0], inputs[1]
+
+
+def _weights_backward(ctx, grad):
+    return None, None, balance_grads(ctx.handle, ctx.slots, grad.contiguous())
+
+
+balance_weights.register_autograd(_weights_backward, setup_context=_weights_context)
+
+
+__all__ = [
+    "backward",
+    "balance_grads",
+    "balance_plan",
+    "balance_weights",
+    "forward",
+    "forward_layout",
+    "kept_layout",
+    "module_of",
+    "register",
+]

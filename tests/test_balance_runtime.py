@@ -158,32 +158,46 @@ def test_a_capacity_that_drops_is_refused_at_the_statement(tmp_path):
     assert (d.span.line, d.span.col) == (6, 11)  # at replicate(...)
 
 
+def compiled(module):
+    """The layer's call under torch.compile(fullgraph=True): the plan and the exchange are
+    custom ops, so nothing breaks the graph; aot_eager keeps torch's own op numerics."""
+    torch._dynamo.reset()
+    return torch.compile(lambda *a: module(*a), fullgraph=True, backend="aot_eager")
+
+
 def rank_step(rank: int, W_: int, file: str):
-    """One rank's process: its tokens and home experts through the emulated-mp layer, forward and backward."""
+    """One rank's process: its tokens and home experts through the emulated-mp layer,
+    forward and backward, eager and then compiled."""
     module = rdepc.load(file).module("emulated-mp")
     ids, gates, x, weights = skewed()
     mine = list(module.local_experts)
-    y, g = train_step(module, ids[rank], gates[rank], x[rank], [w[mine] for w in weights], rank)
-    return y, g, mine, module.last_plan
+    args = (ids[rank], gates[rank], x[rank], [w[mine] for w in weights], rank)
+    y, g = train_step(module, *args)
+    plan = {k: v.clone() for k, v in module.last_plan.items()}
+    return y, g, mine, plan, train_step(compiled(module), *args)
 
 
 def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     """emulated-mp: every rank exchanges its loads, derives the same plan, pushes its hot
     experts' weights to the slots and adds its replicas' gradients home in rank order: each
-    rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's."""
+    rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's. Under
+    torch.compile(fullgraph=True), one process and per rank, they are the eager ones."""
     from rdepc.runtime import ranks
 
     f = str(ROOT / "examples" / "tiny_balance.rdep")
     got = ranks.spawn(rank_step, W, f, timeout=600)
     one = rdepc.load(f).module("emulated", "cpu")
     y0, g0 = train_step(one, *skewed())
-    for rank, (y, g, mine, plan) in enumerate(got):
+    yc, gc = train_step(compiled(one), *skewed())
+    assert all(torch.equal(a, b) for a, b in zip([y0, *g0], [yc, *gc], strict=True))
+    for rank, (y, g, mine, plan, (yr, gr)) in enumerate(got):
         assert torch.equal(y, y0[rank])
         assert torch.equal(g[0], g0[0][rank]) and torch.equal(g[1], g0[1][rank])
         for a, b in zip(g[2:], g0[2:], strict=True):
             assert torch.equal(a, b[mine])
         for name, table in one.last_plan.items():  # every rank derived the same plan, table for table
             assert torch.equal(plan[name], table), (rank, name)
+        assert all(torch.equal(a, b) for a, b in zip([y, *g], [yr, *gr], strict=True)), rank
 
 
 def test_dedup_sums_per_physical_owner_within_rounding(tmp_path):

@@ -176,4 +176,37 @@ def _reroute(load, quota):
     return split
 
 
-__all__ = ["ReplicationPlan", "imbalance", "owner_loads", "solve"]
+EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
+
+
+def slot_elems(matrices, H, F, bias: bool):
+    """Elements of one redundant slot: every operand of one expert side by side (its
+    ``matrices`` H×F weights, then, with expert biases, b_up (2·F when gated) and b_down (H)).
+    Plain arithmetic: ints for the runtime, symbols for the planner's formula."""
+    up = 2 * F if matrices == 3 else F
+    return matrices * H * F + ((up + H) if bias else 0)
+
+
+def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tuple[dict[str, int], int]:
+    """The symmetric allocation a replicated layer's ranks exchange through when they run one
+    process each: per rank three int64 counters, the load table [W, homes] int32, ``slots``
+    slots of weights and as many of gradients (``slot`` elements of ``elem`` bytes each),
+    each region aligned to :data:`EXCHANGE_ALIGN`. Returns each region's offset and the
+    bytes one rank holds (the stride between ranks)."""
+    sizes = {"counters": 3 * 8, "loads": W * homes * 4, "slots": slots * slot * elem, "grads": slots * slot * elem}
+    at, end = {}, 0
+    for name, size in sizes.items():
+        at[name] = end
+        end += -(-size // EXCHANGE_ALIGN) * EXCHANGE_ALIGN
+    return at, end
+
+
+__all__ = [
+    "EXCHANGE_ALIGN",
+    "ReplicationPlan",
+    "exchange_regions",
+    "imbalance",
+    "owner_loads",
+    "slot_elems",
+    "solve",
+]
