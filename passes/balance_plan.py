@@ -12,7 +12,7 @@ from rdepc.passes.plan_records import BalancePlan, PlanOptions
 from rdepc.passes.plan_symbols import B_eff, E, Env, F, F_gpu, Figure, H, K, T, W, a
 from rdepc.passes.sampled_routing import source_counts
 
-from rdepc.ir.balance import exchange_regions, imbalance, owner_loads, slot_elems, solve
+from rdepc.ir.balance import exchange_regions, imbalance, owner_loads, push_bytes, slot_elems, solve
 from rdepc.ir.spec import LayerSpec
 
 N = sp.Symbol("N", positive=True, integer=True)  # redundant expert slots per rank
@@ -56,9 +56,8 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
 
 def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ...]:
     """The busiest rank's routed forward GEMMs at F_gpu before and after the plan, the
-    replicas' weights moved per call, and the busiest home's pushes at B_eff (a home sends
-    each of its replicated experts once to each replica)."""
-    import numpy as np
+    replicas' weights moved per call, and the busiest rank's pushes at B_eff
+    (:func:`rdepc.ir.balance.push_bytes`; launched before the layer's)."""
 
     v = env.values
     per_row = 2 * spec.expert.matrices * v[H] * v[F]
@@ -67,9 +66,8 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
     before = int(owner_loads(load, spec.ownership.owner).max())
     after = int(plan.rank_loads.max())
     expert = int(spec.expert.matrices * v[H] * v[F] * v[a])
-    owner = np.asarray(spec.ownership.owner)
-    held = plan.slots[plan.slots >= 0]
-    busiest = int(np.bincount(owner[held], minlength=v[W]).max()) if len(held) else 0
+    sent, received = push_bytes(plan.slots, spec.ownership.owner, expert)
+    link = int(max(sent.max(), received.max()))  # the busiest rank's pushes, out or in
     return (
         Figure("balance.time_before", None, before * per_row / flops, "s", f"{before} {how}, without replication"),
         Figure("balance.time_after", None, after * per_row / flops, "s", f"{after} {how}, with the plan"),
@@ -77,8 +75,8 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
         Figure(
             "balance.weight_time",
             None,
-            busiest * expert / float(v[B_eff]),
+            link / float(v[B_eff]),
             "s",
-            f"the busiest home's {busiest} replica pushes at B_eff",
+            f"the busiest rank's {link // expert} replica pushes (sent or received) at B_eff, before the layer",
         ),
     )

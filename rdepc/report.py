@@ -360,7 +360,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
                 ("busiest rank's GEMMs, before", bl.time_before),
                 ("busiest rank's GEMMs, after", bl.time_after),
                 ("replicas' weights moved", bl.weight_bytes),
-                ("busiest home's pushes", bl.weight_time),
+                ("busiest rank's pushes", bl.weight_time),
             ]
             rows = _fig_rows(items)
         out += table(rows, ["figure", "value", "accounting"])

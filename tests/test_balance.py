@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdepc.ir.balance import imbalance, owner_loads, solve
+from rdepc.ir.balance import imbalance, owner_loads, push_bytes, solve
 
 SPEC = """layer m {{
   shape ranks 8, tokens 512, hidden 64, experts 32, top 4
@@ -188,10 +188,16 @@ def test_plan_reports_imbalance_and_slot_memory(tmp_path):
     assert rows[0] > rows[1] > 0 and rows[0] / rows[1] >= before / after * 0.99
     replicas = int(lines["replicas"].split()[1])
     assert f"{replicas * 3 * 64 * 128 * 2:,} B" in lines["replicas' weights moved"]
-    assert "replica pushes at B_eff" in lines["busiest home's pushes"]
+    assert "replica pushes (sent or received) at B_eff" in lines["busiest rank's pushes"]
     status, out, _ = run_cli("plan", str(f))
     assert status == 0 and "needs a routing: --routing uniform or zipf:ALPHA" in out
     assert "owner imbalance, before" not in out
+
+
+def test_push_bytes_counts_one_expert_per_filled_slot_from_its_home():
+    slots = np.array([[-1, 3], [0, -1], [3, -1], [-1, -1]])  # expert 3 on ranks 0 and 2, expert 0 on rank 1
+    sent, received = push_bytes(slots, balanced_owner(4, 8), 10)  # experts 0, 1 on rank 0; 2, 3 on rank 1; ...
+    assert sent.tolist() == [10, 20, 0, 0] and received.tolist() == [10, 10, 10, 0]
 
 
 def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
@@ -203,9 +209,12 @@ def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
     line = next(x for x in out.splitlines() if x.startswith("balance: "))
     before, after = (float(v) for v in line.split("max/mean ")[1].split(" after")[0].split(" before, "))
     assert before > 2 and after <= 1.05
-    ours = float(next(x for x in out.splitlines() if "makespan" in x).split()[1].replace(",", ""))
+    layer = float(next(x for x in out.splitlines() if "makespan" in x).split()[1].replace(",", ""))
+    pushes = next(x for x in out.splitlines() if x.lstrip().startswith("weight pushes"))
+    first, total = (float(v.split()[0].replace(",", "")) for v in (pushes.split("pushes")[1], pushes.split("; ")[1]))
+    assert first > 0 and abs(total - (first + layer)) < 0.2  # the pushes are launched before the layer
     theirs = float(next(x for x in out.splitlines() if "unreplicated" in x).split()[1].replace(",", ""))
-    assert ours < theirs  # the busiest owner's compute shrank
+    assert total < theirs  # the busiest owner's compute shrank more than the pushes cost
     status, out, _ = run_cli("viz", str(f))
     assert status == 0 and "the balanced owners need a routing" in out
 

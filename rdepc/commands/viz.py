@@ -28,16 +28,23 @@ def cmd_viz(args) -> int:
             f"routing: {name}, seed {args.seed}, one sampled routing (rows per expert {min(per_expert):,} to "
             f"{max(per_expert):,}, mean {sum(per_expert) / len(per_expert):,.1f}, before capacity)"
         )
-    unreplicated, layer = None, spec
+    unreplicated, layer, pushes = None, spec, None
     if spec.balance.kind == "replicate":
         if counts is None:
             print("balance: replicate; the balanced owners need a routing (--routing uniform or zipf:ALPHA)")
         else:  # the physical layer under the plan for this routing, beside the layer without replication
-            tg, counts, unreplicated = _balanced(spec, args, tg, counts)
+            tg, counts, unreplicated, pushed = _balanced(spec, args, tg, counts)
             layer = tg.spec
     sched = schedule(tg, args.hw, counts=counts)
     print(report(sched))
     if unreplicated is not None:
+        rates = sched.cost.rates  # a push: its bytes over the link, then its signal
+        pushes = [b / rates.link + rates.latency if b else 0.0 for b in pushed]
+        first = max(pushes)
+        print(
+            f"  weight pushes   {first * 1e6:,.1f} µs before the layer (the busiest rank's replicas' weights, "
+            f"{max(pushed):,} B sent or received, at the link rate); {(first + sched.makespan) * 1e6:,.1f} µs in all"
+        )
         print(f"  unreplicated    {unreplicated.makespan * 1e6:,.1f} µs predicted without replication, for comparison")
     from rdepc import viz
 
@@ -50,7 +57,11 @@ def cmd_viz(args) -> int:
             if sched.strategy != "bulk":
                 bulk = schedule(build_for(layer, "bulk", None, args.hw), args.hw, counts=counts)
                 print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
-            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks, unreplicated=unreplicated))
+            wrote.append(
+                viz.write_png(
+                    sched, args.png, bulk=bulk, max_ranks=args.ranks, unreplicated=unreplicated, pushes=pushes
+                )
+            )
         if args.dot:
             try:
                 level = "tiles" if args.full else "tasks" if args.tasks else "stages"
@@ -69,8 +80,9 @@ def cmd_viz(args) -> int:
 
 def _balanced(spec, args, tg, counts):
     """(the physical layer's graph, its rows per (source, physical expert) under the plan for
-    ``counts``, the schedule of the layer without replication), and the plan's figures printed."""
-    from rdepc.ir.balance import imbalance, owner_loads
+    ``counts``, the schedule of the layer without replication, the bytes each rank pushes or
+    receives before the layer), and the plan's figures printed."""
+    from rdepc.ir.balance import imbalance, owner_loads, push_bytes, slot_elems
     from rdepc.passes.replicate import physical_counts, physical_layer
     from rdepc.passes.schedule import build_for, schedule
 
@@ -80,8 +92,12 @@ def _balanced(spec, args, tg, counts):
     held = [[int(e) for e in row if e >= 0] for row in plan.slots]
     print(
         f"balance: max/mean {imbalance(before):.3f} before, {imbalance(after):.3f} after (rows per rank {before} -> "
-        f"{after}; replicas per rank {held}); the timeline is the physical layer's under this plan, without the "
-        "replicas' weight pushes (launched before the layer, not tasks of its graph)"
+        f"{after}; replicas per rank {held}); the timeline is the physical layer's under this plan, after the "
+        "replicas' weight pushes (launches of their own before the layer's)"
     )
+    geo = tg.geometry
+    expert = slot_elems(spec.expert.matrices, geo.H, geo.F, spec.expert.bias) * geo.a
+    sent, received = push_bytes(plan.slots, spec.ownership.owner, expert)
+    pushed = [int(max(a, b)) for a, b in zip(sent, received, strict=True)]
     unreplicated = schedule(tg, args.hw, counts=counts)
-    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated
+    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, pushed

@@ -176,6 +176,19 @@ def _reroute(load, quota):
     return split
 
 
+def push_bytes(slots, owner, expert_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each rank sends and receives when the plan's ``slots`` [W, N] are filled: a home
+    sends each expert it has replicated once to each rank holding a replica of it, a rank
+    receives one expert's weights per filled slot. ([W] int64 each.)"""
+    import numpy as np
+
+    slots = np.asarray(slots)
+    held = slots[slots >= 0]
+    W = slots.shape[0]
+    sent = np.bincount(np.asarray(owner)[held], minlength=W).astype(np.int64) * expert_bytes
+    return sent, (slots >= 0).sum(axis=1).astype(np.int64) * expert_bytes
+
+
 EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
 
 
@@ -207,6 +220,7 @@ __all__ = [
     "exchange_regions",
     "imbalance",
     "owner_loads",
+    "push_bytes",
     "slot_elems",
     "solve",
 ]
