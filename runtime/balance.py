@@ -31,6 +31,7 @@ from rdepc.runtime import ops
 from rdepc.runtime.heap import own_slices
 from rdepc.runtime.module import RDEPModule, local_experts
 from rdepc.runtime.records import KernelError
+from rdepc.runtime.stats import Readback
 
 from rdepc.ir.balance import exchange_regions, imbalance, slot_elems
 from rdepc.ir.contract import KernelContract
@@ -58,6 +59,8 @@ class Distribute(torch.autograd.Function):
         return dw, None, None
 
 
+# what an expired wait of the exchange waited for, by the code the device stores (rdepc.codegen.device.balance.settle)
+_WAITED = {1: "every rank's loads", 2: "the slots' weights", 3: "the replicas' gradients"}
 _PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
 
 
@@ -98,6 +101,7 @@ class ReplicatedModule:
         self._stats: dict | None = None
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
         self.handle = ops.register(self)
+        self._readback = Readback(self.device)  # per rank, natively: the exchange's error word on its way
         if self.per_rank:
             self._allocate_exchange()
 
@@ -188,6 +192,8 @@ class ReplicatedModule:
             "slots": torch.empty((W, N), **i32),
             "loads": torch.empty((2, W), **i32),
         }
+        if self.inner._broken:
+            raise RuntimeError(self.inner._broken)
         k = self.inner.kernels
         flat = ids if ids.numel() else ids.new_full((1,), -1)
         if self.per_rank:
@@ -203,8 +209,9 @@ class ReplicatedModule:
                 self.spin_bound,
                 self.err,
             )
+            self._readback.settle(False, self._raise_err)  # an earlier call's expired wait, if it has landed
             self._run(k.balance_exchange, (1,), args)
-            self._check_err("every rank's loads")
+            self._check_err()
             plan["load"] = self._region("loads", W * E, torch.int32).view(W, E).clone()  # the next call rewrites it
         else:
             plan["load"] = torch.zeros((W, E), **i32)
@@ -269,17 +276,31 @@ class ReplicatedModule:
     def _await(self, counter: int, slots: torch.Tensor) -> None:
         args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.spin_bound, self.err)
         self._run(self.inner.kernels.balance_await, (1,), args)
-        self._check_err(("", "the slots' weights", "the replicas' gradients")[counter])
+        self._check_err()
 
-    def _check_err(self, what: str) -> None:
-        """Under the interpreter at once (host memory, no sync): a wait of the exchange expired.
-        Natively the word is left for a later read (a dead peer also trips the layer's own waits)."""
-        if self.inner.interpret and int(self.err[0]):
-            raise KernelError(
-                f"{self.inner._name()}: the balance exchange waited {self.spin_bound} spins for {what} from "
-                "other ranks",
-                {},
-            )
+    def _check_err(self) -> None:
+        """An expired wait of the exchange: under the interpreter read at once (host memory, no
+        sync); natively the word's copy is queued behind the launches and read when it has
+        landed — at the next call, at :meth:`synchronize` or when ``last_stats`` is read."""
+        if self.inner.interpret:
+            self._raise_err(self.err.tolist())
+        else:
+            self._readback.queue(self.err, None, None, False)
+
+    def _raise_err(self, words: list[int], *_) -> None:
+        if not words[0]:
+            return
+        self._readback.clear()
+        what = f"the balance exchange waited {self.spin_bound} spins for {_WAITED[words[0]]} from other ranks"
+        # the ranks' arrival counters no longer agree: the layer must be rebuilt on every rank
+        self.inner._broken = f"{self.inner._name()}: {what} (this per-rank module is stopped: rebuild it on every rank)"
+        raise KernelError(f"{self.inner._name()}: {what}", {"balance_wait": _WAITED[words[0]]})
+
+    def synchronize(self) -> None:
+        """As :meth:`RDEPModule.synchronize`, the exchange's waits included."""
+        if self.per_rank:
+            self._readback.settle(True, self._raise_err)
+        self.inner.synchronize()
 
     # ------------------------------------------------------------------ results
     @property
@@ -293,6 +314,8 @@ class ReplicatedModule:
 
     @property
     def last_stats(self) -> dict | None:
+        if self.per_rank:
+            self._readback.settle(True, self._raise_err)
         st = self.inner.last_stats
         if st is None or self._plan is None:
             return st

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from rdepc.ir.contract import CTL_TICKETS, INT32_MAX, KernelContract
+from rdepc.ir.contract import INT32_MAX, KernelContract
 
 
 class Readback:
@@ -31,7 +31,7 @@ class Readback:
             # where the user asks for them — synchronize() copies them then.
             self.pending.append((None, words, ids, gates, backward))
             return
-        host = torch.empty(CTL_TICKETS, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
         host.copy_(words, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -200,6 +200,32 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
         assert all(torch.equal(a, b) for a, b in zip([y, *g], [yr, *gr], strict=True)), rank
 
 
+def test_an_expired_exchange_wait_names_what_it_waited_for_and_stops_the_layer():
+    """The exchange's waits store which counter expired (the loads 1, the slots' weights 2,
+    the replicas' gradients 3) and give up at once; the host names it in a KernelError and
+    stops the module: the ranks' arrival counts no longer agree."""
+    from rdepc.runtime.records import KernelError
+
+    module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu")
+    k, stride = module.inner.kernels, 1024
+    bal = torch.zeros(W * stride, dtype=torch.uint8)  # no rank ever signals
+    slots = torch.tensor([[0], [-1], [-1], [-1]], dtype=torch.int32)  # rank 0 holds a replica of expert 0 (homed there)
+    expected = torch.zeros(3, dtype=torch.int64)
+    for counter in (1, 2):
+        err = torch.zeros(1, dtype=torch.int32)
+        module._run(k.balance_await, (1,), (bal, stride, counter, slots, module.owner, expected, 0, 50, err))
+        assert err.tolist() == [counter + 1]
+    err = torch.zeros(1, dtype=torch.int32)
+    ids = torch.zeros((T, K), dtype=torch.int64)
+    module._run(k.balance_exchange, (1,), (bal, stride, 256, ids, T, 1, W, 50, err))
+    assert err.tolist() == [1]
+    with pytest.raises(KernelError, match=r"waited .* spins for the slots' weights from other ranks"):
+        module._raise_err([2])
+    with pytest.raises(RuntimeError, match="rebuild it on every rank"):
+        ids, gates, x, weights = skewed()
+        module(x, ids, gates, *weights)
+
+
 def test_dedup_sums_per_physical_owner_within_rounding(tmp_path):
     """Under ``dedup`` an owner sums a token's rows before returning them: which rows share an
     owner follows the plan, so outputs and gradients agree with the unreplicated layer's

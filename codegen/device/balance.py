@@ -76,15 +76,16 @@ def balance_exchange(bal, stride, loads_at, topk_ids, n_tokens, rank, target, bo
         row = (base + loads_at).to(tl.pointer_type(tl.int32)) + rank * HOMES
         put(row + experts, counts, experts < HOMES)
         signal(base.to(tl.pointer_type(tl.int64)))
-    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)), target, bound, err)
+    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)), target, bound, err, 1)
 
 
 @triton.jit
-def settle(flag, target, bound, err):
-    """Wait for ``flag`` to reach ``target``; on expiry set ``err`` (the host raises)."""
+def settle(flag, target, bound, err, what):
+    """Wait for ``flag`` to reach ``target``; on expiry set ``err`` to ``what`` (the counter
+    waited on, plus one: the host names it in the error it raises)."""
     seen = wait(flag, target, bound, err)
     if seen < target:
-        tl.store(err, 1)
+        tl.store(err, what)
 
 
 @triton.jit
@@ -291,7 +292,7 @@ def balance_await(bal, stride, counter: tl.constexpr, slot_table, owner_of, expe
         mine = (e >= 0) & (tl.load(owner_of + tl.maximum(e, 0), mask=e >= 0, other=-1) == rank)
     target = tl.load(expected + counter) + tl.sum(mine.to(tl.int64), axis=0)
     tl.store(expected + counter, target)
-    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)) + counter, target, bound, err)
+    settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)) + counter, target, bound, err, counter + 1)
 
 
 @triton.jit
