@@ -60,7 +60,12 @@ class Distribute(torch.autograd.Function):
 
 
 # what an expired wait of the exchange waited for, by the code the device stores (rdepc.codegen.device.balance.settle)
-_WAITED = {1: "every rank's loads", 2: "the slots' weights", 3: "the replicas' gradients"}
+_WAITED = {
+    1: "every rank's loads",
+    2: "the slots' weights",
+    3: "the replicas' gradients",
+    4: "the homes' receipt of its slots' gradients",
+}
 _PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
 
 
@@ -79,6 +84,22 @@ def _unpack(packed: torch.Tensor, shapes, n: int) -> list[torch.Tensor]:
     return out
 
 
+class Exchange:
+    """One process per rank: the symmetric allocation the ranks exchange through and what
+    counts over its calls — each rank's arrival counters' targets, the calls (one signal per
+    rank each), the error word of its waits. Modules of one layer built with ``share`` use
+    one: its slots are filled and emptied within each call (the layer's own kernel, which
+    every rank runs, orders one call's use before the next), so a model's replicated layers
+    need one allocation, not one each."""
+
+    def __init__(self, bal: torch.Tensor, own: torch.Tensor, stride: int, at: dict[str, int], device):
+        self.bal, self.own, self.stride, self.at = bal, own, stride, at
+        self.expected = torch.zeros(4, dtype=torch.int64, device=device)  # arrivals counted over calls
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        self.calls = 0
+        self.readback = Readback(device)  # natively: the error word on its way to the host
+
+
 class ReplicatedModule:
     """An RDEPModule for a ``balance replicate`` layer: the same call signatures (home
     experts' weights, expert ids in [0, E)), the physical layer's kernels inside
@@ -86,10 +107,13 @@ class ReplicatedModule:
     over each expert's instances (one process) or counting this rank's home instances (per
     rank: its slots' rows in ``balance["slot_rows"]``), and ``balance``: the rows per rank
     before and after the plan, their max/mean, and the slot table (the home expert each
-    slot held, -1 empty)."""
+    slot held, -1 empty). ``share``: a module of this layer whose heap (``RDEPModule``'s
+    ``share``) and, one process per rank, whose :class:`Exchange` this one uses."""
 
-    def __init__(self, contract: KernelContract, kernels_path, **options):
-        self.inner = RDEPModule(contract, kernels_path, **options)
+    def __init__(self, contract: KernelContract, kernels_path, share: ReplicatedModule | None = None, **options):
+        if share is not None and not isinstance(share, ReplicatedModule):
+            raise ValueError(f"{contract.layer}: share takes a module of a balance replicate layer, not {share!r}")
+        self.inner = RDEPModule(contract, kernels_path, share=None if share is None else share.inner, **options)
         p = self.contract = contract
         self.slots, self.min_rows = p.balance
         self.homes = p.homes
@@ -101,9 +125,11 @@ class ReplicatedModule:
         self._stats: dict | None = None
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
         self.handle = ops.register(self)
-        self._readback = Readback(self.device)  # per rank, natively: the exchange's error word on its way
+        self.ex: Exchange | None = None
         if self.per_rank:
-            self._allocate_exchange()
+            self.ex = share.ex if share is not None else self._allocate_exchange()
+            self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
+        self._readback = self.ex.readback if self.ex else Readback(self.device)
 
     def __getattr__(self, name: str):  # the rest of RDEPModule's surface: the physical layer's
         if name == "inner":
@@ -197,17 +223,17 @@ class ReplicatedModule:
         k = self.inner.kernels
         flat = ids if ids.numel() else ids.new_full((1,), -1)
         if self.per_rank:
-            self.calls += 1
+            self.ex.calls += 1
             args = (
-                self.bal,
-                self.stride,
-                self.at["loads"],
+                self.ex.bal,
+                self.ex.stride,
+                self.ex.at["loads"],
                 flat,
                 Tn,
                 self.rank,
-                W * self.calls,
+                W * self.ex.calls,
                 self.spin_bound,
-                self.err,
+                self.ex.err,
             )
             self._readback.settle(False, self._raise_err)  # an earlier call's expired wait, if it has landed
             self._run(k.balance_exchange, (1,), args)
@@ -230,7 +256,7 @@ class ReplicatedModule:
         """``rdepc::balance_weights``: push the replicated home experts' weights to their
         slots; wait for this rank's; the homes' rows, then the slots'."""
         k, P = self.inner.kernels, home.shape[1]
-        push = (self.bal, self.stride, self.at["slots"], slots, self.owner, self.local_of, home, P, self.rank)
+        push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, home, P, self.rank)
         self._run(k.balance_push, (self.contract.W * self.slots,), push)
         self._await(1, slots)
         return torch.cat((home, self._region("slots", self.slots * P).view(self.slots, P)))
@@ -241,40 +267,47 @@ class ReplicatedModule:
         k, P = self.inner.kernels, grad.shape[1]
         n = grad.shape[0] - self.slots
         mine, home = grad[n:].contiguous(), grad[:n].clone()
-        give = (self.bal, self.stride, self.at["grads"], slots, self.owner, mine, P, self.rank)
+        give = (self.ex.bal, self.ex.stride, self.ex.at["grads"], slots, self.owner, mine, P, self.rank)
         self._run(k.balance_give, (self.slots,), give)
         self._await(2, slots)
         if n:
-            reduce = (self.bal, self.stride, self.at["grads"], slots, self.homes_here, home, P)
+            reduce = (self.ex.bal, self.ex.stride, self.ex.at["grads"], slots, self.homes_here, home, P)
             self._run(k.balance_reduce, (n,), reduce)
+        self._await(3, slots)  # every home has read this rank's gradient slots
         return home
 
     def _run(self, kernel, grid, args) -> None:
         self._launch([(kernel, grid, args, {})])
 
     # ------------------------------------------------------------------ one process per rank
-    def _allocate_exchange(self) -> None:
+    def _allocate_exchange(self) -> Exchange:
         """The symmetric allocation the ranks exchange through (collective;
         :func:`rdepc.ir.balance.exchange_regions`, the planner's figure too)."""
         p = self.contract
         P = slot_elems(weight_matrices(p.act), p.H, p.F, p.bias)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.at, self.stride = exchange_regions(p.W, self.homes, self.slots, P, elem)
-        self.bal = self.inner.transport.allocate_heap(p.W, self.stride, self.device)
-        self.own = own_slices(self.bal, True, self.rank)[0]
-        self.expected = torch.zeros(3, dtype=torch.int64, device=self.device)  # arrivals counted over calls
-        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.calls = 0
-        self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
+        at, stride = exchange_regions(p.W, self.homes, self.slots, P, elem)
+        bal = self.inner.transport.allocate_heap(p.W, stride, self.device)
+        return Exchange(bal, own_slices(bal, True, self.rank)[0], stride, at, self.device)
 
     def _region(self, name: str, n: int, dtype=None) -> torch.Tensor:
         """The first ``n`` elements of this rank's region ``name`` of the exchange."""
         dtype = dtype or self.dtype
         size = torch.empty((), dtype=dtype).element_size()
-        return self.own[self.at[name] : self.at[name] + n * size].view(dtype)
+        return self.ex.own[self.ex.at[name] : self.ex.at[name] + n * size].view(dtype)
 
     def _await(self, counter: int, slots: torch.Tensor) -> None:
-        args = (self.bal, self.stride, counter, slots, self.owner, self.expected, self.rank, self.spin_bound, self.err)
+        args = (
+            self.ex.bal,
+            self.ex.stride,
+            counter,
+            slots,
+            self.owner,
+            self.ex.expected,
+            self.rank,
+            self.spin_bound,
+            self.ex.err,
+        )
         self._run(self.inner.kernels.balance_await, (1,), args)
         self._check_err()
 
@@ -283,9 +316,9 @@ class ReplicatedModule:
         sync); natively the word's copy is queued behind the launches and read when it has
         landed — at the next call, at :meth:`synchronize` or when ``last_stats`` is read."""
         if self.inner.interpret:
-            self._raise_err(self.err.tolist())
+            self._raise_err(self.ex.err.tolist())
         else:
-            self._readback.queue(self.err, None, None, False)
+            self._readback.queue(self.ex.err, None, None, False)
 
     def _raise_err(self, words: list[int], *_) -> None:
         if not words[0]:
@@ -357,4 +390,4 @@ def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options):
     return layer_module(contract, kernels_path, **options)
 
 
-__all__ = ["Distribute", "ReplicatedModule", "layer_module", "load_compiled"]
+__all__ = ["Distribute", "Exchange", "ReplicatedModule", "layer_module", "load_compiled"]

@@ -165,23 +165,42 @@ def compiled(module):
     return torch.compile(lambda *a: module(*a), fullgraph=True, backend="aot_eager")
 
 
+def two_layers(a, b, rank: int | None = None, mine=slice(None)):
+    """Two layers (b after a, its own routing and weights), both forwards before either
+    backward; y and dL/dx, then every gradient of both layers' weights."""
+    ids, gates, x, weights = skewed()
+    ids2, gates2, _, weights2 = skewed(1)
+    if rank is not None:
+        ids, gates, x, ids2, gates2 = ids[rank], gates[rank], x[rank], ids2[rank], gates2[rank]
+    leaves = [t.clone().requires_grad_() for t in (x, *(w[mine] for w in weights), *(w[mine] for w in weights2))]
+    y = b(a(leaves[0], ids, gates, *leaves[1:4]), ids2, gates2, *leaves[4:])
+    (y * y).sum().backward()
+    return [y.detach()] + [t.grad for t in leaves]
+
+
 def rank_step(rank: int, W_: int, file: str):
     """One rank's process: its tokens and home experts through the emulated-mp layer,
-    forward and backward, eager and then compiled."""
-    module = rdepc.load(file).module("emulated-mp")
+    forward and backward, eager and then compiled; then two layers sharing one heap and
+    one exchange."""
+    layer = rdepc.load(file)
+    module = layer.module("emulated-mp")
     ids, gates, x, weights = skewed()
     mine = list(module.local_experts)
     args = (ids[rank], gates[rank], x[rank], [w[mine] for w in weights], rank)
     y, g = train_step(module, *args)
     plan = {k: v.clone() for k, v in module.last_plan.items()}
-    return y, g, mine, plan, train_step(compiled(module), *args)
+    shared = layer.module("emulated-mp", share=module)
+    assert shared.ex is module.ex
+    return y, g, mine, plan, train_step(compiled(module), *args), two_layers(module, shared, rank, mine)
 
 
 def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     """emulated-mp: every rank exchanges its loads, derives the same plan, pushes its hot
     experts' weights to the slots and adds its replicas' gradients home in rank order: each
     rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's. Under
-    torch.compile(fullgraph=True), one process and per rank, they are the eager ones."""
+    torch.compile(fullgraph=True), one process and per rank, they are the eager ones. Two
+    layers sharing one heap and one exchange, both forwards before either backward, are
+    two one-process layers."""
     from rdepc.runtime import ranks
 
     f = str(ROOT / "examples" / "tiny_balance.rdep")
@@ -190,7 +209,12 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     y0, g0 = train_step(one, *skewed())
     yc, gc = train_step(compiled(one), *skewed())
     assert all(torch.equal(a, b) for a, b in zip([y0, *g0], [yc, *gc], strict=True))
-    for rank, (y, g, mine, plan, (yr, gr)) in enumerate(got):
+    layer = rdepc.load(f)
+    two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
+    for rank, (y, g, mine, plan, (yr, gr), shared) in enumerate(got):
+        assert torch.equal(shared[0], two[0][rank]) and torch.equal(shared[1], two[1][rank])
+        for a, b in zip(shared[2:], two[2:], strict=True):
+            assert torch.equal(a, b[mine]), rank
         assert torch.equal(y, y0[rank])
         assert torch.equal(g[0], g0[0][rank]) and torch.equal(g[1], g0[1][rank])
         for a, b in zip(g[2:], g0[2:], strict=True):

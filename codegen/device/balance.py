@@ -283,13 +283,15 @@ def balance_push(bal, stride, slots_at, slot_table, owner_of, local_of, packed, 
 def balance_await(bal, stride, counter: tl.constexpr, slot_table, owner_of, expected, rank, bound, err):
     """Wait on this rank's counter ``counter`` for this call's arrivals, counted over calls
     in ``expected``: (1) one push per slot of this rank the plan filled; (2) one replica
-    gradient per slot of any rank that holds an expert homed here."""
+    gradient per slot of any rank that holds an expert homed here; (3) one receipt per slot
+    of this rank the plan filled: its gradient region was read by the home, so the next
+    call's (or a sharing layer's) ``balance_give`` may write it again."""
     s = tl.arange(0, SLOTS_PAD)
     e = tl.load(slot_table + s, mask=s < W * SLOTS, other=-1)
-    if counter == 1:
-        mine = (s // SLOTS == rank) & (e >= 0)
-    else:
+    if counter == 2:
         mine = (e >= 0) & (tl.load(owner_of + tl.maximum(e, 0), mask=e >= 0, other=-1) == rank)
+    else:
+        mine = (s // SLOTS == rank) & (e >= 0)
     target = tl.load(expected + counter) + tl.sum(mine.to(tl.int64), axis=0)
     tl.store(expected + counter, target)
     settle(peer_in(bal, rank, stride).to(tl.pointer_type(tl.int64)) + counter, target, bound, err, counter + 1)
@@ -312,7 +314,8 @@ def balance_give(bal, stride, grads_at, slot_table, owner_of, packed, P, rank):
 def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
     """Program i: home expert ``homes[i]``'s gradient (``packed`` row i, [E_loc, P]) plus
     each replica's, read from the replicas' ranks in rank order and added in DTYPE (as the
-    one-process layer adds them)."""
+    one-process layer adds them); then a receipt on the fourth counter of each replica's
+    rank (its region may be written again)."""
     i = tl.program_id(0)
     e = tl.load(homes + i)
     row = packed + tl.cast(i, tl.int64) * P
@@ -327,3 +330,7 @@ def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
                     acc = (acc.to(tl.float32) + tl.load(src + c, mask=c < P).to(tl.float32)).to(DTYPE)
         tl.store(row + c, acc, mask=c < P)
         start += 1024
+    for t in range(W):
+        for j in range(SLOTS):
+            if tl.load(slot_table + t * SLOTS + j) == e:
+                signal(peer_in(bal, t, stride).to(tl.pointer_type(tl.int64)) + 3)

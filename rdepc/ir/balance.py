@@ -202,11 +202,12 @@ def slot_elems(matrices, H, F, bias: bool):
 
 def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tuple[dict[str, int], int]:
     """The symmetric allocation a replicated layer's ranks exchange through when they run one
-    process each: per rank three int64 counters, the load table [W, homes] int32, ``slots``
-    slots of weights and as many of gradients (``slot`` elements of ``elem`` bytes each),
-    each region aligned to :data:`EXCHANGE_ALIGN`. Returns each region's offset and the
-    bytes one rank holds (the stride between ranks)."""
-    sizes = {"counters": 3 * 8, "loads": W * homes * 4, "slots": slots * slot * elem, "grads": slots * slot * elem}
+    process each: per rank four int64 counters (loads, pushes, replica gradients, receipts),
+    the load table [W, homes] int32, ``slots`` slots of weights and as many of gradients
+    (``slot`` elements of ``elem`` bytes each), each region aligned to
+    :data:`EXCHANGE_ALIGN`. Returns each region's offset and the bytes one rank holds (the
+    stride between ranks)."""
+    sizes = {"counters": 4 * 8, "loads": W * homes * 4, "slots": slots * slot * elem, "grads": slots * slot * elem}
     at, end = {}, 0
     for name, size in sizes.items():
         at[name] = end
