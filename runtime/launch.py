@@ -5,6 +5,7 @@ Generated kernels are imported by :func:`rdepc.toolchain.import_kernels`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 
@@ -40,7 +41,7 @@ class Launcher:
                                  "ConcurrentInterpreter")  # fmt: skip
             self.launches += 1
             kernel, grid, args, meta = launches[0]
-            with interpreter_env(True):
+            with interpreter_env(True), language_patched_once():
                 kernel[grid](*args, **meta)
             return
         scratch_allocator()
@@ -103,6 +104,50 @@ def scratch_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         _allocation.set_allocator(_scratch)
+
+
+class _Kept:
+    """The scope of a language patch that was already in place: nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def language_patched_once():
+    """For the duration of an interpreted launch, an interpreted device function's call
+    skips the interpreter's language patch when the launch has made it already. The
+    interpreter patches ``triton.language`` at every device-function call (a scan of the
+    language's modules with ``inspect.getmembers``): about a third of an interpreted
+    call's time, for a patch that finds every builtin patched and changes nothing. A
+    function whose module sees a language object the launch did not patch is patched as
+    before; an interpreter without ``_patch_lang`` is left alone."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "rdepc_once", False):
+        yield
+        return
+    langs_of: dict = {}
+
+    def patch(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.program_id) for lang in langs):
+            return _Kept()
+        return original(fn)
+
+    patch.rdepc_once = True
+    interpreter._patch_lang = patch
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = original
 
 
 def rewrite_callees(fn) -> None:
@@ -171,11 +216,12 @@ class ConcurrentInterpreter(Launcher):
 
     def __call__(self, launches: list[tuple]) -> None:
         try:
-            from triton.runtime.interpreter import GridExecutor, _implicit_cvt, _patch_lang, interpreter_builder
+            from triton.runtime import interpreter
+            from triton.runtime.interpreter import GridExecutor, _implicit_cvt, interpreter_builder
         except ImportError as e:  # pragma: no cover - Triton is pinned
             raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
         self.launches += len(launches)
-        with interpreter_env(True):
+        with interpreter_env(True), language_patched_once():
             prepared, scopes, threads, errors = [], [], [], []
             try:
                 for kernel, grid, args, meta in launches:
@@ -183,7 +229,7 @@ class ConcurrentInterpreter(Launcher):
                     rewrite_callees(kernel.fn)
                     executor = GridExecutor(fn, kernel.arg_names, (1,), [])
                     host_args, host_meta = executor._init_args_hst(args, meta)
-                    scopes.append(_patch_lang(fn))
+                    scopes.append(interpreter._patch_lang(fn))
                     call = inspect.getcallargs(fn, *host_args, **host_meta)
                     given = {n: a if n in executor.constexprs else _implicit_cvt(a) for n, a in call.items()}
                     prepared.append((executor, args, host_args, meta, host_meta))
