@@ -88,9 +88,10 @@ class Exchange:
     """One process per rank: the symmetric allocation the ranks exchange through and what
     counts over its calls — each rank's arrival counters' targets, the calls (one signal per
     rank each), the error word of its waits. Modules of one layer built with ``share`` use
-    one: its slots are filled and emptied within each call (the layer's own kernel, which
-    every rank runs, orders one call's use before the next), so a model's replicated layers
-    need one allocation, not one each."""
+    one, so a model's replicated layers need one allocation, not one each: a call copies its
+    loads and its slots' weights out before the layer's kernel, whose scan waits for every
+    rank, so no rank's next puts overwrite them unread; and a rank's gradient slots are
+    written again only after their homes' receipts (the fourth counter)."""
 
     def __init__(self, bal: torch.Tensor, own: torch.Tensor, stride: int, at: dict[str, int], device):
         self.bal, self.own, self.stride, self.at = bal, own, stride, at
