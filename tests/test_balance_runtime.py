@@ -198,7 +198,7 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     """emulated-mp: every rank exchanges its loads, derives the same plan, pushes its hot
     experts' weights to the slots and adds its replicas' gradients home in rank order: each
     rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's. Under
-    torch.compile(fullgraph=True), one process and per rank, they are the eager ones. Two
+    torch.compile(fullgraph=True) they are the eager ones (one process: tests/test_torch_module.py). Two
     layers sharing one heap and one exchange, both forwards before either backward, are
     two one-process layers."""
     from rdepc.runtime import ranks
@@ -207,8 +207,6 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     got = ranks.spawn(rank_step, W, f, timeout=600)
     one = rdepc.load(f).module("emulated", "cpu")
     y0, g0 = train_step(one, *skewed())
-    yc, gc = train_step(compiled(one), *skewed())
-    assert all(torch.equal(a, b) for a, b in zip([y0, *g0], [yc, *gc], strict=True))
     layer = rdepc.load(f)
     two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
     for rank, (y, g, mine, plan, (yr, gr), shared) in enumerate(got):

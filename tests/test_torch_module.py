@@ -32,7 +32,7 @@ class TwoBlocks(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm = nn.LayerNorm(64)
-        self.a, self.b = _moe(1), _moe(2)
+        self.a, self.b = _moe(1), _moe(2, spec=ROOT / "examples" / "tiny_balance.rdep")  # b replicates hot experts
 
     def forward(self, x):
         x = x + self.a(self.norm(x))
