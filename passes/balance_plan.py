@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import sympy as sp
 from rdepc.passes.plan_records import BalancePlan, PlanOptions
-from rdepc.passes.plan_symbols import B_eff, E, Env, F, F_gpu, Figure, H, K, T, W, a
+from rdepc.passes.plan_symbols import B_eff, E, Env, F, F_gpu, Figure, H, K, T, W, a, t_b
 from rdepc.passes.sampled_routing import source_counts
 
-from rdepc.ir.balance import exchange_regions, imbalance, owner_loads, push_bytes, slot_elems, solve
+from rdepc.ir.balance import exchange_regions, imbalance, owner_loads, push_seconds, slot_elems, solve
 from rdepc.ir.spec import LayerSpec
 
 N = sp.Symbol("N", positive=True, integer=True)  # redundant expert slots per rank
@@ -56,8 +56,8 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
 
 def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ...]:
     """The busiest rank's routed forward GEMMs at F_gpu before and after the plan, the
-    replicas' weights moved per call, and the busiest rank's pushes at B_eff
-    (:func:`rdepc.ir.balance.push_bytes`; launched before the layer's)."""
+    replicas' weights moved per call, and the busiest rank's pushes at B_eff, then one flag
+    (:func:`rdepc.ir.balance.push_seconds`, viz's too; launched before the layer's)."""
 
     v = env.values
     per_row = 2 * spec.expert.matrices * v[H] * v[F]
@@ -65,9 +65,9 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
     how = f"rows of the busiest rank × {2 * spec.expert.matrices}·H·F FLOPs at F_gpu"
     before = int(owner_loads(load, spec.ownership.owner).max())
     after = int(plan.rank_loads.max())
-    expert = int(spec.expert.matrices * v[H] * v[F] * v[a])
-    sent, received = push_bytes(plan.slots, spec.ownership.owner, expert)
-    link = int(max(sent.max(), received.max()))  # the busiest rank's pushes, out or in
+    expert = int(slot_elems(spec.expert.matrices, v[H], v[F], spec.expert.bias) * v[a])
+    moved, seconds = push_seconds(plan.slots, spec.ownership.owner, expert, float(v[B_eff]), float(v[t_b]))
+    link = int(moved.max())  # the busiest rank's pushes, out or in
     return (
         Figure("balance.time_before", None, before * per_row / flops, "s", f"{before} {how}, without replication"),
         Figure("balance.time_after", None, after * per_row / flops, "s", f"{after} {how}, with the plan"),
@@ -75,8 +75,8 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
         Figure(
             "balance.weight_time",
             None,
-            link / float(v[B_eff]),
+            float(seconds.max()),
             "s",
-            f"the busiest rank's {link // expert} replica pushes (sent or received) at B_eff, before the layer",
+            f"the busiest rank's {link // expert} replica pushes (sent or received) at B_eff + t_b, before the layer",
         ),
     )

@@ -180,7 +180,7 @@ class BalancePlan:
     imbalance_after: Figure | None
     replicas: Figure | None
     # the busiest rank's routed forward GEMMs at F_gpu, without and with the plan; the
-    # replicas' weights moved per call and the busiest home's share of them at B_eff
+    # replicas' weights moved per call and the busiest rank's pushes at B_eff + t_b
     time_before: Figure | None = None
     time_after: Figure | None = None
     weight_bytes: Figure | None = None

@@ -211,13 +211,10 @@ class ReplicatedModule:
 
     def _plan_op(self, ids: torch.Tensor, Tn: int) -> list[torch.Tensor]:
         """``rdepc::balance_plan``: count (or exchange) the loads, solve, reroute."""
-        W, E, N = self.contract.W, self.homes, self.slots
-        i32 = {"dtype": torch.int32, "device": self.device}
+        W, E = self.contract.W, self.homes
+        tables = self.plan_layout(ids.shape)[1:]
         plan = {
-            "phys": torch.empty((E, W), **i32),
-            "cum": torch.empty((W, E, W), **i32),
-            "slots": torch.empty((W, N), **i32),
-            "loads": torch.empty((2, W), **i32),
+            n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in zip(_PLAN, tables, strict=True)
         }
         if self.inner._broken:
             raise RuntimeError(self.inner._broken)
@@ -239,9 +236,9 @@ class ReplicatedModule:
             self._readback.settle(False, self._raise_err)  # an earlier call's expired wait, if it has landed
             self._run(k.balance_exchange, (1,), args)
             self._check_err()
-            plan["load"] = self._region("loads", W * E, torch.int32).view(W, E).clone()  # the next call rewrites it
+            plan["load"].copy_(self._region("loads", W * E, torch.int32).view(W, E))  # the next call rewrites it
         else:
-            plan["load"] = torch.zeros((W, E), **i32)
+            plan["load"].zero_()
             self._run(k.balance_count, (W,), (flat, plan["load"], Tn))
         solve = (plan["load"], self.owner, plan["phys"], plan["cum"], plan["slots"], plan["loads"])
         self._run(k.balance_solve, (1,), solve)

@@ -117,8 +117,14 @@ def regions(contract: KernelContract) -> tuple[tuple[int, int], tuple[int, int],
     return sizes["flags"], sizes["bwd_flags"], published
 
 
+def owned_ranks(heap_shape, per_rank: bool) -> int:
+    """How many ranks' heap slices this process owns (the rows of :func:`own_slices`), from
+    the shape alone: a fake heap under torch.compile cannot be sliced."""
+    return 1 if per_rank else heap_shape[0]
+
+
 def own_slices(heap: torch.Tensor, per_rank: bool, rank: int | None) -> torch.Tensor:
-    """The heap slices this process owns, [ranks, heap_bytes]."""
+    """The heap slices this process owns, [owned_ranks, heap_bytes]."""
     if not per_rank:
         return heap
     return heap.view(1, -1) if heap.dim() == 1 else heap[rank : rank + 1]

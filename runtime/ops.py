@@ -32,7 +32,7 @@ import weakref
 
 import torch
 from rdepc.runtime.autograd import gate_grad
-from rdepc.runtime.heap import keeps_outputs, owner_row_buffers
+from rdepc.runtime.heap import keeps_outputs, owned_ranks, owner_row_buffers
 from torch import Tensor
 
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -137,8 +137,7 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
     if keeps_outputs(p):
         out.append(("saved_out", (*lead, Tn, p.K, p.H), module.dtype))
     lo, hi = module._published
-    owned = 1 if module.per_rank else module.heap.shape[0]  # own_slices' rows, without slicing (fake mode)
-    out.append(("published", (owned, hi - lo), module.heap.dtype))
+    out.append(("published", (owned_ranks(module.heap.shape, module.per_rank), hi - lo), module.heap.dtype))
     return out + [(n, tuple(module.private[n].shape), module.private[n].dtype) for n in module._routing_tables()]
 
 

@@ -33,17 +33,18 @@ def cmd_viz(args) -> int:
         if counts is None:
             print("balance: replicate; the balanced owners need a routing (--routing uniform or zipf:ALPHA)")
         else:  # the physical layer under the plan for this routing, beside the layer without replication
-            tg, counts, unreplicated, pushed = _balanced(spec, args, tg, counts)
+            tg, counts, unreplicated, replicas = _balanced(spec, args, tg, counts)
             layer = tg.spec
     sched = schedule(tg, args.hw, counts=counts)
     print(report(sched))
     if unreplicated is not None:
-        rates = sched.cost.rates  # a push: its bytes over the link, then its signal
-        pushes = [b / rates.link + rates.latency if b else 0.0 for b in pushed]
-        first = max(pushes)
+        from rdepc.ir.balance import push_seconds
+
+        moved, seconds = push_seconds(*replicas, sched.cost.rates.link, sched.cost.rates.latency)
+        pushes, first, total = seconds.tolist(), float(seconds.max()), float(seconds.max()) + sched.makespan
         print(
             f"  weight pushes   {first * 1e6:,.1f} µs before the layer (the busiest rank's replicas' weights, "
-            f"{max(pushed):,} B sent or received, at the link rate); {(first + sched.makespan) * 1e6:,.1f} µs in all"
+            f"{int(moved.max()):,} B sent or received, at the link rate); {total * 1e6:,.1f} µs in all"
         )
         print(f"  unreplicated    {unreplicated.makespan * 1e6:,.1f} µs predicted without replication, for comparison")
     from rdepc import viz
@@ -80,9 +81,9 @@ def cmd_viz(args) -> int:
 
 def _balanced(spec, args, tg, counts):
     """(the physical layer's graph, its rows per (source, physical expert) under the plan for
-    ``counts``, the schedule of the layer without replication, the bytes each rank pushes or
-    receives before the layer), and the plan's figures printed."""
-    from rdepc.ir.balance import imbalance, owner_loads, push_bytes, slot_elems
+    ``counts``, the schedule of the layer without replication, the replicas to push before the
+    layer as :func:`rdepc.ir.balance.push_seconds` reads them), and the plan's figures printed."""
+    from rdepc.ir.balance import imbalance, owner_loads, slot_elems
     from rdepc.passes.replicate import physical_counts, physical_layer
     from rdepc.passes.schedule import build_for, schedule
 
@@ -97,7 +98,6 @@ def _balanced(spec, args, tg, counts):
     )
     geo = tg.geometry
     expert = slot_elems(spec.expert.matrices, geo.H, geo.F, spec.expert.bias) * geo.a
-    sent, received = push_bytes(plan.slots, spec.ownership.owner, expert)
-    pushed = [int(max(a, b)) for a, b in zip(sent, received, strict=True)]
     unreplicated = schedule(tg, args.hw, counts=counts)
-    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, pushed
+    pushes = (plan.slots, spec.ownership.owner, expert)
+    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, pushes

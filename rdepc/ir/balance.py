@@ -189,6 +189,17 @@ def push_bytes(slots, owner, expert_bytes: int) -> tuple[np.ndarray, np.ndarray]
     return sent, (slots >= 0).sum(axis=1).astype(np.int64) * expert_bytes
 
 
+def push_seconds(slots, owner, expert_bytes: int, link: float, latency: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: the bytes of its pushes it sends or receives, whichever is more, and the
+    seconds they take launched before the layer: those bytes over the ``link`` (bytes/s),
+    then one flag's ``latency`` (none for a rank with nothing to move). The planner's
+    figure and viz's timeline both read this."""
+    import numpy as np
+
+    busiest = np.maximum(*push_bytes(slots, owner, expert_bytes))
+    return busiest, np.where(busiest > 0, busiest / link + latency, 0.0)
+
+
 EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
 
 
@@ -222,6 +233,7 @@ __all__ = [
     "imbalance",
     "owner_loads",
     "push_bytes",
+    "push_seconds",
     "slot_elems",
     "solve",
 ]
