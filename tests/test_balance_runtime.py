@@ -189,9 +189,41 @@ def rank_step(rank: int, W_: int, file: str):
     args = (ids[rank], gates[rank], x[rank], [w[mine] for w in weights], rank)
     y, g = train_step(module, *args)
     plan = {k: v.clone() for k, v in module.last_plan.items()}
+    replayable = per_call_arguments(module, *args[:4])
     shared = layer.module("emulated-mp", share=module)
     assert shared.ex is module.ex
-    return y, g, mine, plan, train_step(compiled(module), *args), two_layers(module, shared, rank, mine)
+    compiled_step = train_step(compiled(module), *args)
+    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable
+
+
+def per_call_arguments(module, ids, gates, x, weights) -> tuple[list, list[int], int]:
+    """Two more forwards, their launches recorded (the exchange's and the layer's): the
+    launches' non-tensor arguments that differ between the calls — a CUDA graph replays the
+    captured ones, so a count kept on the host would go stale —, how many launches of each
+    a call made, and the loads' arrivals the device has counted (one call before these)."""
+    calls, launchers = [[], []], (module._launch, module.inner.launcher)
+    for i, name in enumerate(("_launch", "launcher")):
+        owner = module if name == "_launch" else module.inner
+
+        def record(launches, i=i):
+            calls[i][-1].extend(launches)
+            launchers[i](launches)
+
+        record.launches = 0  # the layer counts its launches for last_stats
+        setattr(owner, name, record)
+    with torch.no_grad():
+        for _ in range(2):
+            calls[0].append([]), calls[1].append([])
+            module(x, ids, gates, *weights)
+    module._launch, module.inner.launcher = launchers
+    differ = []
+    for one, two in (pair for kind in calls for pair in zip(*kind, strict=True)):
+        scalars = [(a, b) for a, b in zip(one[2], two[2], strict=True) if not isinstance(a, torch.Tensor)]
+        kernel = getattr(one[0], "__name__", "")
+        differ += [(kernel, a, b) for a, b in scalars if a != b] + (
+            [(kernel, one[3], two[3])] if one[3] != two[3] else []
+        )
+    return differ, [len(kind[0]) for kind in calls], int(module.ex.expected[0])
 
 
 def test_one_process_per_rank_is_the_one_process_layer_bitwise():
@@ -200,7 +232,8 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's. Under
     torch.compile(fullgraph=True) they are the eager ones (one process: tests/test_torch_module.py). Two
     layers sharing one heap and one exchange, both forwards before either backward, are
-    two one-process layers."""
+    two one-process layers. Call after call the launches take the same arguments, as a
+    replayed CUDA graph does."""
     from rdepc.runtime import ranks
 
     f = str(ROOT / "examples" / "tiny_balance.rdep")
@@ -209,7 +242,8 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     y0, g0 = train_step(one, *skewed())
     layer = rdepc.load(f)
     two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
-    for rank, (y, g, mine, plan, (yr, gr), shared) in enumerate(got):
+    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched, arrived)) in enumerate(got):
+        assert differ == [] and min(launched) > 0 and arrived == 3 * W, (rank, differ, launched, arrived)
         assert torch.equal(shared[0], two[0][rank]) and torch.equal(shared[1], two[1][rank])
         for a, b in zip(shared[2:], two[2:], strict=True):
             assert torch.equal(a, b[mine]), rank
@@ -239,7 +273,7 @@ def test_an_expired_exchange_wait_names_what_it_waited_for_and_stops_the_layer()
         assert err.tolist() == [counter + 1]
     err = torch.zeros(1, dtype=torch.int32)
     ids = torch.zeros((T, K), dtype=torch.int64)
-    module._run(k.balance_exchange, (1,), (bal, stride, 256, ids, T, 1, W, 50, err))
+    module._run(k.balance_exchange, (1,), (bal, stride, 256, ids, T, 1, torch.zeros(1, dtype=torch.int64), 50, err))
     assert err.tolist() == [1]
     with pytest.raises(KernelError, match=r"waited .* spins for the slots' weights from other ranks"):
         module._raise_err([2])

@@ -491,7 +491,7 @@ SIGNATURES = {
     "balance_reroute": {"topk_ids": "*i64", "phys_ids": "*i64", "phys": "*i32", "cum": "*i32", "n_tokens": "i32",
                         "rank0": "i32"},
     "balance_exchange": ranks | {"loads_at": "i64", "topk_ids": "*i64", "n_tokens": "i32", "rank": "i32",
-                                 "target": "i64", "bound": "i32", "err": "*i32"},
+                                 "expected": "*i64", "bound": "i32", "err": "*i32"},
     "balance_push": ranks | {"slots_at": "i64", "slot_table": "*i32", "owner_of": "*i32", "local_of": "*i32",
                              "packed": "*" + dtype, "P": "i32", "rank": "i32"},
     "balance_await": ranks | {"counter": "constexpr", "slot_table": "*i32", "owner_of": "*i32", "expected": "*i64",

@@ -64,11 +64,14 @@ def balance_count(topk_ids, load, n_tokens):
 
 
 @triton.jit
-def balance_exchange(bal, stride, loads_at, topk_ids, n_tokens, rank, target, bound, err):
+def balance_exchange(bal, stride, loads_at, topk_ids, n_tokens, rank, expected, bound, err):
     """One process per rank, rank ``rank``'s one program: its row of L (its own rows per home
     expert) into every rank's copy of the load table (``loads_at``: [W, HOMES] int32), a
     signal on each rank's first counter, then the wait until every source's row has landed
-    here (``target``: W a call, counted over calls; ``err`` set when the bound expires)."""
+    here: W a call, counted over calls in ``expected[0]`` on the device, so that a replayed
+    CUDA graph waits for its own call's rows (``err`` set when the bound expires)."""
+    target = tl.load(expected) + W
+    tl.store(expected, target)
     experts = tl.arange(0, HOMES_PAD)
     counts = count_rows(topk_ids, n_tokens * K)
     for t in range(W):
