@@ -22,6 +22,7 @@ import textwrap
 from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
+from rdepc.ir.balance import slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.sizes import SCALE_BLOCK, block_scales
 from rdepc.ir.spec import Dtype
@@ -138,6 +139,19 @@ def _c(name: str, value, comment: str = "") -> str:
     return f"{name} = tl.constexpr({value})" + (f"  # {comment}" if comment else "")
 
 
+def _slot_constants(p: KernelContract) -> list[str]:
+    """Where the kernels read a redundant slot's operands in place (``rdepc.ir.balance.slot_parts``);
+    SLOT_ELEMS 0 (and the offsets -1) when the slots are not read in place."""
+    parts = slot_parts(p.H, p.F, p.gated, p.bias) if p.slot_elems else {}
+    at = {name: parts.get(name, (-1, 0))[0] for name in ("w_down", "b_up", "b_down")}
+    return [
+        _c("SLOT_ELEMS", p.slot_elems, "elements of one redundant slot read in place (one process per rank)"),
+        _c("SLOT_DOWN_AT", at["w_down"], "a slot's GEMM2 weights, after GEMM1's (then b_up, b_down)"),
+        _c("SLOT_B_UP_AT", at["b_up"]),
+        _c("SLOT_B_DOWN_AT", at["b_down"]),
+    ]
+
+
 def constants(p: KernelContract) -> str:
     """The generated file's constants block: every name ``codegen/device/layout.py`` stands
     in for (a region or field this layer has not is -1, and is never read)."""
@@ -179,6 +193,7 @@ def constants(p: KernelContract) -> str:
         _c("SLOTS", p.balance[0], "redundant expert slots a rank (balance replicate; else 0)"),
         _c("SLOTS_PAD", next_pow2(max(p.W * p.balance[0], 1)), "W*SLOTS rounded up to a power of two"),
         _c("MIN_ROWS", p.balance[1], "the least rows a replica takes"),
+        *_slot_constants(p),
         "",
         "# The spec's choices, which the device functions branch on at compile time.",
         _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),

@@ -4,8 +4,8 @@ The kernels are those of the physical layer (``rdepc.passes.replicate``: each of
 redundant slots an expert of its rank). Every call, before the layer's launch and without a
 host sync, the generated file's balance kernels count the load the router produced
 (L[src, e]), solve the plan every rank derives (``rdepc.ir.balance``, the same plan to the
-row) and give each route row its physical expert; the weights the layer launches with are
-the home experts' followed by each slot's copy of the expert it holds this call. Route-row
+row) and give each route row its physical expert; the layer's kernels compute each slot
+with a copy of the expert it holds this call. Route-row
 identity, return by id and the combine are the physical layer's, so the outputs are those
 of the layer without replication, bitwise. The backward is the physical layer's; each
 replica's weight gradient is added into its home expert's in rank order, so expert
@@ -14,16 +14,17 @@ gradients equal the layer's without replication up to the order of that sum.
 One process (``emulated``): every rank's loads and weights are at hand; the slots' copies
 are one gather (:class:`Distribute`). One process per rank (``emulated-mp``, ``nvshmem``):
 the ranks exchange through a symmetric allocation of their own: each puts its row of L into
-every rank's copy, homes push the replicated experts' weights into the slots' buffers, and
-in the backward replicas hand their weight gradients to the homes, which add them in rank
-order — the same sums as one process, bitwise. The plan and the exchange are custom ops
+every rank's copy, homes push the replicated experts' weights into the slots' buffers, the
+layer's kernels take the call's copy of the N slots as an operand beside the home weights
+(``rdepc.ir.balance.slot_parts``: no per-call copy of the home weights), and in the
+backward replicas hand their weight gradients to the homes, which sum them in rank order —
+the same sums as one process, bitwise. The plan and the exchange are custom ops
 (``rdepc::balance_plan``, ``rdepc::balance_weights``, :mod:`rdepc.runtime.ops`), so
 ``torch.compile`` captures a replicated layer whole, as it does any other.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -33,15 +34,15 @@ from rdepc.runtime.module import RDEPModule, local_experts
 from rdepc.runtime.records import KernelError
 from rdepc.runtime.stats import Readback
 
-from rdepc.ir.balance import exchange_regions, imbalance, slot_elems
+from rdepc.ir.balance import exchange_regions, imbalance, slot_parts
 from rdepc.ir.contract import KernelContract
-from rdepc.ir.spec import weight_matrices
 
 
 class Distribute(torch.autograd.Function):
     """[E, ...] home weights → [E + W·N, ...] physical weights: the homes', then each slot's
     copy of the expert it holds (an empty slot takes expert 0's: it gets no rows). Backward:
-    a home's gradient plus its replicas', in rank order (a fixed order, no atomics)."""
+    a home's gradient plus the sum of its replicas', taken in rank order (a fixed order, no
+    atomics)."""
 
     @staticmethod
     def forward(ctx, w, held, replica_of):
@@ -53,10 +54,10 @@ class Distribute(torch.autograd.Function):
         (replica_of,) = ctx.saved_tensors
         homes = replica_of.shape[0]
         slots = torch.cat((grad[homes:], grad.new_zeros((1, *grad.shape[1:]))))  # the last row: no replica
-        dw = grad[:homes].clone()
+        replicas = torch.zeros_like(grad[:homes])
         for t in range(replica_of.shape[1]):
-            dw += slots.index_select(0, replica_of[:, t])
-        return dw, None, None
+            replicas += slots.index_select(0, replica_of[:, t])
+        return grad[:homes] + replicas, None, None  # as one process per rank sums them (balance_reduce, autograd)
 
 
 # what an expired wait of the exchange waited for, by the code the device stores (rdepc.codegen.device.balance.settle)
@@ -67,21 +68,6 @@ _WAITED = {
     4: "the homes' receipt of its slots' gradients",
 }
 _PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
-
-
-def _pack(ws, dtype) -> torch.Tensor:
-    """Operands [n, ...] side by side as one [n, P] tensor of ``dtype`` (one row an expert)."""
-    n = ws[0].shape[0]
-    return torch.cat([w.reshape(n, -1).to(dtype) for w in ws], dim=1).contiguous()
-
-
-def _unpack(packed: torch.Tensor, shapes, n: int) -> list[torch.Tensor]:
-    out, at = [], 0
-    for s in shapes:
-        size = math.prod(s[1:])
-        out.append(packed[:, at : at + size].reshape(n, *s[1:]))
-        at += size
-    return out
 
 
 class Exchange:
@@ -121,6 +107,7 @@ class ReplicatedModule:
         self.owner = torch.tensor(p.owner[: self.homes], **i32)
         self.local_of = torch.tensor(p.local[: self.homes], **i32)
         self.local_experts = local_experts(p, self.rank)
+        self.parts = tuple(slot_parts(p.H, p.F, p.gated, p.bias))  # a slot's operands, in their order
         self._plan: dict[str, torch.Tensor] | None = None
         self._stats: dict | None = None
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
@@ -153,6 +140,13 @@ class ReplicatedModule:
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
+        if self.per_rank:  # the kernels take this call's slots as an operand of their own
+            pair = (lambda g, u: torch.stack((g, u), dim=-1)) if self.contract.gated else (lambda _, u: u)
+            up = pair(w_gate, w_up)
+            b = {} if b_up is None else {"b_up": pair(b_gate, b_up), "b_down": b_down}
+            slots = self._slots(plan, {"w_up": up, "w_down": w_down, **b})
+            biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
+            return self.inner.forward(x, ids, topk_weights, *ws[:3], **biases, tokens=tokens, slots=slots)
         w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws, plan)
         return self.inner.forward(
             x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
@@ -162,6 +156,12 @@ class ReplicatedModule:
         """As :meth:`RDEPModule.routed` (GEMM1's operand as the kernel reads it), home experts' weights."""
         ws = self._homes(w_up, w_down, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
+        if self.per_rank:
+            b = {} if b_up is None else {"b_up": b_up, "b_down": b_down}
+            slots = self._slots(plan, {"w_up": w_up, "w_down": w_down, **b})
+            return self.inner.routed(
+                x, ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens, slots=slots
+            )
         w_up, w_down, b_up, b_down = self._physical(ws, plan)
         return self.inner.routed(x, ids, topk_weights, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
 
@@ -175,14 +175,16 @@ class ReplicatedModule:
                 )
         return weights
 
+    def _slots(self, plan: dict, operands: dict) -> torch.Tensor:
+        """One process per rank: this rank's home experts' operands as the kernels read them
+        (GEMM1's, GEMM2's, the biases') packed a row an expert in ``slot_parts``' order and
+        pushed to the slots holding them; this rank's slots for this call, [N, P]."""
+        n = len(self.local_experts)
+        home = torch.cat([operands[name].reshape(n, -1) for name in self.parts], dim=1).contiguous()
+        return ops.balance_weights(self.handle, plan["slots"].reshape(-1), home)
+
     def _physical(self, ws, plan: dict) -> list:
-        """Each given home-expert tensor with its slots' copies after it, for this call's plan."""
-        if self.per_rank:
-            given = [w for w in ws if w is not None]
-            shapes = [w.shape for w in given]
-            packed = ops.balance_weights(self.handle, plan["slots"].reshape(-1), _pack(given, self.dtype))
-            out = iter(_unpack(packed, shapes, shapes[0][0] + self.slots))
-            return [None if w is None else next(out) for w in ws]
+        """One process: each given home-expert tensor with its slots' copies after it, for this call's plan."""
         held = plan["slots"].reshape(-1).to(torch.int64)
         phys = plan["phys"].to(torch.int64)
         replica_of = torch.where(phys >= self.homes, phys - self.homes, self.contract.W * self.slots)
@@ -250,19 +252,19 @@ class ReplicatedModule:
 
     def _weights_op(self, slots: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
         """``rdepc::balance_weights``: push the replicated home experts' weights to their
-        slots; wait for this rank's; the homes' rows, then the slots'."""
+        slots; wait for this rank's; a copy of them (the call's backward reads it)."""
         k, P = self.inner.kernels, home.shape[1]
         push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, home, P, self.rank)
         self._run(k.balance_push, (self.contract.W * self.slots,), push)
         self._await(1, slots)
-        return torch.cat((home, self._region("slots", self.slots * P).view(self.slots, P)))
+        return self._region("slots", self.slots * P).view(self.slots, P).clone()
 
     def _grads_op(self, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``rdepc::balance_grads``: hand the slots' gradients (the last N rows of ``grad``)
-        to their homes; each home row plus its replicas', in rank order."""
+        """``rdepc::balance_grads``: hand the slots' gradients ``grad`` [N, P] to their homes;
+        each home expert's replicas' gradients, summed in rank order."""
         k, P = self.inner.kernels, grad.shape[1]
-        n = grad.shape[0] - self.slots
-        mine, home = grad[n:].contiguous(), grad[:n].clone()
+        n = len(self.local_experts)
+        mine, home = grad.contiguous(), grad.new_zeros((n, P))
         give = (self.ex.bal, self.ex.stride, self.ex.at["grads"], slots, self.owner, mine, P, self.rank)
         self._run(k.balance_give, (self.slots,), give)
         self._await(2, slots)
@@ -280,7 +282,7 @@ class ReplicatedModule:
         """The symmetric allocation the ranks exchange through (collective;
         :func:`rdepc.ir.balance.exchange_regions`, the planner's figure too)."""
         p = self.contract
-        P = slot_elems(weight_matrices(p.act), p.H, p.F, p.bias)
+        P = p.slot_elems
         elem = torch.empty((), dtype=self.dtype).element_size()
         at, stride = exchange_regions(p.W, self.homes, self.slots, P, elem)
         bal = self.inner.transport.allocate_heap(p.W, stride, self.device)

@@ -84,8 +84,7 @@ def task_tables(
         "owner_of": i32(p.owner),
         "local_of": i32(p.local),
         "n_local": i32(p.n_local),
-        # one process per rank holds its own experts only: weights by local index
-        "weight_of": i32(p.weight_of if not per_rank else (i % p.E_MAX for i in range(p.W * p.E_MAX))),
+        "weight_of": i32(p.weight_of if not per_rank else per_rank_weights(p)),
         "order": i32(p.order),
         "owner_first": i32(p.owner_first),
         "rows_max": i32(p.rows_max),
@@ -93,6 +92,16 @@ def task_tables(
         "m_slots": i32(work.m_slots),  # m-tile slots per segment of each owner: the scan's m-tile table
     }
     return tables, bwd_tables
+
+
+def per_rank_weights(p: KernelContract) -> list[int]:
+    """``weight_of`` [W, E_MAX] one process per rank, which holds its own experts only: the
+    weights by local index; where the kernels read redundant slots in place
+    (``KernelContract.slot_elems``), a rank's last N locals are its slots, slot j as -(j + 1)."""
+    N = p.balance[0] if p.slot_elems else 0
+    homes = [n - N for n in p.n_local]
+    slot = [[homes[q] <= i < p.n_local[q] for i in range(p.E_MAX)] for q in range(p.W)]
+    return [-(i - homes[q] + 1) if slot[q][i] else i for q in range(p.W) for i in range(p.E_MAX)]
 
 
 def placeholders(contract: KernelContract, device: torch.device) -> dict[str, torch.Tensor]:

@@ -287,15 +287,18 @@ class RDEPModule:
         return self.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, **kw)
 
     def forward(
-        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, tokens=None
-    ) -> torch.Tensor:
+        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, tokens=None,
+        slots=None,
+    ) -> torch.Tensor:  # fmt: skip
         """y = the routed layer of every rank's tokens (see the module docstring). ``tokens``
         (one process): how many of the T' tokens each rank brings, a list of W ints (or a CPU
         tensor); rank r's tokens past ``tokens[r]`` are padding: they route nowhere, get
         y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ.
         ``b_gate``, ``b_up`` [E, F] and ``b_down`` [E, H]: the expert biases of a spec whose
-        experts have them (``expert ..., bias``), required there and refused elsewhere."""
-        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down)
+        experts have them (``expert ..., bias``), required there and refused elsewhere.
+        ``slots``: a replicated layer's redundant slots [N, P] when its kernels read them in
+        place (``KernelContract.slot_elems``; the weights are then the home experts' only)."""
+        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, slots)
         operand, bias = w_up, b_up
         if self.contract.gated:  # a view of one [E, H, F, 2] tensor has no gradient of its own halves: stack
             grads = torch.is_grad_enabled() and (w_gate.requires_grad or w_up.requires_grad)
@@ -303,36 +306,42 @@ class RDEPModule:
             if b_up is not None:
                 grads = torch.is_grad_enabled() and (b_gate.requires_grad or b_up.requires_grad)
                 bias = torch.stack((b_gate, b_up), dim=-1) if grads else gate_up(b_gate, b_up)
-        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens)
+        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens, slots)
 
-    def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None) -> torch.Tensor:
+    def routed(
+        self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None, slots=None
+    ) -> torch.Tensor:
         """:meth:`forward` with GEMM1's operand as the kernel reads it: a gated expert's gate
         and up interleaved, ``w_up`` [E, H, F, 2] (``RDEPMoE``'s ``w_gate_up``), else [E, H, F];
         likewise its bias ``b_up`` [E, F, 2] (``b_gate_up``), else [E, F]."""
         gated = self.contract.gated
         halves = (w_up[..., 0], w_up[..., 1]) if gated else (None, w_up)
         bias = (b_up[..., 0], b_up[..., 1]) if gated and b_up is not None else (None, b_up)
-        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down)
-        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens)
+        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down, slots)
+        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slots)
 
-    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens) -> torch.Tensor:
+    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slots=None) -> torch.Tensor:
         """The checked call, through the ``rdepc::forward`` op (differentiable, and what
         ``torch.compile`` captures); it keeps what the backward walks when a gradient may
         be asked for."""
         brought, real = self.padding(tokens, x.shape[-2])
         if real is not None:  # the tokens past each rank's count route nowhere
             topk_ids = torch.where(real[..., None], topk_ids, -1)
-        leaves = (x, topk_weights, w_up, w_down, b_up, b_down)
+        leaves = (x, topk_weights, w_up, w_down, b_up, b_down, slots)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
         if save:
             self._refuse_saving()
-        return ops.forward(self.handle, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, brought, save)[0]
+        weights = (w_up, w_down, b_up, b_down, slots)
+        return ops.forward(self.handle, x, topk_ids, topk_weights, *weights, brought, save)[0]
 
-    def _forward_op(self, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save: bool) -> list[torch.Tensor]:
+    def _forward_op(
+        self, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save: bool
+    ) -> list[torch.Tensor]:
         """``rdepc::forward``'s implementation: the call, its routing context and (``save``)
         what it kept, in ``ops.forward_layout``'s order."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
-        y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, b_up=b_up, b_down=b_down)
+        operands = {"b_up": b_up, "b_down": b_down, "slots": slots}
+        y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, **operands)
         out = [y, context.accepted, context.slot, context.gprime]
         return out + ([kept[name] for name, _, _ in ops.kept_layout(self, x.shape[-2])] if save else [])
 
@@ -362,9 +371,12 @@ class RDEPModule:
             raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
         self._withheld = (entry, backward)
 
-    def _run(self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None):
+    def _run(
+        self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None, slots=None
+    ):
         """Launch the forward (``w_up``: GEMM1's operand; ``b_up``, ``b_down``: the expert
-        biases, when the spec has them). ``save``: keep what the backward walks, returned third."""
+        biases, when the spec has them; ``slots``: the redundant slots read in place).
+        ``save``: keep what the backward walks, returned third."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -382,7 +394,7 @@ class RDEPModule:
         launches = self.launcher.launches
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
         given["tokens_of"] = brought
-        given |= self._operands(w_up, w_down, b_up, b_down)
+        given |= self._operands(w_up, w_down, b_up, b_down, slots)
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner)); none when the
@@ -405,25 +417,28 @@ class RDEPModule:
             self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
         return y, self.last_context, kept
 
-    def _backward_op(self, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept) -> list[torch.Tensor]:
+    def _backward_op(
+        self, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept
+    ) -> list[torch.Tensor]:
         """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down],
-        then, when the experts have biases, [db_up, db_down]."""
+        then, when the experts have biases, [db_up, db_down], then with ``slots`` their gradient."""
         Tn = dy.shape[-2]
         kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
         context = RoutingContext(aligned(topk_ids.to(torch.int64).contiguous()), accepted, slot, gprime)
-        return list(self._backward(dy, context, kept, Tn, w_up, w_down, b_up, x))
+        return list(self._backward(dy, context, kept, Tn, w_up, w_down, b_up, x, slots))
 
-    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down, b_up=None, x=None):
+    def _backward(self, dy, context: RoutingContext, kept: dict, Tn: int, w_up, w_down, b_up=None, x=None, slots=None):
         """Launch the backward over a forward's routing context and what it kept; returns the
         gradients of x, g' and GEMM1's and GEMM2's operands (and their biases, when the
-        experts have them). ``b_up``: GEMM1's bias, which recomputed pre-activations add;
-        ``x``: the forward's input (``KernelContract.backward_reads_x``)."""
+        experts have them; then the redundant slots', with ``slots``). ``b_up``: GEMM1's bias,
+        which recomputed pre-activations add; ``x``: the forward's input
+        (``KernelContract.backward_reads_x``)."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
         self._settle(wait=False)
         lead = () if self.per_rank else (p.W,)
-        weights = self._operands(w_up, w_down)
+        weights = self._operands(w_up, w_down, slots=slots)
         if b_up is not None:
             weights["b_up"] = aligned(b_up.detach().contiguous())
         if p.backward_reads_x and x is None:
@@ -447,21 +462,25 @@ class RDEPModule:
         if p.bias:  # GEMM1's bias as its operand's columns: [E, F, 2] or [E, F]
             given["db_up"] = torch.zeros(weights["w_up"].shape[:1] + weights["w_up"].shape[2:], **new)
             given["db_down"] = torch.zeros((weights["w_down"].shape[0], p.H), **new)
+        if slots is not None:
+            given["dslots"] = torch.zeros(slots.shape, **new)
         given |= weights | {k: v for k, v in kept.items() if k != "published"}
         lo, hi = self._published  # the forward's offsets, whatever ran since
         own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi] = kept["published"]
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
         out = given["dx"], given["dgprime"], given["dw_up"], given["dw_down"]
-        return out + ((given["db_up"], given["db_down"]) if p.bias else ())
+        out += (given["db_up"], given["db_down"]) if p.bias else ()
+        return out + ((given["dslots"],) if slots is not None else ())
 
     def _owner_rows(self, cols: int) -> torch.Tensor:
         return owner_rows(self.contract, self.per_rank, cols, self.dtype, self.device)
 
-    def _operands(self, w_up, w_down, b_up=None, b_down=None) -> dict[str, torch.Tensor]:
+    def _operands(self, w_up, w_down, b_up=None, b_down=None, slots=None) -> dict[str, torch.Tensor]:
         """The kernel's weight arguments, contiguous and aligned (``w_up``: GEMM1's operand),
-        and the expert biases when given."""
+        and the expert biases and the redundant slots when given."""
         given = {"w_up": w_up, "w_down": w_down} | ({} if b_up is None else {"b_up": b_up, "b_down": b_down})
+        given |= {} if slots is None else {"slots": slots}
         return {k: aligned(v.detach().contiguous()) for k, v in given.items()}
 
     def _launch(self, given: dict, Tn: int, backward: bool, save: bool) -> None:
@@ -518,8 +537,15 @@ class RDEPModule:
         c = self.contract
         return f"rdepc layer {c.layer}" + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
 
-    def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> None:
-        own = len(self.local_experts) if self.per_rank else None  # one rank's tokens, its own experts' weights
+    def _check(
+        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, slots=None
+    ) -> None:
+        p = self.contract
+        N = p.balance[0] if p.slot_elems else 0  # slots read in place: the weights are the homes' only
+        want, got = (N, p.slot_elems) if N else None, None if slots is None else tuple(slots.shape)
+        if got != want:
+            raise ValueError(f"{self._name()}: the redundant slots must be {want} here, got {got}")
+        own = len(self.local_experts) - N if self.per_rank else None  # one rank's tokens, its own experts' weights
         biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
         check_inputs(
             self.contract, self._name(), own, self.dtype, self.device, x, topk_ids, topk_weights, w_gate, w_up, w_down,

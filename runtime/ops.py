@@ -1,16 +1,18 @@
 """The layer's forward and backward as ``torch.library`` custom ops, so that ``torch.compile``
 (``fullgraph=True`` included) captures a model with RDEP layers without a graph break.
 
-    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
+    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save)
         -> [y, accepted, slot, gprime, *kept]
-    rdepc::backward(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
-        -> [dx, dgprime, dw_up, dw_down, (db_up, db_down)]
+    rdepc::backward(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept)
+        -> [dx, dgprime, dw_up, dw_down, (db_up, db_down), (dslots)]
 
 ``handle`` names the :class:`rdepc.runtime.RDEPModule` whose heap, task tables and kernels
 the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
 [E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
-have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); the backward's ``x``
+have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); ``slots`` the redundant
+slots' packed operands [N, P] a replicated layer's kernels read in place one process per rank
+(``rdepc.ir.balance.slot_parts``; None elsewhere), their gradient ``dslots``; the backward's ``x``
 the forward's input (None unless ``KernelContract.backward_reads_x``). With ``save`` the
 forward also returns what the backward walks: the routing context (the accepted set, each
 slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables;
@@ -63,14 +65,15 @@ def forward(
     w_down: Tensor,
     b_up: Tensor | None,
     b_down: Tensor | None,
+    slots: Tensor | None,
     brought: Tensor,
     save: bool,
 ) -> list[Tensor]:
-    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
+    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save)
 
 
 @forward.register_fake
-def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save):
+def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save):
     layout = forward_layout(module_of(handle), x.shape[-2], save)
     return [torch.empty(shape, dtype=dtype, device=x.device) for _, shape, dtype in layout]
 
@@ -87,27 +90,32 @@ def backward(
     w_up: Tensor,
     w_down: Tensor,
     b_up: Tensor | None,
+    slots: Tensor | None,
     kept: list[Tensor],
 ) -> list[Tensor]:
-    return module_of(handle)._backward_op(dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept)
+    return module_of(handle)._backward_op(dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept)
 
 
 @backward.register_fake
-def _backward_fake(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept):
+def _backward_fake(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept):
     module = module_of(handle)
     lead = dy.shape[:-1]
-    return [
-        torch.empty(dy.shape, dtype=module.dtype, device=dy.device),
-        torch.empty((*lead, module.contract.K), dtype=torch.float32, device=dy.device),
-        torch.empty(w_up.shape, dtype=module.dtype, device=dy.device),
-        torch.empty(w_down.shape, dtype=module.dtype, device=dy.device),
-    ] + (
+    return (
         [
-            torch.empty((w_up.shape[0], *w_up.shape[2:]), dtype=module.dtype, device=dy.device),
-            torch.empty((w_down.shape[0], module.contract.H), dtype=module.dtype, device=dy.device),
+            torch.empty(dy.shape, dtype=module.dtype, device=dy.device),
+            torch.empty((*lead, module.contract.K), dtype=torch.float32, device=dy.device),
+            torch.empty(w_up.shape, dtype=module.dtype, device=dy.device),
+            torch.empty(w_down.shape, dtype=module.dtype, device=dy.device),
         ]
-        if module.contract.bias
-        else []
+        + (
+            [
+                torch.empty((w_up.shape[0], *w_up.shape[2:]), dtype=module.dtype, device=dy.device),
+                torch.empty((w_down.shape[0], module.contract.H), dtype=module.dtype, device=dy.device),
+            ]
+            if module.contract.bias
+            else []
+        )
+        + ([] if slots is None else [torch.empty(slots.shape, dtype=module.dtype, device=dy.device)])
     )
 
 
@@ -142,25 +150,27 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
+    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, slots, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
     x = x if module_of(handle).contract.backward_reads_x else None
-    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
+    # b_up: recomputed pre-activations; slots: this call's copy (a later call may refill the slots)
+    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, slots, *output[1:])
 
 
 def _forward_backward(ctx, grads):
     if not ctx.saved:
         raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
-    x, topk_ids, gates, w_up, w_down, b_up, accepted, slot, gprime, *kept = ctx.saved_tensors
+    x, topk_ids, gates, w_up, w_down, b_up, slots, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
-    dx, dgprime, dw_up, dw_down, *db = backward(
-        ctx.handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, kept
+    dx, dgprime, dw_up, dw_down, *rest = backward(
+        ctx.handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept
     )
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
-    db_up, db_down = db or (None, None)
-    return None, dx, None, dgates, dw_up, dw_down, db_up, db_down, None, None
+    db_up, db_down = rest[:2] if module.contract.bias else (None, None)
+    dslots = None if slots is None else rest[-1]
+    return None, dx, None, dgates, dw_up, dw_down, db_up, db_down, dslots, None, None
 
 
 forward.register_autograd(_forward_backward, setup_context=_setup_context)
@@ -185,26 +195,28 @@ def _balance_plan_fake(handle, ids, Tn):
 
 @torch.library.custom_op("rdepc::balance_weights", mutates_args=())
 def balance_weights(handle: int, slots: Tensor, home: Tensor) -> Tensor:
-    """One process per rank: this rank's home experts' operands [E_loc, P] → its physical
-    ones [E_loc + N, P], the slots' rows pushed by their homes."""
+    """One process per rank: this rank's home experts' packed operands [E_loc, P] pushed to
+    the slots that hold them; this rank's N slots as their homes pushed them, [N, P] (a copy:
+    the call's backward reads it after later calls may have refilled the slots)."""
     return module_of(handle)._weights_op(slots, home)
 
 
 @balance_weights.register_fake
 def _balance_weights_fake(handle, slots, home):
-    return home.new_empty((home.shape[0] + module_of(handle).slots, home.shape[1]))
+    return home.new_empty((module_of(handle).slots, home.shape[1]))
 
 
 @torch.library.custom_op("rdepc::balance_grads", mutates_args=())
 def balance_grads(handle: int, slots: Tensor, grad: Tensor) -> Tensor:
-    """The backward of :func:`balance_weights`: the slots' gradients handed to their homes,
-    each home's [E_loc, P] plus its replicas' in rank order."""
+    """The backward of :func:`balance_weights`: this rank's slots' gradients [N, P] handed to
+    their homes; each home expert's replicas' gradients summed in rank order, [E_loc, P]
+    (zeros for an expert no slot held)."""
     return module_of(handle)._grads_op(slots, grad)
 
 
 @balance_grads.register_fake
 def _balance_grads_fake(handle, slots, grad):
-    return grad.new_empty((grad.shape[0] - module_of(handle).slots, grad.shape[1]))
+    return grad.new_empty((module_of(handle).homes_here.shape[0], grad.shape[1]))
 
 
 def _weights_context(ctx, inputs, output) -> None:

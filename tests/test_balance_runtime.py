@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import rdepc
 from rdepc.diagnostics import SpecError
-from rdepc.ir.balance import imbalance, solve
+from rdepc.ir.balance import imbalance, slot_elems, solve
 
 W, T, H, F, E, K = 4, 16, 64, 128, 8, 2
 OWNER = np.repeat(np.arange(W), E // W)
@@ -190,10 +190,28 @@ def rank_step(rank: int, W_: int, file: str):
     y, g = train_step(module, *args)
     plan = {k: v.clone() for k, v in module.last_plan.items()}
     replayable = per_call_arguments(module, *args[:4])
+    kept = saved_for_backward(module, *args[:4])
     shared = layer.module("emulated-mp", share=module)
     assert shared.ex is module.ex
     compiled_step = train_step(compiled(module), *args)
-    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable
+    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable, kept
+
+
+def saved_for_backward(module, ids, gates, x, weights) -> list[tuple[int, ...]]:
+    """The shapes of the layer-dtype tensors a forward keeps for its backward, the caller's
+    weights aside."""
+    leaves = [w.clone().requires_grad_() for w in weights]
+    mine = {w.untyped_storage().data_ptr() for w in leaves}
+    shapes = []
+
+    def keep(t):
+        if t.dtype == module.dtype and t.untyped_storage().data_ptr() not in mine:
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        module(x, ids, gates, *leaves)
+    return shapes
 
 
 def per_call_arguments(module, ids, gates, x, weights) -> tuple[list, list[int], int]:
@@ -242,8 +260,13 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     y0, g0 = train_step(one, *skewed())
     layer = rdepc.load(f)
     two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
-    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched, arrived)) in enumerate(got):
+    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched, arrived), kept) in enumerate(got):
         assert differ == [] and min(launched) > 0 and arrived == 3 * W, (rank, differ, launched, arrived)
+        # the kernels read the slots in place: the backward keeps this call's copy of the N slots, and
+        # no [homes + N, ...] physical weights (a copy of every home expert's beside them)
+        c = one.contract
+        homes, N, P = len(mine), one.slots, slot_elems(3 if c.gated else 2, c.H, c.F, c.bias)
+        assert (N, P) in kept and not any(s[0] == homes + N for s in kept if len(s) >= 3), (rank, kept)
         assert torch.equal(shared[0], two[0][rank]) and torch.equal(shared[1], two[1][rank])
         for a, b in zip(shared[2:], two[2:], strict=True):
             assert torch.equal(a, b[mine]), rank

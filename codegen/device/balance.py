@@ -315,10 +315,11 @@ def balance_give(bal, stride, grads_at, slot_table, owner_of, packed, P, rank):
 
 @triton.jit
 def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
-    """Program i: home expert ``homes[i]``'s gradient (``packed`` row i, [E_loc, P]) plus
-    each replica's, read from the replicas' ranks in rank order and added in DTYPE (as the
-    one-process layer adds them); then a receipt on the fourth counter of each replica's
-    rank (its region may be written again)."""
+    """Program i: into ``packed`` row i ([E_loc, P], zeros) each replica's gradient of home
+    expert ``homes[i]``, read from the replicas' ranks in rank order and added in DTYPE (as
+    the one-process layer adds them; autograd then adds the sum to the home's own gradient);
+    then a receipt on the fourth counter of each replica's rank (its region may be written
+    again)."""
     i = tl.program_id(0)
     e = tl.load(homes + i)
     row = packed + tl.cast(i, tl.int64) * P

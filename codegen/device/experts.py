@@ -41,6 +41,10 @@ from rdepc.codegen.device.layout import (
     SB_ROW_ID,
     SB_SCALE,
     SCALE_COLS,
+    SLOT_B_DOWN_AT,
+    SLOT_B_UP_AT,
+    SLOT_DOWN_AT,
+    SLOT_ELEMS,
     TMA,
     UP_COLS,
     B,
@@ -49,6 +53,23 @@ from rdepc.codegen.device.layout import (
     S,
 )
 from rdepc.codegen.device.rows import ring_row
+
+
+@triton.jit
+def operand(home, slots, e, per_expert, at):
+    """Expert ``e``'s operand: row e of ``home`` (``per_expert`` elements a row), or, where
+    the kernels read the redundant slots in place (SLOT_ELEMS: one process per rank under
+    ``balance replicate``) and ``weight_of`` gave e = -(j + 1), the part at ``at`` of slot
+    j's packed row of ``slots`` (``rdepc.ir.balance.slot_parts``): no per-call copy of the
+    home experts' weights beside the slots'."""
+    if SLOT_ELEMS > 0:
+        if e < 0:
+            ptr = slots + (-1 - e) * SLOT_ELEMS + at
+        else:
+            ptr = home + e * per_expert
+    else:
+        ptr = home + e * per_expert
+    return ptr
 
 
 @triton.jit
@@ -144,6 +165,7 @@ def gemm1(
     w_up,
     b_up,
     weight_of,
+    slots,
     hbuf,
     hbuf_rid,
     saved_x,
@@ -183,7 +205,7 @@ def gemm1(
         me = peer(heap, q)
         rows = (me + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE))
         scales = (me + SB_SCALE).to(tl.pointer_type(tl.float32))  # fp8: [B*S, SCALES]
-        w = w_up + e * (H * (UP_COLS * F))
+        w = operand(w_up, slots, e, H * (UP_COLS * F), 0)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         first_row = m
@@ -195,7 +217,8 @@ def gemm1(
             CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS,
         )  # fmt: skip
         if BIAS:
-            acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
+            bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
+            acc += bias_row(bias, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
         if GATED:
             gate, up = gate_up(acc, BM, BLOCK_F)
             act = glu(gate, up)
@@ -234,6 +257,7 @@ def gemm2(
     w,
     bias,
     weight_of,
+    slots,
     staging,
     staging_rid,
     saved_out,
@@ -268,16 +292,16 @@ def gemm2(
         base = tl.cast(q, tl.int64) * (B * S)
         if BACKWARD:
             rows += tl.cast(q, tl.int64) * R_MAX * (UP_COLS * F)
-            w += e * (H * (UP_COLS * F))
+            w = operand(w, slots, e, H * (UP_COLS * F), 0)
             acc = gemm_tile(
                 rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
             )
         else:
             rows += base * F
-            w += e * (F * H)
+            w = operand(w, slots, e, F * H, SLOT_DOWN_AT)
             acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
             if BIAS:
-                acc += bias_row(bias + e * H, H, h, BLOCK_H)[None, :]
+                acc += bias_row(operand(bias, slots, e, H, SLOT_B_DOWN_AT), H, h, BLOCK_H)[None, :]
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         row = base + at + m
@@ -294,6 +318,7 @@ def bgemm1(
     heap,
     w_down,
     weight_of,
+    slots,
     saved_pre,
     w_up,
     b_up,
@@ -338,7 +363,7 @@ def bgemm1(
         me = peer(heap, q)
         rows = (me + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
         scales = (me + BWD_SCALES_AT).to(tl.pointer_type(tl.float32))  # BWD_FP8: [B*S, BWD_SCALES]
-        w = w_down + e * (F * H)
+        w = operand(w_down, slots, e, F * H, SLOT_DOWN_AT)
         m = tl.arange(0, BM)
         live = (m >= lo) & (m < hi)
         first_row = m
@@ -357,10 +382,14 @@ def bgemm1(
         inputs = (me + BWD_INPUTS).to(tl.pointer_type(DISPATCH_DTYPE))
         if RECOMPUTE:
             if RESEND:  # the rows as the forward's payload held them
-                again = pre_activations(inputs, B * S, at, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+                again = pre_activations(
+                    inputs, B * S, at, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                )
             else:
                 xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
-                again = pre_activations(xs, R_MAX, row0, w_up, b_up, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32)
+                again = pre_activations(
+                    xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                )
         if GATED:
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
@@ -409,7 +438,7 @@ def bgemm1(
 
 @triton.jit
 def pre_activations(
-    xs, n_rows, row0, w_up, b_up, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    xs, n_rows, row0, w_up, b_up, slots, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, CAST_F32: tl.constexpr,
 ):  # fmt: skip
     """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
@@ -417,13 +446,14 @@ def pre_activations(
     input rows at ``xs`` (an owner's kept rows, or RESEND's ring), expert ``e``, rounded to
     DTYPE as the forward would have kept them. The same rows, weights, tile and reduction
     order as the forward's GEMM1, so the same values."""
-    w = w_up + e * (H * (UP_COLS * F))
+    w = operand(w_up, slots, e, H * (UP_COLS * F), 0)
     acc = gemm_tile(
         xs, n_rows, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
         PRECISION,
     )  # fmt: skip
     if BIAS:
-        acc += bias_row(b_up + e * (UP_COLS * F), UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
+        bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
+        acc += bias_row(bias, UP_COLS * F, f * UP_COLS, UP_COLS * BLOCK_F)[None, :]
     return narrow(acc, DTYPE, CAST_F32).to(tl.float32)
 
 
@@ -438,6 +468,7 @@ def wgrad(
     db_up,
     db_down,
     weight_of,
+    dslots,
     group,
     q,
     item,
@@ -477,12 +508,14 @@ def wgrad(
         )  # fmt: skip
         h = i + tl.arange(0, BLOCK_H)
         up = narrow(d_up, DTYPE, CAST_F32)
-        store_rows(dw_up + e * (H * (UP_COLS * F)) + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
+        dw = operand(dw_up, dslots, e, H * (UP_COLS * F), 0)
+        store_rows(dw + h * (UP_COLS * F), up, h < H, UP_COLS * F, c, UP_COLS * BLOCK_F)
         if BIAS:  # noqa: SIM102 - BIAS is folded at compile time, the block tested at run time
             if i == 0:
                 sum_up = column_sums(ds, UP_COLS * F, c, first, n, UP_COLS * BLOCK_F, BLOCK_K)
                 sum_up = narrow(sum_up, DTYPE, CAST_F32)
-                store_bias(db_up + e * (UP_COLS * F), sum_up, UP_COLS * F, c, UP_COLS * BLOCK_F)
+                db = operand(db_up, dslots, e, UP_COLS * F, SLOT_B_UP_AT)
+                store_bias(db, sum_up, UP_COLS * F, c, UP_COLS * BLOCK_F)
     else:
         j = (t - per) // h_blocks * BLOCK_F
         k = (t - per) % h_blocks * BLOCK_H
@@ -492,11 +525,13 @@ def wgrad(
             a_rows, F, j, o_rows, H, k, first, n, BLOCK_F, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION
         )
         f = j + tl.arange(0, BLOCK_F)
-        store_rows(dw_down + e * (F * H) + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
+        dwd = operand(dw_down, dslots, e, F * H, SLOT_DOWN_AT)
+        store_rows(dwd + f * H, narrow(d_down, DTYPE, CAST_F32), f < F, H, k, BLOCK_H)
         if BIAS:  # noqa: SIM102 - as above
             if j == 0:
                 sum_down = column_sums(o_rows, H, k, first, n, BLOCK_H, BLOCK_K)
-                store_bias(db_down + e * H, narrow(sum_down, DTYPE, CAST_F32), H, k, BLOCK_H)
+                dbd = operand(db_down, dslots, e, H, SLOT_B_DOWN_AT)
+                store_bias(dbd, narrow(sum_down, DTYPE, CAST_F32), H, k, BLOCK_H)
 
 
 @triton.jit
@@ -510,7 +545,7 @@ def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
 
 @triton.jit
 def expert_item(
-    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
+    kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid, saved_x, saved_pre,
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -524,29 +559,29 @@ def expert_item(
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
-                heap, w_down, weight_of, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s, local,
-                row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
             )  # fmt: skip
         else:
             gemm1(
-                heap, w_up, b_up, weight_of, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f, BM,
-                BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
-                dh, hbuf_rid, w_up, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi, h,
-                BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                dh, hbuf_rid, w_up, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0, lo,
+                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
             )  # fmt: skip
         else:
             gemm2(
-                hbuf, hbuf_rid, w_down, b_down, weight_of, staging, staging_rid, saved_out, q, s, local, row0, lo, hi,
-                h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                hbuf, hbuf_rid, w_down, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0,
+                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only
             wgrad(
-                saved_x, dh, act_rows, do_rows, dw_up, dw_down, db_up, db_down, weight_of, group, q, item, BLOCK_H,
-                BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                saved_x, dh, act_rows, do_rows, dw_up, dw_down, db_up, db_down, weight_of, dslots, group, q, item,
+                BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
             )  # fmt: skip

@@ -33,8 +33,8 @@ from rdepc.codegen.device.waits import wait_deps, wait_done
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
 def rdep_gemm(
     heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up,
-    db_down, table, deps, queue, first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid, staging,
-    staging_rid, tile_done, ctl, profile, n_programs, rank0, bound, program_base, BM: tl.constexpr,
+    db_down, slots, dslots, table, deps, queue, first_item, queues, weight_of, group, tile_table, hbuf, hbuf_rid,
+    staging, staging_rid, tile_done, ctl, profile, n_programs, rank0, bound, program_base, BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
     PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
@@ -138,9 +138,10 @@ def rdep_gemm(
                 start = now(ctl, GLOBALTIMER)
             if hi > lo:
                 expert_item(
-                    kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid, saved_x,
-                    saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, owner,
-                    segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                    kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
+                    saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
+                    owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
+                    SAVE,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2

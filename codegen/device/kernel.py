@@ -87,15 +87,14 @@ def owner_buffers(
 
 @triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
 def rdep_layer(
-    heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre,
-    saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, table, deps, queue, first_item,
+    heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
+    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, table, deps, queue, first_item,
     queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows,
     route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl,
-    profile, tokens_of, n_tokens, n_programs, rank0,
-    rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
-    GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
-    SAVE: tl.constexpr,
+    profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+    CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
+    BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from the queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
@@ -236,10 +235,10 @@ def rdep_layer(
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
-                            kind, heap, w_up, w_down, weight_of, group, hbuf, hbuf_rid, staging, staging_rid,
-                            saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down,
-                            db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H, BLOCK_F,
-                            BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                            kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
+                            staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
+                            b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(

@@ -41,6 +41,10 @@ HOMES_PAD = tl.constexpr(8)
 SLOTS = tl.constexpr(0)
 SLOTS_PAD = tl.constexpr(2)
 MIN_ROWS = tl.constexpr(0)
+SLOT_ELEMS = tl.constexpr(0)
+SLOT_DOWN_AT = tl.constexpr(-1)
+SLOT_B_UP_AT = tl.constexpr(-1)
+SLOT_B_DOWN_AT = tl.constexpr(-1)
 
 # The spec's choices.
 DTYPE = tl.constexpr(tl.float32)

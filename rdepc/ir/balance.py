@@ -211,6 +211,20 @@ def slot_elems(matrices, H, F, bias: bool):
     return matrices * H * F + ((up + H) if bias else 0)
 
 
+def slot_parts(H: int, F: int, gated: bool, bias: bool) -> dict[str, tuple[int, int]]:
+    """One redundant slot's operands, packed as the layer's kernels read them in place
+    (one process per rank): name -> (element offset, elements). GEMM1's operand [H, F, 2]
+    with gate and up interleaved when gated (else [H, F]), GEMM2's [F, H], then with expert
+    biases b_up ([F, 2] when gated) and b_down [H]. Their total is :func:`slot_elems`."""
+    up = 2 * F if gated else F
+    sizes = {"w_up": H * up, "w_down": F * H} | ({"b_up": up, "b_down": H} if bias else {})
+    at, parts = 0, {}
+    for name, n in sizes.items():
+        parts[name] = (at, n)
+        at += n
+    return parts
+
+
 def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tuple[dict[str, int], int]:
     """The symmetric allocation a replicated layer's ranks exchange through when they run one
     process each: per rank four int64 counters (loads, pushes, replica gradients, receipts),
@@ -235,5 +249,6 @@ __all__ = [
     "push_bytes",
     "push_seconds",
     "slot_elems",
+    "slot_parts",
     "solve",
 ]

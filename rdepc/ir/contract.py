@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
+from rdepc.ir.balance import slot_elems
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
 from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
 from rdepc.ir.spec import is_gated
@@ -243,6 +244,14 @@ class KernelContract:
     def homes(self) -> int:
         """The experts the router picks from: E less the W·N redundant slots (``rdepc.passes.replicate``)."""
         return self.E - self.W * self.balance[0]
+
+    @property
+    def slot_elems(self) -> int:
+        """Elements of one redundant slot when the kernels read the slots in place (one
+        process per rank with ``balance replicate``: ``rdepc.ir.balance.slot_parts``), else 0."""
+        if not (self.per_rank and self.balance[0]):
+            return 0
+        return slot_elems(3 if self.gated else 2, self.H, self.F, self.bias)
 
     @property
     def backward_reads_x(self) -> bool:
@@ -510,7 +519,20 @@ def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tu
     if kernel != "rdep_gemm":
         raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
     names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
-    names += ("dw_down", "b_up", "b_down", "db_up", "db_down", "table", "deps", "queue", "first_item", "queues")
+    names += (
+        "dw_down",
+        "b_up",
+        "b_down",
+        "db_up",
+        "db_down",
+        "slots",
+        "dslots",
+        "table",
+        "deps",
+        "queue",
+        "first_item",
+        "queues",
+    )
     names += ("weight_of", "group", "tile_table", "hbuf")
     names += ("hbuf_rid", "staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
     args = [(n, every[n]) for n in names] + [("program_base", "i32")]  # its programs' first number: its own
@@ -538,6 +560,9 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
     # expert biases (BIAS; otherwise placeholders): GEMM1's [E, F, 2] or [E, F], GEMM2's [E, H], their gradients
     args += [(n, f"*{dt}") for n in ("b_up", "b_down", "db_up", "db_down")]
+    # the redundant slots' packed operands and their gradients, read and written in place one
+    # process per rank under balance replicate (SLOT_ELEMS; otherwise placeholders)
+    args += [("slots", f"*{dt}"), ("dslots", f"*{dt}")]
     tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]
