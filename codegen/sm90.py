@@ -15,7 +15,9 @@ blocks an SM holds at once (``ctas_per_sm``), every GEMM main loop read from the
 (``rdepc.codegen.sass.gemm_loops``: instructions per iteration, spills inside it, wgmma
 wait depth), and a few facts read from the PTX: the target, the ``wgmma`` shapes of the grouped GEMMs, whether
 their operands arrive by TMA (``cp.async.bulk.tensor``), the acquire loads and release
-atomics of the flag protocol, and whether NVSHMEM's device code is in it. Kernels generated for the
+atomics of the flag protocol, and whether NVSHMEM's device code is in it. A ``balance
+replicate`` layer's own kernels (the plan, the exchange) are compiled beside the layer's
+(:data:`BALANCE_KERNELS`: their resources only). Kernels generated for the
 ``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
 needs the ``nvidia-nvshmem-cu13`` wheel but no GPU.
 
@@ -52,6 +54,7 @@ from rdepc.ir.contract import (
     H100_SMS,
     NATIVE_SPIN_BOUND,
     POINTEE,
+    TRANSPORT_PROCESSES,
     KernelContract,
     Tiles,
     kernel_args,
@@ -75,6 +78,27 @@ KERNELS = {
 }
 
 
+# A ``balance replicate`` layer's own launches (``codegen/device/balance.py``), as its
+# runtime makes them: one process counts the loads, one process per rank exchanges them
+# through its symmetric allocation and moves weights and gradients; ``balance_await`` is
+# built once for each counter it waits on (the slots' pushes, the replicas' gradients, the
+# homes' receipts).
+BALANCE_KERNELS = {
+    "one": ("balance_count", "balance_solve", "balance_reroute"),
+    "per-rank": (
+        "balance_exchange", "balance_solve", "balance_reroute", "balance_push", "balance_await.pushes",
+        "balance_await.gradients", "balance_await.receipts", "balance_give", "balance_reduce",
+    ),
+}  # fmt: skip
+AWAITED = {"pushes": 1, "gradients": 2, "receipts": 3}  # balance_await's counter
+# The balance kernels' parameters' types, by name (``packed``: weights in the layer's dtype).
+BALANCE_ARGS = {"bal": "*u8", "topk_ids": "*i64", "phys_ids": "*i64", "expected": "*i64", "packed": "*dtype"}
+BALANCE_ARGS |= {n: "i64" for n in ("stride", "loads_at", "slots_at", "grads_at")}
+BALANCE_ARGS |= {n: "i32" for n in ("n_tokens", "rank", "rank0", "P", "bound")}
+BALANCE_ARGS |= {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads", "local_of", "homes")}
+BALANCE_ARGS |= {"err": "*i32"}
+
+
 def kernel_mode(kernel: str) -> str:
     """The kernel mode that launches build ``kernel`` (of KERNELS)."""
     return "unified" if KERNELS[kernel][1].get("GEMMS") else "split"
@@ -96,13 +120,14 @@ def compile_cubins(
     sms: int = H100_SMS,
     kernels: list[str] | None = None,
 ) -> list[dict]:
-    """Compile every kernel (``kernels``: those of KERNELS) of each (kernels.py, plan.json,
+    """Compile every kernel (``kernels``: of KERNELS or BALANCE_KERNELS) of each (kernels.py, plan.json,
     out_dir) job, in ``parallel`` subprocesses (jobs dealt round-robin); results in job
     order. ``profile``: with the profile's %globaltimer stamps compiled in. ``sms``: the
     GPU's SMs, which size the launch each kernel is specialised for."""
-    unknown = set(kernels or ()) - set(KERNELS)
+    known = [*KERNELS, *dict.fromkeys(k for ks in BALANCE_KERNELS.values() for k in ks)]
+    unknown = set(kernels or ()) - set(known)
     if unknown:
-        raise ValueError(f"unknown kernels {sorted(unknown)} (known: {', '.join(KERNELS)})")
+        raise ValueError(f"unknown kernels {sorted(unknown)} (known: {', '.join(known)})")
     # This environment otherwise: the variables Triton's cache key covers (TRITON_DEFAULT_FP_FUSION,
     # ...) as the launching process has them, so that a build here is the entry its JIT looks up.
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -353,7 +378,11 @@ def _compile(
 
         options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
     out = []
-    for kernel in kernels or KERNELS:
+    balance = BALANCE_KERNELS[TRANSPORT_PROCESSES[contract.transport]] if contract.balance[0] else ()
+    for kernel in kernels or (*balance, *KERNELS):
+        if kernel not in KERNELS:
+            out.append(_balance(contract, module, kernel, Path(out_dir), arch, options))
+            continue
         fn = getattr(module, KERNELS[kernel][0])
         t0 = time.perf_counter()
         sp = launch_specialization(
@@ -402,6 +431,41 @@ def _compile(
     return out
 
 
+def _balance(contract: KernelContract, module, kernel: str, out_dir: Path, arch: int, options: dict) -> dict:
+    """One balance kernel a ``balance replicate`` layer launches (:data:`BALANCE_KERNELS`),
+    at Triton's default 4 warps and unspecialised (its pointers and scalars vary by call):
+    registers, stack, local memory (spills), shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name, _, waits = kernel.partition(".")
+    fn = getattr(module, name)
+    signature = {a: BALANCE_ARGS.get(a, "constexpr").replace("*dtype", "*" + contract.dtype) for a in fn.arg_names}
+    constexprs = {(fn.arg_names.index("counter"),): AWAITED[waits]} if waits else {}
+    t0 = time.perf_counter()
+    options = {**options, "num_warps": 4}
+    k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+    target = out_dir / cubin_name(contract.layer, kernel, arch)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(k.asm["cubin"])
+    tmp.replace(target)
+    used = resources(target)
+    shared = int(k.metadata.shared)
+    return {
+        "layer": contract.layer,
+        "kernel": kernel,
+        "balance": True,
+        "cubin": str(target),
+        "bytes": len(k.asm["cubin"]),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "shared": shared,
+        "target": next((ln.split()[1] for ln in k.asm["ptx"].splitlines() if ln.startswith(".target")), ""),
+        **used,
+        "ctas_per_sm": sass.ctas_per_sm(used["registers"], shared, 128),
+    }
+
+
 def main() -> int:
     request = json.loads(sys.stdin.read())
     arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
@@ -415,6 +479,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 __all__ = [
+    "BALANCE_KERNELS",
     "H100_SHARED",
     "KERNELS",
     "Specialized",

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import EXAMPLES, ROOT, tiny_segmented
 from rdepc.codegen import UNSUPPORTED, write_module
-from rdepc.codegen.sm90 import H100_SHARED, KERNELS, compile_cubins, cubin_name
+from rdepc.codegen.sm90 import BALANCE_KERNELS, H100_SHARED, KERNELS, compile_cubins, cubin_name
 
 import rdepc
 from rdepc.driver import generate_spec
@@ -127,23 +127,37 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
 
 
 def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
+    """tiny_balance one process per rank: every build of the layer (its GEMM tiles reading the
+    redundant slots as an operand of their own) and the balance kernels its runtime launches."""
     from rdepc import cli
 
     monkeypatch.chdir(ROOT)
-    assert cli.main(["compile", "examples/tiny.rdep", "-o", str(tmp_path), "--target", "sm_90"]) == 0
+    argv = [
+        "compile",
+        "examples/tiny_balance.rdep",
+        "--backend",
+        "emulated-mp",
+        "-o",
+        str(tmp_path),
+        "--target",
+        "sm_90",
+    ]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    cubins = [tmp_path / f"tiny.{kernel}.sm_90.cubin" for kernel in KERNELS]
-    for kernel, cubin in zip(KERNELS, cubins, strict=True):
+    builds = [*BALANCE_KERNELS["per-rank"], *KERNELS]
+    cubins = [tmp_path / f"tiny_balance.{kernel}.sm_90.cubin" for kernel in builds]
+    for kernel, cubin in zip(builds, cubins, strict=True):
         assert cubin.stat().st_size > 0 and f"compiled {kernel} for sm_90a in " in out and f"wrote {cubin}" in out
-    assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # tiny is fp32: IEEE dots, TMA operands
+    assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # fp32: IEEE dots, TMA operands
     assert "GEMMs: no wgmma, no TMA" in out  # the transport kernel
     assert re.search(r"bytes of stack and 0 bytes of local memory \(spills\) per thread, [12] CTAs? per SM", out)
+    balance = re.findall(r"compiled balance_\S+ .* 0 bytes of local memory \(spills\) per thread, 4 warps", out)
+    assert len(balance) == len(BALANCE_KERNELS["per-rank"])
     # compiled as a native launch at T' = T runs it, on an H100's grid (at most one program per work item)
     grids = [int(n) for n in re.findall(r"as launched: pointers 16-byte aligned, T'=16, (\d+) programs\n", out)]
     assert len(grids) == len(KERNELS) and all(0 < n <= 132 for n in grids), grids
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py", *(c.name for c in cubins)]
-    )
+    written = ["tiny_balance.spec.json", "tiny_balance_kernels.py", "tiny_balance.plan.json", "tiny_balance.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*written, *(c.name for c in cubins)])
 
 
 def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
@@ -474,61 +488,14 @@ def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monk
     assert out["jit_cache_hits"] == [True]
 
 
-_BALANCE = r"""
-import importlib.util, json, subprocess, sys, tempfile
-from pathlib import Path
-
-import triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-path, dtype, backend = sys.argv[1:4]
-ranks = {"bal": "*u8", "stride": "i64"}
-SIGNATURES = {
-    "balance_count": {"topk_ids": "*i64", "load": "*i32", "n_tokens": "i32"},
-    "balance_solve": {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads")},
-    "balance_reroute": {"topk_ids": "*i64", "phys_ids": "*i64", "phys": "*i32", "cum": "*i32", "n_tokens": "i32",
-                        "rank0": "i32"},
-    "balance_exchange": ranks | {"loads_at": "i64", "topk_ids": "*i64", "n_tokens": "i32", "rank": "i32",
-                                 "expected": "*i64", "bound": "i32", "err": "*i32"},
-    "balance_push": ranks | {"slots_at": "i64", "slot_table": "*i32", "owner_of": "*i32", "local_of": "*i32",
-                             "packed": "*" + dtype, "P": "i32", "rank": "i32"},
-    "balance_await": ranks | {"counter": "constexpr", "slot_table": "*i32", "owner_of": "*i32", "expected": "*i64",
-                              "rank": "i32", "bound": "i32", "err": "*i32"},
-    "balance_give": ranks | {"grads_at": "i64", "slot_table": "*i32", "owner_of": "*i32", "packed": "*" + dtype,
-                             "P": "i32", "rank": "i32"},
-    "balance_reduce": ranks | {"grads_at": "i64", "slot_table": "*i32", "homes": "*i32", "packed": "*" + dtype,
-                               "P": "i32"},
-}
-options = {"num_warps": 4}
-if backend == "nvshmem":
-    from rdepc.toolchain import EXTERN_LIB, bitcode_path
-
-    options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(90))}
-spec = importlib.util.spec_from_file_location("k", path)
-k = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(k)
-out = {}
-for name, sig in SIGNATURES.items():
-    consts = {(2,): 1} if name == "balance_await" else {}  # counter, by position
-    c = triton.compile(ASTSource(getattr(k, name), sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
-    cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin"
-    cubin.write_bytes(c.asm["cubin"])
-    dump = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)], capture_output=True,
-                          text=True, check=True).stdout
-    out[name] = {key: int(v) for key, v in __import__("re").findall(r"\b(REG|STACK|LOCAL):(\d+)", dump)}
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.parametrize("shape, backend", [("tiny_balance", "emulated-mp"), ("moonlight-shaped", "nvshmem")])
+@pytest.mark.parametrize("shape, backend", [("tiny_balance", "emulated"), ("moonlight-shaped", "nvshmem")])
 def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, shape, backend):
-    """Every balance kernel of a ``balance replicate`` layer builds for sm_90 (ptxas) with no
-    spills: tiny_balance (fp32) for emulated-mp, and moonlight's shape (8 ranks, 64 experts,
-    top-6, bf16) with 2 slots a rank for nvshmem (its exchange through nvshmem_ptr, NVSHMEM's
-    bitcode linked). The solver's 64-bit divisions (the proportional split) call a
-    subroutine: a few bytes of stack, nothing more."""
+    """Every balance kernel a ``balance replicate`` layer launches on its transport builds
+    for sm_90 (ptxas) with no spills: tiny_balance (fp32) in one process, and moonlight's
+    shape (8 ranks, 64 experts, top-6, bf16) with 2 slots a rank for nvshmem (its exchange
+    through nvshmem_ptr, NVSHMEM's bitcode linked; tiny_balance's per-rank builds compile in
+    test_cli_compile_writes_a_cubin_per_kernel). The solver's 64-bit divisions (the
+    proportional split) call a subroutine: a few bytes of stack, nothing more."""
     path = ROOT / "examples" / "tiny_balance.rdep"
     if shape != "tiny_balance":
         path = tmp_path / "m.rdep"
@@ -539,13 +506,9 @@ def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, sh
     g = generate_spec(rdepc.load(path).spec, backend=backend)
     written = write_module(g, tmp_path)
     kernels = next(p for p in written if p.name.endswith("_kernels.py"))
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    dtype = {"fp32": "fp32", "bf16": "bf16"}[g.kernel.dtype]
-    cmd = [sys.executable, "-c", _BALANCE, str(kernels), dtype, backend]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(got) == 8
-    for name, r in got.items():
-        assert r.get("LOCAL", 0) == 0 and r.get("STACK", 0) <= 64, (name, r)
-        assert 0 < r["REG"] <= 255, (name, r)
+    balance = list(BALANCE_KERNELS["one" if backend == "emulated" else "per-rank"])
+    got = compile_cubins([(kernels, tmp_path / f"{g.kernel.layer}.plan.json", tmp_path)], arch=90, kernels=balance)
+    assert [r["kernel"] for r in got] == balance
+    for r in got:
+        assert r["local_bytes"] == 0 and r["stack"] <= 64 and 0 < r["registers"] <= 255, r
+        assert r["target"] == "sm_90a" and r["ctas_per_sm"] >= 1 and r["bytes"] > 0, r

@@ -58,6 +58,14 @@ def _cubins(out: Path, name: str) -> list[Path]:
     wrote = []
     for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
         wrote.append(Path(r["cubin"]))
+        if r.get("balance"):  # a replicated layer's plan and exchange: launches of their own
+            print(
+                f"compiled {r['kernel']} for {r['target']} in {r['seconds']:.1f} s: {r['bytes']:,} bytes, "
+                f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
+                f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread, 4 warps, "
+                f"{r['ctas_per_sm']} CTA{'s' if r['ctas_per_sm'] != 1 else ''} per SM"
+            )
+            continue
         mma = ", ".join(r["wgmma_shapes"]) or "no wgmma"
         sp, at = r["specialization"], r["launch"]
         aligned = "" if sp["aligned_pointers"] == sp["pointers"] else f"{sp['aligned_pointers']} of "
