@@ -91,8 +91,9 @@ BALANCE_KERNELS = {
     ),
 }  # fmt: skip
 AWAITED = {"pushes": 1, "gradients": 2, "receipts": 3}  # balance_await's counter
-# The balance kernels' parameters' types, by name (``packed``: weights in the layer's dtype).
+# The balance kernels' parameters' types, by name (the weights in the layer's dtype).
 BALANCE_ARGS = {"bal": "*u8", "topk_ids": "*i64", "phys_ids": "*i64", "expected": "*i64", "packed": "*dtype"}
+BALANCE_ARGS |= {n: "*dtype" for n in ("w_up", "w_down", "b_up", "b_down")}
 BALANCE_ARGS |= {n: "i64" for n in ("stride", "loads_at", "slots_at", "grads_at")}
 BALANCE_ARGS |= {n: "i32" for n in ("n_tokens", "rank", "rank0", "P", "bound")}
 BALANCE_ARGS |= {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads", "local_of", "homes")}

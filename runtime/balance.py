@@ -107,7 +107,7 @@ class ReplicatedModule:
         self.owner = torch.tensor(p.owner[: self.homes], **i32)
         self.local_of = torch.tensor(p.local[: self.homes], **i32)
         self.local_experts = local_experts(p, self.rank)
-        self.parts = tuple(slot_parts(p.H, p.F, p.gated, p.bias))  # a slot's operands, in their order
+        self.parts = slot_parts(p.H, p.F, p.gated, p.bias)  # a slot's operands: name -> (offset, elements)
         self._plan: dict[str, torch.Tensor] | None = None
         self._stats: dict | None = None
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
@@ -140,13 +140,12 @@ class ReplicatedModule:
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
-        if self.per_rank:  # the kernels take this call's slots as an operand of their own
+        if self.per_rank:  # GEMM1's operand (gate and up interleaved) once, for the pushes and the layer
             pair = (lambda g, u: torch.stack((g, u), dim=-1)) if self.contract.gated else (lambda _, u: u)
-            up = pair(w_gate, w_up)
-            b = {} if b_up is None else {"b_up": pair(b_gate, b_up), "b_down": b_down}
-            slots = self._slots(plan, {"w_up": up, "w_down": w_down, **b})
-            biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
-            return self.inner.forward(x, ids, topk_weights, *ws[:3], **biases, tokens=tokens, slots=slots)
+            up, b_up = pair(w_gate, w_up), None if b_up is None else pair(b_gate, b_up)
+            slots = self._slots(plan, up, w_down, b_up, b_down)
+            return self.inner.routed(x, ids, topk_weights, up, w_down, b_up=b_up, b_down=b_down, tokens=tokens,
+                                     slots=slots)  # fmt: skip
         w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws, plan)
         return self.inner.forward(
             x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
@@ -157,8 +156,7 @@ class ReplicatedModule:
         ws = self._homes(w_up, w_down, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         if self.per_rank:
-            b = {} if b_up is None else {"b_up": b_up, "b_down": b_down}
-            slots = self._slots(plan, {"w_up": w_up, "w_down": w_down, **b})
+            slots = self._slots(plan, w_up, w_down, b_up, b_down)
             return self.inner.routed(
                 x, ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens, slots=slots
             )
@@ -175,13 +173,19 @@ class ReplicatedModule:
                 )
         return weights
 
-    def _slots(self, plan: dict, operands: dict) -> torch.Tensor:
+    def _slots(self, plan: dict, w_up, w_down, b_up, b_down) -> torch.Tensor:
         """One process per rank: this rank's home experts' operands as the kernels read them
-        (GEMM1's, GEMM2's, the biases') packed a row an expert in ``slot_parts``' order and
-        pushed to the slots holding them; this rank's slots for this call, [N, P]."""
-        n = len(self.local_experts)
-        home = torch.cat([operands[name].reshape(n, -1) for name in self.parts], dim=1).contiguous()
-        return ops.balance_weights(self.handle, plan["slots"].reshape(-1), home)
+        (GEMM1's, GEMM2's, the biases) pushed to the slots holding them; this rank's slots
+        for this call, [N, P]."""
+        given = [None if t is None else t.contiguous() for t in (w_up, w_down, b_up, b_down)]
+        return ops.balance_weights(self.handle, plan["slots"].reshape(-1), *given)
+
+    def home_grads(self, summed: torch.Tensor, shapes) -> list[torch.Tensor | None]:
+        """The replicas' gradients summed per home expert, [E_loc, P], as the gradients of
+        the operands :meth:`_slots` pushed (of ``shapes``; None where none was given)."""
+        names, at = ("w_up", "w_down", "b_up", "b_down"), self.parts
+        part = {n: summed[:, at[n][0] : at[n][0] + at[n][1]] for n in at}
+        return [None if s is None else part[n].reshape(s) for n, s in zip(names, shapes, strict=True)]
 
     def _physical(self, ws, plan: dict) -> list:
         """One process: each given home-expert tensor with its slots' copies after it, for this call's plan."""
@@ -250,12 +254,14 @@ class ReplicatedModule:
         self._plan, self._stats = plan, None
         return [phys_ids[: ids.numel()].view(ids.shape)] + [plan[name] for name in _PLAN]
 
-    def _weights_op(self, slots: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
-        """``rdepc::balance_weights``: push the replicated home experts' weights to their
+    def _weights_op(self, slots: torch.Tensor, w_up, w_down, b_up, b_down) -> torch.Tensor:
+        """``rdepc::balance_weights``: push the replicated home experts' operands to their
         slots; wait for this rank's; a copy of them (the call's backward reads it)."""
-        k, P = self.inner.kernels, home.shape[1]
-        push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, home, P, self.rank)
-        self._run(k.balance_push, (self.contract.W * self.slots,), push)
+        k, P = self.inner.kernels, self.contract.slot_elems
+        unused = self.inner._unused[f"*{self.contract.dtype}"]  # no biases: never read
+        biases = (unused if b_up is None else b_up, unused if b_down is None else b_down)
+        push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, w_up, w_down)
+        self._run(k.balance_push, (self.contract.W * self.slots,), (*push, *biases, self.rank))
         self._await(1, slots)
         return self._region("slots", self.slots * P).view(self.slots, P).clone()
 

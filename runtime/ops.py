@@ -194,16 +194,19 @@ def _balance_plan_fake(handle, ids, Tn):
 
 
 @torch.library.custom_op("rdepc::balance_weights", mutates_args=())
-def balance_weights(handle: int, slots: Tensor, home: Tensor) -> Tensor:
-    """One process per rank: this rank's home experts' packed operands [E_loc, P] pushed to
-    the slots that hold them; this rank's N slots as their homes pushed them, [N, P] (a copy:
-    the call's backward reads it after later calls may have refilled the slots)."""
-    return module_of(handle)._weights_op(slots, home)
+def balance_weights(
+    handle: int, slots: Tensor, w_up: Tensor, w_down: Tensor, b_up: Tensor | None, b_down: Tensor | None
+) -> Tensor:
+    """One process per rank: this rank's home experts' operands as the layer's kernels read
+    them pushed to the slots that hold them; this rank's N slots as their homes pushed them,
+    [N, P] (a copy: the call's backward reads it after later calls may have refilled the slots)."""
+    return module_of(handle)._weights_op(slots, w_up, w_down, b_up, b_down)
 
 
 @balance_weights.register_fake
-def _balance_weights_fake(handle, slots, home):
-    return home.new_empty((module_of(handle).slots, home.shape[1]))
+def _balance_weights_fake(handle, slots, w_up, w_down, b_up, b_down):
+    module = module_of(handle)
+    return w_up.new_empty((module.slots, module.contract.slot_elems))
 
 
 @torch.library.custom_op("rdepc::balance_grads", mutates_args=())
@@ -221,10 +224,12 @@ def _balance_grads_fake(handle, slots, grad):
 
 def _weights_context(ctx, inputs, output) -> None:
     ctx.handle, ctx.slots = inputs[0], inputs[1]
+    ctx.shapes = [None if t is None else t.shape for t in inputs[2:]]
 
 
 def _weights_backward(ctx, grad):
-    return None, None, balance_grads(ctx.handle, ctx.slots, grad.contiguous())
+    summed = balance_grads(ctx.handle, ctx.slots, grad.contiguous())
+    return None, None, *module_of(ctx.handle).home_grads(summed, ctx.shapes)
 
 
 balance_weights.register_autograd(_weights_backward, setup_context=_weights_context)

@@ -22,16 +22,24 @@ import triton
 import triton.language as tl
 from rdepc.codegen.device.heap import peer_in, put
 from rdepc.codegen.device.layout import (
+    BIAS,
     DTYPE,
     HOMES,
     HOMES_PAD,
     K_PAD,
     MIN_ROWS,
     ROUTE_ROWS,
+    SLOT_B_DOWN_AT,
+    SLOT_B_UP_AT,
+    SLOT_DOWN_AT,
+    SLOT_ELEMS,
     SLOTS,
     SLOTS_PAD,
+    UP_COLS,
     W_PAD,
     E,
+    F,
+    H,
     K,
     W,
 )
@@ -267,18 +275,24 @@ def copy_elems(src, dst, n):
 
 
 @triton.jit
-def balance_push(bal, stride, slots_at, slot_table, owner_of, local_of, packed, P, rank):
+def balance_push(bal, stride, slots_at, slot_table, owner_of, local_of, w_up, w_down, b_up, b_down, rank):
     """Program s = t·SLOTS + j: when slot j of rank t holds an expert homed here, its
-    weights (``packed`` [E_loc, P], the local experts' operands flattened side by side) go
-    into rank t's slot j (``slots_at``: [SLOTS, P] of DTYPE), then one signal on t's second
-    counter."""
+    operands as the layer's kernels read them (``w_up`` GEMM1's [E_loc, H, UP_COLS·F],
+    ``w_down`` [E_loc, F, H] and with BIAS ``b_up`` [E_loc, UP_COLS·F], ``b_down``
+    [E_loc, H]) go into rank t's slot j (``slots_at``: [SLOTS, SLOT_ELEMS] of DTYPE, at
+    ``rdepc.ir.balance.slot_parts``' offsets), then one signal on t's second counter."""
     s = tl.program_id(0)
     e = tl.load(slot_table + s)
     home = tl.load(owner_of + tl.maximum(e, 0))
     if (e >= 0) & (home == rank):
         base = peer_in(bal, s // SLOTS, stride)
-        dst = (base + slots_at).to(tl.pointer_type(DTYPE)) + tl.cast(s % SLOTS, tl.int64) * P
-        copy_elems(packed + tl.cast(tl.load(local_of + e), tl.int64) * P, dst, P)
+        dst = (base + slots_at).to(tl.pointer_type(DTYPE)) + tl.cast(s % SLOTS, tl.int64) * SLOT_ELEMS
+        i = tl.cast(tl.load(local_of + e), tl.int64)
+        copy_elems(w_up + i * (H * (UP_COLS * F)), dst, H * (UP_COLS * F))
+        copy_elems(w_down + i * (F * H), dst + SLOT_DOWN_AT, F * H)
+        if BIAS:
+            copy_elems(b_up + i * (UP_COLS * F), dst + SLOT_B_UP_AT, UP_COLS * F)
+            copy_elems(b_down + i * H, dst + SLOT_B_DOWN_AT, H)
         signal(base.to(tl.pointer_type(tl.int64)) + 1)
 
 
