@@ -1,8 +1,9 @@
 """A slice of the suite under the newest Triton rdepc supports (pyproject: 3.6 through 3.9;
 the suite itself runs 3.6.0, the GPU machines' version): every example ``rdepc run
---check`` as tests/test_examples.py narrows it, a dedup layer with fp8 block scales, and
-the device-function tests. Triton is installed (without dependencies) into a directory put
-first on the subprocesses' PYTHONPATH, so the rest of the environment is the suite's."""
+--check`` as tests/test_examples.py narrows it, a dedup layer with fp8 block scales,
+tiny_balance one process per rank, and the device-function tests. Triton is installed
+(without dependencies) into a directory put first on the subprocesses' PYTHONPATH, so the
+rest of the environment is the suite's."""
 
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ def test_examples_check_under_the_newest_triton(newest, tmp_path):
     runs["deepseek_v3 with dedup and fp8 block scales"] = [
         str(dedup),
         *(a for d in NARROW["deepseek_v3"] for a in ("-D", d)),
+    ]
+    # one process per rank: a replicated layer's exchange, and its GEMM tiles reading the slots
+    runs["tiny_balance on emulated-mp"] = [
+        "examples/tiny_balance.rdep",
+        "--backend",
+        "emulated-mp",
+        "--routing",
+        "zipf:1.5",
     ]
     one_thread = newest | {"OMP_NUM_THREADS": "1"}  # the runs side by side, one core each
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
