@@ -97,7 +97,7 @@ BALANCE_ARGS |= {n: "*dtype" for n in ("w_up", "w_down", "b_up", "b_down")}
 BALANCE_ARGS |= {n: "i64" for n in ("stride", "loads_at", "slots_at", "grads_at")}
 BALANCE_ARGS |= {n: "i32" for n in ("n_tokens", "rank", "rank0", "P", "bound")}
 BALANCE_ARGS |= {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads", "local_of", "homes")}
-BALANCE_ARGS |= {"err": "*i32"}
+BALANCE_ARGS["err"] = "*i32"  # the exchange's error word
 
 
 def kernel_mode(kernel: str) -> str:
@@ -391,31 +391,16 @@ def _compile(
         )
         src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=sp.options.__dict__)
-        seconds = time.perf_counter() - t0
-        target = Path(out_dir) / cubin_name(contract.layer, kernel, arch)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(k.asm["cubin"])
-        tmp.replace(target)
+        r = _written(contract, kernel, k, Path(out_dir), arch, 32 * tiles.num_warps, time.perf_counter() - t0)
         ptx = k.asm["ptx"]
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
-        used = resources(target)
-        threads = 32 * tiles.num_warps
-        loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(target))]
+        loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(Path(r["cubin"])))]
         out.append(
             {
-                "layer": contract.layer,
-                "kernel": kernel,
-                "cubin": str(target),
-                "bytes": len(k.asm["cubin"]),
-                "seconds": round(seconds, 3),
-                "shared": int(k.metadata.shared),
-                "target": next((line.split()[1] for line in ptx.splitlines() if line.startswith(".target")), ""),
+                **r,
                 "wgmma": "wgmma" in ptx,
                 "wgmma_shapes": wgmma,
                 "tma": "cp.async.bulk.tensor" in ptx,
-                **used,
-                "threads": threads,
-                "ctas_per_sm": sass.ctas_per_sm(used["registers"], int(k.metadata.shared), threads),
                 "loops": loops,
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
@@ -447,23 +432,29 @@ def _balance(contract: KernelContract, module, kernel: str, out_dir: Path, arch:
     t0 = time.perf_counter()
     options = {**options, "num_warps": 4}
     k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+    return {**_written(contract, kernel, k, out_dir, arch, 32 * 4, time.perf_counter() - t0), "balance": True}
+
+
+def _written(contract: KernelContract, kernel: str, k, out_dir: Path, arch: int, threads: int, seconds: float) -> dict:
+    """A compiled ``kernel``'s cubin written to ``out_dir`` (atomically), and what every build
+    reports: its size, compile time, target, shared memory, registers, stack and spills,
+    and the CTAs an SM holds."""
     target = out_dir / cubin_name(contract.layer, kernel, arch)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_bytes(k.asm["cubin"])
     tmp.replace(target)
-    used = resources(target)
-    shared = int(k.metadata.shared)
+    used, shared = resources(target), int(k.metadata.shared)
     return {
         "layer": contract.layer,
         "kernel": kernel,
-        "balance": True,
         "cubin": str(target),
         "bytes": len(k.asm["cubin"]),
-        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds": round(seconds, 3),
         "shared": shared,
         "target": next((ln.split()[1] for ln in k.asm["ptx"].splitlines() if ln.startswith(".target")), ""),
         **used,
-        "ctas_per_sm": sass.ctas_per_sm(used["registers"], shared, 128),
+        "threads": threads,
+        "ctas_per_sm": sass.ctas_per_sm(used["registers"], shared, threads),
     }
 
 

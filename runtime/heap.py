@@ -97,11 +97,9 @@ def task_tables(
 def per_rank_weights(p: KernelContract) -> list[int]:
     """``weight_of`` [W, E_MAX] one process per rank, which holds its own experts only: the
     weights by local index; where the kernels read redundant slots in place
-    (``KernelContract.slot_elems``), a rank's last N locals are its slots, slot j as -(j + 1)."""
-    N = p.balance[0] if p.slot_elems else 0
-    homes = [n - N for n in p.n_local]
-    slot = [[homes[q] <= i < p.n_local[q] for i in range(p.E_MAX)] for q in range(p.W)]
-    return [-(i - homes[q] + 1) if slot[q][i] else i for q in range(p.W) for i in range(p.E_MAX)]
+    (``KernelContract.slots_in_place``), a rank's last N locals are its slots, slot j as -(j + 1)."""
+    homes = [n - p.slots_in_place for n in p.n_local]
+    return [-(i - homes[q] + 1) if homes[q] <= i < p.n_local[q] else i for q in range(p.W) for i in range(p.E_MAX)]
 
 
 def placeholders(contract: KernelContract, device: torch.device) -> dict[str, torch.Tensor]:

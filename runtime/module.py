@@ -541,7 +541,7 @@ class RDEPModule:
         self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, slots=None
     ) -> None:
         p = self.contract
-        N = p.balance[0] if p.slot_elems else 0  # slots read in place: the weights are the homes' only
+        N = p.slots_in_place  # then the weights are the home experts' only
         want, got = (N, p.slot_elems) if N else None, None if slots is None else tuple(slots.shape)
         if got != want:
             raise ValueError(f"{self._name()}: the redundant slots must be {want} here, got {got}")

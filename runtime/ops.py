@@ -99,24 +99,13 @@ def backward(
 @backward.register_fake
 def _backward_fake(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept):
     module = module_of(handle)
-    lead = dy.shape[:-1]
-    return (
-        [
-            torch.empty(dy.shape, dtype=module.dtype, device=dy.device),
-            torch.empty((*lead, module.contract.K), dtype=torch.float32, device=dy.device),
-            torch.empty(w_up.shape, dtype=module.dtype, device=dy.device),
-            torch.empty(w_down.shape, dtype=module.dtype, device=dy.device),
-        ]
-        + (
-            [
-                torch.empty((w_up.shape[0], *w_up.shape[2:]), dtype=module.dtype, device=dy.device),
-                torch.empty((w_down.shape[0], module.contract.H), dtype=module.dtype, device=dy.device),
-            ]
-            if module.contract.bias
-            else []
-        )
-        + ([] if slots is None else [torch.empty(slots.shape, dtype=module.dtype, device=dy.device)])
-    )
+    new = {"dtype": module.dtype, "device": dy.device}
+    dgprime = torch.empty((*dy.shape[:-1], module.contract.K), dtype=torch.float32, device=dy.device)
+    shapes = [w_up.shape, w_down.shape]
+    if module.contract.bias:
+        shapes += [(w_up.shape[0], *w_up.shape[2:]), (w_down.shape[0], module.contract.H)]
+    shapes += [] if slots is None else [slots.shape]
+    return [torch.empty(dy.shape, **new), dgprime] + [torch.empty(s, **new) for s in shapes]
 
 
 def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

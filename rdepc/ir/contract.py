@@ -246,12 +246,16 @@ class KernelContract:
         return self.E - self.W * self.balance[0]
 
     @property
+    def slots_in_place(self) -> int:
+        """The redundant slots a rank's kernels take as an operand of their own (one process
+        per rank with ``balance replicate``: N), else 0."""
+        return self.balance[0] if self.per_rank else 0
+
+    @property
     def slot_elems(self) -> int:
-        """Elements of one redundant slot when the kernels read the slots in place (one
-        process per rank with ``balance replicate``: ``rdepc.ir.balance.slot_parts``), else 0."""
-        if not (self.per_rank and self.balance[0]):
-            return 0
-        return slot_elems(3 if self.gated else 2, self.H, self.F, self.bias)
+        """Elements of one redundant slot the kernels read in place (``slots_in_place``:
+        ``rdepc.ir.balance.slot_parts``), else 0."""
+        return slot_elems(3 if self.gated else 2, self.H, self.F, self.bias) if self.slots_in_place else 0
 
     @property
     def backward_reads_x(self) -> bool:
@@ -519,20 +523,8 @@ def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tu
     if kernel != "rdep_gemm":
         raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
     names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
-    names += (
-        "dw_down",
-        "b_up",
-        "b_down",
-        "db_up",
-        "db_down",
-        "slots",
-        "dslots",
-        "table",
-        "deps",
-        "queue",
-        "first_item",
-        "queues",
-    )
+    names += ("dw_down", "b_up", "b_down", "db_up", "db_down", "slots", "dslots")
+    names += ("table", "deps", "queue", "first_item", "queues")
     names += ("weight_of", "group", "tile_table", "hbuf")
     names += ("hbuf_rid", "staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
     args = [(n, every[n]) for n in names] + [("program_base", "i32")]  # its programs' first number: its own
