@@ -343,3 +343,19 @@ def test_under_torchrun_each_process_is_one_rank():
     assert out.returncode == 0, out.stdout + out.stderr
     ranks_seen = sorted(line.split()[1] for line in out.stdout.splitlines() if line.startswith("  rank "))
     assert ranks_seen == ["0", "1"] and out.stdout.count("check passed") == 2
+
+
+def test_a_ranks_report_is_one_write(monkeypatch):
+    """Under torchrun the ranks share one stdout (unbuffered there): each rank's report goes out
+    in one write, so two ranks' reports cannot interleave mid-line."""
+    from types import SimpleNamespace
+
+    from rdepc.commands.run import report
+
+    writes = []
+    monkeypatch.setattr(sys, "stdout", SimpleNamespace(write=writes.append, flush=lambda: None))
+    spec = SimpleNamespace(name="tiny", file="tiny.rdep")
+    assert report(spec, "how", "inputs", ["  rank 1  a", "  rank 1  b"], True, False, ["why"]) == 1
+    assert writes == [
+        "layer tiny (tiny.rdep): how\n  inputs          inputs\n  rank 1  a\n  rank 1  b\ncheck FAILED: why\n"
+    ]

@@ -41,17 +41,16 @@ def report(spec, how: str, inputs: str, lines: list[str], check: bool, ok: bool,
     """What ``rdepc run`` prints after a run, in one process or per rank, and its exit status:
     the layer and how it ran, its inputs, the run's own ``lines`` and, with ``check``, the
     verdict — ``ok``, or failed for the reasons ``why`` (those the lines do not already say)."""
-    print(f"layer {spec.name} ({spec.file}): {how}")
-    print(f"  inputs          {inputs}")
-    for line in lines:
-        print(line)
-    if not check:
-        return 0
-    if ok:
-        print("check passed")
-        return 0
-    print("check FAILED" + (f": {'; '.join(why)}" if why else ""))
-    return 1
+    out = [f"layer {spec.name} ({spec.file}): {how}", f"  inputs          {inputs}", *lines]
+    status = 0
+    if check:
+        status = 0 if ok else 1
+        out.append("check passed" if ok else "check FAILED" + (f": {'; '.join(why)}" if why else ""))
+    # One write: under torchrun the W ranks share one stdout, and a report printed line by line
+    # (or piece by piece, unbuffered) interleaves with the other ranks' mid-line.
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.flush()
+    return status
 
 
 def judge(err: float, tol: float, same: bool) -> list[str]:
