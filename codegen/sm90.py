@@ -49,6 +49,7 @@ from pathlib import Path
 
 from rdepc.codegen import sass
 
+from rdepc.ir.balance import COUNTERS
 from rdepc.ir.contract import (
     DEFAULT_MODE,
     H100_SMS,
@@ -90,7 +91,6 @@ BALANCE_KERNELS = {
         "balance_await.gradients", "balance_await.receipts", "balance_give", "balance_reduce",
     ),
 }  # fmt: skip
-AWAITED = {"pushes": 1, "gradients": 2, "receipts": 3}  # balance_await's counter
 # The balance kernels' parameters' types, by name (the weights in the layer's dtype).
 BALANCE_ARGS = {"bal": "*u8", "topk_ids": "*i64", "phys_ids": "*i64", "expected": "*i64", "packed": "*dtype"}
 BALANCE_ARGS |= {n: "*dtype" for n in ("w_up", "w_down", "b_up", "b_down")}
@@ -428,7 +428,7 @@ def _balance(contract: KernelContract, module, kernel: str, out_dir: Path, arch:
     name, _, waits = kernel.partition(".")
     fn = getattr(module, name)
     signature = {a: BALANCE_ARGS.get(a, "constexpr").replace("*dtype", "*" + contract.dtype) for a in fn.arg_names}
-    constexprs = {(fn.arg_names.index("counter"),): AWAITED[waits]} if waits else {}
+    constexprs = {(fn.arg_names.index("counter"),): COUNTERS[waits]} if waits else {}
     t0 = time.perf_counter()
     options = {**options, "num_warps": 4}
     k = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)

@@ -142,7 +142,7 @@ class RDEPMoE(nn.Module):
 
     def _local_experts(self) -> tuple[int, ...]:
         """The experts this block holds, without building its kernels (meta construction)."""
-        from rdepc.runtime.module import local_experts
+        from rdepc.runtime.heap import local_experts
         from rdepc.runtime.ranks import process_group
         from rdepc.runtime.transport import get
 

@@ -1,7 +1,20 @@
 """The module's autograd: what a forward keeps for its backward (the routing context) and
 dL/dg through the capacity weights policy. The backward itself is ``rdepc::forward``'s
-registered autograd (``rdepc.runtime.ops``); ``rdepc.runtime.module`` says what it does on
-the device."""
+registered autograd (``rdepc.runtime.ops``).
+
+A call that needs gradients (grad mode on and an input that requires grad) keeps what the
+generated backward walks — the routing tables (offsets, split tables, the accepted set, g'),
+each owner's input rows and pre-activations, each accepted slot's expert output — and the
+backward launches the same kernel with its ``BACKWARD`` constexpr: g'·dL/dy to the
+forward's places, the expert backward and the weight gradients at the owners (summed over
+each expert's rows in a fixed order: no float atomics), dL/dx rows home and summed per token
+in slot order, dL/dg' = dL/dy·out, then dL/dg through the capacity weights policy on the
+host (torch ops, no sync; :func:`gate_grad`). Dropped slots get no gradient; a token with
+every slot dropped gets zero. Per-rank backends: every rank calls backward (it is
+collective, like the forward), and gets its own tokens' and its own experts' gradients.
+Under ``dedup`` the backward moves one dL/dy row per (token, owner) out and one summed dL/dx
+row back, as the forward does; each slot's expert output stays at its owner, which computes
+dL/dg' there and sends it home as one fp32 per slot."""
 
 from __future__ import annotations
 

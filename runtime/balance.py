@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 from rdepc.runtime import ops
-from rdepc.runtime.heap import own_slices
-from rdepc.runtime.module import RDEPModule, local_experts
+from rdepc.runtime.heap import local_experts, own_slices
+from rdepc.runtime.module import RDEPModule
 from rdepc.runtime.records import KernelError
 from rdepc.runtime.stats import Readback
 
-from rdepc.ir.balance import exchange_regions, imbalance, slot_parts
+from rdepc.ir.balance import COUNTERS, exchange_regions, imbalance, slot_parts
 from rdepc.ir.contract import KernelContract
 
 
@@ -262,7 +262,7 @@ class ReplicatedModule:
         biases = (unused if b_up is None else b_up, unused if b_down is None else b_down)
         push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, w_up, w_down)
         self._run(k.balance_push, (self.contract.W * self.slots,), (*push, *biases, self.rank))
-        self._await(1, slots)
+        self._await("pushes", slots)
         return self._region("slots", self.slots * P).view(self.slots, P).clone()
 
     def _grads_op(self, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -273,11 +273,11 @@ class ReplicatedModule:
         mine, home = grad.contiguous(), grad.new_zeros((n, P))
         give = (self.ex.bal, self.ex.stride, self.ex.at["grads"], slots, self.owner, mine, P, self.rank)
         self._run(k.balance_give, (self.slots,), give)
-        self._await(2, slots)
+        self._await("gradients", slots)
         if n:
             reduce = (self.ex.bal, self.ex.stride, self.ex.at["grads"], slots, self.homes_here, home, P)
             self._run(k.balance_reduce, (n,), reduce)
-        self._await(3, slots)  # every home has read this rank's gradient slots
+        self._await("receipts", slots)  # every home has read this rank's gradient slots
         return home
 
     def _run(self, kernel, grid, args) -> None:
@@ -300,11 +300,11 @@ class ReplicatedModule:
         size = torch.empty((), dtype=dtype).element_size()
         return self.ex.own[self.ex.at[name] : self.ex.at[name] + n * size].view(dtype)
 
-    def _await(self, counter: int, slots: torch.Tensor) -> None:
+    def _await(self, counter: str, slots: torch.Tensor) -> None:
         args = (
             self.ex.bal,
             self.ex.stride,
-            counter,
+            COUNTERS[counter],
             slots,
             self.owner,
             self.ex.expected,

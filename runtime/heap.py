@@ -94,6 +94,17 @@ def task_tables(
     return tables, bwd_tables
 
 
+def local_experts(contract: KernelContract, rank: int | None, slots: bool = False) -> tuple[int, ...]:
+    """The global ids of the experts whose weights a module's forward takes, in that order:
+    rank ``rank``'s experts in local order (a per-rank module); with None every expert. A
+    ``balance replicate`` layer's slots hold copies, not experts of their own: they count
+    only with ``slots`` (what its physical layer's launches take)."""
+    n = contract.E if slots else contract.homes
+    if rank is None:
+        return tuple(range(n))
+    return tuple(sorted((e for e in range(n) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
+
+
 def per_rank_weights(p: KernelContract) -> list[int]:
     """``weight_of`` [W, E_MAX] one process per rank, which holds its own experts only: the
     weights by local index; where the kernels read redundant slots in place
@@ -181,6 +192,7 @@ __all__ = [
     "allocate_private",
     "check_sharing",
     "keeps_outputs",
+    "local_experts",
     "own_slices",
     "owner_row_buffers",
     "owner_rows",

@@ -29,33 +29,11 @@ counts, the error record — are read under the interpreter at the end of the ca
 GPU once their copy behind the kernel has landed: at the next call, at ``synchronize()``
 or when ``last_stats`` is read.
 
-After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] (admitted),
-``received_per_expert`` [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W],
-``dropped_rows``, ``dropped_per_source`` [W] (route rows of each front-end's tokens the
-capacity dropped), ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
-the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless),
-``dispatched_rows`` [W] (payload rows each front-end sent with their data: one per accepted
-route row, under ``dedup`` one per (token, owner)), ``returned_rows`` [W] (rows each owner
-sent back with their data) and ``launches`` (per-rank backends: the same for the rank's own
-experts, ``[E_loc]``, and its own tokens, ``[T', K]``, ``dropped_per_source`` ``[1]``);
-``last_context`` the routing context
-the backward walks: the accepted set, each accepted row's slot in its owner's payload (-1
-when dropped) and the combine weights g'.
-
-``forward`` is differentiable (``torch.autograd``): x, ``topk_weights`` and the expert
-weights get gradients, ``topk_ids`` none. A call that needs them (grad mode on and an input
-that requires grad) keeps what the generated backward walks — the routing tables (offsets,
-split tables, the accepted set, g'), each owner's input rows and pre-activations, each
-accepted slot's expert output — and the backward launches the same kernel with its
-``BACKWARD`` constexpr: g'·dL/dy to the forward's places, the expert backward and the
-weight gradients at the owners (summed over each expert's rows in a fixed order: no
-float atomics), dL/dx rows home and summed per token in slot order, dL/dg' = dL/dy·out,
-then dL/dg through the capacity weights policy on the host (torch ops, no sync). Dropped
-slots get no gradient; a token with every slot dropped gets zero. Per-rank backends: every
-rank calls backward (it is collective, like the forward), and gets its own tokens' and its
-own experts' gradients. Under ``dedup`` the backward moves one dL/dy row per (token,
-owner) out and one summed dL/dx row back, as the forward does; each slot's expert output
-stays at its owner, which computes dL/dg' there and sends it home as one fp32 per slot.
+After each call ``last_stats`` holds its statistics and ``last_context`` the routing
+context the backward walks (``rdepc.runtime.stats`` lists them). ``forward`` is
+differentiable (``torch.autograd``): x, ``topk_weights`` and the expert weights get
+gradients, ``topk_ids`` none (``rdepc.runtime.autograd`` says what the backward keeps and
+does).
 
 A gated expert's GEMM1 reads gate and up as one operand whose columns interleave them,
 [E, H, F, 2] (``gate_up``): pass ``w_gate`` and ``w_up`` as the two halves of one such
@@ -90,6 +68,7 @@ from rdepc.runtime.heap import (
     allocate_private,
     check_sharing,
     keeps_outputs,
+    local_experts,
     own_slices,
     owner_row_buffers,
     owner_rows,
@@ -603,7 +582,7 @@ class RDEPModule:
 
     @property
     def last_stats(self) -> dict | None:
-        """The last call's statistics (module docstring), copied to the host when read."""
+        """The last call's statistics (``rdepc.runtime.stats`` lists them), copied to the host when read."""
         if self._last is None:
             return None
         if self._stats_cache is None:
@@ -628,15 +607,4 @@ class RDEPModule:
         )
 
 
-def local_experts(contract: KernelContract, rank: int | None, slots: bool = False) -> tuple[int, ...]:
-    """The global ids of the experts whose weights a module's forward takes, in that order:
-    rank ``rank``'s experts in local order (a per-rank module); with None every expert. A
-    ``balance replicate`` layer's slots hold copies, not experts of their own: they count
-    only with ``slots`` (what its physical layer's launches take)."""
-    n = contract.E if slots else contract.homes
-    if rank is None:
-        return tuple(range(n))
-    return tuple(sorted((e for e in range(n) if contract.owner[e] == rank), key=lambda e: contract.local[e]))
-
-
-__all__ = ["HeapSizeError", "KernelError", "RDEPModule", "local_experts"]
+__all__ = ["HeapSizeError", "KernelError", "RDEPModule"]

@@ -1,7 +1,20 @@
 """What a call leaves on the device, read back on the host: its control words — at once
 under the interpreter, natively once the copy queued behind the kernel has landed
 (:class:`Readback`; ``rdepc.runtime.records`` reads them as exceptions) — and its
-statistics (:func:`call_stats`, the module's ``last_stats``)."""
+statistics (:func:`call_stats`, the module's ``last_stats``).
+
+After each call ``last_stats`` (copied when read) holds ``rows_per_expert`` [E] (admitted),
+``received_per_expert`` [E], ``dropped_per_expert`` [E], ``rows_per_owner`` [W],
+``dropped_rows``, ``dropped_per_source`` [W] (route rows of each front-end's tokens the
+capacity dropped), ``accepted`` [W, T', K] (bool: the accepted set), ``m_tiles`` [W] (m-tiles
+the grouped GEMM ran per owner), ``capacity`` (cap_e at this T', None when dropless),
+``dispatched_rows`` [W] (payload rows each front-end sent with their data: one per accepted
+route row, under ``dedup`` one per (token, owner)), ``returned_rows`` [W] (rows each owner
+sent back with their data) and ``launches`` (per-rank backends: the same for the rank's own
+experts, ``[E_loc]``, and its own tokens, ``[T', K]``, ``dropped_per_source`` ``[1]``). The
+module's ``last_context`` is the routing context the backward walks
+(``rdepc.runtime.autograd.RoutingContext``): the accepted set, each accepted row's slot in
+its owner's payload (-1 when dropped) and the combine weights g'."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ position among the source's rows of its expert and the plan's cumulative split).
 rank t is physical expert HOMES + t·SLOTS + j (``rdepc.passes.replicate``).
 
 One process per rank, the ranks exchange through a symmetric allocation of their own
-(``rdepc.runtime.balance``: three int64 counters at its start — loads, slot weights,
-replica gradients arrived — then the load table, the slots' weights and the replicas'
-gradients): ``balance_exchange`` replaces the count, ``balance_push``/``balance_await``
+(``rdepc.runtime.balance``: four int64 counters at its start, ``rdepc.ir.balance.COUNTERS``
+— loads, slot weights, replica gradients and receipts arrived — then the load table, the
+slots' weights and the replicas' gradients): ``balance_exchange`` replaces the count, ``balance_push``/``balance_await``
 fill the slots, ``balance_give``/``balance_await``/``balance_reduce`` bring the replicas'
 weight gradients home in the backward.
 """

@@ -201,6 +201,9 @@ def push_seconds(slots, owner, expert_bytes: int, link: float, latency: float) -
 
 
 EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
+# The exchange's int64 counters, per rank: arrivals of the loads, of the pushes into its slots, of
+# its replicas' gradients, of the receipts for its own gradient slots (balance_await's ``counter``).
+COUNTERS = {"loads": 0, "pushes": 1, "gradients": 2, "receipts": 3}
 
 
 def slot_elems(matrices, H, F, bias: bool):
@@ -232,7 +235,12 @@ def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tu
     (``slot`` elements of ``elem`` bytes each), each region aligned to
     :data:`EXCHANGE_ALIGN`. Returns each region's offset and the bytes one rank holds (the
     stride between ranks)."""
-    sizes = {"counters": 4 * 8, "loads": W * homes * 4, "slots": slots * slot * elem, "grads": slots * slot * elem}
+    sizes = {
+        "counters": len(COUNTERS) * 8,
+        "loads": W * homes * 4,
+        "slots": slots * slot * elem,
+        "grads": slots * slot * elem,
+    }
     at, end = {}, 0
     for name, size in sizes.items():
         at[name] = end
@@ -241,6 +249,7 @@ def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tu
 
 
 __all__ = [
+    "COUNTERS",
     "EXCHANGE_ALIGN",
     "ReplicationPlan",
     "exchange_regions",
