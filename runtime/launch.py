@@ -41,7 +41,7 @@ class Launcher:
                                  "ConcurrentInterpreter")  # fmt: skip
             self.launches += 1
             kernel, grid, args, meta = launches[0]
-            with interpreter_env(True), language_patched_once():
+            with interpreter_env(True), language_patched_once(), dot_by_rows():
                 kernel[grid](*args, **meta)
             return
         scratch_allocator()
@@ -150,6 +150,45 @@ def language_patched_once():
         interpreter._patch_lang = original
 
 
+@contextlib.contextmanager
+def dot_by_rows():
+    """For the duration of an interpreted launch, each row of an interpreted ``tl.dot`` is a
+    function of that row of ``a`` (and of ``b``) alone, as on a GPU's MMA, whatever its place in
+    the tile. The interpreter computes a dot with ``np.matmul``, through BLAS, whose kernels
+    may round a row by its place in the block (OpenBLAS's Haswell kernels do, on AMD Zen):
+    a route row computed in another m-tile — another schedule, another instance of its
+    expert — would differ in the last bit. ``np.einsum``'s own loops (no BLAS) sum each
+    element of the product in one order."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    convert = getattr(interpreter, "_convert_float", None)
+    if original is None or convert is None or getattr(original, "rdepc_rows", False):
+        yield
+        return
+
+    def create_dot(self, a, b, d, *precision):
+        x, y = a.data, b.data
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: as Triton does
+            x = convert(x, a.dtype, tl.float16, None).view(np.float16)
+            y = convert(y, b.dtype, tl.float16, None).view(np.float16)
+        product = np.einsum("...mk,...kn->...mn", x, y, dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    create_dot.rdepc_rows = True
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original
+
+
 def rewrite_callees(fn) -> None:
     """Rewrite, on this thread, every interpreted device function that ``fn`` reaches.
 
@@ -221,7 +260,7 @@ class ConcurrentInterpreter(Launcher):
         except ImportError as e:  # pragma: no cover - Triton is pinned
             raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
         self.launches += len(launches)
-        with interpreter_env(True), language_patched_once():
+        with interpreter_env(True), language_patched_once(), dot_by_rows():
             prepared, scopes, threads, errors = [], [], [], []
             try:
                 for kernel, grid, args, meta in launches:

@@ -1,4 +1,5 @@
-"""The concurrent interpreter: programs as threads, rewritten first, stopped together."""
+"""The interpreted launches: the concurrent interpreter's programs as threads, rewritten first,
+stopped together; a dot's rows computed apart from each other, as on a GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rdepc.toolchain import import_kernels
-from runtime.launch import ConcurrentInterpreter
+from runtime.launch import ConcurrentInterpreter, Launcher
 
 KERNELS = """
 import triton
@@ -40,6 +41,14 @@ def handshake(flag, out, bound, fail: tl.constexpr, program_base):
         bump(flag)
     else:
         tl.store(out + i, wait_for(flag, 1, bound))
+
+
+@triton.jit
+def tile_dot(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
 """
 
 
@@ -81,3 +90,18 @@ def test_a_failing_program_stops_its_waiting_peers(kernels):
         )
     assert time.monotonic() - start < 30
     assert not [t for t in threading.enumerate() if t.daemon and t.is_alive() and " program " in t.name]
+
+
+@pytest.mark.parametrize("launch", [Launcher, ConcurrentInterpreter])
+def test_a_dots_row_does_not_depend_on_its_place_in_the_tile(kernels, launch):
+    """A route row's GEMM is the same arithmetic in whichever m-tile, and at whichever place
+    in it, a schedule or a replica of its expert puts it (BLAS kernels round a row by its
+    place: OpenBLAS's on AMD Zen do)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(64, 32, generator=g)
+    order = torch.randperm(32, generator=g)
+    c, shuffled = torch.empty(32, 32), torch.empty(32, 32)
+    for x, out in ((a, c), (a[order].contiguous(), shuffled)):
+        launch(True)([(kernels.tile_dot, (1,), (x, b, out), {"M": 32, "K": 64, "N": 32})])
+    assert torch.equal(shuffled, c[order])
+    assert torch.allclose(c, a @ b, rtol=1e-5, atol=1e-5)
