@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdepc.ir.balance import imbalance, owner_loads, push_bytes, solve
+from rdepc.ir.balance import imbalance, owner_loads, push_bytes, slot_elems, slot_parts, solve
 
 SPEC = """layer m {{
   shape ranks 8, tokens 512, hidden 64, experts 32, top 4
@@ -192,6 +192,21 @@ def test_plan_reports_imbalance_and_slot_memory(tmp_path):
     status, out, _ = run_cli("plan", str(f))
     assert status == 0 and "needs a routing: --routing uniform or zipf:ALPHA" in out
     assert "owner imbalance, before" not in out
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 64), st.integers(1, 64), st.sampled_from([1, 2, 4]), st.booleans(), st.booleans(), st.integers(0, 3)
+)
+def test_a_slots_operands_are_as_aligned_as_the_layers(h, f, a, gated, bias, j):
+    """Where the layer's GEMMs read through tensor descriptors (every operand row 16-byte
+    aligned: codegen.emit.tma), the operands of slot j, read in place at j·SLOT_ELEMS plus
+    their offset, start 16-byte aligned too: no slot needs a check of its own."""
+    H, F = h * 16 // a, f * 16 // a  # H·a and F·a multiples of 16, as tma() asks
+    parts = slot_parts(H, F, gated, bias)
+    P = slot_elems(3 if gated else 2, H, F, bias)
+    assert sum(n for _, n in parts.values()) == P
+    assert all((j * P + at) * a % 16 == 0 for at, _ in parts.values())
 
 
 def test_push_bytes_counts_one_expert_per_filled_slot_from_its_home():
