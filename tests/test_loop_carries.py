@@ -12,6 +12,9 @@ an entry's first the wrong m-tile (the return then read row ids that were never 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -80,19 +83,32 @@ def test_no_device_function_rebinds_an_aliased_name_in_a_loop():
     assert not found, "\n".join(found)
 
 
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+namespace = {}
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), namespace)  # a JIT function needs its source file
+signature = {"out": "*i32", "n": "i32", "first_item": "*i32"}
+src = ASTSource(fn=namespace["steps"], signature=signature)
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"])
+"""
+
+
 def test_triton_drops_the_aliased_name_from_the_loops_carries(tmp_path):
     """The hazard is Triton's, as documented above: the reproducer's loop carries item, pos
-    and next_first but not first (the TTIR of an sm_90 compile; no GPU needed)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    and next_first but not first (the TTIR of an sm_90 compile; no GPU needed). The compile
+    runs in a process of its own that imports Triton in native mode: this one imported it for
+    the interpreter, whose language state a native compile must not meet."""
+    pytest.importorskip("triton")
     path = Path(tmp_path) / "reproducer.py"
     path.write_text("import triton\nimport triton.language as tl\n" + textwrap.dedent(REPRODUCER))
-    namespace: dict = {}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)  # a JIT function needs its source file
-    src = ASTSource(fn=namespace["steps"], signature={"out": "*i32", "n": "i32", "first_item": "*i32"}, constexprs={})
-    ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
-    loop = next(line for line in ttir.splitlines() if "scf.while" in line)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    loop = next(line for line in done.stdout.splitlines() if "scf.while" in line)
     carried = loop.split("scf.while (")[1].split(")")[0].count("=")
     assert carried == 3, loop
