@@ -33,6 +33,7 @@ from rdepc.runtime.heap import local_experts, own_slices
 from rdepc.runtime.module import RDEPModule
 from rdepc.runtime.records import KernelError
 from rdepc.runtime.stats import Readback
+from rdepc.runtime.tensors import gemm1_operand
 
 from rdepc.ir.balance import COUNTERS, exchange_regions, imbalance, slot_parts
 from rdepc.ir.contract import KernelContract
@@ -141,8 +142,9 @@ class ReplicatedModule:
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         if self.per_rank:  # GEMM1's operand (gate and up interleaved) once, for the pushes and the layer
-            pair = (lambda g, u: torch.stack((g, u), dim=-1)) if self.contract.gated else (lambda _, u: u)
-            up, b_up = pair(w_gate, w_up), None if b_up is None else pair(b_gate, b_up)
+            up = gemm1_operand(w_gate, w_up) if self.contract.gated else w_up
+            if self.contract.gated and b_up is not None:
+                b_up = gemm1_operand(b_gate, b_up)
             slots = self._slots(plan, up, w_down, b_up, b_down)
             return self.inner.routed(x, ids, topk_weights, up, w_down, b_up=b_up, b_down=b_down, tokens=tokens,
                                      slots=slots)  # fmt: skip

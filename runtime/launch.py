@@ -41,7 +41,7 @@ class Launcher:
                                  "ConcurrentInterpreter")  # fmt: skip
             self.launches += 1
             kernel, grid, args, meta = launches[0]
-            with interpreter_env(True), language_patched_once(), dot_by_rows():
+            with interpreting():
                 kernel[grid](*args, **meta)
             return
         scratch_allocator()
@@ -148,6 +148,14 @@ def language_patched_once():
         yield
     finally:
         interpreter._patch_lang = original
+
+
+@contextlib.contextmanager
+def interpreting():
+    """What every interpreted launch runs under: TRITON_INTERPRET=1, the language patched
+    once (:func:`language_patched_once`) and a dot by rows (:func:`dot_by_rows`)."""
+    with interpreter_env(True), language_patched_once(), dot_by_rows():
+        yield
 
 
 @contextlib.contextmanager
@@ -260,7 +268,7 @@ class ConcurrentInterpreter(Launcher):
         except ImportError as e:  # pragma: no cover - Triton is pinned
             raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
         self.launches += len(launches)
-        with interpreter_env(True), language_patched_once(), dot_by_rows():
+        with interpreting():
             prepared, scopes, threads, errors = [], [], [], []
             try:
                 for kernel, grid, args, meta in launches:

@@ -83,7 +83,7 @@ from rdepc.runtime.memory import HeapSizeError, check_fits
 from rdepc.runtime.profile import read_profile
 from rdepc.runtime.records import KernelError, input_error, kernel_error
 from rdepc.runtime.stats import Readback, call_stats
-from rdepc.runtime.tensors import TORCH_DTYPES, aligned, gate_up
+from rdepc.runtime.tensors import TORCH_DTYPES, aligned, gemm1_operand
 
 from rdepc.ir.contract import (
     COLUMNS,
@@ -279,12 +279,9 @@ class RDEPModule:
         place (``KernelContract.slot_elems``; the weights are then the home experts' only)."""
         self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, slots)
         operand, bias = w_up, b_up
-        if self.contract.gated:  # a view of one [E, H, F, 2] tensor has no gradient of its own halves: stack
-            grads = torch.is_grad_enabled() and (w_gate.requires_grad or w_up.requires_grad)
-            operand = torch.stack((w_gate, w_up), dim=-1) if grads else gate_up(w_gate, w_up)
-            if b_up is not None:
-                grads = torch.is_grad_enabled() and (b_gate.requires_grad or b_up.requires_grad)
-                bias = torch.stack((b_gate, b_up), dim=-1) if grads else gate_up(b_gate, b_up)
+        if self.contract.gated:
+            operand = gemm1_operand(w_gate, w_up)
+            bias = None if b_up is None else gemm1_operand(b_gate, b_up)
         return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens, slots)
 
     def routed(

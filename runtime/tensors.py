@@ -33,6 +33,14 @@ def gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     return w_gate.as_strided(shape, strides) if halves else torch.stack((w_gate, w_up), dim=-1)
 
 
+def gemm1_operand(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Gate and up (weights or biases) as GEMM1's interleaved operand: :func:`gate_up`, or a
+    new stacked tensor when autograd needs their gradients (a view of one [..., 2] tensor has
+    no gradient of its own halves)."""
+    grads = torch.is_grad_enabled() and (w_gate.requires_grad or w_up.requires_grad)
+    return torch.stack((w_gate, w_up), dim=-1) if grads else gate_up(w_gate, w_up)
+
+
 def aligned(w: torch.Tensor) -> torch.Tensor:
     """``w``, or a copy of it whose first element is 16-byte aligned, as TMA requires; every
     tensor a launch passes is, so that Triton specialises every pointer as aligned
@@ -50,4 +58,4 @@ def max_relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return err / scale
 
 
-__all__ = ["INT_DTYPES", "TORCH_DTYPES", "aligned", "gate_up", "max_relative_error"]
+__all__ = ["INT_DTYPES", "TORCH_DTYPES", "aligned", "gate_up", "gemm1_operand", "max_relative_error"]

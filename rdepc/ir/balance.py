@@ -207,11 +207,10 @@ COUNTERS = {"loads": 0, "pushes": 1, "gradients": 2, "receipts": 3}
 
 
 def slot_elems(matrices, H, F, bias: bool):
-    """Elements of one redundant slot: every operand of one expert side by side (its
-    ``matrices`` H×F weights, then, with expert biases, b_up (2·F when gated) and b_down (H)).
-    Plain arithmetic: ints for the runtime, symbols for the planner's formula."""
-    up = 2 * F if matrices == 3 else F
-    return matrices * H * F + ((up + H) if bias else 0)
+    """Elements of one redundant slot, the total of :func:`slot_parts`: every operand of one
+    expert side by side (its ``matrices`` H×F weights, then, with expert biases, b_up (2·F
+    when gated) and b_down (H)). Plain arithmetic: ints for the runtime, symbols for the planner's formula."""
+    return sum(n for _, n in slot_parts(H, F, matrices == 3, bias).values())
 
 
 def slot_parts(H: int, F: int, gated: bool, bias: bool) -> dict[str, tuple[int, int]]:
