@@ -75,10 +75,12 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
 def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     """The backward's GEMM kernel: four loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two
     weight gradients — each on TMA, pipelined (wait depth 1) and without a spill inside.
-    What it does not meet yet is recorded here as it is: its loops take 1.25-1.4× the
-    yardstick's instructions (per-thread shared-memory addresses, R2UR) and ~1 KB of
-    stack per thread, which the weight-gradient tiles' descriptors and the activation's
-    backward leave it (bench/results/gemm-loops-sm90.md)."""
+    What it does not meet yet is held here as it is, so that it can only get better: its
+    loops take 1.08-1.15× the yardstick's instructions (two R2UR each) and 856 B of stack
+    per thread, all of it outside the loops, in dA's epilogue: Triton computes the gated
+    activation's backward twice, in the accumulator's layout (dgate, dup) and in the
+    layout of the pre-activations' stride-2 loads (the activation), and 255 registers do
+    not hold both (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
     backward = [r for r in results if r["kernel"].endswith("backward")]
     assert len(backward) == 2
@@ -87,5 +89,6 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
         for loop in r["loops"]:
             where = (r["layer"], loop["shapes"], loop["instructions"])
             assert loop["spill_loads"] == loop["spill_stores"] == 0 and loop["wait_depth"] >= 1, where
-            assert loop["tma_loads"] == 2 and loop["instructions"] <= 1.5 * yard[loop["shapes"][0]], where
-        assert r["stack"] <= 1088, r["stack"]
+            assert loop["tma_loads"] == 2 and loop["instructions"] <= 1.16 * yard[loop["shapes"][0]], where
+            assert loop["r2ur"] <= 2, where
+        assert r["stack"] <= 900, r["stack"]
