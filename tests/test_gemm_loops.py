@@ -18,7 +18,7 @@ from rdepc.codegen.sm90 import compile_cubins
 import rdepc
 from rdepc.driver import generate_spec
 
-BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward"]
+BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward", "rdep_layer.backward"]
 _YARDSTICK = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -58,7 +58,7 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
     in flight while the next chunk loads; the kernel without stack."""
     results, yard = compiled
     assert set(yard) == {"64x256x16", "64x128x16"}
-    forward = [r for r in results if not r["kernel"].endswith("backward")]
+    forward = [r for r in results if r["kernel"].startswith("rdep_gemm") and not r["kernel"].endswith("backward")]
     assert len(forward) == 4
     for r in forward:
         assert r["stack"] == 0 and r["local_bytes"] == 0, (r["layer"], r["kernel"], r["stack"])
@@ -73,22 +73,25 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
 
 
 def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
-    """The backward's GEMM kernel: four loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two
-    weight gradients — each on TMA, pipelined (wait depth 1) and without a spill inside.
-    What it does not meet yet is held here as it is, so that it can only get better: its
-    loops take 1.08-1.15× the yardstick's instructions (two R2UR each) and 856 B of stack
-    per thread, all of it outside the loops, in dA's epilogue: Triton computes the gated
-    activation's backward twice, in the accumulator's layout (dgate, dup) and in the
-    layout of the pre-activations' stride-2 loads (the activation), and 255 registers do
-    not hold both (bench/results/gemm-loops-sm90.md)."""
+    """The backward's GEMM work, in split mode's GEMM kernel and in the unified kernel (the
+    native default until split mode's backward has run on a GPU): four loops — dA = dO·Wdᵀ,
+    dX = dH·[Wg Wu]ᵀ and the two weight gradients — each on TMA, pipelined (wait depth 1)
+    and without a spill inside. What it does not meet yet is held here as it is, so that it
+    can only get better: its loops take 1.08-1.15× the yardstick's instructions in the GEMM
+    kernel, 1.12-1.19× in the unified one (two R2UR each), and 856-1,128 B of stack per
+    thread, all of it outside the loops, in dA's epilogue: Triton computes the gated
+    activation's backward in two layouts, the accumulator's (dgate, dup) and that of the
+    pre-activations' stride-2 loads (the activation), and 255 registers do not hold both
+    (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
     backward = [r for r in results if r["kernel"].endswith("backward")]
-    assert len(backward) == 2
+    assert sorted(r["kernel"] for r in backward) == ["rdep_gemm.backward"] * 2 + ["rdep_layer.backward"] * 2
     for r in backward:
+        bound = 1.16 if r["kernel"].startswith("rdep_gemm") else 1.20
         assert len(r["loops"]) == 4, r["loops"]
         for loop in r["loops"]:
-            where = (r["layer"], loop["shapes"], loop["instructions"])
+            where = (r["layer"], r["kernel"], loop["shapes"], loop["instructions"])
             assert loop["spill_loads"] == loop["spill_stores"] == 0 and loop["wait_depth"] >= 1, where
-            assert loop["tma_loads"] == 2 and loop["instructions"] <= 1.16 * yard[loop["shapes"][0]], where
+            assert loop["tma_loads"] == 2 and loop["instructions"] <= bound * yard[loop["shapes"][0]], where
             assert loop["r2ur"] <= 2, where
-        assert r["stack"] <= 900, r["stack"]
+        assert r["stack"] <= 1136, (r["layer"], r["kernel"], r["stack"])

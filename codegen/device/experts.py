@@ -87,8 +87,8 @@ def glu(gate, up):
 @triton.jit
 def glu_backward(gate, up, da):
     """``glu``'s backward at pre-activations ``gate`` and ``up`` for dL/d(activation) ``da``:
-    (dL/dgate, dL/dup, the activation). A clamped input passes no gradient (as torch's
-    clamp: inside the bounds, bounds included)."""
+    (dL/dgate, dL/dup). A clamped input passes no gradient (as torch's clamp: inside the
+    bounds, bounds included)."""
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
@@ -96,10 +96,23 @@ def glu_backward(gate, up, da):
         gs = g * sig
         d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + gs * ACT_ALPHA * (1.0 - sig)), 0.0)
         d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
-        return d_gate, d_up, (u + 1.0) * gs
+        return d_gate, d_up
     sig = tl.sigmoid(gate)
-    silu = gate * sig
-    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * silu, silu * up
+    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)
+
+
+@triton.jit
+def glu_again(gate, up):
+    """The activation at pre-activations ``gate`` and ``up``, for the down projection's
+    weight gradient, with ``glu_backward``'s sigmoid and products (the compiler computes
+    the sigmoid once for both). Apart from ``glu_backward`` so that it is formed after dgate
+    and dup are stored: with the three tiles formed at once, 255 registers did not hold the
+    unified backward's GEMM loops (two spills in each)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        return (u + 1.0) * (g * tl.sigmoid(g * ACT_ALPHA))
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -397,10 +410,11 @@ def bgemm1(
                 pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
                 gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
                 up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-            d_gate, d_up, act = glu_backward(gate, up, da)
+            d_gate, d_up = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
             tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
             tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
+            act = glu_again(gate, up)
         else:
             if RECOMPUTE:
                 h = again
