@@ -48,6 +48,7 @@ from rdepc.codegen.device.layout import (
     TMA,
     UP_COLS,
     B,
+    E,
     F,
     H,
     S,
@@ -70,6 +71,26 @@ def operand(home, slots, e, per_expert, at):
     else:
         ptr = home + e * per_expert
     return ptr
+
+
+@triton.jit
+def weight_descriptors(w_up, w_down, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tensor descriptors over every expert's weights, as the GEMM tiles read them
+    (``gemm_tile``'s ``w_desc``): built once per program, where each tile would otherwise
+    write one into global memory and fence it before its loop. GEMM1's and GEMM2's (up,
+    down) and the backward's, the same weights read transposed (up_t, down_t); a build
+    uses two or three of them. Only where the GEMMs read through descriptors (TMA) and
+    no tile reads a redundant slot (SLOT_ELEMS 0: a slot's weights lie in another buffer,
+    and its tiles build their own)."""
+    up = tl.make_tensor_descriptor(
+        w_up, shape=[E * H, UP_COLS * F], strides=[UP_COLS * F, 1], block_shape=[BLOCK_K, UP_COLS * BLOCK_F]
+    )
+    down = tl.make_tensor_descriptor(w_down, shape=[E * F, H], strides=[H, 1], block_shape=[BLOCK_K, BLOCK_H])
+    up_t = tl.make_tensor_descriptor(
+        w_up, shape=[E * H, UP_COLS * F], strides=[UP_COLS * F, 1], block_shape=[BLOCK_H, BLOCK_K]
+    )
+    down_t = tl.make_tensor_descriptor(w_down, shape=[E * F, H], strides=[H, 1], block_shape=[BLOCK_F, BLOCK_K])
+    return up, down, up_t, down_t
 
 
 @triton.jit
@@ -146,11 +167,13 @@ def payload_tile(
     TRANS_B: tl.constexpr,
     SCALED: tl.constexpr,
     COLS: tl.constexpr,
+    w_desc=None,
+    w_row=0,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
     (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
-    per ``COLS`` columns."""
+    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor (``gemm_tile``)."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
@@ -165,10 +188,13 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            COLS,
+            COLS, w_desc=w_desc, w_row=w_row,
         )  # fmt: skip
     else:
-        acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
+        acc = gemm_tile(
+            rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+            w_desc=w_desc, w_row=w_row,
+        )  # fmt: skip
     return acc
 
 
@@ -196,6 +222,7 @@ def gemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
+    w_desc=None,
 ):
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
@@ -227,7 +254,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS,
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H,
         )  # fmt: skip
         if BIAS:
             bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -288,6 +315,7 @@ def gemm2(
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
+    w_desc=None,
 ):
     """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
     (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
@@ -307,12 +335,16 @@ def gemm2(
             rows += tl.cast(q, tl.int64) * R_MAX * (UP_COLS * F)
             w = operand(w, slots, e, H * (UP_COLS * F), 0)
             acc = gemm_tile(
-                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
-            )
+                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True,
+                w_desc=w_desc, w_row=e * H,
+            )  # fmt: skip
         else:
             rows += base * F
             w = operand(w, slots, e, F * H, SLOT_DOWN_AT)
-            acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+            acc = gemm_tile(
+                rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, w_desc=w_desc,
+                w_row=e * F,
+            )  # fmt: skip
             if BIAS:
                 acc += bias_row(operand(bias, slots, e, H, SLOT_B_DOWN_AT), H, h, BLOCK_H)[None, :]
         m = tl.arange(0, BM)
@@ -352,6 +384,8 @@ def bgemm1(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    down_t=None,
+    up_desc=None,
 ):
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
@@ -385,7 +419,8 @@ def bgemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
         da = payload_tile(
-            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS
+            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS,
+            down_t, e * F,
         )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
@@ -396,12 +431,12 @@ def bgemm1(
         if RECOMPUTE:
             if RESEND:  # the rows as the forward's payload held them
                 again = pre_activations(
-                    inputs, B * S, at, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                    inputs, B * S, at, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, up_desc
                 )
             else:
                 xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
                 again = pre_activations(
-                    xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                    xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, up_desc
                 )
         if GATED:
             if RECOMPUTE:
@@ -453,7 +488,7 @@ def bgemm1(
 @triton.jit
 def pre_activations(
     xs, n_rows, row0, w_up, b_up, slots, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, w_desc=None,
 ):  # fmt: skip
     """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
     (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among the ``n_rows``
@@ -463,7 +498,7 @@ def pre_activations(
     w = operand(w_up, slots, e, H * (UP_COLS * F), 0)
     acc = gemm_tile(
         xs, n_rows, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
-        PRECISION,
+        PRECISION, w_desc=w_desc, w_row=e * H,
     )  # fmt: skip
     if BIAS:
         bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -563,35 +598,37 @@ def expert_item(
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, up_desc=None, down_desc=None, up_t=None,
+    down_t=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
-    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``."""
+    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
+    their program's ``weight_descriptors``."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, down_t, up_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
                 dh, hbuf_rid, w_up, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0, lo,
-                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t,
             )  # fmt: skip
         else:
             gemm2(
                 hbuf, hbuf_rid, w_down, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0,
-                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only

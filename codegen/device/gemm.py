@@ -68,6 +68,8 @@ def gemm_tile(
     a_scale=None,
     SCALE_COLS: tl.constexpr = 0,
     a_index=None,
+    w_desc=None,
+    w_row=0,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -98,15 +100,23 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        if TRANS_B:
-            w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+        if w_desc is not None and (TRANS_B or K_DIM % BK == 0):
+            # every expert's weights in one descriptor, built once per program: the expert's
+            # rows start at w_row; its chunks never reach the next expert's rows (K_DIM % BK
+            # is 0), and read transposed, rows past n_cols only feed columns never stored
+            wd = w_desc
+            w0 = w_row.to(tl.int32)
+        elif TRANS_B:
+            wd = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+            w0 = 0
         else:
-            w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+            wd = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+            w0 = 0
         for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
-                b = tl.trans(w_desc.load([col0, k]))
+                b = tl.trans(wd.load([w0 + col0, k]))
             else:
-                b = w_desc.load([k, col0])
+                b = wd.load([w0 + k, col0])
             x = a_desc.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:

@@ -8,7 +8,7 @@ import triton.language as tl
 from rdepc.codegen.device.combine import combine, combine_grad
 from rdepc.codegen.device.control import done_flag, now, report
 from rdepc.codegen.device.dispatch import dispatch
-from rdepc.codegen.device.experts import expert_item, m_tile_slot
+from rdepc.codegen.device.experts import expert_item, m_tile_slot, weight_descriptors
 from rdepc.codegen.device.layout import (
     C_CLAIM,
     C_GUARD,
@@ -39,8 +39,10 @@ from rdepc.codegen.device.layout import (
     R_MAX,
     RING,
     SEGMENTS,
+    SLOT_ELEMS,
     ST_COLS,
     TILE_SLOTS,
+    TMA,
     UP_COLS,
     B,
     F,
@@ -152,6 +154,12 @@ def rdep_layer(
     if BACKWARD:  # dL/dy goes where x went, scaled by g' (GATE_INPUT: as it is)
         sent = dy
         gates = gprime
+    up_desc = None  # the experts' weights through descriptors built once (else each tile builds its own)
+    down_desc = None
+    up_t = None
+    down_t = None
+    if GEMMS and TMA and SLOT_ELEMS == 0:
+        up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
@@ -238,7 +246,7 @@ def rdep_layer(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, up_desc, down_desc, up_t, down_t,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: ba3652b05f2821a831ee44ec0ef04f8aff78b4c59c8238a2b4aae4b8fd49a61e
+# content-sha256: 188997c9acf5899d2204fb02cacda067f45050b6a9b3e94cd06d38a4668d95a6
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1051,6 +1051,8 @@ def gemm_tile(
     a_scale=None,
     SCALE_COLS: tl.constexpr = 0,
     a_index=None,
+    w_desc=None,
+    w_row=0,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -1081,15 +1083,23 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        if TRANS_B:
-            w_desc = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+        if w_desc is not None and (TRANS_B or K_DIM % BK == 0):
+            # every expert's weights in one descriptor, built once per program: the expert's
+            # rows start at w_row; its chunks never reach the next expert's rows (K_DIM % BK
+            # is 0), and read transposed, rows past n_cols only feed columns never stored
+            wd = w_desc
+            w0 = w_row.to(tl.int32)
+        elif TRANS_B:
+            wd = tl.make_tensor_descriptor(w, shape=[n_cols, K_DIM], strides=[K_DIM, 1], block_shape=[BN, BK])
+            w0 = 0
         else:
-            w_desc = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+            wd = tl.make_tensor_descriptor(w, shape=[K_DIM, n_cols], strides=[n_cols, 1], block_shape=[BK, BN])
+            w0 = 0
         for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
-                b = tl.trans(w_desc.load([col0, k]))
+                b = tl.trans(wd.load([w0 + col0, k]))
             else:
-                b = w_desc.load([k, col0])
+                b = wd.load([w0 + k, col0])
             x = a_desc.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
@@ -1322,6 +1332,26 @@ def operand(home, slots, e, per_expert, at):
 
 
 @triton.jit
+def weight_descriptors(w_up, w_down, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tensor descriptors over every expert's weights, as the GEMM tiles read them
+    (``gemm_tile``'s ``w_desc``): built once per program, where each tile would otherwise
+    write one into global memory and fence it before its loop. GEMM1's and GEMM2's (up,
+    down) and the backward's, the same weights read transposed (up_t, down_t); a build
+    uses two or three of them. Only where the GEMMs read through descriptors (TMA) and
+    no tile reads a redundant slot (SLOT_ELEMS 0: a slot's weights lie in another buffer,
+    and its tiles build their own)."""
+    up = tl.make_tensor_descriptor(
+        w_up, shape=[E * H, UP_COLS * F], strides=[UP_COLS * F, 1], block_shape=[BLOCK_K, UP_COLS * BLOCK_F]
+    )
+    down = tl.make_tensor_descriptor(w_down, shape=[E * F, H], strides=[H, 1], block_shape=[BLOCK_K, BLOCK_H])
+    up_t = tl.make_tensor_descriptor(
+        w_up, shape=[E * H, UP_COLS * F], strides=[UP_COLS * F, 1], block_shape=[BLOCK_H, BLOCK_K]
+    )
+    down_t = tl.make_tensor_descriptor(w_down, shape=[E * F, H], strides=[H, 1], block_shape=[BLOCK_F, BLOCK_K])
+    return up, down, up_t, down_t
+
+
+@triton.jit
 def glu(gate, up):
     """A gated expert's activation of its fp32 gate and up pre-activations: SwiGLU
     silu(gate)·up, or GPT-OSS's clamped variant: g = min(gate, limit), u = up clamped to
@@ -1395,11 +1425,13 @@ def payload_tile(
     TRANS_B: tl.constexpr,
     SCALED: tl.constexpr,
     COLS: tl.constexpr,
+    w_desc=None,
+    w_row=0,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
     (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
-    per ``COLS`` columns."""
+    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor (``gemm_tile``)."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
@@ -1414,10 +1446,13 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            COLS,
+            COLS, w_desc=w_desc, w_row=w_row,
         )  # fmt: skip
     else:
-        acc = gemm_tile(rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B)
+        acc = gemm_tile(
+            rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
+            w_desc=w_desc, w_row=w_row,
+        )  # fmt: skip
     return acc
 
 
@@ -1445,6 +1480,7 @@ def gemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
+    w_desc=None,
 ):
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
@@ -1476,7 +1512,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS,
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H,
         )  # fmt: skip
         if BIAS:
             bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -1537,6 +1573,7 @@ def gemm2(
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
+    w_desc=None,
 ):
     """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
     (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
@@ -1556,12 +1593,16 @@ def gemm2(
             rows += tl.cast(q, tl.int64) * R_MAX * (UP_COLS * F)
             w = operand(w, slots, e, H * (UP_COLS * F), 0)
             acc = gemm_tile(
-                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True
-            )
+                rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True,
+                w_desc=w_desc, w_row=e * H,
+            )  # fmt: skip
         else:
             rows += base * F
             w = operand(w, slots, e, F * H, SLOT_DOWN_AT)
-            acc = gemm_tile(rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION)
+            acc = gemm_tile(
+                rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, w_desc=w_desc,
+                w_row=e * F,
+            )  # fmt: skip
             if BIAS:
                 acc += bias_row(operand(bias, slots, e, H, SLOT_B_DOWN_AT), H, h, BLOCK_H)[None, :]
         m = tl.arange(0, BM)
@@ -1601,6 +1642,8 @@ def bgemm1(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    down_t=None,
+    up_desc=None,
 ):
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
@@ -1634,7 +1677,8 @@ def bgemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
         da = payload_tile(
-            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS
+            rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS,
+            down_t, e * F,
         )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
@@ -1645,12 +1689,12 @@ def bgemm1(
         if RECOMPUTE:
             if RESEND:  # the rows as the forward's payload held them
                 again = pre_activations(
-                    inputs, B * S, at, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                    inputs, B * S, at, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, up_desc
                 )
             else:
                 xs = saved_x + tl.cast(q, tl.int64) * R_MAX * H
                 again = pre_activations(
-                    xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32
+                    xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, up_desc
                 )
         if GATED:
             if RECOMPUTE:
@@ -1702,7 +1746,7 @@ def bgemm1(
 @triton.jit
 def pre_activations(
     xs, n_rows, row0, w_up, b_up, slots, e, f, BM: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, CAST_F32: tl.constexpr,
+    STAGES: tl.constexpr, CAST_F32: tl.constexpr, w_desc=None,
 ):  # fmt: skip
     """``RECOMPUTE``: GEMM1's pre-activations again, fp32 [BM, UP_COLS * BLOCK_F] — x·[Wg Wu]
     (+ b_up) at F-block ``f`` of the m-tile whose first row is ``row0`` among the ``n_rows``
@@ -1712,7 +1756,7 @@ def pre_activations(
     w = operand(w_up, slots, e, H * (UP_COLS * F), 0)
     acc = gemm_tile(
         xs, n_rows, row0, w, UP_COLS * F, f * UP_COLS, H, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES, TMA, CAST_F32,
-        PRECISION,
+        PRECISION, w_desc=w_desc, w_row=e * H,
     )  # fmt: skip
     if BIAS:
         bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -1812,35 +1856,37 @@ def expert_item(
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, up_desc=None, down_desc=None, up_t=None,
+    down_t=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
-    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``."""
+    kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
+    their program's ``weight_descriptors``."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, down_t, up_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
                 dh, hbuf_rid, w_up, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0, lo,
-                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False,
+                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t,
             )  # fmt: skip
         else:
             gemm2(
                 hbuf, hbuf_rid, w_down, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0,
-                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE,
+                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only
@@ -2422,6 +2468,12 @@ def rdep_layer(
     if BACKWARD:  # dL/dy goes where x went, scaled by g' (GATE_INPUT: as it is)
         sent = dy
         gates = gprime
+    up_desc = None  # the experts' weights through descriptors built once (else each tile builds its own)
+    down_desc = None
+    up_t = None
+    down_t = None
+    if GEMMS and TMA and SLOT_ELEMS == 0:
+        up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
@@ -2508,7 +2560,7 @@ def rdep_layer(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, up_desc, down_desc, up_t, down_t,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
@@ -2581,6 +2633,12 @@ def rdep_gemm(
         me, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, group, hbuf, hbuf_rid, staging, staging_rid,
         tile_done, tile_table,
     )  # fmt: skip
+    up_desc = None  # the experts' weights through descriptors built once (else each tile builds its own)
+    down_desc = None
+    up_t = None
+    down_t = None
+    if TMA and SLOT_ELEMS == 0:
+        up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
     tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
@@ -2659,7 +2717,7 @@ def rdep_gemm(
                     kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                     saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                     owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE,
+                    SAVE, up_desc, down_desc, up_t, down_t,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
