@@ -100,10 +100,10 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        if w_desc is not None and (TRANS_B or K_DIM % BK == 0):
+        if w_desc is not None and ((n_cols % BN == 0) if TRANS_B else (K_DIM % BK == 0)):
             # every expert's weights in one descriptor, built once per program: the expert's
-            # rows start at w_row; its chunks never reach the next expert's rows (K_DIM % BK
-            # is 0), and read transposed, rows past n_cols only feed columns never stored
+            # rows start at w_row, and whole chunks of them end where its rows end (BK divides
+            # K_DIM; read transposed, BN divides n_cols), so no read reaches past them
             wd = w_desc
             w0 = w_row.to(tl.int32)
         elif TRANS_B:

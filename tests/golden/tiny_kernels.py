@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 188997c9acf5899d2204fb02cacda067f45050b6a9b3e94cd06d38a4668d95a6
+# content-sha256: 9d3a46154ef375fb1c7371221135f20246719634c436a29aaa676ab4cbf6fbcf
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1083,10 +1083,10 @@ def gemm_tile(
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
         a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        if w_desc is not None and (TRANS_B or K_DIM % BK == 0):
+        if w_desc is not None and ((n_cols % BN == 0) if TRANS_B else (K_DIM % BK == 0)):
             # every expert's weights in one descriptor, built once per program: the expert's
-            # rows start at w_row; its chunks never reach the next expert's rows (K_DIM % BK
-            # is 0), and read transposed, rows past n_cols only feed columns never stored
+            # rows start at w_row, and whole chunks of them end where its rows end (BK divides
+            # K_DIM; read transposed, BN divides n_cols), so no read reaches past them
             wd = w_desc
             w0 = w_row.to(tl.int32)
         elif TRANS_B:
