@@ -125,15 +125,15 @@ def glu_backward(gate, up, da):
 @triton.jit
 def glu_again(gate, up):
     """The activation at pre-activations ``gate`` and ``up``, for the down projection's
-    weight gradient, with ``glu_backward``'s sigmoid and products (the compiler computes
-    the sigmoid once for both). Apart from ``glu_backward`` so that it is formed after dgate
-    and dup are stored: with the three tiles formed at once, 255 registers did not hold the
-    unified backward's GEMM loops (two spills in each)."""
+    weight gradient: ``glu``'s, with the clamped variant's products in ``glu_backward``'s
+    order. Apart from ``glu_backward`` so that it is formed after dgate and dup are stored:
+    with the three tiles formed at once, 255 registers did not hold the unified backward's
+    GEMM loops (two spills in each)."""
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
         return (u + 1.0) * (g * tl.sigmoid(g * ACT_ALPHA))
-    return gate * tl.sigmoid(gate) * up
+    return glu(gate, up)
 
 
 @triton.jit

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 9d3a46154ef375fb1c7371221135f20246719634c436a29aaa676ab4cbf6fbcf
+# content-sha256: 9fb9a07dd8f3d4e0fe2507170fb80641ef8e3d8188067b7b1f7d22771e876e5f
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1383,15 +1383,15 @@ def glu_backward(gate, up, da):
 @triton.jit
 def glu_again(gate, up):
     """The activation at pre-activations ``gate`` and ``up``, for the down projection's
-    weight gradient, with ``glu_backward``'s sigmoid and products (the compiler computes
-    the sigmoid once for both). Apart from ``glu_backward`` so that it is formed after dgate
-    and dup are stored: with the three tiles formed at once, 255 registers did not hold the
-    unified backward's GEMM loops (two spills in each)."""
+    weight gradient: ``glu``'s, with the clamped variant's products in ``glu_backward``'s
+    order. Apart from ``glu_backward`` so that it is formed after dgate and dup are stored:
+    with the three tiles formed at once, 255 registers did not hold the unified backward's
+    GEMM loops (two spills in each)."""
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
         return (u + 1.0) * (g * tl.sigmoid(g * ACT_ALPHA))
-    return gate * tl.sigmoid(gate) * up
+    return glu(gate, up)
 
 
 @triton.jit
