@@ -22,8 +22,11 @@ import time
 
 SCHEDULES = ("bulk", "pipelined")
 MODES = ("unified", "split")
-# spin_bound: the kill check's (None: the runtime's default; interpreted spins are slow)
-GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": None}
+# spin_bound: the kill check's. Natively 2^22 spins, not the runtime's 2^26: at system scope
+# the default outlasted 195 s (H200, 2026-11-27), more than a device call can spend on one check;
+# the survivors' seconds to their error over these spins say how long the default lasts.
+# Interpreted spins are slow: 5,000.
+GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": 1 << 22}
 DRY = {"tokens": 4, "ranks": (2,), "examples": ("tiny",), "spin_bound": 5000}
 KILL_AFTER = 0.3  # seconds into the victim's first call
 # calls each rank makes (native): a native call of tiny takes well under a millisecond, so the

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # `from bench import ...`; an installed rdepc stays first
 
 from bench.moe_bench import write_results  # noqa: E402
 

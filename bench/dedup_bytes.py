@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # `from bench import ...`; an installed rdepc stays first
 
 from bench.moe_bench import environment, write_results  # noqa: E402
 

@@ -80,7 +80,7 @@ def rdepc_rows(examples: list[str], label: str) -> list[dict]:
 
 def yardstick_rows() -> list[dict]:
     """The lean grouped GEMM at GEMM1's and GEMM2's tiles (moonlight's K and N)."""
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # an installed rdepc stays first
     from bench.lean_gemm import compile_sass
 
     rows = []

@@ -278,5 +278,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # `from bench import baselines` when run as a script
+    sys.path.append(str(ROOT))  # `from bench import baselines` as a script; an installed rdepc first
     sys.exit(main())

@@ -181,5 +181,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # an installed rdepc stays first
     sys.exit(main())

@@ -521,10 +521,11 @@ class Inputs(NamedTuple):
 def owner_pairs(topk_ids: torch.Tensor, accepted: torch.Tensor, owner: Sequence[int]) -> int:
     """Distinct (token, owner) pairs among the accepted route rows: the rows ``dedup`` sends,
     one per pair, where the accepted rows are what goes out without it. ``topk_ids`` and
-    ``accepted`` are [W, T, K]; ``owner[e]`` is the rank that owns expert e."""
+    ``accepted`` are [W, T, K], on any devices (counted where ``topk_ids`` is); ``owner[e]``
+    is the rank that owns expert e."""
     owner_of = torch.as_tensor(list(owner), dtype=torch.int64, device=topk_ids.device)
     hits = torch.zeros(*topk_ids.shape[:2], int(owner_of.max()) + 1, dtype=torch.int64, device=topk_ids.device)
-    hits.scatter_add_(2, owner_of[topk_ids.long()], accepted.to(torch.int64))
+    hits.scatter_add_(2, owner_of[topk_ids.long()], accepted.to(topk_ids.device, torch.int64))
     return int((hits > 0).sum())
 
 

@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import io
 import os
+import re
 import sys
 import threading
 
@@ -233,11 +234,20 @@ class NvshmemLauncher(Launcher):
     def _register(self, compiled) -> None:
         from nvshmem.core import NvshmemKernelObject, module_init
 
-        compiled._init_handles()  # loads the cubin: ``module`` is then its CUmodule handle
-        # nvshmem4py 0.4.1's module_init prints its status to stdout; keep stdout clean.
-        with contextlib.redirect_stdout(io.StringIO()):
-            module_init(NvshmemKernelObject.from_handle(compiled.module))
+        if needs_module_init(compiled.asm["ptx"]):
+            compiled._init_handles()  # loads the cubin: ``module`` is then its CUmodule handle
+            # nvshmem4py 0.4.1's module_init prints its status to stdout; keep stdout clean.
+            with contextlib.redirect_stdout(io.StringIO()):
+                module_init(NvshmemKernelObject.from_handle(compiled.module))
         self.world._modules[id(compiled)] = compiled  # held: an id is unique only while alive
 
 
-__all__ = ["NvshmemLauncher", "NvshmemWorld"]
+def needs_module_init(ptx: str) -> bool:
+    """Whether a compiled kernel holds NVSHMEM's device state, which ``module_init`` fills.
+    Only what a kernel calls is linked from the bitcode: one that calls nothing of NVSHMEM's
+    (``balance replicate``'s solver) has no state, and ``module_init`` fails on it ("named
+    symbol not found")."""
+    return re.search(r"\bnvshmemi_device_state_d\b", ptx) is not None
+
+
+__all__ = ["NvshmemLauncher", "NvshmemWorld", "needs_module_init"]

@@ -40,3 +40,10 @@ def test_smoke_configuration_runs_every_method(tmp_path):
             assert {"route", "scan", "dispatch", "compute", "return", "combine"} <= r["stages"].keys()
             assert r["stage_clock"] == "logical"
     assert sum(r["sweep"] for r in results["runs"]) == 2 * 5  # two μ, five methods each (bulk only)
+
+
+def test_bench_scripts_leave_an_installed_rdepc_first():
+    # On a GPU machine rdepc is a wheel; the tree's rdepc/ before it on sys.path lacks the
+    # packages the wheel maps in (rdepc.grammar, rdepc.runtime, ...).
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        assert "sys.path.insert(0" not in script.read_text(encoding="utf-8"), script.name

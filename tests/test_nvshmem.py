@@ -19,7 +19,7 @@ import textwrap
 import pytest
 from conftest import ROOT
 from rdepc.codegen import transport
-from rdepc.runtime.nvshmem import NvshmemWorld
+from rdepc.runtime.nvshmem import NvshmemWorld, needs_module_init
 
 from rdepc import toolchain
 from rdepc.toolchain import NvshmemUnavailable, bitcode_path
@@ -37,6 +37,11 @@ def probe(heap, to, n, bound, stop, out, BLOCK: tl.constexpr):
     signal((dst + 128).to(tl.pointer_type(tl.int32)))
     seen = wait((heap + 128).to(tl.pointer_type(tl.int32)), 1, bound, stop)
     tl.store(out, seen)
+
+
+@triton.jit
+def plain(out, BLOCK: tl.constexpr):
+    tl.store(out + tl.arange(0, BLOCK), tl.arange(0, BLOCK))
 """
 
 # Runs in the subprocess: compile the probe with and without the bitcode; one JSON line out.
@@ -64,6 +69,11 @@ COMPILE = textwrap.dedent(
             result[str(linked)] = {"cubin": len(k.asm["cubin"]), "ptx": k.asm["ptx"]}
         except Exception as e:
             result[str(linked)] = {"error": f"{type(e).__name__}: {e}"}
+    # a kernel that calls nothing of NVSHMEM's, compiled as the nvshmem launcher compiles every kernel
+    src = ASTSource(fn=module.plain, signature={"out": "*i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 64})
+    options = {"num_warps": 4, "extern_libs": {"libnvshmem_device": bitcode}}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    result["plain"] = {"ptx": k.asm["ptx"]}
     print(json.dumps(result))
     """
 )
@@ -125,7 +135,8 @@ def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     assert re.search(r"^\.target sm_90a\b", ptx, re.M)
     assert re.search(r"\b(ld|atom)\.global\.sys\.acquire\.", ptx), "wait: an acquire at system scope"
     assert re.search(r"\batom\.global\.sys\.release\.add\.", ptx), "signal: a release atomic at system scope"
-    assert "nvshmemi_device_state_d" in ptx  # nvshmem_ptr inlined: it reads the state module_init fills
+    assert needs_module_init(ptx)  # nvshmem_ptr inlined: it reads the state module_init fills
+    assert not needs_module_init(result["plain"]["ptx"])  # nothing linked: module_init would fail on it
     assert not re.search(r"\.extern\s+\.func.*nvshmem_ptr", ptx)
 
     unlinked = result["False"]

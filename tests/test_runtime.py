@@ -431,6 +431,22 @@ def test_a_call_that_needs_no_gradient_keeps_nothing(tiny_module):
     assert ctx.accepted.all() and (ctx.slot >= 0).all() and torch.allclose(ctx.gprime, inputs.topk_weights)
 
 
+def test_max_relative_error_a_slice_at_a_time_is_the_whole_tensors(monkeypatch):
+    from rdepc.runtime import tensors
+
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(5, 7, generator=g)
+    y = ref + 1e-3 * torch.randn(5, 7, generator=g)
+    whole = float((y.double() - ref.double()).abs().max()) / float(ref.double().abs().max())
+    monkeypatch.setattr(tensors, "ERROR_SLICE", 4)  # 9 slices, the last one of 3
+    assert tensors.max_relative_error(y, ref) == whole
+    y[4, 6] = float("nan")  # in the last slice: a NaN is never a maximum's loser
+    assert math.isnan(tensors.max_relative_error(y, ref))
+    assert tensors.max_relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert tensors.max_relative_error(torch.ones(3), torch.zeros(3)) == math.inf
+    assert tensors.max_relative_error(torch.ones(2, 3), torch.ones(3) * 2) == 0.5  # broadcast, as y - ref does
+
+
 def test_a_wait_that_expires_is_reported_not_hung():
     """A task table whose order is not topological (entry 0 waits on the last entry): the
     sequential interpreter would hang; the bounded wait reports the task and its dependency."""
