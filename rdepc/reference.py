@@ -39,8 +39,11 @@ leaves the surviving weights as they were.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -550,8 +553,9 @@ def random_inputs(
     0..K-1, the rest uniformly), ``"one"`` (slot k of every token goes to expert k, so with
     K = 1 every row goes to expert 0). Gates are a softmax over the K slots, in descending
     order, in float32. Weights are scaled by 1/sqrt(fan_in) so the outputs are O(1).
-    Everything is drawn on the CPU from ``torch.Generator().manual_seed(seed)``, then cast
-    to ``dtype`` (gates stay float32) and moved to ``device``.
+    Everything is drawn on the CPU, whatever ``device``, then cast to ``dtype`` (gates stay
+    float32) and moved there: routing, gates and x from ``torch.Generator().manual_seed(seed)``,
+    each expert's weight matrix from a generator of its own (:func:`expert_weights`).
     """
     if not 1 <= K <= E:
         raise ValueError(f"need 1 <= K <= E, got K={K}, E={E}")
@@ -580,15 +584,32 @@ def random_inputs(
     logits = torch.randn(W, T, K, generator=gen)
     gates = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
 
-    x = torch.randn(W, T, H, generator=gen)
-    w_gate = torch.randn(E, H, F, generator=gen) / math.sqrt(H) if gated else None
-    w_up = torch.randn(E, H, F, generator=gen) / math.sqrt(H)
-    w_down = torch.randn(E, F, H, generator=gen) / math.sqrt(F)
+    x = torch.randn(W, T, H, generator=gen).to(dtype)
+    w_gate = expert_weights(seed, "w_gate", E, H, F, math.sqrt(H), dtype) if gated else None
+    w_up = expert_weights(seed, "w_up", E, H, F, math.sqrt(H), dtype)
+    w_down = expert_weights(seed, "w_down", E, F, H, math.sqrt(F), dtype)
 
-    def cast(t):
-        return None if t is None else t.to(device=device, dtype=dtype)
+    def moved(t):
+        return None if t is None else t.to(device)
 
-    return Inputs(cast(x), ids.to(device), gates.to(device), cast(w_gate), cast(w_up), cast(w_down))
+    return Inputs(moved(x), ids.to(device), gates.to(device), moved(w_gate), moved(w_up), moved(w_down))
+
+
+def expert_weights(seed: int, name: str, E: int, rows: int, cols: int, fan: float, dtype: torch.dtype) -> torch.Tensor:
+    """[E, rows, cols] in ``dtype``: expert e's matrix is N(0, 1) / ``fan`` in float32, drawn
+    on the CPU from a generator seeded by (seed, name, e), then cast. Experts are drawn in
+    parallel threads, each with one matrix of float32 at a time: one generator for all of
+    deepseek_v3's 11e9 weights draws them one after another, minutes on one core."""
+    out = torch.empty(E, rows, cols, dtype=dtype)
+
+    def draw(e: int) -> None:
+        key = hashlib.blake2b(f"{seed}/{name}/{e}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        out[e] = torch.randn(rows, cols, generator=gen) / fan
+
+    with ThreadPoolExecutor(max_workers=max(1, min(E, os.cpu_count() or 1))) as pool:
+        list(pool.map(draw, range(E)))  # list(): an exception in a thread is raised here
+    return out
 
 
 def random_biases(
@@ -621,6 +642,7 @@ __all__ = [
     "combine_weights",
     "eq7_row_id",
     "expert_fn",
+    "expert_weights",
     "fp8_dispatch",
     "moe_reference",
     "owner_pairs",
