@@ -179,13 +179,17 @@ def test_dedup_bytes_against_the_planner(tmp_path, capsys):
 
 def test_dedup_trains_in_bf16_with_fp8_rows():
     """bf16 with fp8 row-scaled dispatch, capacity drops: every gradient within bf16's
-    tolerance of autograd through the (quantising) reference, and bitwise the same in bulk
-    and deep."""
-    # arrival: the accepted set this tolerance was set on (round_robin's is checked in fp32 below)
+    tolerance of autograd through the (quantising) reference on the same bf16 inputs, and
+    bitwise the same in bulk and deep. (On the unrounded fp32 inputs the reference's e4m3
+    rounding of x differs from the layer's in halfway cases: 2-8 % of the largest weight
+    gradient, whatever the layer computes.)"""
+    # arrival drops here; round_robin's are checked in fp32 below
     capacity = "factor 0.75, drop arrival"
     layer = _layer(W=2, T=12, K=3, E=8, dtype="bf16", dispatch="fp8_e4m3, scale row", capacity=capacity)
     sh = layer.shapes
-    inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=3)
+    inputs = random_inputs(
+        sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], routing="zipf:1.5", seed=3, dtype=torch.bfloat16
+    )
     dy = torch.randn(sh["W"], sh["T"], sh["H"], generator=torch.Generator().manual_seed(7)).bfloat16().float()
     want = grads_in(reference_for(layer.spec), inputs, dy, torch.float32)
     got = {}
@@ -193,7 +197,7 @@ def test_dedup_trains_in_bf16_with_fp8_rows():
         got[schedule] = grads_in(layer.module("emulated", "cpu", schedule=schedule), inputs, dy, torch.bfloat16)
         for n, w in want.items():
             err = max_relative_error(got[schedule][n], w)
-            assert err <= 3 * TOL["bf16"], f"{schedule}: d{n} {err:.3g}"
+            assert err <= TOL["bf16"], f"{schedule}: d{n} {err:.3g}"
     assert all(torch.equal(got["deep"][n], got["bulk"][n]) for n in want)
 
 
