@@ -66,13 +66,20 @@ def split(acc, gate, up, live_lo, live_hi, n_cols, col0, BM: tl.constexpr, BN: t
     live = (m >= live_lo) & (m < live_hi)
     store_rows(gate + m * n_cols, g, live, n_cols, col0, BN)
     store_rows(up + m * n_cols, u, live, n_cols, col0, BN)
+
+
+@triton.jit
+def anchor(x, like, out, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out + i, anchored(tl.load(x + i), tl.load(like + i)))
 """
 
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     path = tmp_path_factory.mktemp("device") / "device_kernels.py"
-    path.write_text(KERNELS.replace("@@DEVICE@@", include("gemm")), encoding="utf-8")
+    device = include("gemm") + "\n\n\n" + include("experts", ("anchored",))
+    path.write_text(KERNELS.replace("@@DEVICE@@", device), encoding="utf-8")
     return import_kernels(path, interpret=True)
 
 
@@ -215,6 +222,19 @@ def test_gate_up_splits_interleaved_columns_and_stores_only_live_rows(kernels):
     want_gate[3:11, 16:] = acc[3:11, 0 : 2 * (n_cols - 16) : 2]  # column 2f is gate f, 2f + 1 up f
     want_up[3:11, 16:] = acc[3:11, 1 : 2 * (n_cols - 16) : 2]
     assert torch.equal(gate, want_gate) and torch.equal(up, want_up)
+
+
+def test_anchored_returns_its_input_bit_for_bit_whatever_it_is_anchored_to(kernels):
+    edges = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.0, -3.5, float("inf"), -float("inf"), float("nan")])
+    g = torch.Generator().manual_seed(2)
+    values = torch.cat((edges, torch.randn(7, generator=g) * 1e30))
+    x, like = (t.reshape(-1).contiguous() for t in torch.meshgrid(values, values, indexing="ij"))
+    n = 1 << (x.numel() - 1).bit_length()
+    x, like = (torch.cat((t, torch.zeros(n - t.numel()))) for t in (x, like))
+    out = torch.full_like(x, 7.0)
+    interpreted(kernels.anchor, (1,), (x, like, out), dict(N=n))
+    same = (out.view(torch.int32) == x.view(torch.int32)) | (out.isnan() & x.isnan())
+    assert same.all(), (x[~same][:4], like[~same][:4], out[~same][:4])
 
 
 def test_native_launches_get_a_scratch_allocator_unless_the_program_has_one():

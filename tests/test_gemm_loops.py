@@ -74,24 +74,25 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
 
 def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     """The backward's GEMM work, in split mode's GEMM kernel and in the unified kernel (the
-    native default until split mode's backward has run on a GPU): four loops — dA = dO·Wdᵀ,
-    dX = dH·[Wg Wu]ᵀ and the two weight gradients — each on TMA, pipelined (wait depth 1)
-    and without a spill inside. What it does not meet yet is held here as it is, so that it
-    can only get better: its loops take 1.08-1.14× the yardstick's instructions in the GEMM
-    kernel, 1.12-1.21× in the unified one (two R2UR each), and 864-1,112 B of stack per
-    thread, all of it outside the loops, in dA's epilogue: Triton computes the gated
-    activation's backward in two layouts, the accumulator's (dgate, dup) and that of the
-    pre-activations' stride-2 loads (the activation), and 255 registers do not hold both
+    native default until split mode's CUDA graph and withheld task have run on a GPU): four
+    loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two weight gradients — each on TMA with one
+    barrier for both loads (``gemm_tile`` loads A before a transposed B), pipelined (wait
+    depth 1), without a spill inside, within the forward's 1.10× of the yardstick in the GEMM
+    kernel (1.03-1.07×) and 1.16× in the unified one (1.05-1.15×). Stack: the GEMM kernel's
+    120-128 B are addresses kept from the program's start; the unified kernel's 864-1,112 B
+    are in dA's epilogue, where Triton forms the gated activation's backward in two layouts,
+    the accumulator's and the stride-2 loads' (the GEMM kernel ``anchored``s the loads to the
+    accumulator; the unified kernel's registers do not hold that)
     (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
     backward = [r for r in results if r["kernel"].endswith("backward")]
     assert sorted(r["kernel"] for r in backward) == ["rdep_gemm.backward"] * 2 + ["rdep_layer.backward"] * 2
     for r in backward:
-        bound = 1.16 if r["kernel"].startswith("rdep_gemm") else 1.22
+        split = r["kernel"].startswith("rdep_gemm")
         assert len(r["loops"]) == 4, r["loops"]
         for loop in r["loops"]:
             where = (r["layer"], r["kernel"], loop["shapes"], loop["instructions"])
             assert loop["spill_loads"] == loop["spill_stores"] == 0 and loop["wait_depth"] >= 1, where
-            assert loop["tma_loads"] == 2 and loop["instructions"] <= bound * yard[loop["shapes"][0]], where
-            assert loop["r2ur"] <= 2, where
-        assert r["stack"] <= 1136, (r["layer"], r["kernel"], r["stack"])
+            assert loop["tma_loads"] == 2 and loop["r2ur"] <= 1, where
+            assert loop["instructions"] <= (1.10 if split else 1.16) * yard[loop["shapes"][0]], where
+        assert r["stack"] <= (128 if split else 1136), (r["layer"], r["kernel"], r["stack"])

@@ -114,10 +114,14 @@ def gemm_tile(
             w0 = 0
         for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
+                # A's load first: the pipeliner gives consecutive TMA loads one barrier, and
+                # the tl.trans between them split them into two (a second wait, arrival and
+                # address per iteration)
+                x = a_desc.load([row0, k])
                 b = tl.trans(wd.load([w0 + col0, k]))
             else:
                 b = wd.load([w0 + k, col0])
-            x = a_desc.load([row0, k])
+                x = a_desc.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
         if a_index is not None:
@@ -254,7 +258,9 @@ def gemm_rows_tn(
         b_desc = tl.make_tensor_descriptor(b + start * b_cols, shape=[rows, b_cols], strides=[b_cols, 1],
                                            block_shape=[BK, BN])  # fmt: skip
         for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
-            acc = mma(tl.trans(a_desc.load([r0, col_a])), b_desc.load([r0, col_b]), acc, CAST_F32, PRECISION)
+            chunk_a = a_desc.load([r0, col_a])  # both loads before the tl.trans: one barrier (gemm_tile)
+            chunk_b = b_desc.load([r0, col_b])
+            acc = mma(tl.trans(chunk_a), chunk_b, acc, CAST_F32, PRECISION)
     else:
         for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
             acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)

@@ -149,7 +149,7 @@ def rdep_gemm(
                     kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                     saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                     owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, up_desc, down_desc, up_t, down_t,
+                    SAVE, True, up_desc, down_desc, up_t, down_t,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2

@@ -246,7 +246,8 @@ def rdep_layer(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, up_desc, down_desc, up_t, down_t,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
+                            down_t,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(

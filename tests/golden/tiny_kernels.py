@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 9fb9a07dd8f3d4e0fe2507170fb80641ef8e3d8188067b7b1f7d22771e876e5f
+# content-sha256: a6e61f9a47a4a2ad598f768d1dcd6c905ea40e738f7660b566ad1889d952beee
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1097,10 +1097,14 @@ def gemm_tile(
             w0 = 0
         for k in tl.range(0, K_DIM, BK, num_stages=1 if SCALE_COLS > 0 else STAGES):
             if TRANS_B:
+                # A's load first: the pipeliner gives consecutive TMA loads one barrier, and
+                # the tl.trans between them split them into two (a second wait, arrival and
+                # address per iteration)
+                x = a_desc.load([row0, k])
                 b = tl.trans(wd.load([w0 + col0, k]))
             else:
                 b = wd.load([w0 + k, col0])
-            x = a_desc.load([row0, k])
+                x = a_desc.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
         if a_index is not None:
@@ -1237,7 +1241,9 @@ def gemm_rows_tn(
         b_desc = tl.make_tensor_descriptor(b + start * b_cols, shape=[rows, b_cols], strides=[b_cols, 1],
                                            block_shape=[BK, BN])  # fmt: skip
         for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
-            acc = mma(tl.trans(a_desc.load([r0, col_a])), b_desc.load([r0, col_b]), acc, CAST_F32, PRECISION)
+            chunk_a = a_desc.load([r0, col_a])  # both loads before the tl.trans: one barrier (gemm_tile)
+            chunk_b = b_desc.load([r0, col_b])
+            acc = mma(tl.trans(chunk_a), chunk_b, acc, CAST_F32, PRECISION)
     else:
         for r0 in tl.range(0, n_rows, BK, num_stages=STAGES):
             acc = rows_tn_chunk(a, a_cols, ca, b, b_cols, cb, start, r0, n_rows, acc, BK, CAST_F32, PRECISION)
@@ -1378,6 +1384,16 @@ def glu_backward(gate, up, da):
         return d_gate, d_up
     sig = tl.sigmoid(gate)
     return da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)
+
+
+@triton.jit
+def anchored(x, like):
+    """``x``, bitwise, computed from ``like`` too: x - (+0.0), the +0.0 formed from ``like``
+    (any value, a NaN or an infinity included). Triton gives an element-wise result the layout
+    of its operands: the pre-activations a dA tile loads then share the accumulator's layout,
+    and the gated activation's backward is formed once, not once per layout (880 B of stack)."""
+    z = tl.abs(like * 0.0)
+    return x - tl.where(z == z, z, 0.0)
 
 
 @triton.jit
@@ -1642,6 +1658,7 @@ def bgemm1(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
+    PAIRED: tl.constexpr,
     down_t=None,
     up_desc=None,
 ):
@@ -1656,6 +1673,11 @@ def bgemm1(
     With ``RESEND`` the input rows came again beside dO (BWD_INPUTS, in the payload's dtype,
     at the same places): GEMM1 again reads them there as the forward's GEMM1 read its
     payload, and F-block 0 copies them to the owner's rows (``saved_x``) for dWg and dWu.
+
+    PAIRED (the split GEMM kernel): the saved pre-activations are ``anchored`` to dA and
+    (dgate, dup) stored as pairs, so that the gated backward is formed in one layout, the
+    accumulator's: 880 → 104 B of stack. The unified kernel keeps both per layout: with its
+    transport code beside, 255 registers do not hold the other (spills in its GEMM loops).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -1703,10 +1725,22 @@ def bgemm1(
                 pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
                 gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
                 up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+                if PAIRED:
+                    gate = anchored(gate, da)
+                    up = anchored(up, da)
             d_gate, d_up = glu_backward(gate, up, da)
-            out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
-            tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
-            tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
+            if PAIRED:
+                c2 = 2 * f + tl.arange(0, 2 * BLOCK_F)
+                pair = tl.join(narrow(d_gate, DTYPE, CAST_F32), narrow(d_up, DTYPE, CAST_F32))
+                tl.store(
+                    dh + row[:, None] * (2 * F) + c2[None, :],
+                    tl.reshape(pair, (BM, 2 * BLOCK_F)),
+                    mask=live[:, None] & (c2 < 2 * F)[None, :],
+                )
+            else:
+                out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+                tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
+                tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
             act = glu_again(gate, up)
         else:
             if RECOMPUTE:
@@ -1856,8 +1890,8 @@ def expert_item(
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, up_desc=None, down_desc=None, up_t=None,
-    down_t=None,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr, up_desc=None,
+    down_desc=None, up_t=None, down_t=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
@@ -1869,7 +1903,7 @@ def expert_item(
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, down_t, up_desc,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc,
             )  # fmt: skip
         else:
             gemm1(
@@ -2560,7 +2594,8 @@ def rdep_layer(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, up_desc, down_desc, up_t, down_t,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
+                            down_t,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
@@ -2717,7 +2752,7 @@ def rdep_gemm(
                     kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                     saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                     owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, up_desc, down_desc, up_t, down_t,
+                    SAVE, True, up_desc, down_desc, up_t, down_t,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
