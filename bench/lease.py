@@ -1,0 +1,208 @@
+"""One short GPU lease, one command: the checks no lease has reached yet, in the order
+docs/gpu.md's "What the next lease has to confirm" gives, under one deadline.
+
+    RDEPC_COMMIT=<sha> python3 bench/lease.py --out $OUT --deadline 540    # on the GPU machine
+    python bench/lease.py --plan                                             # the steps, in order
+    python bench/lease.py --dry-run --out build/lease --steps 1              # CPU: the interpreter
+
+A lease is 15 minutes of device time, machine start included: one call of ~9 minutes
+carries what a stage-per-command run (docs/gpu.md) would need four for. Each step (``STEPS``)
+is either a subset of an acceptance stage (``acceptance.py --stage S --only ... --budget B``,
+records in ``OUT/N-STAGE/``) or one command (a ``rdepc run --check``, a bench), each in a
+process of its own, killed at the smaller of its cap and the time left; a step that would
+start with under ``MIN_LEFT`` seconds left is recorded as skipped. ``OUT/lease.json`` holds
+every step's command, seconds, exit status and the tail of its output, written after each
+step; ``OUT/summary.md`` the acceptance's report of every stage's records; and
+``OUT/lease.tar.gz`` all of it (a device call brings back a few files only). Commands run in
+a scratch folder, examples by absolute path: in the tree's root its ``rdepc/`` would shadow
+the installed wheel. A dry run runs the acceptance steps under the interpreter (their own
+``--dry-run``) and records the GPU-only commands as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MIN_LEFT = 20.0  # seconds: less than a step's start-up (imports, a prewarm's first builds)
+TAIL = 4000  # characters of a step's output kept in lease.json
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: ``stage`` and ``only`` (globs) for a subset of an acceptance stage, run
+    with ``--budget budget``; or ``command`` (``{ROOT}``, ``{OUT}`` and ``{PY}`` filled in),
+    which needs a GPU. ``cap``: seconds after which its process is killed."""
+
+    why: str
+    cap: float
+    stage: str | None = None
+    only: tuple[str, ...] = ()
+    budget: float | None = None
+    command: tuple[str, ...] = field(default=())
+
+    def argv(self, out: Path, index: int, dry: bool) -> list[str]:
+        if self.stage:
+            argv = [sys.executable, str(HERE / "acceptance.py"), "--stage", self.stage]
+            argv += ["--out", str(out / f"{index}-{self.stage}")]
+            argv += [a for g in self.only for a in ("--only", g)]
+            argv += ["--budget", str(self.budget)] if self.budget else []
+            return argv + (["--dry-run"] if dry else [])
+        fill = {"ROOT": str(ROOT), "OUT": str(out), "PY": sys.executable}
+        return [a.format(**fill) for a in self.command]
+
+
+TINY_BALANCE = "{ROOT}/examples/tiny_balance.rdep"
+STEPS = (
+    Step(
+        "split mode's CUDA graph and withheld task (then split becomes the native default); the backward of "
+        "the two examples the last lease's budget left",
+        cap=210,
+        stage="correct",
+        only=("cuda_graph/*", "withheld/*", "backward/nvl72_e128", "backward/deepseek_v3"),
+        budget=150,
+    ),
+    Step(
+        "a PE killed: the survivors' seconds to their error at 2^22 spins; 4 PEs; the user's torchrun",
+        cap=200,
+        stage="nvshmem",
+        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2"),
+        budget=100,
+    ),
+    Step(
+        "balance replicate on nvshmem: the exchange, the pushes and the receipts across 4 PEs",
+        cap=90,
+        command=(
+            "torchrun",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "rdepc",
+            "run",
+            TINY_BALANCE,
+            "--backend",
+            "nvshmem",
+            "--routing",
+            "zipf:1.5",
+            "--check",
+        ),
+    ),
+    Step(
+        "the balance solver's time at the examples' shapes, against the seed's 0.111 ms",
+        cap=90,
+        command=("{PY}", "{ROOT}/bench/balance.py", "--device-plan", "cuda", "--out", "{OUT}/balance"),
+    ),
+    Step(
+        "fp8, dedup and deepseek_v3's forward, not reached since the split",
+        cap=180,
+        stage="correct",
+        only=("fp8/*", "dedup/*", "forward/deepseek_v3"),
+        budget=130,
+    ),
+    Step(
+        "what the weights' per-program descriptors saved",
+        cap=120,
+        stage="perf",
+        only=("perf/moonlight/T4096/*",),
+        budget=80,
+    ),
+    Step("tile sizes tuned on the GPU, and the record the runtime reads", cap=120, stage="tune", budget=90),
+)
+
+
+def plan_text() -> str:
+    lines = []
+    for i, s in enumerate(STEPS, 1):
+        what = f"--stage {s.stage} " + " ".join(f"--only '{g}'" for g in s.only) if s.stage else " ".join(s.command)
+        lines.append(f"{i}. [{s.cap:g} s] {s.why}\n   {what}")
+    return "\n".join(lines) + "\n"
+
+
+def run(out: Path, deadline: float, dry: bool, steps: list[int]) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    record = {"deadline_s": deadline, "dry_run": dry, "commit": os.environ.get("RDEPC_COMMIT"), "steps": []}
+    ok = True
+    with tempfile.TemporaryDirectory() as scratch:
+        for i in steps:
+            step = STEPS[i - 1]
+            argv = step.argv(out, i, dry)
+            entry = {"step": i, "why": step.why, "argv": argv}
+            left = deadline - (time.monotonic() - start)
+            if dry and not step.stage:
+                entry |= {"status": "skipped", "reason": "a dry run: the command needs a GPU"}
+            elif left < MIN_LEFT:
+                entry |= {"status": "skipped", "reason": f"{left:.0f} s left of the deadline"}
+            else:
+                print(f"[lease] step {i}: {step.why} (up to {min(step.cap, left):.0f} s)", flush=True)
+                entry |= _run_step(argv, min(step.cap, left), scratch if not step.stage else str(ROOT))
+                ok = ok and entry["status"] == "pass"
+                print(f"[lease] step {i}: {entry['status']} ({entry['seconds']} s)", flush=True)
+            record["steps"].append(entry)
+            (out / "lease.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    summary = [_report(d) for d in sorted(out.iterdir()) if d.is_dir() and any(d.glob("*.json"))]
+    (out / "summary.md").write_text("\n".join(summary), encoding="utf-8")
+    with tarfile.open(out / "lease.tar.gz", "w:gz") as tar:
+        for p in sorted(out.iterdir()):
+            if p.name != "lease.tar.gz":
+                tar.add(p, arcname=p.name)
+    return 0 if ok else 1
+
+
+def _run_step(argv: list[str], limit: float, cwd: str) -> dict:
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=limit)
+        status = "pass" if done.returncode == 0 else "fail"
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        status, code = "cut off", None
+        text = _text(e.stdout) + _text(e.stderr) + f"\n[lease] killed after {limit:.0f} s"
+    except OSError as e:  # torchrun or the interpreter missing
+        status, code, text = "error", None, f"{type(e).__name__}: {e}"
+    return {"status": status, "returncode": code, "seconds": round(time.monotonic() - t0, 1), "tail": text[-TAIL:]}
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _report(directory: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(HERE / "acceptance.py"), "--report", str(directory)], capture_output=True, text=True
+    )
+    return done.stdout or done.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="the directory for lease.json, summary.md, lease.tar.gz and each step's records")
+    ap.add_argument("--deadline", type=float, default=540, help="seconds for all the steps (default 540)")
+    ap.add_argument("--steps", type=int, nargs="+", help="these steps only (1-based, as --plan numbers them)")
+    ap.add_argument("--dry-run", action="store_true", help="the acceptance steps on the CPU, the commands skipped")
+    ap.add_argument("--plan", action="store_true", help="print the steps and exit")
+    args = ap.parse_args(argv)
+    if args.plan:
+        print(plan_text(), end="")
+        return 0
+    if not args.out:
+        ap.error("--out DIR is needed (or --plan)")
+    steps = args.steps or list(range(1, len(STEPS) + 1))
+    bad = [s for s in steps if not 1 <= s <= len(STEPS)]
+    if bad:
+        ap.error(f"no step {bad[0]}: there are {len(STEPS)} (--plan lists them)")
+    return run(Path(args.out), args.deadline, args.dry_run, steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
