@@ -412,7 +412,7 @@ def bgemm1(
 
     PAIRED (the split GEMM kernel): the saved pre-activations are ``anchored`` to dA and
     (dgate, dup) stored as pairs, so that the gated backward is formed in one layout, the
-    accumulator's: 880 → 104 B of stack. The unified kernel keeps both per layout: with its
+    accumulator's: 880 → 120-128 B of stack. The unified kernel keeps both per layout: with its
     transport code beside, 255 registers do not hold the other (spills in its GEMM loops).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each

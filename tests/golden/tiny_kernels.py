@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: a6e61f9a47a4a2ad598f768d1dcd6c905ea40e738f7660b566ad1889d952beee
+# content-sha256: 3518b3ceac80fe7e3b6910fb53f68f2294671c762ea2f376a326dfee27c5cbef
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1676,7 +1676,7 @@ def bgemm1(
 
     PAIRED (the split GEMM kernel): the saved pre-activations are ``anchored`` to dA and
     (dgate, dup) stored as pairs, so that the gated backward is formed in one layout, the
-    accumulator's: 880 → 104 B of stack. The unified kernel keeps both per layout: with its
+    accumulator's: 880 → 120-128 B of stack. The unified kernel keeps both per layout: with its
     transport code beside, 255 registers do not hold the other (spills in its GEMM loops).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
