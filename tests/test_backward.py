@@ -14,6 +14,7 @@ import torch
 from rdepc.passes.symmetric import symmetric_plan
 from rdepc.runtime.autograd import gate_grad
 from rdepc.runtime.module import KernelError
+from rdepc.runtime.tensors import TORCH_DTYPES
 
 from rdepc.api import Layer, elaborate_layer
 from rdepc.ir.contract import Tiles
@@ -427,3 +428,27 @@ def test_the_gate_on_the_input_resent_rows_and_an_fp8_backward_are_bitwise_in_sp
     y, _, dy, want = grads(layer.module(schedule="pipelined", tiles=TILES), inputs)
     got_y, _, _, got = grads(layer.module(schedule="pipelined", mode="split", tiles=TILES), inputs, dy)
     assert torch.equal(got_y, y) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(F=40, capacity="factor 0.5, weights zero", routing="zipf:1.5"),
+        Case(F=40, act="clamped_swiglu", act_args=", limit = 0.5", bias=True, dtype="bf16"),
+    ],
+    ids=["swiglu-drops", "clamped-bias-bf16"],
+)
+def test_the_gemm_kernels_paired_da_epilogue_is_bitwise_the_unified_kernels(case):
+    """The split GEMM kernel forms dA's gated backward from pre-activations ``anchored`` to
+    the accumulator and stores dgate and dup as pairs (``bgemm1``'s PAIRED); the unified
+    kernel loads and stores them per column. The kept pre-activations (no recompute), an F
+    that the F-block does not divide (40 against 32: a partial pair block): bitwise alike."""
+    layer = case.layer()
+    dt = TORCH_DTYPES[layer.spec.precision.dtype.value]
+    x, ids, g, wg, wu, wd = case.inputs()
+    inputs = (x.to(dt), ids, g, wg.to(dt), wu.to(dt), wd.to(dt))  # the gates stay fp32
+    biases = {k: v.to(dt) for k, v in case.biases().items() if v is not None}
+    y, _, dy, want = grads(layer.module(schedule="bulk", tiles=TILES), inputs, biases=biases)
+    got_y, _, _, got = grads(layer.module(schedule="bulk", mode="split", tiles=TILES), inputs, dy, biases)
+    assert torch.equal(got_y, y) and want.keys() == got.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
