@@ -595,6 +595,11 @@ def random_inputs(
     return Inputs(moved(x), ids.to(device), gates.to(device), moved(w_gate), moved(w_up), moved(w_down))
 
 
+# Weights below this many elements are drawn in the calling thread (the same values): a pool
+# of threads costs more than small draws take.
+PARALLEL_DRAW = 1 << 22
+
+
 def expert_weights(seed: int, name: str, E: int, rows: int, cols: int, fan: float, dtype: torch.dtype) -> torch.Tensor:
     """[E, rows, cols] in ``dtype``: expert e's matrix is N(0, 1) / ``fan`` in float32, drawn
     on the CPU from a generator seeded by (seed, name, e), then cast. Experts are drawn in
@@ -607,6 +612,10 @@ def expert_weights(seed: int, name: str, E: int, rows: int, cols: int, fan: floa
         gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
         out[e] = torch.randn(rows, cols, generator=gen) / fan
 
+    if E * rows * cols < PARALLEL_DRAW:
+        for e in range(E):
+            draw(e)
+        return out
     with ThreadPoolExecutor(max_workers=max(1, min(E, os.cpu_count() or 1))) as pool:
         list(pool.map(draw, range(E)))  # list(): an exception in a thread is raised here
     return out

@@ -434,3 +434,17 @@ def test_reference_for_uses_the_spec_route_row(tmp_path):
 def test_import_rdepc_does_not_import_torch_or_reference():
     code = "import sys, rdepc; assert 'torch' not in sys.modules and 'rdepc.reference' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_random_weights_are_the_same_drawn_in_threads_or_not(monkeypatch):
+    """Each expert's matrix has a generator of its own, so how the draws are spread over
+    threads cannot change a value; and another seed or tensor name gives other values."""
+    import rdepc.reference as reference
+
+    serial = reference.random_inputs(2, 3, 16, 8, 6, 2, seed=5)
+    monkeypatch.setattr(reference, "PARALLEL_DRAW", 0)  # every draw through the thread pool
+    threaded = reference.random_inputs(2, 3, 16, 8, 6, 2, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(serial, threaded, strict=True))
+    other = reference.random_inputs(2, 3, 16, 8, 6, 2, seed=6)
+    assert not torch.equal(serial.w_up, other.w_up) and not torch.equal(serial.w_up[:, :8], serial.w_gate[:, :8])
+    assert torch.equal(serial.x, reference.random_inputs(2, 3, 16, 8, 6, 2, seed=5, gated=False).x)
