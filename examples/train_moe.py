@@ -40,9 +40,11 @@ same expert weights (digests gathered over torch.distributed); rank 0 prints the
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -338,7 +340,20 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def exit_before_teardown(status: list[int]) -> None:
+    """Registered first, so run last of the exit handlers (NVSHMEM's finalize among them):
+    leave with ``status[0]`` before the interpreter tears down C++ statics. Wrapped in
+    DistributedDataParallel, a gloo group keeps its threads after destroy_process_group
+    (torch 2.13), and tearing them down with the statics can abort a finished run
+    ("terminate called without an active exception": 1 run in 7, two at once on 2 cores)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status[0])
+
+
 if __name__ == "__main__":
-    status = main()
+    status = [1]  # what an uncaught error leaves (its traceback is printed before the handlers)
+    atexit.register(exit_before_teardown, status)
+    status[0] = main()
     leave_process_group()
-    sys.exit(status)
+    sys.exit(status[0])
