@@ -150,7 +150,9 @@ def run(out: Path, deadline: float, dry: bool, steps: list[int]) -> int:
                 print(f"[lease] step {i}: {entry['status']} ({entry['seconds']} s)", flush=True)
             record["steps"].append(entry)
             (out / "lease.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
-    summary = [_report(d) for d in sorted(out.iterdir()) if d.is_dir() and any(d.glob("*.json"))]
+    from bench.acceptance import report
+
+    summary = [report(d) for d in sorted(out.iterdir()) if d.is_dir() and any(d.glob("*.json"))]
     (out / "summary.md").write_text("\n".join(summary), encoding="utf-8")
     with tarfile.open(out / "lease.tar.gz", "w:gz") as tar:
         for p in sorted(out.iterdir()):
@@ -177,13 +179,6 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def _report(directory: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, str(HERE / "acceptance.py"), "--report", str(directory)], capture_output=True, text=True
-    )
-    return done.stdout or done.stderr
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="the directory for lease.json, summary.md, lease.tar.gz and each step's records")
@@ -205,4 +200,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.append(str(ROOT))  # `from bench import ...` as a script; an installed rdepc stays first
     sys.exit(main())

@@ -71,14 +71,17 @@ class Case:
         spec, _ = elaborate_layer(parse_text(text, "grad.rdep"), None, {})
         return Layer(spec)
 
-    def inputs(self):
+    def inputs(self, dtype=torch.float32):
         gated = is_gated(self.act)
         return random_inputs(
-            self.W, self.T, self.H, self.F, self.E, self.K, gated=gated, routing=self.routing, seed=self.seed
-        )
+            self.W, self.T, self.H, self.F, self.E, self.K, gated=gated, routing=self.routing, seed=self.seed,
+            dtype=dtype,
+        )  # fmt: skip
 
-    def biases(self) -> dict:
-        return random_biases(self.E, self.H, self.F, gated=is_gated(self.act), seed=self.seed) if self.bias else {}
+    def biases(self, dtype=torch.float32) -> dict:
+        if not self.bias:
+            return {}
+        return random_biases(self.E, self.H, self.F, gated=is_gated(self.act), seed=self.seed, dtype=dtype)
 
 
 def grads(fn, inputs, dy=None, biases=None):
@@ -445,9 +448,7 @@ def test_the_gemm_kernels_paired_da_epilogue_is_bitwise_the_unified_kernels(case
     that the F-block does not divide (40 against 32: a partial pair block): bitwise alike."""
     layer = case.layer()
     dt = TORCH_DTYPES[layer.spec.precision.dtype.value]
-    x, ids, g, wg, wu, wd = case.inputs()
-    inputs = (x.to(dt), ids, g, wg.to(dt), wu.to(dt), wd.to(dt))  # the gates stay fp32
-    biases = {k: v.to(dt) for k, v in case.biases().items() if v is not None}
+    inputs, biases = case.inputs(dt), case.biases(dt)  # the gates stay fp32
     y, _, dy, want = grads(layer.module(schedule="bulk", tiles=TILES), inputs, biases=biases)
     got_y, _, _, got = grads(layer.module(schedule="bulk", mode="split", tiles=TILES), inputs, dy, biases)
     assert torch.equal(got_y, y) and want.keys() == got.keys()
