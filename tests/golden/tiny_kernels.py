@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 3518b3ceac80fe7e3b6910fb53f68f2294671c762ea2f376a326dfee27c5cbef
+# content-sha256: 6bf4ebac685f132cc68638304a3aef7aa26e60255c2f86e8a5eec8a1689e810a
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1400,9 +1400,9 @@ def anchored(x, like):
 def glu_again(gate, up):
     """The activation at pre-activations ``gate`` and ``up``, for the down projection's
     weight gradient: ``glu``'s, with the clamped variant's products in ``glu_backward``'s
-    order. Apart from ``glu_backward`` so that it is formed after dgate and dup are stored:
-    with the three tiles formed at once, 255 registers did not hold the unified backward's
-    GEMM loops (two spills in each)."""
+    order. Apart from ``glu_backward`` so that the unified kernel forms it after dgate and dup
+    are stored: with the three tiles formed at once, 255 registers did not hold its GEMM
+    loops (two spills in each). The GEMM kernel forms it before that store (``bgemm1``)."""
     if ACT == "clamped_swiglu":
         g = tl.minimum(gate, ACT_LIMIT)
         u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
@@ -1676,8 +1676,10 @@ def bgemm1(
 
     PAIRED (the split GEMM kernel): the saved pre-activations are ``anchored`` to dA and
     (dgate, dup) stored as pairs, so that the gated backward is formed in one layout, the
-    accumulator's: 880 → 120-128 B of stack. The unified kernel keeps both per layout: with its
-    transport code beside, 255 registers do not hold the other (spills in its GEMM loops).
+    accumulator's, and the activation A is formed (and narrowed) before the pairs are stored,
+    so that gate and up are not held across the store: 880 → 48 B of stack. The unified
+    kernel keeps both per layout and forms A after the store: with its transport code beside,
+    255 registers do not hold the other (spills in its GEMM loops).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -1730,6 +1732,7 @@ def bgemm1(
                     up = anchored(up, da)
             d_gate, d_up = glu_backward(gate, up, da)
             if PAIRED:
+                act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
                 c2 = 2 * f + tl.arange(0, 2 * BLOCK_F)
                 pair = tl.join(narrow(d_gate, DTYPE, CAST_F32), narrow(d_up, DTYPE, CAST_F32))
                 tl.store(
@@ -1741,7 +1744,7 @@ def bgemm1(
                 out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
                 tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
                 tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
-            act = glu_again(gate, up)
+                act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
         else:
             if RECOMPUTE:
                 h = again
@@ -1756,7 +1759,8 @@ def bgemm1(
                 act = tl.maximum(h, 0.0)
                 slope = tl.where(h > 0.0, 1.0, 0.0)
             tl.store(dh + row[:, None] * F + c[None, :], narrow(da * slope, DTYPE, CAST_F32), mask=keep)
-        store_rows(act_rows + row * F, narrow(act, DTYPE, CAST_F32), live, F, f, BLOCK_F)
+            act = narrow(act, DTYPE, CAST_F32)
+        store_rows(act_rows + row * F, act, live, F, f, BLOCK_F)
         if f == 0:
             first = tl.cast(q, tl.int64) * R_MAX + row0
             if DEDUP:
