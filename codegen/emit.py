@@ -201,6 +201,7 @@ def constants(p: KernelContract) -> str:
         _c("DISPATCH_SCALE", f'"{p.dispatch_scale or "none"}"', "fp8 payload scales: row, block or none"),
         _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
         _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
+        _c("PER_RANK", p.per_rank, "one process per rank: every GEMM item a process runs is its rank's"),
         _c("ACT", f'"{p.act}"', "the expert's activation"),
         _c("ACT_LIMIT", p.act_limit, "clamped_swiglu: gate <= limit, up within +-limit (else 0)"),
         _c("ACT_ALPHA", p.act_alpha, "clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)"),

@@ -401,6 +401,7 @@ def _compile(
                 "wgmma": "wgmma" in ptx,
                 "wgmma_shapes": wgmma,
                 "tma": "cp.async.bulk.tensor" in ptx,
+                "descriptors": descriptor_builds(ptx),
                 "loops": loops,
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
@@ -415,6 +416,17 @@ def _compile(
             }
         )
     return out
+
+
+def descriptor_builds(ptx: str) -> dict[str, int]:
+    """The tensor descriptors a kernel builds in global memory (each a ``tensormap`` written
+    and fenced before its first read), read from its PTX: ``program`` those before its first
+    atomic (where a program starts: the GEMM kernel counts itself in, the unified kernel takes
+    its first ticket), ``item`` those after, which a work item builds each time it runs them."""
+    first = ptx.find("atom.")
+    builds = [m.start() for m in re.finditer(r"tensormap\.replace\.tile\.global_address", ptx)]
+    program = sum(1 for at in builds if first < 0 or at < first)
+    return {"program": program, "item": len(builds) - program}
 
 
 def _balance(contract: KernelContract, module, kernel: str, out_dir: Path, arch: int, options: dict) -> dict:

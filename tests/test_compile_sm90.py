@@ -114,6 +114,14 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
             # (Triton 3.6-3.9); as launched 32-160 bytes (nvshmem, NVSHMEM's device code linked: 600-840).
             most = 256 if backend == "emulated" else 1024
             assert r["stack"] <= most, f"moonlight {r['kernel']}: {r['stack']} bytes of stack per thread"
+        if gemms and r["layer"] in ("moonlight", "deepseek_v3"):
+            # Tensor descriptors built in global memory, each written and fenced before its first read:
+            # the experts' weights' and, one process per rank, the rows' (payload and workspace rings) once
+            # per program; by every work item only the weight gradients' (bounded to the expert's rows, two
+            # per kind) and, all ranks in one process, the rows' (the owner changes from item to item).
+            one = backend == "emulated"
+            per_item = (4 if r["kernel"].endswith("backward") else 0) + (2 if one else 0)
+            assert r["descriptors"] == {"program": 2 if one else 4, "item": per_item}, (r["layer"], r["kernel"])
         fp8 = r["layer"] == "deepseek_v3" and not r["kernel"].endswith("backward")  # the backward sends no fp8
         assert r["fp8"] == fp8, f"{r['layer']} {r['kernel']}: fp8 e4m3 conversions: {r['fp8']}"
         if dtypes[r["layer"]] != "fp32" and gemms:  # bf16 grouped GEMMs on Hopper tensor cores

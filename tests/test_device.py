@@ -33,6 +33,19 @@ def tile(a, a_rows, row0, w, n_cols, col0, out, K_DIM: tl.constexpr, BM: tl.cons
 
 
 @triton.jit
+def program_tiles(a, a_rows, rows0, w, n_cols, col0, out, N_TILES: tl.constexpr, K_DIM: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TRANS_B: tl.constexpr):
+    # a program's tiles of one A through the descriptor it built once (ring_descriptors)
+    a_desc = rows_descriptor(a, a_rows, K_DIM, BM, BK)
+    m = tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    for t in range(N_TILES):
+        acc = gemm_tile(a, a_rows, tl.load(rows0 + t), w, n_cols, col0, K_DIM, BM, BN, BK, 2, True, True, "ieee",
+                        TRANS_B, a_desc=a_desc)
+        tl.store(out + t * BM * BN + m[:, None] * BN + n[None, :], acc)
+
+
+@triton.jit
 def scaled_tile(a, a_rows, row0, w, n_cols, col0, scales, out, K_DIM: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, SCALE_COLS: tl.constexpr):
     acc = gemm_tile(a, a_rows, row0, w, n_cols, col0, K_DIM, BM, BN, BK, 1, TMA, True, "ieee", False, scales,
@@ -118,6 +131,30 @@ def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, r
                                                                              CAST_F32=True)
         )  # fmt: skip
         torch.testing.assert_close(out, expected(a, row0, w, col0, BM, BN), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_a_programs_rows_descriptor_gives_each_tile_its_own_descriptors_result(kernels, trans_b):
+    """Tiles that read A through one descriptor their program built (``a_desc``: the payload
+    and workspace rings, one process per rank) are bitwise the tiles that build their own,
+    overhanging rows included."""
+    g = torch.Generator().manual_seed(11)
+    K, N, BM, BN, BK = 48, 80, 32, 32, 32
+    a = torch.randn(40, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) if trans_b else torch.randn(K, N, generator=g)).to(torch.bfloat16)
+    rows0 = torch.tensor([30, 0, 16, -8], dtype=torch.int32)
+    shared = torch.full((len(rows0), BM, BN), float("nan"))
+    interpreted(
+        kernels.program_tiles, (1,), (a, a.shape[0], rows0, w, N, 64, shared),
+        dict(N_TILES=len(rows0), K_DIM=K, BM=BM, BN=BN, BK=BK, TRANS_B=trans_b),
+    )  # fmt: skip
+    for t, row0 in enumerate(rows0.tolist()):
+        own = torch.full((BM, BN), float("nan"))
+        interpreted(
+            kernels.tile, (1,), (a, a.shape[0], row0, w, N, 64, own),
+            dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=True, CAST_F32=True, TRANS_B=trans_b),
+        )  # fmt: skip
+        assert torch.equal(shared[t], own), row0
 
 
 @pytest.mark.parametrize("trans_b", [False, True])

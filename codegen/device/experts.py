@@ -7,7 +7,15 @@ gradients); ``expert_item`` runs one work item of any of them. The GEMM main loo
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import narrow
-from rdepc.codegen.device.gemm import column_sums, copy_rows, gate_up, gemm_rows_tn, gemm_tile, store_rows
+from rdepc.codegen.device.gemm import (
+    column_sums,
+    copy_rows,
+    gate_up,
+    gemm_rows_tn,
+    gemm_tile,
+    rows_descriptor,
+    store_rows,
+)
 from rdepc.codegen.device.heap import peer
 from rdepc.codegen.device.layout import (
     ACT,
@@ -91,6 +99,25 @@ def weight_descriptors(w_up, w_down, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexp
     )
     down_t = tl.make_tensor_descriptor(w_down, shape=[E * F, H], strides=[H, 1], block_shape=[BLOCK_F, BLOCK_K])
     return up, down, up_t, down_t
+
+
+@triton.jit
+def ring_descriptors(heap, hbuf, dh, me, BM: tl.constexpr, BLOCK_K: tl.constexpr, BACKWARD: tl.constexpr):
+    """The descriptors of the rows the GEMM tiles read (``gemm_tile``'s ``a_desc``), built
+    once per program where each tile would otherwise build its own: GEMM1's (the payload
+    ring, the forward's or the backward's) and GEMM2's (the workspace ring GEMM1 wrote; in the
+    backward dH at the owner's rows). Only one process per rank (PER_RANK), where every GEMM
+    item a program runs is its rank's (owner ``me``): the descriptors are those its tiles
+    would build, so every read is the same; with all ranks in one process the owner changes
+    from item to item and each tile builds its own."""
+    mine = peer(heap, me)
+    if BACKWARD:
+        rows = rows_descriptor((mine + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE)), B * S, H, BM, BLOCK_K)
+        mid = rows_descriptor(dh + me * R_MAX * (UP_COLS * F), R_MAX, UP_COLS * F, BM, BLOCK_K)
+    else:
+        rows = rows_descriptor((mine + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE)), B * S, H, BM, BLOCK_K)
+        mid = rows_descriptor(hbuf + me * (B * S) * F, B * S, F, BM, BLOCK_K)
+    return rows, mid
 
 
 @triton.jit
@@ -179,11 +206,13 @@ def payload_tile(
     COLS: tl.constexpr,
     w_desc=None,
     w_row=0,
+    a_desc=None,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
     (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
-    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor (``gemm_tile``)."""
+    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor, ``a_desc`` the rows'
+    (``gemm_tile``)."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
@@ -198,12 +227,12 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            COLS, w_desc=w_desc, w_row=w_row,
+            COLS, w_desc=w_desc, w_row=w_row, a_desc=a_desc,
         )  # fmt: skip
     else:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
-            w_desc=w_desc, w_row=w_row,
+            w_desc=w_desc, w_row=w_row, a_desc=a_desc,
         )  # fmt: skip
     return acc
 
@@ -233,6 +262,7 @@ def gemm1(
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
     w_desc=None,
+    a_desc=None,
 ):
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
@@ -264,7 +294,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H,
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H, a_desc,
         )  # fmt: skip
         if BIAS:
             bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -326,6 +356,7 @@ def gemm2(
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
     w_desc=None,
+    a_desc=None,
 ):
     """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
     (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
@@ -346,14 +377,14 @@ def gemm2(
             w = operand(w, slots, e, H * (UP_COLS * F), 0)
             acc = gemm_tile(
                 rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True,
-                w_desc=w_desc, w_row=e * H,
+                w_desc=w_desc, w_row=e * H, a_desc=a_desc,
             )  # fmt: skip
         else:
             rows += base * F
             w = operand(w, slots, e, F * H, SLOT_DOWN_AT)
             acc = gemm_tile(
                 rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, w_desc=w_desc,
-                w_row=e * F,
+                w_row=e * F, a_desc=a_desc,
             )  # fmt: skip
             if BIAS:
                 acc += bias_row(operand(bias, slots, e, H, SLOT_B_DOWN_AT), H, h, BLOCK_H)[None, :]
@@ -397,6 +428,7 @@ def bgemm1(
     PAIRED: tl.constexpr,
     down_t=None,
     up_desc=None,
+    a_desc=None,
 ):
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
@@ -438,7 +470,7 @@ def bgemm1(
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
         da = payload_tile(
             rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS,
-            down_t, e * F,
+            down_t, e * F, a_desc,
         )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
@@ -631,36 +663,36 @@ def expert_item(
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr, up_desc=None,
-    down_desc=None, up_t=None, down_t=None,
+    down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
     kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
-    their program's ``weight_descriptors``."""
+    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc, rows_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc, rows_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
                 dh, hbuf_rid, w_up, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0, lo,
-                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t,
+                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t, mid_desc,
             )  # fmt: skip
         else:
             gemm2(
                 hbuf, hbuf_rid, w_down, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0,
-                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc,
+                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc, mid_desc,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only

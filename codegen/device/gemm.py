@@ -70,6 +70,7 @@ def gemm_tile(
     a_index=None,
     w_desc=None,
     w_row=0,
+    a_desc=None,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -86,6 +87,9 @@ def gemm_tile(
 
     With ``a_index`` (int [BM], -1 for a row that reads as zero) the tile's rows are gathered:
     tile row m is row a_index[m] of A (``row0`` unused), loaded through pointers.
+
+    ``a_desc``: ``rows_descriptor(a, a_rows, K_DIM, BM, BK)`` built once by the program (the
+    same descriptor the tile would build), where A is the same matrix for all its tiles.
     """
     if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
@@ -99,7 +103,10 @@ def gemm_tile(
     if TMA and a_index is None:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
-        a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
+        if a_desc is not None:
+            ad = a_desc
+        else:
+            ad = rows_descriptor(a, a_rows, K_DIM, BM, BK)
         if w_desc is not None and ((n_cols % BN == 0) if TRANS_B else (K_DIM % BK == 0)):
             # every expert's weights in one descriptor, built once per program: the expert's
             # rows start at w_row, and whole chunks of them end where its rows end (BK divides
@@ -117,11 +124,11 @@ def gemm_tile(
                 # A's load first: the pipeliner gives consecutive TMA loads one barrier, and
                 # the tl.trans between them split them into two (a second wait, arrival and
                 # address per iteration)
-                x = a_desc.load([row0, k])
+                x = ad.load([row0, k])
                 b = tl.trans(wd.load([w0 + col0, k]))
             else:
                 b = wd.load([w0 + k, col0])
-                x = a_desc.load([row0, k])
+                x = ad.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
         if a_index is not None:
@@ -141,6 +148,13 @@ def gemm_tile(
     if SCALE_COLS >= K_DIM:
         acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def rows_descriptor(a, a_rows, K_DIM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The tensor descriptor ``gemm_tile`` reads its A [a_rows, K_DIM] (row-major at ``a``)
+    through: [BM, BK] blocks, rows past a_rows and columns past K_DIM read as zero."""
+    return tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
 
 
 @triton.jit
@@ -350,6 +364,7 @@ __all__ = [
     "proxy_fence",
     "row_major",
     "row_scales",
+    "rows_descriptor",
     "rows_tn_chunk",
     "store_rows",
     "to_e4m3",

@@ -4,7 +4,7 @@ the transport kernel (``rdep_layer`` compiled without it)."""
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import done_flag, now, report
-from rdepc.codegen.device.experts import expert_item, m_tile_slot, weight_descriptors
+from rdepc.codegen.device.experts import expert_item, m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.kernel import owner_buffers
 from rdepc.codegen.device.layout import (
     C_DEP_START,
@@ -21,6 +21,7 @@ from rdepc.codegen.device.layout import (
     KIND_GEMM1,
     KIND_GEMM2,
     NCOL,
+    PER_RANK,
     SEGMENTS,
     SLOT_ELEMS,
     TILE_SLOTS,
@@ -71,6 +72,10 @@ def rdep_gemm(
     down_t = None
     if TMA and SLOT_ELEMS == 0:
         up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
+    rows_desc = None  # the rows the tiles read, likewise (one process per rank: one owner's)
+    mid_desc = None
+    if TMA and PER_RANK:
+        rows_desc, mid_desc = ring_descriptors(heap, hbuf, dh, me, BM, BLOCK_K, BACKWARD)
     tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
@@ -149,7 +154,7 @@ def rdep_gemm(
                     kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                     saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                     owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, True, up_desc, down_desc, up_t, down_t,
+                    SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2

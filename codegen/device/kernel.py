@@ -8,7 +8,7 @@ import triton.language as tl
 from rdepc.codegen.device.combine import combine, combine_grad
 from rdepc.codegen.device.control import done_flag, now, report
 from rdepc.codegen.device.dispatch import dispatch
-from rdepc.codegen.device.experts import expert_item, m_tile_slot, weight_descriptors
+from rdepc.codegen.device.experts import expert_item, m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.layout import (
     C_CLAIM,
     C_GUARD,
@@ -36,6 +36,7 @@ from rdepc.codegen.device.layout import (
     KIND_UNPACK,
     KIND_WGRAD,
     NCOL,
+    PER_RANK,
     R_MAX,
     RING,
     SEGMENTS,
@@ -160,6 +161,10 @@ def rdep_layer(
     down_t = None
     if GEMMS and TMA and SLOT_ELEMS == 0:
         up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
+    rows_desc = None  # the rows the tiles read, likewise (one process per rank: one owner's)
+    mid_desc = None
+    if GEMMS and TMA and PER_RANK:
+        rows_desc, mid_desc = ring_descriptors(heap, hbuf, dh, me, BM, BLOCK_K, BACKWARD)
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
@@ -247,7 +252,7 @@ def rdep_layer(
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
                             BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
-                            down_t,
+                            down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(

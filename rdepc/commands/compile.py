@@ -67,7 +67,7 @@ def _cubins(out: Path, name: str) -> list[Path]:
             )
             continue
         mma = ", ".join(r["wgmma_shapes"]) or "no wgmma"
-        sp, at = r["specialization"], r["launch"]
+        sp, at, built = r["specialization"], r["launch"], r["descriptors"]
         aligned = "" if sp["aligned_pointers"] == sp["pointers"] else f"{sp['aligned_pointers']} of "
         ones = "".join(f", {n}=1 constant" for n in sp["constexpr_ones"])
         print(
@@ -75,12 +75,18 @@ def _cubins(out: Path, name: str) -> list[Path]:
             f"{r['shared']:,} bytes of shared memory, {r['registers']} registers, {r['stack']:,} bytes of "
             f"stack and {r['local_bytes']:,} bytes of local memory (spills) per thread, "
             f"{r['ctas_per_sm']} CTA{'s' if r['ctas_per_sm'] != 1 else ''} per SM; GEMMs: {mma}, "
-            f"{'TMA' if r['tma'] else 'no TMA'}; as launched: {aligned}pointers 16-byte aligned, "
+            f"{_tma(r['tma'], built)}; as launched: {aligned}pointers 16-byte aligned, "
             f"T'={at['n_tokens']}, {at['n_programs']} programs{ones}"
         )
         for loop in r["loops"]:
             print(f"  {loop_line(loop)}")
     return wrote
+
+
+def _tma(tma: bool, built: dict) -> str:
+    if not tma:
+        return "no TMA"
+    return f"TMA (tensor descriptors built: {built['program']} at a program's start, {built['item']} by its work items)"
 
 
 def loop_line(loop: dict) -> str:

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 6bf4ebac685f132cc68638304a3aef7aa26e60255c2f86e8a5eec8a1689e810a
+# content-sha256: abd497c5d7506d26481fd13f86be5fe684d98abbb04de687007b326277c9351f
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -92,6 +92,7 @@ DISPATCH_DTYPE = tl.constexpr(tl.float32)  # payload rows on the wire
 DISPATCH_SCALE = tl.constexpr("none")  # fp8 payload scales: row, block or none
 PRECISION = tl.constexpr("ieee")  # fp32 tl.dot in IEEE fp32, not TF32
 TMA = tl.constexpr(True)  # GEMM operands read through tensor descriptors (rows 16-byte aligned)
+PER_RANK = tl.constexpr(False)  # one process per rank: every GEMM item a process runs is its rank's
 ACT = tl.constexpr("swiglu")  # the expert's activation
 ACT_LIMIT = tl.constexpr(0.0)  # clamped_swiglu: gate <= limit, up within +-limit (else 0)
 ACT_ALPHA = tl.constexpr(0.0)  # clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)
@@ -1053,6 +1054,7 @@ def gemm_tile(
     a_index=None,
     w_desc=None,
     w_row=0,
+    a_desc=None,
 ):
     """One [BM, BN] fp32 tile: A[row0 : row0 + BM, :] · B[:, col0 : col0 + BN].
 
@@ -1069,6 +1071,9 @@ def gemm_tile(
 
     With ``a_index`` (int [BM], -1 for a row that reads as zero) the tile's rows are gathered:
     tile row m is row a_index[m] of A (``row0`` unused), loaded through pointers.
+
+    ``a_desc``: ``rows_descriptor(a, a_rows, K_DIM, BM, BK)`` built once by the program (the
+    same descriptor the tile would build), where A is the same matrix for all its tiles.
     """
     if SCALE_COLS > 0 and SCALE_COLS < K_DIM:
         tl.static_assert(SCALE_COLS % BK == 0, "a scale must cover whole reduction chunks")
@@ -1082,7 +1087,10 @@ def gemm_tile(
     if TMA and a_index is None:
         if not CAST_F32:  # natively (see mma)
             proxy_fence()
-        a_desc = tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
+        if a_desc is not None:
+            ad = a_desc
+        else:
+            ad = rows_descriptor(a, a_rows, K_DIM, BM, BK)
         if w_desc is not None and ((n_cols % BN == 0) if TRANS_B else (K_DIM % BK == 0)):
             # every expert's weights in one descriptor, built once per program: the expert's
             # rows start at w_row, and whole chunks of them end where its rows end (BK divides
@@ -1100,11 +1108,11 @@ def gemm_tile(
                 # A's load first: the pipeliner gives consecutive TMA loads one barrier, and
                 # the tl.trans between them split them into two (a second wait, arrival and
                 # address per iteration)
-                x = a_desc.load([row0, k])
+                x = ad.load([row0, k])
                 b = tl.trans(wd.load([w0 + col0, k]))
             else:
                 b = wd.load([w0 + k, col0])
-                x = a_desc.load([row0, k])
+                x = ad.load([row0, k])
             acc = mma_chunk(x, b, acc, a_scale, a_rows, rows, k, K_DIM, SCALE_COLS, CAST_F32, PRECISION)
     else:
         if a_index is not None:
@@ -1124,6 +1132,13 @@ def gemm_tile(
     if SCALE_COLS >= K_DIM:
         acc *= row_scales(a_scale, a_rows, rows, 0, K_DIM, SCALE_COLS)[:, None]
     return acc
+
+
+@triton.jit
+def rows_descriptor(a, a_rows, K_DIM: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The tensor descriptor ``gemm_tile`` reads its A [a_rows, K_DIM] (row-major at ``a``)
+    through: [BM, BK] blocks, rows past a_rows and columns past K_DIM read as zero."""
+    return tl.make_tensor_descriptor(a, shape=[a_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
 
 
 @triton.jit
@@ -1358,6 +1373,25 @@ def weight_descriptors(w_up, w_down, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexp
 
 
 @triton.jit
+def ring_descriptors(heap, hbuf, dh, me, BM: tl.constexpr, BLOCK_K: tl.constexpr, BACKWARD: tl.constexpr):
+    """The descriptors of the rows the GEMM tiles read (``gemm_tile``'s ``a_desc``), built
+    once per program where each tile would otherwise build its own: GEMM1's (the payload
+    ring, the forward's or the backward's) and GEMM2's (the workspace ring GEMM1 wrote; in the
+    backward dH at the owner's rows). Only one process per rank (PER_RANK), where every GEMM
+    item a program runs is its rank's (owner ``me``): the descriptors are those its tiles
+    would build, so every read is the same; with all ranks in one process the owner changes
+    from item to item and each tile builds its own."""
+    mine = peer(heap, me)
+    if BACKWARD:
+        rows = rows_descriptor((mine + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE)), B * S, H, BM, BLOCK_K)
+        mid = rows_descriptor(dh + me * R_MAX * (UP_COLS * F), R_MAX, UP_COLS * F, BM, BLOCK_K)
+    else:
+        rows = rows_descriptor((mine + PAYLOAD).to(tl.pointer_type(DISPATCH_DTYPE)), B * S, H, BM, BLOCK_K)
+        mid = rows_descriptor(hbuf + me * (B * S) * F, B * S, F, BM, BLOCK_K)
+    return rows, mid
+
+
+@triton.jit
 def glu(gate, up):
     """A gated expert's activation of its fp32 gate and up pre-activations: SwiGLU
     silu(gate)·up, or GPT-OSS's clamped variant: g = min(gate, limit), u = up clamped to
@@ -1443,11 +1477,13 @@ def payload_tile(
     COLS: tl.constexpr,
     w_desc=None,
     w_row=0,
+    a_desc=None,
 ):
     """A [BM, BN] tile of an owner's payload rows (ring rows ``at``.., H columns) times one
     expert's weights: under DEDUP each row read through its token's first slot here
     (``first_row``); with ``SCALED`` the rows are fp8 with their ``scales`` beside them, one
-    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor (``gemm_tile``)."""
+    per ``COLS`` columns. ``w_desc``, ``w_row``: the weights' descriptor, ``a_desc`` the rows'
+    (``gemm_tile``)."""
     if DEDUP:
         if SCALED:
             acc = gemm_tile(
@@ -1462,12 +1498,12 @@ def payload_tile(
     elif SCALED:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B, scales,
-            COLS, w_desc=w_desc, w_row=w_row,
+            COLS, w_desc=w_desc, w_row=w_row, a_desc=a_desc,
         )  # fmt: skip
     else:
         acc = gemm_tile(
             rows, B * S, at, w, n_cols, col0, H, BM, BN, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, TRANS_B,
-            w_desc=w_desc, w_row=w_row,
+            w_desc=w_desc, w_row=w_row, a_desc=a_desc,
         )  # fmt: skip
     return acc
 
@@ -1497,6 +1533,7 @@ def gemm1(
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
     w_desc=None,
+    a_desc=None,
 ):
     """Owner q, segment s, one GEMM1 tile: the F-block at column ``f`` of the m-tile bound to
     local expert ``local``, first row ``row0``, live rows [lo, hi) (``rows.m_tile``), of
@@ -1528,7 +1565,7 @@ def gemm1(
             first_row = tl.load(link + 2 * (at + m), mask=live, other=-1)  # the token's first slot here
         acc = payload_tile(
             rows, at, w, UP_COLS * F, f * UP_COLS, scales, first_row, BM, UP_COLS * BLOCK_F, BLOCK_K, STAGES,
-            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H,
+            CAST_F32, False, DISPATCH_SCALE != "none", SCALE_COLS, w_desc, e * H, a_desc,
         )  # fmt: skip
         if BIAS:
             bias = operand(b_up, slots, e, UP_COLS * F, SLOT_B_UP_AT)
@@ -1590,6 +1627,7 @@ def gemm2(
     BACKWARD: tl.constexpr,
     SAVE: tl.constexpr,
     w_desc=None,
+    a_desc=None,
 ):
     """Owner q, segment s, one GEMM2 tile: the H-block at column ``h`` of a bound m-tile
     (as ``gemm1``'s) of GEMM2, out = h Wd (``rows`` the workspace ring GEMM1 wrote,
@@ -1610,14 +1648,14 @@ def gemm2(
             w = operand(w, slots, e, H * (UP_COLS * F), 0)
             acc = gemm_tile(
                 rows, R_MAX, row0, w, H, h, UP_COLS * F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, True,
-                w_desc=w_desc, w_row=e * H,
+                w_desc=w_desc, w_row=e * H, a_desc=a_desc,
             )  # fmt: skip
         else:
             rows += base * F
             w = operand(w, slots, e, F * H, SLOT_DOWN_AT)
             acc = gemm_tile(
                 rows, B * S, at, w, H, h, F, BM, BLOCK_H, BLOCK_K, STAGES, TMA, CAST_F32, PRECISION, w_desc=w_desc,
-                w_row=e * F,
+                w_row=e * F, a_desc=a_desc,
             )  # fmt: skip
             if BIAS:
                 acc += bias_row(operand(bias, slots, e, H, SLOT_B_DOWN_AT), H, h, BLOCK_H)[None, :]
@@ -1661,6 +1699,7 @@ def bgemm1(
     PAIRED: tl.constexpr,
     down_t=None,
     up_desc=None,
+    a_desc=None,
 ):
     """Backward, owner q, segment s, one tile: the F-block at column ``f`` of a bound m-tile
     (as ``gemm1``'s), over the g'·dL/dy rows the backward's dispatch placed
@@ -1702,7 +1741,7 @@ def bgemm1(
             gp = tl.load((me + BWD_SB_GATE).to(tl.pointer_type(tl.float32)) + at + m, mask=live, other=0.0)
         da = payload_tile(
             rows, at, w, F, f, scales, first_row, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, True, BWD_FP8, BWD_SCALE_COLS,
-            down_t, e * F,
+            down_t, e * F, a_desc,
         )  # fmt: skip
         if DEDUP:
             da = da * gp[:, None]
@@ -1895,36 +1934,36 @@ def expert_item(
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr, up_desc=None,
-    down_desc=None, up_t=None, down_t=None,
+    down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
     kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
-    their program's ``weight_descriptors``."""
+    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc, rows_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc, rows_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
         if BACKWARD:  # dX = dH [Wg Wu]ᵀ
             gemm2(
                 dh, hbuf_rid, w_up, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0, lo,
-                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t,
+                hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, True, False, up_t, mid_desc,
             )  # fmt: skip
         else:
             gemm2(
                 hbuf, hbuf_rid, w_down, b_down, weight_of, slots, staging, staging_rid, saved_out, q, s, local, row0,
-                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc,
+                lo, hi, h, BM, BLOCK_H, BLOCK_K, STAGES, CAST_F32, False, SAVE, down_desc, mid_desc,
             )  # fmt: skip
     elif kind == KIND_WGRAD:  # noqa: SIM102 - BACKWARD is folded at compile time, the kind tested at run time
         if BACKWARD:  # the backward's table only
@@ -2512,6 +2551,10 @@ def rdep_layer(
     down_t = None
     if GEMMS and TMA and SLOT_ELEMS == 0:
         up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
+    rows_desc = None  # the rows the tiles read, likewise (one process per rank: one owner's)
+    mid_desc = None
+    if GEMMS and TMA and PER_RANK:
+        rows_desc, mid_desc = ring_descriptors(heap, hbuf, dh, me, BM, BLOCK_K, BACKWARD)
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
@@ -2599,7 +2642,7 @@ def rdep_layer(
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
                             BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
-                            down_t,
+                            down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     return_rows(
@@ -2678,6 +2721,10 @@ def rdep_gemm(
     down_t = None
     if TMA and SLOT_ELEMS == 0:
         up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
+    rows_desc = None  # the rows the tiles read, likewise (one process per rank: one owner's)
+    mid_desc = None
+    if TMA and PER_RANK:
+        rows_desc, mid_desc = ring_descriptors(heap, hbuf, dh, me, BM, BLOCK_K, BACKWARD)
     tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
@@ -2756,7 +2803,7 @@ def rdep_gemm(
                     kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                     saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                     owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, True, up_desc, down_desc, up_t, down_t,
+                    SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
                 )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
