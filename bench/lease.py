@@ -73,11 +73,12 @@ STEPS = (
         budget=150,
     ),
     Step(
-        "a PE killed: the survivors' seconds to their error at 2^22 spins; 4 PEs; the user's torchrun",
-        cap=200,
+        "a PE killed: the survivors' seconds to their error at 2^22 spins; 4 PEs; the user's torchrun; "
+        "moonlight's rows through each program's descriptors",
+        cap=230,
         stage="nvshmem",
-        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2"),
-        budget=100,
+        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2", "bitwise/moonlight/W2"),
+        budget=130,
     ),
     Step(
         "balance replicate on nvshmem: the exchange, the pushes and the receipts across 4 PEs",

@@ -442,10 +442,11 @@ def test_the_gate_on_the_input_resent_rows_and_an_fp8_backward_are_bitwise_in_sp
     ids=["swiglu-drops", "clamped-bias-bf16"],
 )
 def test_the_gemm_kernels_paired_da_epilogue_is_bitwise_the_unified_kernels(case):
-    """The split GEMM kernel forms dA's gated backward from pre-activations ``anchored`` to
-    the accumulator and stores dgate and dup as pairs (``bgemm1``'s PAIRED); the unified
-    kernel loads and stores them per column. The kept pre-activations (no recompute), an F
-    that the F-block does not divide (40 against 32: a partial pair block): bitwise alike."""
+    """The split GEMM kernel forms dA's gated backward over its even and odd columns apart,
+    from pre-activations ``anchored`` to them, and stores dgate and dup as pairs
+    (``bgemm1``'s PAIRED, ``paired_backward``); the unified kernel loads and stores them per
+    column. The kept pre-activations (no recompute), an F that the F-block does not divide
+    (40 against 32: a partial pair block): bitwise alike."""
     layer = case.layer()
     dt = TORCH_DTYPES[layer.spec.precision.dtype.value]
     inputs, biases = case.inputs(dt), case.biases(dt)  # the gates stay fp32

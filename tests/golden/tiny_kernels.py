@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: abd497c5d7506d26481fd13f86be5fe684d98abbb04de687007b326277c9351f
+# content-sha256: 5f13198e92baebf77b44d62dc1a4652133714a49fec0070f3f0b683972fd1ca3
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1671,6 +1671,32 @@ def gemm2(
 
 
 @triton.jit
+def kept_pre_activations(saved_pre, row, live, c, like):
+    """The forward's gate and up pre-activations (kept interleaved, [.., F, 2]) of the
+    owner's rows ``row`` at columns ``c``, fp32, ``anchored`` to ``like``: in its layout."""
+    keep = live[:, None] & (c < F)[None, :]
+    pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
+    gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+    return anchored(gate, like), anchored(up, like)
+
+
+@triton.jit
+def paired_backward(da, gate, up, dh, row, live, c, CAST_F32: tl.constexpr):
+    """The gated backward at columns ``c`` of dA (``glu_backward``), stored as (dgate, dup)
+    pairs of the owner's rows ``row`` in dH ([.., F, 2], the weights' layout); the
+    activation A at those columns (``glu_again``, narrowed), for the caller to store: formed
+    before the pairs are stored, so that gate and up are not held across the store."""
+    d_gate, d_up = glu_backward(gate, up, da)
+    act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
+    pair = tl.join(narrow(d_gate, DTYPE, CAST_F32), narrow(d_up, DTYPE, CAST_F32))
+    two = tl.arange(0, 2)
+    out = dh + row[:, None, None] * (2 * F) + 2 * c[None, :, None] + two[None, None, :]
+    tl.store(out, pair, mask=(live[:, None] & (c < F)[None, :])[:, :, None])
+    return act
+
+
+@triton.jit
 def bgemm1(
     heap,
     w_down,
@@ -1713,12 +1739,12 @@ def bgemm1(
     at the same places): GEMM1 again reads them there as the forward's GEMM1 read its
     payload, and F-block 0 copies them to the owner's rows (``saved_x``) for dWg and dWu.
 
-    PAIRED (the split GEMM kernel): the saved pre-activations are ``anchored`` to dA and
-    (dgate, dup) stored as pairs, so that the gated backward is formed in one layout, the
-    accumulator's, and the activation A is formed (and narrowed) before the pairs are stored,
-    so that gate and up are not held across the store: 880 → 48 B of stack. The unified
-    kernel keeps both per layout and forms A after the store: with its transport code beside,
-    255 registers do not hold the other (spills in its GEMM loops).
+    PAIRED (the split GEMM kernel): the gated backward runs over dA's even and odd columns
+    apart (``paired_backward``), the saved pre-activations ``anchored`` to them and (dgate,
+    dup) stored as pairs straight from the accumulator's layout: half the tile's registers at
+    a time and no layout conversion for dH (880 B of stack, then 0). The unified kernel
+    forms the whole tile in two layouts: with its transport code beside, 255 registers do not
+    hold the other (spills in its GEMM loops).
 
     DEDUP: the payload holds dL/dy once per (token, owner), at the token's first slot. Each
     row reads it through its link and scales by its own g' (the backward's sideband): dA =
@@ -1759,31 +1785,34 @@ def bgemm1(
                 again = pre_activations(
                     xs, R_MAX, row0, w_up, b_up, slots, e, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, up_desc
                 )
-        if GATED:
+        if GATED and PAIRED:
+            # dA's even and odd columns apart: in the accumulator's layout a thread holds
+            # column pairs, so the split moves no data (as gate_up's)
+            even, odd = tl.split(tl.reshape(da, (BM, BLOCK_F // 2, 2)))
+            c_even = f + 2 * tl.arange(0, BLOCK_F // 2)
+            if RECOMPUTE:
+                gate, up = gate_up(again, BM, BLOCK_F)
+                gate_even, gate_odd = tl.split(tl.reshape(gate, (BM, BLOCK_F // 2, 2)))
+                up_even, up_odd = tl.split(tl.reshape(up, (BM, BLOCK_F // 2, 2)))
+            else:  # each half's loaded as it is formed: the odd half's not held across the even's
+                gate_even, up_even = kept_pre_activations(saved_pre, row, live, c_even, even)
+            act_even = paired_backward(even, gate_even, up_even, dh, row, live, c_even, CAST_F32)
+            if not RECOMPUTE:
+                gate_odd, up_odd = kept_pre_activations(saved_pre, row, live, c_even + 1, odd)
+            act_odd = paired_backward(odd, gate_odd, up_odd, dh, row, live, c_even + 1, CAST_F32)
+            act = tl.reshape(tl.join(act_even, act_odd), (BM, BLOCK_F))
+        elif GATED:
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
             else:
                 pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
                 gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
                 up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-                if PAIRED:
-                    gate = anchored(gate, da)
-                    up = anchored(up, da)
             d_gate, d_up = glu_backward(gate, up, da)
-            if PAIRED:
-                act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
-                c2 = 2 * f + tl.arange(0, 2 * BLOCK_F)
-                pair = tl.join(narrow(d_gate, DTYPE, CAST_F32), narrow(d_up, DTYPE, CAST_F32))
-                tl.store(
-                    dh + row[:, None] * (2 * F) + c2[None, :],
-                    tl.reshape(pair, (BM, 2 * BLOCK_F)),
-                    mask=live[:, None] & (c2 < 2 * F)[None, :],
-                )
-            else:
-                out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
-                tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
-                tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
-                act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
+            out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
+            tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
+            tl.store(out + 1, narrow(d_up, DTYPE, CAST_F32), mask=keep)
+            act = narrow(glu_again(gate, up), DTYPE, CAST_F32)
         else:
             if RECOMPUTE:
                 h = again
