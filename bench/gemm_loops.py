@@ -6,7 +6,9 @@ compiles each example's kernels for sm_90 as ``rdepc compile --target sm_90`` do
 schedule, the tiles a native launch takes, an H100's grid), reads every GEMM main loop from
 the SASS (``codegen/sass.py``: instructions per iteration, spills inside, wgmma wait depth,
 R2UR) and the kernels' registers, stack, shared memory and CTAs per SM, and compiles the
-yardstick (``bench/lean_gemm.py``) at the same tiles. It writes ``OUT.json`` and ``OUT.md``.
+yardstick (``bench/lean_gemm.py``) at the same tiles; the GEMM kernel also as generated
+for one process per rank (``emulated-mp``, as ``nvshmem``'s). It writes ``OUT.json`` and
+``OUT.md``.
 
 ``--label L --append`` adds the rows of the rdepc this interpreter imports under label L to
 an existing ``OUT.json`` (e.g. an earlier commit's, installed elsewhere and put first on
@@ -25,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("moonlight", "qwen3_30b_a3b")
+PER_RANK = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward"]
 TARGET = 1.10  # the issue's bound: a GEMM loop within 10 % of the yardstick's instructions per iteration
 
 
@@ -37,8 +40,9 @@ def _sass():
     return module
 
 
-def rdepc_rows(examples: list[str], label: str) -> list[dict]:
-    """One row per (example, build) of the rdepc this interpreter imports."""
+def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kernels=None) -> list[dict]:
+    """One row per (example, build) of the rdepc this interpreter imports, generated for
+    ``backend`` (``kernels``: those builds only)."""
     from rdepc.codegen import write_module
     from rdepc.codegen.sm90 import compile_cubins
 
@@ -55,11 +59,11 @@ def rdepc_rows(examples: list[str], label: str) -> list[dict]:
             cwd = Path.cwd()
             os.chdir(ROOT)  # the header names the spec by the path it was loaded from
             try:
-                write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec), out)
+                write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec, backend=backend), out)
             finally:
                 os.chdir(cwd)
             jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
-        for r in compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1)):
+        for r in compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=kernels):
             threads = r.get("threads") or 32 * r["tiles"]["num_warps"]
             loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(r["cubin"]))]
             rows.append(
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
         data = {"triton": triton.__version__, "yardstick": yardstick_rows(), "rows": []}
     data["rows"] += rdepc_rows(args.examples, args.label)
+    # the GEMM kernel as one process per rank runs it (its rows through descriptors of its own)
+    data["rows"] += rdepc_rows(args.examples, f"{args.label} (per rank)", "emulated-mp", PER_RANK)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     out.with_suffix(".md").write_text(markdown(data), encoding="utf-8")

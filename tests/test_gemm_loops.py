@@ -1,7 +1,10 @@
 """The GEMM kernel's main loops as compiled for sm_90 (no GPU): moonlight's and qwen3's
 ``rdep_gemm`` builds against the lean grouped GEMM of ``bench/lean_gemm.py`` at the same
 tiles — figures read from the SASS (``rdepc.codegen.sass``), held here so that a change
-that costs the loops shows in CI. ``bench/gemm_loops.py`` writes the whole table."""
+that costs the loops shows in CI. Each layer's GEMM kernel is held as generated for all
+ranks in one process and for one process per rank (``emulated-mp``: a GPU's ``nvshmem``
+builds differ from it by the transport kernel alone), where it reads its rows through
+descriptors of its own. ``bench/gemm_loops.py`` writes the whole table."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import rdepc
 from rdepc.driver import generate_spec
 
 BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward", "rdep_layer.backward"]
+PER_RANK_BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward"]
 _YARDSTICK = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -30,18 +34,22 @@ print(json.dumps([compile_sass(2048, 2816, BN=256), compile_sass(1408, 2048, BN=
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gemm_loops")
-    jobs = []
+    jobs = {"emulated": [], "emulated-mp": []}
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        for name in ("moonlight", "qwen3_30b_a3b"):
-            out = tmp / name
-            out.mkdir()
-            write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec), out)
-            jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+        for backend, named in jobs.items():
+            for name in ("moonlight", "qwen3_30b_a3b"):
+                out = tmp / backend / name
+                out.mkdir(parents=True)
+                write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec, backend=backend), out)
+                named.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
     finally:
         os.chdir(cwd)
-    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=BUILDS)
+    parallel = min(2, os.cpu_count() or 1)
+    results = compile_cubins(jobs["emulated"], arch=90, parallel=parallel, kernels=BUILDS)
+    per_rank = compile_cubins(jobs["emulated-mp"], arch=90, parallel=parallel, kernels=PER_RANK_BUILDS)
+    results += [{**r, "kernel": r["kernel"] + " (per rank)"} for r in per_rank]
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", _YARDSTICK, str(ROOT)], capture_output=True, text=True, env=env,
                           timeout=600)  # fmt: skip
@@ -58,8 +66,8 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
     in flight while the next chunk loads; the kernel without stack."""
     results, yard = compiled
     assert set(yard) == {"64x256x16", "64x128x16"}
-    forward = [r for r in results if r["kernel"].startswith("rdep_gemm") and not r["kernel"].endswith("backward")]
-    assert len(forward) == 4
+    forward = [r for r in results if r["kernel"].startswith("rdep_gemm") and "backward" not in r["kernel"]]
+    assert len(forward) == 8
     for r in forward:
         assert r["stack"] == 0 and r["local_bytes"] == 0, (r["layer"], r["kernel"], r["stack"])
         assert r["ctas_per_sm"] == 1 and r["shared"] <= 227 * 1024
@@ -85,8 +93,9 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     the accumulator's and the stride-2 loads' (its registers, beside the transport code, do
     not hold the GEMM kernel's way) (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
-    backward = [r for r in results if r["kernel"].endswith("backward")]
-    assert sorted(r["kernel"] for r in backward) == ["rdep_gemm.backward"] * 2 + ["rdep_layer.backward"] * 2
+    backward = [r for r in results if "backward" in r["kernel"]]
+    kernels = ["rdep_gemm.backward"] * 2 + ["rdep_gemm.backward (per rank)"] * 2 + ["rdep_layer.backward"] * 2
+    assert sorted(r["kernel"] for r in backward) == kernels
     for r in backward:
         split = r["kernel"].startswith("rdep_gemm")
         assert len(r["loops"]) == 4, r["loops"]
