@@ -32,7 +32,8 @@ _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
-    "control", "rows", "route", "dispatch", "gemm", "experts", "returns", "combine", "waits", "kernel", "gemm_kernel"
+    "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "kernel",
+    "gemm_kernel",
 )  # fmt: skip
 RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 

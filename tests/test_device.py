@@ -91,7 +91,7 @@ def anchor(x, like, out, N: tl.constexpr):
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     path = tmp_path_factory.mktemp("device") / "device_kernels.py"
-    device = include("gemm") + "\n\n\n" + include("experts", ("anchored",))
+    device = include("gemm") + "\n\n\n" + include("expert_grads", ("anchored",))
     path.write_text(KERNELS.replace("@@DEVICE@@", device), encoding="utf-8")
     return import_kernels(path, interpret=True)
 

@@ -4,7 +4,8 @@ the transport kernel (``rdep_layer`` compiled without it)."""
 import triton
 import triton.language as tl
 from rdepc.codegen.device.control import done_flag, now, report
-from rdepc.codegen.device.experts import expert_item, m_tile_slot, ring_descriptors, weight_descriptors
+from rdepc.codegen.device.expert_grads import expert_item
+from rdepc.codegen.device.experts import m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.kernel import owner_buffers
 from rdepc.codegen.device.layout import (
     C_DEP_START,

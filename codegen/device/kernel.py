@@ -8,7 +8,8 @@ import triton.language as tl
 from rdepc.codegen.device.combine import combine, combine_grad
 from rdepc.codegen.device.control import done_flag, now, report
 from rdepc.codegen.device.dispatch import dispatch
-from rdepc.codegen.device.experts import expert_item, m_tile_slot, ring_descriptors, weight_descriptors
+from rdepc.codegen.device.expert_grads import expert_item
+from rdepc.codegen.device.experts import m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.layout import (
     C_CLAIM,
     C_GUARD,

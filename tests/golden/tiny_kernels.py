@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 5f13198e92baebf77b44d62dc1a4652133714a49fec0070f3f0b683972fd1ca3
+# content-sha256: a83a7d01a85804f8bcbfe096f832eaeddec0a4d7c244f2ef8c5cba7bc1ee4e8e
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1404,47 +1404,6 @@ def glu(gate, up):
 
 
 @triton.jit
-def glu_backward(gate, up, da):
-    """``glu``'s backward at pre-activations ``gate`` and ``up`` for dL/d(activation) ``da``:
-    (dL/dgate, dL/dup). A clamped input passes no gradient (as torch's clamp: inside the
-    bounds, bounds included)."""
-    if ACT == "clamped_swiglu":
-        g = tl.minimum(gate, ACT_LIMIT)
-        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        sig = tl.sigmoid(g * ACT_ALPHA)
-        gs = g * sig
-        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + gs * ACT_ALPHA * (1.0 - sig)), 0.0)
-        d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
-        return d_gate, d_up
-    sig = tl.sigmoid(gate)
-    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)
-
-
-@triton.jit
-def anchored(x, like):
-    """``x``, bitwise, computed from ``like`` too: x - (+0.0), the +0.0 formed from ``like``
-    (any value, a NaN or an infinity included). Triton gives an element-wise result the layout
-    of its operands: the pre-activations a dA tile loads then share the accumulator's layout,
-    and the gated activation's backward is formed once, not once per layout (880 B of stack)."""
-    z = tl.abs(like * 0.0)
-    return x - tl.where(z == z, z, 0.0)
-
-
-@triton.jit
-def glu_again(gate, up):
-    """The activation at pre-activations ``gate`` and ``up``, for the down projection's
-    weight gradient: ``glu``'s, with the clamped variant's products in ``glu_backward``'s
-    order. Apart from ``glu_backward`` so that the unified kernel forms it after dgate and dup
-    are stored: with the three tiles formed at once, 255 registers did not hold its GEMM
-    loops (two spills in each). The GEMM kernel forms it before that store (``bgemm1``)."""
-    if ACT == "clamped_swiglu":
-        g = tl.minimum(gate, ACT_LIMIT)
-        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
-        return (u + 1.0) * (g * tl.sigmoid(g * ACT_ALPHA))
-    return glu(gate, up)
-
-
-@triton.jit
 def bias_row(bias, n_cols, col0, BN: tl.constexpr):
     """fp32 [BN]: columns col0 .. col0 + BN of one expert's bias row (``n_cols`` long), 0 past it."""
     c = col0 + tl.arange(0, BN)
@@ -1668,6 +1627,56 @@ def gemm2(
             store_rows(saved_out + (tl.cast(q, tl.int64) * R_MAX + row0 + m) * H, out, live, H, h, BLOCK_H)
         if h == 0:
             tl.store(staging_rid + row, tl.load(hbuf_rid + row, mask=live, other=0), mask=live)
+
+
+@triton.jit
+def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The m-tile slot of GEMM work item ``item`` of an entry of ``kind``: items run m-tile
+    major, GEMM1's ⌈F / BLOCK_F⌉ column blocks or GEMM2's ⌈H / BLOCK_H⌉ per slot."""
+    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
+    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
+    return tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)
+
+
+@triton.jit
+def glu_backward(gate, up, da):
+    """``glu``'s backward at pre-activations ``gate`` and ``up`` for dL/d(activation) ``da``:
+    (dL/dgate, dL/dup). A clamped input passes no gradient (as torch's clamp: inside the
+    bounds, bounds included)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        sig = tl.sigmoid(g * ACT_ALPHA)
+        gs = g * sig
+        d_gate = tl.where(gate <= ACT_LIMIT, da * (u + 1.0) * (sig + gs * ACT_ALPHA * (1.0 - sig)), 0.0)
+        d_up = tl.where((up >= -ACT_LIMIT) & (up <= ACT_LIMIT), da * gs, 0.0)
+        return d_gate, d_up
+    sig = tl.sigmoid(gate)
+    return da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)
+
+
+@triton.jit
+def anchored(x, like):
+    """``x``, bitwise, computed from ``like`` too: x - (+0.0), the +0.0 formed from ``like``
+    (any value, a NaN or an infinity included). Triton gives an element-wise result the layout
+    of its operands: the pre-activations a dA tile loads then share the accumulator's layout,
+    and the gated activation's backward is formed once, not once per layout (880 B of stack)."""
+    z = tl.abs(like * 0.0)
+    return x - tl.where(z == z, z, 0.0)
+
+
+@triton.jit
+def glu_again(gate, up):
+    """The activation at pre-activations ``gate`` and ``up``, for the down projection's
+    weight gradient: ``glu``'s, with the clamped variant's products in ``glu_backward``'s
+    order. Apart from ``glu_backward`` so that the unified kernel forms it after dgate and dup
+    are stored: with the three tiles formed at once, 255 registers did not hold its GEMM
+    loops (two spills in each). The GEMM kernel forms it before that store (``bgemm1``)."""
+    if ACT == "clamped_swiglu":
+        g = tl.minimum(gate, ACT_LIMIT)
+        u = tl.minimum(tl.maximum(up, -ACT_LIMIT), ACT_LIMIT)
+        return (u + 1.0) * (g * tl.sigmoid(g * ACT_ALPHA))
+    return glu(gate, up)
 
 
 @triton.jit
@@ -1945,15 +1954,6 @@ def wgrad(
                 sum_down = column_sums(o_rows, H, k, first, n, BLOCK_H, BLOCK_K)
                 dbd = operand(db_down, dslots, e, H, SLOT_B_DOWN_AT)
                 store_bias(dbd, narrow(sum_down, DTYPE, CAST_F32), H, k, BLOCK_H)
-
-
-@triton.jit
-def m_tile_slot(kind, item, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr):
-    """The m-tile slot of GEMM work item ``item`` of an entry of ``kind``: items run m-tile
-    major, GEMM1's ⌈F / BLOCK_F⌉ column blocks or GEMM2's ⌈H / BLOCK_H⌉ per slot."""
-    f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    h_blocks = (H + BLOCK_H - 1) // BLOCK_H
-    return tl.where(kind == KIND_GEMM1, item // f_blocks, item // h_blocks)
 
 
 @triton.jit
