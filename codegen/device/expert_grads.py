@@ -97,14 +97,18 @@ def glu_again(gate, up):
 
 
 @triton.jit
-def kept_pre_activations(saved_pre, row, live, c, like):
+def kept_pre_activations(saved_pre, row, live, c, like=None):
     """The forward's gate and up pre-activations (kept interleaved, [.., F, 2]) of the
-    owner's rows ``row`` at columns ``c``, fp32, ``anchored`` to ``like``: in its layout."""
+    owner's rows ``row`` at columns ``c``, fp32; with ``like``, ``anchored`` to it: in its
+    layout."""
     keep = live[:, None] & (c < F)[None, :]
     pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
     gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-    return anchored(gate, like), anchored(up, like)
+    if like is not None:
+        gate = anchored(gate, like)
+        up = anchored(up, like)
+    return gate, up
 
 
 @triton.jit
@@ -231,9 +235,7 @@ def bgemm1(
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
             else:
-                pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
-                gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
-                up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+                gate, up = kept_pre_activations(saved_pre, row, live, c)
             d_gate, d_up = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
             tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)

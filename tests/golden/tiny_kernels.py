@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: a83a7d01a85804f8bcbfe096f832eaeddec0a4d7c244f2ef8c5cba7bc1ee4e8e
+# content-sha256: 389b864fd70236a7c68907944cf723007678b13e7205d7b382a83a44f0de51b1
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1680,14 +1680,18 @@ def glu_again(gate, up):
 
 
 @triton.jit
-def kept_pre_activations(saved_pre, row, live, c, like):
+def kept_pre_activations(saved_pre, row, live, c, like=None):
     """The forward's gate and up pre-activations (kept interleaved, [.., F, 2]) of the
-    owner's rows ``row`` at columns ``c``, fp32, ``anchored`` to ``like``: in its layout."""
+    owner's rows ``row`` at columns ``c``, fp32; with ``like``, ``anchored`` to it: in its
+    layout."""
     keep = live[:, None] & (c < F)[None, :]
     pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
     gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
     up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
-    return anchored(gate, like), anchored(up, like)
+    if like is not None:
+        gate = anchored(gate, like)
+        up = anchored(up, like)
+    return gate, up
 
 
 @triton.jit
@@ -1814,9 +1818,7 @@ def bgemm1(
             if RECOMPUTE:
                 gate, up = gate_up(again, BM, BLOCK_F)
             else:
-                pre = saved_pre + row[:, None] * (2 * F) + 2 * c[None, :]
-                gate = tl.load(pre, mask=keep, other=0.0).to(tl.float32)
-                up = tl.load(pre + 1, mask=keep, other=0.0).to(tl.float32)
+                gate, up = kept_pre_activations(saved_pre, row, live, c)
             d_gate, d_up = glu_backward(gate, up, da)
             out = dh + row[:, None] * (2 * F) + 2 * c[None, :]
             tl.store(out, narrow(d_gate, DTYPE, CAST_F32), mask=keep)
