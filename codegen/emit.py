@@ -22,7 +22,7 @@ import textwrap
 from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
-from rdepc.ir.balance import slot_parts
+from rdepc.ir.balance import SLOT_CHUNK, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.sizes import SCALE_BLOCK, block_scales
 from rdepc.ir.spec import Dtype
@@ -32,8 +32,8 @@ _ZERO = "0" * 64
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
-    "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "kernel",
-    "gemm_kernel",
+    "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "slots",
+    "kernel", "gemm_kernel",
 )  # fmt: skip
 RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 
@@ -150,6 +150,8 @@ def _slot_constants(p: KernelContract) -> list[str]:
         _c("SLOT_DOWN_AT", at["w_down"], "a slot's GEMM2 weights, after GEMM1's (then b_up, b_down)"),
         _c("SLOT_B_UP_AT", at["b_up"]),
         _c("SLOT_B_DOWN_AT", at["b_down"]),
+        _c("SLOT_CHUNK", SLOT_CHUNK, "slot elements one push or receive work item moves"),
+        _c("SLOT_CHUNKS", p.slot_chunks if p.balance[0] else 1, "work items a slot takes"),
     ]
 
 

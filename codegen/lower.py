@@ -16,6 +16,9 @@ into the kernel's task table"):
 ============== ====================================================================
 task           work items
 ============== ====================================================================
+push r         E_loc(r) − N home experts × C chunks (balance replicate): a chunk of one
+               expert's operands, read once, stored into every slot the plan gave it
+receive q      N × C: a chunk of one of q's slots, copied into the call's operand
 route r        1 (the per-expert prefix count over r's rows is sequential)
 scan q         1
 dispatch r→q s ⌈rows r may place in segment s of q / rows_per_item⌉, striding over blocks
@@ -43,12 +46,13 @@ combine: the communication role's tasks) with its ticket counter, and the GEMM k
 (gemm1, gemm2, wgrad: the compute role's), whose programs stride over its items; both need
 programs running at once (``KernelContract.work``, ``launch_grid``).
 
-Two dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
+Three dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
 ``(epoch − 1) × items``), so that under a transport with one process per rank a fast
 rank's call cannot overwrite what a slow rank still reads: a route waits for the previous
 call's scans (the counts it overwrites at every owner) and its own rank's combine tiles
 (its row order); a scan waits for every combine tile of the previous call — all of the
-previous call's work — before it publishes offsets that start the rings over.
+previous call's work — before it publishes offsets that start the rings over; a push
+(``balance replicate``) waits for every rank's receive, which copied its slots out.
 
 GEMM items also carry a *guard*: the scan of their owner. An m-tile slot first waits for
 that scan (which fixes how many rows each local expert holds); a slot that is empty under
@@ -71,7 +75,7 @@ from rdepc.version import __version__
 
 
 def _kind(stage: str, detail: str) -> int:
-    if stage in ("combine", "compute"):
+    if stage in ("combine", "compute", "balance"):
         return KINDS.index({"wait": "combine_wait", "tile": "combine", "unpack": "unpack"}.get(detail, detail))
     return KINDS.index(stage)
 
@@ -84,12 +88,15 @@ def _previous_call(sched: Schedule) -> dict[int, tuple[int, ...]]:
         if e.stage == "combine" and e.detail == "tile":
             tiles.setdefault(e.rank, []).append(e.index)
     every_tile = tuple(sorted(i for v in tiles.values() for i in v))
+    receives = tuple(e.index for e in sched.table if e.detail == "receive")
     out = {}
     for e in sched.table:
         if e.stage == "route":
             out[e.index] = (*scans, *tiles.get(e.rank, ()))
         elif e.stage == "scan":
             out[e.index] = every_tile
+        elif e.detail == "push":  # a slot is written again once its rank has copied it out
+            out[e.index] = receives
     return out
 
 

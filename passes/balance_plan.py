@@ -56,8 +56,9 @@ def balance_plan(env: Env, spec: LayerSpec, opts: PlanOptions) -> BalancePlan | 
 
 def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ...]:
     """The busiest rank's routed forward GEMMs at F_gpu before and after the plan, the
-    replicas' weights moved per call, and the busiest rank's pushes at B_eff, then one flag
-    (:func:`rdepc.ir.balance.push_seconds`, viz's too; launched before the layer's)."""
+    replicas' weights moved per call, and the busiest rank's pushes alone at B_eff, then one
+    flag (:func:`rdepc.ir.balance.push_seconds`; in the layer they share the links with its
+    dispatch, as ``rdepc viz`` draws them)."""
 
     v = env.values
     per_row = 2 * spec.expert.matrices * v[H] * v[F]
@@ -77,6 +78,6 @@ def _times(env: Env, spec: LayerSpec, load, plan, used: int) -> tuple[Figure, ..
             None,
             float(seconds.max()),
             "s",
-            f"the busiest rank's {link // expert} replica pushes (sent or received) at B_eff + t_b, before the layer",
+            f"the busiest rank's {link // expert} replica pushes (sent or received) alone at B_eff + t_b",
         ),
     )

@@ -41,6 +41,7 @@ from rdepc.passes.hardware import Value, profile
 from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
 from rdepc.ir import sizes
+from rdepc.ir.balance import push_bytes
 from rdepc.ir.graph import CostModel, Rates, TaskGraph
 from rdepc.ir.sizes import BM
 from rdepc.ir.spec import weight_matrices
@@ -79,9 +80,16 @@ def rates(hw: str) -> Rates:
     )
 
 
-def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] | None = None) -> CostModel:
+def cost_model(
+    tg: TaskGraph,
+    hw: str = "h100",
+    counts: Sequence[Sequence[int]] | None = None,
+    held: Sequence[Sequence[int]] | None = None,
+) -> CostModel:
     """Work per task of ``tg`` under ``counts`` ([source][expert] rows routed, before
-    capacity; None: the expected routing)."""
+    capacity; None: the expected routing). ``held``: under ``balance replicate``, the home
+    expert each slot holds ([rank][slot], -1 empty: the plan for ``counts``), which sets
+    the weight pushes' bytes; None: every slot filled, the pushes spread evenly."""
     geo = tg.geometry
     given = counts is not None
     load = segment_load(geo, admit(geo, counts if given else expected_counts(geo)))
@@ -93,9 +101,20 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
     R = rates(hw)
     n = len(tg.tasks)
     link_b, mem_b, flops, wbytes, fixed = [0] * n, [0] * n, [0] * n, [0] * n, [0.0] * n
+    sent_received = None if held is None else [v.tolist() for v in push_bytes(held, geo.owner, geo.slot_bytes)]
+    unslotted = set()  # GEMM1 tasks without a slot's rows: they skip the receive (the slots are the last locals)
     for t, k in zip(tg.tasks, rows, strict=True):
         i = t.id
         match t.stage:
+            case "balance":  # a push's stores cross the links; a receive copies the rank's slots through HBM
+                n = t.bytes
+                if sent_received is not None:
+                    n = sent_received[t.detail != "push"][t.rank]
+                if t.detail == "push":
+                    link_b[i] = n
+                    fixed[i] = R.latency  # one flag to each rank it filled, in flight together
+                else:
+                    mem_b[i] = 2 * n
             case "route":
                 mem_b[i] = k * (geo.sb + 16)  # read expert ids and gates, write order and sideband
             case "scan":
@@ -111,6 +130,12 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
                 d = load.experts.get((t.owner, t.segment), {})
                 m = sizes.m_tiles(d.values())
                 first = t.detail == "gemm1"
+                if (
+                    first
+                    and geo.slots
+                    and not any(d.get(j) for j in range(geo.experts[t.owner] - geo.slots, geo.experts[t.owner]))
+                ):
+                    unslotted.add(i)
                 flops[i] = (geo.flop_coef - 2 if first else 2) * m * BM * geo.H * geo.F
                 wbytes[i] = (weights - down if first else down) * sum(1 for x in d.values() if x)
                 mem_b[i] = k * ((row_d if first else row_a) + geo.F * geo.a)
@@ -129,6 +154,7 @@ def cost_model(tg: TaskGraph, hw: str = "h100", counts: Sequence[Sequence[int]] 
         tuple(flops),
         tuple(wbytes),
         tuple(fixed),
+        frozenset(unslotted),
     )
 
 

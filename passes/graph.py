@@ -15,6 +15,10 @@ Stages (RDEP section 3.4, Listing 1):
 ======== =========================== ======================================================
 stage    one task per                what it does
 ======== =========================== ======================================================
+balance  push r (balance replicate)  r's home experts' operands into every slot the call's
+                                     plan gave them, on the slots' ranks
+balance  receive q                   after every rank's push: q's N slots copied into the
+                                     call's [N, P] operand (every gemm1 of q waits for it)
 route    front-end rank r            row order, row_id, sideband, counts per (owner, expert)
 scan     owner q                     counts published (phase 1), exclusive scan per (source,
                                      local expert), capacity decision, offsets and admitted
@@ -82,6 +86,7 @@ from rdepc.passes.tasks import build_tasks
 
 from rdepc.diagnostics import Diagnostics
 from rdepc.ir import sizes
+from rdepc.ir.balance import slot_elems
 from rdepc.ir.graph import MAX_TASKS, Decision, Geometry, TaskGraph
 from rdepc.ir.sizes import BM
 from rdepc.ir.spec import LayerSpec
@@ -178,6 +183,8 @@ def geometry(
         segments=segs,
         m_slots=sizes.m_tile_slots(R, per, S_),
         token_tiles=sizes.token_tiles(T),
+        slots=spec.balance.slots if spec.balance.kind == "replicate" else 0,
+        slot_bytes=slot_elems(spec.expert.matrices, H, F, spec.expert.bias) * spec.precision.dtype.bytes,
     )
 
 
@@ -207,7 +214,8 @@ def count_tasks(W: int, T: int, K: int, S: int, B: int, segments: Sequence[int],
 
 def task_count(geo: Geometry) -> int:
     """Tasks of the graph of ``geo``, computed before building it."""
-    return count_tasks(geo.W, geo.T, geo.K, geo.S, geo.B, geo.segments, geo.segmented)
+    ring = sizes.return_ring(geo.segmented, geo.B, geo.S, geo.T, geo.K)
+    return sizes.task_count(geo.W, geo.T, geo.segments, ring, geo.slots > 0)
 
 
 def candidates(schedule: str | None, segment: tuple[int, int] | None) -> list[tuple[str, int | None, int | None]]:

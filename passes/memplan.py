@@ -61,10 +61,10 @@ _WHAT = {
 }
 
 
-def flag_slots(W: int, T: int, segments: int, ring: bool) -> int:
+def flag_slots(W: int, T: int, segments: int, ring: bool, balanced: bool = False) -> int:
     """Done counters one rank's heap slice holds when the busiest owner runs ``segments``
     segments (:func:`rdepc.ir.sizes.done_counters`; the planner's figure is the same rule)."""
-    return sizes.done_counters(W, sizes.token_tiles(T), segments, ring)
+    return sizes.done_counters(W, sizes.token_tiles(T), segments, ring, balanced)
 
 
 def pad(n: int) -> int:
@@ -115,7 +115,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         "return": live("return", "combine unpack") if ring else live("return", "combine tile"),
         "return_ids": live("return", "combine unpack") if ring else (None, None),
     }
-    done = flag_slots(W, T, max(geo.segments, default=0), ring)
+    done = flag_slots(W, T, max(geo.segments, default=0), ring, geo.slots > 0)
     heap = sizes.heap_buffers(
         W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
         keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",

@@ -18,19 +18,33 @@ import numpy as np
 from rdepc.ir.graph import TaskGraph
 
 ORDERS = ("returns-first", "dispatch-first")
+# balance replicate: each of ORDERS with the weight pushes after the first segment's dispatch
+# instead of before it (the busiest home's link carries both: which goes first is the cost
+# model's choice)
+LATE_PUSHES = ", pushes late"
+BALANCE_ORDERS = ORDERS + tuple(o + LATE_PUSHES for o in ORDERS)
 
 
 def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
-    """The strategy's intended position of every task: route, scan, then step by step —
-    in step t, dispatch segment t, compute t − L, and the returns (with their unpacks) of
+    """The strategy's intended position of every task: route, scan, the weight pushes
+    (``balance replicate``), then step by step — in step t, dispatch segment t, compute
+    t − L (the first after the slots' receives), and the returns (with their unpacks) of
     t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
-    dispatches come first on the communication programs."""
+    dispatches come first on the communication programs, and (``LATE_PUSHES``) whether the
+    pushes wait for the first segment's dispatch."""
     geo = tg.geometry
     L = geo.lookahead
-    rank = {"B": 0, "A": 1, "C": 2} if variant == "returns-first" else {"C": 0, "A": 1, "B": 2}
+    late = variant.endswith(LATE_PUSHES)
+    first = variant.removesuffix(LATE_PUSHES) == "returns-first"
+    rank = {"B": 0, "A": 1, "C": 2} if first else {"C": 0, "A": 1, "B": 2}
+    push = (2, 0, 3) if late else (1, 0, 1)
     keys = []
     for t in tg.tasks:
         match t.stage:
+            case "balance" if t.detail == "push":
+                k = push
+            case "balance":  # a rank's slots copied in just before its first GEMM1, which waits for it
+                k = (2, L, rank["A"])
             case "route":
                 k = (0, 0, 0)
             case "scan":
@@ -98,13 +112,15 @@ def timeline(
     latency: float,
     unified: bool = False,
     empty: Sequence[bool] | None = None,
+    unslotted: frozenset[int] = frozenset(),
 ) -> Timeline:
     """Start and end of every task when each resource — a rank's communication programs
     and its compute programs, or (``unified``) all of a rank's programs — runs its tasks one
     after another in ``order``. A flag crossing ranks costs ``latency``, except into a task
     that is ``empty`` under the routing: after the scan every rank knows which tasks are
     empty and resolves them locally (they still wait for their dependencies, so a ring
-    slot's reuse order is kept)."""
+    slot's reuse order is kept). A GEMM1 task of ``unslotted`` does not wait for its rank's
+    receive (``balance replicate``: none of its m-tiles computes a slot)."""
     tasks = tg.tasks
     n = len(tasks)
     start = [0.0] * n
@@ -119,6 +135,8 @@ def timeline(
         longest = 0.0
         lat_in = 0.0 if no_lat[u] else latency
         for p in t.deps:
+            if u in unslotted and tasks[p].stage == "balance":
+                continue
             lat = lat_in if tasks[p].rank != t.rank else 0.0
             x = end[p] + lat
             if x > ready:

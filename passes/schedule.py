@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
 from rdepc.passes.graph import STRATEGIES, build_graph, candidates
-from rdepc.passes.order import ORDERS, Timeline, priority, timeline, topo_order
+from rdepc.passes.order import BALANCE_ORDERS, LATE_PUSHES, ORDERS, Timeline, priority, timeline, topo_order
 
 from rdepc.diagnostics import SpecError
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
@@ -74,10 +74,12 @@ def schedule(
     comm: int | None = None,
     decisions: Sequence[Decision] = (),
     refine: bool | None = None,
+    held=None,
 ) -> Schedule:
     """Schedule ``tg`` on ``hw``: choose the program split (unless ``comm`` is given), the
-    global order, and predict the timeline under ``counts`` (None: expected routing)."""
-    return schedule_costed(cost_model(tg, hw, counts), comm, decisions, refine)
+    global order, and predict the timeline under ``counts`` (None: expected routing;
+    ``held``: the balance plan's slots for them, :func:`rdepc.passes.cost.cost_model`)."""
+    return schedule_costed(cost_model(tg, hw, counts, held), comm, decisions, refine)
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
     if not geo.segmented and comm is None:
         order = topo_order(tg, priority(tg))
         dur = durations(cm, None)
-        tl = timeline(tg, order, dur, lat, unified=True, empty=empty)
+        tl = timeline(tg, order, dur, lat, unified=True, empty=empty, unslotted=cm.unslotted)
         d = Decision("programs", f"all {N} programs take every task (unified)", "bulk: nothing to overlap")
         kernels, est = best_split(cm, False)
         k = Decision(
@@ -111,18 +113,23 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
         )
         return _Plan(None, "returns-first", order, tl, dur, [d, k], kernels)
     variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]
+    if geo.slots and not variant:  # balance replicate: the weight pushes before or after the first dispatch
+        variants += [v + LATE_PUSHES for v in variants]
     orders = {v: topo_order(tg, priority(tg, v)) for v in variants}
     if comm is not None:
         dur = durations(cm, comm)
-        tls = {v: timeline(tg, o, dur, lat, empty=empty) for v, o in orders.items()}
-        v = min(tls, key=lambda v: (tls[v].makespan, ORDERS.index(v)))
+        tls = {v: timeline(tg, o, dur, lat, empty=empty, unslotted=cm.unslotted) for v, o in orders.items()}
+        v = min(tls, key=lambda v: (tls[v].makespan, BALANCE_ORDERS.index(v)))
         ds = [Decision("programs", f"{comm} comm / {N - comm} compute of {N}", "given")]
         if len(tls) > 1:
             ds.append(_order_decision(v, tls))
         return _Plan(Split(comm, N - comm), v, orders[v], tls[v], dur, ds)
     split, est = best_split(cm, True)
-    tls = {v: timeline(tg, o, durations(cm, split.comm), lat, empty=empty) for v, o in orders.items()}
-    v = min(tls, key=lambda v: (tls[v].makespan, ORDERS.index(v)))
+    tls = {
+        v: timeline(tg, o, durations(cm, split.comm), lat, empty=empty, unslotted=cm.unslotted)
+        for v, o in orders.items()
+    }
+    v = min(tls, key=lambda v: (tls[v].makespan, BALANCE_ORDERS.index(v)))
     best = split.comm
     tried = {best: tls[v]}
     if refine if refine is not None else len(tg.tasks) <= REFINE_LIMIT:
@@ -132,7 +139,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
             moved = False
             for p in (best - step, best + step):
                 if 0 < p < N and p not in tried:
-                    tried[p] = timeline(tg, orders[v], durations(cm, p), lat, empty=empty)
+                    tried[p] = timeline(tg, orders[v], durations(cm, p), lat, empty=empty, unslotted=cm.unslotted)
                 if 0 < p < N and tried[p].makespan < tried[best].makespan:
                     best, moved = p, True
             if not moved:
@@ -169,7 +176,7 @@ def schedule_costed(
 
 
 def _order_decision(v: str, tls: dict) -> Decision:
-    alt = ", ".join(f"{k} {tls[k].makespan * 1e3:.3f} ms" for k in ORDERS if k in tls)
+    alt = ", ".join(f"{k} {tls[k].makespan * 1e3:.3f} ms" for k in BALANCE_ORDERS if k in tls)
     return Decision("order", v, f"cost model: {alt}")
 
 
@@ -224,9 +231,10 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
         else:
             compute[t.rank] += float(dur[t.id])
     exposed = tuple(_minus(_union(comm_iv[r]), _union(comp_iv[r])) for r in range(W))
-    # fill: the route, the scan, the first segment's dispatch and the flag that hands it to
-    # compute; drain: the returns and unpacks of each owner's last non-empty segment (under
-    # the routing the timeline was made for), the combine and the flag that hands them on.
+    # fill: the weight pushes (balance replicate), the route, the scan, the first segment's
+    # dispatch and the flag that hands it to compute; drain: the returns and unpacks of each
+    # owner's last non-empty segment (under the routing the timeline was made for), the
+    # combine and the flag that hands them on.
     last = [-1] * W
     for t in tasks:
         if t.stage == "compute" and cm.rows[t.id] > 0:
@@ -236,7 +244,7 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
     for t in tasks:
         if t.role != "comm":
             continue
-        if t.stage in ("route", "scan") or (t.stage == "dispatch" and t.segment == 0):
+        if t.stage in ("balance", "route", "scan") or (t.stage == "dispatch" and t.segment == 0):
             fill[t.rank] += float(dur[t.id])
         elif (t.stage == "combine" and t.detail != "unpack") or (
             t.stage in ("return", "combine") and t.segment == last[t.owner]

@@ -31,26 +31,33 @@ from rdepc.ir.sizes import BM
 from rdepc.ir.spec import LayerSpec
 
 
-def done_counters_expr(strategy: str) -> sp.Expr:
+def done_counters_expr(strategy: str, balanced: bool = False) -> sp.Expr:
     """Done counters per rank (the ``flags`` buffer's words): :func:`rdepc.ir.sizes.done_counters`
-    applied to symbols, with n = ⌈R_max/S⌉ segments of the busiest owner (bulk: one) and a
-    return ring iff segmented and B·S < T·K (memplan.flag_slots evaluates the same rule)."""
+    applied to symbols, with n = ⌈R_max/S⌉ segments of the busiest owner (bulk: one), a
+    return ring iff segmented and B·S < T·K, and ``balanced`` (``balance replicate``: the
+    push and receive) as memplan.flag_slots evaluates the same rule."""
     if strategy in SEGMENTED:
         ring = sp.Piecewise((sp.Integer(1), B * S < T * K), (sp.Integer(0), True))
-        return sizes.done_counters(W, sp.ceiling(T / BM), sp.ceiling(R_max / S), ring)
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.ceiling(R_max / S), ring, int(balanced))
     if strategy == "bulk":
-        return sizes.done_counters(W, sp.ceiling(T / BM), sp.Integer(1), sp.Integer(0))
+        return sizes.done_counters(W, sp.ceiling(T / BM), sp.Integer(1), sp.Integer(0), int(balanced))
     raise ValueError(f"unknown strategy '{strategy}'")
 
 
 def symmetric_formulas(
-    strategy: str, keyed: bool = False, dedup: bool = False, resend: bool = False, bwd_fp8: bool = False
+    strategy: str,
+    keyed: bool = False,
+    dedup: bool = False,
+    resend: bool = False,
+    bwd_fp8: bool = False,
+    balanced: bool = False,
 ) -> dict[str, dict[str, sp.Expr]]:
     """docs/memory.md as formulas: ``{"S", "B", "R_ret", "buffers", "forward", "forward_backward"}``.
     Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
     ``dedup`` the backward's sideband and gate gradients, ``resend`` the input rows the backward sends again,
-    ``bwd_fp8`` the backward's rows as fp8 with their scales."""
-    done = done_counters_expr(strategy)
+    ``bwd_fp8`` the backward's rows as fp8 with their scales, ``balanced`` (``balance replicate``)
+    two done counters a rank more."""
+    done = done_counters_expr(strategy, balanced)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S
         # the return ring rotates (claims, unpacks) only when its B·S rows cannot hold all T·K
@@ -162,9 +169,7 @@ def symmetric_plan(
     strategy = resolved.strategy
     rows, buffers = resolved.S if rows is None else rows, resolved.B if buffers is None else buffers
     env = Env(spec_values(spec, strategy, rows, buffers), spec.capacity.policy)
-    fm = symmetric_formulas(
-        strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend", spec.precision.backward_fp8
-    )
+    fm = spec_formulas(spec, strategy)
     return {
         "strategy": strategy,
         "S": env.value(fm["S"]),
@@ -176,11 +181,21 @@ def symmetric_plan(
     }
 
 
+def spec_formulas(spec: LayerSpec, strategy: str) -> dict[str, dict[str, sp.Expr]]:
+    """:func:`symmetric_formulas` with the options ``spec`` chooses."""
+    return symmetric_formulas(
+        strategy,
+        spec.keyed_admission,
+        spec.dedup,
+        spec.input_activations == "resend",
+        spec.precision.backward_fp8,
+        spec.balance.kind == "replicate",
+    )
+
+
 def symmetric_figures(env: Env, strategy: str, key: str, spec: LayerSpec) -> SymmetricPlan:
     sideband = spec.route_row.sideband
-    fm = symmetric_formulas(
-        strategy, spec.keyed_admission, spec.dedup, spec.input_activations == "resend", spec.precision.backward_fp8
-    )
+    fm = spec_formulas(spec, strategy)
     what = dict(_BUFFER_WHAT, sideband=f"B·S rows of sb bytes ({', '.join(sideband)})")
     region_what = dict(_REGION_WHAT, sideband=what["sideband"])
     segmented = strategy in SEGMENTED

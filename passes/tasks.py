@@ -6,6 +6,7 @@ global order (:func:`build_tasks`; the stages, rings and edges are described in
 from __future__ import annotations
 
 from rdepc.ir import sizes
+from rdepc.ir.balance import slot_chunks
 from rdepc.ir.graph import Geometry, Task, TaskGraph
 from rdepc.ir.sizes import BM
 
@@ -56,6 +57,25 @@ def build_tasks(geo: Geometry) -> list[Task]:
     from_one = [sizes.owner_rows(1, T, K, per[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
     piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
 
+    # balance replicate: each rank pushes its home experts' operands into the slots the call's
+    # plan gave them, a chunk a work item (the plan is data the tasks read: its launch comes
+    # before the layer's);
+    # a rank's receive copies its N slots once every push has landed. The bytes are the
+    # mean over ranks with every slot filled: which home pushes is known only at run time.
+    slot_bytes = geo.slots * geo.slot_bytes
+    chunks = slot_chunks(geo.slot_bytes // geo.a)  # work items of one expert's operands
+    pushes = tuple(
+        add(
+            "balance", "push", r, "comm", r, -1, -1, -1, -1, 0, (per[r] - geo.slots) * chunks, slot_bytes, 0, (), (), ""
+        )
+        for r in range(W)
+        if geo.slots
+    )
+    receive = [
+        add("balance", "receive", q, "comm", -1, q, -1, -1, -1, 0, geo.slots * chunks, slot_bytes, 0, pushes, (), "")
+        for q in range(W)
+        if geo.slots
+    ]
     route = tuple(
         add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, T * K * (geo.sb + 8), 0, (), (), "")
         for r in range(W)
@@ -149,6 +169,7 @@ def build_tasks(geo: Geometry) -> list[Task]:
                 n = seg_rows[q][s]
                 # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
                 deps = tuple(disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
+                deps += (receive[q],) if receive else ()  # its slots' weights
                 tiles = sizes.segment_m_tiles(n, per[q], cut)  # at most geo.m_slots[q]: n <= min(R_q, S)
                 empty = f"rows({q}) <= {s * S}"
                 war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot

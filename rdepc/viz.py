@@ -33,7 +33,8 @@ STAGE_COLORS = {
     "return": "#2ca02c",
     "unpack": "#17becf",
     "combine": "#8c564b",
-    "weights": "#e377c2",
+    "push": "#e377c2",
+    "receive": "#f7b6d2",
 }
 STAGE_WORDS = {
     "route": "route: order each rank's token rows by owner",
@@ -44,12 +45,13 @@ STAGE_WORDS = {
     "return": "return: send expert outputs back",
     "unpack": "unpack: free a return slot (copy rows out)",
     "combine": "combine: gate-weighted sum per token",
-    "weights": "balance: replicas' weights pushed to their slots, before the layer",
+    "push": "push: a home's hot experts' weights into their replicas' slots",
+    "receive": "receive: a rank's slots copied in once every push has landed",
 }
 
 
 def _color_key(t) -> str:
-    return t.detail if t.detail in ("unpack", "gemm1", "gemm2") else t.stage
+    return t.detail if t.detail in ("unpack", "gemm1", "gemm2", "push", "receive") else t.stage
 
 
 def _tid(sched: Schedule, t) -> int:
@@ -164,12 +166,10 @@ def write_png(
     max_ranks: int = 8,
     dpi: int = 130,
     unreplicated: Schedule | None = None,
-    pushes: list[float] | None = None,
 ) -> Path:
     """A Gantt chart of the predicted schedule (matplotlib, imported here only); ``bulk`` and
     ``unreplicated`` (a ``balance replicate`` layer's schedule without its replicas) are
-    drawn as a line at their makespan. ``pushes``: a replicated layer's seconds per rank of
-    weight pushes, launched before the layer: drawn first, the layer after the longest."""
+    drawn as a line at their makespan."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,8 +181,7 @@ def write_png(
     lanes = [(r, None) for r in ranks] if sched.unified else [(r, role) for r in ranks for role in ("comm", "compute")]
     lane_of = {key: i for i, key in enumerate(lanes)}
     us = 1e6
-    offset = max(pushes, default=0.0) * us if pushes else 0.0
-    layer_span = max(sched.makespan, bulk.makespan if bulk else 0.0) * us + offset
+    layer_span = max(sched.makespan, bulk.makespan if bulk else 0.0) * us
     span = max(layer_span, unreplicated.makespan * us if unreplicated else 0.0)
     span = span or 1.0
     fig_h = 2.6 + 0.42 * len(lanes)
@@ -193,17 +192,12 @@ def write_png(
     for t in tg.tasks:
         if t.rank not in ranks:
             continue
-        s, e = sched.start[t.id] * us + offset, sched.end[t.id] * us + offset
+        s, e = sched.start[t.id] * us, sched.end[t.id] * us
         if e <= s:
             continue
         lane = lane_of[(t.rank, None if sched.unified else t.role)]
         seg = t.segment if t.stage != "combine" or t.detail == "unpack" else -1
         per_lane.setdefault(lane, []).append([s, e, _color_key(t), seg])
-    for r in ranks if pushes else ():
-        if pushes[r] > 0:
-            per_lane.setdefault(lane_of[(r, None if sched.unified else "comm")], []).append(
-                [0.0, pushes[r] * us, "weights", -1]
-            )
     gap = span * 1e-3
     used: set[str] = set()
     for lane, items in per_lane.items():
@@ -233,12 +227,12 @@ def write_png(
     for r in ranks:
         lane = lane_of[(r, None if sched.unified else "comm")]
         for s, e in _exposed_intervals(sched, r):
-            s, e = s * us + offset, e * us + offset
+            s, e = s * us, e * us
             ax.plot([s, e], [lane + 0.43, lane + 0.43], color="#d62728", linewidth=2.2, solid_capstyle="butt")
     # a makespan as a vertical line with its label: (time, label, label height, colour, line style)
-    marks = [(sched.makespan * us + offset, "this schedule", -0.62, "#555555", ":")]
+    marks = [(sched.makespan * us, "this schedule", -0.62, "#555555", ":")]
     if bulk is not None and bulk is not sched:
-        marks.append((bulk.makespan * us + offset, "bulk, no overlap", -1.1, "black", "--"))
+        marks.append((bulk.makespan * us, "bulk, no overlap", -1.1, "black", "--"))
     if unreplicated is not None:
         marks.append((unreplicated.makespan * us, "without replication", -0.86, "#9467bd", "--"))
     for at, what, y, color, style in marks:
@@ -264,9 +258,8 @@ def write_png(
     progs += f" (split mode: {sched.kernel_split[0]} transport + {sched.kernel_split[1]} GEMM kernel programs)"
     ax.set_title(
         f"{sched.layer} MoE layer, {sched.strategy} schedule on {sched.hw}: "
-        f"predicted {sched.makespan * us + offset:,.0f} µs"
-        + (f" ({offset:,.0f} µs of weight pushes first)" if offset else "")
-        + f", exposed transport {sched.exposed_max * us:,.0f} µs\n"
+        f"predicted {sched.makespan * us:,.0f} µs"
+        f", exposed transport {sched.exposed_max * us:,.0f} µs\n"
         f"segments of S={sched.S} rows, B={sched.B} buffers, cut by {sched.cut}; {progs}{shown}",
         fontsize=10,
     )

@@ -14,12 +14,13 @@ gradients equal the layer's without replication up to the order of that sum.
 One process (``emulated``): every rank's loads and weights are at hand; the slots' copies
 are one gather (:class:`Distribute`). One process per rank (``emulated-mp``, ``nvshmem``):
 the ranks exchange through a symmetric allocation of their own: each puts its row of L into
-every rank's copy, homes push the replicated experts' weights into the slots' buffers, the
-layer's kernels take the call's copy of the N slots as an operand beside the home weights
-(``rdepc.ir.balance.slot_parts``: no per-call copy of the home weights), and in the
+every rank's copy; in the layer's own kernel, each rank's push task puts its replicated home
+experts' weights into the slots' region of the ranks that hold them and each rank's receive
+task copies its N slots into the call's operand, which the GEMMs read beside the home
+weights (``rdepc.ir.balance.slot_parts``: no per-call copy of the home weights); in the
 backward replicas hand their weight gradients to the homes, which sum them in rank order —
-the same sums as one process, bitwise. The plan and the exchange are custom ops
-(``rdepc::balance_plan``, ``rdepc::balance_weights``, :mod:`rdepc.runtime.ops`), so
+the same sums as one process, bitwise. The plan and the gradients' exchange are custom ops
+(``rdepc::balance_plan``, ``rdepc::balance_grads``, :mod:`rdepc.runtime.ops`), so
 ``torch.compile`` captures a replicated layer whole, as it does any other.
 """
 
@@ -33,7 +34,6 @@ from rdepc.runtime.heap import local_experts, own_slices
 from rdepc.runtime.module import RDEPModule
 from rdepc.runtime.records import KernelError
 from rdepc.runtime.stats import Readback
-from rdepc.runtime.tensors import gemm1_operand
 
 from rdepc.ir.balance import COUNTERS, exchange_regions, imbalance, slot_parts
 from rdepc.ir.contract import KernelContract
@@ -64,9 +64,8 @@ class Distribute(torch.autograd.Function):
 # what an expired wait of the exchange waited for, by the code the device stores (rdepc.codegen.device.balance.settle)
 _WAITED = {
     1: "every rank's loads",
-    2: "the slots' weights",
-    3: "the replicas' gradients",
-    4: "the homes' receipt of its slots' gradients",
+    2: "the replicas' gradients",
+    3: "the homes' receipt of its slots' gradients",
 }
 _PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
 
@@ -76,13 +75,15 @@ class Exchange:
     counts over its calls — each rank's arrival counters' targets, the calls (one signal per
     rank each), the error word of its waits. Modules of one layer built with ``share`` use
     one, so a model's replicated layers need one allocation, not one each: a call copies its
-    loads and its slots' weights out before the layer's kernel, whose scan waits for every
-    rank, so no rank's next puts overwrite them unread; and a rank's gradient slots are
-    written again only after their homes' receipts (the fourth counter)."""
+    loads out before the layer's kernel, whose scan waits for every rank, so no rank's next
+    puts overwrite them unread; a slot's weights are pushed again only once its rank's
+    receive has copied them out (the layer's push waits for the previous call's receives);
+    and a rank's gradient slots are written again only after their homes' receipts (the
+    third counter)."""
 
     def __init__(self, bal: torch.Tensor, own: torch.Tensor, stride: int, at: dict[str, int], device):
         self.bal, self.own, self.stride, self.at = bal, own, stride, at
-        self.expected = torch.zeros(4, dtype=torch.int64, device=device)  # arrivals counted over calls
+        self.expected = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)  # arrivals counted over calls
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.readback = Readback(device)  # natively: the error word on its way to the host
 
@@ -106,7 +107,6 @@ class ReplicatedModule:
         self.homes = p.homes
         i32 = {"dtype": torch.int32, "device": self.device}
         self.owner = torch.tensor(p.owner[: self.homes], **i32)
-        self.local_of = torch.tensor(p.local[: self.homes], **i32)
         self.local_experts = local_experts(p, self.rank)
         self.parts = slot_parts(p.H, p.F, p.gated, p.bias)  # a slot's operands: name -> (offset, elements)
         self._plan: dict[str, torch.Tensor] | None = None
@@ -117,6 +117,9 @@ class ReplicatedModule:
         if self.per_rank:
             self.ex = share.ex if share is not None else self._allocate_exchange()
             self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
+            slots_at = self.ex.bal.view(-1)[self.ex.at["slots"] :]  # rank 0's slot region (per-rank: this rank's)
+            self.inner.exchange = (slots_at, self.ex.stride)  # the push and receive tasks'
+            self.inner.balanced_by = self.handle
         self._readback = self.ex.readback if self.ex else Readback(self.device)
 
     def __getattr__(self, name: str):  # the rest of RDEPModule's surface: the physical layer's
@@ -141,13 +144,11 @@ class ReplicatedModule:
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
-        if self.per_rank:  # GEMM1's operand (gate and up interleaved) once, for the pushes and the layer
-            up = gemm1_operand(w_gate, w_up) if self.contract.gated else w_up
-            if self.contract.gated and b_up is not None:
-                b_up = gemm1_operand(b_gate, b_up)
-            slots = self._slots(plan, up, w_down, b_up, b_down)
-            return self.inner.routed(x, ids, topk_weights, up, w_down, b_up=b_up, b_down=b_down, tokens=tokens,
-                                     slots=slots)  # fmt: skip
+        if self.per_rank:  # the layer's kernel pushes the slots' weights: the plan's slot table says where
+            return self.inner.forward(
+                x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens,
+                slot_table=plan["slots"],
+            )  # fmt: skip
         w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws, plan)
         return self.inner.forward(
             x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
@@ -158,9 +159,8 @@ class ReplicatedModule:
         ws = self._homes(w_up, w_down, b_up, b_down)
         ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         if self.per_rank:
-            slots = self._slots(plan, w_up, w_down, b_up, b_down)
             return self.inner.routed(
-                x, ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens, slots=slots
+                x, ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens, slot_table=plan["slots"]
             )
         w_up, w_down, b_up, b_down = self._physical(ws, plan)
         return self.inner.routed(x, ids, topk_weights, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
@@ -175,16 +175,10 @@ class ReplicatedModule:
                 )
         return weights
 
-    def _slots(self, plan: dict, w_up, w_down, b_up, b_down) -> torch.Tensor:
-        """One process per rank: this rank's home experts' operands as the kernels read them
-        (GEMM1's, GEMM2's, the biases) pushed to the slots holding them; this rank's slots
-        for this call, [N, P]."""
-        given = [None if t is None else t.contiguous() for t in (w_up, w_down, b_up, b_down)]
-        return ops.balance_weights(self.handle, plan["slots"].reshape(-1), *given)
-
     def home_grads(self, summed: torch.Tensor, shapes) -> list[torch.Tensor | None]:
         """The replicas' gradients summed per home expert, [E_loc, P], as the gradients of
-        the operands :meth:`_slots` pushed (of ``shapes``; None where none was given)."""
+        the operands the layer's push tasks put into the slots (GEMM1's, GEMM2's, the
+        biases: of ``shapes``; None where there is none)."""
         names, at = ("w_up", "w_down", "b_up", "b_down"), self.parts
         part = {n: summed[:, at[n][0] : at[n][0] + at[n][1]] for n in at}
         return [None if s is None else part[n].reshape(s) for n, s in zip(names, shapes, strict=True)]
@@ -255,17 +249,6 @@ class ReplicatedModule:
         )
         self._plan, self._stats = plan, None
         return [phys_ids[: ids.numel()].view(ids.shape)] + [plan[name] for name in _PLAN]
-
-    def _weights_op(self, slots: torch.Tensor, w_up, w_down, b_up, b_down) -> torch.Tensor:
-        """``rdepc::balance_weights``: push the replicated home experts' operands to their
-        slots; wait for this rank's; a copy of them (the call's backward reads it)."""
-        k, P = self.inner.kernels, self.contract.slot_elems
-        unused = self.inner._unused[f"*{self.contract.dtype}"]  # no biases: never read
-        biases = (unused if b_up is None else b_up, unused if b_down is None else b_down)
-        push = (self.ex.bal, self.ex.stride, self.ex.at["slots"], slots, self.owner, self.local_of, w_up, w_down)
-        self._run(k.balance_push, (self.contract.W * self.slots,), (*push, *biases, self.rank))
-        self._await("pushes", slots)
-        return self._region("slots", self.slots * P).view(self.slots, P).clone()
 
     def _grads_op(self, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``rdepc::balance_grads``: hand the slots' gradients ``grad`` [N, P] to their homes;

@@ -238,6 +238,12 @@ class RDEPModule:
         self.private = allocate_private(own, 2 * self.work.n_items if self.profiling else 1, device) | dict(counters)
         self._unused = placeholders(p, device)
         self._flags, self._bwd_flags, self._published = regions(p)
+        # balance replicate, one process per rank (rdepc.runtime.balance sets both): the
+        # exchange's slot region and the stride between ranks' slices, which the push and
+        # receive tasks write and read; the replicated module's handle, whose exchange brings
+        # the slots' gradients home in the backward
+        self.exchange: tuple[torch.Tensor, int] | None = None
+        self.balanced_by: int | None = None
 
     def _refuse_saving(self) -> None:
         """A module built for inference has no backward regions: a call that would keep what
@@ -267,7 +273,7 @@ class RDEPModule:
 
     def forward(
         self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, tokens=None,
-        slots=None,
+        slot_table=None,
     ) -> torch.Tensor:  # fmt: skip
         """y = the routed layer of every rank's tokens (see the module docstring). ``tokens``
         (one process): how many of the T' tokens each rank brings, a list of W ints (or a CPU
@@ -275,17 +281,19 @@ class RDEPModule:
         y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ.
         ``b_gate``, ``b_up`` [E, F] and ``b_down`` [E, H]: the expert biases of a spec whose
         experts have them (``expert ..., bias``), required there and refused elsewhere.
-        ``slots``: a replicated layer's redundant slots [N, P] when its kernels read them in
-        place (``KernelContract.slot_elems``; the weights are then the home experts' only)."""
-        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, slots)
+        ``slot_table``: a replicated layer's plan for the call when its kernels push the
+        slots' weights themselves (one process per rank: ``KernelContract.slots_in_place``),
+        the home expert each slot of every rank holds, int32 [W, N] (-1 empty); the weights
+        are then the home experts' only (``rdepc.runtime.balance`` passes it)."""
+        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, slot_table)
         operand, bias = w_up, b_up
         if self.contract.gated:
             operand = gemm1_operand(w_gate, w_up)
             bias = None if b_up is None else gemm1_operand(b_gate, b_up)
-        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens, slots)
+        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens, slot_table)
 
     def routed(
-        self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None, slots=None
+        self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None, slot_table=None
     ) -> torch.Tensor:
         """:meth:`forward` with GEMM1's operand as the kernel reads it: a gated expert's gate
         and up interleaved, ``w_up`` [E, H, F, 2] (``RDEPMoE``'s ``w_gate_up``), else [E, H, F];
@@ -293,30 +301,30 @@ class RDEPModule:
         gated = self.contract.gated
         halves = (w_up[..., 0], w_up[..., 1]) if gated else (None, w_up)
         bias = (b_up[..., 0], b_up[..., 1]) if gated and b_up is not None else (None, b_up)
-        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down, slots)
-        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slots)
+        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down, slot_table)
+        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slot_table)
 
-    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slots=None) -> torch.Tensor:
+    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slot_table=None) -> torch.Tensor:
         """The checked call, through the ``rdepc::forward`` op (differentiable, and what
         ``torch.compile`` captures); it keeps what the backward walks when a gradient may
         be asked for."""
         brought, real = self.padding(tokens, x.shape[-2])
         if real is not None:  # the tokens past each rank's count route nowhere
             topk_ids = torch.where(real[..., None], topk_ids, -1)
-        leaves = (x, topk_weights, w_up, w_down, b_up, b_down, slots)
+        leaves = (x, topk_weights, w_up, w_down, b_up, b_down)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
         if save:
             self._refuse_saving()
-        weights = (w_up, w_down, b_up, b_down, slots)
+        weights = (w_up, w_down, b_up, b_down, slot_table)
         return ops.forward(self.handle, x, topk_ids, topk_weights, *weights, brought, save)[0]
 
     def _forward_op(
-        self, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save: bool
+        self, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save: bool
     ) -> list[torch.Tensor]:
         """``rdepc::forward``'s implementation: the call, its routing context and (``save``)
         what it kept, in ``ops.forward_layout``'s order."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
-        operands = {"b_up": b_up, "b_down": b_down, "slots": slots}
+        operands = {"b_up": b_up, "b_down": b_down, "slot_table": slot_table}
         y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, **operands)
         out = [y, context.accepted, context.slot, context.gprime]
         return out + ([kept[name] for name, _, _ in ops.kept_layout(self, x.shape[-2])] if save else [])
@@ -348,11 +356,13 @@ class RDEPModule:
         self._withheld = (entry, backward)
 
     def _run(
-        self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None, slots=None
-    ):
+        self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None,
+        slot_table=None,
+    ):  # fmt: skip
         """Launch the forward (``w_up``: GEMM1's operand; ``b_up``, ``b_down``: the expert
-        biases, when the spec has them; ``slots``: the redundant slots read in place).
-        ``save``: keep what the backward walks, returned third."""
+        biases, when the spec has them; ``slot_table``: the call's balance plan, whose slots
+        the launch's push and receive tasks fill). ``save``: keep what the backward walks,
+        returned third (with ``slot_table``, the call's copy of this rank's slots too)."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -370,7 +380,11 @@ class RDEPModule:
         launches = self.launcher.launches
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
         given["tokens_of"] = brought
-        given |= self._operands(w_up, w_down, b_up, b_down, slots)
+        given |= self._operands(w_up, w_down, b_up, b_down)
+        if slot_table is not None:  # the receive tasks fill the call's copy of the slots, the GEMMs read it
+            given["slots"] = torch.empty((p.slots_in_place, p.slot_elems), dtype=self.dtype, device=self.device)
+            given["slot_table"] = slot_table.contiguous()
+            given["exchange"], given["ex_stride"] = self.exchange
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner)); none when the
@@ -379,6 +393,8 @@ class RDEPModule:
             if keeps_outputs(p):
                 kept["saved_out"] = torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device)
             given |= kept
+            if slot_table is not None:
+                kept["slots"] = given["slots"]
         self.epoch += 1
         self._launch(given, Tn, backward=False, save=save)
         if save:  # the routing tables the backward walks, as this call left them
@@ -397,7 +413,8 @@ class RDEPModule:
         self, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept
     ) -> list[torch.Tensor]:
         """``rdepc::backward``'s implementation: [dx, dL/dg', dw_up (GEMM1's operand's shape), dw_down],
-        then, when the experts have biases, [db_up, db_down], then with ``slots`` their gradient."""
+        then, when the experts have biases, [db_up, db_down], then with ``slots`` (the
+        forward's copy of this rank's slots) their gradient."""
         Tn = dy.shape[-2]
         kept = dict(zip((name for name, _, _ in ops.kept_layout(self, Tn)), kept, strict=True))
         context = RoutingContext(aligned(topk_ids.to(torch.int64).contiguous()), accepted, slot, gprime)
@@ -472,8 +489,8 @@ class RDEPModule:
         private = dict(self.private)
         if backward:
             private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
-        given = {"heap": self.heap, **private, **tables, **given}
-        given |= p.launch_scalars(Tn, self.grid, self.rank, self.spin_bound, self.per_rank)
+        scalars = p.launch_scalars(Tn, self.grid, self.rank, self.spin_bound, self.per_rank)
+        given = {"heap": self.heap, **private, **tables, **scalars, **given}
         tl = self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
@@ -514,13 +531,16 @@ class RDEPModule:
         return f"rdepc layer {c.layer}" + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
 
     def _check(
-        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, slots=None
+        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, slot_table=None
     ) -> None:
         p = self.contract
         N = p.slots_in_place  # then the weights are the home experts' only
-        want, got = (N, p.slot_elems) if N else None, None if slots is None else tuple(slots.shape)
-        if got != want:
-            raise ValueError(f"{self._name()}: the redundant slots must be {want} here, got {got}")
+        want, got = (p.W, N) if N else None, None if slot_table is None else tuple(slot_table.shape)
+        if got != want or (N and slot_table.dtype != torch.int32):
+            raise ValueError(f"{self._name()}: the balance plan's slot table must be int32 {want} here, got {got}")
+        if N and self.exchange is None:
+            raise ValueError(f"{self._name()}: a balance replicate layer runs through its ReplicatedModule "
+                             "(rdepc.runtime.balance.layer_module), which gives it the slots' exchange")  # fmt: skip
         own = len(self.local_experts) - N if self.per_rank else None  # one rank's tokens, its own experts' weights
         biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
         check_inputs(

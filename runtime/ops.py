@@ -1,7 +1,7 @@
 """The layer's forward and backward as ``torch.library`` custom ops, so that ``torch.compile``
 (``fullgraph=True`` included) captures a model with RDEP layers without a graph break.
 
-    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save)
+    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save)
         -> [y, accepted, slot, gprime, *kept]
     rdepc::backward(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept)
         -> [dx, dgprime, dw_up, dw_down, (db_up, db_down), (dslots)]
@@ -10,13 +10,16 @@
 the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
 [E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
-have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); ``slots`` the redundant
-slots' packed operands [N, P] a replicated layer's kernels read in place one process per rank
-(``rdepc.ir.balance.slot_parts``; None elsewhere), their gradient ``dslots``; the backward's ``x``
-the forward's input (None unless ``KernelContract.backward_reads_x``). With ``save`` the
-forward also returns what the backward walks: the routing context (the accepted set, each
-slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables;
-:func:`kept_layout`). The ops are opaque to the compiler:
+have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); ``slot_table`` a
+replicated layer's plan for the call one process per rank (the home expert in each slot of
+every rank, int32 [W, N]; None elsewhere): the forward's push and receive tasks fill this
+rank's redundant slots from it, and it keeps their packed operands [N, P]
+(``rdepc.ir.balance.slot_parts``) as ``slots``, whose gradient ``dslots`` the backward
+returns and the replicas' exchange takes home (``rdepc::balance_grads``); the backward's
+``x`` the forward's input (None unless ``KernelContract.backward_reads_x``). With ``save``
+the forward also returns what the backward walks: the routing context (the accepted set,
+each slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables, the
+slots; :func:`kept_layout`). The ops are opaque to the compiler:
 their fake (meta) implementations give only the outputs' shapes, from the module, and their
 real ones run exactly what an eager call runs, so compiled results equal eager ones bitwise.
 
@@ -65,15 +68,15 @@ def forward(
     w_down: Tensor,
     b_up: Tensor | None,
     b_down: Tensor | None,
-    slots: Tensor | None,
+    slot_table: Tensor | None,
     brought: Tensor,
     save: bool,
 ) -> list[Tensor]:
-    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save)
+    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save)
 
 
 @forward.register_fake
-def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slots, brought, save):
+def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save):
     layout = forward_layout(module_of(handle), x.shape[-2], save)
     return [torch.empty(shape, dtype=dtype, device=x.device) for _, shape, dtype in layout]
 
@@ -125,8 +128,9 @@ def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ..
 def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What a forward keeps for its backward, in order: the owners' rows (input,
     pre-activations; the expert outputs at the front-ends, or under dedup at the owners; none
-    when the gate is on the expert's input), the offsets its owners published, and the
-    routing tables."""
+    when the gate is on the expert's input), the offsets its owners published, the routing
+    tables, and a replicated layer's copy of its slots one process per rank (a later call
+    may refill them before this backward runs)."""
     p = module.contract
     lead = () if module.per_rank else (p.W,)
     owners = 1 if module.per_rank else p.W
@@ -135,31 +139,37 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
         out.append(("saved_out", (*lead, Tn, p.K, p.H), module.dtype))
     lo, hi = module._published
     out.append(("published", (owned_ranks(module.heap.shape, module.per_rank), hi - lo), module.heap.dtype))
-    return out + [(n, tuple(module.private[n].shape), module.private[n].dtype) for n in module._routing_tables()]
+    out += [(n, tuple(module.private[n].shape), module.private[n].dtype) for n in module._routing_tables()]
+    return out + ([("slots", (p.slots_in_place, p.slot_elems), module.dtype)] if p.slots_in_place else [])
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, slots, _brought, save = inputs
+    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, slot_table, _brought, save = inputs
     ctx.handle, ctx.saved = handle, save
     x = x if module_of(handle).contract.backward_reads_x else None
-    # b_up: recomputed pre-activations; slots: this call's copy (a later call may refill the slots)
-    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, slots, *output[1:])
+    # b_up: recomputed pre-activations; slot_table: where the slots' gradients go home
+    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, slot_table, *output[1:])
 
 
 def _forward_backward(ctx, grads):
     if not ctx.saved:
         raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
-    x, topk_ids, gates, w_up, w_down, b_up, slots, accepted, slot, gprime, *kept = ctx.saved_tensors
+    x, topk_ids, gates, w_up, w_down, b_up, slot_table, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
+    slots = None if slot_table is None else kept[-1]
     dx, dgprime, dw_up, dw_down, *rest = backward(
         ctx.handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept
     )
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
-    db_up, db_down = rest[:2] if module.contract.bias else (None, None)
-    dslots = None if slots is None else rest[-1]
-    return None, dx, None, dgates, dw_up, dw_down, db_up, db_down, dslots, None, None
+    homes = [dw_up, dw_down, *(rest[:2] if module.contract.bias else (None, None))]
+    if slot_table is not None:  # each home expert's gradient, plus its replicas' summed in rank order
+        replicated = module_of(module.balanced_by)
+        summed = balance_grads(replicated.handle, slot_table.reshape(-1), rest[-1])
+        parts = replicated.home_grads(summed, [None if g is None else g.shape for g in homes])
+        homes = [g if r is None else g + r for g, r in zip(homes, parts, strict=True)]
+    return None, dx, None, dgates, *homes, None, None, None
 
 
 forward.register_autograd(_forward_backward, setup_context=_setup_context)
@@ -167,7 +177,8 @@ forward.register_autograd(_forward_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------------- balance replicate
 # A replicated layer (rdepc.runtime.balance) adds its plan and, one process per rank, the
-# slots' weights exchange: launches of its own around the layer's, opaque to the compiler too.
+# exchange of its slots' gradients: launches of its own around the layer's, opaque to the
+# compiler too.
 
 
 @torch.library.custom_op("rdepc::balance_plan", mutates_args=())
@@ -182,27 +193,11 @@ def _balance_plan_fake(handle, ids, Tn):
     return [torch.empty(s, dtype=d, device=ids.device) for s, d in module_of(handle).plan_layout(ids.shape)]
 
 
-@torch.library.custom_op("rdepc::balance_weights", mutates_args=())
-def balance_weights(
-    handle: int, slots: Tensor, w_up: Tensor, w_down: Tensor, b_up: Tensor | None, b_down: Tensor | None
-) -> Tensor:
-    """One process per rank: this rank's home experts' operands as the layer's kernels read
-    them pushed to the slots that hold them; this rank's N slots as their homes pushed them,
-    [N, P] (a copy: the call's backward reads it after later calls may have refilled the slots)."""
-    return module_of(handle)._weights_op(slots, w_up, w_down, b_up, b_down)
-
-
-@balance_weights.register_fake
-def _balance_weights_fake(handle, slots, w_up, w_down, b_up, b_down):
-    module = module_of(handle)
-    return w_up.new_empty((module.slots, module.contract.slot_elems))
-
-
 @torch.library.custom_op("rdepc::balance_grads", mutates_args=())
 def balance_grads(handle: int, slots: Tensor, grad: Tensor) -> Tensor:
-    """The backward of :func:`balance_weights`: this rank's slots' gradients [N, P] handed to
-    their homes; each home expert's replicas' gradients summed in rank order, [E_loc, P]
-    (zeros for an expert no slot held)."""
+    """In a replicated layer's backward, one process per rank: this rank's slots' gradients
+    [N, P] handed to their homes; each home expert's replicas' gradients summed in rank
+    order, [E_loc, P] (zeros for an expert no slot held)."""
     return module_of(handle)._grads_op(slots, grad)
 
 
@@ -211,24 +206,10 @@ def _balance_grads_fake(handle, slots, grad):
     return grad.new_empty((module_of(handle).homes_here.shape[0], grad.shape[1]))
 
 
-def _weights_context(ctx, inputs, output) -> None:
-    ctx.handle, ctx.slots = inputs[0], inputs[1]
-    ctx.shapes = [None if t is None else t.shape for t in inputs[2:]]
-
-
-def _weights_backward(ctx, grad):
-    summed = balance_grads(ctx.handle, ctx.slots, grad.contiguous())
-    return None, None, *module_of(ctx.handle).home_grads(summed, ctx.shapes)
-
-
-balance_weights.register_autograd(_weights_backward, setup_context=_weights_context)
-
-
 __all__ = [
     "backward",
     "balance_grads",
     "balance_plan",
-    "balance_weights",
     "forward",
     "forward_layout",
     "kept_layout",

@@ -52,6 +52,8 @@ STAGE_OF = {
     "unpack": ("combine", "unpack"),
     "combine_wait": ("combine", "wait"),
     "combine": ("combine", "tile"),
+    "push": ("balance", "push"),
+    "receive": ("balance", "receive"),
 }
 CLOCKS = {
     "logical": (

@@ -39,6 +39,11 @@ BASE = dict(
     SLOT_BLOCK=8,
 )
 
+
+class Code(str):
+    """A constant's value written as code (``tl.float32``), not as a string."""
+
+
 TESTS = """
 @triton.jit
 def decode_rows(rids, out, n, rid_c, rid_r, rid_t, rid_k, N: tl.constexpr):
@@ -179,6 +184,16 @@ def put_to_peers(heap, at, value, WP: tl.constexpr):
 
 
 @triton.jit
+def push_chunks(exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank):
+    push_slot(exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, tl.program_id(0))
+
+
+@triton.jit
+def receive_chunks(exchange, ex_stride, slots, rank):
+    receive_slot(exchange, ex_stride, slots, rank, tl.program_id(0))
+
+
+@triton.jit
 def signal_then_wait(flag, seen, target, bound, stop, TIMES: tl.constexpr):
     for _ in tl.static_range(TIMES):
         signal(flag)
@@ -193,11 +208,14 @@ DEVICE = "\n\n\n".join(
         include("rows"),
         include("route", ("keys_below",)),
         include("combine", ("leads",)),
+        include("slots"),
     )
 )
 
 
 def _value(v) -> str:
+    if isinstance(v, Code):
+        return str(v)
     return f'"{v}"' if isinstance(v, str) else repr(v)
 
 

@@ -188,7 +188,7 @@ def test_plan_reports_imbalance_and_slot_memory(tmp_path):
     assert rows[0] > rows[1] > 0 and rows[0] / rows[1] >= before / after * 0.99
     replicas = int(lines["replicas"].split()[1])
     assert f"{replicas * 3 * 64 * 128 * 2:,} B" in lines["replicas' weights moved"]
-    assert "replica pushes (sent or received) at B_eff" in lines["busiest rank's pushes"]
+    assert "replica pushes (sent or received) alone at B_eff" in lines["busiest rank's pushes"]
     status, out, _ = run_cli("plan", str(f))
     assert status == 0 and "needs a routing: --routing uniform or zipf:ALPHA" in out
     assert "owner imbalance, before" not in out
@@ -226,10 +226,10 @@ def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
     assert before > 2 and after <= 1.05
     layer = float(next(x for x in out.splitlines() if "makespan" in x).split()[1].replace(",", ""))
     pushes = next(x for x in out.splitlines() if x.lstrip().startswith("weight pushes"))
-    first, total = (float(v.split()[0].replace(",", "")) for v in (pushes.split("pushes")[1], pushes.split("; ")[1]))
-    assert first > 0 and abs(total - (first + layer)) < 0.2  # the pushes are launched before the layer
+    took = float(pushes.split("pushes")[1].split()[0].replace(",", ""))
+    assert 0 < took < layer  # tasks of the layer, within its makespan
     theirs = float(next(x for x in out.splitlines() if "unreplicated" in x).split()[1].replace(",", ""))
-    assert total < theirs  # the busiest owner's compute shrank more than the pushes cost
+    assert layer < theirs  # the busiest owner's compute shrank more than the pushes cost
     status, out, _ = run_cli("viz", str(f))
     assert status == 0 and "the balanced owners need a routing" in out
 

@@ -194,7 +194,8 @@ def rank_step(rank: int, W_: int, file: str):
     shared = layer.module("emulated-mp", share=module)
     assert shared.ex is module.ex
     compiled_step = train_step(compiled(module), *args)
-    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable, kept
+    split = train_step(layer.module("emulated-mp", mode="split", schedule="pipelined"), *args)
+    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable, kept, split
 
 
 def saved_for_backward(module, ids, gates, x, weights) -> list[tuple[int, ...]]:
@@ -246,8 +247,9 @@ def per_call_arguments(module, ids, gates, x, weights) -> tuple[list, list[int],
 
 def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     """emulated-mp: every rank exchanges its loads, derives the same plan, pushes its hot
-    experts' weights to the slots and adds its replicas' gradients home in rank order: each
-    rank's y, dL/dx, dL/dg and expert gradients are bitwise the one-process layer's. Under
+    experts' weights to the slots (tasks of its layer) and adds its replicas' gradients home
+    in rank order: each rank's y, dL/dx, dL/dg and expert gradients are bitwise the
+    one-process layer's, in split mode and pipelined too. Under
     torch.compile(fullgraph=True) they are the eager ones (one process: tests/test_torch_module.py). Two
     layers sharing one heap and one exchange, both forwards before either backward, are
     two one-process layers. Call after call the launches take the same arguments, as a
@@ -260,7 +262,7 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     y0, g0 = train_step(one, *skewed())
     layer = rdepc.load(f)
     two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
-    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched, arrived), kept) in enumerate(got):
+    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched, arrived), kept, split) in enumerate(got):
         assert differ == [] and min(launched) > 0 and arrived == 3 * W, (rank, differ, launched, arrived)
         # the kernels read the slots in place: the backward keeps this call's copy of the N slots, and
         # no [homes + N, ...] physical weights (a copy of every home expert's beside them)
@@ -277,11 +279,13 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
         for name, table in one.last_plan.items():  # every rank derived the same plan, table for table
             assert torch.equal(plan[name], table), (rank, name)
         assert all(torch.equal(a, b) for a, b in zip([y, *g], [yr, *gr], strict=True)), rank
+        # split mode, pipelined: the GEMM kernel's slot m-tiles wait for the receive, its threads beside the transport's
+        assert all(torch.equal(a, b) for a, b in zip([y, *g], [split[0], *split[1]], strict=True)), rank
 
 
 def test_an_expired_exchange_wait_names_what_it_waited_for_and_stops_the_layer():
-    """The exchange's waits store which counter expired (the loads 1, the slots' weights 2,
-    the replicas' gradients 3) and give up at once; the host names it in a KernelError and
+    """The exchange's waits store which counter expired (the loads 1, the replicas' gradients
+    2, the homes' receipts 3) and give up at once; the host names it in a KernelError and
     stops the module: the ranks' arrival counts no longer agree."""
     from rdepc.runtime.records import KernelError
 
@@ -298,11 +302,28 @@ def test_an_expired_exchange_wait_names_what_it_waited_for_and_stops_the_layer()
     ids = torch.zeros((T, K), dtype=torch.int64)
     module._run(k.balance_exchange, (1,), (bal, stride, 256, ids, T, 1, torch.zeros(1, dtype=torch.int64), 50, err))
     assert err.tolist() == [1]
-    with pytest.raises(KernelError, match=r"waited .* spins for the slots' weights from other ranks"):
+    with pytest.raises(KernelError, match=r"waited .* spins for the replicas' gradients from other ranks"):
         module._raise_err([2])
     with pytest.raises(RuntimeError, match="rebuild it on every rank"):
         ids, gates, x, weights = skewed()
         module(x, ids, gates, *weights)
+
+
+def test_a_withheld_push_is_the_layers_own_expired_wait():
+    """The weight pushes are tasks of the layer's graph: a push that never finishes trips the
+    receives waiting for it, an error of the layer naming both, and the next call recovers."""
+    from rdepc.runtime.records import KernelError
+
+    module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu", spin_bound=50)
+    ids, gates, x, weights = skewed()
+    good = module(x, ids, gates, *weights)
+    victim = module.contract.names.index("push r1")
+    module.withhold(victim)
+    with pytest.raises(KernelError) as e:
+        module(x, ids, gates, *weights)
+    rec = e.value.record
+    assert rec["what"] == "wait expired" and rec["flag_task"] == "push r1" and rec["task"].startswith("receive r")
+    assert torch.equal(module(x, ids, gates, *weights), good)
 
 
 def test_dedup_sums_per_physical_owner_within_rounding(tmp_path):

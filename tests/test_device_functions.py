@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, tiny_segmented
-from device_kernels import BASE, launch, pow2
+from device_kernels import BASE, Code, launch, pow2
 from rdepc.codegen import emit, transport
 from rdepc.codegen.device import HERE, include
 
 import rdepc
 from rdepc.driver import generate_spec
+from rdepc.ir.balance import slot_elems, slot_parts
 
 # --- control.py: narrow, note, validate ----------------------------------------------------
 
@@ -256,6 +257,42 @@ def test_peer_and_put_address_each_ranks_slice_of_the_heap(kernels):
     for r in range(W):
         want[r, 200:208] = torch.tensor([(1 << 40) + r], dtype=torch.int64).view(torch.uint8)
     assert torch.equal(heap, want)
+
+
+def test_pushed_and_received_slots_hold_their_experts_operands_chunk_by_chunk(kernels):
+    """slots.py: every rank's push task (a work item per chunk of each home expert, read once)
+    puts its home experts' operands into every slot the plan's slot table gives them, packed
+    as the layer's kernels read them (rdepc.ir.balance.slot_parts); each rank's receive
+    copies its slots out, chunk by chunk. Chunks of 100 elements cross every boundary
+    between the parts; experts 0 and 4 have two replicas each, expert 1 none."""
+    H, F, W, N, E_loc, chunk = 8, 12, 3, 2, 2, 100
+    parts = slot_parts(H, F, True, True)
+    P = slot_elems(3, H, F, True)
+    chunks = -(-P // chunk)
+    at = {f"SLOT_{n}_AT": parts[k][0] for n, k in (("DOWN", "w_down"), ("B_UP", "b_up"), ("B_DOWN", "b_down"))}
+    mod = kernels(W=W, H=H, F=F, UP_COLS=2, BIAS=True, DTYPE=Code("tl.float32"), SLOTS=N, SLOTS_PAD=pow2(W * N),
+                  SLOT_ELEMS=P, SLOT_CHUNK=chunk, SLOT_CHUNKS=chunks, **at)  # fmt: skip
+    order = torch.tensor([4, 5, 0, 1, 2, 3], dtype=torch.int32)  # rank 0 homes experts 4 and 5 (a map)
+    owner = [1, 1, 2, 2, 0, 0]
+    first = torch.tensor([0, 2, 4], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [4, -1], [0, 4]], dtype=torch.int32)  # never on its home
+    g = torch.Generator().manual_seed(3)
+    weights = [
+        [torch.randn(E_loc, *shape, generator=g) for shape in ((H, F, 2), (F, H), (F, 2), (H,))] for _ in range(W)
+    ]
+    stride = N * P * 4 + 64
+    exchange = torch.zeros(W * stride, dtype=torch.uint8)
+    for r in range(W):
+        launch(mod.push_chunks, (E_loc * chunks,), exchange, stride, table, order, first, *weights[r], r)
+    for r in range(W):
+        slots = torch.full((N, P), -1.0)
+        launch(mod.receive_chunks, (N * chunks,), exchange, stride, slots, r)
+        for j, e in enumerate(table[r].tolist()):
+            want = torch.zeros(P)
+            if e >= 0:
+                i = order[first[owner[e]] :].tolist().index(e)
+                want = torch.cat([w[i].flatten() for w in weights[owner[e]]])
+            assert torch.equal(slots[j], want), (r, j)
 
 
 @pytest.mark.parametrize(

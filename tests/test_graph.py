@@ -92,7 +92,10 @@ def check_structure(tg):
             assert t.rows == min(geo.S, geo.rows_max[q] - s * geo.S) > 0
             assert t.empty_if == f"rows({q}) <= {s * geo.S}"
             data = [tasks[d] for d in t.deps if d not in t.war]
-            if t.detail == "gemm1":
+            if t.detail == "gemm1":  # its segment's dispatches and, under balance replicate, its rank's receive
+                slots = [u for u in data if u.stage == "balance"]
+                assert [(u.detail, u.rank) for u in slots] == ([("receive", q)] if geo.slots else [])
+                data = [u for u in data if u.stage != "balance"]
                 assert all(u.stage == "dispatch" and (u.owner, u.segment) == (q, s) for u in data)
                 assert {u.src for u in data} == set(range(geo.W))
             else:  # GEMM2: its segment's GEMM1
@@ -105,6 +108,9 @@ def check_structure(tg):
                 assert all(tasks[d].stage == "return" and tasks[d].segment == s - geo.B for d in t.war)
             else:
                 assert not t.war
+        elif t.stage == "balance":  # a push waits for nothing this call; a receive for every push
+            pushes = {u.id for u in tasks if u.detail == "push"}
+            assert len(pushes) == geo.W and set(t.deps) == (set() if t.detail == "push" else pushes)
         elif t.stage == "dispatch":
             q, s = t.owner, t.segment
             assert t.slot == s % geo.B

@@ -214,3 +214,16 @@ def test_profile_write_error_is_one_line(tmp_path, monkeypatch):
     status, out, err = cli_main("run", str(TINY), "--tokens", "1", "--profile", str(target))
     assert status == 1 and "max rel. error" in out
     assert err == f"rdepc: error: cannot write {target}: Permission denied\n"
+
+
+def test_every_forward_task_kind_has_its_stage_in_the_trace():
+    """The measured trace names each forward entry's stage as the task graph does: every kind
+    of the task table but the backward's weight gradients has one (balance's push and
+    receive included), and it is a stage of the graph."""
+    from rdepc.runtime.profile import STAGE_OF
+
+    from rdepc.ir.contract import KINDS
+    from rdepc.ir.graph import STAGES
+
+    assert set(STAGE_OF) == set(KINDS) - {"wgrad"}
+    assert {stage for stage, _ in STAGE_OF.values()} <= set(STAGES)

@@ -136,10 +136,11 @@ def test_done_counters_every_user_agrees(spec_files):
             tg = build_graph(spec, st, S=S, B=B)
             geo = tg.geometry
             n = max(geo.segments, default=0)
-            want = sizes.done_counters(geo.W, sizes.token_tiles(geo.T), n, geo.return_ring)
-            assert memplan.flag_slots(geo.W, geo.T, n, geo.return_ring) == want
+            bal = geo.slots > 0
+            want = sizes.done_counters(geo.W, sizes.token_tiles(geo.T), n, geo.return_ring, bal)
+            assert memplan.flag_slots(geo.W, geo.T, n, geo.return_ring, bal) == want
             env = Env(spec_values(spec, st, S, B), spec.capacity.policy)
-            assert env.value(done_counters_expr(st)) == want, (path.name, st)
+            assert env.value(done_counters_expr(st, bal)) == want, (path.name, st)
             heap = symmetric_plan(spec, st, rows=S, buffers=B)
             assert heap["buffers"]["flags"] == memplan.pad(8 * want)
             # the counters bound the tasks any one rank runs, and the graph has the tasks counted
@@ -147,7 +148,11 @@ def test_done_counters_every_user_agrees(spec_files):
             for t in tg.tasks:
                 runs[t.rank] += 1
             assert max(runs) <= want
-            assert len(tg.tasks) == task_count(geo) == sizes.task_count(geo.W, geo.T, geo.segments, geo.return_ring)
+            assert (
+                len(tg.tasks)
+                == task_count(geo)
+                == sizes.task_count(geo.W, geo.T, geo.segments, geo.return_ring, geo.slots > 0)
+            )
 
 
 def test_m_tile_slots_every_user_agrees(spec_files):

@@ -11,39 +11,34 @@ position among the source's rows of its expert and the plan's cumulative split).
 rank t is physical expert HOMES + t·SLOTS + j (``rdepc.passes.replicate``).
 
 One process per rank, the ranks exchange through a symmetric allocation of their own
-(``rdepc.runtime.balance``: four int64 counters at its start, ``rdepc.ir.balance.COUNTERS``
-— loads, slot weights, replica gradients and receipts arrived — then the load table, the
-slots' weights and the replicas' gradients): ``balance_exchange`` replaces the count, ``balance_push``/``balance_await``
-fill the slots, ``balance_give``/``balance_await``/``balance_reduce`` bring the replicas'
-weight gradients home in the backward.
+(``rdepc.runtime.balance``: three int64 counters at its start, ``rdepc.ir.balance.COUNTERS``
+— loads, replica gradients and receipts arrived — then the load table, the slots' weights
+and the replicas' gradients): ``balance_exchange`` replaces the count; the layer's own
+kernel fills the slots, as tasks of its graph (``push_slot``, ``receive_slot``: a rank's
+push and receive, ``rdepc.passes.tasks``), so the pushes overlap the route and dispatch;
+``balance_give``/``balance_await``/``balance_reduce`` bring the replicas' weight gradients
+home in the backward.
 """
 
 import triton
 import triton.language as tl
 from rdepc.codegen.device.heap import peer_in, put
 from rdepc.codegen.device.layout import (
-    BIAS,
     DTYPE,
     HOMES,
     HOMES_PAD,
     K_PAD,
     MIN_ROWS,
     ROUTE_ROWS,
-    SLOT_B_DOWN_AT,
-    SLOT_B_UP_AT,
-    SLOT_DOWN_AT,
-    SLOT_ELEMS,
     SLOTS,
     SLOTS_PAD,
-    UP_COLS,
     W_PAD,
     E,
-    F,
-    H,
     K,
     W,
 )
 from rdepc.codegen.device.signals import signal, wait
+from rdepc.codegen.device.slots import copy_elems
 
 
 @triton.jit
@@ -265,47 +260,14 @@ def balance_reroute(topk_ids, phys_ids, phys, cum, n_tokens, rank0):
 
 
 @triton.jit
-def copy_elems(src, dst, n):
-    """``n`` elements from ``src`` to ``dst`` (either may be a peer's), in blocks."""
-    start = 0
-    while start < n:
-        i = start + tl.arange(0, 1024)
-        put(dst + i, tl.load(src + i, mask=i < n), i < n)
-        start += 1024
-
-
-@triton.jit
-def balance_push(bal, stride, slots_at, slot_table, owner_of, local_of, w_up, w_down, b_up, b_down, rank):
-    """Program s = t·SLOTS + j: when slot j of rank t holds an expert homed here, its
-    operands as the layer's kernels read them (``w_up`` GEMM1's [E_loc, H, UP_COLS·F],
-    ``w_down`` [E_loc, F, H] and with BIAS ``b_up`` [E_loc, UP_COLS·F], ``b_down``
-    [E_loc, H]) go into rank t's slot j (``slots_at``: [SLOTS, SLOT_ELEMS] of DTYPE, at
-    ``rdepc.ir.balance.slot_parts``' offsets), then one signal on t's second counter."""
-    s = tl.program_id(0)
-    e = tl.load(slot_table + s)
-    home = tl.load(owner_of + tl.maximum(e, 0))
-    if (e >= 0) & (home == rank):
-        base = peer_in(bal, s // SLOTS, stride)
-        dst = (base + slots_at).to(tl.pointer_type(DTYPE)) + tl.cast(s % SLOTS, tl.int64) * SLOT_ELEMS
-        i = tl.cast(tl.load(local_of + e), tl.int64)
-        copy_elems(w_up + i * (H * (UP_COLS * F)), dst, H * (UP_COLS * F))
-        copy_elems(w_down + i * (F * H), dst + SLOT_DOWN_AT, F * H)
-        if BIAS:
-            copy_elems(b_up + i * (UP_COLS * F), dst + SLOT_B_UP_AT, UP_COLS * F)
-            copy_elems(b_down + i * H, dst + SLOT_B_DOWN_AT, H)
-        signal(base.to(tl.pointer_type(tl.int64)) + 1)
-
-
-@triton.jit
 def balance_await(bal, stride, counter: tl.constexpr, slot_table, owner_of, expected, rank, bound, err):
     """Wait on this rank's counter ``counter`` for this call's arrivals, counted over calls
-    in ``expected``: (1) one push per slot of this rank the plan filled; (2) one replica
-    gradient per slot of any rank that holds an expert homed here; (3) one receipt per slot
-    of this rank the plan filled: its gradient region was read by the home, so the next
-    call's (or a sharing layer's) ``balance_give`` may write it again."""
+    in ``expected``: (1) one replica gradient per slot of any rank that holds an expert homed
+    here; (2) one receipt per slot of this rank the plan filled: its gradient region was read
+    by the home, so the next call's (or a sharing layer's) ``balance_give`` may write it again."""
     s = tl.arange(0, SLOTS_PAD)
     e = tl.load(slot_table + s, mask=s < W * SLOTS, other=-1)
-    if counter == 2:
+    if counter == 1:
         mine = (e >= 0) & (tl.load(owner_of + tl.maximum(e, 0), mask=e >= 0, other=-1) == rank)
     else:
         mine = (s // SLOTS == rank) & (e >= 0)
@@ -317,14 +279,14 @@ def balance_await(bal, stride, counter: tl.constexpr, slot_table, owner_of, expe
 @triton.jit
 def balance_give(bal, stride, grads_at, slot_table, owner_of, packed, P, rank):
     """Program j: the weight gradients of this rank's slot j (``packed`` [SLOTS, P]) into
-    its own ``grads_at`` region, then a signal on the third counter of the expert's home."""
+    its own ``grads_at`` region, then a signal on the second counter of the expert's home."""
     j = tl.program_id(0)
     e = tl.load(slot_table + rank * SLOTS + j)
     if e >= 0:
         dst = (peer_in(bal, rank, stride) + grads_at).to(tl.pointer_type(DTYPE)) + tl.cast(j, tl.int64) * P
         copy_elems(packed + tl.cast(j, tl.int64) * P, dst, P)
         home = peer_in(bal, tl.load(owner_of + e), stride)
-        signal(home.to(tl.pointer_type(tl.int64)) + 2)
+        signal(home.to(tl.pointer_type(tl.int64)) + 1)
 
 
 @triton.jit
@@ -332,7 +294,7 @@ def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
     """Program i: into ``packed`` row i ([E_loc, P], zeros) each replica's gradient of home
     expert ``homes[i]``, read from the replicas' ranks in rank order and added in DTYPE (as
     the one-process layer adds them; autograd then adds the sum to the home's own gradient);
-    then a receipt on the fourth counter of each replica's rank (its region may be written
+    then a receipt on the third counter of each replica's rank (its region may be written
     again)."""
     i = tl.program_id(0)
     e = tl.load(homes + i)
@@ -351,4 +313,4 @@ def balance_reduce(bal, stride, grads_at, slot_table, homes, packed, P):
     for t in range(W):
         for j in range(SLOTS):
             if tl.load(slot_table + t * SLOTS + j) == e:
-                signal(peer_in(bal, t, stride).to(tl.pointer_type(tl.int64)) + 3)
+                signal(peer_in(bal, t, stride).to(tl.pointer_type(tl.int64)) + 2)

@@ -31,7 +31,7 @@ from rdepc.codegen.device.layout import (
 )
 from rdepc.codegen.device.rows import bound_m_tile
 from rdepc.codegen.device.signals import signal, wait
-from rdepc.codegen.device.waits import wait_deps, wait_done
+from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
 
 
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
@@ -133,11 +133,12 @@ def rdep_gemm(
         if (guard >= 0) & (blocked < 0):
             local, row0, lo, hi = bound_m_tile(tile_table, owner, segment, mt)
         if (hi > lo) & (blocked < 0):
-            if entry != ready:
+            whole = whole_wait(weight_of, kind, owner, local)
+            if (entry != ready) | (whole == 0):
                 blocked, seen, expected = wait_deps(
-                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
                 )
-                if blocked < 0:
+                if (blocked < 0) & whole:  # an m-tile that skipped the receive leaves the entry unready
                     ready = entry
             elif kind == KIND_GEMM2:  # the entry's other dependencies are done: its m-tile of GEMM1
                 got = wait(tile, target * f_blocks, bound, ctl + CTL_ERR_CODE)

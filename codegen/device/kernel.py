@@ -31,6 +31,8 @@ from rdepc.codegen.device.layout import (
     KIND_DISPATCH,
     KIND_GEMM1,
     KIND_GEMM2,
+    KIND_PUSH,
+    KIND_RECEIVE,
     KIND_RETURN,
     KIND_ROUTE,
     KIND_SCAN,
@@ -58,7 +60,8 @@ from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
 from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
 from rdepc.codegen.device.signals import signal
-from rdepc.codegen.device.waits import wait_deps, wait_done
+from rdepc.codegen.device.slots import push_slot, receive_slot
+from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
 
 
 @triton.jit
@@ -89,16 +92,18 @@ def owner_buffers(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
+@triton.jit(
+    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
+)
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
-    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, table, deps, queue, first_item,
-    queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows,
-    route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl,
-    profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
-    BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, slot_table, exchange, table,
+    deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
+    m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
+    tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
+    ex_stride, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from the queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
@@ -215,8 +220,9 @@ def rdep_layer(
             local, row0, lo_row, hi_row = bound_m_tile(tile_table, owner, segment, mt)
             empty = (hi_row <= lo_row).to(tl.int32)
         if (empty == 0) & (blocked < 0):
+            whole = whole_wait(weight_of, kind, owner, local)
             blocked, seen, expected = wait_deps(
-                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
             )
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
@@ -278,6 +284,15 @@ def rdep_layer(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
+                # the slots' weights, one process per rank (with every rank in one, the slots are
+                # gathered before the launch); the backward's push and receive run nothing
+                if (SLOT_ELEMS > 0) and (not BACKWARD):  # folded at compile time
+                    if kind == KIND_PUSH:
+                        push_slot(
+                            exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, item
+                        )
+                    elif kind == KIND_RECEIVE:
+                        receive_slot(exchange, ex_stride, slots, rank, item)
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)

@@ -45,6 +45,8 @@ SLOT_ELEMS = tl.constexpr(0)
 SLOT_DOWN_AT = tl.constexpr(-1)
 SLOT_B_UP_AT = tl.constexpr(-1)
 SLOT_B_DOWN_AT = tl.constexpr(-1)
+SLOT_CHUNK = tl.constexpr(1024)
+SLOT_CHUNKS = tl.constexpr(1)
 
 # The spec's choices.
 DTYPE = tl.constexpr(tl.float32)

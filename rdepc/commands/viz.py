@@ -3,10 +3,12 @@ chart and a Graphviz graph (``rdepc.viz``). Imports neither torch nor triton."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from rdepc.api import UsageError
 from rdepc.commands.common import load_spec
+from rdepc.ir.spec import Balance
 
 
 def cmd_viz(args) -> int:
@@ -15,7 +17,11 @@ def cmd_viz(args) -> int:
     spec = load_spec(args)
     if args.ranks < 1:
         raise UsageError(f"--ranks {args.ranks}: expected a positive number")
-    tg = build_for(spec, args.schedule, args.cut, args.hw)
+    replicated = spec.balance.kind == "replicate"
+    # the layer without replication: what a routing is sampled for, and the comparison
+    tg = build_for(
+        dataclasses.replace(spec, balance=Balance()) if replicated else spec, args.schedule, args.cut, args.hw
+    )
     counts = None
     if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
         from rdepc.passes.sampled_routing import source_counts
@@ -28,23 +34,24 @@ def cmd_viz(args) -> int:
             f"routing: {name}, seed {args.seed}, one sampled routing (rows per expert {min(per_expert):,} to "
             f"{max(per_expert):,}, mean {sum(per_expert) / len(per_expert):,.1f}, before capacity)"
         )
-    unreplicated, layer, pushes = None, spec, None
-    if spec.balance.kind == "replicate":
+    unreplicated, layer, held = None, spec, None
+    if replicated:
         if counts is None:
-            print("balance: replicate; the balanced owners need a routing (--routing uniform or zipf:ALPHA)")
+            print("balance: replicate; the balanced owners need a routing (--routing uniform or zipf:ALPHA): "
+                  "the timeline is the layer's without replication")  # fmt: skip
         else:  # the physical layer under the plan for this routing, beside the layer without replication
-            tg, counts, unreplicated, replicas = _balanced(spec, args, tg, counts)
+            tg, counts, unreplicated, held = _balanced(spec, args, tg, counts)
             layer = tg.spec
-    sched = schedule(tg, args.hw, counts=counts)
+    sched = schedule(tg, args.hw, counts=counts, held=held)
     print(report(sched))
     if unreplicated is not None:
-        from rdepc.ir.balance import push_seconds
-
-        moved, seconds = push_seconds(*replicas, sched.cost.rates.link, sched.cost.rates.latency)
-        pushes, first, total = seconds.tolist(), float(seconds.max()), float(seconds.max()) + sched.makespan
+        pushes = [t for t in tg.tasks if t.detail == "push"]
+        busiest = max(pushes, key=lambda t: (sched.cost.link_bytes[t.id], -t.rank))
+        took = sched.end[busiest.id] - sched.start[busiest.id]
         print(
-            f"  weight pushes   {first * 1e6:,.1f} µs before the layer (the busiest rank's replicas' weights, "
-            f"{int(moved.max()):,} B sent or received, at the link rate); {total * 1e6:,.1f} µs in all"
+            f"  weight pushes   {took * 1e6:,.1f} µs on rank {busiest.rank}, the busiest "
+            f"({sched.cost.link_bytes[busiest.id]:,} B of its replicas' weights), tasks of the layer beside its "
+            "route and dispatch"
         )
         print(f"  unreplicated    {unreplicated.makespan * 1e6:,.1f} µs predicted without replication, for comparison")
     from rdepc import viz
@@ -56,13 +63,9 @@ def cmd_viz(args) -> int:
         if args.png:
             bulk = None
             if sched.strategy != "bulk":
-                bulk = schedule(build_for(layer, "bulk", None, args.hw), args.hw, counts=counts)
+                bulk = schedule(build_for(layer, "bulk", None, args.hw), args.hw, counts=counts, held=held)
                 print(f"  bulk            {bulk.makespan * 1e6:,.1f} µs predicted (no overlap), for comparison")
-            wrote.append(
-                viz.write_png(
-                    sched, args.png, bulk=bulk, max_ranks=args.ranks, unreplicated=unreplicated, pushes=pushes
-                )
-            )
+            wrote.append(viz.write_png(sched, args.png, bulk=bulk, max_ranks=args.ranks, unreplicated=unreplicated))
         if args.dot:
             try:
                 level = "tiles" if args.full else "tasks" if args.tasks else "stages"
@@ -81,23 +84,20 @@ def cmd_viz(args) -> int:
 
 def _balanced(spec, args, tg, counts):
     """(the physical layer's graph, its rows per (source, physical expert) under the plan for
-    ``counts``, the schedule of the layer without replication, the replicas to push before the
-    layer as :func:`rdepc.ir.balance.push_seconds` reads them), and the plan's figures printed."""
-    from rdepc.ir.balance import imbalance, owner_loads, slot_elems
+    ``counts``, the schedule of the layer without replication, the home expert in each slot
+    under that plan), and the plan's figures printed."""
+    from rdepc.ir.balance import imbalance, owner_loads
     from rdepc.passes.replicate import physical_counts, physical_layer
     from rdepc.passes.schedule import build_for, schedule
 
     phys, plan = physical_counts(spec, counts)
     before = owner_loads(counts, spec.ownership.owner).tolist()
     after = plan.rank_loads.tolist()
-    held = [[int(e) for e in row if e >= 0] for row in plan.slots]
+    held = [[int(e) for e in row] for row in plan.slots]
     print(
         f"balance: max/mean {imbalance(before):.3f} before, {imbalance(after):.3f} after (rows per rank {before} -> "
-        f"{after}; replicas per rank {held}); the timeline is the physical layer's under this plan, after the "
-        "replicas' weight pushes (launches of their own before the layer's)"
+        f"{after}; replicas per rank {[[e for e in row if e >= 0] for row in held]}); the timeline is the "
+        "physical layer's under this plan, its weight pushes tasks of the layer"
     )
-    geo = tg.geometry
-    expert = slot_elems(spec.expert.matrices, geo.H, geo.F, spec.expert.bias) * geo.a
     unreplicated = schedule(tg, args.hw, counts=counts)
-    pushes = (plan.slots, spec.ownership.owner, expert)
-    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, pushes
+    return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, held

@@ -191,9 +191,9 @@ def push_bytes(slots, owner, expert_bytes: int) -> tuple[np.ndarray, np.ndarray]
 
 def push_seconds(slots, owner, expert_bytes: int, link: float, latency: float) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: the bytes of its pushes it sends or receives, whichever is more, and the
-    seconds they take launched before the layer: those bytes over the ``link`` (bytes/s),
-    then one flag's ``latency`` (none for a rank with nothing to move). The planner's
-    figure and viz's timeline both read this."""
+    seconds they take alone: those bytes over the ``link`` (bytes/s), then one flag's
+    ``latency`` (none for a rank with nothing to move): the planner's figure. The layer's
+    push tasks share the links with its dispatch (the cost model's, from :func:`push_bytes`)."""
     import numpy as np
 
     busiest = np.maximum(*push_bytes(slots, owner, expert_bytes))
@@ -201,9 +201,20 @@ def push_seconds(slots, owner, expert_bytes: int, link: float, latency: float) -
 
 
 EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
-# The exchange's int64 counters, per rank: arrivals of the loads, of the pushes into its slots, of
-# its replicas' gradients, of the receipts for its own gradient slots (balance_await's ``counter``).
-COUNTERS = {"loads": 0, "pushes": 1, "gradients": 2, "receipts": 3}
+# The exchange's int64 counters, per rank: arrivals of the loads, of its replicas' gradients, of
+# the receipts for its own gradient slots (balance_await's ``counter``). The pushes into its
+# slots are tasks of the layer, waited for on their done flags.
+COUNTERS = {"loads": 0, "gradients": 1, "receipts": 2}
+
+
+# Elements of a slot one work item of the layer's push or receive task moves (512 KiB in
+# bf16): a slot's weights spread over as many programs as take its chunks.
+SLOT_CHUNK = 1 << 18
+
+
+def slot_chunks(slot: int) -> int:
+    """Work items one slot of ``slot`` elements takes in a push or receive task."""
+    return -(-slot // SLOT_CHUNK)
 
 
 def slot_elems(matrices, H, F, bias: bool):
@@ -229,7 +240,7 @@ def slot_parts(H: int, F: int, gated: bool, bias: bool) -> dict[str, tuple[int, 
 
 def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tuple[dict[str, int], int]:
     """The symmetric allocation a replicated layer's ranks exchange through when they run one
-    process each: per rank four int64 counters (loads, pushes, replica gradients, receipts),
+    process each: per rank three int64 counters (loads, replica gradients, receipts),
     the load table [W, homes] int32, ``slots`` slots of weights and as many of gradients
     (``slot`` elements of ``elem`` bytes each), each region aligned to
     :data:`EXCHANGE_ALIGN`. Returns each region's offset and the bytes one rank holds (the
@@ -250,12 +261,14 @@ def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tu
 __all__ = [
     "COUNTERS",
     "EXCHANGE_ALIGN",
+    "SLOT_CHUNK",
     "ReplicationPlan",
     "exchange_regions",
     "imbalance",
     "owner_loads",
     "push_bytes",
     "push_seconds",
+    "slot_chunks",
     "slot_elems",
     "slot_parts",
     "solve",

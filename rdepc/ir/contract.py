@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-from rdepc.ir.balance import slot_elems
+from rdepc.ir.balance import slot_chunks, slot_elems
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
 from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
 from rdepc.ir.spec import is_gated
 
 # Task kinds of the generated kernel, one device function each.
-KINDS = ("route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad")
+KINDS = (
+    "route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad", "push",
+    "receive",
+)  # fmt: skip
 # The kinds split mode's GEMM kernel (``rdep_gemm``) runs; the transport kernel runs the others.
 GEMM_KINDS = frozenset(KINDS.index(k) for k in ("gemm1", "gemm2", "wgrad"))
 # Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
@@ -258,6 +261,12 @@ class KernelContract:
         return slot_elems(3 if self.gated else 2, self.H, self.F, self.bias) if self.slots_in_place else 0
 
     @property
+    def slot_chunks(self) -> int:
+        """Work items one slot takes in the push and receive tasks (``balance replicate``;
+        the same in every transport, where one process holds every rank they move nothing)."""
+        return slot_chunks(slot_elems(3 if self.gated else 2, self.H, self.F, self.bias))
+
+    @property
     def backward_reads_x(self) -> bool:
         """The backward kernel reads the forward's input x: the gate gradient when the gate
         scales the expert's input, or the input rows sent again (``activations input resend``)."""
@@ -314,6 +323,10 @@ class KernelContract:
                 items = m_slots[owner] * -(-self.F // tiles.block_f)
             elif kind == "gemm2":
                 items = m_slots[owner] * h_blocks
+            elif kind == "push":  # every chunk of the rank's home experts: read once, stored to each replica
+                items = (self.n_local[row[col["rank"]]] - self.balance[0]) * self.slot_chunks
+            elif kind == "receive":
+                items = self.balance[0] * self.slot_chunks
             elif kind == "wgrad":  # per local expert: dW of GEMM1's weights, then of Wd, in tiles
                 items = self.n_local[owner] * 2 * h_blocks * f_blocks
             table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
@@ -434,6 +447,7 @@ class KernelContract:
             "rid_r": rid_r,
             "rid_t": rid_t,
             "rid_k": rid_k,
+            "ex_stride": 0,  # a replicated layer's exchange stride: its module gives it
             "bound": bound,
             "program_base": 0,  # rdep_gemm: the first program's number (the interpreter's threads count on)
         }
@@ -555,6 +569,9 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     # the redundant slots' packed operands and their gradients, read and written in place one
     # process per rank under balance replicate (SLOT_ELEMS; otherwise placeholders)
     args += [("slots", f"*{dt}"), ("dslots", f"*{dt}")]
+    # ... and, for the push and receive tasks, the call's plan's slot table [W, N] and the
+    # balance exchange's slot region (rdepc.ir.balance.exchange_regions; placeholders elsewhere)
+    args += [("slot_table", "*i32"), ("exchange", "*u8")]
     tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]
@@ -564,7 +581,7 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     args.append(("landing", f"*{dt}"))  # a return ring's unpacked rows (otherwise a placeholder)
     args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
     args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
-    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k")]
+    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k", "ex_stride")]
     args.append(("bound", "i32"))
     args += [(c, "constexpr") for c in CONSTEXPRS]
     return args

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import networkx as nx
 
 # The stages of one MoE layer (RDEP section 3.4, Listing 1), in pipeline order.
-STAGES = ("route", "scan", "dispatch", "compute", "return", "combine")
+STAGES = ("balance", "route", "scan", "dispatch", "compute", "return", "combine")
 ROLES = ("comm", "compute")
 MAX_TASKS = 2_000_000  # beyond this a task table is a spec mistake, not a plan
 
@@ -75,6 +75,8 @@ class Geometry:
     segments: tuple[int, ...]  # ceil(R_q / S)
     m_slots: tuple[int, ...]  # m-tiles one (q, segment) may need: rdepc.ir.sizes.m_tile_slots (the kernel's rule)
     token_tiles: int  # ceil(T / BM): combine tiles per rank
+    slots: int = 0  # balance replicate: N redundant slots a rank (their weights pushed each call), else 0
+    slot_bytes: int = 0  # one slot's operands (rdepc.ir.balance.slot_elems, in the layer's dtype)
 
     @property
     def segmented(self) -> bool:
@@ -104,7 +106,7 @@ class Task:
 
     id: int
     stage: str  # one of STAGES
-    detail: str  # compute: "gemm1" | "gemm2"; combine: "unpack" | "wait" | "tile"; else ""
+    detail: str  # balance: "push" | "receive"; compute: "gemm1" | "gemm2"; combine: "unpack" | "wait" | "tile"; else ""
     rank: int  # the rank whose programs run it
     role: str  # comm | compute
     src: int  # front-end rank whose rows it moves (dispatch, return, unpack); -1 otherwise
@@ -124,6 +126,8 @@ class Task:
     def name(self) -> str:
         s = f" s{self.segment}" if self.segment >= 0 else ""
         match self.stage:
+            case "balance":
+                return f"{self.detail} r{self.rank}"
             case "route" | "scan":
                 return f"{self.stage} r{self.rank}"
             case "dispatch":
@@ -190,6 +194,9 @@ class CostModel:
     flops: tuple[int, ...]
     weight_bytes: tuple[int, ...]
     fixed: tuple[float, ...]  # seconds that do not scale with programs (barrier sweeps)
+    # balance replicate: the GEMM1 tasks none of whose m-tiles computes a slot under the
+    # routing, which do not wait for their rank's receive (the kernel checks each m-tile)
+    unslotted: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

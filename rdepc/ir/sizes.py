@@ -118,19 +118,21 @@ def tasks_per_segment(W: Any, ring: Any) -> Any:
     return 2 * W + 2 + W * ring
 
 
-def done_counters(W: Any, tiles: Any, segments: Any, ring: Any) -> Any:
+def done_counters(W: Any, tiles: Any, segments: Any, ring: Any, balanced: Any = 0) -> Any:
     """Done counters one rank's heap slice holds (the ``flags`` buffer, in int64 words): a
     bound on the task-table entries one rank runs when the busiest owner runs ``segments``
     segments: its route, scan and combine wait (3), its ``tiles`` combine tiles, and
     :func:`tasks_per_segment` per segment. Over ints and over sympy expressions alike (the
-    planner's formula passes ⌈T/BM⌉ and the ring condition as expressions)."""
-    return 3 + tiles + tasks_per_segment(W, ring) * segments
+    planner's formula passes ⌈T/BM⌉ and the ring condition as expressions). Under ``balance
+    replicate`` (``balanced`` true or 1) its weight push and its slots' receive too (2)."""
+    return 3 + 2 * balanced + tiles + tasks_per_segment(W, ring) * segments
 
 
-def task_count(W: int, T: int, segments: Sequence[int], ring: bool) -> int:
-    """Tasks of a whole graph: per rank its route, scan, combine wait and combine tiles, and
+def task_count(W: int, T: int, segments: Sequence[int], ring: bool, balanced: bool = False) -> int:
+    """Tasks of a whole graph: per rank its route, scan, combine wait and combine tiles (and
+    under ``balance replicate``, ``balanced``, its push and receive), and
     :func:`tasks_per_segment` for every (owner, segment)."""
-    return W * (3 + token_tiles(T)) + sum(segments) * tasks_per_segment(W, ring)
+    return W * (3 + token_tiles(T) + 2 * balanced) + sum(segments) * tasks_per_segment(W, ring)
 
 
 # --- m-tiles -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 389b864fd70236a7c68907944cf723007678b13e7205d7b382a83a44f0de51b1
+# content-sha256: 07de3106bda0612440ed8e08876d26a3e9b11af5b2a704f43cbab735c7045482
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -85,6 +85,8 @@ SLOT_ELEMS = tl.constexpr(0)  # elements of one redundant slot read in place (on
 SLOT_DOWN_AT = tl.constexpr(-1)  # a slot's GEMM2 weights, after GEMM1's (then b_up, b_down)
 SLOT_B_UP_AT = tl.constexpr(-1)
 SLOT_B_DOWN_AT = tl.constexpr(-1)
+SLOT_CHUNK = tl.constexpr(262144)  # slot elements one push or receive work item moves
+SLOT_CHUNKS = tl.constexpr(1)  # work items a slot takes
 
 # The spec's choices, which the device functions branch on at compile time.
 DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows
@@ -159,6 +161,8 @@ KIND_UNPACK = tl.constexpr(6)
 KIND_COMBINE_WAIT = tl.constexpr(7)
 KIND_COMBINE = tl.constexpr(8)
 KIND_WGRAD = tl.constexpr(9)
+KIND_PUSH = tl.constexpr(10)
+KIND_RECEIVE = tl.constexpr(11)
 C_KIND = tl.constexpr(0)
 C_RANK = tl.constexpr(1)
 C_SRC = tl.constexpr(2)
@@ -2452,12 +2456,27 @@ def wait_done(heap, table, entry, target, bound, stop, BACKWARD: tl.constexpr):
 
 
 @triton.jit
-def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop, BACKWARD: tl.constexpr):
+def whole_wait(weight_of, kind, owner, local):
+    """Whether a work item waits for every dependency of its entry: all but a GEMM1 m-tile
+    of ``owner``'s local expert ``local`` that computes no redundant slot (``balance
+    replicate``: a slot's weight_of is -(j + 1) one process per rank, an id past the home
+    experts with every rank in one), which does not wait for its rank's receive."""
+    whole = kind == kind
+    if SLOTS > 0:  # noqa: SIM102 - SLOTS is folded at compile time, the kind tested at run time
+        if kind == KIND_GEMM1:
+            w = tl.load(weight_of + owner * E_MAX + local)
+            whole = (w < 0) | (w >= HOMES)
+    return whole
+
+
+@triton.jit
+def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop, whole, BACKWARD: tl.constexpr):
     """Wait for every dependency of the task-table entry at ``row`` in call ``target``:
     (the entry that did not finish or -1, the value its flag showed, the value expected).
     A dependency -(e + 1) is entry e of the previous call, waited for at (target - 1) ×
     its items. A GEMM2 item waits for its own m-tile of the segment's GEMM1 only: the
-    counter ``tile`` at target × ``f_blocks``. The first wait that expires ends the loop."""
+    counter ``tile`` at target × ``f_blocks``. Unless ``whole`` (:func:`whole_wait`), a
+    receive is not waited for. The first wait that expires ends the loop."""
     blocked = -1
     seen = target * 0
     expected = target * 0
@@ -2472,6 +2491,9 @@ def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop,
         if (kind == KIND_GEMM2) & (tl.load(table + dep * NCOL + C_KIND) == KIND_GEMM1):
             want = target * f_blocks
             flag = tile
+        if SLOTS > 0:  # noqa: SIM102 - SLOTS is folded at compile time
+            if (kind == KIND_GEMM1) & (whole == 0) & (tl.load(table + dep * NCOL + C_KIND) == KIND_RECEIVE):
+                want = want * 0  # a wait already met
         got = wait(flag, want, bound, stop)
         if got < want:
             blocked = dep
@@ -2479,6 +2501,76 @@ def wait_deps(heap, table, deps, row, kind, target, tile, f_blocks, bound, stop,
             expected = want
         d += 1
     return blocked, seen, expected
+
+
+@triton.jit
+def copy_elems(src, dst, n):
+    """``n`` elements from ``src`` to ``dst`` (either may be a peer's), in blocks."""
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, 1024)
+        put(dst + i, tl.load(src + i, mask=i < n), i < n)
+        start += 1024
+
+
+@triton.jit
+def slot_block(w_up, w_down, b_up, b_down, i, j, live):
+    """Elements ``j`` of local expert ``i``'s operands packed as a slot (``w_up`` GEMM1's
+    [E_loc, H, UP_COLS·F], ``w_down`` [E_loc, F, H], with BIAS ``b_up`` [E_loc, UP_COLS·F]
+    and ``b_down`` [E_loc, H]; ``rdepc.ir.balance.slot_parts``' offsets): each from the one
+    tensor that holds it."""
+    up = live & (j < SLOT_DOWN_AT)
+    v = tl.load(w_up + i * (H * (UP_COLS * F)) + j, mask=up, other=0.0)
+    down = live & (j >= SLOT_DOWN_AT) & (j < SLOT_DOWN_AT + F * H)
+    v = tl.where(down, tl.load(w_down + i * (F * H) + (j - SLOT_DOWN_AT), mask=down, other=0.0), v)
+    if BIAS:
+        bu = live & (j >= SLOT_B_UP_AT) & (j < SLOT_B_DOWN_AT)
+        v = tl.where(bu, tl.load(b_up + i * (UP_COLS * F) + (j - SLOT_B_UP_AT), mask=bu, other=0.0), v)
+        bd = live & (j >= SLOT_B_DOWN_AT)
+        v = tl.where(bd, tl.load(b_down + i * H + (j - SLOT_B_DOWN_AT), mask=bd, other=0.0), v)
+    return v
+
+
+@triton.jit
+def push_slot(
+    exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, item,
+):  # fmt: skip
+    """Work item ``item`` = i·SLOT_CHUNKS + c of rank ``rank``'s push task (the layer's kernel,
+    one process per rank): chunk c (SLOT_CHUNK elements) of home expert i's operands as the
+    layer's kernels read them, read once and stored into every slot the call's plan gave the
+    expert, on the slots' ranks (``exchange``: the exchange's slot region, [SLOTS,
+    SLOT_ELEMS] of DTYPE on every rank). A slot's weights move on as many programs as take
+    its chunks. The task's done flag, raised after every item, tells the receivers."""
+    i = item // SLOT_CHUNKS
+    lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
+    hi = tl.minimum(lo + SLOT_CHUNK, SLOT_ELEMS)
+    e = tl.load(order + tl.load(owner_first + rank) + i)
+    s = tl.arange(0, SLOTS_PAD)
+    held = tl.load(slot_table + s, mask=s < W * SLOTS, other=-1) == e
+    if tl.max(held.to(tl.int32), axis=0) > 0:
+        start = lo
+        while start < hi:
+            j = start + tl.arange(0, 1024)
+            live = j < hi
+            v = slot_block(w_up, w_down, b_up, b_down, tl.cast(i, tl.int64), j, live)
+            for t in range(W):
+                for k in range(SLOTS):
+                    if tl.load(slot_table + t * SLOTS + k) == e:
+                        dst = peer_in(exchange, t, ex_stride).to(tl.pointer_type(DTYPE))
+                        put(dst + tl.cast(k, tl.int64) * SLOT_ELEMS + j, v, live)
+            start += 1024
+
+
+@triton.jit
+def receive_slot(exchange, ex_stride, slots, rank, item):
+    """Work item ``item`` = j·SLOT_CHUNKS + c of rank ``rank``'s receive task, once every
+    rank's push has finished: chunk c of slot j as its home pushed it, copied into the
+    call's operand ``slots`` [SLOTS, SLOT_ELEMS] (what the GEMM tiles read, and the call's
+    backward after later calls refilled the region)."""
+    lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
+    at = tl.cast(item // SLOT_CHUNKS, tl.int64) * SLOT_ELEMS + lo
+    n = tl.minimum(SLOT_CHUNK, SLOT_ELEMS - lo)
+    copy_elems(peer_in(exchange, rank, ex_stride).to(tl.pointer_type(DTYPE)) + at, slots + at, n)
 
 
 @triton.jit
@@ -2509,16 +2601,18 @@ def owner_buffers(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound"])
+@triton.jit(
+    do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
+)
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
-    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, table, deps, queue, first_item,
-    queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps, m_slots, rowpos, sorted_rows,
-    route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid, tile_done, landing, stats, ctl,
-    profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k, bound, BM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr,
-    BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, slot_table, exchange, table,
+    deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
+    m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
+    tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
+    ex_stride, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr,
+    GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
     """The persistent kernel: take a ticket from the queue, find the task-table entry, wait,
     run, signal. ``BACKWARD`` false: the forward; true: the backward, which walks the
@@ -2635,8 +2729,9 @@ def rdep_layer(
             local, row0, lo_row, hi_row = bound_m_tile(tile_table, owner, segment, mt)
             empty = (hi_row <= lo_row).to(tl.int32)
         if (empty == 0) & (blocked < 0):
+            whole = whole_wait(weight_of, kind, owner, local)
             blocked, seen, expected = wait_deps(
-                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
             )
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
@@ -2698,6 +2793,15 @@ def rdep_layer(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
+                # the slots' weights, one process per rank (with every rank in one, the slots are
+                # gathered before the launch); the backward's push and receive run nothing
+                if (SLOT_ELEMS > 0) and (not BACKWARD):  # folded at compile time
+                    if kind == KIND_PUSH:
+                        push_slot(
+                            exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, item
+                        )
+                    elif kind == KIND_RECEIVE:
+                        receive_slot(exchange, ex_stride, slots, rank, item)
             if PROFILE:
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
@@ -2812,11 +2916,12 @@ def rdep_gemm(
         if (guard >= 0) & (blocked < 0):
             local, row0, lo, hi = bound_m_tile(tile_table, owner, segment, mt)
         if (hi > lo) & (blocked < 0):
-            if entry != ready:
+            whole = whole_wait(weight_of, kind, owner, local)
+            if (entry != ready) | (whole == 0):
                 blocked, seen, expected = wait_deps(
-                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, BACKWARD
+                    heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
                 )
-                if blocked < 0:
+                if (blocked < 0) & whole:  # an m-tile that skipped the receive leaves the entry unready
                     ready = entry
             elif kind == KIND_GEMM2:  # the entry's other dependencies are done: its m-tile of GEMM1
                 got = wait(tile, target * f_blocks, bound, ctl + CTL_ERR_CODE)
