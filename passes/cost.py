@@ -102,7 +102,7 @@ def cost_model(
     n = len(tg.tasks)
     link_b, mem_b, flops, wbytes, fixed = [0] * n, [0] * n, [0] * n, [0] * n, [0.0] * n
     sent_received = None if held is None else [v.tolist() for v in push_bytes(held, geo.owner, geo.slot_bytes)]
-    unslotted = set()  # GEMM1 tasks without a slot's rows: they skip the receive (the slots are the last locals)
+    unslotted = set()  # GEMM1 tasks without a slot's rows under the routing: they skip the receive
     for t, k in zip(tg.tasks, rows, strict=True):
         i = t.id
         match t.stage:
@@ -130,11 +130,7 @@ def cost_model(
                 d = load.experts.get((t.owner, t.segment), {})
                 m = sizes.m_tiles(d.values())
                 first = t.detail == "gemm1"
-                if (
-                    first
-                    and geo.slots
-                    and not any(d.get(j) for j in range(geo.experts[t.owner] - geo.slots, geo.experts[t.owner]))
-                ):
+                if first and geo.slots and not any(d.get(j) for j in geo.slot_locals(t.owner)):
                     unslotted.add(i)
                 flops[i] = (geo.flop_coef - 2 if first else 2) * m * BM * geo.H * geo.F
                 wbytes[i] = (weights - down if first else down) * sum(1 for x in d.values() if x)

@@ -59,9 +59,9 @@ def build_tasks(geo: Geometry) -> list[Task]:
 
     # balance replicate: each rank pushes its home experts' operands into the slots the call's
     # plan gave them, a chunk a work item (the plan is data the tasks read: its launch comes
-    # before the layer's);
-    # a rank's receive copies its N slots once every push has landed. The bytes are the
-    # mean over ranks with every slot filled: which home pushes is known only at run time.
+    # before the layer's); a rank's receive copies its N slots once every push has landed.
+    # The bytes are the mean over ranks with every slot filled: which home pushes is known
+    # only at run time.
     slot_bytes = geo.slots * geo.slot_bytes
     chunks = slot_chunks(geo.slot_bytes // geo.a)  # work items of one expert's operands
     pushes = tuple(

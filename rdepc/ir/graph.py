@@ -98,6 +98,11 @@ class Geometry:
     def steps(self) -> int:
         return max(self.segments, default=0)
 
+    def slot_locals(self, q: int) -> range:
+        """Owner q's local experts that are its redundant slots (``balance replicate``: the
+        last N, ``rdepc.passes.replicate``); empty without replication."""
+        return range(self.experts[q] - self.slots, self.experts[q])
+
 
 @dataclass(frozen=True, slots=True)
 class Task:
