@@ -9,6 +9,13 @@ replicas it placed and the solver's time in NumPy on this CPU (median of ``--rep
 loads are what ``rdepc plan --routing`` samples (``passes.sampled_routing.source_counts``,
 token n of the W·T belongs to rank n // T).
 
+``--timeline HW`` also predicts the layer's makespan on hardware profile HW (the cost
+model and scheduler ``rdepc viz --routing`` runs) three ways: the physical layer under the
+plan with its weight pushes as tasks of the layer (what the kernels run), the same layer
+with the pushes launched before it (its makespan plus the busiest rank's pushes alone,
+``rdepc.ir.balance.push_seconds``: the design the tasks replaced), and the layer without
+replication.
+
 ``--device-plan cpu|cuda`` also runs the generated ``balance_solve`` kernel on each load
 (a layer of the shape's W, T, E, K and ownership with ``balance replicate``): whether its
 plan equals the reference's table for table, and its time (cuda: CUDA events, median of
@@ -19,6 +26,7 @@ about a GPU). Writes OUT.json and OUT.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import platform
 import sys
@@ -29,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # `from bench import ...`; an installed rdepc stays first
 
 from bench.moe_bench import write_results  # noqa: E402
+from rdepc.ir.spec import Balance  # noqa: E402
 
 # the examples, at their own T' (nvl72_e128 at 256 tokens a rank), with their ownership maps
 SHAPES = (("moonlight", None), ("qwen3_30b_a3b", None), ("nvl72_e128", 256))
@@ -114,6 +123,46 @@ def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int,
     return out
 
 
+def makespans(spec, routing: str, seed: int, hw: str) -> dict:
+    """Predicted makespans (µs) of the layer ``spec`` (with ``balance replicate``) under one
+    sampled routing: its weight pushes as tasks of the layer, launched before it, and the
+    layer without replication; and the busiest rank's pushes alone."""
+    import dataclasses
+
+    from rdepc.passes.replicate import physical_counts, physical_layer
+    from rdepc.passes.sampled_routing import source_counts
+    from rdepc.passes.schedule import build_for, schedule
+
+    from rdepc.ir.balance import push_seconds, slot_elems
+    from rdepc.ir.spec import Balance
+
+    name, _, a = routing.partition(":")
+    W, T, E, K = int(spec.shape.W), spec.shape.T_max, int(spec.shape.E), int(spec.shape.K)
+    counts = source_counts(W, T, E, K, name, float(a or 0), seed)
+    phys, plan = physical_counts(spec, counts)
+    held = [[int(e) for e in row] for row in plan.slots]
+    layer = build_for(physical_layer(spec), None, None, hw)
+    strategy = layer.geometry.strategy
+    tasks = schedule(layer, hw, counts=phys, held=held)
+    # the same physical layer without the two tasks (no balance statement: its slots stay experts)
+    bare = schedule(build_for(dataclasses.replace(physical_layer(spec), balance=Balance()), strategy, None, hw),
+                    hw, counts=phys)  # fmt: skip
+    geo = layer.geometry
+    expert = slot_elems(spec.expert.matrices, geo.H, geo.F, spec.expert.bias) * geo.a
+    _, alone = push_seconds(plan.slots, spec.ownership.owner, expert, bare.cost.rates.link, bare.cost.rates.latency)
+    plain = schedule(build_for(dataclasses.replace(spec, balance=Balance()), strategy, None, hw), hw, counts=counts)
+    us = 1e6
+    return {
+        "hw": hw,
+        "strategy": strategy,
+        "pushes_as_tasks_us": tasks.makespan * us,
+        "pushes_before_us": (bare.makespan + float(alone.max())) * us,
+        "no_replication_us": plain.makespan * us,
+        "busiest_pushes_us": float(alone.max()) * us,
+        "order": next(d.value for d in tasks.decisions if d.name == "order"),
+    }
+
+
 def plot(results: dict, png: Path) -> None:
     import matplotlib
 
@@ -121,7 +170,25 @@ def plot(results: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     shapes = results["shapes"]
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4), squeeze=False)
+    timed = any("timeline" in c for s in shapes for c in s["cases"])
+    fig, axes = plt.subplots(1 + timed, len(shapes), figsize=(5.2 * len(shapes), 4 + 4 * timed), squeeze=False)
+    for ax, shape in zip(axes[1] if timed else (), shapes, strict=True):
+        x = list(range(len(ROUTINGS)))
+        for k, n in enumerate(sorted({r["slots"] for r in shape["cases"] if "timeline" in r})):
+            tl = [
+                next(r["timeline"] for r in shape["cases"] if r["routing"] == ro and r["slots"] == n) for ro in ROUTINGS
+            ]
+            style = {"color": f"C{k}", "marker": "o"}
+            ax.plot(
+                x, [t["pushes_as_tasks_us"] for t in tl], "-", label=f"N = {n}: pushes as tasks of the layer", **style
+            )
+            ax.plot(x, [t["pushes_before_us"] for t in tl], ":", label=f"N = {n}: pushes launched before it", **style)
+        ax.plot(x, [next(r["timeline"] for r in shape["cases"] if r["routing"] == ro and "timeline" in r)
+                    ["no_replication_us"] for ro in ROUTINGS], "k-o", label="no replication")  # fmt: skip
+        ax.set_xticks(x, ROUTINGS, rotation=30)
+        ax.set_ylabel(f"predicted makespan, µs ({results['environment'].get('timeline_hw')})")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
     for ax, shape in zip(axes[0], shapes, strict=True):
         rows = shape["cases"]
         x = list(range(len(ROUTINGS)))
@@ -137,7 +204,8 @@ def plot(results: dict, png: Path) -> None:
         ax.set_ylabel("owner imbalance, max/mean rows (log)")
         ax.set_title(f"{shape['name']}: W={shape['W']} E={shape['E']} K={shape['K']} T'={shape['T']}")
         ax.legend(fontsize=8)
-    fig.suptitle("exact-load replication (the solver's NumPy reference), one sampled routing each")
+    what = "; makespans predicted by rdepc's cost model" if timed else ""
+    fig.suptitle(f"exact-load replication (the solver's NumPy reference), one sampled routing each{what}")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -151,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="solver runs timed per case (median)")
     ap.add_argument("--device-plan", choices=("cpu", "cuda"), help="also run the generated solver kernel there")
     ap.add_argument("--shapes", nargs="+", choices=[n for n, _ in SHAPES], help="these shapes only")
+    ap.add_argument("--timeline", metavar="HW", help="also the predicted makespans on this hardware profile")
     args = ap.parse_args(argv)
     import numpy as np
 
@@ -159,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"environment": env, "shapes": []}
     import rdepc
 
+    if args.timeline:
+        env["timeline_hw"] = args.timeline
     if args.device_plan == "cuda":
         import torch
 
@@ -174,11 +245,19 @@ def main(argv: list[str] | None = None) -> int:
             on_device = device_solver(shape, n, args.min_rows, args.device_plan) if args.device_plan else None
             for routing in ROUTINGS:
                 c = case(shape, owner, routing, n, args.min_rows, args.seed, args.reps, on_device)
+                if args.timeline:
+                    spec = rdepc.load(ROOT / "examples" / f"{name}.rdep", **({"T": tokens} if tokens else {})).spec
+                    spec = dataclasses.replace(spec, balance=Balance("replicate", n, args.min_rows))
+                    c["timeline"] = makespans(spec, routing, args.seed, args.timeline)
                 cases.append(c)
                 dev = ""
                 if on_device is not None:
                     same = "equal" if c["device_plan_equal"] else "DIFFERS"
                     dev = f"; device plan {same}, {c['device_solve_ms']:.3f} ms on {args.device_plan}"
+                if args.timeline:
+                    t = c["timeline"]
+                    dev += f"; predicted {t['pushes_as_tasks_us']:,.1f} µs with the pushes as tasks, "
+                    dev += f"{t['pushes_before_us']:,.1f} launched before, {t['no_replication_us']:,.1f} without"
                 print(f"{name} {routing:9} N={n}: {c['before']:.3f} -> {c['after']:.3f}, "
                       f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms{dev}", flush=True)  # fmt: skip
         cases.sort(key=lambda c: (ROUTINGS.index(c["routing"]), c["slots"]))

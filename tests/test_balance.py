@@ -276,3 +276,27 @@ def test_the_balance_bench_runs_the_generated_solver_at_moonlights_shape(tmp_pat
     (shape,) = json.loads(out.with_suffix(".json").read_text())["shapes"]
     assert [c["routing"] for c in shape["cases"]] == list(balance.ROUTINGS)
     assert all(c["device_plan_equal"] and c["device_solve_ms"] > 0 for c in shape["cases"])
+
+
+def test_the_balance_bench_predicts_the_layer_with_its_pushes_as_tasks():
+    """bench/balance.py --timeline: at moonlight's shape with 2 slots under zipf 1.2, the
+    layer whose kernels push the replicas' weights as tasks is predicted no slower than the
+    same layer with the pushes launched before it, and well under the layer without
+    replication."""
+    import dataclasses
+    import sys
+
+    from conftest import ROOT
+
+    import rdepc
+    from rdepc.ir.spec import Balance
+
+    sys.path.insert(0, str(ROOT))
+    from bench import balance
+
+    spec = dataclasses.replace(
+        rdepc.load(ROOT / "examples" / "moonlight.rdep").spec, balance=Balance("replicate", 2, 64)
+    )
+    t = balance.makespans(spec, "zipf:1.2", 0, "h100")
+    assert t["busiest_pushes_us"] > 0 and t["pushes_as_tasks_us"] <= t["pushes_before_us"]
+    assert t["pushes_as_tasks_us"] < 0.5 * t["no_replication_us"]
