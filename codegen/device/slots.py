@@ -1,6 +1,7 @@
 """A ``balance replicate`` layer's weight pushes as tasks of its own kernel (one process per
 rank): each rank's push task puts its home experts' operands into the slots the call's plan
-gave them, on the slots' ranks; each rank's receive task, once every push has finished
+gave them, on the slots' ranks, each chunk read once and stored to every replica; each
+rank's receive task, once every push has finished
 (their done flags, the layer's own waits), copies its N slots into the call's operand, which
 its GEMM tiles read and its backward keeps. In every other layer, and with every rank in one
 process (whose slots' weights are gathered before the launch), SLOT_ELEMS is 0 and the
