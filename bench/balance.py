@@ -172,7 +172,7 @@ def plot(results: dict, png: Path) -> None:
     shapes = results["shapes"]
     timed = any("timeline" in c for s in shapes for c in s["cases"])
     fig, axes = plt.subplots(1 + timed, len(shapes), figsize=(5.2 * len(shapes), 4 + 4 * timed), squeeze=False)
-    for ax, shape in zip(axes[1] if timed else (), shapes, strict=True):
+    for ax, shape in zip(axes[1], shapes, strict=True) if timed else ():
         x = list(range(len(ROUTINGS)))
         for k, n in enumerate(sorted({r["slots"] for r in shape["cases"] if "timeline" in r})):
             tl = [
