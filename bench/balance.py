@@ -127,14 +127,11 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
     """Predicted makespans (µs) of the layer ``spec`` (with ``balance replicate``) under one
     sampled routing: its weight pushes as tasks of the layer, launched before it, and the
     layer without replication; and the busiest rank's pushes alone."""
-    import dataclasses
-
-    from rdepc.passes.replicate import physical_counts, physical_layer
+    from rdepc.passes.replicate import physical_counts, physical_layer, without_replication
     from rdepc.passes.sampled_routing import source_counts
     from rdepc.passes.schedule import build_for, schedule
 
     from rdepc.ir.balance import push_seconds, slot_elems
-    from rdepc.ir.spec import Balance
 
     name, _, a = routing.partition(":")
     W, T, E, K = int(spec.shape.W), spec.shape.T_max, int(spec.shape.E), int(spec.shape.K)
@@ -145,12 +142,12 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
     strategy = layer.geometry.strategy
     tasks = schedule(layer, hw, counts=phys, held=held)
     # the same physical layer without the two tasks (no balance statement: its slots stay experts)
-    bare = schedule(build_for(dataclasses.replace(physical_layer(spec), balance=Balance()), strategy, None, hw),
+    bare = schedule(build_for(without_replication(physical_layer(spec)), strategy, None, hw),
                     hw, counts=phys)  # fmt: skip
     geo = layer.geometry
     expert = slot_elems(spec.expert.matrices, geo.H, geo.F, spec.expert.bias) * geo.a
     _, alone = push_seconds(plan.slots, spec.ownership.owner, expert, bare.cost.rates.link, bare.cost.rates.latency)
-    plain = schedule(build_for(dataclasses.replace(spec, balance=Balance()), strategy, None, hw), hw, counts=counts)
+    plain = schedule(build_for(without_replication(spec), strategy, None, hw), hw, counts=counts)
     us = 1e6
     return {
         "hw": hw,

@@ -16,7 +16,7 @@ import dataclasses
 
 import sympy as sp
 
-from rdepc.ir.spec import LayerSpec, Ownership
+from rdepc.ir.spec import Balance, LayerSpec, Ownership
 
 
 def slot_expert(E: int, N: int, rank: int, j: int) -> int:
@@ -38,6 +38,12 @@ def physical_layer(spec: LayerSpec) -> LayerSpec:
         shape=dataclasses.replace(spec.shape, E=sp.Integer(E + W * N)),
         ownership=Ownership("map", tuple(owner), tuple(local)),
     )
+
+
+def without_replication(spec: LayerSpec) -> LayerSpec:
+    """``spec`` with no balance statement: the layer without replication (of a physical
+    layer, its slots stay experts of their ranks, with no weight pushes)."""
+    return dataclasses.replace(spec, balance=Balance())
 
 
 def physical_counts(spec: LayerSpec, counts) -> tuple[list[list[int]], object]:
@@ -72,4 +78,4 @@ def dump(spec: LayerSpec) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["dump", "physical_counts", "physical_layer", "slot_expert"]
+__all__ = ["dump", "physical_counts", "physical_layer", "slot_expert", "without_replication"]

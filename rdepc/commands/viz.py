@@ -3,15 +3,14 @@ chart and a Graphviz graph (``rdepc.viz``). Imports neither torch nor triton."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from rdepc.api import UsageError
 from rdepc.commands.common import load_spec
-from rdepc.ir.spec import Balance
 
 
 def cmd_viz(args) -> int:
+    from rdepc.passes.replicate import without_replication
     from rdepc.passes.schedule import build_for, report, schedule
 
     spec = load_spec(args)
@@ -19,9 +18,7 @@ def cmd_viz(args) -> int:
         raise UsageError(f"--ranks {args.ranks}: expected a positive number")
     replicated = spec.balance.kind == "replicate"
     # the layer without replication: what a routing is sampled for, and the comparison
-    tg = build_for(
-        dataclasses.replace(spec, balance=Balance()) if replicated else spec, args.schedule, args.cut, args.hw
-    )
+    tg = build_for(without_replication(spec) if replicated else spec, args.schedule, args.cut, args.hw)
     counts = None
     if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
         from rdepc.passes.sampled_routing import source_counts
