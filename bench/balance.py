@@ -11,10 +11,11 @@ token n of the W·T belongs to rank n // T).
 
 ``--timeline HW`` also predicts the layer's makespan on hardware profile HW (the cost
 model and scheduler ``rdepc viz --routing`` runs) three ways: the physical layer under the
-plan with its weight pushes as tasks of the layer (what the kernels run), the same layer
-with the pushes launched before it (its makespan plus the busiest rank's pushes alone,
-``rdepc.ir.balance.push_seconds``: the design the tasks replaced), and the layer without
-replication.
+plan with the plan's load, solve and reroute and its weight pushes as tasks of the layer
+(what the kernels run one process per rank), the same layer with the solve and the pushes
+launched before it (its makespan plus the solve, ``rdepc.ir.balance.solve_seconds``, plus
+the busiest rank's pushes alone, ``rdepc.ir.balance.push_seconds``: the design the tasks
+replaced), and the layer without replication.
 
 ``--device-plan cpu|cuda`` also runs the generated ``balance_solve`` kernel on each load
 (a layer of the shape's W, T, E, K and ownership with ``balance replicate``): whether its
@@ -125,13 +126,14 @@ def case(shape: dict, owner, routing: str, slots: int, min_rows: int, seed: int,
 
 def makespans(spec, routing: str, seed: int, hw: str) -> dict:
     """Predicted makespans (µs) of the layer ``spec`` (with ``balance replicate``) under one
-    sampled routing: its weight pushes as tasks of the layer, launched before it, and the
-    layer without replication; and the busiest rank's pushes alone."""
+    sampled routing: its plan and weight pushes as tasks of the layer; the plan's solve and
+    the pushes launched before it (the design the tasks replaced); the layer without
+    replication; and the busiest rank's pushes alone."""
     from rdepc.passes.replicate import physical_counts, physical_layer, without_replication
     from rdepc.passes.sampled_routing import source_counts
     from rdepc.passes.schedule import build_for, schedule
 
-    from rdepc.ir.balance import push_seconds, slot_elems
+    from rdepc.ir.balance import push_seconds, slot_elems, solve_seconds
 
     name, _, a = routing.partition(":")
     W, T, E, K = int(spec.shape.W), spec.shape.T_max, int(spec.shape.E), int(spec.shape.K)
@@ -153,7 +155,7 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
         "hw": hw,
         "strategy": strategy,
         "pushes_as_tasks_us": tasks.makespan * us,
-        "pushes_before_us": (bare.makespan + float(alone.max())) * us,
+        "pushes_before_us": (bare.makespan + solve_seconds(geo.homes) + float(alone.max())) * us,
         "no_replication_us": plain.makespan * us,
         "busiest_pushes_us": float(alone.max()) * us,
         "order": next(d.value for d in tasks.decisions if d.name == "order"),

@@ -22,18 +22,19 @@ import textwrap
 from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
-from rdepc.ir.balance import SLOT_CHUNK, slot_parts
+from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.sizes import SCALE_BLOCK, block_scales
 from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
     "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "slots",
-    "kernel", "gemm_kernel",
+    "plan", "kernel", "gemm_kernel",
 )  # fmt: skip
 RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 
@@ -145,6 +146,9 @@ def _slot_constants(p: KernelContract) -> list[str]:
     SLOT_ELEMS 0 (and the offsets -1) when the slots are not read in place."""
     parts = slot_parts(p.H, p.F, p.gated, p.bias) if p.slot_elems else {}
     at = {name: parts.get(name, (-1, 0))[0] for name in ("w_down", "b_up", "b_down")}
+    # the exchange and the plan the balance tasks read (one process per rank), else -1
+    ex = exchange_regions(p.W, p.homes, p.balance[0], p.slot_elems, DTYPE_BYTES[p.dtype])[0] if p.slot_elems else {}
+    plan = {n: at for n, (at, _) in plan_tables(p.W, p.homes, p.balance[0]).items()} if p.slot_elems else {}
     return [
         _c("SLOT_ELEMS", p.slot_elems, "elements of one redundant slot read in place (one process per rank)"),
         _c("SLOT_DOWN_AT", at["w_down"], "a slot's GEMM2 weights, after GEMM1's (then b_up, b_down)"),
@@ -152,6 +156,12 @@ def _slot_constants(p: KernelContract) -> list[str]:
         _c("SLOT_B_DOWN_AT", at["b_down"]),
         _c("SLOT_CHUNK", SLOT_CHUNK, "slot elements one push or receive work item moves"),
         _c("SLOT_CHUNKS", p.slot_chunks if p.balance[0] else 1, "work items a slot takes"),
+        _c("EX_LOADS_AT", ex.get("loads", -1), "the balance exchange's load table [W, HOMES] int32 (bytes)"),
+        _c("EX_SLOTS_AT", ex.get("slots", -1), "... and its slots' weights [SLOTS, SLOT_ELEMS]"),
+        _c("PLAN_PHYS_AT", plan.get("phys", -1), "the plan's tables (int32 elements; its load table first)"),
+        _c("PLAN_CUM_AT", plan.get("cum", -1)),
+        _c("PLAN_SLOTS_AT", plan.get("slots", -1)),
+        _c("PLAN_LOADS_AT", plan.get("loads", -1)),
     ]
 
 

@@ -16,6 +16,9 @@ into the kernel's task table"):
 ============== ====================================================================
 task           work items
 ============== ====================================================================
+load r         1 (balance replicate): r's rows per home expert into every rank's load table
+solve q        1: the call's plan from q's copy of the table (every rank derives the same)
+reroute r      1: r's route rows' physical experts under the plan
 push r         E_loc(r) − N home experts × C chunks (balance replicate): a chunk of one
                expert's operands, read once, stored into every slot the plan gave it
 receive q      N × C: a chunk of one of q's slots, copied into the call's operand
@@ -46,13 +49,14 @@ combine: the communication role's tasks) with its ticket counter, and the GEMM k
 (gemm1, gemm2, wgrad: the compute role's), whose programs stride over its items; both need
 programs running at once (``KernelContract.work``, ``launch_grid``).
 
-Three dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
+Four dependencies reach into the **previous call** (encoded ``-(dep + 1)``, waited for at
 ``(epoch − 1) × items``), so that under a transport with one process per rank a fast
 rank's call cannot overwrite what a slow rank still reads: a route waits for the previous
 call's scans (the counts it overwrites at every owner) and its own rank's combine tiles
 (its row order); a scan waits for every combine tile of the previous call — all of the
 previous call's work — before it publishes offsets that start the rings over; a push
-(``balance replicate``) waits for every rank's receive, which copied its slots out.
+(``balance replicate``) waits for every rank's receive, which copied its slots out, and a
+load for every rank's solve, which read the load table it overwrites.
 
 GEMM items also carry a *guard*: the scan of their owner. An m-tile slot first waits for
 that scan (which fixes how many rows each local expert holds); a slot that is empty under
@@ -89,6 +93,7 @@ def _previous_call(sched: Schedule) -> dict[int, tuple[int, ...]]:
             tiles.setdefault(e.rank, []).append(e.index)
     every_tile = tuple(sorted(i for v in tiles.values() for i in v))
     receives = tuple(e.index for e in sched.table if e.detail == "receive")
+    solves = tuple(e.index for e in sched.table if e.detail == "solve")
     out = {}
     for e in sched.table:
         if e.stage == "route":
@@ -97,6 +102,8 @@ def _previous_call(sched: Schedule) -> dict[int, tuple[int, ...]]:
             out[e.index] = every_tile
         elif e.detail == "push":  # a slot is written again once its rank has copied it out
             out[e.index] = receives
+        elif e.detail == "load":  # a rank's copy of the load table, once every rank's solve has read it
+            out[e.index] = solves
     return out
 
 

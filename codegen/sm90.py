@@ -80,21 +80,19 @@ KERNELS = {
 
 
 # A ``balance replicate`` layer's own launches (``codegen/device/balance.py``), as its
-# runtime makes them: one process counts the loads, one process per rank exchanges them
-# through its symmetric allocation and moves the gradients (the layer's kernel pushes the
-# weights); ``balance_await`` is built once for each counter it waits on (the replicas'
-# gradients, the homes' receipts).
+# runtime makes them: with every rank in one process the plan (count, solve, reroute) before
+# the layer's; one process per rank the plan and the weights are tasks of the layer's kernel
+# and what is left is the backward's gradient exchange through the symmetric allocation;
+# ``balance_await`` is built once for each counter it waits on (the replicas' gradients, the
+# homes' receipts).
 BALANCE_KERNELS = {
     "one": ("balance_count", "balance_solve", "balance_reroute"),
-    "per-rank": (
-        "balance_exchange", "balance_solve", "balance_reroute", "balance_await.gradients", "balance_await.receipts",
-        "balance_give", "balance_reduce",
-    ),
-}  # fmt: skip
+    "per-rank": ("balance_await.gradients", "balance_await.receipts", "balance_give", "balance_reduce"),
+}
 # The balance kernels' parameters' types, by name (the weights in the layer's dtype).
 BALANCE_ARGS = {"bal": "*u8", "topk_ids": "*i64", "phys_ids": "*i64", "expected": "*i64", "packed": "*dtype"}
-BALANCE_ARGS |= {n: "i64" for n in ("stride", "loads_at", "grads_at")}
-BALANCE_ARGS |= {n: "i32" for n in ("n_tokens", "rank", "rank0", "P", "bound")}
+BALANCE_ARGS |= {n: "i64" for n in ("stride", "grads_at")}
+BALANCE_ARGS |= {n: "i32" for n in ("n_tokens", "rank", "P", "bound")}
 BALANCE_ARGS |= {n: "*i32" for n in ("load", "owner_of", "phys", "cum", "slot_table", "loads", "homes")}
 BALANCE_ARGS["err"] = "*i32"  # the exchange's error word
 

@@ -41,7 +41,7 @@ from rdepc.passes.hardware import Value, profile
 from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
 from rdepc.ir import sizes
-from rdepc.ir.balance import push_bytes
+from rdepc.ir.balance import push_bytes, solve_seconds
 from rdepc.ir.graph import CostModel, Rates, TaskGraph
 from rdepc.ir.sizes import BM
 from rdepc.ir.spec import weight_matrices
@@ -106,6 +106,14 @@ def cost_model(
     for t, k in zip(tg.tasks, rows, strict=True):
         i = t.id
         match t.stage:
+            case "balance" if t.detail == "load":  # a row of the load table to every other rank
+                link_b[i] = t.bytes * (geo.W - 1) // geo.W
+                fixed[i] = R.latency
+            case "balance" if t.detail == "solve":  # one program's serial search
+                mem_b[i] = t.bytes
+                fixed[i] = solve_seconds(geo.homes)
+            case "balance" if t.detail == "reroute":  # read the route rows' ids, write their physical ones
+                mem_b[i] = t.bytes
             case "balance":  # a push's stores cross the links; a receive copies the rank's slots through HBM
                 n = t.bytes
                 if sent_received is not None:

@@ -15,8 +15,13 @@ Stages (RDEP section 3.4, Listing 1):
 ======== =========================== ======================================================
 stage    one task per                what it does
 ======== =========================== ======================================================
-balance  push r (balance replicate)  r's home experts' operands into every slot the call's
-                                     plan gave them, on the slots' ranks
+balance  load r (balance replicate)  r's rows per home expert into every rank's load table
+balance  solve q                     after every rank's load: the call's plan from q's copy
+                                     (every rank derives the same, UltraEP's Algorithm 1)
+balance  reroute r                   r's route rows' physical experts under the plan (its
+                                     route waits for it)
+balance  push r                      after r's solve: r's home experts' operands into every
+                                     slot the call's plan gave them, on the slots' ranks
 balance  receive q                   after every rank's push: q's N slots copied into the
                                      call's [N, P] operand (every gemm1 of q waits for it)
 route    front-end rank r            row order, row_id, sideband, counts per (owner, expert)
@@ -207,9 +212,12 @@ def segmentation(
     return int(S), int(B), segs
 
 
-def count_tasks(W: int, T: int, K: int, S: int, B: int, segments: Sequence[int], segmented: bool) -> int:
-    """Tasks of a graph over these bounds (``task_count`` without a Geometry)."""
-    return sizes.task_count(W, T, segments, sizes.return_ring(segmented, B, S, T, K))
+def count_tasks(
+    W: int, T: int, K: int, S: int, B: int, segments: Sequence[int], segmented: bool, balanced: bool = False
+) -> int:
+    """Tasks of a graph over these bounds (``task_count`` without a Geometry; ``balanced``:
+    ``balance replicate``'s tasks too)."""
+    return sizes.task_count(W, T, segments, sizes.return_ring(segmented, B, S, T, K), balanced)
 
 
 def task_count(geo: Geometry) -> int:
@@ -245,16 +253,18 @@ def fewest_tasks(
     schedule: str | None,
     segment: tuple[int, int] | None,
     dedup: bool,
+    balanced: bool = False,
 ) -> tuple[int, str, int, tuple[int, ...]]:
     """The smallest task table among the scheduler's candidates (plain ints: elaboration
-    asks before any graph is built): (tasks, strategy, S, segments per owner)."""
+    asks before any graph is built): (tasks, strategy, S, segments per owner); ``balanced``:
+    with ``balance replicate``'s tasks."""
     R = owner_rows(W, T, K, experts, cap)
     best = None
     for st, S, B in candidates(schedule, segment):
         if st != "bulk" and S is None:
             S, B = segment
         S_, B_, segs = segmentation(R, st, S, B, dedup)
-        n = count_tasks(W, T, K, S_, B_, segs, st != "bulk")
+        n = count_tasks(W, T, K, S_, B_, segs, st != "bulk", balanced)
         if best is None or n < best[0]:
             best = (n, st, S_, segs)
     return best

@@ -26,10 +26,10 @@ BALANCE_ORDERS = ORDERS + tuple(o + LATE_PUSHES for o in ORDERS)
 
 
 def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
-    """The strategy's intended position of every task: route, scan, the weight pushes
-    (``balance replicate``), then step by step — in step t, dispatch segment t, compute
-    t − L (the first after the slots' receives), and the returns (with their unpacks) of
-    t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
+    """The strategy's intended position of every task: (``balance replicate``: the plan's
+    load, solve and reroute), route, scan, the weight pushes, then step by step — in step t,
+    dispatch segment t, compute t − L (the first after the slots' receives), and the
+    returns (with their unpacks) of t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
     dispatches come first on the communication programs, and (``LATE_PUSHES``) whether the
     pushes wait for the first segment's dispatch."""
     geo = tg.geometry
@@ -41,6 +41,8 @@ def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
     keys = []
     for t in tg.tasks:
         match t.stage:
+            case "balance" if t.detail in ("load", "solve", "reroute"):  # the plan gates the route
+                k = (0, 0, -1)
             case "balance" if t.detail == "push":
                 k = push
             case "balance":  # a rank's slots copied in just before its first GEMM1, which waits for it

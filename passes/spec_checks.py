@@ -33,7 +33,9 @@ class Checks:
         cap_e = self.cap_e(spec)
         seg = None if spec.segment is None else (int(spec.segment.rows.value), int(spec.segment.buffers.value))
         per = spec.ownership.experts_per_rank(W)
-        n, strategy, S, segments = fewest_tasks(W, T, K, per, cap_e, spec.schedule, seg, spec.dedup)
+        n, strategy, S, segments = fewest_tasks(
+            W, T, K, per, cap_e, spec.schedule, seg, spec.dedup, spec.balance.kind == "replicate"
+        )
         if n > MAX_TASKS:
             what, key, hint = too_many_tasks(W, T, n, strategy, S, segments, seg is not None)
             self.diags.note(f"not supported yet: {what} (compile and run stop here)", spec.span_of(key), hint)

@@ -34,8 +34,8 @@ from rdepc.ir.spec import LayerSpec
 def done_counters_expr(strategy: str, balanced: bool = False) -> sp.Expr:
     """Done counters per rank (the ``flags`` buffer's words): :func:`rdepc.ir.sizes.done_counters`
     applied to symbols, with n = ⌈R_max/S⌉ segments of the busiest owner (bulk: one), a
-    return ring iff segmented and B·S < T·K, and ``balanced`` (``balance replicate``: the
-    push and receive) as memplan.flag_slots evaluates the same rule."""
+    return ring iff segmented and B·S < T·K, and ``balanced`` (``balance replicate``: its
+    five balance tasks) as memplan.flag_slots evaluates the same rule."""
     if strategy in SEGMENTED:
         ring = sp.Piecewise((sp.Integer(1), B * S < T * K), (sp.Integer(0), True))
         return sizes.done_counters(W, sp.ceiling(T / BM), sp.ceiling(R_max / S), ring, int(balanced))
@@ -56,7 +56,7 @@ def symmetric_formulas(
     Bulk uses ``S = R_max`` (:func:`rdepc.passes.plan_symbols.rows_per_owner_expr`); ``keyed`` admission adds the keys,
     ``dedup`` the backward's sideband and gate gradients, ``resend`` the input rows the backward sends again,
     ``bwd_fp8`` the backward's rows as fp8 with their scales, ``balanced`` (``balance replicate``)
-    two done counters a rank more."""
+    five done counters a rank more."""
     done = done_counters_expr(strategy, balanced)
     if strategy in SEGMENTED:
         Sx, Bx, R_ret = S, B, B * S

@@ -57,28 +57,35 @@ def build_tasks(geo: Geometry) -> list[Task]:
     from_one = [sizes.owner_rows(1, T, K, per[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
     piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
 
-    # balance replicate: each rank pushes its home experts' operands into the slots the call's
-    # plan gave them, a chunk a work item (the plan is data the tasks read: its launch comes
-    # before the layer's); a rank's receive copies its N slots once every push has landed.
-    # The bytes are the mean over ranks with every slot filled: which home pushes is known
-    # only at run time.
+    # balance replicate: each rank's load puts its row of the load table into every rank's
+    # copy; once all have landed each rank's solve derives the call's plan (every rank the
+    # same) and its reroute gives its route rows their physical experts, which its route
+    # reads. Each rank pushes its home experts' operands into the slots the plan gave them,
+    # a chunk a work item; a rank's receive copies its N slots once every push has landed.
+    # The push bytes are the mean over ranks with every slot filled: which home pushes is
+    # known only at run time.
     slot_bytes = geo.slots * geo.slot_bytes
     chunks = slot_chunks(geo.slot_bytes // geo.a)  # work items of one expert's operands
+    table = W * geo.homes * 4  # the load table, int32
+    balanced = range(W) if geo.slots else range(0)
+    loads = tuple(add("balance", "load", r, "comm", r, -1, -1, -1, -1, 0, 1, table, 0, (), (), "") for r in balanced)
+    solve = [add("balance", "solve", q, "comm", -1, q, -1, -1, -1, 0, 1, table, 0, loads, (), "") for q in balanced]
+    reroute = [
+        add("balance", "reroute", r, "comm", r, -1, -1, -1, -1, T * K, 1, T * K * 16, 0, (solve[r],), (), "")
+        for r in balanced
+    ]
     pushes = tuple(
-        add(
-            "balance", "push", r, "comm", r, -1, -1, -1, -1, 0, (per[r] - geo.slots) * chunks, slot_bytes, 0, (), (), ""
-        )
-        for r in range(W)
-        if geo.slots
+        add("balance", "push", r, "comm", r, -1, -1, -1, -1, 0, n, slot_bytes, 0, (solve[r],), (), "")
+        for r, n in zip(balanced, ((per[r] - geo.slots) * chunks for r in balanced), strict=True)
     )
     receive = [
         add("balance", "receive", q, "comm", -1, q, -1, -1, -1, 0, geo.slots * chunks, slot_bytes, 0, pushes, (), "")
-        for q in range(W)
-        if geo.slots
+        for q in balanced
     ]
+    route_bytes = T * K * (geo.sb + 8)
     route = tuple(
-        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, T * K * (geo.sb + 8), 0, (), (), "")
-        for r in range(W)
+        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, route_bytes, 0, dep, (), "")
+        for r, dep in enumerate((reroute[r],) if reroute else () for r in range(W))
     )
     scan = [
         add("scan", "", q, "comm", -1, -1, -1, -1, -1, 0, 1, 3 * W * max(per[q], 1) * 4, 0, route, (), "")

@@ -25,6 +25,7 @@ from rdepc.ir.graph import Schedule, TaskGraph
 from rdepc.ir.trace import rank_metadata
 
 STAGE_COLORS = {
+    "plan": "#bcbd22",
     "route": "#8c8c8c",
     "scan": "#9467bd",
     "dispatch": "#1f77b4",
@@ -37,6 +38,7 @@ STAGE_COLORS = {
     "receive": "#f7b6d2",
 }
 STAGE_WORDS = {
+    "plan": "plan: the loads exchanged, the replication plan solved, rows rerouted",
     "route": "route: order each rank's token rows by owner",
     "scan": "scan: owners agree on exact write offsets",
     "dispatch": "dispatch: send rows to the GPU owning their expert",
@@ -51,7 +53,13 @@ STAGE_WORDS = {
 
 
 def _color_key(t) -> str:
-    return t.detail if t.detail in ("unpack", "gemm1", "gemm2", "push", "receive") else t.stage
+    return _key(t.stage, t.detail)
+
+
+def _key(stage: str, detail: str) -> str:
+    if detail in ("load", "solve", "reroute"):  # balance replicate's plan, one colour
+        return "plan"
+    return detail if detail in ("unpack", "gemm1", "gemm2", "push", "receive") else stage
 
 
 def _tid(sched: Schedule, t) -> int:
@@ -341,7 +349,7 @@ def _dot_tiles(tg: TaskGraph, lines: list[str]) -> str:
         lines.append(f"  subgraph cluster_r{r} {{ label={_q(f'rank {r}')};")
         for n, a in items:
             shape = ", shape=point" if a["kind"] == "flag" else ""
-            color = STAGE_COLORS[a["detail"] if a["detail"] in STAGE_COLORS else a["stage"]]
+            color = STAGE_COLORS[_key(a["stage"], a["detail"])]
             lines.append(f"    n{ids[n]} [label={_q(a['name'])}, fillcolor={_q(color)}{shape}];")
         lines.append("  }")
     for u, v, a in g.edges(data=True):

@@ -1,31 +1,35 @@
 """A layer with ``balance replicate``: the physical layer's module, behind the balance plan.
 
 The kernels are those of the physical layer (``rdepc.passes.replicate``: each of the W·N
-redundant slots an expert of its rank). Every call, before the layer's launch and without a
-host sync, the generated file's balance kernels count the load the router produced
-(L[src, e]), solve the plan every rank derives (``rdepc.ir.balance``, the same plan to the
-row) and give each route row its physical expert; the layer's kernels compute each slot
-with a copy of the expert it holds this call. Route-row
-identity, return by id and the combine are the physical layer's, so the outputs are those
-of the layer without replication, bitwise. The backward is the physical layer's; each
-replica's weight gradient is added into its home expert's in rank order, so expert
-gradients equal the layer's without replication up to the order of that sum.
+redundant slots an expert of its rank). Every call, without a host sync, the load the
+router produced (L[src, e]) gives the plan every rank derives (``rdepc.ir.balance``, the
+same plan to the row) and each route row its physical expert; the layer's kernels compute
+each slot with a copy of the expert it holds this call. Route-row identity, return by id
+and the combine are the physical layer's, so the outputs are those of the layer without
+replication, bitwise. The backward is the physical layer's; each replica's weight gradient
+is added into its home expert's in rank order, so expert gradients equal the layer's
+without replication up to the order of that sum.
 
-One process (``emulated``): every rank's loads and weights are at hand; the slots' copies
-are one gather (:class:`Distribute`). One process per rank (``emulated-mp``, ``nvshmem``):
-the ranks exchange through a symmetric allocation of their own: each puts its row of L into
-every rank's copy; in the layer's own kernel, each rank's push task puts its replicated home
-experts' weights into the slots' region of the ranks that hold them and each rank's receive
-task copies its N slots into the call's operand, which the GEMMs read beside the home
-weights (``rdepc.ir.balance.slot_parts``: no per-call copy of the home weights); in the
-backward replicas hand their weight gradients to the homes, which sum them in rank order —
-the same sums as one process, bitwise. The plan and the gradients' exchange are custom ops
-(``rdepc::balance_plan``, ``rdepc::balance_grads``, :mod:`rdepc.runtime.ops`), so
-``torch.compile`` captures a replicated layer whole, as it does any other.
+One process (``emulated``): every rank's loads and weights are at hand; the generated
+file's balance kernels count, solve and reroute before the layer's launch
+(``rdepc::balance_plan``) and the slots' copies are one gather (:class:`Distribute`). One
+process per rank (``emulated-mp``, ``nvshmem``): the layer's own kernel does it all, as
+tasks of its graph — each rank's load puts its row of L into every rank's copy of the load
+table, each rank's solve derives the plan from its copy, its reroute gives its rows their
+physical experts, its push puts its replicated home experts' weights into the slots'
+region of the ranks that hold them and its receive copies its N slots into the call's
+operand, which the GEMMs read beside the home weights (``rdepc.ir.balance.slot_parts``:
+no per-call copy of the home weights) — through a symmetric allocation of the layer's own
+(:class:`Exchange`); in the backward replicas hand their weight gradients to the homes,
+which sum them in rank order — the same sums as one process, bitwise. The plan and the
+gradients' exchange are custom ops (``rdepc::balance_plan``, ``rdepc::balance_grads``,
+:mod:`rdepc.runtime.ops`), so ``torch.compile`` captures a replicated layer whole, as it
+does any other.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ from rdepc.runtime.module import RDEPModule
 from rdepc.runtime.records import KernelError
 from rdepc.runtime.stats import Readback
 
-from rdepc.ir.balance import COUNTERS, exchange_regions, imbalance, slot_parts
+from rdepc.ir.balance import COUNTERS, exchange_regions, imbalance, plan_elems, plan_tables, slot_parts
 from rdepc.ir.contract import KernelContract
 
 
@@ -63,23 +67,20 @@ class Distribute(torch.autograd.Function):
 
 # what an expired wait of the exchange waited for, by the code the device stores (rdepc.codegen.device.balance.settle)
 _WAITED = {
-    1: "every rank's loads",
-    2: "the replicas' gradients",
-    3: "the homes' receipt of its slots' gradients",
+    1: "the replicas' gradients",
+    2: "the homes' receipt of its slots' gradients",
 }
-_PLAN = ("load", "phys", "cum", "slots", "loads")  # rdepc::balance_plan's tables, after the physical ids
 
 
 class Exchange:
     """One process per rank: the symmetric allocation the ranks exchange through and what
-    counts over its calls — each rank's arrival counters' targets, the calls (one signal per
-    rank each), the error word of its waits. Modules of one layer built with ``share`` use
-    one, so a model's replicated layers need one allocation, not one each: a call copies its
-    loads out before the layer's kernel, whose scan waits for every rank, so no rank's next
-    puts overwrite them unread; a slot's weights are pushed again only once its rank's
-    receive has copied them out (the layer's push waits for the previous call's receives);
-    and a rank's gradient slots are written again only after their homes' receipts (the
-    third counter)."""
+    counts over its calls — each rank's arrival counters' targets, the error word of its
+    waits. Modules of one layer built with ``share`` use one, so a model's replicated layers
+    need one allocation, not one each: a rank's loads are put again only once every rank's
+    solve has read them (the layer's load waits for the previous call's solves), a slot's
+    weights only once its rank's receive has copied them out (its push waits for the
+    previous call's receives), and a rank's gradient slots are written again only after
+    their homes' receipts (the second counter)."""
 
     def __init__(self, bal: torch.Tensor, own: torch.Tensor, stride: int, at: dict[str, int], device):
         self.bal, self.own, self.stride, self.at = bal, own, stride, at
@@ -109,16 +110,15 @@ class ReplicatedModule:
         self.owner = torch.tensor(p.owner[: self.homes], **i32)
         self.local_experts = local_experts(p, self.rank)
         self.parts = slot_parts(p.H, p.F, p.gated, p.bias)  # a slot's operands: name -> (offset, elements)
-        self._plan: dict[str, torch.Tensor] | None = None
-        self._stats: dict | None = None
+        self._plan: torch.Tensor | None = None  # one process: the last call's plan (per rank: the inner module's)
+        self._stats: tuple | None = None  # (the inner module's statistics, the plan, what they make)
         self._launch = self.inner.transport.launcher(self.inner.interpret, concurrent=False)
         self.handle = ops.register(self)
         self.ex: Exchange | None = None
         if self.per_rank:
             self.ex = share.ex if share is not None else self._allocate_exchange()
             self.homes_here = torch.tensor(self.local_experts, dtype=torch.int32, device=self.device)
-            slots_at = self.ex.bal.view(-1)[self.ex.at["slots"] :]  # rank 0's slot region (per-rank: this rank's)
-            self.inner.exchange = (slots_at, self.ex.stride)  # the push and receive tasks'
+            self.inner.exchange = (self.ex.bal.view(-1), self.ex.stride)  # the balance tasks'
             self.inner.balanced_by = self.handle
         self._readback = self.ex.readback if self.ex else Readback(self.device)
 
@@ -143,12 +143,12 @@ class ReplicatedModule:
                 tokens=None) -> torch.Tensor:  # fmt: skip
         """As :meth:`RDEPModule.forward`, with the home experts' weights."""
         ws = self._homes(w_gate, w_up, w_down, b_gate, b_up, b_down)
-        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
-        if self.per_rank:  # the layer's kernel pushes the slots' weights: the plan's slot table says where
-            return self.inner.forward(
-                x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens,
-                slot_table=plan["slots"],
+        if self.per_rank:  # the layer's own tasks derive the plan, reroute the rows and push the slots' weights
+            y = self.inner.forward(
+                x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
             )  # fmt: skip
+            return y
+        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         w_gate, w_up, w_down, b_gate, b_up, b_down = self._physical(ws, plan)
         return self.inner.forward(
             x, ids, topk_weights, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down, tokens=tokens
@@ -157,11 +157,10 @@ class ReplicatedModule:
     def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None) -> torch.Tensor:
         """As :meth:`RDEPModule.routed` (GEMM1's operand as the kernel reads it), home experts' weights."""
         ws = self._homes(w_up, w_down, b_up, b_down)
-        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         if self.per_rank:
-            return self.inner.routed(
-                x, ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens, slot_table=plan["slots"]
-            )
+            y = self.inner.routed(x, topk_ids, topk_weights, *ws[:2], b_up=b_up, b_down=b_down, tokens=tokens)
+            return y
+        ids, plan = self._plan_call(topk_ids, tokens, x.shape[-2])
         w_up, w_down, b_up, b_down = self._physical(ws, plan)
         return self.inner.routed(x, ids, topk_weights, w_up, w_down, b_up=b_up, b_down=b_down, tokens=tokens)
 
@@ -183,72 +182,51 @@ class ReplicatedModule:
         part = {n: summed[:, at[n][0] : at[n][0] + at[n][1]] for n in at}
         return [None if s is None else part[n].reshape(s) for n, s in zip(names, shapes, strict=True)]
 
-    def _physical(self, ws, plan: dict) -> list:
+    def _physical(self, ws, plan: torch.Tensor) -> list:
         """One process: each given home-expert tensor with its slots' copies after it, for this call's plan."""
-        held = plan["slots"].reshape(-1).to(torch.int64)
-        phys = plan["phys"].to(torch.int64)
+        held = self.slot_table(plan).to(torch.int64)
+        phys = self.tables(plan)["phys"].to(torch.int64)
         replica_of = torch.where(phys >= self.homes, phys - self.homes, self.contract.W * self.slots)
         return [None if w is None else Distribute.apply(w, held, replica_of) for w in ws]
 
-    def _plan_call(self, topk_ids, tokens, Tn: int) -> tuple[torch.Tensor, dict]:
-        """Each route row's physical expert under this call's plan, and the plan (on the device)."""
+    def _plan_call(self, topk_ids, tokens, Tn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One process: each route row's physical expert under this call's plan, and the plan
+        (on the device)."""
         p, inner = self.contract, self.inner
-        lead = () if self.per_rank else (p.W,)
-        if topk_ids.dim() != len(lead) + 2 or tuple(topk_ids.shape[:-1]) != (*lead, Tn):
-            want = "[T', K]" if self.per_rank else f"[W={p.W}, T'={Tn}, K]"
-            raise ValueError(f"{inner._name()}: topk_ids must be {want}, got {tuple(topk_ids.shape)}")
+        if topk_ids.dim() != 3 or tuple(topk_ids.shape[:-1]) != (p.W, Tn):
+            raise ValueError(f"{inner._name()}: topk_ids must be [W={p.W}, T'={Tn}, K], got {tuple(topk_ids.shape)}")
         _, real = inner.padding(tokens, Tn)
         ids = topk_ids.detach().to(device=self.device, dtype=torch.int64)
         if real is not None:
             ids = torch.where(real[..., None], ids, -1)
-        phys_ids, *tables = ops.balance_plan(self.handle, ids.contiguous(), Tn)
-        return phys_ids, dict(zip(_PLAN, tables, strict=True))
+        return ops.balance_plan(self.handle, ids.contiguous(), Tn)
 
-    def plan_layout(self, shape) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shapes and dtypes of ``rdepc::balance_plan``'s outputs for expert ids of ``shape``."""
-        W, E, N = self.contract.W, self.homes, self.slots
-        tables = {"load": (W, E), "phys": (E, W), "cum": (W, E, W), "slots": (W, N), "loads": (2, W)}
-        return [(tuple(shape), torch.int64)] + [(tables[name], torch.int32) for name in _PLAN]
+    def tables(self, plan: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tables of a plan buffer as views (``rdepc.ir.balance.plan_tables``)."""
+        at = plan_tables(self.contract.W, self.homes, self.slots)
+        return {name: plan.narrow(0, o, math.prod(shape)).view(shape) for name, (o, shape) in at.items()}
+
+    def slot_table(self, plan: torch.Tensor) -> torch.Tensor:
+        """The home expert each slot of every rank holds under ``plan``, flat [W·N] (-1 empty)."""
+        o, _ = plan_tables(self.contract.W, self.homes, self.slots)["slots"]
+        return plan.narrow(0, o, self.contract.W * self.slots)
 
     def _plan_op(self, ids: torch.Tensor, Tn: int) -> list[torch.Tensor]:
-        """``rdepc::balance_plan``: count (or exchange) the loads, solve, reroute."""
+        """``rdepc::balance_plan`` (every rank in one process): count the loads, solve, reroute."""
         W, E = self.contract.W, self.homes
-        tables = self.plan_layout(ids.shape)[1:]
-        plan = {
-            n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in zip(_PLAN, tables, strict=True)
-        }
         if self.inner._broken:
             raise RuntimeError(self.inner._broken)
+        plan = torch.empty(plan_elems(W, E, self.slots), dtype=torch.int32, device=self.device)
+        t = self.tables(plan)
         k = self.inner.kernels
         flat = ids if ids.numel() else ids.new_full((1,), -1)
-        if self.per_rank:
-            args = (
-                self.ex.bal,
-                self.ex.stride,
-                self.ex.at["loads"],
-                flat,
-                Tn,
-                self.rank,
-                self.ex.expected,
-                self.spin_bound,
-                self.ex.err,
-            )
-            self._readback.settle(False, self._raise_err)  # an earlier call's expired wait, if it has landed
-            self._run(k.balance_exchange, (1,), args)
-            self._check_err()
-            plan["load"].copy_(self._region("loads", W * E, torch.int32).view(W, E))  # the next call rewrites it
-        else:
-            plan["load"].zero_()
-            self._run(k.balance_count, (W,), (flat, plan["load"], Tn))
-        solve = (plan["load"], self.owner, plan["phys"], plan["cum"], plan["slots"], plan["loads"])
-        self._run(k.balance_solve, (1,), solve)
+        t["load"].zero_()
+        self._run(k.balance_count, (W,), (flat, t["load"], Tn))
+        self._run(k.balance_solve, (1,), (t["load"], self.owner, t["phys"], t["cum"], t["slots"], t["loads"]))
         phys_ids = torch.empty_like(flat)
-        rank0 = self.rank if self.per_rank else 0
-        self._run(
-            k.balance_reroute, (1 if self.per_rank else W,), (flat, phys_ids, plan["phys"], plan["cum"], Tn, rank0)
-        )
-        self._plan, self._stats = plan, None
-        return [phys_ids[: ids.numel()].view(ids.shape)] + [plan[name] for name in _PLAN]
+        self._run(k.balance_reroute, (W,), (flat, phys_ids, t["phys"], t["cum"], Tn))
+        self._plan = plan
+        return [phys_ids[: ids.numel()].view(ids.shape), plan]
 
     def _grads_op(self, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``rdepc::balance_grads``: hand the slots' gradients ``grad`` [N, P] to their homes;
@@ -278,12 +256,6 @@ class ReplicatedModule:
         at, stride = exchange_regions(p.W, self.homes, self.slots, P, elem)
         bal = self.inner.transport.allocate_heap(p.W, stride, self.device)
         return Exchange(bal, own_slices(bal, True, self.rank)[0], stride, at, self.device)
-
-    def _region(self, name: str, n: int, dtype=None) -> torch.Tensor:
-        """The first ``n`` elements of this rank's region ``name`` of the exchange."""
-        dtype = dtype or self.dtype
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.ex.own[self.ex.at[name] : self.ex.at[name] + n * size].view(dtype)
 
     def _await(self, counter: str, slots: torch.Tensor) -> None:
         args = (
@@ -331,20 +303,26 @@ class ReplicatedModule:
         for each expert), ``phys`` [E, W] (physical expert of e's instance on each rank,
         -1: none), ``cum`` [W, E, W] (each source's running split of its rows of e over the
         instances, in rank order), ``slots`` [W, N] (the expert each slot held, -1: empty),
-        ``loads`` [2, W] (rows per rank before and after)."""
-        return self._plan
+        ``loads`` [2, W] (rows per rank before and after): ``rdepc.ir.balance.plan_tables``."""
+        plan = self._last_plan_buffer()
+        return None if plan is None else self.tables(plan)
+
+    def _last_plan_buffer(self) -> torch.Tensor | None:
+        return self.inner.last_plan if self.per_rank else self._plan
 
     @property
     def last_stats(self) -> dict | None:
         if self.per_rank:
             self._readback.settle(True, self._raise_err)
-        st = self.inner.last_stats
-        if st is None or self._plan is None:
+        st, buffer = self.inner.last_stats, self._last_plan_buffer()
+        if st is None or buffer is None:
             return st
-        if self._stats is None:
+        if self._stats is None or self._stats[0] is not st or self._stats[1] is not buffer:  # a new call
+            given = st
             st = dict(st)
-            slots = self._plan["slots"].cpu()
-            before, after = self._plan["loads"].cpu().tolist()
+            plan = self.tables(buffer)
+            slots = plan["slots"].cpu()
+            before, after = plan["loads"].cpu().tolist()
             bl = {"before": before, "after": after, "imbalance_before": imbalance(before)}
             bl |= {"imbalance_after": imbalance(after), "slots": slots}
             for key in ("rows_per_expert", "received_per_expert", "dropped_per_expert"):
@@ -358,8 +336,8 @@ class ReplicatedModule:
                 folded.index_add_(0, held.clamp(min=0), torch.where(held >= 0, v[self.homes :], 0).to(v.dtype))
                 st[key] = folded
             st["balance"] = bl
-            self._stats = st
-        return self._stats
+            self._stats = (given, buffer, st)
+        return self._stats[2]
 
     def __repr__(self) -> str:
         return f"<rdepc balance replicate (N={self.slots}, U={self.min_rows}) over {self.inner!r}>"

@@ -85,6 +85,7 @@ from rdepc.runtime.records import KernelError, input_error, kernel_error
 from rdepc.runtime.stats import Readback, call_stats
 from rdepc.runtime.tensors import TORCH_DTYPES, aligned, gemm1_operand
 
+from rdepc.ir.balance import plan_elems
 from rdepc.ir.contract import (
     COLUMNS,
     CONTROL,
@@ -239,11 +240,12 @@ class RDEPModule:
         self._unused = placeholders(p, device)
         self._flags, self._bwd_flags, self._published = regions(p)
         # balance replicate, one process per rank (rdepc.runtime.balance sets both): the
-        # exchange's slot region and the stride between ranks' slices, which the push and
+        # exchange and the stride between ranks' slices, which the load, solve, push and
         # receive tasks write and read; the replicated module's handle, whose exchange brings
         # the slots' gradients home in the backward
         self.exchange: tuple[torch.Tensor, int] | None = None
         self.balanced_by: int | None = None
+        self.last_plan: torch.Tensor | None = None  # ... and the plan its last forward derived
 
     def _refuse_saving(self) -> None:
         """A module built for inference has no backward regions: a call that would keep what
@@ -272,39 +274,36 @@ class RDEPModule:
         return self.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, **kw)
 
     def forward(
-        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, tokens=None,
-        slot_table=None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None, tokens=None
+    ) -> torch.Tensor:
         """y = the routed layer of every rank's tokens (see the module docstring). ``tokens``
         (one process): how many of the T' tokens each rank brings, a list of W ints (or a CPU
         tensor); rank r's tokens past ``tokens[r]`` are padding: they route nowhere, get
         y = 0, and the capacity follows the tokens brought, as when the ranks' T' differ.
         ``b_gate``, ``b_up`` [E, F] and ``b_down`` [E, H]: the expert biases of a spec whose
         experts have them (``expert ..., bias``), required there and refused elsewhere.
-        ``slot_table``: a replicated layer's plan for the call when its kernels push the
-        slots' weights themselves (one process per rank: ``KernelContract.slots_in_place``),
-        the home expert each slot of every rank holds, int32 [W, N] (-1 empty); the weights
-        are then the home experts' only (``rdepc.runtime.balance`` passes it)."""
-        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down, slot_table)
+        A replicated layer one process per rank (``KernelContract.slots_in_place``; through
+        ``rdepc.runtime.balance``): ``topk_ids`` are home experts' ids and the weights the
+        home experts' only; the kernel derives the call's plan, reroutes the rows and fills
+        the slots itself."""
+        self._check(x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate, b_up, b_down)
         operand, bias = w_up, b_up
         if self.contract.gated:
             operand = gemm1_operand(w_gate, w_up)
             bias = None if b_up is None else gemm1_operand(b_gate, b_up)
-        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens, slot_table)
+        return self._routed(x, topk_ids, topk_weights, operand, w_down, bias, b_down, tokens)
 
-    def routed(
-        self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None, slot_table=None
-    ) -> torch.Tensor:
+    def routed(self, x, topk_ids, topk_weights, w_up, w_down, *, b_up=None, b_down=None, tokens=None) -> torch.Tensor:
         """:meth:`forward` with GEMM1's operand as the kernel reads it: a gated expert's gate
         and up interleaved, ``w_up`` [E, H, F, 2] (``RDEPMoE``'s ``w_gate_up``), else [E, H, F];
         likewise its bias ``b_up`` [E, F, 2] (``b_gate_up``), else [E, F]."""
         gated = self.contract.gated
         halves = (w_up[..., 0], w_up[..., 1]) if gated else (None, w_up)
         bias = (b_up[..., 0], b_up[..., 1]) if gated and b_up is not None else (None, b_up)
-        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down, slot_table)
-        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slot_table)
+        self._check(x, topk_ids, topk_weights, *halves, w_down, *bias, b_down)
+        return self._routed(x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens)
 
-    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens, slot_table=None) -> torch.Tensor:
+    def _routed(self, x, topk_ids, topk_weights, w_up, w_down, b_up, b_down, tokens) -> torch.Tensor:
         """The checked call, through the ``rdepc::forward`` op (differentiable, and what
         ``torch.compile`` captures); it keeps what the backward walks when a gradient may
         be asked for."""
@@ -315,18 +314,17 @@ class RDEPModule:
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
         if save:
             self._refuse_saving()
-        weights = (w_up, w_down, b_up, b_down, slot_table)
+        weights = (w_up, w_down, b_up, b_down)
         return ops.forward(self.handle, x, topk_ids, topk_weights, *weights, brought, save)[0]
 
-    def _forward_op(
-        self, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save: bool
-    ) -> list[torch.Tensor]:
-        """``rdepc::forward``'s implementation: the call, its routing context and (``save``)
-        what it kept, in ``ops.forward_layout``'s order."""
+    def _forward_op(self, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save: bool) -> list[torch.Tensor]:
+        """``rdepc::forward``'s implementation: the call, its routing context (with a
+        replicated layer's plan one process per rank) and (``save``) what it kept, in
+        ``ops.forward_layout``'s order."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
-        operands = {"b_up": b_up, "b_down": b_down, "slot_table": slot_table}
-        y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, **operands)
+        y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, b_up=b_up, b_down=b_down)
         out = [y, context.accepted, context.slot, context.gprime]
+        out += [context.topk_ids, self.last_plan] if self.contract.slots_in_place else []
         return out + ([kept[name] for name, _, _ in ops.kept_layout(self, x.shape[-2])] if save else [])
 
     def _routing_tables(self) -> tuple[str, ...]:
@@ -355,14 +353,11 @@ class RDEPModule:
             raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
         self._withheld = (entry, backward)
 
-    def _run(
-        self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None,
-        slot_table=None,
-    ):  # fmt: skip
+    def _run(self, x, topk_ids, topk_weights, w_up, w_down, brought, save: bool = False, b_up=None, b_down=None):
         """Launch the forward (``w_up``: GEMM1's operand; ``b_up``, ``b_down``: the expert
-        biases, when the spec has them; ``slot_table``: the call's balance plan, whose slots
-        the launch's push and receive tasks fill). ``save``: keep what the backward walks,
-        returned third (with ``slot_table``, the call's copy of this rank's slots too)."""
+        biases, when the spec has them). ``save``: keep what the backward walks, returned
+        third (a replicated layer one process per rank: the call's copy of this rank's slots
+        too)."""
         p = self.contract
         if self._broken:
             raise RuntimeError(self._broken)
@@ -381,10 +376,12 @@ class RDEPModule:
         given = {"x": x, "topk_ids": ids, "gates": gates, "y": y, "accepted": accepted, "slot": slot, "gprime": gprime}
         given["tokens_of"] = brought
         given |= self._operands(w_up, w_down, b_up, b_down)
-        if slot_table is not None:  # the receive tasks fill the call's copy of the slots, the GEMMs read it
+        if p.slots_in_place:  # the balance tasks: the plan, the rows' physical ids, the call's copy of the slots
+            given["home_ids"], given["topk_ids"] = ids, torch.empty_like(ids)
+            given["plan"] = torch.empty(plan_elems(W, p.homes, p.slots_in_place), dtype=torch.int32, device=self.device)
             given["slots"] = torch.empty((p.slots_in_place, p.slot_elems), dtype=self.dtype, device=self.device)
-            given["slot_table"] = slot_table.contiguous()
             given["exchange"], given["ex_stride"] = self.exchange
+            ids = given["topk_ids"]
         kept = None
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner)); none when the
@@ -393,7 +390,7 @@ class RDEPModule:
             if keeps_outputs(p):
                 kept["saved_out"] = torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device)
             given |= kept
-            if slot_table is not None:
+            if p.slots_in_place:
                 kept["slots"] = given["slots"]
         self.epoch += 1
         self._launch(given, Tn, backward=False, save=save)
@@ -402,6 +399,7 @@ class RDEPModule:
             kept["published"] = own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi].clone()
             kept |= {n: self.private[n].clone() for n in self._routing_tables()}
         accepted = accepted.bool()
+        self.last_plan = given.get("plan")
         self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
         self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
@@ -530,14 +528,9 @@ class RDEPModule:
         c = self.contract
         return f"rdepc layer {c.layer}" + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
 
-    def _check(
-        self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, slot_table=None
-    ) -> None:
+    def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> None:
         p = self.contract
         N = p.slots_in_place  # then the weights are the home experts' only
-        want, got = (p.W, N) if N else None, None if slot_table is None else tuple(slot_table.shape)
-        if got != want or (N and slot_table.dtype != torch.int32):
-            raise ValueError(f"{self._name()}: the balance plan's slot table must be int32 {want} here, got {got}")
         if N and self.exchange is None:
             raise ValueError(f"{self._name()}: a balance replicate layer runs through its ReplicatedModule "
                              "(rdepc.runtime.balance.layer_module), which gives it the slots' exchange")  # fmt: skip

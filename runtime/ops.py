@@ -1,8 +1,8 @@
 """The layer's forward and backward as ``torch.library`` custom ops, so that ``torch.compile``
 (``fullgraph=True`` included) captures a model with RDEP layers without a graph break.
 
-    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save)
-        -> [y, accepted, slot, gprime, *kept]
+    rdepc::forward(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
+        -> [y, accepted, slot, gprime, (phys_ids, plan), *kept]
     rdepc::backward(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept)
         -> [dx, dgprime, dw_up, dw_down, (db_up, db_down), (dslots)]
 
@@ -10,12 +10,13 @@
 the call uses (an int: what a graph can hold; the registry keeps no module alive). ``w_up``
 is GEMM1's operand as the kernel reads it (a gated expert's gate and up interleaved,
 [E, H, F, 2]); ``b_up`` and ``b_down`` its expert biases (None unless the spec's experts
-have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated); ``slot_table`` a
-replicated layer's plan for the call one process per rank (the home expert in each slot of
-every rank, int32 [W, N]; None elsewhere): the forward's push and receive tasks fill this
-rank's redundant slots from it, and it keeps their packed operands [N, P]
-(``rdepc.ir.balance.slot_parts``) as ``slots``, whose gradient ``dslots`` the backward
-returns and the replicas' exchange takes home (``rdepc::balance_grads``); the backward's
+have them; ``b_up`` laid out as GEMM1's columns, [E, F, 2] when gated). A replicated
+layer one process per rank (``KernelContract.slots_in_place``) takes home experts' ids and
+weights: its kernel's tasks derive the call's plan, reroute the rows and fill this rank's
+redundant slots, and the forward returns the rows' physical ids (what the backward walks)
+and the plan (``rdepc.ir.balance.plan_tables``), and keeps the slots' packed operands
+[N, P] (``rdepc.ir.balance.slot_parts``) as ``slots``, whose gradient ``dslots`` the
+backward returns and the replicas' exchange takes home (``rdepc::balance_grads``); the backward's
 ``x`` the forward's input (None unless ``KernelContract.backward_reads_x``). With ``save``
 the forward also returns what the backward walks: the routing context (the accepted set,
 each slot's place at its owner, g') and ``kept`` (the owners' rows, the routing tables, the
@@ -39,6 +40,8 @@ import torch
 from rdepc.runtime.autograd import gate_grad
 from rdepc.runtime.heap import keeps_outputs, owned_ranks, owner_row_buffers
 from torch import Tensor
+
+from rdepc.ir.balance import plan_elems
 
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
@@ -68,15 +71,14 @@ def forward(
     w_down: Tensor,
     b_up: Tensor | None,
     b_down: Tensor | None,
-    slot_table: Tensor | None,
     brought: Tensor,
     save: bool,
 ) -> list[Tensor]:
-    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save)
+    return module_of(handle)._forward_op(x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save)
 
 
 @forward.register_fake
-def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, slot_table, brought, save):
+def _forward_fake(handle, x, topk_ids, gates, w_up, w_down, b_up, b_down, brought, save):
     layout = forward_layout(module_of(handle), x.shape[-2], save)
     return [torch.empty(shape, dtype=dtype, device=x.device) for _, shape, dtype in layout]
 
@@ -113,7 +115,8 @@ def _backward_fake(handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down
 
 def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of ``rdepc::forward``'s outputs at T' = ``Tn``: y, the routing
-    context and, with ``save``, :func:`kept_layout`."""
+    context (a replicated layer one process per rank: the rows' physical ids and the plan
+    too) and, with ``save``, :func:`kept_layout`."""
     p = module.contract
     lead = () if module.per_rank else (p.W,)
     out = [
@@ -122,6 +125,11 @@ def forward_layout(module, Tn: int, save: bool) -> list[tuple[str, tuple[int, ..
         ("slot", (*lead, Tn, p.K), torch.int32),
         ("gprime", (*lead, Tn, p.K), torch.float32),
     ]
+    if p.slots_in_place:
+        out += [
+            ("phys_ids", (Tn, p.K), torch.int64),
+            ("plan", (plan_elems(p.W, p.homes, p.slots_in_place),), torch.int32),
+        ]
     return out + (kept_layout(module, Tn) if save else [])
 
 
@@ -144,32 +152,35 @@ def kept_layout(module, Tn: int) -> list[tuple[str, tuple[int, ...], torch.dtype
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, slot_table, _brought, save = inputs
-    ctx.handle, ctx.saved = handle, save
-    x = x if module_of(handle).contract.backward_reads_x else None
-    # b_up: recomputed pre-activations; slot_table: where the slots' gradients go home
-    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, slot_table, *output[1:])
+    handle, x, topk_ids, gates, w_up, w_down, b_up, _b_down, _brought, save = inputs
+    contract = module_of(handle).contract
+    ctx.handle, ctx.saved, ctx.planned = handle, save, bool(contract.slots_in_place)
+    x = x if contract.backward_reads_x else None
+    ctx.save_for_backward(x, topk_ids, gates, w_up, w_down, b_up, *output[1:])  # b_up: recomputed pre-activations
 
 
 def _forward_backward(ctx, grads):
     if not ctx.saved:
         raise RuntimeError("rdepc::forward ran without save=True: it kept nothing for a backward")
-    x, topk_ids, gates, w_up, w_down, b_up, slot_table, accepted, slot, gprime, *kept = ctx.saved_tensors
+    x, topk_ids, gates, w_up, w_down, b_up, accepted, slot, gprime, *kept = ctx.saved_tensors
     module = module_of(ctx.handle)
     dy = grads[0]
-    slots = None if slot_table is None else kept[-1]
+    plan = None
+    if ctx.planned:  # the rows' physical ids the forward's reroute gave them, and its plan
+        topk_ids, plan, *kept = kept
+    slots = None if plan is None else kept[-1]
     dx, dgprime, dw_up, dw_down, *rest = backward(
         ctx.handle, dy, x, topk_ids, accepted, slot, gprime, w_up, w_down, b_up, slots, kept
     )
     to_expert = (topk_ids >= 0) & (topk_ids < module.contract.E)
     dgates = gate_grad(gates, accepted, dgprime, module.contract.weights, to_expert).to(gates.dtype)
     homes = [dw_up, dw_down, *(rest[:2] if module.contract.bias else (None, None))]
-    if slot_table is not None:  # each home expert's gradient, plus its replicas' summed in rank order
+    if plan is not None:  # each home expert's gradient, plus its replicas' summed in rank order
         replicated = module_of(module.balanced_by)
-        summed = balance_grads(replicated.handle, slot_table.reshape(-1), rest[-1])
+        summed = balance_grads(replicated.handle, replicated.slot_table(plan), rest[-1])
         parts = replicated.home_grads(summed, [None if g is None else g.shape for g in homes])
         homes = [g if r is None else g + r for g, r in zip(homes, parts, strict=True)]
-    return None, dx, None, dgates, *homes, None, None, None
+    return None, dx, None, dgates, *homes, None, None
 
 
 forward.register_autograd(_forward_backward, setup_context=_setup_context)
@@ -183,14 +194,17 @@ forward.register_autograd(_forward_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("rdepc::balance_plan", mutates_args=())
 def balance_plan(handle: int, ids: Tensor, Tn: int) -> list[Tensor]:
-    """This call's plan from the route rows' expert ids (-1: none): [physical ids, load,
-    phys, cum, slots, loads] (:attr:`ReplicatedModule.last_plan`)."""
+    """With every rank in one process, this call's plan from the route rows' expert ids (-1:
+    none): [physical ids, the plan] (``rdepc.ir.balance.plan_tables``; one process per rank
+    the layer's own kernel derives it)."""
     return module_of(handle)._plan_op(ids, Tn)
 
 
 @balance_plan.register_fake
 def _balance_plan_fake(handle, ids, Tn):
-    return [torch.empty(s, dtype=d, device=ids.device) for s, d in module_of(handle).plan_layout(ids.shape)]
+    module = module_of(handle)
+    n = plan_elems(module.contract.W, module.homes, module.slots)
+    return [torch.empty(ids.shape, dtype=torch.int64, device=ids.device), ids.new_empty((n,), dtype=torch.int32)]
 
 
 @torch.library.custom_op("rdepc::balance_grads", mutates_args=())

@@ -52,6 +52,9 @@ STAGE_OF = {
     "unpack": ("combine", "unpack"),
     "combine_wait": ("combine", "wait"),
     "combine": ("combine", "tile"),
+    "load": ("balance", "load"),
+    "solve": ("balance", "solve"),
+    "reroute": ("balance", "reroute"),
     "push": ("balance", "push"),
     "receive": ("balance", "receive"),
 }

@@ -194,6 +194,23 @@ def receive_chunks(exchange, ex_stride, slots, rank):
 
 
 @triton.jit
+def load_ranks(exchange, ex_stride, home_ids, n_tokens):
+    load_task(exchange, ex_stride, home_ids, n_tokens, tl.program_id(0))
+
+
+@triton.jit
+def solve_ranks(exchange, ex_stride, plans, owner_of, elems):
+    r = tl.program_id(0)
+    solve_task(exchange, ex_stride, plans + r * elems, owner_of, r)
+
+
+@triton.jit
+def reroute_ranks(home_ids, topk_ids, plans, n_tokens, elems):
+    r = tl.program_id(0)
+    reroute_task(home_ids, topk_ids, plans + r * elems, n_tokens, r)
+
+
+@triton.jit
 def signal_then_wait(flag, seen, target, bound, stop, TIMES: tl.constexpr):
     for _ in tl.static_range(TIMES):
         signal(flag)
@@ -209,6 +226,7 @@ DEVICE = "\n\n\n".join(
         include("route", ("keys_below",)),
         include("combine", ("leads",)),
         include("slots"),
+        include("plan"),
     )
 )
 

@@ -216,8 +216,9 @@ def test_push_bytes_counts_one_expert_per_filled_slot_from_its_home():
 
 
 def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
-    f = tmp_path / "b.rdep"
-    f.write_text(SPEC.format(balance="balance replicate(slots = 2, min_rows = 16)"))
+    f = tmp_path / "b.rdep"  # a layer whose GEMMs outweigh the plan's solve (tiny ones do not)
+    spec = SPEC.replace("tokens 512, hidden 64", "tokens 2048, hidden 2048").replace("ffn = 128", "ffn = 1408")
+    f.write_text(spec.format(balance="balance replicate(slots = 2, min_rows = 16)"))
     png = tmp_path / "b.png"
     status, out, _ = run_cli("viz", str(f), "--routing", "zipf:1.5", "--png", str(png))
     assert status == 0 and png.stat().st_size > 0
@@ -228,6 +229,8 @@ def test_viz_draws_the_balanced_owners_beside_the_unreplicated_layer(tmp_path):
     pushes = next(x for x in out.splitlines() if x.lstrip().startswith("weight pushes"))
     took = float(pushes.split("pushes")[1].split()[0].replace(",", ""))
     assert 0 < took < layer  # tasks of the layer, within its makespan
+    plan = next(x for x in out.splitlines() if x.lstrip().startswith("plan "))
+    assert 0 < float(plan.split()[1].replace(",", "")) < layer
     theirs = float(next(x for x in out.splitlines() if "unreplicated" in x).split()[1].replace(",", ""))
     assert layer < theirs  # the busiest owner's compute shrank more than the pushes cost
     status, out, _ = run_cli("viz", str(f))

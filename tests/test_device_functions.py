@@ -22,7 +22,7 @@ from rdepc.codegen.device import HERE, include
 
 import rdepc
 from rdepc.driver import generate_spec
-from rdepc.ir.balance import slot_elems, slot_parts
+from rdepc.ir.balance import plan_elems, plan_tables, slot_elems, slot_parts, solve
 
 # --- control.py: narrow, note, validate ----------------------------------------------------
 
@@ -271,7 +271,7 @@ def test_pushed_and_received_slots_hold_their_experts_operands_chunk_by_chunk(ke
     chunks = -(-P // chunk)
     at = {f"SLOT_{n}_AT": parts[k][0] for n, k in (("DOWN", "w_down"), ("B_UP", "b_up"), ("B_DOWN", "b_down"))}
     mod = kernels(W=W, H=H, F=F, UP_COLS=2, BIAS=True, DTYPE=Code("tl.float32"), SLOTS=N, SLOTS_PAD=pow2(W * N),
-                  SLOT_ELEMS=P, SLOT_CHUNK=chunk, SLOT_CHUNKS=chunks, **at)  # fmt: skip
+                  SLOT_ELEMS=P, SLOT_CHUNK=chunk, SLOT_CHUNKS=chunks, EX_SLOTS_AT=256, **at)  # fmt: skip
     order = torch.tensor([4, 5, 0, 1, 2, 3], dtype=torch.int32)  # rank 0 homes experts 4 and 5 (a map)
     owner = [1, 1, 2, 2, 0, 0]
     first = torch.tensor([0, 2, 4], dtype=torch.int32)
@@ -280,7 +280,7 @@ def test_pushed_and_received_slots_hold_their_experts_operands_chunk_by_chunk(ke
     weights = [
         [torch.randn(E_loc, *shape, generator=g) for shape in ((H, F, 2), (F, H), (F, 2), (H,))] for _ in range(W)
     ]
-    stride = N * P * 4 + 64
+    stride = 256 + N * P * 4 + 64  # the slots after the exchange's counters and load table
     exchange = torch.zeros(W * stride, dtype=torch.uint8)
     for r in range(W):
         launch(mod.push_chunks, (E_loc * chunks,), exchange, stride, table, order, first, *weights[r], r)
@@ -293,6 +293,52 @@ def test_pushed_and_received_slots_hold_their_experts_operands_chunk_by_chunk(ke
                 i = order[first[owner[e]] :].tolist().index(e)
                 want = torch.cat([w[i].flatten() for w in weights[owner[e]]])
             assert torch.equal(slots[j], want), (r, j)
+
+
+def test_the_plan_tasks_derive_the_references_plan_on_every_rank(kernels):
+    """plan.py, as the layer's tasks run it one process per rank: every rank's load puts its
+    rows per home expert into every rank's load table; each rank's solve derives, from its
+    own copy, the plan of rdepc.ir.balance.solve (every rank the same bytes); each rank's
+    reroute sends its rows of each expert to the expert's instances as the plan's split says,
+    a repeated expert within a token to one instance, and -1 and out-of-range ids through."""
+    W, HOMES, N, U, T, K = 4, 8, 1, 2, 16, 2
+    owner = np.repeat(np.arange(W), HOMES // W)
+    tables = plan_tables(W, HOMES, N)
+    at = {f"PLAN_{n.upper()}_AT": tables[n][0] for n in ("phys", "cum", "slots", "loads")}
+    mod = kernels(W=W, T=T, K=K, E=HOMES + W * N, HOMES=HOMES, HOMES_PAD=HOMES, SLOTS=N, MIN_ROWS=U, W_PAD=W, K_PAD=K,
+                  ROUTE_ROWS=16, EX_LOADS_AT=256, **at)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(W, T, HOMES, generator=g)
+    logits[..., 0] += 3  # expert 0 (rank 0's) is hot
+    ids = logits.topk(K, -1).indices
+    ids[1, 3] = torch.tensor([-1, 2])  # a row routed nowhere
+    ids[2, 5] = torch.tensor([6, 6])  # a repeat: the layer's input check sees it
+    ids[3, 0, 1] = HOMES + 1  # out of range: becomes E
+    stride = 256 + W * HOMES * 4
+    exchange = torch.zeros(W * stride, dtype=torch.uint8)
+    launch(mod.load_ranks, (W,), exchange, stride, ids, T)
+    elems = plan_elems(W, HOMES, N)
+    plans = torch.full((W, elems), -7, dtype=torch.int32)
+    launch(mod.solve_ranks, (W,), exchange, stride, plans, torch.tensor(owner, dtype=torch.int32), elems)
+    phys_ids = torch.full((W, T, K), -9, dtype=torch.int64)
+    launch(mod.reroute_ranks, (W,), ids, phys_ids, plans, T, elems)
+    load = np.stack([np.bincount(ids[r][(ids[r] >= 0) & (ids[r] < HOMES)], minlength=HOMES) for r in range(W)])
+    want = solve(load, owner, N, U)
+    for r in range(W):
+        assert torch.equal(plans[r], plans[0]), r
+    plan = {n: plans[0][o : o + math.prod(shape)].reshape(shape).numpy() for n, (o, shape) in tables.items()}
+    assert (plan["load"] == load).all() and (plan["slots"] == want.slots).all()
+    assert (plan["cum"] == np.cumsum(want.split, axis=2)).all() and (plan["loads"][1] == want.rank_loads).all()
+    assert (want.slots >= 0).any()  # something was replicated
+    got = phys_ids.numpy()
+    assert got[1, 3, 0] == -1 and got[3, 0, 1] == HOMES + W * N and got[2, 5, 0] == got[2, 5, 1]
+    for r in range(W):
+        for e in range(HOMES):
+            for t in range(W):
+                inst = plan["phys"][e, t]
+                sent = int(((ids[r].numpy() == e) & (got[r] == inst)).sum()) if inst >= 0 else 0
+                if not (r == 2 and e == 6):  # the repeat: both rows to one instance
+                    assert sent == want.split[r, e, t], (r, e, t)
 
 
 @pytest.mark.parametrize(

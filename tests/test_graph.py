@@ -108,9 +108,14 @@ def check_structure(tg):
                 assert all(tasks[d].stage == "return" and tasks[d].segment == s - geo.B for d in t.war)
             else:
                 assert not t.war
-        elif t.stage == "balance":  # a push waits for nothing this call; a receive for every push
-            pushes = {u.id for u in tasks if u.detail == "push"}
-            assert len(pushes) == geo.W and set(t.deps) == (set() if t.detail == "push" else pushes)
+        elif t.stage == "balance":  # the plan: loads, then every rank's solve, its reroute and push; the receives
+            of = {d: {u.id for u in tasks if u.detail == d} for d in ("load", "solve", "push")}
+            assert all(len(v) == geo.W for v in of.values())
+            mine = {u.id for u in tasks if u.detail == "solve" and u.rank == t.rank}
+            want = {"load": set(), "solve": of["load"], "reroute": mine, "push": mine, "receive": of["push"]}
+            assert set(t.deps) == want[t.detail], t.name
+        elif t.stage == "route" and geo.slots:  # its rows' physical experts first
+            assert [(tasks[d].detail, tasks[d].rank) for d in t.deps] == [("reroute", t.rank)]
         elif t.stage == "dispatch":
             q, s = t.owner, t.segment
             assert t.slot == s % geo.B

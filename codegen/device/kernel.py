@@ -31,15 +31,19 @@ from rdepc.codegen.device.layout import (
     KIND_DISPATCH,
     KIND_GEMM1,
     KIND_GEMM2,
+    KIND_LOAD,
     KIND_PUSH,
     KIND_RECEIVE,
+    KIND_REROUTE,
     KIND_RETURN,
     KIND_ROUTE,
     KIND_SCAN,
+    KIND_SOLVE,
     KIND_UNPACK,
     KIND_WGRAD,
     NCOL,
     PER_RANK,
+    PLAN_SLOTS_AT,
     R_MAX,
     RING,
     SEGMENTS,
@@ -56,6 +60,7 @@ from rdepc.codegen.device.layout import (
     T,
     W,
 )
+from rdepc.codegen.device.plan import load_task, reroute_task, solve_task
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
 from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
@@ -97,7 +102,7 @@ def owner_buffers(
 )
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
-    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, slot_table, exchange, table,
+    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, plan, home_ids, exchange, table,
     deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
     m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
     tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
@@ -135,6 +140,7 @@ def rdep_layer(
     dy -= me * n_tokens * H
     dx -= me * n_tokens * H
     topk_ids -= me * n_tokens * K
+    home_ids -= me * n_tokens * K
     gates -= me * n_tokens * K
     accepted -= me * n_tokens * K
     slot -= me * n_tokens * K
@@ -284,13 +290,21 @@ def rdep_layer(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
-                # the slots' weights, one process per rank (with every rank in one, the slots are
-                # gathered before the launch); the backward's push and receive run nothing
+                # the call's balance plan and the slots' weights, one process per rank (with every
+                # rank in one, the plan is launched before the layer and the slots gathered from
+                # it); in the backward these tasks run nothing
                 if (SLOT_ELEMS > 0) and (not BACKWARD):  # folded at compile time
-                    if kind == KIND_PUSH:
+                    if kind == KIND_LOAD:
+                        load_task(exchange, ex_stride, home_ids, n_tokens, rank)
+                    elif kind == KIND_SOLVE:
+                        solve_task(exchange, ex_stride, plan, owner_of, rank)
+                    elif kind == KIND_REROUTE:
+                        reroute_task(home_ids, topk_ids, plan, n_tokens, rank)
+                    elif kind == KIND_PUSH:
                         push_slot(
-                            exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, item
-                        )
+                            exchange, ex_stride, plan + PLAN_SLOTS_AT, order, owner_first, w_up, w_down, b_up, b_down,
+                            rank, item,
+                        )  # fmt: skip
                     elif kind == KIND_RECEIVE:
                         receive_slot(exchange, ex_stride, slots, rank, item)
             if PROFILE:

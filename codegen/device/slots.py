@@ -13,6 +13,7 @@ from rdepc.codegen.device.heap import peer_in, put
 from rdepc.codegen.device.layout import (
     BIAS,
     DTYPE,
+    EX_SLOTS_AT,
     SLOT_B_DOWN_AT,
     SLOT_B_UP_AT,
     SLOT_CHUNK,
@@ -63,8 +64,8 @@ def push_slot(
     """Work item ``item`` = i·SLOT_CHUNKS + c of rank ``rank``'s push task (the layer's kernel,
     one process per rank): chunk c (SLOT_CHUNK elements) of home expert i's operands as the
     layer's kernels read them, read once and stored into every slot the call's plan gave the
-    expert, on the slots' ranks (``exchange``: the exchange's slot region, [SLOTS,
-    SLOT_ELEMS] of DTYPE on every rank). A slot's weights move on as many programs as take
+    expert, on the slots' ranks (``exchange``: the balance exchange, whose slot region holds
+    [SLOTS, SLOT_ELEMS] of DTYPE on every rank). A slot's weights move on as many programs as take
     its chunks. The task's done flag, raised after every item, tells the receivers."""
     i = item // SLOT_CHUNKS
     lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
@@ -81,7 +82,7 @@ def push_slot(
             for t in range(W):
                 for k in range(SLOTS):
                     if tl.load(slot_table + t * SLOTS + k) == e:
-                        dst = peer_in(exchange, t, ex_stride).to(tl.pointer_type(DTYPE))
+                        dst = (peer_in(exchange, t, ex_stride) + EX_SLOTS_AT).to(tl.pointer_type(DTYPE))
                         put(dst + tl.cast(k, tl.int64) * SLOT_ELEMS + j, v, live)
             start += 1024
 
@@ -95,4 +96,4 @@ def receive_slot(exchange, ex_stride, slots, rank, item):
     lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
     at = tl.cast(item // SLOT_CHUNKS, tl.int64) * SLOT_ELEMS + lo
     n = tl.minimum(SLOT_CHUNK, SLOT_ELEMS - lo)
-    copy_elems(peer_in(exchange, rank, ex_stride).to(tl.pointer_type(DTYPE)) + at, slots + at, n)
+    copy_elems((peer_in(exchange, rank, ex_stride) + EX_SLOTS_AT).to(tl.pointer_type(DTYPE)) + at, slots + at, n)

@@ -50,6 +50,10 @@ def cmd_viz(args) -> int:
             f"({sched.cost.link_bytes[busiest.id]:,} B of its replicas' weights), tasks of the layer beside its "
             "route and dispatch"
         )
+        loads = [sched.start[t.id] for t in tg.tasks if t.detail == "load"]
+        planned = max(sched.end[t.id] for t in tg.tasks if t.detail == "reroute") - min(loads)
+        print(f"  plan            {planned * 1e6:,.1f} µs until the last rank's rows are rerouted (the loads' "
+              "exchange, the solve and the reroute: tasks of the layer before its route)")  # fmt: skip
         print(f"  unreplicated    {unreplicated.makespan * 1e6:,.1f} µs predicted without replication, for comparison")
     from rdepc import viz
 
@@ -94,7 +98,7 @@ def _balanced(spec, args, tg, counts):
     print(
         f"balance: max/mean {imbalance(before):.3f} before, {imbalance(after):.3f} after (rows per rank {before} -> "
         f"{after}; replicas per rank {[[e for e in row if e >= 0] for row in held]}); the timeline is the "
-        "physical layer's under this plan, its weight pushes tasks of the layer"
+        "physical layer's under this plan, the plan and its weight pushes tasks of the layer"
     )
     unreplicated = schedule(tg, args.hw, counts=counts)
     return build_for(physical_layer(spec), args.schedule, args.cut, args.hw), phys, unreplicated, held

@@ -201,10 +201,42 @@ def push_seconds(slots, owner, expert_bytes: int, link: float, latency: float) -
 
 
 EXCHANGE_ALIGN = 256  # bytes: the exchange's counters, and the alignment of each of its regions
-# The exchange's int64 counters, per rank: arrivals of the loads, of its replicas' gradients, of
-# the receipts for its own gradient slots (balance_await's ``counter``). The pushes into its
-# slots are tasks of the layer, waited for on their done flags.
-COUNTERS = {"loads": 0, "gradients": 1, "receipts": 2}
+# The exchange's int64 counters, per rank: arrivals of its replicas' gradients and of the
+# receipts for its own gradient slots (balance_await's ``counter``). The loads and the pushes
+# into its slots are tasks of the layer, waited for on their done flags.
+COUNTERS = {"gradients": 0, "receipts": 1}
+
+
+def plan_tables(W: int, homes: int, slots: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """A call's plan as the device writes it, one int32 buffer: name -> (element offset,
+    shape). ``load`` [W, E] (rows of each source for each home expert), ``phys`` [E, W]
+    (the physical expert of e's instance on each rank, -1: none), ``cum`` [W, E, W] (each
+    source's running split of its rows of e over the instances, in rank order), ``slots``
+    [W, N] (the home expert each slot holds, -1: empty), ``loads`` [2, W] (rows per rank
+    before and after)."""
+    shapes = {"load": (W, homes), "phys": (homes, W), "cum": (W, homes, W), "slots": (W, slots), "loads": (2, W)}
+    at, out = 0, {}
+    for name, shape in shapes.items():
+        out[name] = (at, shape)
+        n = 1
+        for d in shape:
+            n *= d
+        at += n
+    return out
+
+
+def plan_elems(W: int, homes: int, slots: int) -> int:
+    """Elements of :func:`plan_tables`' buffer."""
+    at, shape = plan_tables(W, homes, slots)["loads"]
+    return at + shape[0] * shape[1]
+
+
+def solve_seconds(homes: int) -> float:
+    """What the solve task costs the cost model: UltraEP's GPU solver averaged 0.111 ms over
+    E in {128, 160, 256} experts (its Table 4), taken here as proportional to the home
+    experts its oracle walks, from E = 160. The device solver here has not been timed
+    natively."""
+    return 0.111e-3 * homes / 160
 
 
 # Elements of a slot one work item of the layer's push or receive task moves (512 KiB in
@@ -240,7 +272,7 @@ def slot_parts(H: int, F: int, gated: bool, bias: bool) -> dict[str, tuple[int, 
 
 def exchange_regions(W: int, homes: int, slots: int, slot: int, elem: int) -> tuple[dict[str, int], int]:
     """The symmetric allocation a replicated layer's ranks exchange through when they run one
-    process each: per rank three int64 counters (loads, replica gradients, receipts),
+    process each: per rank its int64 counters (:data:`COUNTERS`),
     the load table [W, homes] int32, ``slots`` slots of weights and as many of gradients
     (``slot`` elements of ``elem`` bytes each), each region aligned to
     :data:`EXCHANGE_ALIGN`. Returns each region's offset and the bytes one rank holds (the
@@ -266,10 +298,13 @@ __all__ = [
     "exchange_regions",
     "imbalance",
     "owner_loads",
+    "plan_elems",
+    "plan_tables",
     "push_bytes",
     "push_seconds",
     "slot_chunks",
     "slot_elems",
     "slot_parts",
     "solve",
+    "solve_seconds",
 ]

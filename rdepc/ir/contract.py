@@ -21,7 +21,7 @@ from rdepc.ir.spec import is_gated
 # Task kinds of the generated kernel, one device function each.
 KINDS = (
     "route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad", "push",
-    "receive",
+    "receive", "load", "solve", "reroute",
 )  # fmt: skip
 # The kinds split mode's GEMM kernel (``rdep_gemm``) runs; the transport kernel runs the others.
 GEMM_KINDS = frozenset(KINDS.index(k) for k in ("gemm1", "gemm2", "wgrad"))
@@ -569,9 +569,11 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     # the redundant slots' packed operands and their gradients, read and written in place one
     # process per rank under balance replicate (SLOT_ELEMS; otherwise placeholders)
     args += [("slots", f"*{dt}"), ("dslots", f"*{dt}")]
-    # ... and, for the push and receive tasks, the call's plan's slot table [W, N] and the
-    # balance exchange's slot region (rdepc.ir.balance.exchange_regions; placeholders elsewhere)
-    args += [("slot_table", "*i32"), ("exchange", "*u8")]
+    # ... and, for the balance tasks (load, solve, reroute, push, receive): the call's plan
+    # (rdepc.ir.balance.plan_tables), the route rows' home expert ids (the reroute writes
+    # their physical ids into topk_ids) and the balance exchange (rdepc.ir.balance.exchange_regions;
+    # placeholders elsewhere)
+    args += [("plan", "*i32"), ("home_ids", "*i64"), ("exchange", "*u8")]
     tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]

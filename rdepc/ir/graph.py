@@ -83,6 +83,11 @@ class Geometry:
         return self.strategy != "bulk"
 
     @property
+    def homes(self) -> int:
+        """Home experts: the router's E, without the W·N redundant slots (``balance replicate``)."""
+        return self.E - self.W * self.slots
+
+    @property
     def return_ring(self) -> bool:
         """Returns land in a ring of B slots, claimed and freed by unpacks. When the B·S rows
         of the ring hold all T·K rows a front-end gets back, they land at their (token,
@@ -111,7 +116,8 @@ class Task:
 
     id: int
     stage: str  # one of STAGES
-    detail: str  # balance: "push" | "receive"; compute: "gemm1" | "gemm2"; combine: "unpack" | "wait" | "tile"; else ""
+    # balance: load | solve | reroute | push | receive; compute: gemm1 | gemm2; combine: unpack | wait | tile; else ""
+    detail: str
     rank: int  # the rank whose programs run it
     role: str  # comm | compute
     src: int  # front-end rank whose rows it moves (dispatch, return, unpack); -1 otherwise

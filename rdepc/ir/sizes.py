@@ -124,15 +124,16 @@ def done_counters(W: Any, tiles: Any, segments: Any, ring: Any, balanced: Any = 
     segments: its route, scan and combine wait (3), its ``tiles`` combine tiles, and
     :func:`tasks_per_segment` per segment. Over ints and over sympy expressions alike (the
     planner's formula passes ⌈T/BM⌉ and the ring condition as expressions). Under ``balance
-    replicate`` (``balanced`` true or 1) its weight push and its slots' receive too (2)."""
-    return 3 + 2 * balanced + tiles + tasks_per_segment(W, ring) * segments
+    replicate`` (``balanced`` true or 1) its balance tasks too (5: load, solve, reroute, push,
+    receive)."""
+    return 3 + 5 * balanced + tiles + tasks_per_segment(W, ring) * segments
 
 
 def task_count(W: int, T: int, segments: Sequence[int], ring: bool, balanced: bool = False) -> int:
     """Tasks of a whole graph: per rank its route, scan, combine wait and combine tiles (and
-    under ``balance replicate``, ``balanced``, its push and receive), and
+    under ``balance replicate``, ``balanced``, its five balance tasks), and
     :func:`tasks_per_segment` for every (owner, segment)."""
-    return W * (3 + token_tiles(T) + 2 * balanced) + sum(segments) * tasks_per_segment(W, ring)
+    return W * (3 + token_tiles(T) + 5 * balanced) + sum(segments) * tasks_per_segment(W, ring)
 
 
 # --- m-tiles -------------------------------------------------------------------------------

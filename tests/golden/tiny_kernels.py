@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 07de3106bda0612440ed8e08876d26a3e9b11af5b2a704f43cbab735c7045482
+# content-sha256: 6ffb1e14278c58a15f5fe60934c09d6cb2231a4c0814d2c71eea84199eba6178
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -87,6 +87,12 @@ SLOT_B_UP_AT = tl.constexpr(-1)
 SLOT_B_DOWN_AT = tl.constexpr(-1)
 SLOT_CHUNK = tl.constexpr(262144)  # slot elements one push or receive work item moves
 SLOT_CHUNKS = tl.constexpr(1)  # work items a slot takes
+EX_LOADS_AT = tl.constexpr(-1)  # the balance exchange's load table [W, HOMES] int32 (bytes)
+EX_SLOTS_AT = tl.constexpr(-1)  # ... and its slots' weights [SLOTS, SLOT_ELEMS]
+PLAN_PHYS_AT = tl.constexpr(-1)  # the plan's tables (int32 elements; its load table first)
+PLAN_CUM_AT = tl.constexpr(-1)
+PLAN_SLOTS_AT = tl.constexpr(-1)
+PLAN_LOADS_AT = tl.constexpr(-1)
 
 # The spec's choices, which the device functions branch on at compile time.
 DTYPE = tl.constexpr(tl.float32)  # weights, activations, returned rows
@@ -163,6 +169,9 @@ KIND_COMBINE = tl.constexpr(8)
 KIND_WGRAD = tl.constexpr(9)
 KIND_PUSH = tl.constexpr(10)
 KIND_RECEIVE = tl.constexpr(11)
+KIND_LOAD = tl.constexpr(12)
+KIND_SOLVE = tl.constexpr(13)
+KIND_REROUTE = tl.constexpr(14)
 C_KIND = tl.constexpr(0)
 C_RANK = tl.constexpr(1)
 C_SRC = tl.constexpr(2)
@@ -2538,8 +2547,8 @@ def push_slot(
     """Work item ``item`` = i·SLOT_CHUNKS + c of rank ``rank``'s push task (the layer's kernel,
     one process per rank): chunk c (SLOT_CHUNK elements) of home expert i's operands as the
     layer's kernels read them, read once and stored into every slot the call's plan gave the
-    expert, on the slots' ranks (``exchange``: the exchange's slot region, [SLOTS,
-    SLOT_ELEMS] of DTYPE on every rank). A slot's weights move on as many programs as take
+    expert, on the slots' ranks (``exchange``: the balance exchange, whose slot region holds
+    [SLOTS, SLOT_ELEMS] of DTYPE on every rank). A slot's weights move on as many programs as take
     its chunks. The task's done flag, raised after every item, tells the receivers."""
     i = item // SLOT_CHUNKS
     lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
@@ -2556,7 +2565,7 @@ def push_slot(
             for t in range(W):
                 for k in range(SLOTS):
                     if tl.load(slot_table + t * SLOTS + k) == e:
-                        dst = peer_in(exchange, t, ex_stride).to(tl.pointer_type(DTYPE))
+                        dst = (peer_in(exchange, t, ex_stride) + EX_SLOTS_AT).to(tl.pointer_type(DTYPE))
                         put(dst + tl.cast(k, tl.int64) * SLOT_ELEMS + j, v, live)
             start += 1024
 
@@ -2570,7 +2579,214 @@ def receive_slot(exchange, ex_stride, slots, rank, item):
     lo = (item % SLOT_CHUNKS) * SLOT_CHUNK
     at = tl.cast(item // SLOT_CHUNKS, tl.int64) * SLOT_ELEMS + lo
     n = tl.minimum(SLOT_CHUNK, SLOT_ELEMS - lo)
-    copy_elems(peer_in(exchange, rank, ex_stride).to(tl.pointer_type(DTYPE)) + at, slots + at, n)
+    copy_elems((peer_in(exchange, rank, ex_stride) + EX_SLOTS_AT).to(tl.pointer_type(DTYPE)) + at, slots + at, n)
+
+
+@triton.jit
+def count_rows(ids, n):
+    """Rows of the ``n`` route rows at ``ids`` per home expert, [HOMES_PAD] (ids outside
+    [0, HOMES) count nowhere: -1 is no expert, the layer's input check reports the others)."""
+    experts = tl.arange(0, HOMES_PAD)
+    counts = tl.zeros([HOMES_PAD], tl.int32)
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, ROUTE_ROWS)
+        e = tl.load(ids + i, mask=i < n, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        start += ROUTE_ROWS
+    return counts
+
+
+@triton.jit
+def pick(values, index, at):
+    """values[at] of a vector indexed by ``index``."""
+    return tl.sum(tl.where(index == at, values, 0), axis=0)
+
+
+@triton.jit
+def probe(lam, owner, ell, tau, home, e_idx, w_idx):
+    """The greedy oracle at bound ``tau``: (the quotas [HOMES_PAD, W_PAD], whether every rank
+    gets under ``tau``). Overloaded ranks by decreasing excess (lowest rank on a tie), each
+    shedding its hottest home experts first (lowest id on a tie), each transfer one replica
+    on the admissible rank with the most slack (lowest rank on a tie), of at least
+    MIN_ROWS rows; a rank that cannot get under ``tau`` ends the probe. Every loop ends:
+    each turn marks a rank, an expert or (a replica) a rank of the expert as done."""
+    real_w = w_idx < W
+    exc = tl.where(real_w, tl.maximum(ell - tau, 0), 0)
+    slk = tl.where(real_w, tl.maximum(tau - ell, 0), 0)
+    order = tl.where(exc > 0, exc, -1)  # the rank order is fixed by the excess before any transfer
+    used = tl.zeros([W_PAD], tl.int32)
+    quota = tl.where(home, lam[:, None], 0)
+    ok = tau == tau
+    while ok & (tl.max(order, axis=0) > 0):
+        r = tl.argmax(order, axis=0)
+        order = tl.where(w_idx == r, -1, order)
+        cand_e = tl.where(owner == r, lam, -1)
+        while (tl.max(cand_e, axis=0) >= 0) & (pick(exc, w_idx, r) > 0):
+            e = tl.argmax(cand_e, axis=0)
+            cand_e = tl.where(e_idx == e, -1, cand_e)
+            row = e_idx[:, None] == e
+            go = e == e
+            while go:  # one replica a rank at most
+                q_e = tl.sum(tl.where(row, quota, 0), axis=0)
+                exc_r = pick(exc, w_idx, r)
+                q_er = pick(q_e, w_idx, r)
+                admissible = (slk > 0) & (used < SLOTS) & (q_e == 0) & (w_idx != r) & real_w
+                t = tl.argmax(tl.where(admissible, slk, -1), axis=0)
+                # at least MIN_ROWS even when less excess is left (rdepc.ir.balance._probe says why)
+                delta = tl.minimum(tl.minimum(tl.maximum(exc_r, MIN_ROWS), pick(slk, w_idx, t)), q_er)
+                go = (exc_r > 0) & (q_er > 0) & (tl.max(admissible.to(tl.int32), axis=0) > 0) & (delta >= MIN_ROWS)
+                d = tl.where(go, delta, 0)
+                quota += tl.where(row & (w_idx[None, :] == t), d, 0) - tl.where(row & (w_idx[None, :] == r), d, 0)
+                exc = tl.where(w_idx == r, tl.maximum(exc - d, 0), exc)
+                slk = tl.where(w_idx == t, slk - d, slk)
+                used = tl.where((w_idx == t) & go, used + 1, used)
+        ok = pick(exc, w_idx, r) == 0
+    return quota, ok
+
+
+@triton.jit
+def solve_plan(load, owner_of, phys, cum, slot_table, loads):
+    """The plan for the load ``load`` [W, HOMES] (``rdepc.ir.balance.solve``), in one program.
+
+    Writes ``phys`` [HOMES, W] (the physical expert of e's instance on rank t, -1 where e
+    has none), ``cum`` [W, HOMES, W] (per source and expert, the inclusive running sum of
+    the rows it sends each instance, in rank order), ``slot_table`` [W, SLOTS] (the home
+    expert in each slot, -1 empty) and ``loads`` [2, W] (rows per rank before and after)."""
+    e_idx = tl.arange(0, HOMES_PAD)
+    w_idx = tl.arange(0, W_PAD)
+    real_e = e_idx < HOMES
+    real_w = w_idx < W
+    owner = tl.load(owner_of + e_idx, mask=real_e, other=-1)
+    lam = tl.zeros([HOMES_PAD], tl.int32)
+    for src in range(W):
+        lam += tl.load(load + src * HOMES + e_idx, mask=real_e, other=0)
+    home = owner[:, None] == w_idx[None, :]
+    ell = tl.sum(tl.where(home, lam[:, None], 0), axis=0)
+    # a binary search over the per-rank bound τ; feasibility is taken as monotone in τ
+    hi = tl.max(ell, axis=0)
+    lo = (tl.sum(ell, axis=0) + W - 1) // W
+    best = tl.where(home, lam[:, None], 0)
+    while lo < hi:
+        tau = (lo + hi) // 2
+        quota, ok = probe(lam, owner, ell, tau, home, e_idx, w_idx)
+        best = tl.where(ok, quota, best)
+        hi = tl.where(ok, tau, hi)
+        lo = tl.where(ok, lo, tau + 1)
+    held = (best > 0) & ~home
+    j = tl.cumsum(held.to(tl.int32), axis=0) - held.to(tl.int32)  # slots go to replicas by expert id
+    inst = tl.where(home, e_idx[:, None], tl.where(held, HOMES + w_idx[None, :] * SLOTS + j, -1))
+    both = real_e[:, None] & real_w[None, :]
+    tl.store(phys + e_idx[:, None] * W + w_idx[None, :], inst, mask=both)
+    for s in range(SLOTS):
+        tl.store(
+            slot_table + w_idx * SLOTS + s, tl.max(tl.where(held & (j == s), e_idx[:, None], -1), axis=0), mask=real_w
+        )
+    tl.store(loads + w_idx, ell, mask=real_w)
+    tl.store(loads + W + w_idx, tl.sum(best, axis=0), mask=real_w)
+    # an expert with one instance: every source's rows of it go there
+    single = tl.sum((best > 0).to(tl.int32), axis=1) <= 1
+    at = tl.sum(tl.where(best > 0, w_idx[None, :], 0), axis=1)
+    for src in range(W):
+        rows = tl.load(load + src * HOMES + e_idx, mask=real_e, other=0)
+        ends = tl.where(w_idx[None, :] >= at[:, None], rows[:, None], 0)
+        tl.store(cum + (src * HOMES + e_idx[:, None]) * W + w_idx[None, :], ends, mask=both & single[:, None])
+    for e in range(HOMES):
+        if pick(single.to(tl.int32), e_idx, e) == 0:
+            split_rows(load, cum, tl.sum(tl.where(e_idx[:, None] == e, best, 0), axis=0), e, w_idx)
+
+
+@triton.jit
+def split_rows(load, cum, quota, e, w_idx):
+    """Expert e's rows over its instances (quotas ``quota`` [W_PAD], two or more), source by source:
+    ``rdepc.ir.balance._reroute`` — a source holding an instance fills it with its own rows
+    first; the rest in proportion to the instances' remaining quotas, floors first and the
+    leftover rows to the largest remainders (lowest rank on a tie)."""
+    real_w = w_idx < W
+    hosts = quota > 0
+    demand = tl.load(load + w_idx * HOMES + e, mask=real_w, other=0)
+    local = tl.where(hosts, tl.minimum(demand, quota), 0)
+    rem = (quota - local).to(tl.int64)
+    total = tl.sum(rem, axis=0)
+    for src in range(W):
+        d = pick(demand - local, w_idx, src).to(tl.int64)
+        num = d * rem
+        share = num // tl.maximum(total, 1)
+        left = d - tl.sum(share, axis=0)
+        frac = num - share * total
+        ahead = (frac[None, :] > frac[:, None]) | ((frac[None, :] == frac[:, None]) & (w_idx[None, :] < w_idx[:, None]))
+        share += (tl.sum(ahead.to(tl.int32), axis=1) < left).to(tl.int64)
+        rows = share + tl.where(w_idx == src, local, 0)
+        tl.store(cum + (src * HOMES + e) * W + w_idx, tl.cumsum(rows.to(tl.int32), axis=0), mask=real_w)
+        rem -= share
+        total -= d
+
+
+@triton.jit
+def reroute_rows(ids, out, phys, cum, n, r):
+    """Source r's ``n`` route rows at ``ids`` (home expert ids) → their physical experts at
+    ``out``, in one program. A row's position among r's rows of its expert (row order)
+    picks the instance whose cumulative split first passes it. A token that names an
+    expert twice sends both rows to one instance, so the layer's input check still sees
+    the repeat; an id outside [0, HOMES) other than -1 becomes E (out of range there too)."""
+    experts = tl.arange(0, HOMES_PAD)
+    w_idx = tl.arange(0, W_PAD)
+    k_idx = tl.arange(0, K_PAD)
+    counts = tl.zeros([HOMES_PAD], tl.int32)
+    start = 0
+    while start < n:
+        i = start + tl.arange(0, ROUTE_ROWS)
+        live = i < n
+        given = tl.load(ids + i, mask=live, other=-1)
+        mine = (given >= 0) & (given < HOMES)
+        e = tl.where(mine, given, -1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        pos = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - onehot + counts[None, :]), axis=1)
+        counts += tl.sum(onehot, axis=0)
+        # the same expert earlier in the row's token: the row goes where the first went
+        slot = i % K
+        peers = i[:, None] - slot[:, None] + k_idx[None, :]
+        earlier = (k_idx[None, :] < slot[:, None]) & live[:, None] & mine[:, None]
+        same = (tl.load(ids + peers, mask=earlier, other=-1) == given[:, None]) & earlier
+        pos -= tl.sum(same.to(tl.int32), axis=1)
+        ends = tl.load(cum + (r * HOMES + e)[:, None] * W + w_idx[None, :], mask=mine[:, None] & (w_idx < W)[None, :])
+        at = tl.sum(((ends <= pos[:, None]) & (w_idx < W)[None, :]).to(tl.int32), axis=1)
+        p = tl.load(phys + e * W + at, mask=mine, other=0)
+        tl.store(out + i, tl.where(mine, p, tl.where(given == -1, -1, E)).to(tl.int64), mask=live)
+        start += ROUTE_ROWS
+
+
+@triton.jit
+def load_task(exchange, ex_stride, home_ids, n_tokens, rank):
+    """Rank ``rank``'s load task: its row of the load table (its own route rows per home
+    expert) into every rank's copy, [W, HOMES] int32 at the exchange's loads region. The
+    task's done flag, raised after it, tells every rank's solve."""
+    experts = tl.arange(0, HOMES_PAD)
+    counts = count_rows(home_ids + tl.cast(rank, tl.int64) * (n_tokens * K), n_tokens * K)
+    for t in range(W):
+        row = (peer_in(exchange, t, ex_stride) + EX_LOADS_AT).to(tl.pointer_type(tl.int32)) + rank * HOMES
+        put(row + experts, counts, experts < HOMES)
+
+
+@triton.jit(noinline=True)
+def solve_task(exchange, ex_stride, plan, owner_of, rank):
+    """Rank ``rank``'s solve task, once every rank's load has landed: the call's plan from its
+    copy of the load table into ``plan`` (``rdepc.ir.balance.plan_tables``: the table itself
+    first, for the host's statistics). Every rank writes the same bytes."""
+    load = (peer_in(exchange, rank, ex_stride) + EX_LOADS_AT).to(tl.pointer_type(tl.int32))
+    i = tl.arange(0, W_PAD * HOMES_PAD)
+    tl.store(plan + i, tl.load(load + i, mask=i < W * HOMES), mask=i < W * HOMES)
+    solve_plan(
+        load, owner_of, plan + PLAN_PHYS_AT, plan + PLAN_CUM_AT, plan + PLAN_SLOTS_AT, plan + PLAN_LOADS_AT
+    )  # fmt: skip
+
+
+@triton.jit
+def reroute_task(home_ids, topk_ids, plan, n_tokens, rank):
+    """Rank ``rank``'s reroute task, after its solve: its route rows' physical experts into
+    ``topk_ids``, which its route, dispatch and combine read."""
+    at = tl.cast(rank, tl.int64) * (n_tokens * K)
+    reroute_rows(home_ids + at, topk_ids + at, plan + PLAN_PHYS_AT, plan + PLAN_CUM_AT, n_tokens * K, rank)
 
 
 @triton.jit
@@ -2606,7 +2822,7 @@ def owner_buffers(
 )
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
-    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, slot_table, exchange, table,
+    dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, plan, home_ids, exchange, table,
     deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
     m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
     tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
@@ -2644,6 +2860,7 @@ def rdep_layer(
     dy -= me * n_tokens * H
     dx -= me * n_tokens * H
     topk_ids -= me * n_tokens * K
+    home_ids -= me * n_tokens * K
     gates -= me * n_tokens * K
     accepted -= me * n_tokens * K
     slot -= me * n_tokens * K
@@ -2793,13 +3010,21 @@ def rdep_layer(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
-                # the slots' weights, one process per rank (with every rank in one, the slots are
-                # gathered before the launch); the backward's push and receive run nothing
+                # the call's balance plan and the slots' weights, one process per rank (with every
+                # rank in one, the plan is launched before the layer and the slots gathered from
+                # it); in the backward these tasks run nothing
                 if (SLOT_ELEMS > 0) and (not BACKWARD):  # folded at compile time
-                    if kind == KIND_PUSH:
+                    if kind == KIND_LOAD:
+                        load_task(exchange, ex_stride, home_ids, n_tokens, rank)
+                    elif kind == KIND_SOLVE:
+                        solve_task(exchange, ex_stride, plan, owner_of, rank)
+                    elif kind == KIND_REROUTE:
+                        reroute_task(home_ids, topk_ids, plan, n_tokens, rank)
+                    elif kind == KIND_PUSH:
                         push_slot(
-                            exchange, ex_stride, slot_table, order, owner_first, w_up, w_down, b_up, b_down, rank, item
-                        )
+                            exchange, ex_stride, plan + PLAN_SLOTS_AT, order, owner_first, w_up, w_down, b_up, b_down,
+                            rank, item,
+                        )  # fmt: skip
                     elif kind == KIND_RECEIVE:
                         receive_slot(exchange, ex_stride, slots, rank, item)
             if PROFILE:
