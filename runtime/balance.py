@@ -290,10 +290,15 @@ class ReplicatedModule:
         self.inner._broken = f"{self.inner._name()}: {what} (this per-rank module is stopped: rebuild it on every rank)"
         raise KernelError(f"{self.inner._name()}: {what}", {"balance_wait": _WAITED[words[0]]})
 
+    def settle(self, wait: bool) -> None:
+        """One process per rank: an earlier call's expired exchange wait, raised once its word
+        has landed (``wait``: wait for it)."""
+        if self.per_rank:
+            self._readback.settle(wait, self._raise_err)
+
     def synchronize(self) -> None:
         """As :meth:`RDEPModule.synchronize`, the exchange's waits included."""
-        if self.per_rank:
-            self._readback.settle(True, self._raise_err)
+        self.settle(wait=True)
         self.inner.synchronize()
 
     # ------------------------------------------------------------------ results
@@ -308,12 +313,11 @@ class ReplicatedModule:
         return None if plan is None else self.tables(plan)
 
     def _last_plan_buffer(self) -> torch.Tensor | None:
-        return self.inner.last_plan if self.per_rank else self._plan
+        return self.inner.balance_plan if self.per_rank else self._plan
 
     @property
     def last_stats(self) -> dict | None:
-        if self.per_rank:
-            self._readback.settle(True, self._raise_err)
+        self.settle(wait=True)
         st, buffer = self.inner.last_stats, self._last_plan_buffer()
         if st is None or buffer is None:
             return st

@@ -245,7 +245,7 @@ class RDEPModule:
         # the slots' gradients home in the backward
         self.exchange: tuple[torch.Tensor, int] | None = None
         self.balanced_by: int | None = None
-        self.last_plan: torch.Tensor | None = None  # ... and the plan its last forward derived
+        self.balance_plan: torch.Tensor | None = None  # ... and the plan buffer its last forward derived
 
     def _refuse_saving(self) -> None:
         """A module built for inference has no backward regions: a call that would keep what
@@ -322,9 +322,11 @@ class RDEPModule:
         replicated layer's plan one process per rank) and (``save``) what it kept, in
         ``ops.forward_layout``'s order."""
         self._settle(wait=False)  # the previous native call's errors, if its record has landed
+        if self.balanced_by is not None:  # ... and its replicas' gradient exchange's (rdepc.runtime.balance)
+            ops.module_of(self.balanced_by).settle(wait=False)
         y, context, kept = self._run(x, topk_ids, gates, w_up, w_down, brought, save=save, b_up=b_up, b_down=b_down)
         out = [y, context.accepted, context.slot, context.gprime]
-        out += [context.topk_ids, self.last_plan] if self.contract.slots_in_place else []
+        out += [context.topk_ids, self.balance_plan] if self.contract.slots_in_place else []
         return out + ([kept[name] for name, _, _ in ops.kept_layout(self, x.shape[-2])] if save else [])
 
     def _routing_tables(self) -> tuple[str, ...]:
@@ -399,7 +401,7 @@ class RDEPModule:
             kept["published"] = own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi].clone()
             kept |= {n: self.private[n].clone() for n in self._routing_tables()}
         accepted = accepted.bool()
-        self.last_plan = given.get("plan")
+        self.balance_plan = given.get("plan")
         self._last, self._stats_cache = (accepted, self.launcher.launches - launches), None
         self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
