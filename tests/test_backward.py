@@ -284,7 +284,7 @@ def test_what_the_forward_keeps_is_the_planners_saved_activations(pre):
     from rdepc.runtime.tensors import gate_up
 
     brought, _ = m.padding(None, x.shape[-2])  # what a differentiable call's rdepc::forward returns
-    out = ops.forward(m.handle, x, ids, g, gate_up(wg, wu), wd, None, None, None, brought, True)
+    out = ops.forward(m.handle, x, ids, g, gate_up(wg, wu), wd, None, None, brought, True)
     kept = dict(zip((name for name, _, _ in ops.forward_layout(m, x.shape[-2], True)), out, strict=True))
     figures = {f.key: f.value for f in plan(layer.spec).figures()}
     rows = [kept[n][0] for n in ("saved_x", "saved_pre") if n in kept]
