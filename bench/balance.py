@@ -143,7 +143,7 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
     layer = build_for(physical_layer(spec), None, None, hw)
     strategy = layer.geometry.strategy
     tasks = schedule(layer, hw, counts=phys, held=held)
-    # the same physical layer without the two tasks (no balance statement: its slots stay experts)
+    # the same physical layer without its balance tasks (no balance statement: its slots stay experts)
     bare = schedule(build_for(without_replication(physical_layer(spec)), strategy, None, hw),
                     hw, counts=phys)  # fmt: skip
     geo = layer.geometry
@@ -179,9 +179,19 @@ def plot(results: dict, png: Path) -> None:
             ]
             style = {"color": f"C{k}", "marker": "o"}
             ax.plot(
-                x, [t["pushes_as_tasks_us"] for t in tl], "-", label=f"N = {n}: pushes as tasks of the layer", **style
+                x,
+                [t["pushes_as_tasks_us"] for t in tl],
+                "-",
+                label=f"N = {n}: plan and pushes as tasks of the layer",
+                **style,
             )
-            ax.plot(x, [t["pushes_before_us"] for t in tl], ":", label=f"N = {n}: pushes launched before it", **style)
+            ax.plot(
+                x,
+                [t["pushes_before_us"] for t in tl],
+                ":",
+                label=f"N = {n}: solve and pushes launched before it",
+                **style,
+            )
         ax.plot(x, [next(r["timeline"] for r in shape["cases"] if r["routing"] == ro and "timeline" in r)
                     ["no_replication_us"] for ro in ROUTINGS], "k-o", label="no replication")  # fmt: skip
         ax.set_xticks(x, ROUTINGS, rotation=30)
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     dev = f"; device plan {same}, {c['device_solve_ms']:.3f} ms on {args.device_plan}"
                 if args.timeline:
                     t = c["timeline"]
-                    dev += f"; predicted {t['pushes_as_tasks_us']:,.1f} µs with the pushes as tasks, "
+                    dev += f"; predicted {t['pushes_as_tasks_us']:,.1f} µs with the plan and pushes as tasks, "
                     dev += f"{t['pushes_before_us']:,.1f} launched before, {t['no_replication_us']:,.1f} without"
                 print(f"{name} {routing:9} N={n}: {c['before']:.3f} -> {c['after']:.3f}, "
                       f"{c['replicas']} replicas, solve {c['solve_ms']:.2f} ms{dev}", flush=True)  # fmt: skip

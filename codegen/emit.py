@@ -29,7 +29,6 @@ from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
@@ -147,7 +146,7 @@ def _slot_constants(p: KernelContract) -> list[str]:
     parts = slot_parts(p.H, p.F, p.gated, p.bias) if p.slot_elems else {}
     at = {name: parts.get(name, (-1, 0))[0] for name in ("w_down", "b_up", "b_down")}
     # the exchange and the plan the balance tasks read (one process per rank), else -1
-    ex = exchange_regions(p.W, p.homes, p.balance[0], p.slot_elems, DTYPE_BYTES[p.dtype])[0] if p.slot_elems else {}
+    ex = exchange_regions(p.W, p.homes, p.balance[0], p.slot_elems, Dtype(p.dtype).bytes)[0] if p.slot_elems else {}
     plan = {n: at for n, (at, _) in plan_tables(p.W, p.homes, p.balance[0]).items()} if p.slot_elems else {}
     return [
         _c("SLOT_ELEMS", p.slot_elems, "elements of one redundant slot read in place (one process per rank)"),

@@ -29,9 +29,9 @@ def priority(tg: TaskGraph, variant: str = "returns-first") -> list[tuple]:
     """The strategy's intended position of every task: (``balance replicate``: the plan's
     load, solve and reroute), route, scan, the weight pushes, then step by step — in step t,
     dispatch segment t, compute t − L (the first after the slots' receives), and the
-    returns (with their unpacks) of t − L − 1 — then the combine. ``variant`` says whether a step's returns or its
-    dispatches come first on the communication programs, and (``LATE_PUSHES``) whether the
-    pushes wait for the first segment's dispatch."""
+    returns (with their unpacks) of t − L − 1 — then the combine. ``variant`` says whether
+    a step's returns or its dispatches come first on the communication programs, and
+    (``LATE_PUSHES``) whether the pushes wait for the first segment's dispatch."""
     geo = tg.geometry
     L = geo.lookahead
     late = variant.endswith(LATE_PUSHES)

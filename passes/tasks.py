@@ -74,18 +74,20 @@ def build_tasks(geo: Geometry) -> list[Task]:
         add("balance", "reroute", r, "comm", r, -1, -1, -1, -1, T * K, 1, T * K * 16, 0, (solve[r],), (), "")
         for r in balanced
     ]
+    items = [(per[r] - geo.slots) * chunks for r in balanced]  # its home experts' chunks
     pushes = tuple(
-        add("balance", "push", r, "comm", r, -1, -1, -1, -1, 0, n, slot_bytes, 0, (solve[r],), (), "")
-        for r, n in zip(balanced, ((per[r] - geo.slots) * chunks for r in balanced), strict=True)
+        add("balance", "push", r, "comm", r, -1, -1, -1, -1, 0, items[r], slot_bytes, 0, (solve[r],), (), "")
+        for r in balanced
     )
     receive = [
         add("balance", "receive", q, "comm", -1, q, -1, -1, -1, 0, geo.slots * chunks, slot_bytes, 0, pushes, (), "")
         for q in balanced
     ]
     route_bytes = T * K * (geo.sb + 8)
+    planned = [(reroute[r],) if reroute else () for r in range(W)]  # its rows' physical experts
     route = tuple(
-        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, route_bytes, 0, dep, (), "")
-        for r, dep in enumerate((reroute[r],) if reroute else () for r in range(W))
+        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, route_bytes, 0, planned[r], (), "")
+        for r in range(W)
     )
     scan = [
         add("scan", "", q, "comm", -1, -1, -1, -1, -1, 0, 1, 3 * W * max(per[q], 1) * 4, 0, route, (), "")

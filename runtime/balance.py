@@ -208,8 +208,7 @@ class ReplicatedModule:
 
     def slot_table(self, plan: torch.Tensor) -> torch.Tensor:
         """The home expert each slot of every rank holds under ``plan``, flat [W·N] (-1 empty)."""
-        o, _ = plan_tables(self.contract.W, self.homes, self.slots)["slots"]
-        return plan.narrow(0, o, self.contract.W * self.slots)
+        return self.tables(plan)["slots"].view(-1)
 
     def _plan_op(self, ids: torch.Tensor, Tn: int) -> list[torch.Tensor]:
         """``rdepc::balance_plan`` (every rank in one process): count the loads, solve, reroute."""

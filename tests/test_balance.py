@@ -283,9 +283,9 @@ def test_the_balance_bench_runs_the_generated_solver_at_moonlights_shape(tmp_pat
 
 def test_the_balance_bench_predicts_the_layer_with_its_pushes_as_tasks():
     """bench/balance.py --timeline: at moonlight's shape with 2 slots under zipf 1.2, the
-    layer whose kernels push the replicas' weights as tasks is predicted no slower than the
-    same layer with the pushes launched before it, and well under the layer without
-    replication."""
+    layer whose kernels run the plan and push the replicas' weights as tasks is predicted no
+    slower than the same layer with the solve and the pushes launched before it, and well
+    under the layer without replication."""
     import dataclasses
     import sys
 

@@ -248,9 +248,9 @@ def per_call_arguments(module, ids, gates, x, weights) -> tuple[list, list[int]]
 def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     """emulated-mp: every rank exchanges its loads, derives the same plan, reroutes its rows
     and pushes its hot experts' weights to the slots (tasks of its layer, no launch of their
-    own) and adds its replicas' gradients home
-    in rank order: each rank's y, dL/dx, dL/dg and expert gradients are bitwise the
-    one-process layer's, in split mode and pipelined too. Under
+    own) and adds its replicas' gradients home in rank order: each rank's y, dL/dx, dL/dg
+    and expert gradients are bitwise the one-process layer's, in split mode and pipelined
+    too. Under
     torch.compile(fullgraph=True) they are the eager ones (one process: tests/test_torch_module.py). Two
     layers sharing one heap and one exchange, both forwards before either backward, are
     two one-process layers. Call after call the launches take the same arguments, as a

@@ -218,8 +218,8 @@ def test_profile_write_error_is_one_line(tmp_path, monkeypatch):
 
 def test_every_forward_task_kind_has_its_stage_in_the_trace():
     """The measured trace names each forward entry's stage as the task graph does: every kind
-    of the task table but the backward's weight gradients has one (balance's push and
-    receive included), and it is a stage of the graph."""
+    of the task table but the backward's weight gradients has one (balance's tasks
+    included), and it is a stage of the graph."""
     from rdepc.runtime.profile import STAGE_OF
 
     from rdepc.ir.contract import KINDS

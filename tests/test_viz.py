@@ -44,7 +44,7 @@ def test_trace_events(moonlight):
         assert e["dur"] == pytest.approx((moonlight.end[t.id] - moonlight.start[t.id]) * 1e6)
         if t.segment >= 0:
             assert e["args"]["segment"] == t.segment
-    assert {e["cat"] for e in xs} == set(STAGES) - {"balance"}  # no balance statement: no weight pushes
+    assert {e["cat"] for e in xs} == set(STAGES) - {"balance"}  # no balance statement: no balance tasks
     assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(moonlight.makespan * 1e6)
     assert tr["otherData"]["exposed_transport_us"] == pytest.approx(moonlight.exposed_max * 1e6)
 

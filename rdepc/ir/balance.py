@@ -14,6 +14,7 @@ input, so ranks need no agreement step. numpy only: ``rdepc plan`` runs it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -218,17 +219,14 @@ def plan_tables(W: int, homes: int, slots: int) -> dict[str, tuple[int, tuple[in
     at, out = 0, {}
     for name, shape in shapes.items():
         out[name] = (at, shape)
-        n = 1
-        for d in shape:
-            n *= d
-        at += n
+        at += math.prod(shape)
     return out
 
 
 def plan_elems(W: int, homes: int, slots: int) -> int:
     """Elements of :func:`plan_tables`' buffer."""
     at, shape = plan_tables(W, homes, slots)["loads"]
-    return at + shape[0] * shape[1]
+    return at + math.prod(shape)
 
 
 def solve_seconds(homes: int) -> float:
