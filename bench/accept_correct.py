@@ -65,11 +65,11 @@ def plan(dry: bool, device: str | None = None) -> list:
     grads = trained("deepseek_v3", dry, "dedup", fit)
     out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads, fit), runs + grads))
     for name in ("tiny",) if dry else ("qwen3_30b_a3b", "tiny"):
-        pairs = (("bulk", None),) if dry else (("bulk", None), ("pipelined", None), ("bulk", "split"))
+        pairs = (("bulk", None),) if dry else (("bulk", "split"), ("pipelined", "split"), ("bulk", "unified"))
         runs = tuple(variant(name, dry, s, m) for s, m in pairs)
         out.append(Planned(f"cuda_graph/{name}", cuda_graph, (runs,), runs))
     for name in ("tiny",) if dry else ("tiny", "moonlight"):
-        runs = (variant(name, dry),) if dry else (variant(name, dry), variant(name, dry, mode="split"))
+        runs = (variant(name, dry),) if dry else (variant(name, dry), variant(name, dry, mode="unified"))
         out.append(Planned(f"withheld/{name}", withheld, (runs,), runs))
     return out
 
@@ -84,12 +84,12 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
 def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None):
     """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
-    ``mode`` None: the default kernel mode (``DEFAULT_MODE``)."""
+    ``mode`` None: the default kernel mode (``default_mode``: split on a GPU)."""
     from bench.acceptance import Variant
-    from rdepc.ir.contract import DEFAULT_MODE
+    from rdepc.ir.contract import default_mode
 
     ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())
-    return Variant(f"examples/{name}.rdep", ov, schedule, mode or DEFAULT_MODE, pass_, "emulated", edit)
+    return Variant(f"examples/{name}.rdep", ov, schedule, mode or default_mode(not dry), pass_, "emulated", edit)
 
 
 def load(name: str, dry: bool, edit: str | None = None, tokens: int | None = None):

@@ -68,12 +68,12 @@ def plan(dry: bool) -> list:
 
 def variant(name: str, W: int, tokens: int, backend: str, schedule=None, mode=None, pass_="forward", overrides=None):
     """A launch of example ``name`` on W ranks at T' = ``tokens`` (``acceptance.Variant``);
-    ``mode`` None: the default kernel mode (``DEFAULT_MODE``)."""
+    ``mode`` None: the default kernel mode (``default_mode``: split on a GPU)."""
     from bench.acceptance import Variant
-    from rdepc.ir.contract import DEFAULT_MODE
+    from rdepc.ir.contract import default_mode
 
     ov = _overrides(name, W, tokens) if overrides is None else overrides
-    mode = mode or DEFAULT_MODE
+    mode = mode or default_mode(backend == "nvshmem")
     return Variant(_path(name), tuple(ov.items()), schedule, mode, pass_, backend)
 
 

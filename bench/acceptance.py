@@ -221,7 +221,7 @@ class Variant:
     file: str
     overrides: tuple[tuple[str, int], ...]
     schedule: str | None = None
-    mode: str = "unified"  # the stages' variant() helpers give rdepc.ir.contract.DEFAULT_MODE where none is asked
+    mode: str = "unified"  # the stages' variant() helpers give rdepc.ir.contract.default_mode where none is asked
     pass_: str = "forward"
     backend: str = "emulated"
     edit: str | None = None

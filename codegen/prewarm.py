@@ -28,8 +28,8 @@ from pathlib import Path
 from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
 
 from rdepc.ir.contract import (
-    DEFAULT_MODE,
     H100_SMS,
+    NATIVE_MODE,
     NATIVE_SPIN_BOUND,
     KernelContract,
     Tiles,
@@ -52,7 +52,7 @@ def launch_requests(
     kernels_path: str | Path,
     plan_path: str | Path,
     *,
-    mode: str = DEFAULT_MODE,
+    mode: str = NATIVE_MODE,
     pass_: str = "forward",
     tiles: Tiles | None = None,
     sms: int = H100_SMS,

@@ -51,8 +51,8 @@ from rdepc.codegen import sass
 
 from rdepc.ir.balance import COUNTERS
 from rdepc.ir.contract import (
-    DEFAULT_MODE,
     H100_SMS,
+    NATIVE_MODE,
     NATIVE_SPIN_BOUND,
     POINTEE,
     TRANSPORT_PROCESSES,
@@ -189,7 +189,7 @@ class Specialized:
 def native_launch(
     contract: KernelContract,
     tiles: Tiles,
-    mode: str = DEFAULT_MODE,
+    mode: str = NATIVE_MODE,
     sms: int = H100_SMS,
     tokens: int | None = None,
     rank: int | None = None,

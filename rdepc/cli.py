@@ -91,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         choices=["unified", "split"],
-        help="kernel mode: unified (one kernel, any program runs any task; the default) or split (a transport "
-        "kernel and a GEMM kernel side by side, every program of both running at once: on cpu one interpreter "
-        "thread per program)",
+        help="kernel mode: unified (one kernel, any program runs any task; the default on cpu) or split (a "
+        "transport kernel and a GEMM kernel side by side, every program of both running at once: the default on "
+        "cuda; on cpu one interpreter thread per program)",
     )
     p.add_argument(
         "--comm-programs",
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
     )
-    p.add_argument("--mode", choices=["unified", "split"], default="unified", help="kernel mode (default: unified)")
+    p.add_argument("--mode", choices=["unified", "split"], help="kernel mode (default: split, the native default)")
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--reps", type=int, default=10, metavar="N", help="timed calls per candidate (default: 10)")
     p.add_argument(

@@ -90,11 +90,11 @@ from rdepc.ir.contract import (
     COLUMNS,
     CONTROL,
     CTL_TICKETS,
-    DEFAULT_MODE,
     MODES,
     NATIVE_SPIN_BOUND,
     KernelContract,
     Tiles,
+    default_mode,
     kernel_args,
     mode_kernels,
     own_constexprs,
@@ -105,15 +105,15 @@ from rdepc.toolchain import import_kernels
 class RDEPModule:
     """One generated layer on one backend and device (see the module docstring).
 
-    ``mode``: ``unified`` (the default, ``DEFAULT_MODE``: one kernel, every program takes
-    any task, one ticket counter) or ``split`` (the transport kernel and the GEMM kernel
-    launched side by side, each with its own programs; they must run concurrently: on a
-    GPU every program is resident, on the CPU each interpreted program runs in its own
-    thread, ``ConcurrentInterpreter``). ``programs``: how many run at once, by default one
-    per SM of this process's share of the GPU, and under the interpreter two (unified) or
-    three (split). ``comm_programs``: split mode's transport
-    programs, the rest the GEMM kernel's (default: in the ratio of the schedule's
-    communication and compute programs).
+    ``mode``: ``unified`` (one kernel, every program takes any task, one ticket counter;
+    the default under the interpreter) or ``split`` (the transport kernel and the GEMM kernel
+    launched side by side, each with its own programs; the default on a GPU; they must run
+    concurrently: on a GPU every program is resident, on the CPU each interpreted program
+    runs in its own thread, ``ConcurrentInterpreter``); ``default_mode`` decides.
+    ``programs``: how many run at once, by default one per SM of this process's share of
+    the GPU, and under the interpreter two (unified) or three (split). ``comm_programs``:
+    split mode's transport programs, the rest the GEMM kernel's (default: in the ratio of
+    the schedule's communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
     ``profile``: record the start and end of every work item (``last_profile``).
     ``inference``: the forward's heap and buffers only; a call that would save is refused.
@@ -140,7 +140,7 @@ class RDEPModule:
         self.kernels_path = Path(kernels_path)
         self.device = self._device(backend, device)
         self.interpret = self.device.type == "cpu"
-        mode = mode or DEFAULT_MODE
+        mode = mode or default_mode(not self.interpret)
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank

@@ -16,7 +16,7 @@ from pathlib import Path
 from rdepc.api import UsageError
 from rdepc.commands.common import overrides, print_diags
 from rdepc.ir.balance import imbalance
-from rdepc.ir.contract import DEFAULT_MODE
+from rdepc.ir.contract import default_mode
 
 # the max relative error --check accepts by default, per dtype
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
@@ -296,7 +296,7 @@ def _run_per_rank(args, layer, tokens: int) -> int:
         print(f"rdepc: error: {str(e).splitlines()[0].removeprefix('rdepc: ')}", file=sys.stderr)
         return 1
     where = "cuda (one process per GPU rank)" if gpu else "cpu (Triton interpreter, one process per rank)"
-    how = f"{args.backend} backend on {where}, {args.mode or DEFAULT_MODE} mode"
+    how = f"{args.backend} backend on {where}, {args.mode or default_mode(gpu)} mode"
     inputs = f"W={W} T'={tokens}, routing {args.routing}, seed {args.seed}; each rank checks its slice"
     lines, ok = _rank_lines(results, tol)
     return report(spec, how, inputs, lines, args.check, ok)  # a failing rank's line says why

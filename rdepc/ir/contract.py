@@ -36,12 +36,18 @@ COLUMNS = (
 MODES = ("unified", "split")
 
 
-# The kernel mode a module runs when none is asked for. Split mode is asked for by name until
-# its backward has passed a GPU run: its forward has (bitwise the unified kernel's for five
-# examples on an H200, 17-20 % faster at T' = 4096: bench/results/h200-2026-11-26-fixed/), its
-# backward not yet (docs/gpu.md). Under the interpreter unified is also the faster: split
-# mode's programs are threads that spin against each other for the GIL.
-DEFAULT_MODE = "unified"
+# The kernel mode a module runs when none is asked for. On a GPU, split: bitwise the unified
+# kernel's forward and backward in every example, its CUDA graph replays and a withheld task
+# ends its call (H200, bench/results/h200-2026-11-27-lease/), and moonlight at T' = 4096 takes
+# 18.5 ms against the unified kernel's 21.4. Under the interpreter, unified: split mode's
+# programs are threads that spin against each other for the GIL (tiny: 2.8 s a call against 1.5).
+NATIVE_MODE = "split"
+INTERPRETED_MODE = "unified"
+
+
+def default_mode(native: bool) -> str:
+    """The kernel mode of a module (``native``: on a GPU) when none is asked for."""
+    return NATIVE_MODE if native else INTERPRETED_MODE
 
 
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
