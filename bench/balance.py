@@ -155,7 +155,10 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
         "hw": hw,
         "strategy": strategy,
         "pushes_as_tasks_us": tasks.makespan * us,
-        "pushes_before_us": (bare.makespan + solve_seconds(geo.homes) + float(alone.max())) * us,
+        "pushes_before_us": (
+            bare.makespan + solve_seconds(geo.homes, int((plan.slots >= 0).sum())) + float(alone.max())
+        )
+        * us,
         "no_replication_us": plain.makespan * us,
         "busiest_pushes_us": float(alone.max()) * us,
         "order": next(d.value for d in tasks.decisions if d.name == "order"),

@@ -102,6 +102,7 @@ def cost_model(
     n = len(tg.tasks)
     link_b, mem_b, flops, wbytes, fixed = [0] * n, [0] * n, [0] * n, [0] * n, [0.0] * n
     sent_received = None if held is None else [v.tolist() for v in push_bytes(held, geo.owner, geo.slot_bytes)]
+    replicas = geo.W * geo.slots if held is None else int((np.asarray(held) >= 0).sum())  # the solve's passes
     unslotted = set()  # GEMM1 tasks without a slot's rows under the routing: they skip the receive
     for t, k in zip(tg.tasks, rows, strict=True):
         i = t.id
@@ -111,7 +112,7 @@ def cost_model(
                 fixed[i] = R.latency
             case "balance" if t.detail == "solve":  # one program's serial search
                 mem_b[i] = t.bytes
-                fixed[i] = solve_seconds(geo.homes)
+                fixed[i] = solve_seconds(geo.homes, replicas)
             case "balance" if t.detail == "reroute":  # read the route rows' ids, write their physical ones
                 mem_b[i] = t.bytes
             case "balance":  # a push's stores cross the links; a receive copies the rank's slots through HBM

@@ -229,12 +229,18 @@ def plan_elems(W: int, homes: int, slots: int) -> int:
     return at + math.prod(shape)
 
 
-def solve_seconds(homes: int) -> float:
-    """What the solve task costs the cost model: UltraEP's GPU solver averaged 0.111 ms over
-    E in {128, 160, 256} experts (its Table 4), taken here as proportional to the home
-    experts its oracle walks, from E = 160. The device solver here has not been timed
-    natively."""
-    return 0.111e-3 * homes / 160
+# The solve's time per home expert per pass of its search (one pass a replica it makes, one
+# more that finds none to make): the device solver timed natively, one launch of one program
+# at moonlight's 64 and qwen3_30b_a3b's 128 home experts under five routings, 76-329 us for
+# 3-11 replicas, fitted as 61 us + 0.154 us per home-pass (H200,
+# bench/results/h200-2026-11-27-lease/balance-device-plan.log). The intercept is taken as the
+# separate launch and its events' gap, which the task inside the layer's kernel does not pay.
+SOLVE_PER_HOME_PASS = 0.154e-6
+
+
+def solve_seconds(homes: int, replicas: int) -> float:
+    """What the solve task costs the cost model when it makes ``replicas`` replicas."""
+    return SOLVE_PER_HOME_PASS * homes * (replicas + 1)
 
 
 # Elements of a slot one work item of the layer's push or receive task moves (512 KiB in
