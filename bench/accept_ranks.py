@@ -22,17 +22,20 @@ import time
 
 SCHEDULES = ("bulk", "pipelined")
 MODES = ("unified", "split")
-# spin_bound: the kill check's. Natively 2^22 spins, not the runtime's 2^26: at system scope
-# the default outlasted 195 s (H200, 2026-11-27), more than a device call can spend on one check;
-# the survivors' seconds to their error over these spins say how long the default lasts.
-# Interpreted spins are slow: 5,000.
-GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": 1 << 22}
+# spin_bound: the kill check's. Natively 2^20 spins, not the runtime's 2^26: at system scope
+# the default outlasted 195 s and 2^22 spins 170 s (H200, 2026-11-27, both cut off), more than a
+# device call can spend on one check; the survivors' seconds to their error over these spins
+# say how long the default lasts. Interpreted spins are slow: 5,000.
+GPU = {"tokens": 512, "ranks": (2, 4), "examples": ("tiny", "moonlight"), "spin_bound": 1 << 20}
 DRY = {"tokens": 4, "ranks": (2,), "examples": ("tiny",), "spin_bound": 5000}
 KILL_AFTER = 0.3  # seconds into the victim's first call
 # calls each rank makes (native): a native call of tiny takes well under a millisecond, so the
 # kill must land inside a long run of calls, not after the last (interpreted calls take seconds)
 KILL_CALLS = 20_000
 LIMIT = 240.0  # seconds a launch of W processes may take before it is ended (and called a hang)
+# the kill check's: short enough to end inside a lease's step (bench/lease.py), where the
+# survivors' progress records (rdepc.per_rank.Progress) say where each one was
+KILL_LIMIT = 100.0
 
 
 def run(stage, device: str) -> None:
@@ -153,10 +156,10 @@ def rank_rate(rank: int, W: int, v, device: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- the checks
-def _spawn(fn, W: int, *args):
+def _spawn(fn, W: int, *args, limit: float = LIMIT):
     from rdepc.runtime import ranks
 
-    return ranks.spawn(fn, W, *args, timeout=LIMIT)
+    return ranks.spawn(fn, W, *args, timeout=limit)
 
 
 def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> None:
@@ -210,29 +213,37 @@ def bitwise(check, variants, W: int, tokens: int, device: str, dry: bool) -> Non
 
 def kill(check, variants, W: int, spin_bound: int | None, device: str, dry: bool) -> None:
     """The last rank SIGKILLed KILL_AFTER s into its run of calls of tiny."""
+    import shutil
+    import tempfile
+
     from rdepc.runtime.ranks import RanksError
 
-    from rdepc.per_rank import Case
+    from rdepc.per_rank import Case, Progress
 
     (v,) = variants
     victim = W - 1
+    scratch = tempfile.mkdtemp(prefix="rdepc-kill-")
     case = Case(v.file, overrides=v.overrides, backend=v.backend, device=device, schedule=v.schedule, mode=v.mode,
-                kill=(victim, KILL_AFTER), calls=3 if dry else KILL_CALLS, spin_bound=spin_bound)  # fmt: skip
+                kill=(victim, KILL_AFTER), calls=3 if dry else KILL_CALLS, spin_bound=spin_bound,
+                progress=f"{scratch}/progress")  # fmt: skip
     check.figure("victim", victim)
     check.figure("spin_bound", spin_bound or "the runtime's default")
     t0 = time.perf_counter()
     error = None
     try:
-        per_rank = _spawn(rank_cases, W, [case])
+        per_rank = _spawn(rank_cases, W, [case], limit=KILL_LIMIT)
     except RanksError as e:
         error, per_rank = e, e.results
     seconds = check.figure("seconds_all_exited", round(time.perf_counter() - t0, 1))
+    # where each rank was last (calls made, in or between calls, its error): what shows a hang's place
+    check.figure("progress", Progress.read(f"{scratch}/progress", W))
+    shutil.rmtree(scratch, ignore_errors=True)
     message = str(error) if error else ""
     hung = "did not finish within" in message
     check.figure("launcher", message.splitlines()[0][:300] if message else "no error")
     check.figure("hung", hung)
     check.expect(error is not None, "the launch with a killed rank did not fail")
-    check.expect(not hung, f"processes still alive after {LIMIT:g} s (NVSHMEM finalize or a wait that never ends)")
+    check.expect(not hung, f"processes still alive after {KILL_LIMIT:g} s (NVSHMEM finalize or a wait that never ends)")
     check.expect(f"rank {victim}" in message, f"the launcher does not name rank {victim}: {message[:200]}")
     survivors = {}
     for rank in range(W):

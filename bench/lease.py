@@ -65,24 +65,16 @@ class Step:
 TINY_BALANCE = "{ROOT}/examples/tiny_balance.rdep"
 STEPS = (
     Step(
-        "split mode's CUDA graph and withheld task (then split becomes the native default); the backward of "
-        "the two examples the last lease's budget left",
-        cap=210,
-        stage="correct",
-        only=("cuda_graph/*", "withheld/*", "backward/nvl72_e128", "backward/deepseek_v3"),
+        "a PE killed: where each survivor was (progress records) and its seconds to the error at 2^20 spins; "
+        "4 PEs; the user's torchrun (split mode, now the native default)",
+        cap=200,
+        stage="nvshmem",
+        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2"),
         budget=150,
     ),
     Step(
-        "a PE killed: the survivors' seconds to their error at 2^22 spins; 4 PEs; the user's torchrun; "
-        "moonlight's rows through each program's descriptors",
-        cap=230,
-        stage="nvshmem",
-        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2", "bitwise/moonlight/W2"),
-        budget=130,
-    ),
-    Step(
-        "balance replicate on nvshmem: the exchange, the pushes and the receipts across 4 PEs",
-        cap=90,
+        "balance replicate on nvshmem in split mode (the native default): the plan's tasks in the transport kernel",
+        cap=80,
         command=(
             "torchrun",
             "--nproc-per-node",
@@ -99,25 +91,33 @@ STEPS = (
         ),
     ),
     Step(
-        "the balance solver's time at the examples' shapes, against the seed's 0.111 ms",
-        cap=90,
-        command=("{PY}", "{ROOT}/bench/balance.py", "--device-plan", "cuda", "--out", "{OUT}/balance"),
-    ),
-    Step(
-        "fp8, dedup and deepseek_v3's forward, not reached since the split",
-        cap=180,
-        stage="correct",
-        only=("fp8/*", "dedup/*", "forward/deepseek_v3"),
-        budget=130,
-    ),
-    Step(
-        "what the weights' per-program descriptors saved",
-        cap=120,
+        "the whole perf stage with split mode the default: moonlight and qwen3 at T' = 4096, moonlight at 128",
+        cap=200,
         stage="perf",
-        only=("perf/moonlight/T4096/*",),
-        budget=80,
+        budget=170,
     ),
-    Step("tile sizes tuned on the GPU, and the record the runtime reads", cap=120, stage="tune", budget=90),
+    Step(
+        "withheld/moonlight in both modes, not reached by the last two leases",
+        cap=90,
+        stage="correct",
+        only=("withheld/moonlight",),
+        budget=70,
+    ),
+    Step(
+        "the balance solver's time at nvl72_e128's shape, where the last lease stopped",
+        cap=90,
+        command=(
+            "{PY}",
+            "{ROOT}/bench/balance.py",
+            "--device-plan",
+            "cuda",
+            "--shapes",
+            "nvl72_e128",
+            "--out",
+            "{OUT}/balance",
+        ),
+    ),
+    Step("tile sizes tuned on the GPU (the last lease timed 8 of 48 candidates)", cap=120, stage="tune", budget=100),
 )
 
 

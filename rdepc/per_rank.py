@@ -13,9 +13,11 @@ with a fresh module and heap): starting W processes costs seconds, a small case 
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Case:
     backend: str = "emulated-mp"
     device: str = "cpu"
     schedule: str | None = None
-    mode: str | None = None  # the kernel mode (None: rdepc.ir.contract.DEFAULT_MODE)
+    mode: str | None = None  # the kernel mode (None: rdepc.ir.contract.default_mode)
     routing: str = "uniform"
     seed: int = 0
     tokens: int | None = None  # T' of every rank (default: the spec's T)
@@ -43,6 +45,9 @@ class Case:
     # task-table entries that another rank waits for (waited_on): a producer lost mid-call
     withhold: tuple[int, int] | None = None
     keep_output: bool = False  # return y (bitwise comparisons in tests)
+    # a file this rank keeps its progress in as it runs (``{progress}.{rank}.json``: calls made,
+    # seconds, where it is), which a launcher that gives up on the rank still reads (Progress)
+    progress: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,9 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         victims = waited_on(module.contract, rank)
         out["withheld"] = victims[case.withhold[1] % len(victims)]
         module.withhold(out["withheld"])
+    log = Progress(case.progress, rank)
     for call in range(case.calls):
+        log.note(call, "between calls", force=call == 0)
         if case.max_delay:
             time.sleep(rng.uniform(0, case.max_delay))
         if call == 0 and case.stall is not None and case.stall[0] == rank:
@@ -105,15 +112,18 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         if call == 0 and case.kill is not None and case.kill[0] == rank:
             _kill_after(case.kill[1])  # timed from the call's start, whatever delay came before
         t0 = time.perf_counter()
+        log.note(call, "in a call", force=call == 0)  # the first call's at once: a rank may die in it
         try:
             y = module(*args, **biases)
         except KernelError as e:
             out["error"] = e
             out["error_after"] = time.perf_counter() - t0  # how long the failing call took to stop
+            log.note(call, "raised", force=True, error=str(e).splitlines()[0][:300], after=out["error_after"])
             return out
         if dev.type == "cuda":
             torch.cuda.synchronize()
         out["calls"].append(time.perf_counter() - t0)
+    log.note(case.calls, "done", force=True)
     st = module.last_stats
     out["stats"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
     out["local_experts"] = mine
@@ -129,6 +139,58 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         out["error_rel"] = max_relative_error(y.cpu(), ref[rank, :n])
         out["accepted_same"] = bool(torch.equal(st["accepted"].cpu(), accepted_ref[rank, :n]))
     return out
+
+
+class Progress:
+    """A rank's progress through its calls, kept in a file as it runs: what is left of a rank
+    a launcher ended (a wait that never expired, an exit that hung) says where it was. The
+    calls only note where they are; a thread writes the latest note every ``EVERY`` seconds,
+    so a rank stuck inside a call still leaves that call's note; an error and the end are
+    written at once."""
+
+    EVERY = 0.25
+
+    def __init__(self, prefix: str | None, rank: int):
+        import threading
+
+        self.path = None if prefix is None else Path(f"{prefix}.{rank}.json")
+        self.t0 = time.perf_counter()
+        self.record: dict | None = None
+        self.written: dict | None = None
+        self.lock = threading.Lock()
+        if self.path is not None:
+            threading.Thread(target=self._keep, daemon=True).start()
+
+    def note(self, calls: int, where: str, force: bool = False, **more) -> None:
+        if self.path is None:
+            return
+        self.record = {"calls": calls, "where": where, "seconds": round(time.perf_counter() - self.t0, 3)} | more
+        if force:
+            self._write()
+
+    def _keep(self) -> None:
+        while True:
+            time.sleep(self.EVERY)
+            self._write()
+
+    def _write(self) -> None:
+        with self.lock:
+            record = self.record
+            if record is None or record is self.written:
+                return
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            tmp.replace(self.path)  # a reader sees the last whole record, never half of one
+            self.written = record
+
+    @staticmethod
+    def read(prefix: str, W: int) -> dict[int, dict | None]:
+        """Every rank's last record (None: it wrote none)."""
+        out = {}
+        for rank in range(W):
+            f = Path(f"{prefix}.{rank}.json")
+            out[rank] = json.loads(f.read_text(encoding="utf-8")) if f.exists() else None
+        return out
 
 
 def waited_on(plan, rank: int) -> list[int]:

@@ -56,13 +56,13 @@ def test_a_lease_runs_its_steps_in_order_and_packs_what_they_wrote(tmp_path, cap
 
     assert lease.main(["--plan"]) == 0
     plan = capsys.readouterr().out
-    assert plan.index("cuda_graph/*") < plan.index("kill/W2") < plan.index("tiny_balance") < plan.index("fp8/*")
-    # step 3 needs a GPU (skipped in a dry run); step 7 is the tune stage under the interpreter
-    assert lease.main(["--dry-run", "--out", str(tmp_path), "--steps", "3", "7"]) == 0
+    assert plan.index("kill/W2") < plan.index("tiny_balance") < plan.index("--stage perf") < plan.index("withheld/")
+    # step 2 needs a GPU (skipped in a dry run); step 6 is the tune stage under the interpreter
+    assert lease.main(["--dry-run", "--out", str(tmp_path), "--steps", "2", "6"]) == 0
     record = json.loads((tmp_path / "lease.json").read_text())
-    assert [(s["step"], s["status"]) for s in record["steps"]] == [(3, "skipped"), (7, "pass")]
-    assert (tmp_path / "7-tune" / "tune.json").is_file() and "| tune |" in (tmp_path / "summary.md").read_text()
+    assert [(s["step"], s["status"]) for s in record["steps"]] == [(2, "skipped"), (6, "pass")]
+    assert (tmp_path / "6-tune" / "tune.json").is_file() and "| tune |" in (tmp_path / "summary.md").read_text()
     with tarfile.open(tmp_path / "lease.tar.gz") as tar:
-        assert {"lease.json", "summary.md", "7-tune/tune.json"} <= set(tar.getnames())
-    assert lease.main(["--dry-run", "--out", str(tmp_path), "--deadline", "5", "--steps", "7"]) == 0
+        assert {"lease.json", "summary.md", "6-tune/tune.json"} <= set(tar.getnames())
+    assert lease.main(["--dry-run", "--out", str(tmp_path), "--deadline", "5", "--steps", "6"]) == 0
     assert json.loads((tmp_path / "lease.json").read_text())["steps"][0]["status"] == "skipped"  # under MIN_LEFT

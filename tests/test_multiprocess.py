@@ -27,7 +27,7 @@ from rdepc.runtime import ranks
 from rdepc.runtime.module import KernelError
 
 import rdepc
-from rdepc.per_rank import Case, Job, run_rank
+from rdepc.per_rank import Case, Job, Progress, run_rank
 from rdepc.reference import random_inputs
 
 TINY = str(ROOT / "examples" / "tiny.rdep")  # fp32, dropless, H=64, F=128, E=8, K=2, T=16
@@ -135,10 +135,12 @@ def test_capacity_follows_the_tokens_all_ranks_bring(tmp_path):
     assert sum(got["stats"]["dropped_rows"] for got in results) > 0  # zipf 1.5 overflows expert 0
 
 
-def test_a_killed_rank_fails_the_others_within_their_bound():
+def test_a_killed_rank_fails_the_others_within_their_bound(tmp_path):
     """Rank 1 is SIGKILLed 0.3 s into its call: the others' waits expire (bounded), each
-    raises a KernelError with the kernel's record, and one of them names rank 1's task."""
-    case = Case(TINY, overrides=(("W", 3),), spin_bound=5000, kill=(1, 0.3))
+    raises a KernelError with the kernel's record, and one of them names rank 1's task;
+    every rank's progress record says where it was: rank 1 in its first call, the others
+    past it with their errors."""
+    case = Case(TINY, overrides=(("W", 3),), spin_bound=5000, kill=(1, 0.3), progress=str(tmp_path / "p"))
     t0 = time.monotonic()
     with pytest.raises(ranks.RanksError, match=r"rank 1 died \(exit code -9\)") as e:
         ranks.spawn(run_rank, 3, Job((case,)), timeout=300)
@@ -150,6 +152,12 @@ def test_a_killed_rank_fails_the_others_within_their_bound():
         assert isinstance(err, KernelError) and err.record["code"] == 1 and err.record["rank"] == s["rank"]
         assert "waited 5000 spins for the done flag of task" in str(err)
     assert any(s["error"].record["flag_rank"] == 1 for s in survivors)
+    progress = Progress.read(str(tmp_path / "p"), 3)
+    assert progress[1] == {"calls": 0, "where": "in a call", "seconds": progress[1]["seconds"]}
+    for rank in (0, 2):
+        p = progress[rank]
+        assert p["where"] == "raised" and p["calls"] == 0 and "waited 5000 spins" in p["error"], p
+        assert p["after"] == pytest.approx(survivors[rank // 2]["error_after"])
 
 
 def hangs_at_exit(rank: int, world: int) -> int:
