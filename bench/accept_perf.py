@@ -8,6 +8,12 @@ forward+backward; the per-stage spans of one profiled call; the host's share of 
 speed targets are recorded beside the figures (``targets``); a check fails on wrong
 results, never on speed (speed is read from the figures, not asserted under a time limit).
 
+rdepc takes GEMM1's operand as its MoE module keeps it (gate and up interleaved, one tensor,
+``rdepc.moe.MoE.w_gate_up``) through ``RDEPModule.routed``, made once before the timing; the
+baselines take their separate weights. (Through ``module(x, ids, gates, w_gate, w_up,
+w_down)`` with separate weights a call interleaves them first: for moonlight's 64 experts
+1.5 GB of copying a call.)
+
 ``tune``: ``rdepc tune`` (runtime.tune.tune_layer) on moonlight, and the record it writes.
 """
 
@@ -78,7 +84,7 @@ def _ms(fn, device, reps: int, warmup: int) -> dict:
 def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
     import torch
     from rdepc.runtime.memory import human
-    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
+    from rdepc.runtime.tensors import TORCH_DTYPES, gemm1_operand, max_relative_error
 
     from bench import baselines as bl
     from bench.moe_bench import stages
@@ -94,6 +100,13 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         W, T, H, F, E, K, routing=routing, seed=0, dtype=dtype, gated=spec.expert.gated, device=device
     )
     x, ids, gates, wg, wu, wd = inputs
+    # rdepc reads GEMM1's operand as its MoE module keeps it (``w_gate_up`` [E, H, F, 2], gate
+    # and up interleaved), made here once; the baselines take the separate weights they read
+    operand = gemm1_operand(wg, wu) if wg is not None else wu
+
+    def rdepc_call(module, rows=(x, ids, gates), w_up=operand):
+        return lambda: module.routed(*rows, w_up, wd)
+
     ref, _ = reference_for(spec)(*fp32(inputs))
     tol = tolerance(layer)
     rows = W * T * K
@@ -117,25 +130,26 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     for v in calls:
         schedule, mode = v.schedule, v.mode
         m = layer.module(v.backend, device, schedule=schedule, mode=mode)
-        y = m(*inputs)
+        y = rdepc_call(m)()
         m.synchronize()
         modules[(schedule, mode)] = m
-        timed(f"rdepc {schedule} {mode}", lambda m=m: m(*inputs), y)
+        timed(f"rdepc {schedule} {mode}", rdepc_call(m), y)
     best = min(modules, key=lambda k: times[f"rdepc {k[0]} {k[1]}"]["ms"]["median"])
     check.figure("best", f"{best[0]} {best[1]}")
     m = modules[best]
     best_ms = times[f"rdepc {best[0]} {best[1]}"]["ms"]["median"]
     # the time a call takes to return (the host's work; nothing waits for the device)
     issue = []
+    call = rdepc_call(m)
     for _ in range(reps):
         t0 = time.perf_counter()
-        m(*inputs)
+        call()
         issue.append((time.perf_counter() - t0) * 1e3)
     m.synchronize()
     check.figure("call_returns_ms", sorted(issue)[len(issue) // 2])
     # per-stage spans of one profiled call, and the host's share of a call
     prof = layer.module(calls[0].backend, device, schedule=best[0], mode=best[1], profile=True)
-    prof(*inputs)
+    rdepc_call(prof)()
     prof.synchronize()
     spans = stages(prof, prof.last_profile["events"])
     clock = check.figure("stage_clock", prof.last_profile["clock"])
@@ -157,10 +171,10 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     # forward + backward: rdepc's best against sort + torch._grouped_mm through autograd, at
     # the largest T' whose saved rows fit (fit_train) once the other modules (each holds its
     # heap) and the baselines' rows are released
-    pipelined_over_bulk = None
-    if ("pipelined", "unified") in modules and ("bulk", "unified") in modules:
+    pipelined_over_bulk = None  # in the best's mode, where both strategies ran in it
+    if ("pipelined", best[1]) in modules and ("bulk", best[1]) in modules:
         pipelined_over_bulk = (
-            times["rdepc pipelined unified"]["ms"]["median"] / times["rdepc bulk unified"]["ms"]["median"]
+            times[f"rdepc pipelined {best[1]}"]["ms"]["median"] / times[f"rdepc bulk {best[1]}"]["ms"]["median"]
         )
     m = prof = xs = w_in = token = offs = None  # released: the profiled module, the baselines' rows
     weights = sum(w.nbytes for w in (wg, wu, wd) if w is not None)
@@ -188,13 +202,13 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
             why += ", the smallest T', though it does not fit either"
         check.figure("fwd_bwd_why", why)
         part[:3] = (a[:, :t].contiguous() for a in part[:3])
-        fwd_ms = timed(f"rdepc {best[0]} {best[1]} T'={t}", lambda: module(*part), flops=useful * t // T)
+        fwd_ms = timed(f"rdepc {best[0]} {best[1]} T'={t}", rdepc_call(module, part[:3]), flops=useful * t // T)
         fwd_ms = fwd_ms["ms"]["median"]
         times[f"rdepc {best[0]} {best[1]} T'={t}"]["tokens"] = t
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(dtype).to(device)[:, :t].contiguous()
 
-    def train(fn):
-        leaves = [None if a is None else a.detach().requires_grad_(True) for a in (part[0], *part[2:])]
+    def train(fn, weights=(wg, wu, wd)):
+        leaves = [None if a is None else a.detach().requires_grad_(True) for a in (part[0], part[2], *weights)]
 
         def step():
             y = fn(leaves[0], part[1], *leaves[1:])
@@ -206,7 +220,8 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     try:
         if module is None:
             raise torch.OutOfMemoryError(f"no module could be built down to T'={t}: {tried[t].get('error')}")
-        timed(key, train(module), flops=3 * useful * t // T)
+        # GEMM1's operand a leaf, as the MoE module's parameter: its gradient comes interleaved
+        timed(key, train(module.routed, (operand, wd)), flops=3 * useful * t // T)
         module.synchronize()
     except torch.OutOfMemoryError as e:  # recorded: the estimate missed; the rest still runs
         times[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
