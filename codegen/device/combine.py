@@ -9,6 +9,7 @@ from rdepc.codegen.device.heap import peer
 from rdepc.codegen.device.layout import (
     ADMITTED,
     BWD_DGATE,
+    COMBINE_COLS,
     COMBINE_TOKENS,
     DEDUP,
     DTYPE,
@@ -129,10 +130,13 @@ def combine(
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
     else:
         tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-            for kk in range(K):
+        # COMBINE_COLS columns at a time, the slots unrolled: all K slots' rows are loaded
+        # before they are summed (a loop over the slots keeps one slot's rows in flight, and
+        # the step is latency-bound); the sum keeps its slot order
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            for kk in tl.static_range(K):
                 wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]

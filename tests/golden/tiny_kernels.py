@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 6ffb1e14278c58a15f5fe60934c09d6cb2231a4c0814d2c71eea84199eba6178
+# content-sha256: 6beebec15a70324bd9c042f95debd86061401ded8a378d2cc305c2892bf6c07f
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -69,6 +69,7 @@ ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-
 KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
+COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills the transport kernel)
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
@@ -2357,10 +2358,13 @@ def combine(
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
     else:
         tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-            for kk in range(K):
+        # COMBINE_COLS columns at a time, the slots unrolled: all K slots' rows are loaded
+        # before they are summed (a loop over the slots keeps one slot's rows in flight, and
+        # the step is latency-bound); the sum keeps its slot order
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            for kk in tl.static_range(K):
                 wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
