@@ -3,8 +3,9 @@
 ``perf``: per case, rdepc in each strategy and kernel mode tried (its best kept) against
 sort + ``torch._grouped_mm``, ``torch._grouped_mm`` alone on pre-sorted rows and the dense
 roof on as many rows (bench/moe_bench.py's timing and baselines), forward and
-forward+backward; the per-stage spans of one profiled call; the host's share of a call
-(event time minus the kernel's span) and the time a call takes to return. The issue's
+forward+backward; the per-stage spans of one profiled call of each candidate (the best's
+``stages``, the others' ``stages_others``); the host's share of a call (event time minus
+the kernel's span) and the time a call takes to return. The issue's
 speed targets are recorded beside the figures (``targets``); a check fails on wrong
 results, never on speed (speed is read from the figures, not asserted under a time limit).
 
@@ -154,6 +155,16 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     spans = stages(prof, prof.last_profile["events"])
     clock = check.figure("stage_clock", prof.last_profile["clock"])
     check.figure("stages", spans)
+    # ... and of every other candidate's: where pipelined loses to bulk, or split to unified
+    others = {}
+    for schedule, mode in modules:
+        if (schedule, mode) != best:
+            other = layer.module(calls[0].backend, device, schedule=schedule, mode=mode, profile=True)
+            rdepc_call(other)()
+            other.synchronize()
+            others[f"{schedule} {mode}"] = stages(other, other.last_profile["events"])
+            other = None
+    check.figure("stages_others", others)
     if clock == "globaltimer":  # ns
         kernel_ms = max((s["to"] for s in spans.values()), default=0) / 1e6
         check.figure("kernel_span_ms", kernel_ms)
