@@ -118,12 +118,12 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         except KernelError as e:
             out["error"] = e
             out["error_after"] = time.perf_counter() - t0  # how long the failing call took to stop
-            log.note(call, "raised", force=True, error=str(e).splitlines()[0][:300], after=out["error_after"])
+            log.note(call, "raised", last=True, error=str(e).splitlines()[0][:300], after=out["error_after"])
             return out
         if dev.type == "cuda":
             torch.cuda.synchronize()
         out["calls"].append(time.perf_counter() - t0)
-    log.note(case.calls, "done", force=True)
+    log.note(case.calls, "done", last=True)
     st = module.last_stats
     out["stats"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
     out["local_experts"] = mine
@@ -157,19 +157,22 @@ class Progress:
         self.t0 = time.perf_counter()
         self.record: dict | None = None
         self.written: dict | None = None
+        self.done = False
         self.lock = threading.Lock()
         if self.path is not None:
             threading.Thread(target=self._keep, daemon=True).start()
 
-    def note(self, calls: int, where: str, force: bool = False, **more) -> None:
+    def note(self, calls: int, where: str, force: bool = False, last: bool = False, **more) -> None:
+        """Where the rank is; ``force``: written now; ``last``: and the thread stops."""
         if self.path is None:
             return
         self.record = {"calls": calls, "where": where, "seconds": round(time.perf_counter() - self.t0, 3)} | more
-        if force:
+        if force or last:
             self._write()
+        self.done = self.done or last
 
     def _keep(self) -> None:
-        while True:
+        while not self.done:
             time.sleep(self.EVERY)
             self._write()
 
