@@ -14,6 +14,8 @@ stub at the end of the function that jumps back into the loop); such a "loop" ru
 inside the real one to the stub, overlapping it: of overlapping HGMMA loops only the
 smallest counts, and so does one that holds a smaller one (a persistent kernel's loop
 over its tiles).
+:func:`sum_loops` finds the loops that sum loaded rows instead (the combine's): how many
+of their 128-bit loads issue before the first FMA says how many rows are in flight.
 Pure Python over text; :func:`disassemble` runs the tool.
 """
 
@@ -116,6 +118,65 @@ def gemm_loops(text: str) -> list[Loop]:
     return out
 
 
+@dataclass(frozen=True)
+class SumLoop:
+    """One loop that sums loaded rows (the combine's): per iteration its instructions, its
+    128-bit global loads, how many of them issue before its first FMA (the rows in flight
+    before the sum waits for them), its FMAs and the spills inside it."""
+
+    start: int
+    end: int
+    instructions: int
+    loads: int
+    loads_ahead: int
+    ffma: int
+    spill_loads: int
+    spill_stores: int
+
+
+def sum_loops(text: str) -> list[SumLoop]:
+    """The innermost loops of one kernel's SASS that load 128-bit rows and sum them with FMAs
+    and issue no HGMMA, in address order (retry stubs and enclosing loops dropped as in
+    :func:`gemm_loops`)."""
+    insts, labels = _parse(text)
+    spans = []
+    for i, (_, ins) in enumerate(insts):
+        m = _BRANCH.search(ins)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            lo = labels[m.group(1)]
+            body = [s for _, s in insts[lo : i + 1]]
+            summing = any("LDG.E.128" in s for s in body) and any(_op(s) == "FFMA" for s in body)
+            if summing and not any("HGMMA" in s for s in body):
+                spans.append((lo, i))
+    inner: list[tuple[int, int]] = []
+    for lo, hi in sorted(set(spans), key=lambda x: (x[1] - x[0], x[0])):
+        if not any(lo <= b and a <= hi for a, b in inner):
+            inner.append((lo, hi))
+    out = []
+    for lo, hi in sorted(inner):
+        ops = [_op(s) for _, s in insts[lo : hi + 1]]
+        first_fma = ops.index("FFMA")
+        wide = [i for i, (_, s) in enumerate(insts[lo : hi + 1]) if "LDG.E.128" in s]
+        out.append(
+            SumLoop(
+                start=insts[lo][0],
+                end=insts[hi][0],
+                instructions=len(ops),
+                loads=len(wide),
+                loads_ahead=sum(i < first_fma for i in wide),
+                ffma=ops.count("FFMA"),
+                spill_loads=sum(op.startswith("LDL") for op in ops),
+                spill_stores=sum(op.startswith("STL") for op in ops),
+            )
+        )
+    return out
+
+
+def _op(ins: str) -> str:
+    """An instruction's opcode without its modifiers or predicate."""
+    return (ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0]
+
+
 def ctas_per_sm(registers: int, shared: int, threads: int, sm: dict | None = None) -> int:
     """Thread blocks of one kernel an SM holds at once, by registers, shared memory and
     threads (an H100's limits unless ``sm`` gives others): the registers a block takes are
@@ -129,4 +190,4 @@ def ctas_per_sm(registers: int, shared: int, threads: int, sm: dict | None = Non
     return max(0, min(by_regs, by_shared, by_threads, sm["blocks"]))
 
 
-__all__ = ["H100_SM", "Loop", "ctas_per_sm", "disassemble", "gemm_loops"]
+__all__ = ["H100_SM", "Loop", "SumLoop", "ctas_per_sm", "disassemble", "gemm_loops", "sum_loops"]

@@ -21,7 +21,7 @@ from rdepc.codegen.sm90 import compile_cubins
 import rdepc
 from rdepc.driver import generate_spec
 
-BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward", "rdep_layer.backward"]
+BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward", "rdep_layer.backward", "rdep_transport"]
 PER_RANK_BUILDS = ["rdep_gemm", "rdep_gemm.forward", "rdep_gemm.backward"]
 _YARDSTICK = """
 import json, sys
@@ -82,7 +82,7 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
 
 def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     """The backward's GEMM work, in split mode's GEMM kernel and in the unified kernel (the
-    native default until split mode's CUDA graph and withheld task have run on a GPU): four
+    interpreter's default): four
     loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two weight gradients — each on TMA with one
     barrier for both loads (``gemm_tile`` loads A before a transposed B), pipelined (wait
     depth 1), without a spill inside, within the forward's 1.10× of the yardstick in the GEMM
@@ -105,3 +105,27 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
             assert loop["tma_loads"] == 2 and loop["r2ur"] <= 1, where
             assert loop["instructions"] <= (1.10 if split else 1.16) * yard[loop["shapes"][0]], where
         assert r["stack"] <= (0 if split else 1136), (r["layer"], r["kernel"], r["stack"])
+
+
+def test_the_combine_loads_every_slot_before_it_sums(compiled):
+    """The transport kernel's combine (one process): per step of COMBINE_COLS columns of its
+    COMBINE_TOKENS tokens, all K slots' rows are loaded before the first FMA waits for them
+    (a loop over the slots kept one slot's rows in flight, and the stage is latency-bound:
+    2.16 ms for moonlight at T' = 4096 on an H200, 12 GB/s a program), without a spill."""
+    from rdepc.codegen import sass
+    from rdepc.codegen.device.layout import COMBINE_COLS, COMBINE_TOKENS
+
+    from rdepc.ir.contract import Tiles
+
+    results, _ = compiled
+    transport = [r for r in results if r["kernel"] == "rdep_transport"]
+    assert sorted(r["layer"] for r in transport) == ["moonlight", "qwen3_30b_a3b"]
+    for r in transport:
+        sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
+        K, threads = sh["K"], 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
+        per_slot = COMBINE_TOKENS.value * COMBINE_COLS.value * 2 // (threads * 16)  # bf16 rows, 16-byte loads
+        fmas = K * COMBINE_TOKENS.value * COMBINE_COLS.value // threads
+        combine = [loop for loop in sass.sum_loops(sass.disassemble(r["cubin"])) if loop.ffma == fmas]
+        assert combine, (r["layer"], sass.sum_loops(sass.disassemble(r["cubin"])))
+        for loop in combine:
+            assert loop.loads_ahead >= K * per_slot and loop.spill_loads == loop.spill_stores == 0, (r["layer"], loop)
