@@ -41,7 +41,9 @@ def lead_rows(landing, lead, t, k, c, BLOCK_H: tl.constexpr):
     """DEDUP: the sum of the rows returned per (token, owner), at each token's first slot
     there (``lead``), in slot order, columns ``c``."""
     acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-    for kk in range(K):  # one row per (token, owner), at the token's first slot there, in slot order
+    # one row per (token, owner), at the token's first slot there, in slot order; unrolled, so
+    # that every slot's rows are loaded before the sum waits for them (as combine's)
+    for kk in tl.static_range(K):
         lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
         m = lead_k[:, None] & (c < H)[None, :]
         acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
@@ -122,9 +124,9 @@ def combine(
     real = t < n_tokens
     if DEDUP:
         lead = leads(ok, at // E_MAX, offset + p)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
             if RENORMALIZE:
                 acc = acc * scale[:, None]
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
@@ -197,9 +199,9 @@ def combine_grad(
         e = tl.load(topk_ids + base + i, mask=ok, other=0)
         lead = leads(ok, tl.load(owner_of + e, mask=ok, other=0), tl.load(slot + base + i, mask=ok, other=0))
         dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
             tl.store(
                 dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
             )

@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 6beebec15a70324bd9c042f95debd86061401ded8a378d2cc305c2892bf6c07f
+# content-sha256: 9be432c7edd851779273a823d193ede71e11ab9debeb2d308d9cfedb48688e37
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2269,7 +2269,9 @@ def lead_rows(landing, lead, t, k, c, BLOCK_H: tl.constexpr):
     """DEDUP: the sum of the rows returned per (token, owner), at each token's first slot
     there (``lead``), in slot order, columns ``c``."""
     acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-    for kk in range(K):  # one row per (token, owner), at the token's first slot there, in slot order
+    # one row per (token, owner), at the token's first slot there, in slot order; unrolled, so
+    # that every slot's rows are loaded before the sum waits for them (as combine's)
+    for kk in tl.static_range(K):
         lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
         m = lead_k[:, None] & (c < H)[None, :]
         acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
@@ -2350,9 +2352,9 @@ def combine(
     real = t < n_tokens
     if DEDUP:
         lead = leads(ok, at // E_MAX, offset + p)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
             if RENORMALIZE:
                 acc = acc * scale[:, None]
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
@@ -2425,9 +2427,9 @@ def combine_grad(
         e = tl.load(topk_ids + base + i, mask=ok, other=0)
         lead = leads(ok, tl.load(owner_of + e, mask=ok, other=0), tl.load(slot + base + i, mask=ok, other=0))
         dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            acc = lead_rows(landing, lead, t, k, c, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
+            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
             tl.store(
                 dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
             )
