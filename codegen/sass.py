@@ -82,22 +82,29 @@ def _parse(text: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
     return insts, labels
 
 
-def gemm_loops(text: str) -> list[Loop]:
-    """The innermost HGMMA loops of one kernel's SASS, in address order."""
-    insts, labels = _parse(text)
+def _innermost(insts: list[tuple[int, str]], labels: dict[str, int], keep) -> list[tuple[int, int]]:
+    """The (first, last) instruction indices of the innermost loops whose body ``keep``
+    accepts (a list of instruction texts), in address order: the body between a backward
+    branch and its target, of overlapping ones the smallest (module docstring)."""
     spans = []
     for i, (_, ins) in enumerate(insts):
         m = _BRANCH.search(ins)
         if m and labels.get(m.group(1), i + 1) <= i:
             lo = labels[m.group(1)]
-            if any("HGMMA" in s for _, s in insts[lo : i + 1]):
+            if keep([s for _, s in insts[lo : i + 1]]):
                 spans.append((lo, i))
     inner: list[tuple[int, int]] = []
     for lo, hi in sorted(set(spans), key=lambda x: (x[1] - x[0], x[0])):  # smallest first
         if not any(lo <= b and a <= hi for a, b in inner):  # overlaps none kept: not a retry stub's span
             inner.append((lo, hi))
+    return sorted(inner)
+
+
+def gemm_loops(text: str) -> list[Loop]:
+    """The innermost HGMMA loops of one kernel's SASS, in address order."""
+    insts, labels = _parse(text)
     out = []
-    for lo, hi in sorted(inner):
+    for lo, hi in _innermost(insts, labels, lambda body: any("HGMMA" in s for s in body)):
         body = [s for _, s in insts[lo : hi + 1]]
         ops = [s.split()[0] if not s.startswith("@") else s.split()[1] for s in body]
         depths = [int(d, 0) for s in body for d in _DEPBAR.findall(s)]
@@ -138,22 +145,14 @@ def sum_loops(text: str) -> list[SumLoop]:
     """The innermost loops of one kernel's SASS that load 128-bit rows and sum them with FMAs
     and issue no HGMMA, in address order (retry stubs and enclosing loops dropped as in
     :func:`gemm_loops`)."""
+
+    def summing(body: list[str]) -> bool:
+        wide = any("LDG.E.128" in s for s in body)
+        return wide and any(_op(s) == "FFMA" for s in body) and not any("HGMMA" in s for s in body)
+
     insts, labels = _parse(text)
-    spans = []
-    for i, (_, ins) in enumerate(insts):
-        m = _BRANCH.search(ins)
-        if m and labels.get(m.group(1), i + 1) <= i:
-            lo = labels[m.group(1)]
-            body = [s for _, s in insts[lo : i + 1]]
-            summing = any("LDG.E.128" in s for s in body) and any(_op(s) == "FFMA" for s in body)
-            if summing and not any("HGMMA" in s for s in body):
-                spans.append((lo, i))
-    inner: list[tuple[int, int]] = []
-    for lo, hi in sorted(set(spans), key=lambda x: (x[1] - x[0], x[0])):
-        if not any(lo <= b and a <= hi for a, b in inner):
-            inner.append((lo, hi))
     out = []
-    for lo, hi in sorted(inner):
+    for lo, hi in _innermost(insts, labels, summing):
         ops = [_op(s) for _, s in insts[lo : hi + 1]]
         first_fma = ops.index("FFMA")
         wide = [i for i, (_, s) in enumerate(insts[lo : hi + 1]) if "LDG.E.128" in s]
