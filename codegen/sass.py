@@ -106,7 +106,7 @@ def gemm_loops(text: str) -> list[Loop]:
     out = []
     for lo, hi in _innermost(insts, labels, lambda body: any("HGMMA" in s for s in body)):
         body = [s for _, s in insts[lo : hi + 1]]
-        ops = [s.split()[0] if not s.startswith("@") else s.split()[1] for s in body]
+        ops = [_op(s) for s in body]
         depths = [int(d, 0) for s in body for d in _DEPBAR.findall(s)]
         out.append(
             Loop(

@@ -44,7 +44,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rdepc.codegen import sass
@@ -391,7 +391,8 @@ def _compile(
         r = _written(contract, kernel, k, Path(out_dir), arch, 32 * tiles.num_warps, time.perf_counter() - t0)
         ptx = k.asm["ptx"]
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
-        loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(Path(r["cubin"])))]
+        text = sass.disassemble(Path(r["cubin"]))
+        loops = [loop.as_dict() for loop in sass.gemm_loops(text)]
         out.append(
             {
                 **r,
@@ -400,6 +401,7 @@ def _compile(
                 "tma": "cp.async.bulk.tensor" in ptx,
                 "descriptors": descriptor_builds(ptx),
                 "loops": loops,
+                "sum_loops": [asdict(loop) for loop in sass.sum_loops(text)],  # the combine's
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,

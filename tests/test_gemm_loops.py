@@ -112,10 +112,9 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
     COMBINE_TOKENS tokens, all K slots' rows are loaded before the first FMA waits for them
     (a loop over the slots kept one slot's rows in flight, and the stage is latency-bound:
     2.16 ms for moonlight at T' = 4096 on an H200, 12 GB/s a program), without a spill."""
-    from rdepc.codegen import sass
-    from rdepc.codegen.device.layout import COMBINE_COLS, COMBINE_TOKENS
-
     from rdepc.ir.contract import Tiles
+    from rdepc.ir.sizes import BM as COMBINE_TOKENS  # the generated COMBINE_TOKENS (KernelContract.combine_tokens)
+    from rdepc.ir.sizes import COMBINE_COLS
 
     results, _ = compiled
     transport = [r for r in results if r["kernel"] == "rdep_transport"]
@@ -123,9 +122,10 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
     for r in transport:
         sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
         K, threads = sh["K"], 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
-        per_slot = COMBINE_TOKENS.value * COMBINE_COLS.value * 2 // (threads * 16)  # bf16 rows, 16-byte loads
-        fmas = K * COMBINE_TOKENS.value * COMBINE_COLS.value // threads
-        combine = [loop for loop in sass.sum_loops(sass.disassemble(r["cubin"])) if loop.ffma == fmas]
-        assert combine, (r["layer"], sass.sum_loops(sass.disassemble(r["cubin"])))
+        per_slot = COMBINE_TOKENS * COMBINE_COLS * 2 // (threads * 16)  # bf16 rows, 16-byte loads
+        fmas = K * COMBINE_TOKENS * COMBINE_COLS // threads
+        combine = [loop for loop in r["sum_loops"] if loop["ffma"] == fmas]
+        assert combine, (r["layer"], r["sum_loops"])
         for loop in combine:
-            assert loop.loads_ahead >= K * per_slot and loop.spill_loads == loop.spill_stores == 0, (r["layer"], loop)
+            where = (r["layer"], loop)
+            assert loop["loads_ahead"] >= K * per_slot and loop["spill_loads"] == loop["spill_stores"] == 0, where

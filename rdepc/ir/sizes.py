@@ -22,6 +22,9 @@ from fractions import Fraction
 from typing import Any
 
 BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's tile height
+# Columns the combine sums over all K slots at once (each slot's rows loaded before the sum):
+# 128 spilled the transport kernel on sm_90 (moonlight: 1,000 B of stack)
+COMBINE_COLS = 64
 
 
 def kept_columns(H: Any, F: Any, gated: bool, recompute: bool, resend: bool = False) -> dict[str, Any]:

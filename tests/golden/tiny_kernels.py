@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 9be432c7edd851779273a823d193ede71e11ab9debeb2d308d9cfedb48688e37
+# content-sha256: 01685fe1902a370c2cfe7ab9c2feed034d8a4dfce37612a8a97d7dca81e55ddc
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -69,7 +69,7 @@ ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-
 KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
-COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills the transport kernel)
+COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills)
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
