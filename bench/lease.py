@@ -62,50 +62,32 @@ class Step:
         return [a.format(**fill) for a in self.command]
 
 
-TINY_BALANCE = "{ROOT}/examples/tiny_balance.rdep"
 STEPS = (
     Step(
-        "a PE killed: where each survivor was (progress records) and its seconds to the error at 2^20 spins; "
-        "4 PEs; the user's torchrun (split mode, now the native default)",
-        cap=200,
-        stage="nvshmem",
-        only=("kill/W2", "bitwise/tiny/W4", "torchrun/W2"),
-        budget=150,
+        "tile sizes tuned where perf measures (moonlight, T' = 4096, bulk), every candidate prewarmed first "
+        "(the last lease timed 14 of 48 at the spec's T, compiling each in turn)",
+        cap=150,
+        stage="tune",
+        budget=130,
     ),
     Step(
-        "balance replicate on nvshmem in split mode (the native default): the plan's tasks in the transport kernel",
-        cap=80,
-        command=(
-            "torchrun",
-            "--nproc-per-node",
-            "4",
-            "-m",
-            "rdepc",
-            "run",
-            TINY_BALANCE,
-            "--backend",
-            "nvshmem",
-            "--routing",
-            "zipf:1.5",
-            "--check",
-        ),
-    ),
-    Step(
-        "the whole perf stage with split mode the default: moonlight and qwen3 at T' = 4096, moonlight at 128",
-        cap=200,
+        "perf's moonlight case with the tiles just tuned (the combine's span since its slots were unrolled: 0.83 ms)",
+        cap=100,
         stage="perf",
-        budget=170,
+        only=("perf/moonlight/T4096/uniform",),
+        budget=80,
     ),
     Step(
-        "withheld/moonlight in both modes, not reached by the last two leases",
-        cap=90,
-        stage="correct",
-        only=("withheld/moonlight",),
-        budget=70,
+        "a PE killed: where each survivor was (progress records) and its seconds to the error at 2^20 spins "
+        "(the last lease: rank 0 reported its results, then its exit hung)",
+        cap=130,
+        stage="nvshmem",
+        only=("kill/W2",),
+        budget=110,
     ),
     Step(
-        "the balance solver's time at nvl72_e128's shape, where the last lease stopped",
-        cap=90,
+        "the balance solver's time at nvl72_e128's shape (the last lease: ~90 ms a device plan, five cases in 90 s)",
+        cap=150,
         command=(
             "{PY}",
             "{ROOT}/bench/balance.py",
@@ -117,7 +99,6 @@ STEPS = (
             "{OUT}/balance",
         ),
     ),
-    Step("tile sizes tuned on the GPU (the last lease timed 8 of 48 candidates)", cap=120, stage="tune", budget=100),
 )
 
 

@@ -17,7 +17,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
@@ -26,6 +26,7 @@ from rdepc.ir.contract import KernelContract, Tiles
 from rdepc.ir.spec import Dtype
 
 SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
+ACC_REGISTERS = 128  # a GEMM tile's fp32 accumulator per thread, of the 255 registers a thread may have
 
 
 def shared_bytes(contract: KernelContract, t: Tiles) -> int:
@@ -39,11 +40,16 @@ def shared_bytes(contract: KernelContract, t: Tiles) -> int:
 
 
 def candidates(contract: KernelContract) -> list[Tiles]:
-    """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 or 128 wide
+    """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 to 256 wide
     (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
-    with room to spare (the rest of the kernel uses some too)."""
-    wide = (32, 64) if contract.dtype == "fp32" else (64, 128)
+    with room to spare (the rest of the kernel uses some too) and whose fp32 accumulators
+    take at most 128 registers a thread (:data:`ACC_REGISTERS`; more spills). Nearest the defaults first
+    (fewest sizes changed; then the larger m-tile, more warps, wider tiles): a budget that
+    ends the tuning early leaves out the candidates least like the tiles known to run well."""
+    wide = (32, 64) if contract.dtype == "fp32" else (64, 128, 256)
     k = 32 if contract.dtype == "fp32" else 64
+    base = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
+    up = 2 if contract.gated else 1
     out = []
     for bm in (64, 128):
         for block_f in wide:
@@ -51,9 +57,15 @@ def candidates(contract: KernelContract) -> list[Tiles]:
                 for warps in (4, 8):
                     for stages in (2, 3, 4):
                         t = Tiles(bm, block_h, block_f, 64, 4096, warps, k, stages)
-                        if shared_bytes(contract, t) <= SHARED_BYTES * 7 // 8:
+                        acc = t.bm * max(up * t.block_f, t.block_h) // (32 * warps)
+                        if shared_bytes(contract, t) <= SHARED_BYTES * 7 // 8 and acc <= ACC_REGISTERS:
                             out.append(t)
-    return out
+
+    def order(t: Tiles) -> tuple:
+        changed = sum(getattr(t, f.name) != getattr(base, f.name) for f in fields(Tiles))
+        return (changed, -t.bm, -t.num_warps, -t.block_h, -t.block_f, abs(t.num_stages - base.num_stages))
+
+    return sorted(out, key=order)
 
 
 def key(contract: KernelContract, device_name: str) -> str:
@@ -218,6 +230,7 @@ def tune_layer(
 
 
 __all__ = [
+    "ACC_REGISTERS",
     "SHARED_BYTES",
     "candidates",
     "key",

@@ -32,7 +32,18 @@ def test_candidates_fit_shared_memory_and_cover_both_tile_widths(name):
     got = tune.candidates(plan)
     assert got and all(tune.shared_bytes(plan, t) <= tune.SHARED_BYTES for t in got)
     assert {t.bm for t in got} == {64, 128} and {t.num_warps for t in got} == {4, 8}
-    assert len({t.block_f for t in got}) == 2 and len(set(got)) == len(got)
+    assert len({t.block_f for t in got}) == (2 if plan.dtype == "fp32" else 3) and len(set(got)) == len(got)
+    up = 2 if plan.gated else 1  # no tile whose accumulator would take more registers than a thread may hold
+    assert all(t.bm * max(up * t.block_f, t.block_h) <= 32 * t.num_warps * tune.ACC_REGISTERS for t in got)
+
+
+def test_candidates_start_at_the_defaults_and_move_away_one_size_at_a_time():
+    plan = plan_of("moonlight")
+    got = tune.candidates(plan)
+    base = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    changed = [sum(a != b for a, b in zip(asdict(t).values(), asdict(base).values(), strict=True)) for t in got]
+    assert got[0] == base and changed == sorted(changed)
+    assert Tiles(128, 256, 128, 64, 4096, 8, 64, 3) in got[:3]  # GEMM2's tile twice as wide: one size changed
 
 
 def test_the_fastest_candidate_wins_and_failures_are_recorded():

@@ -26,13 +26,51 @@ def cmd_tune(args) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available (tuning measures native kernels on a GPU)")
-    from rdepc.runtime.tune import tune_layer
+    from rdepc.runtime.tune import candidates, tune_layer
 
     print(f"tuning layer {spec.name} ({spec.file}) on {torch.cuda.get_device_name()}:")
+    tried = candidates(layer.compile(schedule=args.schedule, interpret=False).kernel)
+    warm = prewarm_candidates(layer, tried, args.device, schedule=args.schedule, mode=args.mode,
+                              tokens=args.tokens, timeout=args.budget)  # fmt: skip
+    print(f"  {len(tried)} candidates: {warm['compiled']} builds compiled in {warm['seconds']} s "
+          f"({warm['processes']} processes), {warm['cached']} cached, {warm['failed']} failed")  # fmt: skip
     best, results, path = tune_layer(
         layer, args.device, schedule=args.schedule, mode=args.mode, tokens=args.tokens, reps=args.reps,
-        progress=lambda line: print(line, flush=True), budget=args.budget,
+        tried=tried, progress=lambda line: print(line, flush=True), budget=args.budget,
     )  # fmt: skip
     ms = min(r["ms"] for r in results if "ms" in r)
     print(f"fastest: {best} at {ms:.3f} ms; recorded in {path}")
     return 0
+
+
+def prewarm_candidates(
+    layer, tried, device: str, *, schedule=None, mode=None, tokens=None, timeout=None, processes=None
+) -> dict:
+    """Every candidate's native builds compiled into Triton's cache before any is timed, in
+    ``processes`` parallel processes (default one per core; ``rdepc.codegen.prewarm``): in
+    the timing loop each candidate's compile would take one core 5-10 s. A candidate whose
+    launch the module refuses is left to the timing, which records why. The prewarm's
+    summary (``prewarm_summary``) with ``seconds`` and ``processes``."""
+    import os
+    import time
+
+    import torch
+
+    from rdepc.codegen import prewarm as warm
+    from rdepc.ir.contract import default_mode
+
+    compiled = layer.compile(schedule=schedule, interpret=False)
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    requests = []
+    for t in tried:
+        try:
+            requests += warm.launch_requests(
+                compiled.kernels_path, compiled.directory / "plan.json", mode=mode or default_mode(True),
+                tiles=t, sms=sms, tokens=tokens, label=f"{layer.spec.name} {t}",
+            )  # fmt: skip
+        except ValueError:
+            continue
+    processes = processes or max(1, os.cpu_count() or 1)
+    t0 = time.monotonic()
+    results = warm.prewarm(requests, processes, timeout=timeout)
+    return warm.prewarm_summary(results) | {"seconds": round(time.monotonic() - t0, 1), "processes": processes}
