@@ -76,13 +76,14 @@ def launch_requests(
         launch = native_launch(contract, tiles, mode, sms, tokens, rank, spin_bound)
         for backward, save, profile in PASSES[pass_]:
             what = f"{pass_}{' backward' if backward else ''}{'' if rank is None else f' rank {rank}'}"
+            own = tiles.for_backward(contract) if backward else tiles  # as RDEPModule launches a backward
             for kernel, _ in mode_kernels(mode):
                 out.append(
                     {
                         "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere
                         "plan": str(Path(plan_path).resolve()),
                         "kernel": kernel,
-                        "tiles": asdict(tiles),
+                        "tiles": asdict(own),
                         "meta": variant_meta(mode, kernel, backward, save, profile),
                         "launch": launch,
                         "label": f"{label or contract.layer} {mode} {kernel} {what}",

@@ -382,13 +382,14 @@ def _compile(
             out.append(_balance(contract, module, kernel, Path(out_dir), arch, options))
             continue
         fn = getattr(module, KERNELS[kernel][0])
+        own = tiles.for_backward(contract) if KERNELS[kernel][1].get("BACKWARD") else tiles  # as a module launches
         t0 = time.perf_counter()
         sp = launch_specialization(
-            contract, fn, kernel, arch=arch, tiles=tiles, options=options, profile=profile, sms=sms
+            contract, fn, kernel, arch=arch, tiles=own, options=options, profile=profile, sms=sms
         )
         src = ASTSource(fn=fn, signature=sp.signature, constexprs=sp.constexprs, attrs=sp.attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=sp.options.__dict__)
-        r = _written(contract, kernel, k, Path(out_dir), arch, 32 * tiles.num_warps, time.perf_counter() - t0)
+        r = _written(contract, kernel, k, Path(out_dir), arch, 32 * own.num_warps, time.perf_counter() - t0)
         ptx = k.asm["ptx"]
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
         text = sass.disassemble(Path(r["cubin"]))
@@ -409,7 +410,7 @@ def _compile(
                 # NVSHMEM's code inlined from the bitcode (its device state, which
                 # nvshmem.core.module_init fills, is then a .const of the module).
                 "nvshmem": "nvshmem" in ptx,
-                "tiles": {**tiles.constexprs(), "num_warps": tiles.num_warps},
+                "tiles": {**own.constexprs(), "num_warps": own.num_warps},
                 "launch": sp.launch,
                 "specialization": sp.specialization,
             }

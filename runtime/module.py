@@ -153,8 +153,9 @@ class RDEPModule:
         self.dtype = TORCH_DTYPES[contract.dtype]
         self.kernels = import_kernels(self.kernels_path, self.interpret)
         self.tiles, self.tiles_source = self._tiles(tiles)
+        self.bwd_tiles = tune.backward_tiles(contract, self.tiles, self.interpret)
         self.work = contract.work(self.tiles, mode, rank=self.rank)
-        self.bwd_work = contract.work(self.tiles, mode, rank=self.rank, backward=True)
+        self.bwd_work = contract.work(self.bwd_tiles, mode, rank=self.rank, backward=True)
         self.local_experts = local_experts(contract, self.rank, slots=True)  # the weights its launches take
         self.grid, self.per_queue = self._grid(programs, comm_programs)  # all resident at once on a GPU
         self.spin_bound = self._spin_bound(spin_bound)
@@ -491,7 +492,7 @@ class RDEPModule:
             private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
         scalars = p.launch_scalars(Tn, self.grid, self.rank, self.spin_bound, self.per_rank)
         given = {"heap": self.heap, **private, **tables, **scalars, **given}
-        tl = self.tiles
+        tl = self.bwd_tiles if backward else self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
             "PROFILE": self.profiling and not backward,

@@ -23,33 +23,18 @@ from pathlib import Path
 from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
 
 from rdepc.ir.contract import KernelContract, Tiles
-from rdepc.ir.spec import Dtype
-
-SHARED_BYTES = 227 * 1024  # what one block may use on an H100 / H200
-ACC_REGISTERS = 128  # a GEMM tile's fp32 accumulator per thread, of the 255 registers a thread may have
-
-
-def shared_bytes(contract: KernelContract, t: Tiles) -> int:
-    """Shared memory the pipelined GEMM loops need: ``num_stages`` copies of one A and one B
-    chunk, for the wider of GEMM1 (gate and up: 2·block_f columns) and GEMM2."""
-    a, d = Dtype(contract.dtype).bytes, Dtype(contract.dispatch).bytes
-    up = (2 if contract.gated else 1) * t.block_f
-    gemm1 = t.bm * t.block_k * d + t.block_k * up * a
-    gemm2 = t.bm * t.block_k * a + t.block_k * t.block_h * a
-    return t.num_stages * max(gemm1, gemm2)
 
 
 def candidates(contract: KernelContract) -> list[Tiles]:
     """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 to 256 wide
     (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
-    with room to spare (the rest of the kernel uses some too) and whose fp32 accumulators
-    take at most 128 registers a thread (:data:`ACC_REGISTERS`; more spills). Nearest the defaults first
+    and whose accumulators stay in registers (``Tiles.fits``: the forward's, which is
+    what is timed; a backward launches them narrowed, ``Tiles.for_backward``). Nearest the defaults first
     (fewest sizes changed; then the larger m-tile, more warps, wider tiles): a budget that
     ends the tuning early leaves out the candidates least like the tiles known to run well."""
     wide = (32, 64) if contract.dtype == "fp32" else (64, 128, 256)
     k = 32 if contract.dtype == "fp32" else 64
     base = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
-    up = 2 if contract.gated else 1
     out = []
     for bm in (64, 128):
         for block_f in wide:
@@ -57,8 +42,7 @@ def candidates(contract: KernelContract) -> list[Tiles]:
                 for warps in (4, 8):
                     for stages in (2, 3, 4):
                         t = Tiles(bm, block_h, block_f, 64, 4096, warps, k, stages)
-                        acc = t.bm * max(up * t.block_f, t.block_h) // (32 * warps)
-                        if shared_bytes(contract, t) <= SHARED_BYTES * 7 // 8 and acc <= ACC_REGISTERS:
+                        if t.fits(contract):
                             out.append(t)
 
     def order(t: Tiles) -> tuple:
@@ -100,6 +84,13 @@ def launch_tiles(contract: KernelContract, device_name: str | None, interpret: b
     return Tiles.default(
         contract.H, contract.F, contract.dtype, False
     ), "defaults (not tuned: rdepc tune FILE --device cuda)"
+
+
+def backward_tiles(contract: KernelContract, tiles: Tiles, interpret: bool) -> Tiles:
+    """The tiles a backward launch uses: natively ``tiles`` narrowed until its weight
+    gradients' tiles fit too (``Tiles.for_backward``; the defaults fit as they are), under
+    the interpreter ``tiles`` (it has no registers or shared memory to fit)."""
+    return tiles if interpret else tiles.for_backward(contract)
 
 
 def record(contract: KernelContract, device_name: str, best: Tiles, results: list[dict]) -> Path:
@@ -230,14 +221,12 @@ def tune_layer(
 
 
 __all__ = [
-    "ACC_REGISTERS",
-    "SHARED_BYTES",
+    "backward_tiles",
     "candidates",
     "key",
     "launch_tiles",
     "lookup",
     "record",
-    "shared_bytes",
     "tune",
     "tune_layer",
 ]

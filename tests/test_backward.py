@@ -454,3 +454,24 @@ def test_the_gemm_kernels_paired_da_epilogue_is_bitwise_the_unified_kernels(case
     got_y, _, _, got = grads(layer.module(schedule="bulk", mode="split", tiles=TILES), inputs, dy, biases)
     assert torch.equal(got_y, y) and want.keys() == got.keys()
     assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+
+
+def test_a_backward_on_narrower_tiles_than_its_forward_computes_the_same_gradients(monkeypatch):
+    """Natively a backward launches ``Tiles.for_backward`` of the forward's tiles (tiles tuned
+    on the forward may make its weight-gradient tiles too large): its own work items, tile
+    counters and constexprs. Here, under the interpreter, block_f narrowed on purpose (as
+    for_backward narrows first): every sum runs over the same chunks in the same order, so
+    the gradients are bitwise."""
+    from rdepc.runtime import tune
+
+    case = Case(bias=True, capacity="factor 0.5", routing="zipf:1.5")
+    layer, inputs, biases = case.layer(), case.inputs(), case.biases()
+    y, _, dy, want = grads(layer.module(schedule="pipelined", tiles=TILES), inputs, biases=biases)
+    narrow = dataclasses.replace(TILES, block_f=16)
+    monkeypatch.setattr(tune, "backward_tiles", lambda contract, tiles, interpret: narrow)
+    m = layer.module(schedule="pipelined", tiles=TILES)
+    assert m.tiles == TILES and m.bwd_tiles == narrow
+    y2, _, _, got = grads(m, inputs, dy, biases)
+    assert torch.equal(y2, y) and want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"d{name} differs on the narrower backward tiles"

@@ -13,7 +13,7 @@ from rdepc.runtime import tune
 from rdepc.runtime.tensors import gate_up
 
 import rdepc
-from rdepc.ir.contract import Tiles
+from rdepc.ir.contract import ACC_REGISTERS, Tiles
 
 
 @pytest.fixture
@@ -30,11 +30,11 @@ def plan_of(name: str, **overrides):
 def test_candidates_fit_shared_memory_and_cover_both_tile_widths(name):
     plan = plan_of(name)
     got = tune.candidates(plan)
-    assert got and all(tune.shared_bytes(plan, t) <= tune.SHARED_BYTES for t in got)
+    assert got and all(t.fits(plan) and t.shared_bytes(plan) <= 227 * 1024 * 7 // 8 for t in got)
     assert {t.bm for t in got} == {64, 128} and {t.num_warps for t in got} == {4, 8}
     assert len({t.block_f for t in got}) == (2 if plan.dtype == "fp32" else 3) and len(set(got)) == len(got)
     up = 2 if plan.gated else 1  # no tile whose accumulator would take more registers than a thread may hold
-    assert all(t.bm * max(up * t.block_f, t.block_h) <= 32 * t.num_warps * tune.ACC_REGISTERS for t in got)
+    assert all(t.bm * max(up * t.block_f, t.block_h) <= 32 * t.num_warps * ACC_REGISTERS for t in got)
 
 
 def test_candidates_start_at_the_defaults_and_move_away_one_size_at_a_time():
@@ -123,3 +123,20 @@ def test_the_moe_block_holds_gate_and_up_as_one_parameter():
     assert moe.w_gate.data_ptr() == moe.w_gate_up.data_ptr()
     assert gate_up(moe.w_gate, moe.w_up).data_ptr() == moe.w_gate_up.data_ptr()
     assert moe.w_gate.std() > 0 and not torch.equal(moe.w_gate, moe.w_up)
+
+
+@pytest.mark.parametrize("name", ["tiny", "moonlight", "qwen3_30b_a3b", "deepseek_v3", "nvl72_e128"])
+def test_a_backward_launches_the_defaults_as_they_are_and_tuned_tiles_narrowed_to_fit(name):
+    plan = plan_of(name)
+    base = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
+    assert base.fits(plan, backward=True) and base.for_backward(plan) == base
+    assert tune.backward_tiles(plan, base, interpret=False) == base
+    # moonlight's fastest forward tiles on an H200 (GEMM2 256 wide, 4 stages): the weight gradient's
+    # [256, 2·128] tile would need 256 KiB of shared memory and 256 accumulator registers a thread
+    tuned = Tiles(128, 256, 128, 64, 4096, 8, 64, 4)
+    if plan.dtype != "fp32":
+        assert tuned.fits(plan) and not tuned.fits(plan, backward=True)
+        assert tuned.shared_bytes(plan, backward=True) == 4 * 64 * (256 + 256) * 2
+        assert tuned.for_backward(plan) == Tiles(128, 256, 64, 64, 4096, 8, 64, 4)
+    assert tuned.for_backward(plan).fits(plan, backward=True)
+    assert tune.backward_tiles(plan, tuned, interpret=True) == tuned  # the interpreter: nothing to fit

@@ -11,12 +11,12 @@ It lives with the IR so that the runtime never imports the code generator.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from rdepc.ir.balance import slot_chunks, slot_elems
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
 from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
-from rdepc.ir.spec import is_gated
+from rdepc.ir.spec import Dtype, is_gated
 
 # Task kinds of the generated kernel, one device function each.
 KINDS = (
@@ -103,6 +103,10 @@ def next_pow2(n: int, least: int = 2) -> int:
     return p
 
 
+SHARED_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
+ACC_REGISTERS = 128  # of the 255 registers a thread may have: a GEMM tile's fp32 accumulator, no more
+
+
 @dataclass(frozen=True, slots=True)
 class Tiles:
     """Tile sizes of the generated kernel (constexprs at launch; not part of the source).
@@ -144,6 +148,52 @@ class Tiles:
             "BLOCK_R": self.block_r,
             "STAGES": self.num_stages,
         }
+
+    def gemm_tiles(self, contract: KernelContract, backward: bool = False) -> tuple[tuple[int, int, int], ...]:
+        """(rows, columns, bytes of a row operand's element) of each GEMM tile a pass
+        computes, every one summed over ``block_k`` chunks: GEMM1's [bm, up·block_f] (a gated
+        expert's gate and up: up = 2; its rows in the dispatch dtype) and GEMM2's [bm,
+        block_h]; the backward's also the weight gradients' [block_h, up·block_f] and
+        [block_f, block_h], summed over the expert's rows."""
+        up, a, d = 2 if contract.gated else 1, Dtype(contract.dtype).bytes, Dtype(contract.dispatch).bytes
+        out = ((self.bm, up * self.block_f, d), (self.bm, self.block_h, a))
+        return (*out, (self.block_h, up * self.block_f, a), (self.block_f, self.block_h, a)) if backward else out
+
+    def shared_bytes(self, contract: KernelContract, backward: bool = False) -> int:
+        """Shared memory a pass's pipelined GEMM loops need: ``num_stages`` copies of one
+        [rows, block_k] and one [block_k, columns] chunk of its largest tile."""
+        a = Dtype(contract.dtype).bytes
+        return self.num_stages * max(self.block_k * (m * e + n * a) for m, n, e in self.gemm_tiles(contract, backward))
+
+    def accumulator_registers(self, contract: KernelContract, backward: bool = False) -> int:
+        """Registers a thread holds its share of a pass's largest fp32 accumulator in."""
+        return max(m * n for m, n, _ in self.gemm_tiles(contract, backward)) // (32 * self.num_warps)
+
+    def fits(self, contract: KernelContract, backward: bool = False) -> bool:
+        """Whether a pass's GEMM tiles fit a GPU block (an H100's or H200's 227 KiB of shared
+        memory, with an eighth left for the rest of the kernel) without spilling their
+        accumulators (at most ``ACC_REGISTERS`` a thread)."""
+        shared = self.shared_bytes(contract, backward) <= SHARED_BYTES * 7 // 8
+        return shared and self.accumulator_registers(contract, backward) <= ACC_REGISTERS
+
+    def for_backward(self, contract: KernelContract) -> Tiles:
+        """The tiles a native backward launches with: these, narrowed until its GEMM tiles fit
+        too (:meth:`fits`). The weight gradient's [block_h, up·block_f] tile is the largest:
+        block_f is halved first (block_h also sets the column blocks the gates' gradient is
+        summed over: narrowing it would change that sum's rounding), then block_h, then
+        stages dropped. ``rdepc tune`` times the forward, whose best GEMM2 tile (256 wide)
+        would make that tile 256 × 256."""
+        t = self
+        while not t.fits(contract, backward=True):
+            if t.block_f > 16:
+                t = replace(t, block_f=t.block_f // 2)
+            elif t.block_h > 16:
+                t = replace(t, block_h=t.block_h // 2)
+            elif t.num_stages > 1:
+                t = replace(t, num_stages=t.num_stages - 1)
+            else:
+                return t  # nothing left to narrow: the launch reports what does not fit
+        return t
 
     @staticmethod
     def default(H: int, F: int, dtype: str, interpret: bool) -> Tiles:
