@@ -576,8 +576,13 @@ class RDEPModule:
                 # Other ranks' done flags live in their processes' slices: one rank cannot reset
                 # them, so the layer must be rebuilt on every rank.
                 self._broken = f"{err} (this per-rank module is stopped: rebuild it on every rank)"
-                if err.record.get("flag_rank") not in (None, self.rank):
-                    self.transport.peers_lost(f"a wait for rank {err.record['flag_rank']} failed")
+                # A wait on this rank's own flag fails too when the task it waited for waits on a
+                # peer that is gone (its scan, for the routes of a killed rank): either way NVSHMEM's
+                # finalize, a collective, must not wait for the peers at exit.
+                if err.record.get("flag_rank") is not None:
+                    self.transport.peers_lost(
+                        f"a wait for {err.record['flag_task']} on rank {err.record['flag_rank']} failed"
+                    )
             else:
                 # The programs stopped early: the next call starts afresh from epoch 1 on zeroed
                 # control words, never on stale flags.

@@ -160,6 +160,31 @@ def test_a_killed_rank_fails_the_others_within_their_bound(tmp_path):
         assert p["after"] == pytest.approx(survivors[rank // 2]["error_after"])
 
 
+def test_an_expired_wait_on_its_own_rank_still_tells_the_transport_a_peer_may_be_gone():
+    """A killed peer shows first, in split mode, as the GEMM kernel's wait on its own rank's
+    scan expiring (the scan waits for the dead peer's routes: kill/W2 on an H200): a per-rank
+    module tells its transport, so that NVSHMEM's finalize (a collective) is skipped at exit
+    instead of waiting for the dead peer there."""
+    from types import SimpleNamespace
+
+    from rdepc.runtime.module import RDEPModule
+    from rdepc.runtime.records import AT
+
+    plan = rdepc.load(TINY, W=2).compile(backend="emulated-mp").kernel
+    words = [0] * len(AT)
+    fields = {"err_code": 1, "err_entry": plan.names.index("gemm1 s0 r0"), "err_dep": plan.names.index("scan r0")}
+    for name, value in (fields | {"err_rank": 0, "err_epoch": 1, "err_resource": 1, "err_expected": 1}).items():
+        words[AT[name]] = value
+    lost = []
+    module = SimpleNamespace(
+        contract=plan, mode="split", spin_bound=5000, per_queue=(1, 1), per_rank=True, rank=0,
+        _readback=SimpleNamespace(clear=lambda: None), transport=SimpleNamespace(peers_lost=lost.append),
+    )  # fmt: skip
+    with pytest.raises(KernelError, match=r"gemm1 s0 r0.*scan r0\) on rank 0"):
+        RDEPModule._raise_from(module, words, None, None)
+    assert lost == ["a wait for scan r0 on rank 0 failed"] and "rebuild it on every rank" in module._broken
+
+
 def hangs_at_exit(rank: int, world: int) -> int:
     """Returns, then (rank 1) hangs at exit, as NVSHMEM's finalize does when a PE is gone."""
     if rank == 1:
