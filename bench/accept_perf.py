@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from bench.accept_correct import DRY, FIT, fp32, free_bytes, load, own, tolerance, train_rows_bytes, variant
 
@@ -82,6 +83,31 @@ def _ms(fn, device, reps: int, warmup: int) -> dict:
     from bench.moe_bench import timeit
 
     return timeit(fn, torch.device(device), reps, warmup)
+
+
+HOST_TOP = 15  # functions of a call's host profile kept
+
+
+def host_profile(call, reps: int) -> list[dict]:
+    """Where a call's host time goes: ``reps`` calls under cProfile (nothing waits for the
+    device), the functions with the most time of their own, per call."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        call()
+    prof.disable()
+    rows = pstats.Stats(
+        prof
+    ).stats.items()  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    top = sorted(rows, key=lambda kv: -kv[1][2])[:HOST_TOP]
+    return [
+        {"function": f"{Path(f).name}:{line}({name})", "calls": n / reps, "own_ms": own * 1e3 / reps,
+         "cumulative_ms": cum * 1e3 / reps}
+        for (f, line, name), (_, n, own, cum, _) in top
+    ]  # fmt: skip
 
 
 def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
@@ -150,6 +176,8 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         issue.append((time.perf_counter() - t0) * 1e3)
     m.synchronize()
     check.figure("call_returns_ms", sorted(issue)[len(issue) // 2])
+    check.figure("host_profile", host_profile(call, reps))
+    m.synchronize()
     # per-stage spans of one profiled call, and the host's share of a call
     prof = layer.module(calls[0].backend, device, schedule=best[0], mode=best[1], profile=True)
     rdepc_call(prof)()
