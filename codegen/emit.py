@@ -205,6 +205,7 @@ def constants(p: KernelContract) -> str:
         _c("HOMES_PAD", next_pow2(p.homes)),
         _c("SLOTS", p.balance[0], "redundant expert slots a rank (balance replicate; else 0)"),
         _c("SLOTS_PAD", next_pow2(max(p.W * p.balance[0], 1)), "W*SLOTS rounded up to a power of two"),
+        _c("RANK_SLOTS_PAD", next_pow2(max(p.balance[0], 1), 1), "SLOTS rounded up to a power of two"),
         _c("MIN_ROWS", p.balance[1], "the least rows a replica takes"),
         *_slot_constants(p),
         "",

@@ -496,16 +496,26 @@ def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monk
     assert out["jit_cache_hits"] == [True]
 
 
-@pytest.mark.parametrize("shape, backend", [("tiny_balance", "emulated"), ("moonlight-shaped", "nvshmem")])
+@pytest.mark.parametrize(
+    "shape, backend", [("tiny_balance", "emulated"), ("moonlight-shaped", "nvshmem"), ("nvl72-shaped", "emulated")]
+)
 def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, shape, backend):
     """Every balance kernel a ``balance replicate`` layer launches on its transport builds
     for sm_90 (ptxas) with no spills: tiny_balance (fp32) in one process, and moonlight's
     shape (8 ranks, 64 experts, top-6, bf16) with 2 slots a rank for nvshmem (its exchange
     through nvshmem_ptr, NVSHMEM's bitcode linked; tiny_balance's per-rank builds compile in
-    test_cli_compile_writes_a_cubin_per_kernel). The solver's 64-bit divisions (the
+    test_cli_compile_writes_a_cubin_per_kernel), and nvl72_e128's (72 ranks, 128 experts),
+    where the solver once held [128, 128] quota and ranking matrices: 4,424 B of stack, 2,767
+    local loads, 69-97 ms a solve on an H200. The solver's 64-bit divisions (the
     proportional split) call a subroutine: a few bytes of stack, nothing more."""
     path = ROOT / "examples" / "tiny_balance.rdep"
-    if shape != "tiny_balance":
+    if shape == "nvl72-shaped":
+        path = tmp_path / "n.rdep"
+        path.write_text(
+            "layer n {\n  shape ranks 72, tokens 256, hidden 64, experts 128, top 8\n"
+            "  expert swiglu(ffn = 64)\n  dtype bf16\n  balance replicate(slots = 1, min_rows = 16)\n}\n"
+        )
+    elif shape != "tiny_balance":
         path = tmp_path / "m.rdep"
         path.write_text(
             "layer m {\n  shape ranks 8, tokens 4096, hidden 2048, experts 64, top 6\n"

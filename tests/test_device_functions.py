@@ -305,8 +305,8 @@ def test_the_plan_tasks_derive_the_references_plan_on_every_rank(kernels):
     owner = np.repeat(np.arange(W), HOMES // W)
     tables = plan_tables(W, HOMES, N)
     at = {f"PLAN_{n.upper()}_AT": tables[n][0] for n in ("phys", "cum", "slots", "loads")}
-    mod = kernels(W=W, T=T, K=K, E=HOMES + W * N, HOMES=HOMES, HOMES_PAD=HOMES, SLOTS=N, MIN_ROWS=U, W_PAD=W, K_PAD=K,
-                  ROUTE_ROWS=16, EX_LOADS_AT=256, **at)  # fmt: skip
+    mod = kernels(W=W, T=T, K=K, E=HOMES + W * N, HOMES=HOMES, HOMES_PAD=HOMES, SLOTS=N, RANK_SLOTS_PAD=pow2(N),
+                  MIN_ROWS=U, W_PAD=W, K_PAD=K, ROUTE_ROWS=16, EX_LOADS_AT=256, **at)  # fmt: skip
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(W, T, HOMES, generator=g)
     logits[..., 0] += 3  # expert 0 (rank 0's) is hot

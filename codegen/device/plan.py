@@ -31,6 +31,7 @@ from rdepc.codegen.device.layout import (
     PLAN_LOADS_AT,
     PLAN_PHYS_AT,
     PLAN_SLOTS_AT,
+    RANK_SLOTS_PAD,
     ROUTE_ROWS,
     SLOTS,
     W_PAD,
@@ -62,19 +63,31 @@ def pick(values, index, at):
 
 
 @triton.jit
-def probe(lam, owner, ell, tau, home, e_idx, w_idx):
-    """The greedy oracle at bound ``tau``: (the quotas [HOMES_PAD, W_PAD], whether every rank
-    gets under ``tau``). Overloaded ranks by decreasing excess (lowest rank on a tie), each
-    shedding its hottest home experts first (lowest id on a tie), each transfer one replica
-    on the admissible rank with the most slack (lowest rank on a tie), of at least
-    MIN_ROWS rows; a rank that cannot get under ``tau`` ends the probe. Every loop ends:
-    each turn marks a rank, an expert or (a replica) a rank of the expert as done."""
+def pick2(values, rows, cols, r, c):
+    """values[r, c] of a [len(rows), len(cols)] tensor."""
+    return tl.sum(tl.sum(tl.where((rows[:, None] == r) & (cols[None, :] == c), values, 0), axis=1), axis=0)
+
+
+@triton.jit
+def probe(lam, owner, ell, tau, e_idx, w_idx, s_idx):
+    """The greedy oracle at bound ``tau``: the quotas as (each home expert's quota at its
+    owner [HOMES_PAD]; each rank's replicas in the order made, their experts and quotas
+    [W_PAD, RANK_SLOTS_PAD], expert -1 where none), and whether every rank gets under
+    ``tau``. Overloaded ranks by decreasing excess (lowest rank on a tie), each shedding its
+    hottest home experts first (lowest id on a tie), each transfer one replica on the
+    admissible rank with the most slack (lowest rank on a tie), of at least MIN_ROWS rows;
+    a rank that cannot get under ``tau`` ends the probe. Every loop ends: each turn marks a
+    rank, an expert or (a replica) a rank of the expert as done. An expert's quotas other
+    than its home's are its replicas' (the rank shedding rows is always its owner), so the
+    [HOMES, W] quota matrix is never held: at W = 72 it spilled the solver to 4 KB of stack."""
     real_w = w_idx < W
     exc = tl.where(real_w, tl.maximum(ell - tau, 0), 0)
     slk = tl.where(real_w, tl.maximum(tau - ell, 0), 0)
     order = tl.where(exc > 0, exc, -1)  # the rank order is fixed by the excess before any transfer
     used = tl.zeros([W_PAD], tl.int32)
-    quota = tl.where(home, lam[:, None], 0)
+    home_q = lam
+    rep_e = tl.full([W_PAD, RANK_SLOTS_PAD], -1, tl.int32)
+    rep_q = tl.zeros([W_PAD, RANK_SLOTS_PAD], tl.int32)
     ok = tau == tau
     while ok & (tl.max(order, axis=0) > 0):
         r = tl.argmax(order, axis=0)
@@ -83,24 +96,36 @@ def probe(lam, owner, ell, tau, home, e_idx, w_idx):
         while (tl.max(cand_e, axis=0) >= 0) & (pick(exc, w_idx, r) > 0):
             e = tl.argmax(cand_e, axis=0)
             cand_e = tl.where(e_idx == e, -1, cand_e)
-            row = e_idx[:, None] == e
             go = e == e
             while go:  # one replica a rank at most
-                q_e = tl.sum(tl.where(row, quota, 0), axis=0)
+                holds = tl.max((rep_e == e).to(tl.int32), axis=1) > 0
                 exc_r = pick(exc, w_idx, r)
-                q_er = pick(q_e, w_idx, r)
-                admissible = (slk > 0) & (used < SLOTS) & (q_e == 0) & (w_idx != r) & real_w
+                q_er = pick(home_q, e_idx, e)
+                admissible = (slk > 0) & (used < SLOTS) & ~holds & (w_idx != r) & real_w
                 t = tl.argmax(tl.where(admissible, slk, -1), axis=0)
                 # at least MIN_ROWS even when less excess is left (rdepc.ir.balance._probe says why)
                 delta = tl.minimum(tl.minimum(tl.maximum(exc_r, MIN_ROWS), pick(slk, w_idx, t)), q_er)
                 go = (exc_r > 0) & (q_er > 0) & (tl.max(admissible.to(tl.int32), axis=0) > 0) & (delta >= MIN_ROWS)
                 d = tl.where(go, delta, 0)
-                quota += tl.where(row & (w_idx[None, :] == t), d, 0) - tl.where(row & (w_idx[None, :] == r), d, 0)
+                home_q = tl.where(e_idx == e, home_q - d, home_q)
+                at = go & (w_idx[:, None] == t) & (s_idx[None, :] == pick(used, w_idx, t))
+                rep_e = tl.where(at, e, rep_e)
+                rep_q = tl.where(at, d, rep_q)
                 exc = tl.where(w_idx == r, tl.maximum(exc - d, 0), exc)
                 slk = tl.where(w_idx == t, slk - d, slk)
                 used = tl.where((w_idx == t) & go, used + 1, used)
         ok = pick(exc, w_idx, r) == 0
-    return quota, ok
+    return home_q, rep_e, rep_q, ok
+
+
+@triton.jit
+def per_rank(values, owner, w_idx):
+    """Per rank, the sum of ``values`` [HOMES_PAD] over its home experts, [W_PAD]."""
+    e_idx = tl.arange(0, HOMES_PAD)
+    out = tl.zeros([W_PAD], tl.int32)
+    for e in range(HOMES):
+        out += tl.where(w_idx == pick(owner, e_idx, e), pick(values, e_idx, e), 0)
+    return out
 
 
 @triton.jit
@@ -113,45 +138,59 @@ def solve_plan(load, owner_of, phys, cum, slot_table, loads):
     expert in each slot, -1 empty) and ``loads`` [2, W] (rows per rank before and after)."""
     e_idx = tl.arange(0, HOMES_PAD)
     w_idx = tl.arange(0, W_PAD)
+    s_idx = tl.arange(0, RANK_SLOTS_PAD)
     real_e = e_idx < HOMES
     real_w = w_idx < W
     owner = tl.load(owner_of + e_idx, mask=real_e, other=-1)
     lam = tl.zeros([HOMES_PAD], tl.int32)
     for src in range(W):
         lam += tl.load(load + src * HOMES + e_idx, mask=real_e, other=0)
-    home = owner[:, None] == w_idx[None, :]
-    ell = tl.sum(tl.where(home, lam[:, None], 0), axis=0)
+    ell = per_rank(lam, owner, w_idx)
     # a binary search over the per-rank bound τ; feasibility is taken as monotone in τ
     hi = tl.max(ell, axis=0)
     lo = (tl.sum(ell, axis=0) + W - 1) // W
-    best = tl.where(home, lam[:, None], 0)
+    home_q = lam
+    rep_e = tl.full([W_PAD, RANK_SLOTS_PAD], -1, tl.int32)
+    rep_q = tl.zeros([W_PAD, RANK_SLOTS_PAD], tl.int32)
     while lo < hi:
         tau = (lo + hi) // 2
-        quota, ok = probe(lam, owner, ell, tau, home, e_idx, w_idx)
-        best = tl.where(ok, quota, best)
+        q, re, rq, ok = probe(lam, owner, ell, tau, e_idx, w_idx, s_idx)
+        home_q = tl.where(ok, q, home_q)
+        rep_e = tl.where(ok, re, rep_e)
+        rep_q = tl.where(ok, rq, rep_q)
         hi = tl.where(ok, tau, hi)
         lo = tl.where(ok, lo, tau + 1)
-    held = (best > 0) & ~home
-    j = tl.cumsum(held.to(tl.int32), axis=0) - held.to(tl.int32)  # slots go to replicas by expert id
-    inst = tl.where(home, e_idx[:, None], tl.where(held, HOMES + w_idx[None, :] * SLOTS + j, -1))
-    both = real_e[:, None] & real_w[None, :]
-    tl.store(phys + e_idx[:, None] * W + w_idx[None, :], inst, mask=both)
+    # a rank's slots go to its replicas by expert id: slot j holds the one with j smaller ids there
+    made = rep_e >= 0
+    j = tl.sum(((rep_e[:, None, :] < rep_e[:, :, None]) & made[:, None, :]).to(tl.int32), axis=2)
     for s in range(SLOTS):
-        tl.store(
-            slot_table + w_idx * SLOTS + s, tl.max(tl.where(held & (j == s), e_idx[:, None], -1), axis=0), mask=real_w
-        )
+        tl.store(slot_table + w_idx * SLOTS + s, tl.max(tl.where(made & (j == s), rep_e, -1), axis=1), mask=real_w)
     tl.store(loads + w_idx, ell, mask=real_w)
-    tl.store(loads + W + w_idx, tl.sum(best, axis=0), mask=real_w)
-    # an expert with one instance: every source's rows of it go there
-    single = tl.sum((best > 0).to(tl.int32), axis=1) <= 1
-    at = tl.sum(tl.where(best > 0, w_idx[None, :], 0), axis=1)
+    tl.store(loads + W + w_idx, per_rank(home_q, owner, w_idx) + tl.sum(rep_q, axis=1), mask=real_w)
+    # each expert's instances: its home (while it keeps rows) and its replicas; an expert with
+    # one has every source's rows go there (``at``)
+    n = (home_q > 0).to(tl.int32)
+    at = tl.where(home_q > 0, owner, 0)
+    for t in range(W):
+        col = tl.where(owner == t, e_idx, -1)
+        for s in range(SLOTS):
+            e = pick2(rep_e, w_idx, s_idx, t, s)
+            slot = pick2(j, w_idx, s_idx, t, s)
+            col = tl.where((e_idx == e) & (e >= 0), HOMES + t * SLOTS + slot, col)
+            n += (e_idx == e).to(tl.int32)
+            at += tl.where((e_idx == e) & (home_q == 0), t, 0)
+        tl.store(phys + e_idx * W + t, col, mask=real_e)
+    single = n <= 1
+    both = real_e[:, None] & real_w[None, :]
     for src in range(W):
         rows = tl.load(load + src * HOMES + e_idx, mask=real_e, other=0)
         ends = tl.where(w_idx[None, :] >= at[:, None], rows[:, None], 0)
         tl.store(cum + (src * HOMES + e_idx[:, None]) * W + w_idx[None, :], ends, mask=both & single[:, None])
     for e in range(HOMES):
         if pick(single.to(tl.int32), e_idx, e) == 0:
-            split_rows(load, cum, tl.sum(tl.where(e_idx[:, None] == e, best, 0), axis=0), e, w_idx)
+            quota = tl.where(w_idx == pick(owner, e_idx, e), pick(home_q, e_idx, e), 0)
+            quota += tl.sum(tl.where(rep_e == e, rep_q, 0), axis=1)
+            split_rows(load, cum, quota, e, w_idx)
 
 
 @triton.jit
@@ -172,8 +211,11 @@ def split_rows(load, cum, quota, e, w_idx):
         share = num // tl.maximum(total, 1)
         left = d - tl.sum(share, axis=0)
         frac = num - share * total
-        ahead = (frac[None, :] > frac[:, None]) | ((frac[None, :] == frac[:, None]) & (w_idx[None, :] < w_idx[:, None]))
-        share += (tl.sum(ahead.to(tl.int32), axis=1) < left).to(tl.int64)
+        while left > 0:  # a row each to the ``left`` largest remainders (no [W, W] ranking: it spilled at W = 72)
+            w = tl.argmax(frac, axis=0)  # the first of the largest: lowest rank on a tie
+            share = tl.where(w_idx == w, share + 1, share)
+            frac = tl.where(w_idx == w, -1, frac)
+            left -= 1
         rows = share + tl.where(w_idx == src, local, 0)
         tl.store(cum + (src * HOMES + e) * W + w_idx, tl.cumsum(rows.to(tl.int32), axis=0), mask=real_w)
         rem -= share

@@ -235,6 +235,9 @@ def plan_elems(W: int, homes: int, slots: int) -> int:
 # 3-11 replicas, fitted as 61 us + 0.154 us per home-pass (H200,
 # bench/results/h200-2026-11-27-lease/balance-device-plan.log). The intercept is taken as the
 # separate launch and its events' gap, which the task inside the layer's kernel does not pay.
+# Those timings are of the solver before it kept the quotas as each expert's home quota and
+# each rank's replicas (it held a [HOMES, W] matrix: at nvl72_e128's W = 72 it spilled and
+# took 69-97 ms, h200-2026-11-28-lease); the slope awaits the next lease's timings.
 SOLVE_PER_HOME_PASS = 0.154e-6
 
 
