@@ -28,10 +28,10 @@ from rdepc.ir.contract import KernelContract, Tiles
 def candidates(contract: KernelContract) -> list[Tiles]:
     """The tiles ``rdepc tune`` tries: m-tiles of 64 and 128 rows, GEMM tiles 64 to 256 wide
     (32 or 64 in fp32), 4 or 8 warps, 2 to 4 pipeline stages — those that fit in shared memory
-    and whose accumulators stay in registers (``Tiles.fits``: the forward's, which is
-    what is timed; a backward launches them narrowed, ``Tiles.for_backward``). Nearest the defaults first
-    (fewest sizes changed; then the larger m-tile, more warps, wider tiles): a budget that
-    ends the tuning early leaves out the candidates least like the tiles known to run well."""
+    and whose accumulators stay in registers (``Tiles.fits``: the forward's, which is what is
+    timed; a backward launches them narrowed, ``Tiles.for_backward``). Nearest the defaults
+    first (fewest sizes changed; then the larger m-tile, more warps, wider tiles): a budget
+    that ends the tuning early leaves out the candidates least like the tiles known to run well."""
     wide = (32, 64) if contract.dtype == "fp32" else (64, 128, 256)
     k = 32 if contract.dtype == "fp32" else 64
     base = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)

@@ -140,3 +140,15 @@ def test_a_backward_launches_the_defaults_as_they_are_and_tuned_tiles_narrowed_t
         assert tuned.for_backward(plan) == Tiles(128, 256, 64, 64, 4096, 8, 64, 4)
     assert tuned.for_backward(plan).fits(plan, backward=True)
     assert tune.backward_tiles(plan, tuned, interpret=True) == tuned  # the interpreter: nothing to fit
+
+
+def test_rdepc_run_names_the_backwards_tiles_where_they_are_narrowed():
+    from types import SimpleNamespace
+
+    from rdepc.commands.run import _backward_tiles
+
+    tuned = Tiles(128, 256, 128, 64, 4096, 8, 64, 4)
+    plan = plan_of("moonlight")
+    assert _backward_tiles(SimpleNamespace(tiles=tuned, bwd_tiles=tuned)) == []
+    (line,) = _backward_tiles(SimpleNamespace(tiles=tuned, bwd_tiles=tuned.for_backward(plan)))
+    assert "backward tiles  F-block 64, H-block 256, 4 stages" in line

@@ -180,6 +180,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
         f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {t.bm}, padding-free)",
         f"  tiles           BM {t.bm}, F-block {t.block_f}, H-block {t.block_h}, K-chunk {t.block_k}, "
         f"{t.num_warps} warps, {t.num_stages} stages: {kernels.tiles_source}",
+        *_backward_tiles(kernels),
         f"  kernel          {_launches(st['launches'], kernels)}, "
         f"{kernels.work.n_items} work items over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s",
     ]
@@ -336,3 +337,13 @@ def _rank_lines(results: list[dict], tol: float) -> tuple[list[str], bool]:
             f"{balance}; call {times} s"
         )
     return lines, ok
+
+
+def _backward_tiles(kernels) -> list[str]:
+    """The backward's tiles when they are not the forward's (``Tiles.for_backward`` narrowed them)."""
+    b, t = getattr(kernels, "bwd_tiles", kernels.tiles), kernels.tiles
+    if b == t:
+        return []
+    return [
+        f"  backward tiles  F-block {b.block_f}, H-block {b.block_h}, {b.num_stages} stages (its weight gradients fit)"
+    ]
