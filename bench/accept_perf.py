@@ -4,8 +4,9 @@
 sort + ``torch._grouped_mm``, ``torch._grouped_mm`` alone on pre-sorted rows and the dense
 roof on as many rows (bench/moe_bench.py's timing and baselines), forward and
 forward+backward; the per-stage spans of one profiled call of each candidate (the best's
-``stages``, the others' ``stages_others``); the host's share of a call (event time minus
-the kernel's span) and the time a call takes to return. The issue's
+``stages``, the others' ``stages_others``) and of the best's backward (``backward_stages``);
+the host's share of a call (event time minus the kernel's span), the time a call takes to
+return and where it goes (``host_profile``). The issue's
 speed targets are recorded beside the figures (``targets``); a check fails on wrong
 results, never on speed (speed is read from the figures, not asserted under a time limit).
 
@@ -63,7 +64,8 @@ def run_tune(stage, device: str) -> None:
     stage.run("tune/moonlight", tune_case, device, stage.dry_run, stage.deadline, stage.out)
 
 
-PASSES = ("forward", "profile", "train")  # a candidate's call; the fastest's profiled call, and under autograd
+# a candidate's call; the fastest's profiled call, under autograd, and profiled under autograd
+PASSES = ("forward", "profile", "train", "profile_train")
 
 
 def candidates(name: str, tokens: int | None, dry: bool) -> list[tuple[str, str]]:
@@ -221,10 +223,10 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     weights = sum(w.nbytes for w in (wg, wu, wd) if w is not None)
     per_token = x.nbytes // T  # x's bytes per token of every rank: dy, y and dx as many
 
-    def make(tokens_: int):
+    def make(tokens_: int, profile: bool = False):
         narrowed = tuple((dict(calls[0].overrides) | {"T": tokens_}).items())
         v = replace(calls[0], overrides=narrowed, pass_="train")
-        return v.layer().module(v.backend, device, schedule=best[0], mode=best[1])
+        return v.layer().module(v.backend, device, schedule=best[0], mode=best[1], profile=profile)
 
     # the weights' gradients, the kernel's gradient buffers and its [Wg Wu] copy; x, dy, y, dx
     module, t, tried = fit_train(modules, best, T, make, lambda n: 3 * weights + 4 * per_token * n, device)
@@ -268,6 +270,15 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         times[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
     times[key]["tokens"] = t
     module = None
+    released(device)
+    try:  # where the backward's time goes: one profiled call under autograd, its stages
+        prof = make(t, profile=True)
+        train(prof.routed, (operand, wd))()
+        prof.synchronize()
+        check.figure("backward_stages", stages(prof, prof.last_backward_profile["events"], backward=True))
+    except torch.OutOfMemoryError as e:
+        check.figure("backward_stages", {"error": f"{type(e).__name__}: {e}"[:300]})
+    prof = None
     released(device)
     key_sort = "sort + torch._grouped_mm fwd+bwd"
     try:

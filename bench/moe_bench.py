@@ -92,16 +92,17 @@ def timeit(fn, device, reps: int, warmup: int) -> dict:
     return {"min": times[0], "median": times[len(times) // 2], "max": times[-1]}
 
 
-def stages(module, events) -> dict:
+def stages(module, events, backward: bool = False) -> dict:
     """Per stage (and per GEMM of the compute stage): first start, last end and the sum of
-    entry spans, from a measured profile."""
+    entry spans, from a measured profile (``backward``: of a backward, its table's entries)."""
     from rdepc.runtime.profile import STAGE_OF
 
     from rdepc.ir.contract import KINDS
 
+    table = module.contract.bwd_table if backward else module.contract.table
     out: dict[str, dict] = {}
     for entry, start, end in events:
-        stage, detail = STAGE_OF[KINDS[module.contract.table[entry][0]]]
+        stage, detail = STAGE_OF[KINDS[table[entry][0]]]
         for key in (stage, detail) if stage == "compute" else (stage,):
             s = out.setdefault(key, {"from": start, "to": end, "sum": 0})
             s["from"], s["to"], s["sum"] = min(s["from"], start), max(s["to"], end), s["sum"] + end - start

@@ -43,6 +43,7 @@ PASSES = {
     "forward": ((False, False, False),),  # a call without autograd
     "train": ((False, True, False), (True, False, False)),  # under autograd: the forward keeps, then the backward
     "profile": ((False, False, True),),  # a profiled module's call (%globaltimer stamps)
+    "profile_train": ((False, True, True), (True, False, True)),  # ... under autograd, and its backward
 }
 VARIANT_CONSTEXPRS = ("BACKWARD", "SAVE", "PROFILE", "GLOBALTIMER")  # and rdep_layer's GEMMS
 _LINE = "rdepc-prewarm "  # a compiling process's result lines start so (anything else on stdout is not one)

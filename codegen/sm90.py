@@ -229,10 +229,9 @@ def variant_meta(
     """The constexprs that tell one native launch of ``kernel`` (``rdep_layer`` or
     ``rdep_gemm``) from another (RDEPModule._launch): those ``mode`` sets for it
     (``mode_kernels``), the pass, keeping what a backward walks, and the profile's
-    %globaltimer stamps (a profiled module's forward only)."""
-    stamped = profile and not backward
+    %globaltimer stamps (a profiled module's, in either pass)."""
     meta = dict(mode_kernels(mode))[kernel]
-    return meta | {"PROFILE": stamped, "GLOBALTIMER": stamped, "BACKWARD": backward, "SAVE": save}
+    return meta | {"PROFILE": profile, "GLOBALTIMER": profile, "BACKWARD": backward, "SAVE": save}
 
 
 def launch_options(contract: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:

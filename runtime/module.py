@@ -115,7 +115,8 @@ class RDEPModule:
     split mode's transport programs, the rest the GEMM kernel's (default: in the ratio of
     the schedule's communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
-    ``profile``: record the start and end of every work item (``last_profile``).
+    ``profile``: record the start and end of every work item (``last_profile``; a
+    backward's: ``last_backward_profile``).
     ``inference``: the forward's heap and buffers only; a call that would save is refused.
     ``share``: a module of this layer whose heap and call counters this one uses (one ring)."""
 
@@ -237,7 +238,8 @@ class RDEPModule:
             counters = {n: share.private[n] for n, _, _ in buffers if n in SHARED_COUNTERS}
         self.tables, self.bwd_tables = task_tables(p, self.work, self.bwd_work, self.per_queue, self.per_rank, device)
         own = [b for b in buffers if b[0] not in counters]
-        self.private = allocate_private(own, 2 * self.work.n_items if self.profiling else 1, device) | dict(counters)
+        stamps = 2 * max(self.work.n_items, self.bwd_work.n_items) if self.profiling else 1  # a pass's at a time
+        self.private = allocate_private(own, stamps, device) | dict(counters)
         self._unused = placeholders(p, device)
         self._flags, self._bwd_flags, self._published = regions(p)
         # balance replicate, one process per rank (rdepc.runtime.balance sets both): the
@@ -264,6 +266,7 @@ class RDEPModule:
         self._readback = Readback(self.device)  # native calls whose control words are still on their way
         self.last_context: RoutingContext | None = None
         self.last_profile: dict | None = None
+        self.last_backward_profile: dict | None = None
         self._withheld: tuple[int, bool] | None = None  # (entry, in the backward)
         self._broken: str | None = None  # per-rank backends: a kernel error ends the module
         # what makes the gates this module is called with, when not the caller's topk_weights
@@ -463,6 +466,8 @@ class RDEPModule:
         own_slices(self.heap, self.per_rank, self.rank)[:, lo:hi] = kept["published"]
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
+        if self.profiling:
+            self.last_backward_profile = read_profile(self.bwd_work, self.private["profile"], self.interpret, self.mode)
         out = given["dx"], given["dgprime"], given["dw_up"], given["dw_down"]
         out += (given["db_up"], given["db_down"]) if p.bias else ()
         return out + ((given["dslots"],) if slots is not None else ())
@@ -495,8 +500,8 @@ class RDEPModule:
         tl = self.bwd_tiles if backward else self.tiles
         meta = tl.constexprs() | {
             "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
-            "PROFILE": self.profiling and not backward,
-            "GLOBALTIMER": self.profiling and not backward and not self.interpret,
+            "PROFILE": self.profiling,
+            "GLOBALTIMER": self.profiling and not self.interpret,
             "BACKWARD": backward,
             "SAVE": save,
         }

@@ -48,6 +48,7 @@ STAGE_OF = {
     "dispatch": ("dispatch", ""),
     "gemm1": ("compute", "gemm1"),
     "gemm2": ("compute", "gemm2"),
+    "wgrad": ("compute", "wgrad"),  # the backward's weight gradients
     "return": ("return", ""),
     "unpack": ("combine", "unpack"),
     "combine_wait": ("combine", "wait"),

@@ -47,8 +47,9 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert all(w["compiled"] == 0 and w["dry_run"] and w["launches"] >= w["variants"] > 0 for w in warm.values())
     # forward: tiny 6, moonlight 2; backward tiny 3; fp8 1; dedup 2 + 1; withheld 1 (cuda_graph's is forward's)
     assert warm["correct"]["variants"] == 6 + 2 + 3 + 1 + 3 + 1
-    # 2 candidates × 3 passes, 4 launches: the split candidate's two kernels each, the unified one's one
-    assert warm["perf"]["variants"] == 2 * 3 and warm["perf"]["launches"] == 4 * 2 + 4
+    # 2 candidates × 4 passes, 6 launches (two under autograd: the forward, the backward): the split
+    # candidate's two kernels each, the unified one's one
+    assert warm["perf"]["variants"] == 2 * 4 and warm["perf"]["launches"] == 6 * 2 + 6
     # per rank: 4 bitwise cases, kill's (and torchrun's) call, a profiled call; the reference's 2 in one process
     assert warm["nvshmem"]["launches"] == 2 * (2 * 1 + 2 * 2 + 1 + 1) + 2  # bitwise: 2 unified, 2 split (2 kernels)
     assert len(correct["forward/tiny"]["runs"]) == 6 and correct["forward/tiny"]["bitwise"]  # 3 strategies × 2 modes
@@ -58,6 +59,7 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert {"sort + torch._grouped_mm", "torch._grouped_mm alone", "dense roof"} <= perf["methods"].keys()
     assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
     assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
+    assert {"dispatch", "compute", "wgrad", "combine"} <= perf["backward_stages"].keys()
     assert perf["host_overhead_ms"] is None and perf["stage_clock"] == "logical"  # no durations on the CPU
     # forward+backward sized to the free memory: tiny fits at its T', and the ratio says so
     assert perf["fwd_bwd_tokens"] == 8 == perf["ratios"]["fwd_bwd_tokens"] and perf["fwd_bwd_memory"]["tried"]

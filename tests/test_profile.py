@@ -216,14 +216,44 @@ def test_profile_write_error_is_one_line(tmp_path, monkeypatch):
     assert err == f"rdepc: error: cannot write {target}: Permission denied\n"
 
 
-def test_every_forward_task_kind_has_its_stage_in_the_trace():
-    """The measured trace names each forward entry's stage as the task graph does: every kind
-    of the task table but the backward's weight gradients has one (balance's tasks
-    included), and it is a stage of the graph."""
+def test_every_task_kind_has_its_stage_in_the_trace():
+    """The measured trace names each entry's stage as the task graph does: every kind of the
+    task tables has one (balance's tasks and the backward's weight gradients included), and
+    it is a stage of the graph."""
     from rdepc.runtime.profile import STAGE_OF
 
     from rdepc.ir.contract import KINDS
     from rdepc.ir.graph import STAGES
 
-    assert set(STAGE_OF) == set(KINDS) - {"wgrad"}
+    assert set(STAGE_OF) == set(KINDS)
     assert {stage for stage, _ in STAGE_OF.values()} <= set(STAGES)
+
+
+def test_a_profiled_backward_records_every_entry_after_what_it_waits_for():
+    """A profiled module's backward records its own entries' spans (``last_backward_profile``),
+    the forward's record left as it was: one event per backward entry with work, each after
+    every backward entry it depends on in this call has ended (logical clock)."""
+    import torch
+
+    layer = rdepc.load(TINY)
+    sh = layer.shapes
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    m = layer.module("emulated", "cpu", profile=True)
+    from rdepc.reference import random_inputs
+
+    x, ids, g, wg, wu, wd = random_inputs(W, T, H, F, E, K, gated=True)
+    m(x.requires_grad_(), ids, g, wg, wu, wd).sum().backward()
+    forward, backward = m.last_profile, m.last_backward_profile
+    plan = m.contract
+    assert {e for e, _, _ in forward["events"]} <= set(range(plan.n_entries))
+    at = {entry: (start, end) for entry, start, end in backward["events"]}
+    busy = [i for i, (first, n) in enumerate(m.bwd_work.entry_items()) if n]
+    assert sorted(at) == busy and backward["clock"] == "logical"
+    checked = 0
+    for entry in busy:
+        row = plan.bwd_table[entry]
+        for d in plan.bwd_deps[row[COL["dep_start"]] : row[COL["dep_start"]] + row[COL["dep_count"]]]:
+            if d >= 0 and d in at:
+                assert at[d][1] < at[entry][0], f"{plan.bwd_names[entry]} started before {plan.bwd_names[d]} ended"
+                checked += 1
+    assert checked > 0 and torch.isfinite(x.grad).all()
