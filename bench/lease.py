@@ -72,7 +72,8 @@ STEPS = (
     ),
     Step(
         "perf's moonlight case with the tiles just tuned, forward+backward too: its backward now launches the "
-        "tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared memory)",
+        "tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared memory); "
+        "where the backward's time goes (backward_stages) and a call's host time (host_profile)",
         cap=100,
         stage="perf",
         only=("perf/moonlight/T4096/uniform",),

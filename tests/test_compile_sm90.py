@@ -169,12 +169,15 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
 
 
 def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
-    """With PROFILE and GLOBALTIMER the work items are stamped with %globaltimer (ns)."""
+    """With PROFILE and GLOBALTIMER the work items are stamped with %globaltimer (ns), the
+    backward's too."""
     monkeypatch.chdir(ROOT)
     g = generate_spec(rdepc.load(tiny_segmented(tmp_path)).spec)  # pipelined, 4 segments per owner
     write_module(g, tmp_path)
     job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.plan.json", tmp_path)
-    results = compile_cubins([job], arch=90, profile=True, kernels=["rdep_transport", "rdep_gemm", "rdep_layer"])
+    kernels = ["rdep_transport", "rdep_gemm", "rdep_layer", "rdep_transport.backward", "rdep_gemm.backward"]
+    results = compile_cubins([job], arch=90, profile=True, kernels=kernels)
+    assert [r["kernel"] for r in results] == kernels
     assert all(r["globaltimer"] and r["acquire"] and r["release"] for r in results)
 
 
