@@ -101,9 +101,8 @@ def host_profile(call, reps: int) -> list[dict]:
     for _ in range(reps):
         call()
     prof.disable()
-    rows = pstats.Stats(
-        prof
-    ).stats.items()  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = pstats.Stats(prof).stats.items()
     top = sorted(rows, key=lambda kv: -kv[1][2])[:HOST_TOP]
     return [
         {"function": f"{Path(f).name}:{line}({name})", "calls": n / reps, "own_ms": own * 1e3 / reps,

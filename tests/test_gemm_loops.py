@@ -82,16 +82,16 @@ def test_the_forward_gemm_loops_run_like_the_lean_grouped_gemm(compiled):
 
 def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     """The backward's GEMM work, in split mode's GEMM kernel and in the unified kernel (the
-    interpreter's default): four
-    loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two weight gradients — each on TMA with one
-    barrier for both loads (``gemm_tile`` loads A before a transposed B), pipelined (wait
-    depth 1), without a spill inside, within the forward's 1.10× of the yardstick in the GEMM
-    kernel (1.03-1.07×) and 1.16× in the unified one (1.05-1.15×). Stack: none in the GEMM
-    kernel, whose gated dA epilogue runs over even and odd columns apart, the loads
-    ``anchored`` to the accumulator (``paired_backward``); the unified kernel's 864-1,112 B
-    are in dA's epilogue, where Triton forms the gated activation's backward in two layouts,
-    the accumulator's and the stride-2 loads' (its registers, beside the transport code, do
-    not hold the GEMM kernel's way) (bench/results/gemm-loops-sm90.md)."""
+    interpreter's default): four loops — dA = dO·Wdᵀ, dX = dH·[Wg Wu]ᵀ and the two weight
+    gradients — each on TMA with one barrier for both loads (``gemm_tile`` loads A before a
+    transposed B), pipelined (wait depth 1), without a spill inside, within the forward's
+    1.10× of the yardstick in the GEMM kernel (1.03-1.07×) and 1.16× in the unified one
+    (1.05-1.15×). Stack: none in the GEMM kernel, whose gated dA epilogue runs over even and
+    odd columns apart, the loads ``anchored`` to the accumulator (``paired_backward``); the
+    unified kernel's 864-1,112 B are in dA's epilogue, where Triton forms the gated
+    activation's backward in two layouts, the accumulator's and the stride-2 loads' (its
+    registers, beside the transport code, do not hold the GEMM kernel's way)
+    (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
     backward = [r for r in results if "backward" in r["kernel"]]
     kernels = ["rdep_gemm.backward"] * 2 + ["rdep_gemm.backward (per rank)"] * 2 + ["rdep_layer.backward"] * 2

@@ -341,7 +341,7 @@ def _rank_lines(results: list[dict], tol: float) -> tuple[list[str], bool]:
 
 def _backward_tiles(kernels) -> list[str]:
     """The backward's tiles when they are not the forward's (``Tiles.for_backward`` narrowed them)."""
-    b, t = getattr(kernels, "bwd_tiles", kernels.tiles), kernels.tiles
+    b, t = kernels.bwd_tiles, kernels.tiles
     if b == t:
         return []
     return [
