@@ -33,6 +33,7 @@ class Launcher:
         self.interpret = interpret
         self.launches = 0
         self._sides: dict = {}  # device -> the side streams of this launcher
+        self._prepared: set = set()  # the builds loaded already (prepared_key)
 
     def __call__(self, launches: list[tuple]) -> None:
         if self.interpret:
@@ -48,9 +49,14 @@ class Launcher:
         if len(launches) > 1 or self.prepare_always:
             # every kernel built and loaded before any is launched: a JIT compile, or a module
             # load (which may wait for the kernels running: CUDA's lazy loading), between two
-            # launches would hold back the second kernel while the first spins on its flags
+            # launches would hold back the second kernel while the first spins on its flags.
+            # Once per build: after that Triton's own launch finds it (a lookup each costs
+            # about what the launch does)
             for launch in launches:
-                self._prepare(*launch)
+                key = prepared_key(*launch)
+                if key not in self._prepared:
+                    self._prepare(*launch)
+                    self._prepared.add(key)
         if len(launches) == 1:
             self._one(*launches[0])
             return
@@ -87,6 +93,22 @@ class Launcher:
         while len(have) < n:
             have.append(torch.cuda.Stream(device=device))
         return have[:n]
+
+
+def prepared_key(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> tuple:
+    """What picks the build a native launch runs: the kernel (held: its id alone could be
+    reused), its constexprs and options, the device, and what Triton specialises a launch on
+    besides — each pointer's 16-byte alignment, each integer's being 1 or a multiple of 16
+    (the layer's kernels take theirs unspecialised, ``do_not_specialize``)."""
+    import torch
+
+    special = tuple(
+        a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
+        for a in args
+        if isinstance(a, torch.Tensor | int)
+    )
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return kernel, tuple(meta.items()), device, special
 
 
 def _scratch(size: int, alignment: int, stream):

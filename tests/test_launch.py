@@ -105,3 +105,33 @@ def test_a_dots_row_does_not_depend_on_its_place_in_the_tile(kernels, launch):
         launch(True)([(kernels.tile_dot, (1,), (x, b, out), {"M": 32, "K": 64, "N": 32})])
     assert torch.equal(shuffled, c[order])
     assert torch.allclose(c, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_native_build_is_prepared_once_and_again_when_its_specialisation_changes():
+    """Split mode loads every build before it launches any (a compile between two launches
+    would hold the second back); after that Triton's own launch finds it, so a call does not
+    pay for the lookup twice. A pointer that loses its 16-byte alignment, an integer that
+    becomes 1, another constexpr: another build, prepared again."""
+    prepared, launched = [], []
+
+    class Recording(Launcher):
+        prepare_always = True
+
+        def _prepare(self, kernel, grid, args, meta):
+            prepared.append(meta)
+
+        def _one(self, kernel, grid, args, meta):
+            launched.append(meta)
+
+    launcher, kernel = Recording(interpret=False), object()
+    base = torch.zeros(8, dtype=torch.int64)
+    for args, meta in [
+        ((base, 7), {"BM": 64}),
+        ((base, 9), {"BM": 64}),  # another call, same build
+        ((base[1:], 9), {"BM": 64}),  # 8 bytes in: not 16-byte aligned
+        ((base, 1), {"BM": 64}),  # an integer of 1
+        ((base, 7), {"BM": 128}),
+        ((base, 23), {"BM": 128}),
+    ]:
+        launcher([(kernel, (1,), args, meta)])
+    assert len(launched) == 6 and len(prepared) == 4
