@@ -63,12 +63,13 @@ def launch_requests(
     label: str = "",
 ) -> list[dict]:
     """:func:`prewarm`'s requests for the launches a native RDEPModule of this generated file
-    makes in ``mode`` for ``pass_`` (PASSES), one per kernel the mode launches: its tiles
-    (default the native defaults; the module uses ``rdepc tune``'s record when there is
-    one), T' = ``tokens`` (default the plan's T), a GPU of ``sms`` SMs, the spin bound; a
-    per-rank transport: one request per rank in ``ranks`` (default all W), each process's
-    own launch. ValueError where the module refuses the launch (a split that leaves a
-    kernel no program)."""
+    makes in ``mode`` for ``pass_`` (PASSES), one per kernel the mode launches (once however
+    often a call launches it): its tiles (default the native defaults; the module uses
+    ``rdepc tune``'s record when there is one), T' = ``tokens`` (default the plan's T), a
+    GPU of ``sms`` SMs, the spin bound; a per-rank transport: one request per rank in
+    ``ranks`` (default all W), each process's own launch. ValueError where the module
+    refuses the launch (a split that leaves a kernel no program, a phased call of a
+    schedule whose GEMMs wait for returns)."""
     contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
     tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     per_rank = contract.per_rank
@@ -78,7 +79,7 @@ def launch_requests(
         for backward, save, profile in PASSES[pass_]:
             what = f"{pass_}{' backward' if backward else ''}{'' if rank is None else f' rank {rank}'}"
             own = tiles.for_backward(contract) if backward else tiles  # as RDEPModule launches a backward
-            for kernel, _ in mode_kernels(mode):
+            for kernel in dict(mode_kernels(mode)):  # phased launches the transport kernel twice: one build
                 out.append(
                     {
                         "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere

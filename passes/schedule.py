@@ -111,7 +111,14 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
             f"{kernels.comm} transport / {kernels.compute} GEMM programs of {N} (split mode)",
             f"cost model: the stages take turns, {est * 1e3:.3f} ms summed on the busiest rank",
         )
-        return _Plan(None, "returns-first", order, tl, dur, [d, k], kernels)
+        m = Decision(
+            "kernel mode",
+            f"phased {tl.makespan * 1e3:.3f} ms against split {est * 1e3:.3f} ms predicted",
+            f"cost model: phased launches the transport, the GEMMs and the transport again, each on all {N} "
+            "programs; split keeps the transport's share of the SMs through the GEMMs. A GPU decides: rdepc tune "
+            "times both and a module launches the faster",
+        )
+        return _Plan(None, "returns-first", order, tl, dur, [d, k, m], kernels)
     variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]
     if geo.slots and not variant:  # balance replicate: the weight pushes before or after the first dispatch
         variants += [v + LATE_PUSHES for v in variants]

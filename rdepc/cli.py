@@ -24,6 +24,7 @@ from rdepc.commands.run import cmd_run
 from rdepc.commands.tune import cmd_tune
 from rdepc.commands.viz import cmd_viz
 from rdepc.diagnostics import SpecError
+from rdepc.ir.contract import MODES
 from rdepc.runtime.transport import TRANSPORTS
 
 
@@ -90,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=["unified", "split"],
-        help="kernel mode: unified (one kernel, any program runs any task; the default on cpu) or split (a "
+        choices=list(MODES),
+        help="kernel mode: unified (one kernel, any program runs any task; the default on cpu), split (a "
         "transport kernel and a GEMM kernel side by side, every program of both running at once: the default on "
-        "cuda; on cpu one interpreter thread per program)",
+        "cuda; on cpu one interpreter thread per program) or phased (the transport kernel, the GEMM kernel, the "
+        "transport kernel again, one after another, each on every SM: nothing overlaps)",
     )
     p.add_argument(
         "--comm-programs",
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", choices=["auto", "bulk", "pipelined", "deep"], help="override the spec's schedule statement"
     )
-    p.add_argument("--mode", choices=["unified", "split"], help="kernel mode (default: split, the native default)")
+    p.add_argument("--mode", choices=list(MODES), help="kernel mode (default: split, the native default)")
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--reps", type=int, default=10, metavar="N", help="timed calls per candidate (default: 10)")
     p.add_argument(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 
-from rdepc.ir.contract import BACKWARD_PRIVATE, KERNELS, POINTEE, KernelContract, Work, kernel_args
+from rdepc.ir.contract import BACKWARD_PRIVATE, KERNELS, POINTEE, KernelContract, Work, kernel_args, queue_records
 from rdepc.ir.sizes import kept_columns
 
 
@@ -76,7 +76,7 @@ def task_tables(
             "deps": i32(deps or (0,)),
             "queue": i32(work.queue),
             "first_item": i32(work.first_item),
-            "queues": i32(v for (lo, hi), n in zip(work.bounds, per_queue, strict=True) for v in (lo, hi, n)),
+            "queues": i32(queue_records(work, per_queue)),
         }
 
     bwd_tables = queued(bwd_work, p.bwd_deps)

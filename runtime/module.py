@@ -59,7 +59,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from rdepc.runtime import ops, ranks, tune
+from rdepc.runtime import grid, ops, ranks, tune
 from rdepc.runtime import transport as transports
 from rdepc.runtime.autograd import RoutingContext
 from rdepc.runtime.heap import (
@@ -91,10 +91,10 @@ from rdepc.ir.contract import (
     CONTROL,
     CTL_TICKETS,
     MODES,
-    NATIVE_SPIN_BOUND,
+    QUEUE_WORDS,
     KernelContract,
     Tiles,
-    default_mode,
+    concurrent,
     kernel_args,
     mode_kernels,
     own_constexprs,
@@ -106,12 +106,15 @@ class RDEPModule:
     """One generated layer on one backend and device (see the module docstring).
 
     ``mode``: ``unified`` (one kernel, every program takes any task, one ticket counter;
-    the default under the interpreter) or ``split`` (the transport kernel and the GEMM kernel
+    the default under the interpreter), ``split`` (the transport kernel and the GEMM kernel
     launched side by side, each with its own programs; the default on a GPU; they must run
     concurrently: on a GPU every program is resident, on the CPU each interpreted program
-    runs in its own thread, ``ConcurrentInterpreter``); ``default_mode`` decides.
-    ``programs``: how many run at once, by default one per SM of this process's share of
-    the GPU, and under the interpreter two (unified) or three (split). ``comm_programs``:
+    runs in its own thread, ``ConcurrentInterpreter``) or ``phased`` (the transport kernel,
+    the GEMM kernel and the transport kernel again, one after another on the stream, each
+    with every program: nothing overlaps, nothing is held back for the other kernel);
+    ``default_mode`` decides. ``programs``: how many run at once, by default one per SM of
+    this process's share of the GPU, and under the interpreter two (unified), three (split)
+    or one (phased). ``comm_programs``:
     split mode's transport programs, the rest the GEMM kernel's (default: in the ratio of
     the schedule's communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
@@ -141,7 +144,10 @@ class RDEPModule:
         self.kernels_path = Path(kernels_path)
         self.device = self._device(backend, device)
         self.interpret = self.device.type == "cpu"
-        mode = mode or default_mode(not self.interpret)
+        # rdepc tune's record for this layer on this GPU: tiles, the fastest kernel mode and split
+        gpu = None if self.interpret else torch.cuda.get_device_name(self.device)
+        tuned = None if gpu is None else tune.lookup_launch(contract, gpu)
+        mode, self.mode_source = grid.choose_mode(mode, tuned, self.interpret)
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank
@@ -153,13 +159,14 @@ class RDEPModule:
         self.profiling = profile
         self.dtype = TORCH_DTYPES[contract.dtype]
         self.kernels = import_kernels(self.kernels_path, self.interpret)
-        self.tiles, self.tiles_source = self._tiles(tiles)
+        given = (tiles, "given") if tiles is not None else None
+        self.tiles, self.tiles_source = given or tune.launch_tiles(contract, gpu, self.interpret)
         self.bwd_tiles = tune.backward_tiles(contract, self.tiles, self.interpret)
         self.work = contract.work(self.tiles, mode, rank=self.rank)
         self.bwd_work = contract.work(self.bwd_tiles, mode, rank=self.rank, backward=True)
         self.local_experts = local_experts(contract, self.rank, slots=True)  # the weights its launches take
-        self.grid, self.per_queue = self._grid(programs, comm_programs)  # all resident at once on a GPU
-        self.spin_bound = self._spin_bound(spin_bound)
+        self.grid, self.per_queue = grid.launch_grid(self, programs, comm_programs, tuned)  # all resident on a GPU
+        self.spin_bound = grid.spin_bound(spin_bound, mode, self.interpret, self.per_rank)
         self._allocate(buffers, share)
         self._start()
 
@@ -196,32 +203,6 @@ class RDEPModule:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
-
-    def _grid(self, programs: int | None, comm: int | None) -> tuple[int, tuple[int, ...]]:
-        """The programs of a call and of each kernel (``KernelContract.launch_grid``) within a
-        budget of ``programs`` that run at once: by default, under the interpreter, two
-        (unified) or three (split: one transport program, two GEMM programs, each a thread);
-        on a GPU one per SM (split mode: of this process's share of the GPU, per-rank
-        processes on one GPU sharing it). ``comm``: split mode's transport programs (default: the schedule's)."""
-        if programs is None:
-            if self.interpret:
-                programs = 2 if self.mode == "unified" else 3
-                comm = 1 if comm is None and self.mode == "split" else comm
-            else:  # split: the rank processes sharing this GPU each run both kernels at once, on their share
-                programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-                if self.mode == "split":
-                    programs = max(2, programs // ranks.sharing_device(self.per_rank))
-        return self.contract.launch_grid(self.work, programs, comm)
-
-    def _spin_bound(self, spin_bound: int | None) -> int:
-        """Spins a wait may take. Spins are cheap on a GPU and slow under the interpreter;
-        concurrent interpreted programs wait for each other's turns under the GIL, so they get
-        more. Across processes an interpreted wait may outlast a whole peer's stage: bounded
-        in spins all the same (a dead peer trips it), but generously."""
-        if spin_bound is not None:
-            return spin_bound
-        interpreted = 10_000 if self.mode == "unified" and not self.per_rank else 1 << 20
-        return interpreted if self.interpret else NATIVE_SPIN_BOUND
 
     def _allocate(self, buffers, share: RDEPModule | None = None) -> None:
         """The symmetric heap (the transport's: collective on a per-rank backend; inference:
@@ -260,7 +241,7 @@ class RDEPModule:
         """The host's state between calls, before the first."""
         self.handle = ops.register(self)  # what the rdepc::forward and rdepc::backward ops name it by
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
-        self.launcher = self.transport.launcher(self.interpret, concurrent=self.mode == "split")
+        self.launcher = self.transport.launcher(self.interpret, concurrent=concurrent(self.mode))
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
         self._readback = Readback(self.device)  # native calls whose control words are still on their way
@@ -516,19 +497,16 @@ class RDEPModule:
 
         options = {"num_warps": tl.num_warps} if not self.interpret else {}
         launches = []
-        for kernel, extra in mode_kernels(self.mode):
+        for i, (kernel, extra) in enumerate(mode_kernels(self.mode)):
+            given["queues"] = tables["queues"][QUEUE_WORDS * i :]  # launch i reads queue i's record
             args = tuple(arg(name, kind) for name, kind in kernel_args(p, kernel) if kind != "constexpr")
             kernel_meta = own_constexprs(p, kernel, meta | extra) | options
-            launches.append((getattr(self.kernels, kernel), (self.per_queue[len(launches)],), args, kernel_meta))
-        self.launcher(launches)
-
-    def _tiles(self, given: Tiles | None) -> tuple[Tiles, str]:
-        """The tiles to launch with, and where they come from: given, the interpreter's own,
-        ``rdepc tune``'s record for this plan on this GPU, or the defaults."""
-        if given is not None:
-            return given, "given"
-        device_name = None if self.interpret else torch.cuda.get_device_name(self.device)
-        return tune.launch_tiles(self.contract, device_name, self.interpret)
+            launches.append((getattr(self.kernels, kernel), (self.per_queue[i],), args, kernel_meta))
+        if concurrent(self.mode):
+            self.launcher(launches)
+        else:  # phased: one after another on the stream, each done before the next starts
+            for launch in launches:
+                self.launcher([launch])
 
     # ------------------------------------------------------------------ checks
     def _name(self) -> str:

@@ -84,10 +84,12 @@ def read_profile(work, buffer, interpret: bool, mode: str) -> dict:
 
 
 def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
-    if mode == "split":  # programs: (transport, GEMM) kernel programs
-        comm, compute = programs if isinstance(programs, tuple | list) else (programs, programs)
+    if mode in ("split", "phased"):  # programs: each launch's (phased: the transport kernel's two launches)
+        each = tuple(programs) if isinstance(programs, tuple | list) else (programs, programs)
+        comm, compute = "/".join(str(n) for n in each[::2]) if each[0] else None, each[1]
+        after = ", before and after the GEMMs" if mode == "phased" else ""
         return [
-            (0, "transport kernel" + (f" ({comm} programs)" if comm else "")),
+            (0, "transport kernel" + (f" ({comm} programs{after})" if comm else "")),
             (1, "GEMM kernel" + (f" ({compute} programs)" if compute else "")),
         ]
     if contract.unified:
@@ -140,7 +142,7 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
                 "cat": stage,
                 "ph": "X",
                 "pid": row[_COL["rank"]],
-                "tid": 0 if contract.unified and mode != "split" else role,
+                "tid": 0 if contract.unified and mode == "unified" else role,
                 "ts": (start - origin) * scale,
                 "dur": dur,
                 "args": args,

@@ -4,10 +4,14 @@
 :class:`~rdepc.codegen.lower.Tiles` that fits the device's shared memory, times each, and
 records the fastest beside the layer's kernel contract: one JSON file per (kernel contract, device,
 triton version) under ``$RDEPC_CACHE_DIR/tuning`` (default ``~/.cache/rdepc/tuning``),
-with every candidate's time. A native module built without explicit ``tiles`` takes the
-recorded choice when there is one (``RDEPModule.tiles_source`` says which), and
-``Tiles.default`` otherwise. The interpreter keeps its own few-large-tiles choice: what
-is fast there says nothing about a GPU.
+with every candidate's time; then, unless a kernel mode was given, the fastest tiles in
+split mode at several shares of the SMs for the transport kernel and in phased mode, the
+fastest of those recorded as ``launch``. A native module built without explicit ``tiles``
+takes the recorded choice when there is one (``RDEPModule.tiles_source`` says which), and
+``Tiles.default`` otherwise; without a mode the recorded mode, and in split mode without
+a transport-program count the recorded split (``RDEPModule.mode_source``). The interpreter
+keeps its own few-large-tiles choice and its own mode: what is fast there says nothing
+about a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
 
-from rdepc.ir.contract import KernelContract, Tiles
+from rdepc.ir.contract import MODES, KernelContract, Tiles, default_mode
 
 
 def candidates(contract: KernelContract) -> list[Tiles]:
@@ -93,8 +97,29 @@ def backward_tiles(contract: KernelContract, tiles: Tiles, interpret: bool) -> T
     return tiles if interpret else tiles.for_backward(contract)
 
 
-def record(contract: KernelContract, device_name: str, best: Tiles, results: list[dict]) -> Path:
-    """Write the tuning result for ``plan`` on ``device_name``; its path."""
+def lookup_launch(contract: KernelContract, device_name: str) -> dict | None:
+    """The kernel mode ``rdepc tune`` found fastest for ``contract`` on ``device_name`` with
+    its tiles (``launch``: ``mode``, ``comm_programs`` of the fastest split, ``programs``
+    the budget it was timed at, ``ms``), or None: not tuned, or tuned before launches were."""
+    try:
+        launch = json.loads(_path(contract, device_name).read_text(encoding="utf-8"))["launch"]
+        if launch["mode"] not in MODES or not isinstance(launch["programs"], int):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return launch
+
+
+def record(
+    contract: KernelContract,
+    device_name: str,
+    best: Tiles,
+    results: list[dict],
+    launch: dict | None = None,
+    launch_results: list[dict] | None = None,
+) -> Path:
+    """Write the tuning result for ``plan`` on ``device_name``; its path. ``launch``: the
+    fastest kernel mode with the tiles (:func:`time_launches`), ``launch_results`` all of them."""
     ms = min(r["ms"] for r in results if r["tiles"] == asdict(best))
     rec = {
         "layer": contract.layer,
@@ -106,6 +131,8 @@ def record(contract: KernelContract, device_name: str, best: Tiles, results: lis
         "ms": ms,
         "results": results,
     }
+    if launch is not None:
+        rec |= {"launch": launch, "launch_results": launch_results or []}
     path = _path(contract, device_name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +175,54 @@ def tune(
     return Tiles(**best["tiles"]), results
 
 
+SPLIT_FACTORS = (1.0, 0.5, 0.75, 1.25, 1.5)  # of the schedule's transport programs, tried in split mode
+
+
+def launch_candidates(contract: KernelContract, tiles: Tiles, programs: int) -> list[tuple[str, int | None]]:
+    """(mode, transport programs) the tuned tiles are timed in: split mode with the
+    schedule's share of ``programs`` for the transport kernel and with SPLIT_FACTORS of it,
+    then phased mode where the schedule's GEMMs wait for no return (``phase_queues``)."""
+    _, (comm, _) = contract.launch_grid(contract.work(tiles, "split"), programs)
+    comms = dict.fromkeys(min(programs - 1, max(1, round(comm * f))) for f in SPLIT_FACTORS)
+    out: list[tuple[str, int | None]] = [("split", c) for c in comms]
+    try:
+        contract.work(tiles, "phased")
+    except ValueError:
+        return out
+    return [*out, ("phased", None)]
+
+
+def time_launches(
+    time_launch: Callable[[str, int | None], float],
+    tried: Iterable[tuple[str, int | None]],
+    programs: int,
+    progress: Callable[[str], None] = lambda line: None,
+) -> tuple[dict, list[dict]]:
+    """Time each (mode, transport programs) with ``time_launch`` (milliseconds of one call;
+    a launch that raises is recorded and skipped); the fastest as :func:`lookup_launch`
+    returns it (``comm_programs``: the fastest split's, whichever mode won), and every result."""
+    results: list[dict] = []
+    tried = list(tried)
+    for i, (mode, comm) in enumerate(tried):
+        entry = {"mode": mode, "comm_programs": comm}
+        try:
+            entry["ms"] = time_launch(mode, comm)
+            line = f"{entry['ms']:9.3f} ms"
+        except Exception as e:  # recorded, not fatal: the other launches still run
+            entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            line = f"failed: {type(e).__name__}"
+        results.append(entry)
+        what = f"{mode} mode" + (f", {comm} transport programs of {programs}" if comm else "")
+        progress(f"  [{i + 1}/{len(tried)}] {what}  {line}")
+    timed = [r for r in results if "ms" in r]
+    if not timed:
+        raise RuntimeError("rdepc tune: the tuned tiles ran in no kernel mode: " + results[0]["error"])
+    best = min(timed, key=lambda r: r["ms"])
+    splits = [r for r in timed if r["mode"] == "split"]
+    comm = min(splits, key=lambda r: r["ms"])["comm_programs"] if splits else None
+    return {"mode": best["mode"], "comm_programs": comm, "programs": programs, "ms": best["ms"]}, results
+
+
 def _short(t: Tiles) -> str:
     return (
         f"BM {t.bm:>3} F-block {t.block_f:>3} H-block {t.block_h:>3} K {t.block_k:>3} "
@@ -167,12 +242,15 @@ def tune_layer(
     tried: Iterable[Tiles] | None = None,
     progress: Callable[[str], None] = lambda line: None,
     budget: float | None = None,
+    launches: Iterable[tuple[str, int | None]] | None = None,
 ) -> tuple[Tiles, list[dict], Path]:
     """Tune ``layer`` (an ``rdepc.Layer``) on ``device``, on the emulated backend at T' =
     ``tokens`` (default: the spec's T) with uniform routing: every candidate is run ``warmup``
-    times, then timed ``reps`` times (CUDA events; wall clock on the CPU), its median kept.
-    Records the fastest (:func:`record`); returns it, every result and the record's path.
-    ``budget``: seconds, past which the remaining candidates are not timed (:func:`tune`)."""
+    times, then timed ``reps`` times (CUDA events; wall clock on the CPU), its median kept;
+    then the fastest tiles in each kernel mode and split (``launches``, default
+    :func:`launch_candidates`), unless ``mode`` is given. Records both (:func:`record`);
+    returns the tiles, every tiles result and the record's path. ``budget``: seconds, past
+    which the remaining candidates are not timed (:func:`tune`)."""
     import torch
     from rdepc.runtime.tensors import TORCH_DTYPES, gate_up
 
@@ -195,8 +273,12 @@ def tune_layer(
     biases = random_biases(E, H, F, gated=spec.expert.gated, dtype=dt, device=device) if spec.expert.bias else {}
     name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu (Triton interpreter)"
 
+    tiles_mode = mode or default_mode(cuda)  # not a mode an earlier tuning recorded: the tiles first
+
     def time_tiles(t: Tiles) -> float:
-        m = layer.module("emulated", device, schedule=schedule, mode=mode, tiles=t)
+        return time_module(layer.module("emulated", device, schedule=schedule, mode=tiles_mode, tiles=t))
+
+    def time_module(m) -> float:
         for _ in range(warmup):
             m(*inputs, **biases)
         m.synchronize()  # a candidate whose run fails raises here, before it is timed
@@ -217,16 +299,30 @@ def tune_layer(
         return sorted(times)[len(times) // 2]
 
     best, results = tune(contract, time_tiles, tried if tried is not None else candidates(contract), progress, budget)
-    return best, results, record(contract, name, best, results)
+    if mode is not None:  # the mode was given: the tiles for it
+        return best, results, record(contract, name, best, results)
+    programs = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count if cuda else 3
+    tried_launches = launch_candidates(contract, best, programs) if launches is None else list(launches)
+    progress(f"  the fastest tiles in each kernel mode ({len(tried_launches)} launches):")
+
+    def time_launch(mode_: str, comm: int | None) -> float:
+        m = layer.module("emulated", device, schedule=schedule, mode=mode_, tiles=best, comm_programs=comm)
+        return time_module(m)
+
+    launch, launch_results = time_launches(time_launch, tried_launches, programs, progress)
+    return best, results, record(contract, name, best, results, launch, launch_results)
 
 
 __all__ = [
     "backward_tiles",
     "candidates",
     "key",
+    "launch_candidates",
     "launch_tiles",
     "lookup",
+    "lookup_launch",
     "record",
+    "time_launches",
     "tune",
     "tune_layer",
 ]

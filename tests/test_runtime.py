@@ -265,10 +265,11 @@ def test_padding_free_m_tiles():
     assert module.work.m_slots == (math.ceil(run.T / bm) + 2 - 1,)
 
 
-@pytest.mark.parametrize("mode", ["unified", "split"])
+@pytest.mark.parametrize("mode", ["unified", "split", "phased"])
 def test_a_fixed_number_of_launches_per_call_whatever_the_tokens_and_routing(mode):
     """One launch per call in unified mode, two in split mode (the transport kernel, then
-    the GEMM kernel), on the grid the module sized once."""
+    the GEMM kernel, at once), three in phased mode (the transport kernel, the GEMM kernel,
+    the transport kernel, one at a time), on the grid the module sized once."""
     run = Run(W=2, E=4, K=2, T=16, capacity="factor 1.0")
     module = Layer(run.spec()).module(mode=mode)
     calls = []
@@ -285,6 +286,10 @@ def test_a_fixed_number_of_launches_per_call_whatever_the_tokens_and_routing(mod
     module.launcher = Counting()
     for tokens, routing in ((16, "uniform"), (1, "hot"), (7, "one"), (16, "zipf:2")):
         check_run(dataclasses.replace(run, tokens=tokens, routing=routing), module)
+    if mode == "phased":
+        kernels = ("rdep_layer", "rdep_gemm", "rdep_layer")
+        assert calls == [((k, (n,)),) for k, n in zip(kernels, module.per_queue, strict=True)] * 4
+        return
     kernels = ("rdep_layer",) if mode == "unified" else ("rdep_layer", "rdep_gemm")
     assert calls == [tuple(zip(kernels, ((n,) for n in module.per_queue), strict=True))] * 4
 

@@ -36,7 +36,7 @@ def slice_jobs(specs: dict[str, str]) -> list[soak.JobPlan]:
 
     fault = {"spin_bound": 500, "calls": 1}
     two = (
-        case("tiny", "bulk", 2, tokens=4, calls=3, max_delay=0.1),
+        case("tiny", "bulk", 2, tokens=4, calls=3, max_delay=0.1, mode="phased"),
         case("seg16", "pipelined", 2, K=1, routing="one", rank_tokens=(4, 0), mode="split", calls=2),
         case("tiny", "bulk", 2, routing="zipf:1.5", tokens=3, stall=(1, 2.0), **fault),
         case("seg8", "deep", 2, routing="hot", tokens=4, calls=3, max_delay=0.1),
@@ -48,7 +48,7 @@ def slice_jobs(specs: dict[str, str]) -> list[soak.JobPlan]:
         case("seg16", "pipelined", 3, routing="one", rank_tokens=(3, 0, 4), calls=2),
         case("tiny", "bulk", 3, tokens=4, mode="split", calls=3, max_delay=0.1),
         case("seg16", "deep", 3, tokens=2, stall=(2, 2.0), mode="split", **fault),
-        case("tiny-cap", "bulk", 3, routing="zipf:1.5", tokens=4, calls=2),
+        case("tiny-cap", "bulk", 3, routing="zipf:1.5", tokens=4, calls=2, mode="phased"),
         case("seg16-b1", "pipelined", 3, tokens=4, withhold=(1, 0), **fault),
         case("tiny", "bulk", 3, tokens=4, calls=2, spin_bound=500),  # the job's rank 1 is lost here
     )

@@ -42,22 +42,24 @@ def rdep_gemm(
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
     PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
-    """Split mode's GEMM kernel: the work items of the GEMM entries (queue 1 of ``queues``:
-    gemm1, gemm2 and the backward's wgrad, in the task table's order, m-tile major within
-    an entry), program p of the queue's P taking items p, p + P, p + 2P, ... — no ticket and
-    no search: a program's items only move forward, so it finds each one's entry by
-    stepping its queue position. What an item waits for is remembered across the
-    program's items: its owner's scan (the guard) and its entry's dependencies once per
-    entry, after that only a GEMM2 item's own m-tile of GEMM1 (one counter). The transport
-    kernel waits on the GEMM entries' done flags, which count their finished items.
+    """Split and phased mode's GEMM kernel: the work items of the GEMM entries (the queue
+    whose record ``queues`` starts at: gemm1, gemm2 and the backward's wgrad, in the task
+    table's order, m-tile major within an entry), program p of the queue's P taking items
+    p, p + P, p + 2P, ... — no ticket and no search: a program's items only move forward,
+    so it finds each one's entry by stepping its queue position. What an item waits for is
+    remembered across the program's items: its owner's scan (the guard) and its entry's
+    dependencies once per entry, after that only a GEMM2 item's own m-tile of GEMM1 (one
+    counter). The transport kernel waits on the GEMM entries' done flags, which count their
+    finished items.
 
     Progress: the earliest unfinished item of either kernel has its inputs done (the table
     is topological), and its program is at it — a program finishes its items in order —
-    or, in the transport kernel, holds its ticket; so the call ends as long as both
-    kernels' programs are resident at once, which the host checks before it launches.
-    ``program_base`` numbers this launch's programs (the interpreter runs each as its own
-    launch of one); ``n_programs`` counts both kernels' programs, which all count out of
-    the call.
+    or, in the transport kernel, holds its ticket; so a split call ends as long as both
+    kernels' programs are resident at once, which the host checks before it launches (a
+    phased call launches them one after another: what a launch waits for is done before it
+    starts, or within it). ``program_base`` numbers this launch's programs (the interpreter
+    runs each as its own launch of one); ``n_programs`` counts every launch's programs,
+    which all count out of the call.
     """
     me = tl.cast(rank0, tl.int64)
     (
@@ -81,9 +83,9 @@ def rdep_gemm(
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    pos = tl.load(queues + 3)  # queue 1: its positions [first, last) and its programs
-    last_pos = tl.load(queues + 4)
-    stride = tl.load(queues + 5)
+    pos = tl.load(queues)  # this launch's queue record: its positions [first, last) and its programs
+    last_pos = tl.load(queues + 1)
+    stride = tl.load(queues + 2)
     item0 = tl.load(first_item + pos)
     n_items = tl.load(first_item + last_pos) - item0
     item = (program_base + tl.program_id(0)).to(tl.int32)

@@ -120,10 +120,13 @@ def rdep_layer(
     Unified mode (``GEMMS``): the queue holds every entry (one process per rank: every entry
     its rank runs); any program runs any task. Split mode: this is the transport kernel,
     compiled without the GEMM tasks; its queue holds every other entry, and ``rdep_gemm``,
-    launched beside it, runs the GEMM work. Either way the queue is queue 0 of ``queues``.
-    Tickets and done flags count up across calls: the call's ``epoch`` is the call count
-    the control block holds, plus one; the queue's tickets of call ``epoch`` start at
-    (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A wait
+    launched beside it, runs the GEMM work. Phased mode: the same transport kernel, launched
+    before ``rdep_gemm`` with the entries that wait for no GEMM and after it with the others.
+    A launch's queue is the record its ``queues`` argument starts at. Tickets and done flags
+    count up across calls: the call's ``epoch`` is the call count the control block holds,
+    plus one; a launch's tickets of call ``epoch`` start at (epoch - 1) * (the tickets of the
+    kernel's launches of a call) + (those its earlier launches take), an entry is done at
+    epoch * its items. A wait
     that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
@@ -180,11 +183,11 @@ def rdep_layer(
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
-    first_pos = tl.load(queues)
+    first_pos = tl.load(queues)  # this launch's queue record (rdepc.ir.contract.queue_records)
     last_pos = tl.load(queues + 1)
     item0 = tl.load(first_item + first_pos)
     n_items = tl.load(first_item + last_pos) - item0
-    base = (target - 1) * (n_items + tl.load(queues + 2))
+    base = (target - 1) * tl.load(queues + 4) + tl.load(queues + 3)  # the call's tickets, this launch's first
     ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (ticket < n_items) & (failed == 0):

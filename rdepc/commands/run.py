@@ -203,9 +203,20 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
 
 def _launches(n: int, kernels) -> str:
-    """How the call launched: its kernels, mode and programs."""
+    """How the call launched: its kernels, mode (tuned: said so) and programs."""
+    source = getattr(kernels, "mode_source", "given")
+    return _kernels_line(n, kernels) + (f"; mode {source}" if source.startswith("tuned") else "")
+
+
+def _kernels_line(n: int, kernels) -> str:
     if kernels.mode == "unified":
         return f"{n} launch, unified mode, {kernels.grid} programs"
+    if kernels.mode == "phased":
+        before, gemm, after = kernels.per_queue
+        return (
+            f"{n} launches, phased mode, one after another: transport kernel {before} programs, GEMM kernel {gemm}, "
+            f"transport kernel {after}"
+        )
     comm, gemm = kernels.per_queue
     return f"{n} launches, split mode: transport kernel {comm} programs, GEMM kernel {gemm}"
 

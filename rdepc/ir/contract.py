@@ -4,8 +4,9 @@
 the generated kernels — produced by the lowering pass (``rdepc.codegen.lower``) and read by
 the code generator and the runtime alike: the layer's sizes, the symmetric-heap layout of
 the memory plan, the ownership tables, the capacity rule, the task table, and the
-encodings both sides share (task kinds, table columns, the control block, error codes).
-It lives with the IR so that the runtime never imports the code generator.
+encodings both sides share (the control block, error codes; the task kinds, table columns
+and kernel modes are ``rdepc.ir.queues``', named here too). It lives with the IR so that
+the runtime never imports the code generator.
 """
 
 from __future__ import annotations
@@ -14,48 +15,30 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 
 from rdepc.ir.balance import slot_chunks, slot_elems
+from rdepc.ir.queues import COLUMNS as COLUMNS
+from rdepc.ir.queues import GEMM_KINDS as GEMM_KINDS
+from rdepc.ir.queues import INTERPRETED_MODE as INTERPRETED_MODE
+from rdepc.ir.queues import KINDS as KINDS
+from rdepc.ir.queues import MODES as MODES
+from rdepc.ir.queues import NATIVE_MODE as NATIVE_MODE
+from rdepc.ir.queues import QUEUE_WORDS as QUEUE_WORDS
+from rdepc.ir.queues import Work as Work
+from rdepc.ir.queues import concurrent as concurrent
+from rdepc.ir.queues import default_mode as default_mode
+from rdepc.ir.queues import mode_kernels as mode_kernels
+from rdepc.ir.queues import phase_queues as phase_queues
+from rdepc.ir.queues import queue_records as queue_records
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
 from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
 from rdepc.ir.spec import Dtype, is_gated
-
-# Task kinds of the generated kernel, one device function each.
-KINDS = (
-    "route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad", "push",
-    "receive", "load", "solve", "reroute",
-)  # fmt: skip
-# The kinds split mode's GEMM kernel (``rdep_gemm``) runs; the transport kernel runs the others.
-GEMM_KINDS = frozenset(KINDS.index(k) for k in ("gemm1", "gemm2", "wgrad"))
-# Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
-# or the token tile (combine); ``resource``: the scheduler's (rank, role) resource;
-# ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
-COLUMNS = (
-    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource", "flag"
-)  # fmt: skip
-# Kernel modes: one kernel that runs every task (``unified``), or the transport kernel and the
-# GEMM kernel launched side by side (``split``).
-MODES = ("unified", "split")
-
-
-# The kernel mode a module runs when none is asked for. On a GPU, split: bitwise the unified
-# kernel's forward and backward in every example, its CUDA graph replays and a withheld task
-# ends its call (H200, bench/results/h200-2026-11-27-lease/), and moonlight at T' = 4096 takes
-# 18.5 ms against the unified kernel's 21.4. Under the interpreter, unified: split mode's
-# programs are threads that spin against each other for the GIL (tiny: 2.8 s a call against 1.5).
-NATIVE_MODE = "split"
-INTERPRETED_MODE = "unified"
-
-
-def default_mode(native: bool) -> str:
-    """The kernel mode of a module (``native``: on a GPU) when none is asked for."""
-    return NATIVE_MODE if native else INTERPRETED_MODE
-
 
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
 TRANSPORT_PROCESSES = {"emulated": "one", "emulated-mp": "per-rank", "nvshmem": "per-rank"}
 # Error codes a program writes into the control block before it stops.
 ERRORS = {1: "wait expired", 2: "owner overflow", 3: "row_id decodes to another rank"}
 # The private control block (int64): a logical clock, the error record, the input checks'
-# counters, the call count, then (from CTL_TICKETS) the ticket counters (queue 0's is used). The done
+# counters, the call count, then (at CTL_TICKETS) the ticket counter of the kernel that takes
+# tickets, which its launches of a call share (queue_records). The done
 # flags are symmetric: each rank's in its own heap slice (``flags``), where peers read them.
 CONTROL = ("clock", "err_code", "err_entry", "err_dep", "err_rank", "err_epoch", "err_resource", "err_segment")
 CONTROL += ("err_seen", "err_expected")
@@ -354,9 +337,10 @@ class KernelContract:
     def work(self, tiles: Tiles, mode: str = "unified", rank: int | None = None, backward: bool = False) -> Work:
         """The work items of every entry under ``tiles``, queued for ``mode`` (see the module
         docstring): unified, one queue of every entry; split, the transport kernel's queue
-        (every entry but the GEMM ones) and the GEMM kernel's. ``rank``: only that rank's
-        entries (a transport with one process per rank). ``backward``: of the backward's
-        table."""
+        (every entry but the GEMM ones) and the GEMM kernel's; phased, the transport's entries
+        that wait for no GEMM (:func:`phase_queues`), the GEMM kernel's, then the transport's
+        others. ``rank``: only that rank's entries (a transport with one process per rank).
+        ``backward``: of the backward's table."""
         if mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         if rank is not None and not 0 <= rank < self.W:
@@ -389,9 +373,12 @@ class KernelContract:
         mine = [i for i, row in enumerate(table) if rank is None or row[col["rank"]] == rank]
         if mode == "unified":
             queues = [mine]
-        else:
+        elif mode == "split":
             queues = [[i for i in mine if table[i][col["kind"]] not in GEMM_KINDS]]
             queues.append([i for i in mine if table[i][col["kind"]] in GEMM_KINDS])
+        else:
+            names, deps = (self.bwd_names, self.bwd_deps) if backward else (self.names, self.deps)
+            queues = phase_queues(self.layer, names, table, deps, mine)
         queue = tuple(i for q in queues for i in q)
         first, bounds = [0], []
         for q in queues:
@@ -473,6 +460,14 @@ class KernelContract:
             programs = max(1, min(programs, work.n_items))
             return programs, (programs,)
         items = [work.first_item[hi] - work.first_item[lo] for lo, hi in work.bounds]
+        if work.mode == "phased":  # one launch after another: each has the whole budget
+            if comm is not None:
+                raise ValueError(
+                    f"rdepc layer {self.layer}: phased mode launches the transport and the GEMM kernel one after "
+                    "another, each with every program: it takes no transport-program count"
+                )
+            per_queue = tuple(max(1, min(programs, n)) for n in items)
+            return sum(per_queue), per_queue
         if comm is None:
             c, g = self.programs
             comm = min(programs - 1, max(1, round(programs * c / (c + g))))
@@ -521,35 +516,6 @@ class KernelContract:
         return KernelContract(**d)
 
 
-@dataclass(frozen=True)
-class Work:
-    """The task table with each entry's work items, under one choice of tiles, and its
-    queues: entries grouped by queue (unified mode: one; split mode: the transport kernel's,
-    then the GEMM kernel's), each queue in the table's order."""
-
-    mode: str
-    table: tuple[tuple[int, ...], ...]
-    queue: tuple[int, ...]  # entries, queue after queue
-    first_item: tuple[int, ...]  # [entries + 1]: first work item of each queue position
-    bounds: tuple[tuple[int, int], ...]  # per queue: its [first, last) positions in ``queue``
-    m_slots: tuple[int, ...]  # m-tile slots per owner and segment (KernelContract.work)
-
-    @property
-    def n_items(self) -> int:
-        return self.first_item[-1]
-
-    @property
-    def n_entries(self) -> int:
-        return len(self.table)
-
-    def entry_items(self) -> list[tuple[int, int]]:
-        """(first work item, items) of every entry, in table order."""
-        out = [(0, 0)] * len(self.table)
-        for pos, i in enumerate(self.queue):
-            out[i] = (self.first_item[pos], self.first_item[pos + 1] - self.first_item[pos])
-        return out
-
-
 def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
@@ -561,18 +527,6 @@ GEMM_CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "STAGES", "CAST_F32", 
 GEMM_CONSTEXPRS += ("BACKWARD", "SAVE")
 # The kernels of a generated file, by name: their arguments are kernel_args(contract, name).
 KERNELS = ("rdep_layer", "rdep_gemm")
-
-
-def mode_kernels(mode: str) -> list[tuple[str, dict[str, bool]]]:
-    """The kernels a call launches in ``mode``, in launch order, each with the constexprs the
-    mode sets: unified, ``rdep_layer`` with every task; split, ``rdep_layer`` as the
-    transport kernel (no GEMM tasks), then ``rdep_gemm``. The queues of ``Work`` are in
-    the same order."""
-    if mode == "unified":
-        return [("rdep_layer", {"GEMMS": True})]
-    if mode == "split":
-        return [("rdep_layer", {"GEMMS": False}), ("rdep_gemm", {})]
-    raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
 
 
 # The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.

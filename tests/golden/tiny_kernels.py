@@ -8,7 +8,7 @@
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 78053cac95456c54ecabbfa229782d1b2f2ba5cd6eba18737fce26c7acd8cd96
+# content-sha256: 00b9f62e65e19f85eb2ed7a63d2dca08328ca550db20f64970ab9bb4a2452759
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2888,10 +2888,13 @@ def rdep_layer(
     Unified mode (``GEMMS``): the queue holds every entry (one process per rank: every entry
     its rank runs); any program runs any task. Split mode: this is the transport kernel,
     compiled without the GEMM tasks; its queue holds every other entry, and ``rdep_gemm``,
-    launched beside it, runs the GEMM work. Either way the queue is queue 0 of ``queues``.
-    Tickets and done flags count up across calls: the call's ``epoch`` is the call count
-    the control block holds, plus one; the queue's tickets of call ``epoch`` start at
-    (epoch - 1) * (its items + its programs), an entry is done at epoch * its items. A wait
+    launched beside it, runs the GEMM work. Phased mode: the same transport kernel, launched
+    before ``rdep_gemm`` with the entries that wait for no GEMM and after it with the others.
+    A launch's queue is the record its ``queues`` argument starts at. Tickets and done flags
+    count up across calls: the call's ``epoch`` is the call count the control block holds,
+    plus one; a launch's tickets of call ``epoch`` start at (epoch - 1) * (the tickets of the
+    kernel's launches of a call) + (those its earlier launches take), an entry is done at
+    epoch * its items. A wait
     that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
@@ -2948,11 +2951,11 @@ def rdep_layer(
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1  # this call: the launches before it closed theirs
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F  # work items per m-tile: GEMM1's F-blocks
-    first_pos = tl.load(queues)
+    first_pos = tl.load(queues)  # this launch's queue record (rdepc.ir.contract.queue_records)
     last_pos = tl.load(queues + 1)
     item0 = tl.load(first_item + first_pos)
     n_items = tl.load(first_item + last_pos) - item0
-    base = (target - 1) * (n_items + tl.load(queues + 2))
+    base = (target - 1) * tl.load(queues + 4) + tl.load(queues + 3)  # the call's tickets, this launch's first
     ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
     failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     while (ticket < n_items) & (failed == 0):
@@ -3098,22 +3101,24 @@ def rdep_gemm(
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
     PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
 ):  # fmt: skip
-    """Split mode's GEMM kernel: the work items of the GEMM entries (queue 1 of ``queues``:
-    gemm1, gemm2 and the backward's wgrad, in the task table's order, m-tile major within
-    an entry), program p of the queue's P taking items p, p + P, p + 2P, ... — no ticket and
-    no search: a program's items only move forward, so it finds each one's entry by
-    stepping its queue position. What an item waits for is remembered across the
-    program's items: its owner's scan (the guard) and its entry's dependencies once per
-    entry, after that only a GEMM2 item's own m-tile of GEMM1 (one counter). The transport
-    kernel waits on the GEMM entries' done flags, which count their finished items.
+    """Split and phased mode's GEMM kernel: the work items of the GEMM entries (the queue
+    whose record ``queues`` starts at: gemm1, gemm2 and the backward's wgrad, in the task
+    table's order, m-tile major within an entry), program p of the queue's P taking items
+    p, p + P, p + 2P, ... — no ticket and no search: a program's items only move forward,
+    so it finds each one's entry by stepping its queue position. What an item waits for is
+    remembered across the program's items: its owner's scan (the guard) and its entry's
+    dependencies once per entry, after that only a GEMM2 item's own m-tile of GEMM1 (one
+    counter). The transport kernel waits on the GEMM entries' done flags, which count their
+    finished items.
 
     Progress: the earliest unfinished item of either kernel has its inputs done (the table
     is topological), and its program is at it — a program finishes its items in order —
-    or, in the transport kernel, holds its ticket; so the call ends as long as both
-    kernels' programs are resident at once, which the host checks before it launches.
-    ``program_base`` numbers this launch's programs (the interpreter runs each as its own
-    launch of one); ``n_programs`` counts both kernels' programs, which all count out of
-    the call.
+    or, in the transport kernel, holds its ticket; so a split call ends as long as both
+    kernels' programs are resident at once, which the host checks before it launches (a
+    phased call launches them one after another: what a launch waits for is done before it
+    starts, or within it). ``program_base`` numbers this launch's programs (the interpreter
+    runs each as its own launch of one); ``n_programs`` counts every launch's programs,
+    which all count out of the call.
     """
     me = tl.cast(rank0, tl.int64)
     (
@@ -3137,9 +3142,9 @@ def rdep_gemm(
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
     target = epoch
     f_blocks = (F + BLOCK_F - 1) // BLOCK_F
-    pos = tl.load(queues + 3)  # queue 1: its positions [first, last) and its programs
-    last_pos = tl.load(queues + 4)
-    stride = tl.load(queues + 5)
+    pos = tl.load(queues)  # this launch's queue record: its positions [first, last) and its programs
+    last_pos = tl.load(queues + 1)
+    stride = tl.load(queues + 2)
     item0 = tl.load(first_item + pos)
     n_items = tl.load(first_item + last_pos) - item0
     item = (program_base + tl.program_id(0)).to(tl.int32)

@@ -66,7 +66,7 @@ VARIANTS = (
     ("seg16-b1", "deep", 1),
 )
 ROUTINGS = ("uniform", "zipf:1.0", "zipf:1.5", "hot", "one")
-MODES = ("unified", "split")
+MODES = ("unified", "split", "phased")  # phased: bulk only (a segmented schedule's GEMMs may wait for returns)
 FAULTS = ("kill", "lost", "stall", "withhold")
 # pessimistic seconds per collective call by W (2 CPU cores, interpreter), for the job's bound
 CALL_S = {"emulated-mp": {2: 6.0, 3: 10.0, 4: 16.0}, "nvshmem": {2: 30.0, 3: 30.0, 4: 30.0}}
@@ -188,13 +188,16 @@ def random_case(rng: random.Random, specs: dict[str, str], W: int, backend: str,
             options["stall"] = (rank, options["spin_bound"] / 1000 + 1.5 if backend == "emulated-mp" else 3.0)
         else:
             options["withhold"] = (rank, rng.randrange(64))
+    mode = rng.choice(MODES)
+    if mode == "phased" and schedule != "bulk":
+        mode = "split"
     return Case(
         specs[variant],
         overrides=overrides,
         backend=backend,
         device="cpu" if backend == "emulated-mp" else "cuda",
         schedule=schedule,
-        mode=rng.choice(MODES),
+        mode=mode,
         routing=routing,
         seed=rng.randrange(2**31),
         tokens=tokens,
