@@ -11,6 +11,8 @@ import time
 
 SCHEDULES = ("bulk", "pipelined", "deep")
 MODES = ("unified", "split")
+# phased mode runs a schedule whose GEMMs wait for no return (rdepc.ir.contract.phase_queues): bulk
+PHASED = (("bulk", "phased"),)
 GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
 ROUTING = "zipf:1.0"  # skewed: owners' loads differ, capacity policies drop
 
@@ -66,6 +68,7 @@ def plan(dry: bool, device: str | None = None) -> list:
     out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads, fit), runs + grads))
     for name in ("tiny",) if dry else ("qwen3_30b_a3b", "tiny"):
         pairs = (("bulk", None),) if dry else (("bulk", "split"), ("pipelined", "split"), ("bulk", "unified"))
+        pairs += () if dry else PHASED
         runs = tuple(variant(name, dry, s, m) for s, m in pairs)
         out.append(Planned(f"cuda_graph/{name}", cuda_graph, (runs,), runs))
     for name in ("tiny",) if dry else ("tiny", "moonlight"):
@@ -111,7 +114,8 @@ def trained(name: str, dry: bool, edit: str | None = None, fit: dict | None = No
     schedules = SCHEDULES if not dry or name in DRY_FULL else (own(name, dry, edit),)
     modes = ("unified",) if dry else MODES
     narrow = fit["narrowed"] if fit else None
-    return tuple(variant(name, dry, s, m, "train", edit, narrow=narrow) for s in schedules for m in modes)
+    pairs = [(s, m) for s in schedules for m in modes] + ([] if dry else list(PHASED))
+    return tuple(variant(name, dry, s, m, "train", edit, narrow=narrow) for s, m in pairs)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -230,9 +234,10 @@ def tolerance(layer) -> float:
 
 
 def matrix(name: str, dry: bool) -> list[tuple[str, str]]:
-    """(schedule, mode) pairs a forward check runs: all of them, except in a dry run."""
+    """(schedule, mode) pairs a forward check runs: every schedule in unified and split mode
+    and bulk in phased mode, except in a dry run."""
     if not dry or name in DRY_FULL:
-        return [(s, m) for s in SCHEDULES for m in MODES]
+        return [(s, m) for s in SCHEDULES for m in MODES] + list(PHASED)
     mine = own(name, dry)
     return [(mine, "unified"), ("bulk" if mine != "bulk" else "deep", "unified")]
 

@@ -56,7 +56,8 @@ def plan(dry: bool) -> list:
     out = []
     for W in cfg["ranks"]:
         for name in cfg["examples"]:
-            runs = tuple(variant(name, W, tokens, backend, s, m) for s in SCHEDULES for m in MODES)
+            pairs = [(s, m) for s in SCHEDULES for m in MODES] + [("bulk", "phased")]
+            runs = tuple(variant(name, W, tokens, backend, s, m) for s, m in pairs)
             refs = tuple(dict.fromkeys(reference(v) for v in runs))
             out.append(Planned(f"bitwise/{name}/W{W}", bitwise, (runs, W, tokens), runs + refs))
         runs = (variant("tiny", W, tokens, backend),)

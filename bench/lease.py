@@ -71,12 +71,22 @@ STEPS = (
         budget=130,
     ),
     Step(
-        "perf's moonlight case with the tiles just tuned, forward+backward too: its backward now launches the "
-        "tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared memory); "
-        "where the backward's time goes (backward_stages) and a call's host time (host_profile)",
-        cap=100,
+        "perf's moonlight case with the tiles just tuned, bulk in phased mode too (the transport, the GEMMs and "
+        "the transport again, each on all 132 SMs: the last lease's bulk split ran its GEMMs on 101 SMs, 9.0 ms, "
+        "and its dispatch on 31, 1.33 ms against unified's 0.52 on all), forward+backward: its backward now "
+        "launches the tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared "
+        "memory); where the backward's time goes (backward_stages) and a call's host time (host_profile)",
+        cap=110,
         stage="perf",
         only=("perf/moonlight/T4096/uniform",),
+        budget=90,
+    ),
+    Step(
+        "phased mode natively: moonlight forward and backward bitwise every other schedule and mode, against the "
+        "reference; captured into a CUDA graph and replayed",
+        cap=100,
+        stage="correct",
+        only=("forward/moonlight", "backward/moonlight", "cuda_graph/tiny"),
         budget=80,
     ),
     Step(

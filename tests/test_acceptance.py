@@ -45,14 +45,18 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     stages = ("correct", "nvshmem", "perf")
     warm = {s: json.loads((out / f"{s}.json").read_text())["checks"][0]["figures"] for s in stages}
     assert all(w["compiled"] == 0 and w["dry_run"] and w["launches"] >= w["variants"] > 0 for w in warm.values())
-    # forward: tiny 6, moonlight 2; backward tiny 3; fp8 1; dedup 2 + 1; withheld 1 (cuda_graph's is forward's)
-    assert warm["correct"]["variants"] == 6 + 2 + 3 + 1 + 3 + 1
-    # 2 candidates × 4 passes, 6 launches (two under autograd: the forward, the backward): the split
-    # candidate's two kernels each, the unified one's one
-    assert warm["perf"]["variants"] == 2 * 4 and warm["perf"]["launches"] == 6 * 2 + 6
-    # per rank: 4 bitwise cases, kill's (and torchrun's) call, a profiled call; the reference's 2 in one process
-    assert warm["nvshmem"]["launches"] == 2 * (2 * 1 + 2 * 2 + 1 + 1) + 2  # bitwise: 2 unified, 2 split (2 kernels)
-    assert len(correct["forward/tiny"]["runs"]) == 6 and correct["forward/tiny"]["bitwise"]  # 3 strategies × 2 modes
+    # forward: tiny 7 (3 schedules × 2 modes, bulk phased), moonlight 2; backward tiny 3; fp8 1; dedup
+    # 2 + 1; withheld 1 (cuda_graph's is forward's)
+    assert warm["correct"]["variants"] == 7 + 2 + 3 + 1 + 3 + 1
+    # 3 candidates × 4 passes, 6 calls (two under autograd: the forward, the backward): the split
+    # candidate's two kernels each, the unified one's one, the phased one's two (its transport kernel
+    # launched twice, one build)
+    assert warm["perf"]["variants"] == 3 * 4 and warm["perf"]["launches"] == 6 * 2 + 6 + 6 * 2
+    # per rank: 5 bitwise cases (2 unified, 2 split and 1 phased: two kernels each), kill's (and
+    # torchrun's) call, a profiled call; the reference's 2 in one process
+    assert warm["nvshmem"]["launches"] == 2 * (2 * 1 + 2 * 2 + 2 + 1 + 1) + 2
+    # 3 strategies × 2 modes, bulk phased
+    assert len(correct["forward/tiny"]["runs"]) == 7 and correct["forward/tiny"]["bitwise"]
     assert correct["withheld/tiny"]["recovered_bitwise"] and "error" in correct["withheld/tiny"]
     assert correct["cuda_graph/tiny"]["captured"] is False  # the CPU captures nothing: said so
     perf = json.loads((out / "perf.json").read_text())["checks"][1]["figures"]  # after the prewarm
@@ -67,7 +71,7 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert correct["backward/tiny"]["overrides"] == {"W": 2, "T": 8}
     ranks = {c["name"]: c["figures"] for c in json.loads((out / "nvshmem.json").read_text())["checks"]}
     assert all(all(v["bitwise"]) for v in ranks["bitwise/tiny/W2"]["cases"].values())
-    assert len(ranks["bitwise/tiny/W2"]["cases"]) == 4  # 2 strategies × 2 modes
+    assert len(ranks["bitwise/tiny/W2"]["cases"]) == 5  # 2 strategies × 2 modes, bulk phased
     assert not ranks["kill/W2"]["hung"] and ranks["kill/W2"]["survivors"]["0"]["error"]  # JSON keys are strings
     tune = json.loads((out / "tune.json").read_text())["checks"][0]["figures"]
     assert tune["timed"] == tune["candidates"] == 2 and tune["record"]["tiles"] == tune["best"]
