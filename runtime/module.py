@@ -144,10 +144,6 @@ class RDEPModule:
         self.kernels_path = Path(kernels_path)
         self.device = self._device(backend, device)
         self.interpret = self.device.type == "cpu"
-        # rdepc tune's record for this layer on this GPU: tiles, the fastest kernel mode and split
-        gpu = None if self.interpret else torch.cuda.get_device_name(self.device)
-        tuned = None if gpu is None else tune.lookup_launch(contract, gpu)
-        mode, self.mode_source = grid.choose_mode(mode, tuned, self.interpret)
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
         self.rank = ranks.process_group(contract.W)[0] if self.per_rank else None  # this process's, per rank
@@ -155,6 +151,10 @@ class RDEPModule:
         check_fits(
             contract, self.transport, self.device, buffers, self.rank, inference, heap=share is None
         )  # before anything is allocated or imported
+        # rdepc tune's record for this layer on this GPU: tiles, the fastest kernel mode and split
+        gpu = None if self.interpret else torch.cuda.get_device_name(self.device)
+        tuned = None if gpu is None else tune.lookup_launch(contract, gpu)
+        mode, self.mode_source = grid.choose_mode(mode, tuned, self.interpret)
         self.mode = mode
         self.profiling = profile
         self.dtype = TORCH_DTYPES[contract.dtype]
@@ -170,14 +170,14 @@ class RDEPModule:
         self._allocate(buffers, share)
         self._start()
 
-    def _transport(self, backend: str, mode: str) -> transports.Transport:
+    def _transport(self, backend: str, mode: str | None) -> transports.Transport:
         """``backend``'s transport; a ValueError unless the kernels were generated for it and
-        ``mode`` is a kernel mode."""
+        ``mode`` is a kernel mode (None: chosen later)."""
         transport = transports.get(backend)
         if self.contract.transport != transport.name:
             made = self.contract.transport
             raise ValueError(f"{self.kernels_path} was generated for the {made} backend, not {backend}")
-        if mode not in MODES:
+        if mode is not None and mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         return transport
 
