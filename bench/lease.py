@@ -73,7 +73,8 @@ STEPS = (
     Step(
         "perf's moonlight case with the tiles just tuned, bulk in phased mode too (the transport, the GEMMs and "
         "the transport again, each on all 132 SMs: the last lease's bulk split ran its GEMMs on 101 SMs, 9.0 ms, "
-        "and its dispatch on 31, 1.33 ms against unified's 0.52 on all), forward+backward: its backward now "
+        "and its dispatch on 31, 1.33 ms against unified's 0.52 on all), the route in chunks of 256 tokens (the last "
+        "lease's: 0.85 ms, one program a rank), forward+backward: its backward now "
         "launches the tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared "
         "memory); where the backward's time goes (backward_stages) and a call's host time (host_profile)",
         cap=110,

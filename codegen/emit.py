@@ -24,7 +24,14 @@ from rdepc.codegen.device import include
 
 from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
-from rdepc.ir.sizes import COMBINE_COLS, SCALE_BLOCK, block_scales
+from rdepc.ir.sizes import (
+    COMBINE_COLS,
+    ROUTE_CHUNK_TOKENS,
+    SCALE_BLOCK,
+    block_scales,
+    route_chunks,
+    route_scratch_words,
+)
 from rdepc.ir.spec import Dtype
 
 HASH_FIELD = "# content-sha256: "
@@ -92,7 +99,9 @@ def _docstring(p: KernelContract) -> str:
 Unified mode launches ``rdep_layer`` alone, and it runs every task. Split mode launches
 ``rdep_layer`` without the GEMM tasks (constexpr GEMMS false: the transport kernel) and
 ``rdep_gemm`` beside it, which runs only the expert GEMMs, with its own registers and
-shared memory; the two coordinate only through the done flags and m-tile counters.
+shared memory; the two coordinate only through the done flags and m-tile counters. Phased
+mode launches the transport kernel, ``rdep_gemm`` and the transport kernel again, one after
+another, each with its own queue: the transport's tasks before the GEMMs, then after them.
 ``rdep_layer``'s programs take work items with a ticket (an atomic counter) in the task
 table's order, which is a topological order of the scheduler's task graph: the earliest
 unfinished item always has its inputs done, so the kernel makes progress with any number
@@ -190,6 +199,9 @@ def constants(p: KernelContract) -> str:
         _c("W_PAD", W_PAD),
         _c("K_PAD", K_PAD),
         _c("ROUTE_ROWS", route_rows, "route rows per block of the route stage's one-hot prefix count"),
+        _c("ROUTE_CHUNK_TOKENS", ROUTE_CHUNK_TOKENS, "tokens one route work item counts, and then buckets"),
+        _c("ROUTE_CHUNKS", route_chunks(p.T), "chunks of a front-end's tokens: the route's items are twice as many"),
+        _c("ROUTE_SCRATCH", route_scratch_words(E_PAD, p.T), "int32 words of a front-end's route scratch"),
         _c("KEY_ROWS", 64, "admission keys per block of the scan's count"),
         _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),

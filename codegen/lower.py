@@ -22,7 +22,9 @@ reroute r      1: r's route rows' physical experts under the plan
 push r         E_loc(r) − N home experts × C chunks (balance replicate): a chunk of one
                expert's operands, read once, stored into every slot the plan gave it
 receive q      N × C: a chunk of one of q's slots, copied into the call's operand
-route r        1 (the per-expert prefix count over r's rows is sequential)
+route r        2 × ⌈T / 256⌉: each chunk of 256 of r's tokens counted per expert (its rows'
+               positions within the chunk), then — once every chunk is counted — bucketed
+               (the first bucketing item turns the counts into bases and publishes them)
 scan q         1
 dispatch r→q s ⌈rows r may place in segment s of q / rows_per_item⌉, striding over blocks
 gemm1 q s      m-tile slots × ⌈F / block_f⌉ F-blocks, m-tile major: one [BM, 2·block_f]
@@ -73,7 +75,7 @@ from fractions import Fraction
 
 from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, ctl_words, next_pow2, tile_slots
 from rdepc.ir.graph import MemoryPlan, Schedule
-from rdepc.ir.sizes import BWD_SIDEBAND
+from rdepc.ir.sizes import BWD_SIDEBAND, route_scratch_words
 from rdepc.ir.spec import ROUTE_VARS, LayerSpec
 from rdepc.version import __version__
 
@@ -221,7 +223,8 @@ def lower(
     private = [
         ("rowpos", "int32", (W, T * K)),  # position of each route row within its (source, expert) run
         ("sorted_rows", "int32", (W, T * K)),  # each source's rows bucketed by (owner, local expert)
-        ("route_scratch", "int32", (W, 2 * E_PAD + 2)),  # bucket base per expert, then per (owner, local)
+        # bucket base per expert, then per (owner, local), then each chunk's counts (bases) per expert
+        ("route_scratch", "int32", (W, route_scratch_words(E_PAD, T))),
         ("recv", "int32", (W, W, E_MAX, 2)),  # the owner's split table: (payload offset, admitted)
         ("group", "int32", (W, E_MAX, 2)),  # (first payload row, rows) per (owner, local expert)
         # each m-tile slot's (local expert, first row, lo, hi) per (owner, segment): the GEMMs' tile table

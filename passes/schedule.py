@@ -114,9 +114,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
         m = Decision(
             "kernel mode",
             f"phased {tl.makespan * 1e3:.3f} ms against split {est * 1e3:.3f} ms predicted",
-            f"cost model: phased launches the transport, the GEMMs and the transport again, each on all {N} "
-            "programs; split keeps the transport's share of the SMs through the GEMMs. A GPU decides: rdepc tune "
-            "times both and a module launches the faster",
+            "cost model; rdepc tune times both on the GPU",
         )
         return _Plan(None, "returns-first", order, tl, dur, [d, k, m], kernels)
     variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]

@@ -152,7 +152,7 @@ def note_rows(ctl, bad, key, N: tl.constexpr):
 
 @triton.jit
 def validate_inputs(topk_ids, gates, ctl, n_tokens):
-    validate(topk_ids, gates, ctl, tl.program_id(0), n_tokens)
+    validate(topk_ids, gates, ctl, tl.program_id(0), n_tokens, 0, n_tokens)
 
 
 @triton.jit

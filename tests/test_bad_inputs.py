@@ -440,7 +440,7 @@ def meminfo(tmp_path, available_kb: int | None) -> str:
 HEAP_LINE = (
     r"rdepc layer tiny: the symmetric heap needs 338\.0 KiB \(4 ranks × 84\.5 KiB: payload B=1 × S=128 rows "
     r"64\.0 KiB, return T·K=32 rows 16\.0 KiB, control, sideband and ids 4\.5 KiB; forward and backward\) and the "
-    r"private buffers 395\.2 KiB more, 733\.2 KiB in all, but {room}; a bulk schedule moves each owner's rows as one "
+    r"private buffers 395\.3 KiB more, 733\.3 KiB in all, but {room}; a bulk schedule moves each owner's rows as one "
     r"segment, S = the busiest owner's rows \(128 with capacity dropless\): lower T \(tokens 16\), set or lower a "
     r"capacity factor, or move the rows in segments \(segment rows S, buffers B; schedule pipelined\)$"
 )

@@ -122,7 +122,7 @@ def test_a_schedule_whose_gemms_wait_for_returns_is_refused(tmp_path, main):
     contract = layer.compile().kernel
     work = contract.work(Tiles(), "split")
     with pytest.raises(ValueError, match="use split or unified mode"):
-        phase_queues(contract, work.table, contract.deps, list(range(contract.n_entries)), False)
+        phase_queues(contract.layer, contract.names, work.table, contract.deps, list(range(contract.n_entries)))
     status, _, err = main("run", str(path), "--mode", "phased", "--check")
     assert status != 0 and "use split or unified mode" in err and len(err.strip().splitlines()) <= 2
 

@@ -99,21 +99,22 @@ def note(ctl, word, bad, key):
 
 
 @triton.jit
-def validate(topk_ids, gates, ctl, r, n_tokens):
-    """Front-end r's routing inputs: expert ids in [0, E) or -1 (a slot that routes nowhere:
-    padding), K distinct experts per token, finite gates. Offenders are counted into the
-    control block with the first one (key W*T*K - (r*T + t)*K - k: earliest is largest) for
-    the host to raise after the call; the call goes on (an id out of range is routed
-    nowhere, its slot not accepted), so no rank is left waiting and the next call starts
-    clean."""
+def validate(topk_ids, gates, ctl, r, n_tokens, t_lo, t_hi):
+    """Front-end r's routing inputs, its tokens [t_lo, t_hi) of the call's ``n_tokens``:
+    expert ids in [0, E) or -1 (a slot that routes nowhere: padding), K distinct experts per
+    token, finite gates. Offenders are counted into the control block with the first one
+    (key W*T*K - (r*T + t)*K - k: earliest is largest; atomic, so chunks checked by several
+    programs agree) for the host to raise after the call; the call goes on (an id out of
+    range is routed nowhere, its slot not accepted), so no rank is left waiting and the next
+    call starts clean."""
     base = tl.cast(r, tl.int64) * n_tokens * K
     key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
     slots = tl.arange(0, K_PAD)
-    start = 0
-    while start < n_tokens:
+    start = t_lo
+    while start < t_hi:
         t = start + tl.arange(0, VALIDATE_TOKENS)
         start += VALIDATE_TOKENS
-        live = (t < n_tokens)[:, None] & (slots < K)[None, :]
+        live = (t < t_hi)[:, None] & (slots < K)[None, :]
         i = t[:, None] * K + slots[None, :]
         e = tl.load(topk_ids + base + i, mask=live, other=0)
         g = tl.load(gates + base + i, mask=live, other=0.0)

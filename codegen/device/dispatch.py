@@ -25,12 +25,12 @@ from rdepc.codegen.device.layout import (
     DISPATCH_SCALE,
     DTYPE,
     E_MAX,
-    E_PAD,
     EL_PAD,
     GATE_INPUT,
     OFFSETS,
     PAYLOAD,
     RESEND,
+    ROUTE_SCRATCH,
     SB_GATE,
     SB_LINKS,
     SB_LOCAL_EXPERT,
@@ -110,7 +110,7 @@ def dispatch(
     lo, count = clip(offset, admitted, s)
     n = tl.sum(count, axis=0)
     expert = tl.load(order + tl.load(owner_first + q) + local, mask=mine, other=0)
-    bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
+    bucket = tl.load(scratch + tl.cast(r, tl.int64) * ROUTE_SCRATCH + expert, mask=mine, other=0)
     dst = peer(heap, q)
     if BACKWARD:
         payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))

@@ -25,7 +25,6 @@ from rdepc.codegen.device.layout import (
     CTL_TICKETS,
     DEDUP,
     E_MAX,
-    E_PAD,
     ERR_WAIT,
     KIND_COMBINE,
     KIND_DISPATCH,
@@ -46,6 +45,8 @@ from rdepc.codegen.device.layout import (
     PLAN_SLOTS_AT,
     R_MAX,
     RING,
+    ROUTE_CHUNKS,
+    ROUTE_SCRATCH,
     SEGMENTS,
     SLOT_ELEMS,
     ST_COLS,
@@ -64,7 +65,7 @@ from rdepc.codegen.device.plan import load_task, reroute_task, solve_task
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
 from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
-from rdepc.codegen.device.signals import signal
+from rdepc.codegen.device.signals import signal, wait
 from rdepc.codegen.device.slots import push_slot, receive_slot
 from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
 
@@ -162,7 +163,7 @@ def rdep_layer(
     stats -= me * ST_COLS
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
-    route_scratch -= me * (2 * E_PAD + 2)
+    route_scratch -= me * ROUTE_SCRATCH
     recv -= me * (W * E_MAX * 2)
     if RING:
         landing -= me * (T * K * H)
@@ -233,6 +234,15 @@ def rdep_layer(
             blocked, seen, expected = wait_deps(
                 heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
             )
+        if (kind == KIND_ROUTE) & (item >= ROUTE_CHUNKS) & (blocked < 0):
+            # a bucketing item: every chunk counted (the items before it, by ticket), and the
+            # first bucketing item's bases
+            want = (target - 1) * items + ROUTE_CHUNKS + (item > ROUTE_CHUNKS).to(tl.int32)
+            got = wait(done_flag(heap, table, entry, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            if got < want:
+                blocked = entry
+                seen = got
+                expected = want
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
         elif kind >= 0:
@@ -243,7 +253,7 @@ def rdep_layer(
                     if not BACKWARD:
                         route(
                             heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
+                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank), item,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if BACKWARD:  # the m-tile table again, from the rows the forward left

@@ -29,7 +29,7 @@ from rdepc.ir.queues import mode_kernels as mode_kernels
 from rdepc.ir.queues import phase_queues as phase_queues
 from rdepc.ir.queues import queue_records as queue_records
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
-from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots
+from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots, route_chunks
 from rdepc.ir.spec import Dtype, is_gated
 
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
@@ -357,7 +357,9 @@ class KernelContract:
             kind = KINDS[row[col["kind"]]]
             owner = row[col["owner"]]
             items = 1
-            if kind in ("dispatch", "return", "unpack"):
+            if kind == "route" and not backward:  # each chunk counted, then bucketed (the backward routes nothing)
+                items = 2 * route_chunks(self.T)
+            elif kind in ("dispatch", "return", "unpack"):
                 items = split(min(self.S, self.from_one[owner]))
             elif kind == "gemm1":
                 items = m_slots[owner] * -(-self.F // tiles.block_f)

@@ -109,6 +109,21 @@ def return_ring(segmented: bool, B: int, S: int, T: int, K: int) -> bool:
     return segmented and B * S < T * K
 
 
+ROUTE_CHUNK_TOKENS = 256  # tokens one route work item counts, and then buckets
+
+
+def route_chunks(T: int) -> int:
+    """Chunks of a front-end's tokens the route splits into, each counted by one work item
+    and bucketed by another (the route's 2 · route_chunks work items)."""
+    return max(1, ceil_div(T, ROUTE_CHUNK_TOKENS))
+
+
+def route_scratch_words(E_pad: int, T: int) -> int:
+    """int32 words of a front-end's route scratch: the bucket base per expert, the bases per
+    (owner, local expert) and one past, then per chunk a count (then the base) per expert."""
+    return 2 * E_pad + 2 + route_chunks(T) * E_pad
+
+
 def token_tiles(T: int) -> int:
     """Combine tiles of one front-end: ⌈T / BM⌉ tiles of BM tokens."""
     return ceil_div(T, BM)

@@ -7,8 +7,10 @@
 # decision:  programs = all 132 programs take every task (unified) (bulk: nothing to overlap)
 # decision:  kernel split = 30 transport / 102 GEMM programs of 132 (split mode) (cost model: the stages take turns,
 #            0.001 ms summed on the busiest rank)
+# decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
+#            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 00b9f62e65e19f85eb2ed7a63d2dca08328ca550db20f64970ab9bb4a2452759
+# content-sha256: a36007528e7616a68b365ffd4c3fa7491285798ca5d63cedeb685cc75b959202
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -17,7 +19,9 @@ One launch covers all W = 4 ranks.
 Unified mode launches ``rdep_layer`` alone, and it runs every task. Split mode launches
 ``rdep_layer`` without the GEMM tasks (constexpr GEMMS false: the transport kernel) and
 ``rdep_gemm`` beside it, which runs only the expert GEMMs, with its own registers and
-shared memory; the two coordinate only through the done flags and m-tile counters.
+shared memory; the two coordinate only through the done flags and m-tile counters. Phased
+mode launches the transport kernel, ``rdep_gemm`` and the transport kernel again, one after
+another, each with its own queue: the transport's tasks before the GEMMs, then after them.
 ``rdep_layer``'s programs take work items with a ticket (an atomic counter) in the task
 table's order, which is a topological order of the scheduler's task graph: the earliest
 unfinished item always has its inputs done, so the kernel makes progress with any number
@@ -66,6 +70,9 @@ EL_PAD = tl.constexpr(2)
 W_PAD = tl.constexpr(4)
 K_PAD = tl.constexpr(2)
 ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-hot prefix count
+ROUTE_CHUNK_TOKENS = tl.constexpr(256)  # tokens one route work item counts, and then buckets
+ROUTE_CHUNKS = tl.constexpr(1)  # chunks of a front-end's tokens: the route's items are twice as many
+ROUTE_SCRATCH = tl.constexpr(26)  # int32 words of a front-end's route scratch
 KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
@@ -335,21 +342,22 @@ def note(ctl, word, bad, key):
 
 
 @triton.jit
-def validate(topk_ids, gates, ctl, r, n_tokens):
-    """Front-end r's routing inputs: expert ids in [0, E) or -1 (a slot that routes nowhere:
-    padding), K distinct experts per token, finite gates. Offenders are counted into the
-    control block with the first one (key W*T*K - (r*T + t)*K - k: earliest is largest) for
-    the host to raise after the call; the call goes on (an id out of range is routed
-    nowhere, its slot not accepted), so no rank is left waiting and the next call starts
-    clean."""
+def validate(topk_ids, gates, ctl, r, n_tokens, t_lo, t_hi):
+    """Front-end r's routing inputs, its tokens [t_lo, t_hi) of the call's ``n_tokens``:
+    expert ids in [0, E) or -1 (a slot that routes nowhere: padding), K distinct experts per
+    token, finite gates. Offenders are counted into the control block with the first one
+    (key W*T*K - (r*T + t)*K - k: earliest is largest; atomic, so chunks checked by several
+    programs agree) for the host to raise after the call; the call goes on (an id out of
+    range is routed nowhere, its slot not accepted), so no rank is left waiting and the next
+    call starts clean."""
     base = tl.cast(r, tl.int64) * n_tokens * K
     key0 = W * T * K - tl.cast(r, tl.int64) * (T * K)
     slots = tl.arange(0, K_PAD)
-    start = 0
-    while start < n_tokens:
+    start = t_lo
+    while start < t_hi:
         t = start + tl.arange(0, VALIDATE_TOKENS)
         start += VALIDATE_TOKENS
-        live = (t < n_tokens)[:, None] & (slots < K)[None, :]
+        live = (t < t_hi)[:, None] & (slots < K)[None, :]
         i = t[:, None] * K + slots[None, :]
         e = tl.load(topk_ids + base + i, mask=live, other=0)
         g = tl.load(gates + base + i, mask=live, other=0.0)
@@ -608,42 +616,64 @@ def links(heap, topk_ids, owner_of, local_of, rowpos, r, t, row, q, live, n_toke
 @triton.jit
 def route(
     heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows, scratch, stats, ctl, r,
-    n_tokens, brought,
+    n_tokens, brought, item,
 ):  # fmt: skip
-    """Front-end r: flatten its token-slot pairs into route rows, counted per expert.
+    """Front-end r: flatten its token-slot pairs into route rows, counted per expert — work
+    item ``item`` of the route's 2 · ROUTE_CHUNKS, each on one chunk of ROUTE_CHUNK_TOKENS
+    tokens.
 
-    Route row i = t*K + k of token t, slot k. Pass 1 gives every row its position among
-    the rows r sends to the same expert — in row order (a running one-hot prefix count;
-    row order is ascending row_id), or under a keyed drop policy whose keys do not ascend
-    with the rows (POSITIONS_BY_KEY) in admission-key order (row_key; the owner admits the
-    smallest keys, scan) — and counts the rows per expert; the counts go to the owners
-    (dispatch phase 1). Pass 2 buckets the rows by (owner, local expert); the bucket base
-    of each expert stays in ``scratch`` for the dispatch tasks, and under a keyed policy
-    the keys go to the owners. The inputs are validated first, here rather than on the
-    host (no device→host sync in a call).
+    Route row i = t*K + k of token t, slot k. Items below ROUTE_CHUNKS count (:func:`count_chunk`):
+    the chunk's inputs validated (here rather than on the host: no device→host sync in a
+    call), each row's position among the chunk's rows to the same expert, the chunk's rows
+    per expert. The others bucket (:func:`bucket_chunk`) once every chunk is counted (the
+    kernel waits for the route's own done counter): the first turns the counts into bases —
+    each chunk's per expert, each expert's bucket in (owner, local expert) order — and sends
+    the counts to the owners (dispatch phase 1, :func:`route_bases`); the others wait for it
+    too. Positions and buckets are those one pass over the rows in order would give.
     """
-    validate(topk_ids, gates, ctl, r, n_tokens)
-    st = stats + tl.cast(r, tl.int64) * ST_COLS  # this call's rows sent and returned start at zero
-    tl.store(st + ST_SENT, 0)
-    tl.store(st + ST_RETURNED, 0)
+    c = item % ROUTE_CHUNKS
+    t_lo = c * ROUTE_CHUNK_TOKENS
+    t_hi = tl.minimum(n_tokens, t_lo + ROUTE_CHUNK_TOKENS)
+    by_expert = scratch + tl.cast(r, tl.int64) * ROUTE_SCRATCH
+    chunks = by_expert + 2 * E_PAD + 2  # per chunk, its count (then its base) per expert
+    if item < ROUTE_CHUNKS:
+        validate(topk_ids, gates, ctl, r, n_tokens, t_lo, t_hi)
+        if c == 0:  # this call's rows sent and returned start at zero
+            st = stats + tl.cast(r, tl.int64) * ST_COLS
+            tl.store(st + ST_SENT, 0)
+            tl.store(st + ST_RETURNED, 0)
+        count_chunk(topk_ids, gates, rowpos, chunks + c * E_PAD, r, n_tokens, t_lo * K, t_hi * K)
+    else:
+        if c == 0:
+            route_bases(heap, order, owner_of, local_of, by_expert, chunks, r, brought)
+        bucket_chunk(
+            heap, topk_ids, gates, owner_of, owner_first, rowpos, sorted_rows, by_expert, chunks + c * E_PAD, r,
+            n_tokens, t_lo * K, t_hi * K,
+        )  # fmt: skip
+
+
+@triton.jit(noinline=True)
+def count_chunk(topk_ids, gates, rowpos, counted, r, n_tokens, lo, hi):
+    """Rows [lo, hi) of front-end r: each one's position among them to the same expert (a
+    running one-hot prefix count: row order is ascending row_id) — under a keyed drop policy
+    whose keys do not ascend with the rows (POSITIONS_BY_KEY), among all of r's rows to that
+    expert in admission-key order (row_key; the owner admits the smallest keys, scan) — and
+    their count per expert, into ``counted``."""
     n = n_tokens * K
     ids = topk_ids + tl.cast(r, tl.int64) * n
     if KEYED:
         rgates = gates + tl.cast(r, tl.int64) * n
     pos = rowpos + tl.cast(r, tl.int64) * (T * K)
-    by_expert = scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2)
-    by_order = by_expert + E_PAD
     experts = tl.arange(0, E_PAD)
-    real = experts < E
     counts = tl.zeros([E_PAD], tl.int32)
-    start = 0
-    while start < n:  # while, not range: the interpreter cannot index a range by a runtime scalar
+    start = lo
+    while start < hi:  # while, not range: the interpreter cannot index a range by a runtime scalar
         i = start + tl.arange(0, ROUTE_ROWS)
         start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
+        e = tl.load(ids + i, mask=i < hi, other=-1).to(tl.int32)
         onehot = (e[:, None] == experts[None, :]).to(tl.int32)
         if POSITIONS_BY_KEY:
-            key = row_key(rgates, r, i, i < n)
+            key = row_key(rgates, r, i, i < hi)
             before = tl.zeros([ROUTE_ROWS], tl.int32)
             j0 = 0
             while j0 < n:  # the rows of r to the same expert with a smaller key come first
@@ -652,12 +682,28 @@ def route(
                 ej = tl.load(ids + j, mask=j < n, other=-2).to(tl.int32)
                 smaller = (ej[None, :] == e[:, None]) & (row_key(rgates, r, j, j < n)[None, :] < key[:, None])
                 before += tl.sum(smaller.to(tl.int32), axis=1)
-            tl.store(pos + i, before, mask=i < n)
+            tl.store(pos + i, before, mask=i < hi)
         else:
             before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
-            tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < n)
+            tl.store(pos + i, tl.sum(before * onehot, axis=1), mask=i < hi)
         counts += tl.sum(onehot, axis=0)
-    # Bucket bases: exclusive prefix sums of the counts with the experts in (owner, local) order.
+    tl.store(counted + experts, counts)
+
+
+@triton.jit(noinline=True)
+def route_bases(heap, order, owner_of, local_of, by_expert, chunks, r, brought):
+    """Once every chunk of front-end r is counted: each chunk's base per expert (the rows of
+    the chunks before it, in place of its count), each expert's bucket base with the experts
+    in (owner, local) order (``by_expert``, then per (owner, local) and one past), which the
+    dispatch reads; the counts to the owners (dispatch phase 1) with the tokens r brings."""
+    experts = tl.arange(0, E_PAD)
+    real = experts < E
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c in range(ROUTE_CHUNKS):
+        counted = tl.load(chunks + c * E_PAD + experts)
+        tl.store(chunks + c * E_PAD + experts, counts)
+        counts += counted
+    by_order = by_expert + E_PAD
     tl.store(by_expert + experts, counts)
     tl.debug_barrier()
     ordered = tl.load(order + experts, mask=real, other=0)
@@ -668,21 +714,6 @@ def route(
     tl.debug_barrier()
     tl.store(by_expert + ordered, ends - c, mask=real)
     tl.debug_barrier()
-    bucketed = sorted_rows + tl.cast(r, tl.int64) * (T * K)
-    start = 0
-    while start < n:
-        i = start + tl.arange(0, ROUTE_ROWS)
-        start += ROUTE_ROWS
-        e = tl.load(ids + i, mask=i < n, other=-1).to(tl.int32)
-        valid = (i < n) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
-        at = tl.load(by_expert + e, mask=valid, other=0) + tl.load(pos + i, mask=valid, other=0)
-        tl.store(bucketed + at, i, mask=valid)
-        if KEYED:
-            # ... and the keys, into the owner's run for (r, local expert): ascending, as the positions
-            q = tl.load(owner_of + e, mask=valid, other=0)
-            first = tl.load(by_order + tl.load(owner_first + q, mask=valid, other=0), mask=valid, other=0)
-            key = row_key(rgates, r, i, valid)
-            put((peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64)) + r * (T * K) + at - first, key, valid)
     # Dispatch phase 1: rows for (owner, local expert) into the owner's counts[r, local].
     q = tl.load(owner_of + experts, mask=real, other=0)
     local = tl.load(local_of + experts, mask=real, other=0)
@@ -692,6 +723,41 @@ def route(
     peers = tl.arange(0, W_PAD)
     tokens = tl.zeros([W_PAD], tl.int64) + brought
     put((peer(heap, peers) + TOKENS).to(tl.pointer_type(tl.int64)) + r, tokens, peers < W)
+
+
+@triton.jit(noinline=True)
+def bucket_chunk(
+    heap, topk_ids, gates, owner_of, owner_first, rowpos, sorted_rows, by_expert, base, r, n_tokens, lo, hi
+):  # fmt: skip
+    """Rows [lo, hi) of front-end r into their (owner, local expert) buckets, at their
+    expert's bucket base plus their position — counted within the chunk, made r's by adding
+    the chunk's ``base`` (rowpos keeps it for the dispatch's links and the combine) — and
+    under a keyed policy their keys to the owners, into the owner's run for (r, local
+    expert): ascending, as the positions."""
+    n = n_tokens * K
+    ids = topk_ids + tl.cast(r, tl.int64) * n
+    if KEYED:
+        rgates = gates + tl.cast(r, tl.int64) * n
+    pos = rowpos + tl.cast(r, tl.int64) * (T * K)
+    by_order = by_expert + E_PAD
+    bucketed = sorted_rows + tl.cast(r, tl.int64) * (T * K)
+    start = lo
+    while start < hi:
+        i = start + tl.arange(0, ROUTE_ROWS)
+        start += ROUTE_ROWS
+        e = tl.load(ids + i, mask=i < hi, other=-1).to(tl.int32)
+        valid = (i < hi) & (e >= 0) & (e < E)  # an id out of range is counted by no expert: not routed
+        p = tl.load(pos + i, mask=valid, other=0)
+        if not POSITIONS_BY_KEY:
+            p += tl.load(base + e, mask=valid, other=0)
+            tl.store(pos + i, p, mask=valid)
+        at = tl.load(by_expert + e, mask=valid, other=0) + p
+        tl.store(bucketed + at, i, mask=valid)
+        if KEYED:
+            q = tl.load(owner_of + e, mask=valid, other=0)
+            first = tl.load(by_order + tl.load(owner_first + q, mask=valid, other=0), mask=valid, other=0)
+            key = row_key(rgates, r, i, valid)
+            put((peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64)) + r * (T * K) + at - first, key, valid)
 
 
 @triton.jit
@@ -863,7 +929,7 @@ def dispatch(
     lo, count = clip(offset, admitted, s)
     n = tl.sum(count, axis=0)
     expert = tl.load(order + tl.load(owner_first + q) + local, mask=mine, other=0)
-    bucket = tl.load(scratch + tl.cast(r, tl.int64) * (2 * E_PAD + 2) + expert, mask=mine, other=0)
+    bucket = tl.load(scratch + tl.cast(r, tl.int64) * ROUTE_SCRATCH + expert, mask=mine, other=0)
     dst = peer(heap, q)
     if BACKWARD:
         payload = (dst + BWD_PAYLOAD).to(tl.pointer_type(BWD_WIRE))
@@ -2930,7 +2996,7 @@ def rdep_layer(
     stats -= me * ST_COLS
     rowpos -= me * (T * K)
     sorted_rows -= me * (T * K)
-    route_scratch -= me * (2 * E_PAD + 2)
+    route_scratch -= me * ROUTE_SCRATCH
     recv -= me * (W * E_MAX * 2)
     if RING:
         landing -= me * (T * K * H)
@@ -3001,6 +3067,15 @@ def rdep_layer(
             blocked, seen, expected = wait_deps(
                 heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
             )
+        if (kind == KIND_ROUTE) & (item >= ROUTE_CHUNKS) & (blocked < 0):
+            # a bucketing item: every chunk counted (the items before it, by ticket), and the
+            # first bucketing item's bases
+            want = (target - 1) * items + ROUTE_CHUNKS + (item > ROUTE_CHUNKS).to(tl.int32)
+            got = wait(done_flag(heap, table, entry, BACKWARD), want, bound, ctl + CTL_ERR_CODE)
+            if got < want:
+                blocked = entry
+                seen = got
+                expected = want
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
         elif kind >= 0:
@@ -3011,7 +3086,7 @@ def rdep_layer(
                     if not BACKWARD:
                         route(
                             heap, topk_ids, gates, order, owner_of, local_of, owner_first, rowpos, sorted_rows,
-                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank),
+                            route_scratch, stats, ctl, rank, n_tokens, tl.load(tokens_of + rank), item,
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if BACKWARD:  # the m-tile table again, from the rows the forward left
