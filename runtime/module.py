@@ -111,12 +111,13 @@ class RDEPModule:
     concurrently: on a GPU every program is resident, on the CPU each interpreted program
     runs in its own thread, ``ConcurrentInterpreter``) or ``phased`` (the transport kernel,
     the GEMM kernel and the transport kernel again, one after another on the stream, each
-    with every program: nothing overlaps, nothing is held back for the other kernel);
-    ``default_mode`` decides. ``programs``: how many run at once, by default one per SM of
-    this process's share of the GPU, and under the interpreter two (unified), three (split)
-    or one (phased). ``comm_programs``:
-    split mode's transport programs, the rest the GEMM kernel's (default: in the ratio of
-    the schedule's communication and compute programs).
+    with every program: nothing overlaps, nothing is held back for the other kernel); by
+    default ``rdepc tune``'s fastest on this GPU, else ``default_mode`` (``mode_source``
+    says which). ``programs``: how many run at once, by default one per SM of this
+    process's share of the GPU, and under the interpreter two (unified), three (split) or
+    one (phased). ``comm_programs``: split mode's transport programs, the rest the GEMM
+    kernel's (default: ``rdepc tune``'s fastest split, else in the ratio of the schedule's
+    communication and compute programs).
     ``spin_bound``: spins a wait may take before the call fails with a :class:`KernelError`.
     ``profile``: record the start and end of every work item (``last_profile``; a
     backward's: ``last_backward_profile``).

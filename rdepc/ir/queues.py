@@ -123,10 +123,10 @@ def phase_queues(layer: str, names, table, deps: tuple[int, ...], mine: list[int
     """Phased mode's queues of the entries ``mine`` of ``table`` (its entries' ``names``;
     ``deps`` the table's dependency list): the transport's entries that wait (through any
     chain of dependencies or their guard) for no GEMM entry, the GEMM entries, the
-    transport's other entries — each in the table's order. A GEMM entry that waits for one of the last kind
-    (a schedule whose GEMMs wait for returns: a ring of buffers reused within the call)
-    cannot run in phases: a ValueError names it. A dependency on the previous call is
-    always met (its launches have ended)."""
+    transport's other entries — each in the table's order. A GEMM entry that waits for one
+    of the last kind (a schedule whose GEMMs wait for returns: a ring of buffers reused
+    within the call) cannot run in phases: a ValueError names it. A dependency on the
+    previous call is always met (its launches have ended)."""
     col = {c: i for i, c in enumerate(COLUMNS)}
     after = [False] * len(table)  # waits for a GEMM entry (or is one)
     for i, row in enumerate(table):
