@@ -152,22 +152,7 @@ def tune(
     """Time every candidate with ``time_tiles`` (milliseconds of one call; it raises when a
     candidate cannot run, which is recorded and skipped); the fastest, and every result.
     ``budget``: seconds after which the remaining candidates are recorded as not timed."""
-    results: list[dict] = []
-    tried = list(tried)
-    deadline = None if budget is None else time.monotonic() + budget
-    for i, t in enumerate(tried):
-        if deadline is not None and time.monotonic() > deadline and any("ms" in r for r in results):
-            results.append({"tiles": asdict(t), "skipped": f"not timed: the budget of {budget:g} s was spent"})
-            progress(f"  [{i + 1}/{len(tried)}] {_short(t)}  not timed (budget)")
-            continue
-        try:
-            ms = time_tiles(t)
-            results.append({"tiles": asdict(t), "ms": ms})
-            line = f"{ms:9.3f} ms"
-        except Exception as e:  # a candidate that does not compile or run is skipped, not fatal
-            results.append({"tiles": asdict(t), "error": f"{type(e).__name__}: {e}"[:300]})
-            line = f"failed: {type(e).__name__}"
-        progress(f"  [{i + 1}/{len(tried)}] {_short(t)}  {line}")
+    results = _time_each(tried, lambda t: {"tiles": asdict(t)}, time_tiles, _short, progress, budget)
     timed = [r for r in results if "ms" in r]
     if not timed:
         raise RuntimeError(f"rdepc tune: no candidate tiles ran for layer {contract.layer}: " + results[0]["error"])
@@ -201,19 +186,14 @@ def time_launches(
     """Time each (mode, transport programs) with ``time_launch`` (milliseconds of one call;
     a launch that raises is recorded and skipped); the fastest as :func:`lookup_launch`
     returns it (``comm_programs``: the fastest split's, whichever mode won), and every result."""
-    results: list[dict] = []
-    tried = list(tried)
-    for i, (mode, comm) in enumerate(tried):
-        entry = {"mode": mode, "comm_programs": comm}
-        try:
-            entry["ms"] = time_launch(mode, comm)
-            line = f"{entry['ms']:9.3f} ms"
-        except Exception as e:  # recorded, not fatal: the other launches still run
-            entry["error"] = f"{type(e).__name__}: {e}"[:300]
-            line = f"failed: {type(e).__name__}"
-        results.append(entry)
-        what = f"{mode} mode" + (f", {comm} transport programs of {programs}" if comm else "")
-        progress(f"  [{i + 1}/{len(tried)}] {what}  {line}")
+
+    def what(launch: tuple[str, int | None]) -> str:
+        mode, comm = launch
+        return f"{mode} mode" + (f", {comm} transport programs of {programs}" if comm else "")
+
+    results = _time_each(
+        tried, lambda launch: {"mode": launch[0], "comm_programs": launch[1]}, lambda c: time_launch(*c), what, progress
+    )
     timed = [r for r in results if "ms" in r]
     if not timed:
         raise RuntimeError("rdepc tune: the tuned tiles ran in no kernel mode: " + results[0]["error"])
@@ -221,6 +201,30 @@ def time_launches(
     splits = [r for r in timed if r["mode"] == "split"]
     comm = min(splits, key=lambda r: r["ms"])["comm_programs"] if splits else None
     return {"mode": best["mode"], "comm_programs": comm, "programs": programs, "ms": best["ms"]}, results
+
+
+def _time_each(tried, entry, time_one, describe, progress, budget: float | None = None) -> list[dict]:
+    """Time each of ``tried`` with ``time_one`` (milliseconds of one call): per candidate its
+    ``entry`` with ``ms``, or ``error`` when it raised (recorded and skipped, not fatal), or
+    ``skipped`` once ``budget`` seconds have passed (after at least one was timed); a
+    progress line each, ``describe`` naming it."""
+    results: list[dict] = []
+    tried = list(tried)
+    deadline = None if budget is None else time.monotonic() + budget
+    for i, t in enumerate(tried):
+        if deadline is not None and time.monotonic() > deadline and any("ms" in r for r in results):
+            results.append(entry(t) | {"skipped": f"not timed: the budget of {budget:g} s was spent"})
+            progress(f"  [{i + 1}/{len(tried)}] {describe(t)}  not timed (budget)")
+            continue
+        try:
+            ms = time_one(t)
+            results.append(entry(t) | {"ms": ms})
+            line = f"{ms:9.3f} ms"
+        except Exception as e:  # a candidate that does not compile or run is skipped, not fatal
+            results.append(entry(t) | {"error": f"{type(e).__name__}: {e}"[:300]})
+            line = f"failed: {type(e).__name__}"
+        progress(f"  [{i + 1}/{len(tried)}] {describe(t)}  {line}")
+    return results
 
 
 def _short(t: Tiles) -> str:

@@ -104,8 +104,8 @@ def queue_records(work: Work, per_queue: tuple[int, ...]) -> tuple[int, ...]:
     """The ``queues`` table: per queue its first and last positions in ``work.queue``, its
     programs, and for a queue whose kernel takes tickets (``rdep_layer``'s; the others: 0, 0)
     the tickets that kernel's earlier launches of the call take and the tickets of all its
-    launches of a call — every program takes one past its queue's items, so a launch with P programs
-    and n items takes n + P. The kernel's first ticket of a call is then
+    launches of a call — every program takes one past its queue's items, so a launch with P
+    programs and n items takes n + P. The kernel's first ticket of a call is then
     (epoch − 1)·(tickets a call) + (tickets before) on the one counter, whichever launch."""
     kernels = [k for k, _ in mode_kernels(work.mode)]
     taken = [
@@ -128,21 +128,20 @@ def phase_queues(layer: str, names, table, deps: tuple[int, ...], mine: list[int
     within the call) cannot run in phases: a ValueError names it. A dependency on the
     previous call is always met (its launches have ended)."""
     col = {c: i for i, c in enumerate(COLUMNS)}
+    is_gemm = [row[col["kind"]] in GEMM_KINDS for row in table]
     after = [False] * len(table)  # waits for a GEMM entry (or is one)
     for i, row in enumerate(table):
         start, count, guard = row[col["dep_start"]], row[col["dep_count"]], row[col["guard"]]
         waits = [d for d in deps[start : start + count] if d >= 0] + ([guard] if guard >= 0 else [])
-        gemm = row[col["kind"]] in GEMM_KINDS
-        if gemm:
-            late = [d for d in waits if after[d] and table[d][col["kind"]] not in GEMM_KINDS]
+        if is_gemm[i]:
+            late = [d for d in waits if after[d] and not is_gemm[d]]
             if late:
                 raise ValueError(
                     f"rdepc layer {layer}: phased mode runs the transport's work after the GEMMs in a "
                     f"launch of its own, but {names[i]} waits for {names[late[0]]}, which waits for a GEMM: "
                     "use split or unified mode for this schedule"
                 )
-        after[i] = gemm or any(after[d] for d in waits)
-    is_gemm = [table[i][col["kind"]] in GEMM_KINDS for i in range(len(table))]
+        after[i] = is_gemm[i] or any(after[d] for d in waits)
     return [
         [i for i in mine if not is_gemm[i] and not after[i]],
         [i for i in mine if is_gemm[i]],
