@@ -1,11 +1,19 @@
 """A module's kernel mode, the programs of each of its launches and the spins a wait may
-take: given, ``rdepc tune``'s record for the layer on this GPU, or the defaults."""
+take: given, ``rdepc tune``'s record for the layer on this GPU, or the defaults; and what
+each launch of a pass passes but the call's own tensors (``launch_plan``)."""
 
 from __future__ import annotations
 
 from rdepc.runtime import ranks
 
-from rdepc.ir.contract import NATIVE_SPIN_BOUND, default_mode
+from rdepc.ir.contract import (
+    NATIVE_SPIN_BOUND,
+    QUEUE_WORDS,
+    default_mode,
+    kernel_args,
+    mode_kernels,
+    own_constexprs,
+)
 
 INTERPRETED_PROGRAMS = {"unified": 2, "split": 3, "phased": 1}  # a launch's programs under the interpreter
 
@@ -63,4 +71,30 @@ def spin_bound(given: int | None, mode: str, interpret: bool, per_rank: bool) ->
     return 10_000 if mode in ("unified", "phased") and not per_rank else 1 << 20
 
 
-__all__ = ["INTERPRETED_PROGRAMS", "choose_mode", "launch_grid", "spin_bound"]
+def launch_plan(module, backward: bool, save: bool) -> list[tuple]:
+    """What every call of a pass of ``module`` launches, made once (the module keeps it): per
+    launch of its mode, the kernel, its arguments' (name, type) but the constexprs, its
+    constexprs and options, and its queue record."""
+    p = module.contract
+    tiles = module.bwd_tiles if backward else module.tiles
+    meta = tiles.constexprs() | {
+        "CAST_F32": module.interpret,  # upcast 16-bit operands, round bf16 by hand
+        "PROFILE": module.profiling,
+        "GLOBALTIMER": module.profiling and not module.interpret,
+        "BACKWARD": backward,
+        "SAVE": save,
+    }
+    options = {"num_warps": tiles.num_warps} if not module.interpret else {}
+    queues = (module.bwd_tables if backward else module.tables)["queues"]
+    return [
+        (
+            getattr(module.kernels, kernel),
+            [(name, kind) for name, kind in kernel_args(p, kernel) if kind != "constexpr"],
+            own_constexprs(p, kernel, meta | extra) | options,
+            queues[QUEUE_WORDS * i :],
+        )
+        for i, (kernel, extra) in enumerate(mode_kernels(module.mode))
+    ]
+
+
+__all__ = ["INTERPRETED_PROGRAMS", "choose_mode", "launch_grid", "launch_plan", "spin_bound"]

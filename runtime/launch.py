@@ -14,8 +14,8 @@ from rdepc.toolchain import interpreter_env
 
 class Launcher:
     """Launches a call's kernels, counting them: per call the host launches a fixed number of
-    kernels (unified mode one, split mode two) and runs no torch op on the heap between
-    launches. Tests wrap it.
+    kernels (unified mode one, split mode two, phased mode three one at a time) and runs no
+    torch op on the heap between launches. Tests wrap it.
 
     A call is a list of launches, (kernel, grid, args, meta) each, whose programs must all
     run at once when there are several (split mode's transport and GEMM kernels wait on
@@ -26,6 +26,11 @@ class Launcher:
     it: the work after the call waits for all of them, and a CUDA graph captures the fork
     and the join.
 
+    A native launch asks Triton for its build once (:func:`prepared_key` names it) and then
+    launches that build itself (:class:`Build`): Triton's own launch would bind the
+    arguments, key its cache and compare every global constant the kernel reads (152 for
+    moonlight's transport kernel) again at every call.
+
     An interpreted launch runs with TRITON_INTERPRET=1 set for its duration: Triton reads
     it again at launch (its first interpreted launch imports more of itself)."""
 
@@ -33,7 +38,7 @@ class Launcher:
         self.interpret = interpret
         self.launches = 0
         self._sides: dict = {}  # device -> the side streams of this launcher
-        self._prepared: set = set()  # the builds loaded already (prepared_key)
+        self._builds: dict = {}  # prepared_key -> Build: what a native launch runs
 
     def __call__(self, launches: list[tuple]) -> None:
         if self.interpret:
@@ -46,19 +51,12 @@ class Launcher:
                 kernel[grid](*args, **meta)
             return
         scratch_allocator()
-        if len(launches) > 1 or self.prepare_always:
-            # every kernel built and loaded before any is launched: a JIT compile, or a module
-            # load (which may wait for the kernels running: CUDA's lazy loading), between two
-            # launches would hold back the second kernel while the first spins on its flags.
-            # Once per build: after that Triton's own launch finds it (a lookup each costs
-            # about what the launch does)
-            for launch in launches:
-                key = prepared_key(*launch)
-                if key not in self._prepared:
-                    self._prepare(*launch)
-                    self._prepared.add(key)
+        # every kernel built and loaded before any is launched: a JIT compile, or a module
+        # load (which may wait for the kernels running: CUDA's lazy loading), between two
+        # launches would hold back the second kernel while the first spins on its flags
+        builds = [self._build(*launch) for launch in launches]
         if len(launches) == 1:
-            self._one(*launches[0])
+            self._one(builds[0], launches[0][1], launches[0][2])
             return
         import torch
 
@@ -66,25 +64,34 @@ class Launcher:
         sides = self._side_streams(main.device, len(launches) - 1)
         for side in sides:
             side.wait_stream(main)
-        self._one(*launches[0])
-        for side, launch in zip(sides, launches[1:], strict=True):
+        self._one(builds[0], launches[0][1], launches[0][2])
+        for side, build, launch in zip(sides, builds[1:], launches[1:], strict=True):
             with torch.cuda.stream(side):
-                self._one(*launch)
+                self._one(build, launch[1], launch[2])
         for side in sides:
             main.wait_stream(side)
 
-    prepare_always = False  # a launcher whose kernels need more than Triton's JIT before each launch
+    def _build(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> Build:
+        """The build a launch runs: Triton's, asked for once per :func:`prepared_key`."""
+        key = prepared_key(kernel, grid, args, meta)
+        build = self._builds.get(key)
+        if build is None:
+            build = self._builds[key] = Build(
+                self._prepare(kernel, grid, args, meta), constexpr_tail(kernel, args, meta)
+            )
+        return build
 
-    def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        """Build ``kernel`` for this launch's arguments (a lookup once it is in Triton's cache)
-        and load it into the CUDA context (once)."""
+    def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
+        """Build ``kernel`` for this launch's arguments (a lookup once it is in Triton's cache),
+        load it into the CUDA context and return it (Triton's ``CompiledKernel``)."""
         compiled = kernel.warmup(*args, grid=grid, **meta)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
         compiled._init_handles()  # cuModuleLoadData, the function's attributes: loaded now, not at launch
+        return compiled
 
-    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    def _one(self, build: Build, grid: tuple[int, ...], args: tuple) -> None:
         self.launches += 1
-        kernel[grid](*args, **meta)
+        build.launch(grid, args)
 
     def _side_streams(self, device, n: int) -> list:
         import torch
@@ -95,20 +102,57 @@ class Launcher:
         return have[:n]
 
 
+class Build:
+    """A native build and the values its launch passes after the call's positional
+    arguments: the constexprs, in the kernel's parameter order (what Triton's launch passes
+    its build, ``bound_args.values()``, in Triton 3.6 as in 3.9)."""
+
+    __slots__ = ("compiled", "tail")
+
+    def __init__(self, compiled, tail: tuple):
+        self.compiled = compiled
+        self.tail = tail
+
+    def launch(self, grid: tuple[int, ...], args: tuple) -> None:
+        g = (*grid, 1, 1)[:3]
+        self.compiled[g](*args, *self.tail)
+
+
+def constexpr_tail(kernel, args: tuple, meta: dict) -> tuple:
+    """The values a launch of ``kernel`` binds after ``args`` (given positionally): its
+    remaining parameters — the constexprs — from ``meta`` or their defaults, in parameter
+    order; ``meta``'s other keys (``num_warps``, ...) are options. A TypeError when they do
+    not bind (a parameter missing, or given twice)."""
+    import inspect
+
+    sig = inspect.signature(kernel.fn)
+    bound = sig.bind(*args, **{k: v for k, v in meta.items() if k in sig.parameters})
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())[len(args) :]
+
+
 def prepared_key(kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> tuple:
     """What picks the build a native launch runs: the kernel (held: its id alone could be
     reused), its constexprs and options, the device, and what Triton specialises a launch on
-    besides — each pointer's 16-byte alignment, each integer's being 1 or a multiple of 16
-    (the layer's kernels take theirs unspecialised, ``do_not_specialize``)."""
+    besides — each tensor's dtype and 16-byte alignment, each integer's type (bool, or the
+    32 or 64 bits its value needs) and its being 1 or a multiple of 16 (the layer's kernels
+    take theirs unspecialised, ``do_not_specialize``)."""
     import torch
 
     special = tuple(
-        a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else _int_kind(a)
         for a in args
         if isinstance(a, torch.Tensor | int)
     )
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     return kernel, tuple(meta.items()), device, special
+
+
+def _int_kind(a: int) -> tuple:
+    """What Triton's launch reads of an integer argument: bool or an integer of 32 bits, or
+    of 64 signed or unsigned, and whether it is 1 or a multiple of 16."""
+    bits = "u1" if isinstance(a, bool) else "i32" if -(1 << 31) <= a < 1 << 31 else "u64" if a >= 1 << 63 else "i64"
+    return bits, a == 1, a % 16 == 0
 
 
 def _scratch(size: int, alignment: int, stream):

@@ -91,13 +91,9 @@ from rdepc.ir.contract import (
     CONTROL,
     CTL_TICKETS,
     MODES,
-    QUEUE_WORDS,
     KernelContract,
     Tiles,
     concurrent,
-    kernel_args,
-    mode_kernels,
-    own_constexprs,
 )
 from rdepc.toolchain import import_kernels
 
@@ -243,6 +239,7 @@ class RDEPModule:
         self.handle = ops.register(self)  # what the rdepc::forward and rdepc::backward ops name it by
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
         self.launcher = self.transport.launcher(self.interpret, concurrent=concurrent(self.mode))
+        self._plans: dict[tuple[bool, bool], list[tuple]] = {}  # (backward, save) -> grid.launch_plan
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
         self._readback = Readback(self.device)  # native calls whose control words are still on their way
@@ -474,35 +471,27 @@ class RDEPModule:
             table[self._withheld[0] * len(COLUMNS) + COLUMNS.index("kind")] = -1
             tables = tables | {"table": table}
             self._withheld = None
-        private = dict(self.private)
+        private = self.private
         if backward:
-            private |= {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
+            private = private | {"ctl": self.private["bwd_ctl"], "tile_done": self.private["bwd_tile_done"]}
         scalars = p.launch_scalars(Tn, self.grid, self.rank, self.spin_bound, self.per_rank)
         given = {"heap": self.heap, **private, **tables, **scalars, **given}
-        tl = self.bwd_tiles if backward else self.tiles
-        meta = tl.constexprs() | {
-            "CAST_F32": self.interpret,  # upcast 16-bit operands, round bf16 by hand
-            "PROFILE": self.profiling,
-            "GLOBALTIMER": self.profiling and not self.interpret,
-            "BACKWARD": backward,
-            "SAVE": save,
-        }
+        unused = self._unused
 
         def arg(name: str, kind: str):
             a = given.get(name)
             if a is None:  # the other pass's tensors: never read
-                return self._unused[kind]
+                return unused[kind]
             if isinstance(a, torch.Tensor) and not a.numel():  # a call with T' = 0 still launches
                 return a.new_zeros(1)
             return a
 
-        options = {"num_warps": tl.num_warps} if not self.interpret else {}
         launches = []
-        for i, (kernel, extra) in enumerate(mode_kernels(self.mode)):
-            given["queues"] = tables["queues"][QUEUE_WORDS * i :]  # launch i reads queue i's record
-            args = tuple(arg(name, kind) for name, kind in kernel_args(p, kernel) if kind != "constexpr")
-            kernel_meta = own_constexprs(p, kernel, meta | extra) | options
-            launches.append((getattr(self.kernels, kernel), (self.per_queue[i],), args, kernel_meta))
+        if (backward, save) not in self._plans:
+            self._plans[backward, save] = grid.launch_plan(self, backward, save)
+        for i, (kernel, names, meta, queues) in enumerate(self._plans[backward, save]):
+            given["queues"] = queues  # launch i reads queue i's record
+            launches.append((kernel, (self.per_queue[i],), tuple(arg(n, kind) for n, kind in names), meta))
         if concurrent(self.mode):
             self.launcher(launches)
         else:  # phased: one after another on the stream, each done before the next starts

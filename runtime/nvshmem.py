@@ -206,30 +206,26 @@ class NvshmemLauncher(Launcher):
 
     Before a compiled kernel first runs, NVSHMEM must fill the device state in its module
     (``nvshmem.core.module_init``): without it nvshmem_ptr reads an uninitialised state. So
-    every launch first asks Triton for the compiled kernel (``warmup``: a cache lookup after
-    the first time) and registers it when it is new. Per compiled kernel, not per (kernel,
-    constexprs): Triton specialises on integer arguments equal to 1 and on pointer alignment,
-    so one kernel with the same constexprs can have several compiled modules (an ``epoch`` of
-    1 and one of 2 give two). What is registered is kept by the world, so launchers sharing
-    a kernel register it once per process."""
+    the first launch of each build (``prepared_key``) asks Triton for it (``warmup``) and
+    registers it when it is new. Per compiled kernel, not per (kernel, constexprs): Triton
+    specialises on integer arguments equal to 1 and on pointer alignment, so one kernel with
+    the same constexprs can have several compiled modules (an ``epoch`` of 1 and one of 2
+    give two). What is registered is kept by the world, so launchers sharing a kernel
+    register it once per process."""
 
     def __init__(self, world: NvshmemWorld | None = None):
         super().__init__(interpret=False)
         self.world = world if world is not None else NvshmemWorld.start()
         self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
 
-    prepare_always = True  # every compiled kernel is registered with NVSHMEM before it runs
-
-    def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
         meta = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
         compiled = kernel.warmup(*args, grid=grid, **meta)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
         if id(compiled) not in self.world._modules:
             self._register(compiled)
-
-    def _one(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        self.launches += 1
-        kernel[grid](*args, **meta, extern_libs=self.extern_libs)
+        compiled._init_handles()
+        return compiled
 
     def _register(self, compiled) -> None:
         from nvshmem.core import NvshmemKernelObject, module_init

@@ -231,6 +231,7 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
     to aligned ones), each launch recorded and its arguments run through Triton's binder
     for the cuda backend. Only CAST_F32 (the interpreter's upcast) is set as natively."""
     from rdepc.codegen.sm90 import launch_specialization
+    from rdepc.runtime.launch import constexpr_tail
 
     from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, Tiles
     from rdepc.toolchain import interpreter_env
@@ -266,6 +267,11 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
         with interpreter_env(True):  # the binder imports Triton's gluon, which must see this process's mode
             bound, spec, options = binder(*args, **kwargs)
             _, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
+        # what rdepc's launcher passes a build is what Triton's launch would: the same values in order
+        ours = (*args, *constexpr_tail(jit, args, kwargs))
+        assert len(ours) == len(bound), kernel
+        same = (a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(ours, bound.values(), strict=True))
+        assert all(same), kernel
         want = launch_specialization(module.contract, fn, kernel)
         assert grid == (module.per_queue[KERNELS[kernel][0] == "rdep_gemm"],), kernel
         assert sum(module.per_queue) == want.launch["n_programs"], kernel

@@ -107,31 +107,49 @@ def test_a_dots_row_does_not_depend_on_its_place_in_the_tile(kernels, launch):
     assert torch.allclose(c, a @ b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_native_build_is_prepared_once_and_again_when_its_specialisation_changes():
-    """Split mode loads every build before it launches any (a compile between two launches
-    would hold the second back); after that Triton's own launch finds it, so a call does not
-    pay for the lookup twice. A pointer that loses its 16-byte alignment, an integer that
-    becomes 1, another constexpr: another build, prepared again."""
+def test_a_native_build_is_prepared_once_and_launched_by_the_launcher():
+    """Every native build is asked of Triton (``warmup``) once, before any kernel of the call
+    launches (a compile between two launches would hold the second back); after that the
+    launcher runs the build itself, passing what Triton's own launch passes it: the
+    positional arguments, then the constexprs in parameter order (a default included), on a
+    three-dimensional grid. A pointer that loses its 16-byte alignment, another dtype, an
+    integer that becomes 1 or needs 64 bits, another constexpr: another build."""
+    import contextvars
+
+    import triton.language as tl
+
     prepared, launched = [], []
 
-    class Recording(Launcher):
-        prepare_always = True
+    class Compiled:
+        def _init_handles(self):
+            pass
 
-        def _prepare(self, kernel, grid, args, meta):
-            prepared.append(meta)
+        def __getitem__(self, grid):
+            return lambda *args: launched.append((grid, args))
 
-        def _one(self, kernel, grid, args, meta):
-            launched.append(meta)
+    class Kernel:  # Triton's JITFunction as the launcher reads it: the function and warmup
+        @staticmethod
+        def fn(ptr, n, BM: tl.constexpr, STAGES: tl.constexpr = 3):
+            pass
 
-    launcher, kernel = Recording(interpret=False), object()
+        def warmup(self, *args, grid, **meta):
+            prepared.append((args, meta))
+            return Compiled()
+
+    launcher, kernel = Launcher(interpret=False), Kernel()
     base = torch.zeros(8, dtype=torch.int64)
-    for args, meta in [
-        ((base, 7), {"BM": 64}),
-        ((base, 9), {"BM": 64}),  # another call, same build
-        ((base[1:], 9), {"BM": 64}),  # 8 bytes in: not 16-byte aligned
-        ((base, 1), {"BM": 64}),  # an integer of 1
-        ((base, 7), {"BM": 128}),
-        ((base, 23), {"BM": 128}),
-    ]:
-        launcher([(kernel, (1,), args, meta)])
-    assert len(launched) == 6 and len(prepared) == 4
+    calls = [
+        ((base, 7), {"BM": 64, "num_warps": 8}),
+        ((base, 9), {"BM": 64, "num_warps": 8}),  # another call, same build
+        ((base[1:], 9), {"BM": 64, "num_warps": 8}),  # 8 bytes in: not 16-byte aligned
+        ((base.view(torch.float64), 9), {"BM": 64, "num_warps": 8}),  # another dtype
+        ((base, 1), {"BM": 64, "num_warps": 8}),  # an integer of 1
+        ((base, 1 << 40), {"BM": 64, "num_warps": 8}),  # one of 64 bits
+        ((base, 7), {"BM": 128, "num_warps": 8}),
+        ((base, 23), {"BM": 128, "num_warps": 8}),
+    ]
+    for args, meta in calls:
+        contextvars.Context().run(launcher, [(kernel, (2,), args, meta)])  # its scratch allocator: this call's
+    assert len(prepared) == 6 and launcher.launches == 8
+    assert [a for a, _ in prepared] == [c[0] for i, c in enumerate(calls) if i not in (1, 7)]
+    assert launched == [((2, 1, 1), (*args, meta["BM"], 3)) for args, meta in calls]
