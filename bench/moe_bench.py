@@ -92,6 +92,29 @@ def timeit(fn, device, reps: int, warmup: int) -> dict:
     return {"min": times[0], "median": times[len(times) // 2], "max": times[-1]}
 
 
+def back_to_back(fn, device, reps: int) -> float:
+    """ms per call of ``reps`` calls issued one after another without waiting for any (after
+    one call waited for): the host runs ahead as in a training step, and a call's host work
+    hides behind the device's work of the calls before it. ``timeit`` waits for each call:
+    there a call's host work before its first kernel adds to its time."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / reps
+
+
 def stages(module, events, backward: bool = False) -> dict:
     """Per stage (and per GEMM of the compute stage): first start, last end and the sum of
     entry spans, from a measured profile (``backward``: of a backward, its table's entries)."""

@@ -62,6 +62,8 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     perf = json.loads((out / "perf.json").read_text())["checks"][1]["figures"]  # after the prewarm
     assert {"sort + torch._grouped_mm", "torch._grouped_mm alone", "dense roof"} <= perf["methods"].keys()
     assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
+    assert all(m["back_to_back_ms"] > 0 for m in perf["methods"].values() if "ms" in m)  # the host running ahead
+    assert perf["ratios"]["speedup_vs_sort_grouped_mm_back_to_back"] > 0
     assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
     assert {"dispatch", "compute", "wgrad", "combine"} <= perf["backward_stages"].keys()
     assert perf["host_overhead_ms"] is None and perf["stage_clock"] == "logical"  # no durations on the CPU
