@@ -17,9 +17,10 @@ native launch on an H100, the median of REPS calls:
   ``build_launch_us`` (through ``runtime.launch.Build``, what the launcher runs once a
   build is prepared) and ``prepared_key_us`` (the launcher's lookup of the build).
 
-What it leaves out: the CUDA driver's own work (the launch, argument copies, stream
-events), torch's caching allocator on a device, the readback queued after the kernels.
-Writes OUT.json and OUT.md.
+What it leaves out: the CUDA driver's own work (the launch, argument copies, stream events),
+torch's caching allocator on a device, the readback queued after the kernels.
+``--module-only`` measures the module's side alone (seconds, nothing compiled): on a GPU
+machine, how fast its host runs the same Python. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def launch_side(calls_path: Path, reps: int) -> dict:
     }
 
 
-def measure(reps: int) -> dict:
+def measure(reps: int, module_only: bool = False) -> dict:
     import torch
 
     from bench.moe_bench import environment
@@ -153,6 +154,10 @@ def measure(reps: int) -> dict:
         for mode in MODES:
             calls = Path(tmp) / f"{mode}.pt"
             row = module_side(mode, reps, calls)
+            if module_only:
+                rows.append(row)
+                print(f"{mode}: module {row['module_us']:.0f} us", flush=True)
+                continue
             out = subprocess.run(
                 [sys.executable, __file__, "--launch-side", str(calls), "--reps", str(reps)],
                 capture_output=True, text=True, cwd=ROOT, timeout=1800, check=False,
@@ -185,6 +190,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        if "call_us" not in r:  # --module-only
+            lines.append(f"| {r['mode']} | {', '.join(r['kernels'])} | {r['module_us']:.0f} | - | - | - |")
+            continue
         ours = r["prepared_key_us"] + r["build_launch_us"]
         lines.append(
             f"| {r['mode']} | {', '.join(r['kernels'])} | {r['module_us']:.0f} | {r['triton_launch_us']:.0f} "
@@ -197,13 +205,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     ap.add_argument("--reps", type=int, default=REPS)
+    ap.add_argument("--module-only", action="store_true", help="the module's side only: no sm_90 builds")
     ap.add_argument("--launch-side", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sys.path.append(str(ROOT))  # `from bench import ...` as a script; an installed rdepc stays first
     if a.launch_side is not None:
         print(json.dumps(launch_side(a.launch_side, a.reps)))
         return 0
-    result = measure(a.reps)
+    result = measure(a.reps, a.module_only)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

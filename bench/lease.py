@@ -76,11 +76,19 @@ STEPS = (
         "and its dispatch on 31, 1.33 ms against unified's 0.52 on all), the route in chunks of 256 tokens (the last "
         "lease's: 0.85 ms, one program a rank), forward+backward: its backward now "
         "launches the tuned tiles narrowed to fit (Tiles.for_backward; the last lease's ran out of shared "
-        "memory); where the backward's time goes (backward_stages) and a call's host time (host_profile)",
+        "memory); where the backward's time goes (backward_stages) and a call's host time (host_profile; the "
+        "launcher now runs each build itself: on a 2-core CPU a split call's host work 311 -> 119 us), each method "
+        "also with its calls issued back to back (back_to_back_ms)",
         cap=110,
         stage="perf",
         only=("perf/moonlight/T4096/uniform",),
         budget=90,
+    ),
+    Step(
+        "how fast this machine's CPU runs a call's host work (bench/host_path.py --module-only: moonlight, every "
+        "mode; 84-93 us a call on the project's 2-core CPU): whether the last lease's 2.1 ms was the host's speed",
+        cap=60,
+        command=("{PY}", "{ROOT}/bench/host_path.py", "--module-only", "--reps", "300", "--out", "{OUT}/host-path"),
     ),
     Step(
         "phased mode natively: moonlight forward and backward bitwise every other schedule and mode, against the "
