@@ -98,23 +98,12 @@ def launch_side(calls_path: Path, reps: int) -> dict:
     """In a process of its own (Triton native): per call, Triton's launch, the build's launch
     and the launcher's build lookup, the CUDA launch a no-op."""
     import torch
+    from rdepc.codegen.sm90 import stand_in_driver
     from rdepc.runtime.launch import Build, constexpr_tail, prepared_key
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
 
     from rdepc.toolchain import import_kernels
 
-    class H100:  # what Triton's launch asks the driver
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(H100())
+    stand_in_driver()  # an H100 that runs nothing
     record = torch.load(calls_path, weights_only=False)
     kernels = import_kernels(record["path"], interpret=False)
     runs = []

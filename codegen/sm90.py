@@ -186,6 +186,27 @@ class Specialized:
     specialization: dict
 
 
+def stand_in_driver(arch: int = 90) -> None:
+    """Make Triton's active driver a stand-in for a CUDA GPU of compute capability ``arch``
+    on a machine without one: a native launch (``JITFunction.run``, ``warmup``) asks it for
+    the current device, stream and target, and nothing else before it compiles. What runs
+    the builds is the caller's to replace (their CUDA launch needs a GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class StandIn:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+    driver.set_active(StandIn())
+
+
 def native_launch(
     contract: KernelContract,
     tiles: Tiles,

@@ -286,34 +286,17 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
 # compile stops at its cache lookup (keys_only) and gives the key it would look up; then prewarm's
 # keys for the requests, computed here and again in its compiling process. Controls: another
 # num_warps, and a cache-invalidating variable set in this process only, must change the key.
-# What JITFunction.run asks the driver before it compiles: an H100, in both scripts below.
-_H100 = """class H100:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(H100())
-"""
-
 _JIT_KEYS = r"""
 import json, os, sys
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-
 from rdepc.codegen.prewarm import _Keyed, keys_only, prewarm
+from rdepc.codegen.sm90 import stand_in_driver
 from rdepc.runtime.launch import Launcher
 from rdepc.toolchain import import_kernels
 
 
-@@H100@@
+stand_in_driver()  # an H100: what JITFunction.run asks the driver before it compiles
 job = json.loads(open(sys.argv[1]).read())
 
 
@@ -351,7 +334,7 @@ out["other_env"] = jit_key(first, first["meta"])
 del os.environ["TRITON_DEFAULT_FP_FUSION"]
 out["prewarm"] = prewarm(job["requests"], 1, compile=False, target=("cuda", 90, 32))
 print(json.dumps(out))
-""".replace("@@H100@@", _H100)
+"""
 
 
 def _described(kernels_path, kernel, grid, args, meta, launcher: str = "triton") -> dict:
@@ -459,16 +442,15 @@ import json, sys
 
 import torch
 from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
 
+from rdepc.codegen.sm90 import stand_in_driver
 from rdepc.ir.contract import POINTEE, kernel_args
 from rdepc.ir.contract import KernelContract, Tiles
 from rdepc.codegen.prewarm import launch_requests, prewarm
 from rdepc.toolchain import import_kernels
 
 
-@@H100@@
+stand_in_driver()  # an H100: what JITFunction.run asks the driver before it compiles
 kernels, plan_path = sys.argv[1:3]
 requests = [launch_requests(kernels, plan_path, mode=m)[k] for m, k in (("unified", 0), ("split", 0), ("unified", 0))]
 out = {"first": prewarm(requests, 2), "again": prewarm(requests, 2)}
@@ -484,7 +466,7 @@ fn = import_kernels(kernels, interpret=False).rdep_layer
 fn.warmup(*args, grid=(req["launch"]["n_programs"],), **meta)
 out["jit_cache_hits"] = hits
 print(json.dumps(out))
-""".replace("@@H100@@", _H100)
+"""
 
 
 def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monkeypatch):
