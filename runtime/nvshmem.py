@@ -219,19 +219,16 @@ class NvshmemLauncher(Launcher):
         self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
 
     def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
-        meta = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
-        compiled = kernel.warmup(*args, grid=grid, **meta)
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # async compile mode
+        extern = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key
+        compiled = super()._prepare(kernel, grid, args, extern)
         if id(compiled) not in self.world._modules:
             self._register(compiled)
-        compiled._init_handles()
         return compiled
 
     def _register(self, compiled) -> None:
         from nvshmem.core import NvshmemKernelObject, module_init
 
-        if needs_module_init(compiled.asm["ptx"]):
-            compiled._init_handles()  # loads the cubin: ``module`` is then its CUmodule handle
+        if needs_module_init(compiled.asm["ptx"]):  # loaded (Launcher._prepare): ``module`` is its CUmodule
             # nvshmem4py 0.4.1's module_init prints its status to stdout; keep stdout clean.
             with contextlib.redirect_stdout(io.StringIO()):
                 module_init(NvshmemKernelObject.from_handle(compiled.module))
