@@ -67,3 +67,20 @@ def test_a_lease_runs_its_steps_in_order_and_packs_what_they_wrote(tmp_path, cap
         assert {"lease.json", "summary.md", "1-tune/tune.json"} <= set(tar.getnames())
     assert lease.main(["--dry-run", "--out", str(tmp_path), "--deadline", "5", "--steps", "1"]) == 0
     assert json.loads((tmp_path / "lease.json").read_text())["steps"][0]["status"] == "skipped"  # under MIN_LEFT
+
+
+def test_the_host_path_bench_records_one_calls_launches(tmp_path):
+    """bench/host_path.py's module side (what a lease runs, --module-only): a split call's
+    host time, and its two launches saved as a native launch would take them."""
+    import torch
+
+    from bench import host_path
+
+    row = host_path.module_side("split", 3, tmp_path / "calls.pt")
+    assert row["kernels"] == ["rdep_layer", "rdep_gemm"] and row["module_us"] > 0
+    saved = torch.load(tmp_path / "calls.pt", weights_only=False)
+    assert [(name, meta["CAST_F32"]) for name, _, _, meta in saved["launches"]] == [
+        ("rdep_layer", False),
+        ("rdep_gemm", False),
+    ]
+    assert all(len(grid) == 1 and grid[0] > 1 for _, grid, _, _ in saved["launches"])  # an H100's programs
