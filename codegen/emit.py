@@ -30,6 +30,7 @@ from rdepc.ir.sizes import (
     SCALE_BLOCK,
     block_scales,
     route_chunks,
+    route_counts_at,
     route_scratch_words,
 )
 from rdepc.ir.spec import Dtype
@@ -202,6 +203,7 @@ def constants(p: KernelContract) -> str:
         _c("ROUTE_CHUNK_TOKENS", ROUTE_CHUNK_TOKENS, "tokens one route work item counts, and then buckets"),
         _c("ROUTE_CHUNKS", route_chunks(p.T), "chunks of a front-end's tokens: the route's items are twice as many"),
         _c("ROUTE_SCRATCH", route_scratch_words(E_PAD, p.T), "int32 words of a front-end's route scratch"),
+        _c("ROUTE_COUNTS_AT", route_counts_at(E_PAD), "where in it each chunk's counts per expert start"),
         _c("KEY_ROWS", 64, "admission keys per block of the scan's count"),
         _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),

@@ -21,6 +21,7 @@ from rdepc.codegen.device.layout import (
     POSITIONS_BY_KEY,
     ROUTE_CHUNK_TOKENS,
     ROUTE_CHUNKS,
+    ROUTE_COUNTS_AT,
     ROUTE_ROWS,
     ROUTE_SCRATCH,
     ST_ADMITTED,
@@ -62,7 +63,7 @@ def route(
     t_lo = c * ROUTE_CHUNK_TOKENS
     t_hi = tl.minimum(n_tokens, t_lo + ROUTE_CHUNK_TOKENS)
     by_expert = scratch + tl.cast(r, tl.int64) * ROUTE_SCRATCH
-    chunks = by_expert + 2 * E_PAD + 2  # per chunk, its count (then its base) per expert
+    chunks = by_expert + ROUTE_COUNTS_AT  # per chunk, its count (then its base) per expert
     if item < ROUTE_CHUNKS:
         validate(topk_ids, gates, ctl, r, n_tokens, t_lo, t_hi)
         if c == 0:  # this call's rows sent and returned start at zero

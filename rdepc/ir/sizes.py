@@ -118,10 +118,16 @@ def route_chunks(T: int) -> int:
     return max(1, ceil_div(T, ROUTE_CHUNK_TOKENS))
 
 
+def route_counts_at(E_pad: int) -> int:
+    """Where a front-end's route scratch keeps its chunks' counts (then bases) per expert:
+    after the bucket base per expert and the bases per (owner, local expert) and one past."""
+    return 2 * E_pad + 2
+
+
 def route_scratch_words(E_pad: int, T: int) -> int:
     """int32 words of a front-end's route scratch: the bucket base per expert, the bases per
     (owner, local expert) and one past, then per chunk a count (then the base) per expert."""
-    return 2 * E_pad + 2 + route_chunks(T) * E_pad
+    return route_counts_at(E_pad) + route_chunks(T) * E_pad
 
 
 def token_tiles(T: int) -> int:

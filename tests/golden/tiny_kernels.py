@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: a36007528e7616a68b365ffd4c3fa7491285798ca5d63cedeb685cc75b959202
+# content-sha256: c5e0597b6975d7b92e17abbb964fc6c2f591e4a5c70daedb0694d95ad96770de
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -73,6 +73,7 @@ ROUTE_ROWS = tl.constexpr(256)  # route rows per block of the route stage's one-
 ROUTE_CHUNK_TOKENS = tl.constexpr(256)  # tokens one route work item counts, and then buckets
 ROUTE_CHUNKS = tl.constexpr(1)  # chunks of a front-end's tokens: the route's items are twice as many
 ROUTE_SCRATCH = tl.constexpr(26)  # int32 words of a front-end's route scratch
+ROUTE_COUNTS_AT = tl.constexpr(18)  # where in it each chunk's counts per expert start
 KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
@@ -635,7 +636,7 @@ def route(
     t_lo = c * ROUTE_CHUNK_TOKENS
     t_hi = tl.minimum(n_tokens, t_lo + ROUTE_CHUNK_TOKENS)
     by_expert = scratch + tl.cast(r, tl.int64) * ROUTE_SCRATCH
-    chunks = by_expert + 2 * E_PAD + 2  # per chunk, its count (then its base) per expert
+    chunks = by_expert + ROUTE_COUNTS_AT  # per chunk, its count (then its base) per expert
     if item < ROUTE_CHUNKS:
         validate(topk_ids, gates, ctl, r, n_tokens, t_lo, t_hi)
         if c == 0:  # this call's rows sent and returned start at zero
