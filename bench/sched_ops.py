@@ -17,8 +17,11 @@ program's items; split mode the GEMM kernel's programs only (their threads). Cou
 on the layer (W dispatches precede a GEMM1 segment), not on H or F: moonlight at its W,
 narrowed to a few tokens and small H, F, runs in seconds.
 
-Writes OUT.json (per mode and strategy: tiles, operations, per tile mean, median, least and
-most) and OUT.md.
+Split mode also counts what the GEMM kernel spends on m-tile slots without live rows: the
+signals that end no tile, and the operations before each.
+
+Writes OUT.json (per mode and strategy: GEMM work items, tiles, operations, per tile mean,
+median, least and most, and in split mode the empty slots' signals and operations) and OUT.md.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class Counter:
         self.local = threading.local()
         self.lock = threading.Lock()
         self.per_tile: list[int] = []
+        self.idle: list[int] = []  # split: what each release without a tile took (the GEMM kernel's empty slots)
+        self.ticket_at = -1  # unified: the ticket counter's address, and the tickets taken there
+        self.tickets = 0
 
     def _state(self):
         st = self.local
@@ -61,15 +67,17 @@ class Counter:
         if st.inside:
             return
         addr = int(ptrs.data.reshape(-1)[0]) if ptrs is not None else -1
+        if addr == self.ticket_at and name == "create_atomic_rmw":
+            with self.lock:
+                self.tickets += 1
         key = (name, addr)
         if key in st.last:  # a wait polling again (its flag, then the error word): one operation however long
             return
         st.last = (*st.last[-1:], key)
         st.ops += 1
         if release and self.lo <= addr < self.hi:  # a done flag (symmetric, in the heap): the item ends
-            if st.tile:
-                with self.lock:
-                    self.per_tile.append(st.ops)
+            with self.lock:
+                (self.per_tile if st.tile else self.idle).append(st.ops)
             st.ops, st.tile = 0, False
 
     def tile(self, fn):
@@ -103,6 +111,11 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     from triton.runtime import interpreter as ti  # once the module has set Triton's mode
 
     counter = Counter(m.heap, "rdep_gemm" if mode == "split" else None)
+    if mode == "unified":
+        from rdepc.ir.contract import CTL_TICKETS
+
+        ctl = m.private["ctl"]
+        counter.ticket_at = ctl.data_ptr() + CTL_TICKETS * ctl.element_size()
     builder = ti.interpreter_builder
     originals = {}
 
@@ -133,9 +146,20 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
         m.kernels.expert_item = tile_fn
     ops = sorted(counter.per_tile)
     n = len(ops)
+    # unified: its transport items release alike; what it skips shows in the tickets it takes
+    empty = {"empty_signals": None, "empty_operations": None, "tickets": counter.tickets}
+    if mode == "split":
+        empty = {"empty_signals": len(counter.idle), "empty_operations": sum(counter.idle), "tickets": None}
+    from rdepc.ir.queues import GEMM_KINDS
+
+    gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e][0] in GEMM_KINDS]
     return {
         "mode": mode,
         "schedule": schedule,
+        "gemm_entries": len(gemm),
+        "items": m.work.n_items + m.grid,  # unified: every program takes one ticket past its items
+        "gemm_items": sum(gemm),
+        **empty,
         "tiles": n,
         "operations": sum(ops),
         "mean": sum(ops) / n if n else float("nan"),
@@ -143,6 +167,14 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
         "least": ops[0] if n else None,
         "most": ops[-1] if n else None,
     }
+
+
+def dash(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def taken(row: dict) -> str:
+    return "-" if row["tickets"] is None else f"{row['tickets']} of {row['items']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{path} with {', '.join(f'{k}={v}' for k, v in narrow.items())} (W = 8 as the spec has it); "
         "`bench/sched_ops.py` says what is counted.",
         "",
-        "| schedule | mode | GEMM tiles run | operations | per tile: mean | median | least | most |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | mode | GEMM work items | GEMM tiles run | operations | per tile: mean | median | least | most "
+        "| empty slots: signals | their operations | tickets taken, of items + programs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['schedule']} | {r['mode']} | {r['tiles']} | {r['operations']} | {r['mean']:.1f} | {r['median']} | "
-        f"{r['least']} | {r['most']} |"
+        f"| {r['schedule']} | {r['mode']} | {r['gemm_items']} | {r['tiles']} | {r['operations']} | {r['mean']:.1f} | "
+        f"{r['median']} | {r['least']} | {r['most']} | {dash(r['empty_signals'])} | {dash(r['empty_operations'])} | "
+        f"{taken(r)} |"
         for r in rows
     ]
     lines += [
@@ -174,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         "A tile that opens its entry for its program (its first item there) also waits for the owner's scan and",
         "the entry's dependencies; the others only bind their m-tile (4 words), wait for their m-tile of GEMM1",
         "(GEMM2) and signal. The unified kernel does all of it, and its ticket and search, for every tile.",
+        "",
+        "GEMM work items are every m-tile slot's: the plan gives each owner slots for the worst case of its rows",
+        "(dropless bulk: every token choosing it, W times what a uniform routing brings), and a slot past the",
+        "routing's m-tiles runs no tile. The GEMM kernel's program counts the rest of its items in an entry done",
+        "with one signal at its first empty slot (the live slots are a prefix); the empty-slot columns count",
+        "those signals and the operations that led to them (split mode: the unified kernel's transport items",
+        "end alike, so they are not told apart there). The unified kernel takes a ticket per item and one past",
+        "its items per program; at an empty slot a program takes the tickets of its entry no program has taken",
+        "yet at once (the counter moved to the entry's end), which the tickets column counts.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

@@ -63,10 +63,12 @@ load for every rank's solve, which read the load table it overwrites.
 GEMM items also carry a *guard*: the scan of their owner. An m-tile slot first waits for
 that scan (which fixes how many rows each local expert holds); a slot that is empty under
 the routing skips its dependencies and finishes at once (the task graph's ``empty_if``
-predicate, evaluated per tile). A GEMM2 item waits for its m-tile of the segment's GEMM1,
-not the whole entry: every GEMM1 item also counts into a per-(owner, segment, m-tile)
-counter (``tile_done``, private to the owner), and the GEMM2 items of m-tile j wait for
-``epoch × ⌈F / block_f⌉`` there.
+predicate, evaluated per tile; split mode's GEMM kernel counts a program's remaining items
+of the entry done with it, the live slots being a prefix). A GEMM2 item waits for its
+m-tile of the segment's GEMM1, not the whole entry: every GEMM1 item of a live slot also
+counts into a per-(owner, segment, m-tile) counter (``tile_done``, private to the owner),
+which the scan sets to ``(epoch − 1) × ⌈F / block_f⌉`` as it binds the slot, and the GEMM2
+items of m-tile j wait for ``epoch × ⌈F / block_f⌉`` there.
 """
 
 from __future__ import annotations

@@ -107,12 +107,12 @@ def m_tiles(group, slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def bound_tiles(group, tile_table, n_slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
+def bound_tiles(group, tile_table, tile_done, n_slots, epoch, f_blocks, out, BM: tl.constexpr, SLOTS: tl.constexpr):
     # bind_m_tiles for owner program_id(0), then every slot read back through bound_m_tile
     q = tl.program_id(0)
     first, rows = owner_rows(group, q)
     n = tl.load(n_slots + q)
-    bind_m_tiles(first, rows, tile_table, q, n, BM)
+    bind_m_tiles(first, rows, tile_table, tile_done, q, n, epoch, f_blocks, BM)
     tl.debug_barrier()
     for s in range(0, SEGMENTS):
         j = 0

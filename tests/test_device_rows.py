@@ -257,7 +257,10 @@ def test_m_tile_binds_slots_to_the_tiles_in_order_and_none_past_the_bound(kernel
 
 def test_the_m_tile_table_holds_each_slots_binding(kernels):
     """bind_m_tiles writes every owner's slots of every segment, in blocks of SLOT_BLOCK
-    (a partial last block included), and bound_m_tile reads back m_tile's binding of each."""
+    (a partial last block included), and bound_m_tile reads back m_tile's binding of each:
+    the live slots a prefix, the rest empty (what lets the GEMM kernel count an entry's
+    remaining items done at its first empty slot). Each slot's GEMM1 counter is set to its
+    value before the call, (epoch - 1) · f_blocks; nothing past the owner's slots is touched."""
     E_MAX, S, BM, SEGMENTS, TILE_SLOTS = 3, 24, 8, 3, 16
     owners = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
     group = torch.zeros((len(owners), E_MAX, 2), dtype=torch.int32)
@@ -267,8 +270,12 @@ def test_the_m_tile_table_holds_each_slots_binding(kernels):
     n_slots = torch.tensor([13, 9, 0, 16], dtype=torch.int32)  # 13: one block of 8 and a partial one
     table = torch.full((len(owners), SEGMENTS * TILE_SLOTS * 4), -7, dtype=torch.int32)
     out = torch.full((len(owners), SEGMENTS, TILE_SLOTS, 4), -99, dtype=torch.int32)
+    counters = torch.full((len(owners), SEGMENTS * TILE_SLOTS), 5, dtype=torch.int64)  # 5: a slot left behind
+    epoch, f_blocks = 4, 3
     mod = kernels(E_MAX=E_MAX, EL_PAD=4, S=S, SEGMENTS=SEGMENTS, TILE_SLOTS=TILE_SLOTS, SLOT_BLOCK=8)
-    launch(mod.bound_tiles, (len(owners),), group, table, n_slots, out, BM=BM, SLOTS=TILE_SLOTS)
+    launch(
+        mod.bound_tiles, (len(owners),), group, table, counters, n_slots, epoch, f_blocks, out, BM=BM, SLOTS=TILE_SLOTS
+    )
     for q, spans in enumerate(owners):
         n = int(n_slots[q])
         for s in range(SEGMENTS):
@@ -278,3 +285,5 @@ def test_the_m_tile_table_holds_each_slots_binding(kernels):
             assert all(hi <= lo for _, _, lo, hi in got[len(want) :]), (q, s, got)
         words = table[q].view(SEGMENTS, TILE_SLOTS, 4)
         assert (words[:, n:] == -7).all(), "a slot past the owner's count was written"
+        at = counters[q].view(SEGMENTS, TILE_SLOTS)
+        assert (at[:, :n] == (epoch - 1) * f_blocks).all() and (at[:, n:] == 5).all(), (q, at)

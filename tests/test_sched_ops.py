@@ -1,6 +1,7 @@
 """The scheduling work a GEMM tile costs, counted under the interpreter (bench/sched_ops.py):
 split mode's GEMM kernel binds a tile with a handful of global operations once its entry is
-open; the unified kernel pays its ticket, search, table row and every dependency for each."""
+open; the unified kernel pays its ticket, search, table row and every dependency for each.
+The slots a routing leaves empty cost split mode's GEMM kernel one signal per entry."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ def test_a_gemm_tile_costs_a_handful_of_global_operations_in_split_mode():
     # steady state: first item load, error word, 4 words of the m-tile table, GEMM2's m-tile wait, signals
     assert split["median"] <= 10, split
     assert unified["median"] >= 3 * split["median"] and unified["mean"] > split["mean"], (unified, split)
+    # the m-tile slots the routing leaves empty: one signal per program and entry at most,
+    # not one turn of the loop (and two signals) per slot
+    empty = split["gemm_items"] - split["tiles"]
+    assert 0 < split["empty_signals"] <= 2 * split["gemm_entries"] < empty, split
+    # the unified kernel takes the untaken tickets of an entry at its first empty slot: a
+    # ticket per item and one past them per program before, far fewer now
+    assert unified["tickets"] <= unified["items"] - empty // 2, unified

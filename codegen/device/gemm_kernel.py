@@ -50,7 +50,11 @@ def rdep_gemm(
     remembered across the program's items: its owner's scan (the guard) and its entry's
     dependencies once per entry, after that only a GEMM2 item's own m-tile of GEMM1 (one
     counter). The transport kernel waits on the GEMM entries' done flags, which count their
-    finished items.
+    finished items. A program whose item's m-tile slot has no live rows counts that item and
+    the rest of its items in the entry done with one signal: under a dropless bulk schedule
+    most slots are empty (an owner's slots cover every token choosing it, ~W times the rows
+    a uniform routing brings), and each would otherwise cost its loop turn, its m-tile's
+    words and two released signals.
 
     Progress: the earliest unfinished item of either kernel has its inputs done (the table
     is topological), and its program is at it — a program finishes its items in order —
@@ -150,16 +154,31 @@ def rdep_gemm(
                     expected = target * f_blocks
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
+        elif (kind >= 0) & (hi <= lo):
+            # A slot past the routing's m-tiles. The slots with live rows are a prefix of the
+            # segment's (rows.m_tile) and an entry's items run m-tile major, so every item
+            # this program has left in the entry is empty too: all counted done at once (a
+            # dropless bulk owner has ~W times the slots its rows fill), their slots' GEMM1
+            # counters left to the scan (rows.bind_m_tiles).
+            rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
+            if PROFILE:
+                stamp = now(ctl, GLOBALTIMER)
+                k = item
+                while k < next_first:
+                    tl.store(profile + (item0 + k) * 2, stamp)
+                    tl.store(profile + (item0 + k) * 2 + 1, stamp)
+                    k += stride
+            signal(done_flag(heap, table, entry, BACKWARD), rest)
+            item += (rest - 1) * stride
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
-            if hi > lo:
-                expert_item(
-                    kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
-                    saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
-                    owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
-                )  # fmt: skip
+            expert_item(
+                kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
+                saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
+                owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
+                SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
+            )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
                 tl.store(profile + at, start)

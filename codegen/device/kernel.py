@@ -98,6 +98,26 @@ def owner_buffers(
     )  # fmt: skip
 
 
+@triton.jit(noinline=True)
+def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr):
+    """At an empty m-tile slot of the entry at queue position ``pos``: the live slots are a
+    prefix and an entry's items run m-tile major, so the entry's items no program has taken
+    yet are empty too. Their tickets are taken at once (the counter moved to the entry's
+    end; a call still takes its items' tickets and one past them per program) and counted
+    done with this one: how many they are. A call of its own, not inlined: beside the
+    unified kernel's GEMM loops its few values cost a spill there."""
+    end = tl.load(first_item + pos + 1) - item0
+    taken = tl.atomic_max(ctl + CTL_TICKETS, base + end) - base
+    if PROFILE:
+        stamp = now(ctl, GLOBALTIMER)
+        k = taken
+        while k < end:
+            tl.store(profile + (item0 + k) * 2, stamp)
+            tl.store(profile + (item0 + k) * 2 + 1, stamp)
+            k += 1
+    return tl.maximum(end - taken, 0)
+
+
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
 )
@@ -131,7 +151,8 @@ def rdep_layer(
     that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
-    its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
+    its dispatch dependencies and finishes at once, with the rest of its entry's items no
+    program has taken yet (the live slots are a prefix). An entry of kind < 0 is withheld (fault
     injection): it runs nothing and never signals. ``n_programs``: the programs of every
     kernel of the call, which all count out of it.
     """
@@ -258,11 +279,13 @@ def rdep_layer(
                 elif kind == KIND_SCAN:
                     if BACKWARD:  # the m-tile table again, from the rows the forward left
                         first, rows = owner_rows(group, rank)
-                        bind_m_tiles(first, rows, tile_table, rank, tl.load(m_slots + rank), BM)
+                        bind_m_tiles(
+                            first, rows, tile_table, tile_done, rank, tl.load(m_slots + rank), epoch, f_blocks, BM
+                        )
                     else:
                         scan(
-                            heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch,
-                            rank, BM,
+                            heap, n_local, rows_max, caps, recv, group, tile_table, tile_done, m_slots, stats, ctl,
+                            entry, epoch, rank, f_blocks, BM,
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
@@ -324,9 +347,12 @@ def rdep_layer(
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
-            if kind == KIND_GEMM1:
+            units = target * 0 + 1
+            if empty != 0:
+                units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+            elif kind == KIND_GEMM1:  # the scan sets an empty slot's counter (rows.bind_m_tiles)
                 signal(tile)
-            signal(done_flag(heap, table, entry, BACKWARD))
+            signal(done_flag(heap, table, entry, BACKWARD), units)
         ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     # The last of the call's n_programs programs out closes the call: the next launch reads

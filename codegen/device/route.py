@@ -222,8 +222,9 @@ def publish(heap, recv, q, src, local, mine, offset, take):
 
 @triton.jit
 def scan(
-    heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch, q, BM: tl.constexpr
-):
+    heap, n_local, rows_max, caps, recv, group, tile_table, tile_done, m_slots, stats, ctl, entry, epoch, q, f_blocks,
+    BM: tl.constexpr,
+):  # fmt: skip
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
@@ -238,7 +239,7 @@ def scan(
     span. Offsets and admitted counts are published back to the sources; the owner keeps
     them as its split table (``recv``) for the return, and its rows per local expert
     (``group``) with the m-tile table of its ``m_slots[q]`` slots per segment
-    (``rows.bind_m_tiles``) for its GEMMs.
+    (``rows.bind_m_tiles``, which also sets their GEMM1 counters) for its GEMMs.
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -261,7 +262,7 @@ def scan(
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
-    m_tiles = bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
+    m_tiles = bind_m_tiles(first, admitted, tile_table, tile_done, q, tl.load(m_slots + q), epoch, f_blocks, BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it

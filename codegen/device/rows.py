@@ -206,13 +206,20 @@ def m_tile(first, rows, s, j, BM: tl.constexpr):
 
 
 @triton.jit
-def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
+def bind_m_tiles(first, rows, tile_table, tile_done, q, n_slots, epoch, f_blocks, BM: tl.constexpr):
     """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
     every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
     SEGMENTS * TILE_SLOTS, 4]; returns how many have live rows (the m-tiles its grouped
     GEMM runs). The scan writes it once per call (the backward's again, from the forward's
     rows); a GEMM work item reads its m-tile's four words as scalars, which keeps its GEMM
-    loop in uniform registers."""
+    loop in uniform registers.
+
+    Each slot's GEMM1 counter (``tile_done``, [W, SEGMENTS * TILE_SLOTS]) is set to its
+    value before call ``epoch``, (epoch - 1) · ``f_blocks``: the GEMM kernel signals no
+    counter of a slot without live rows (it counts those items done at once), so a slot
+    empty in an earlier call would lag. The GEMM items of this call wait for this scan
+    first, and the previous call's GEMM2 items have all passed their waits (the scan waits
+    for the previous call's combine)."""
     table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
     field = tl.arange(0, 4)
     live = tl.zeros([SLOT_BLOCK], tl.int32)
@@ -230,7 +237,23 @@ def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
             at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
             tl.store(table + at, words, mask=(j < n_slots)[:, None])
             live += ((hi > lo) & (j < n_slots)).to(tl.int32)
+    set_tile_counters(tile_done, q, n_slots, epoch, f_blocks)
     return tl.sum(live, axis=0)
+
+
+@triton.jit(noinline=True)
+def set_tile_counters(tile_done, q, n_slots, epoch, f_blocks):
+    """``bind_m_tiles``' GEMM1 counters of owner q's slots: (epoch - 1) · f_blocks each. A
+    call of its own, not inlined: in the unified kernel's backward its values cost a spill
+    in a GEMM loop."""
+    counters = tile_done + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS)
+    before = (tl.cast(epoch, tl.int64) - 1) * f_blocks
+    for s in range(0, SEGMENTS):
+        j0 = 0
+        while j0 < n_slots:
+            j = j0 + tl.arange(0, SLOT_BLOCK)
+            j0 += SLOT_BLOCK
+            tl.store(counters + s * TILE_SLOTS + j, before + tl.zeros([SLOT_BLOCK], tl.int64), mask=j < n_slots)
 
 
 @triton.jit

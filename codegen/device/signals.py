@@ -9,11 +9,12 @@ SCOPE = tl.constexpr("gpu")
 
 
 @triton.jit
-def signal(flag):
-    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
-    one thread, so without it the other warps' stores would not be ordered before it."""
+def signal(flag, units=1):
+    """Release ``units`` (default one) on ``flag``. The barrier comes first: a scalar atomic
+    is executed by one thread, so without it the other warps' stores would not be ordered
+    before it."""
     tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
+    tl.atomic_add(flag, units, sem="release", scope=SCOPE)
 
 
 @triton.jit

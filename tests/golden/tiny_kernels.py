@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: c5e0597b6975d7b92e17abbb964fc6c2f591e4a5c70daedb0694d95ad96770de
+# content-sha256: 4014fd3f1b37be5751d624c95cc40d1cf1fd47b87473c2733f8747e102491a36
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -254,11 +254,12 @@ def put(ptr, value, mask):
 
 
 @triton.jit
-def signal(flag):
-    """Release one unit on ``flag``. The barrier comes first: a scalar atomic is executed by
-    one thread, so without it the other warps' stores would not be ordered before it."""
+def signal(flag, units=1):
+    """Release ``units`` (default one) on ``flag``. The barrier comes first: a scalar atomic
+    is executed by one thread, so without it the other warps' stores would not be ordered
+    before it."""
     tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope=SCOPE)
+    tl.atomic_add(flag, units, sem="release", scope=SCOPE)
 
 
 @triton.jit
@@ -548,13 +549,20 @@ def m_tile(first, rows, s, j, BM: tl.constexpr):
 
 
 @triton.jit
-def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
+def bind_m_tiles(first, rows, tile_table, tile_done, q, n_slots, epoch, f_blocks, BM: tl.constexpr):
     """Owner q's m-tile table: the binding (``m_tile``) of each of its ``n_slots`` slots in
     every segment, as int32 (local expert, first row, lo, hi) at ``tile_table`` [W,
     SEGMENTS * TILE_SLOTS, 4]; returns how many have live rows (the m-tiles its grouped
     GEMM runs). The scan writes it once per call (the backward's again, from the forward's
     rows); a GEMM work item reads its m-tile's four words as scalars, which keeps its GEMM
-    loop in uniform registers."""
+    loop in uniform registers.
+
+    Each slot's GEMM1 counter (``tile_done``, [W, SEGMENTS * TILE_SLOTS]) is set to its
+    value before call ``epoch``, (epoch - 1) · ``f_blocks``: the GEMM kernel signals no
+    counter of a slot without live rows (it counts those items done at once), so a slot
+    empty in an earlier call would lag. The GEMM items of this call wait for this scan
+    first, and the previous call's GEMM2 items have all passed their waits (the scan waits
+    for the previous call's combine)."""
     table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
     field = tl.arange(0, 4)
     live = tl.zeros([SLOT_BLOCK], tl.int32)
@@ -572,7 +580,23 @@ def bind_m_tiles(first, rows, tile_table, q, n_slots, BM: tl.constexpr):
             at = (j + s * TILE_SLOTS)[:, None] * 4 + field[None, :]
             tl.store(table + at, words, mask=(j < n_slots)[:, None])
             live += ((hi > lo) & (j < n_slots)).to(tl.int32)
+    set_tile_counters(tile_done, q, n_slots, epoch, f_blocks)
     return tl.sum(live, axis=0)
+
+
+@triton.jit(noinline=True)
+def set_tile_counters(tile_done, q, n_slots, epoch, f_blocks):
+    """``bind_m_tiles``' GEMM1 counters of owner q's slots: (epoch - 1) · f_blocks each. A
+    call of its own, not inlined: in the unified kernel's backward its values cost a spill
+    in a GEMM loop."""
+    counters = tile_done + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS)
+    before = (tl.cast(epoch, tl.int64) - 1) * f_blocks
+    for s in range(0, SEGMENTS):
+        j0 = 0
+        while j0 < n_slots:
+            j = j0 + tl.arange(0, SLOT_BLOCK)
+            j0 += SLOT_BLOCK
+            tl.store(counters + s * TILE_SLOTS + j, before + tl.zeros([SLOT_BLOCK], tl.int64), mask=j < n_slots)
 
 
 @triton.jit
@@ -795,8 +819,9 @@ def publish(heap, recv, q, src, local, mine, offset, take):
 
 @triton.jit
 def scan(
-    heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch, q, BM: tl.constexpr
-):
+    heap, n_local, rows_max, caps, recv, group, tile_table, tile_done, m_slots, stats, ctl, entry, epoch, q, f_blocks,
+    BM: tl.constexpr,
+):  # fmt: skip
     """Owner q, dispatch phase 2: the counts every source published → admitted rows → offsets.
 
     Each local expert admits at most cap = ``caps[n]`` rows, n the tokens all front-ends
@@ -811,7 +836,7 @@ def scan(
     span. Offsets and admitted counts are published back to the sources; the owner keeps
     them as its split table (``recv``) for the return, and its rows per local expert
     (``group``) with the m-tile table of its ``m_slots[q]`` slots per segment
-    (``rows.bind_m_tiles``) for its GEMMs.
+    (``rows.bind_m_tiles``, which also sets their GEMM1 counters) for its GEMMs.
     """
     local = tl.arange(0, EL_PAD)
     mine = local < tl.load(n_local + q)
@@ -834,7 +859,7 @@ def scan(
     grp = group + tl.cast(q, tl.int64) * (E_MAX * 2) + local * 2
     tl.store(grp, first, mask=mine)
     tl.store(grp + 1, admitted, mask=mine)
-    m_tiles = bind_m_tiles(first, admitted, tile_table, q, tl.load(m_slots + q), BM)
+    m_tiles = bind_m_tiles(first, admitted, tile_table, tile_done, q, tl.load(m_slots + q), epoch, f_blocks, BM)
     if KEYED:
         keys = (peer(heap, q) + KEYS).to(tl.pointer_type(tl.int64))
         kth = tl.zeros([EL_PAD], tl.int64)  # per local expert: the largest v with fewer than cap keys below it
@@ -2932,6 +2957,26 @@ def owner_buffers(
     )  # fmt: skip
 
 
+@triton.jit(noinline=True)
+def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr):
+    """At an empty m-tile slot of the entry at queue position ``pos``: the live slots are a
+    prefix and an entry's items run m-tile major, so the entry's items no program has taken
+    yet are empty too. Their tickets are taken at once (the counter moved to the entry's
+    end; a call still takes its items' tickets and one past them per program) and counted
+    done with this one: how many they are. A call of its own, not inlined: beside the
+    unified kernel's GEMM loops its few values cost a spill there."""
+    end = tl.load(first_item + pos + 1) - item0
+    taken = tl.atomic_max(ctl + CTL_TICKETS, base + end) - base
+    if PROFILE:
+        stamp = now(ctl, GLOBALTIMER)
+        k = taken
+        while k < end:
+            tl.store(profile + (item0 + k) * 2, stamp)
+            tl.store(profile + (item0 + k) * 2 + 1, stamp)
+            k += 1
+    return tl.maximum(end - taken, 0)
+
+
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
 )
@@ -2965,7 +3010,8 @@ def rdep_layer(
     that expires records the error (entry, rank, queue, segment, flag, value seen and
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
-    its dispatch dependencies and finishes at once. An entry of kind < 0 is withheld (fault
+    its dispatch dependencies and finishes at once, with the rest of its entry's items no
+    program has taken yet (the live slots are a prefix). An entry of kind < 0 is withheld (fault
     injection): it runs nothing and never signals. ``n_programs``: the programs of every
     kernel of the call, which all count out of it.
     """
@@ -3092,11 +3138,13 @@ def rdep_layer(
                 elif kind == KIND_SCAN:
                     if BACKWARD:  # the m-tile table again, from the rows the forward left
                         first, rows = owner_rows(group, rank)
-                        bind_m_tiles(first, rows, tile_table, rank, tl.load(m_slots + rank), BM)
+                        bind_m_tiles(
+                            first, rows, tile_table, tile_done, rank, tl.load(m_slots + rank), epoch, f_blocks, BM
+                        )
                     else:
                         scan(
-                            heap, n_local, rows_max, caps, recv, group, tile_table, m_slots, stats, ctl, entry, epoch,
-                            rank, BM,
+                            heap, n_local, rows_max, caps, recv, group, tile_table, tile_done, m_slots, stats, ctl,
+                            entry, epoch, rank, f_blocks, BM,
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
                     dispatch(
@@ -3158,9 +3206,12 @@ def rdep_layer(
                 at = (tl.load(first_item + lo) + item) * 2
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
-            if kind == KIND_GEMM1:
+            units = target * 0 + 1
+            if empty != 0:
+                units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+            elif kind == KIND_GEMM1:  # the scan sets an empty slot's counter (rows.bind_m_tiles)
                 signal(tile)
-            signal(done_flag(heap, table, entry, BACKWARD))
+            signal(done_flag(heap, table, entry, BACKWARD), units)
         ticket = tl.atomic_add(ctl + CTL_TICKETS, 1) - base
         failed = tl.load(ctl + CTL_ERR_CODE, volatile=True)
     # The last of the call's n_programs programs out closes the call: the next launch reads
@@ -3185,7 +3236,11 @@ def rdep_gemm(
     remembered across the program's items: its owner's scan (the guard) and its entry's
     dependencies once per entry, after that only a GEMM2 item's own m-tile of GEMM1 (one
     counter). The transport kernel waits on the GEMM entries' done flags, which count their
-    finished items.
+    finished items. A program whose item's m-tile slot has no live rows counts that item and
+    the rest of its items in the entry done with one signal: under a dropless bulk schedule
+    most slots are empty (an owner's slots cover every token choosing it, ~W times the rows
+    a uniform routing brings), and each would otherwise cost its loop turn, its m-tile's
+    words and two released signals.
 
     Progress: the earliest unfinished item of either kernel has its inputs done (the table
     is topological), and its program is at it — a program finishes its items in order —
@@ -3285,16 +3340,31 @@ def rdep_gemm(
                     expected = target * f_blocks
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
+        elif (kind >= 0) & (hi <= lo):
+            # A slot past the routing's m-tiles. The slots with live rows are a prefix of the
+            # segment's (rows.m_tile) and an entry's items run m-tile major, so every item
+            # this program has left in the entry is empty too: all counted done at once (a
+            # dropless bulk owner has ~W times the slots its rows fill), their slots' GEMM1
+            # counters left to the scan (rows.bind_m_tiles).
+            rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
+            if PROFILE:
+                stamp = now(ctl, GLOBALTIMER)
+                k = item
+                while k < next_first:
+                    tl.store(profile + (item0 + k) * 2, stamp)
+                    tl.store(profile + (item0 + k) * 2 + 1, stamp)
+                    k += stride
+            signal(done_flag(heap, table, entry, BACKWARD), rest)
+            item += (rest - 1) * stride
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
-            if hi > lo:
-                expert_item(
-                    kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
-                    saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
-                    owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                    SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
-                )  # fmt: skip
+            expert_item(
+                kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
+                saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
+                owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
+                SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
+            )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
                 tl.store(profile + at, start)
