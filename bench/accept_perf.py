@@ -4,7 +4,10 @@
 sort + ``torch._grouped_mm``, ``torch._grouped_mm`` alone on pre-sorted rows and the dense
 roof on as many rows (bench/moe_bench.py's timing and baselines), forward and
 forward+backward; the per-stage spans of one profiled call of each candidate (the best's
-``stages``, the others' ``stages_others``) and of the best's backward (``backward_stages``);
+``stages``, the others' ``stages_others``) and of the best's backward (``backward_stages``),
+and how each launch of those calls spent its time (``kernels``, ``kernels_others``,
+``backward_kernels``: per task kind its items and their time; for the GEMM kernel, per
+program the time its items ran against the time it waited — runtime.profile.kernel_summary);
 the host's share of a call (event time minus the kernel's span), the time a call takes to
 return and where it goes (``host_profile``). The issue's
 speed targets are recorded beside the figures (``targets``); a check fails on wrong
@@ -188,16 +191,19 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
     spans = stages(prof, prof.last_profile["events"])
     clock = check.figure("stage_clock", prof.last_profile["clock"])
     check.figure("stages", spans)
+    check.figure("kernels", prof.last_profile["kernels"])  # per launch: per kind, and the GEMM programs' waits
     # ... and of every other candidate's: where pipelined loses to bulk, or split to unified
-    others = {}
+    others, others_kernels = {}, {}
     for schedule, mode in modules:
         if (schedule, mode) != best:
             other = layer.module(calls[0].backend, device, schedule=schedule, mode=mode, profile=True)
             rdepc_call(other)()
             other.synchronize()
             others[f"{schedule} {mode}"] = stages(other, other.last_profile["events"])
+            others_kernels[f"{schedule} {mode}"] = other.last_profile["kernels"]
             other = None
     check.figure("stages_others", others)
+    check.figure("kernels_others", others_kernels)
     if clock == "globaltimer":  # ns
         kernel_ms = max((s["to"] for s in spans.values()), default=0) / 1e6
         check.figure("kernel_span_ms", kernel_ms)
@@ -279,6 +285,7 @@ def perf_case(check, name: str, tokens: int, routing: str, variants, device: str
         train(prof.routed, (operand, wd))()
         prof.synchronize()
         check.figure("backward_stages", stages(prof, prof.last_backward_profile["events"], backward=True))
+        check.figure("backward_kernels", prof.last_backward_profile["kernels"])
     except torch.OutOfMemoryError as e:
         check.figure("backward_stages", {"error": f"{type(e).__name__}: {e}"[:300]})
     prof = None

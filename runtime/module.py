@@ -389,7 +389,9 @@ class RDEPModule:
         self._record(ids, gates)
         self.last_context = RoutingContext(ids, accepted, slot, gprime)
         if self.profiling:
-            self.last_profile = read_profile(self.work, self.private["profile"], self.interpret, self.mode)
+            self.last_profile = read_profile(
+                self.work, self.private["profile"], self.interpret, self.mode, self.per_queue
+            )
         return y, self.last_context, kept
 
     def _backward_op(
@@ -446,7 +448,8 @@ class RDEPModule:
         self._launch(given, Tn, backward=True, save=False)
         self._record(None, None, backward=True)
         if self.profiling:
-            self.last_backward_profile = read_profile(self.bwd_work, self.private["profile"], self.interpret, self.mode)
+            stamps = self.private["profile"]
+            self.last_backward_profile = read_profile(self.bwd_work, stamps, self.interpret, self.mode, self.per_queue)
         out = given["dx"], given["dgprime"], given["dw_up"], given["dw_down"]
         out += (given["db_up"], given["db_down"]) if p.bias else ()
         return out + ((given["dslots"],) if slots is not None else ())

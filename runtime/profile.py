@@ -23,6 +23,11 @@ in ns, written as µs from the earliest start — real durations. Under the Trit
 as is, one tick per µs of the trace, from the earliest start. Logical ticks order the
 tasks (an entry starts after every entry it depends on has ended); they are not durations.
 
+With the programs of each launch given, ``last_profile["kernels"]`` also says per launch how
+its time divides (:func:`kernel_summary`): per task kind the items and the time they ran, and
+for the GEMM kernel, whose program of each item is known, per program the time its items ran
+against the time it waited.
+
 An entry's span runs from its first item's start to its last item's end, so it may overlap
 other entries' spans when items of several entries interleave. One exception to the order
 above: a compute m-tile slot found empty at run time skips its dispatch dependencies (only
@@ -38,6 +43,7 @@ import json
 from pathlib import Path
 
 from rdepc.ir.contract import COLUMNS, KINDS, KernelContract
+from rdepc.ir.queues import mode_kernels
 from rdepc.ir.trace import rank_metadata
 
 _COL = {c: i for i, c in enumerate(COLUMNS)}
@@ -70,17 +76,74 @@ CLOCKS = {
 }
 
 
-def read_profile(work, buffer, interpret: bool, mode: str) -> dict:
+def read_profile(work, buffer, interpret: bool, mode: str, programs=None) -> dict:
     """A profiled call's record (``RDEPModule.last_profile``) from its ``profile`` buffer
     (start and end of every work item of ``work``): per entry that ran, its first item's
-    start and its last item's end."""
-    at = buffer.view(-1, 2).to("cpu").tolist()
+    start and its last item's end; with ``programs`` (each launch's), ``kernels``
+    (:func:`kernel_summary`)."""
+    at = buffer.view(-1, 2).to("cpu").tolist()[: work.n_items]
     events = []
     for entry, (first, items) in enumerate(work.entry_items()):
         if items:
             span = at[first : first + items]
             events.append((entry, min(s for s, _ in span), max(e for _, e in span)))
-    return {"clock": "logical" if interpret else "globaltimer", "mode": mode, "events": events}
+    out = {"clock": "logical" if interpret else "globaltimer", "mode": mode, "events": events}
+    if programs is not None:
+        out["kernels"] = kernel_summary(work, at, programs)
+    return out
+
+
+def _spread(values: list) -> dict:
+    v = sorted(values)
+    return {"least": v[0], "median": v[len(v) // 2], "most": v[-1]} if v else {}
+
+
+def kernel_summary(work, at: list, programs) -> list[dict]:
+    """Where each launch of a profiled call spent its time, from every work item's start and
+    end (``at``, the profile's clock): per launch (``mode_kernels``' order) its kernel, its
+    programs, its span (first start to last end) and per task kind its items, those that took
+    any time (``ran``: an m-tile slot found empty takes none), the time they ran (``busy``,
+    summed) and how long one took (least, median, most of those that ran). A GEMM kernel's program p takes items p,
+    p + P, ... of its queue, so there also per program: the time its items ran, the time
+    between them (``waited``: its waits and its turns of the loop) and after its last
+    (``idle_after``), each spread over the programs; ``busy_share`` is the programs' busy
+    time over programs × span. Tells a kernel that waits from one whose items are slow."""
+    out = []
+    for q, ((lo, hi), (kernel, _)) in enumerate(zip(work.bounds, mode_kernels(work.mode), strict=True)):
+        first, last = work.first_item[lo], work.first_item[hi]
+        if last <= first:
+            continue
+        start = min(s for s, _ in at[first:last])
+        end = max(e for _, e in at[first:last])
+        kinds: dict[str, dict] = {}
+        for pos in range(lo, hi):
+            kind = KINDS[work.table[work.queue[pos]][_COL["kind"]]]
+            k = kinds.setdefault(kind, {"items": 0, "busy": 0, "took": []})
+            for s, e in at[work.first_item[pos] : work.first_item[pos + 1]]:
+                k["items"] += 1
+                k["busy"] += e - s
+                if e > s:
+                    k["took"].append(e - s)
+        n = programs[q]
+        rec = {"kernel": kernel, "programs": n, "span": end - start}
+        rec["kinds"] = {
+            kind: {"items": k["items"], "ran": len(k["took"]), "busy": k["busy"], "item": _spread(k["took"])}
+            for kind, k in kinds.items()
+        }
+        if kernel == "rdep_gemm":  # programs stride over the queue: each item's program is known
+            busy, waited, idle = [0] * n, [0] * n, [0] * n
+            for p in range(n):
+                mine = sorted(at[first + p : last : n])
+                if not mine:
+                    idle[p] = end - start
+                    continue
+                busy[p] = sum(e - s for s, e in mine)
+                waited[p] = (mine[-1][1] - start) - busy[p]
+                idle[p] = end - mine[-1][1]
+            rec |= {"busy": _spread(busy), "waited": _spread(waited), "idle_after": _spread(idle)}
+            rec["busy_share"] = sum(busy) / (n * (end - start)) if end > start else None
+        out.append(rec)
+    return out
 
 
 def _thread_names(contract: KernelContract, mode: str, programs) -> list[tuple[int, str]]:
@@ -163,6 +226,7 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
             "tasks": len(spans),
             "entries": n,
             "programs": programs,
+            "kernels": profile.get("kernels"),  # how each launch spent its time (kernel_summary)
         },
     }
 

@@ -66,6 +66,9 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert perf["ratios"]["speedup_vs_sort_grouped_mm_back_to_back"] > 0
     assert {"route", "dispatch", "compute", "return", "combine"} <= perf["stages"].keys()
     assert {"dispatch", "compute", "wgrad", "combine"} <= perf["backward_stages"].keys()
+    launches = [k for ks in (perf["kernels"], *perf["kernels_others"].values()) for k in ks]
+    assert any(k["kernel"] == "rdep_gemm" and k["busy_share"] > 0 for k in launches)  # split's GEMM programs
+    assert any("wgrad" in k["kinds"] for k in perf["backward_kernels"])
     assert perf["host_overhead_ms"] is None and perf["stage_clock"] == "logical"  # no durations on the CPU
     # forward+backward sized to the free memory: tiny fits at its T', and the ratio says so
     assert perf["fwd_bwd_tokens"] == 8 == perf["ratios"]["fwd_bwd_tokens"] and perf["fwd_bwd_memory"]["tried"]

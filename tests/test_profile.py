@@ -78,6 +78,7 @@ def test_one_event_per_entry_named_as_predicted(profiled):
     assert (other["layer"], other["strategy"], other["mode"]) == ("tiny", strategy, "unified")
     assert (other["clock"], other["unit"], other["tasks"]) == ("logical", "tick", plan.n_entries)
     assert "not durations" in other["note"]
+    assert [k["kernel"] for k in other["kernels"]] == ["rdep_layer"]  # the unified kernel's one launch
 
 
 def test_metadata_as_predicted(profiled):
@@ -257,3 +258,59 @@ def test_a_profiled_backward_records_every_entry_after_what_it_waits_for():
                 assert at[d][1] < at[entry][0], f"{plan.bwd_names[entry]} started before {plan.bwd_names[d]} ended"
                 checked += 1
     assert checked > 0 and torch.isfinite(x.grad).all()
+
+
+def test_kernel_summary_divides_each_launchs_time():
+    """kernel_summary, on a split call's stamps made by hand: per launch and task kind the
+    items, those that took time and their time; for the GEMM kernel (program p takes items
+    p, p + P, ...) per program the time its items ran, the time before and between them,
+    and after its last."""
+    from rdepc.runtime.profile import kernel_summary
+
+    from rdepc.ir.queues import KINDS, Work
+
+    def row(kind):
+        return (KINDS.index(kind),) + (0,) * (len(COLUMNS) - 1)
+
+    table = (row("dispatch"), row("gemm1"), row("gemm2"))
+    # queue 0 (transport): entry 0, items 0-1; queue 1 (GEMM kernel, 2 programs): entry 1,
+    # items 2-5 (the last two empty slots), entry 2, items 6-7
+    work = Work("split", table, (0, 1, 2), (0, 2, 6, 8), ((0, 1), (1, 3)), (0,))
+    at = [(0, 4), (1, 3), (5, 15), (6, 12), (20, 20), (14, 14), (22, 30), (16, 25)]
+    transport, gemm = kernel_summary(work, at, (1, 2))
+    assert transport["kernel"] == "rdep_layer" and transport["span"] == 4
+    assert transport["kinds"]["dispatch"] == {
+        "items": 2,
+        "ran": 2,
+        "busy": 6,
+        "item": {"least": 2, "median": 4, "most": 4},
+    }
+    assert gemm["kernel"] == "rdep_gemm" and gemm["programs"] == 2 and gemm["span"] == 30 - 5
+    assert gemm["kinds"]["gemm1"] == {"items": 4, "ran": 2, "busy": 16, "item": {"least": 6, "median": 10, "most": 10}}
+    assert gemm["kinds"]["gemm2"]["busy"] == 8 + 9
+    # program 0: items 2, 4, 6 — ran 10 + 0 + 8, its last ends at 30; program 1: items 3, 5, 7 —
+    # ran 6 + 0 + 9, its last ends at 25
+    assert gemm["busy"] == {"least": 15, "median": 18, "most": 18}
+    assert gemm["waited"] == {"least": 5, "median": 7, "most": 7}  # (30 - 5) - 18, (25 - 5) - 15
+    assert gemm["idle_after"] == {"least": 0, "median": 5, "most": 5}
+    assert gemm["busy_share"] == (18 + 15) / (2 * 25)
+
+
+def test_a_profiled_split_call_says_which_gemm_items_ran():
+    """A profiled call's ``kernels``: split mode's two launches, the GEMM kernel's items that
+    took time exactly its live m-tiles' (the empty slots counted done at once take none)."""
+    import torch
+
+    from rdepc.reference import random_inputs
+
+    layer = rdepc.load(TINY)
+    sh = layer.shapes
+    m = layer.module("emulated", "cpu", mode="split", profile=True)
+    m(*random_inputs(*(sh[k] for k in ("W", "T", "H", "F", "E", "K")), dtype=torch.float32)[:6])
+    transport, gemm = m.last_profile["kernels"]
+    assert transport["kernel"] == "rdep_layer" and gemm["kernel"] == "rdep_gemm"
+    assert gemm["programs"] == m.per_queue[1] and 0 < gemm["busy_share"] <= 1
+    tiles = sum(m.last_stats["m_tiles"].tolist())
+    f_blocks, h_blocks = -(-sh["F"] // m.tiles.block_f), -(-sh["H"] // m.tiles.block_h)
+    assert gemm["kinds"]["gemm1"]["ran"] == tiles * f_blocks < gemm["kinds"]["gemm1"]["items"]
+    assert gemm["kinds"]["gemm2"]["ran"] == tiles * h_blocks
