@@ -76,6 +76,17 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
+def stamp_skipped(ctl, profile, item0, k, end, step, GLOBALTIMER: tl.constexpr):
+    """The profile's start and end, both now, of items k, k + step, ... before ``end`` (of the
+    launch whose first item is ``item0``): empty m-tile slots counted done without running."""
+    stamp = now(ctl, GLOBALTIMER)
+    while k < end:
+        tl.store(profile + (item0 + k) * 2, stamp)
+        tl.store(profile + (item0 + k) * 2 + 1, stamp)
+        k += step
+
+
+@triton.jit
 def narrow(x, dtype: tl.constexpr, CAST_F32: tl.constexpr):
     """fp32 ``x`` in ``dtype``, rounded to nearest even. The interpreter truncates fp32 to
     bf16 (subnormals included), so under it (CAST_F32) bf16 is made from the bits, as torch

@@ -3,7 +3,7 @@ the transport kernel (``rdep_layer`` compiled without it)."""
 
 import triton
 import triton.language as tl
-from rdepc.codegen.device.control import done_flag, now, report
+from rdepc.codegen.device.control import done_flag, now, report, stamp_skipped
 from rdepc.codegen.device.expert_grads import expert_item
 from rdepc.codegen.device.experts import m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.kernel import owner_buffers
@@ -162,12 +162,7 @@ def rdep_gemm(
             # counters left to the scan (rows.bind_m_tiles).
             rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
             if PROFILE:
-                stamp = now(ctl, GLOBALTIMER)
-                k = item
-                while k < next_first:
-                    tl.store(profile + (item0 + k) * 2, stamp)
-                    tl.store(profile + (item0 + k) * 2 + 1, stamp)
-                    k += stride
+                stamp_skipped(ctl, profile, item0, item, next_first, stride, GLOBALTIMER)
             signal(done_flag(heap, table, entry, BACKWARD), rest)
             item += (rest - 1) * stride
         elif kind >= 0:

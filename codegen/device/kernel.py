@@ -6,7 +6,7 @@ shares."""
 import triton
 import triton.language as tl
 from rdepc.codegen.device.combine import combine, combine_grad
-from rdepc.codegen.device.control import done_flag, now, report
+from rdepc.codegen.device.control import done_flag, now, report, stamp_skipped
 from rdepc.codegen.device.dispatch import dispatch
 from rdepc.codegen.device.expert_grads import expert_item
 from rdepc.codegen.device.experts import m_tile_slot, ring_descriptors, weight_descriptors
@@ -109,12 +109,7 @@ def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.cons
     end = tl.load(first_item + pos + 1) - item0
     taken = tl.atomic_max(ctl + CTL_TICKETS, base + end) - base
     if PROFILE:
-        stamp = now(ctl, GLOBALTIMER)
-        k = taken
-        while k < end:
-            tl.store(profile + (item0 + k) * 2, stamp)
-            tl.store(profile + (item0 + k) * 2 + 1, stamp)
-            k += 1
+        stamp_skipped(ctl, profile, item0, taken, end, 1, GLOBALTIMER)
     return tl.maximum(end - taken, 0)
 
 

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 4014fd3f1b37be5751d624c95cc40d1cf1fd47b87473c2733f8747e102491a36
+# content-sha256: 97b70cad21eece3474e84d6e5cb3854adedaa51d7eeab0d2775c31570bee4201
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -318,6 +318,17 @@ def now(ctl, GLOBALTIMER: tl.constexpr):
     else:
         t = tl.atomic_add(ctl + CTL_CLOCK, 1)
     return t
+
+
+@triton.jit
+def stamp_skipped(ctl, profile, item0, k, end, step, GLOBALTIMER: tl.constexpr):
+    """The profile's start and end, both now, of items k, k + step, ... before ``end`` (of the
+    launch whose first item is ``item0``): empty m-tile slots counted done without running."""
+    stamp = now(ctl, GLOBALTIMER)
+    while k < end:
+        tl.store(profile + (item0 + k) * 2, stamp)
+        tl.store(profile + (item0 + k) * 2 + 1, stamp)
+        k += step
 
 
 @triton.jit
@@ -2968,12 +2979,7 @@ def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.cons
     end = tl.load(first_item + pos + 1) - item0
     taken = tl.atomic_max(ctl + CTL_TICKETS, base + end) - base
     if PROFILE:
-        stamp = now(ctl, GLOBALTIMER)
-        k = taken
-        while k < end:
-            tl.store(profile + (item0 + k) * 2, stamp)
-            tl.store(profile + (item0 + k) * 2 + 1, stamp)
-            k += 1
+        stamp_skipped(ctl, profile, item0, taken, end, 1, GLOBALTIMER)
     return tl.maximum(end - taken, 0)
 
 
@@ -3348,12 +3354,7 @@ def rdep_gemm(
             # counters left to the scan (rows.bind_m_tiles).
             rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
             if PROFILE:
-                stamp = now(ctl, GLOBALTIMER)
-                k = item
-                while k < next_first:
-                    tl.store(profile + (item0 + k) * 2, stamp)
-                    tl.store(profile + (item0 + k) * 2 + 1, stamp)
-                    k += stride
+                stamp_skipped(ctl, profile, item0, item, next_first, stride, GLOBALTIMER)
             signal(done_flag(heap, table, entry, BACKWARD), rest)
             item += (rest - 1) * stride
         elif kind >= 0:
