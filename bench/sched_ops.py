@@ -47,7 +47,7 @@ class Counter:
         self.local = threading.local()
         self.lock = threading.Lock()
         self.per_tile: list[int] = []
-        self.idle: list[int] = []  # split: what each release without a tile took (the GEMM kernel's empty slots)
+        self.idle: list[int] = []  # what each release without a tile took (split: the GEMM kernel's empty slots)
         self.ticket_at = -1  # unified: the ticket counter's address, and the tickets taken there
         self.tickets = 0
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "(dropless bulk: every token choosing it, W times what a uniform routing brings), and a slot past the",
         "routing's m-tiles runs no tile. The GEMM kernel's program counts the rest of its items in an entry done",
         "with one signal at its first empty slot (the live slots are a prefix); the empty-slot columns count",
-        "those signals and the operations that led to them (split mode: the unified kernel's transport items",
+        "those signals and the operations that led to them (split mode only: the unified kernel's transport items",
         "end alike, so they are not told apart there). The unified kernel takes a ticket per item and one past",
         "its items per program; at an empty slot a program takes the tickets of its entry no program has taken",
         "yet at once (the counter moved to the entry's end), which the tickets column counts.",
