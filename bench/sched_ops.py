@@ -29,12 +29,17 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = ("examples/moonlight.rdep", {"T": 16, "H": 64, "F": 64})
+# The same layer cut into segments of this many rows as well: 12 an owner, of which a uniform
+# routing fills 2 (at T' = 4096 and S = 4096: 48 and 6)
+SEGMENT_ROWS = 64
 
 
 class Counter:
@@ -150,15 +155,24 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     empty = {"empty_signals": None, "empty_operations": None, "tickets": counter.tickets}
     if mode == "split":
         empty = {"empty_signals": len(counter.idle), "empty_operations": sum(counter.idle), "tickets": None}
-    from rdepc.ir.queues import GEMM_KINDS
+    from rdepc.ir.queues import COLUMNS, GEMM_KINDS, KINDS
 
     gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e][0] in GEMM_KINDS]
+    col = {c: i for i, c in enumerate(COLUMNS)}
+    rows = m.private["group"].view(sh["W"], -1, 2)[:, :, 1].sum(1).tolist()  # each owner's rows this call
+    segmented = [KINDS.index(k) for k in ("gemm1", "gemm2")]
+    dead = sum(
+        1
+        for r in m.work.table
+        if r[col["kind"]] in segmented and rows[r[col["owner"]]] <= r[col["segment"]] * m.contract.S
+    )
     return {
         "mode": mode,
         "schedule": schedule,
         "gemm_entries": len(gemm),
         "items": m.work.n_items + m.grid,  # unified: every program takes one ticket past its items
         "gemm_items": sum(gemm),
+        "empty_segment_entries": dead,  # GEMM1 and GEMM2 entries of segments the routing left without rows
         **empty,
         "tiles": n,
         "operations": sum(ops),
@@ -183,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = [count(mode, s) for s in ("bulk", "pipelined") for mode in ("unified", "split")]
     path, narrow = LAYER
-    data = {"layer": path, "overrides": narrow, "rows": rows}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "moonlight_segmented.rdep"
+        text = (ROOT / path).read_text(encoding="utf-8")
+        spec.write_text(re.sub(r"segment\s+rows \d+", f"segment   rows {SEGMENT_ROWS}", text), encoding="utf-8")
+        for mode in ("unified", "split"):
+            rows.append(count(mode, "pipelined", (str(spec), narrow)) | {"schedule": f"pipelined, S {SEGMENT_ROWS}"})
+    data = {"layer": path, "overrides": narrow, "segment_rows": SEGMENT_ROWS, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -194,13 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         "`bench/sched_ops.py` says what is counted.",
         "",
         "| schedule | mode | GEMM work items | GEMM tiles run | operations | per tile: mean | median | least | most "
-        "| empty slots: signals | their operations | tickets taken, of items + programs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| empty slots: signals | their operations | tickets taken, of items + programs "
+        "| GEMM entries of empty segments |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['schedule']} | {r['mode']} | {r['gemm_items']} | {r['tiles']} | {r['operations']} | {r['mean']:.1f} | "
         f"{r['median']} | {r['least']} | {r['most']} | {dash(r['empty_signals'])} | {dash(r['empty_operations'])} | "
-        f"{taken(r)} |"
+        f"{taken(r)} | {r['empty_segment_entries']} of {r['gemm_entries']} |"
         for r in rows
     ]
     lines += [

@@ -1,13 +1,18 @@
 """The scheduling work a GEMM tile costs, counted under the interpreter (bench/sched_ops.py):
 split mode's GEMM kernel binds a tile with a handful of global operations once its entry is
 open; the unified kernel pays its ticket, search, table row and every dependency for each.
-The slots a routing leaves empty cost split mode's GEMM kernel one signal per entry."""
+The slots a routing leaves empty cost split mode's GEMM kernel one signal per entry, the
+segments it leaves empty a vector signal per run."""
 
 from __future__ import annotations
 
 import sys
 
-from conftest import ROOT
+import torch
+from conftest import ROOT, tiny_segmented
+
+import rdepc
+from rdepc.reference import random_inputs
 
 
 def test_a_gemm_tile_costs_a_handful_of_global_operations_in_split_mode():
@@ -27,3 +32,29 @@ def test_a_gemm_tile_costs_a_handful_of_global_operations_in_split_mode():
     # the unified kernel takes the untaken tickets of an entry at its first empty slot: a
     # ticket per item and one past them per program before, far fewer now
     assert unified["tickets"] <= unified["items"] - empty // 2, unified
+
+
+def test_empty_segments_cost_the_gemm_kernel_a_run_not_a_turn_each(tmp_path):
+    """A pipelined owner has segments for every row choosing it; an owner's rows fill them in
+    order, so under a uniform routing most GEMM entries are of segments without rows. Split
+    mode's GEMM kernel counts a run of them done in one vector signal per program and 64
+    positions (each entry by the program whose items include its first), and computes
+    bitwise what the unified kernel does, in calls whose empty segments differ."""
+    sys.path.insert(0, str(ROOT))
+    from bench.sched_ops import count
+
+    path = tiny_segmented(tmp_path, rows=16)  # 8 segments an owner, about 2 of them filled
+    split = count("split", "pipelined", (str(path), {}), programs=2)
+    dead = split["empty_segment_entries"]
+    assert dead >= split["gemm_entries"] // 2, split
+    # the entries with rows take at most one signal per program (at its first empty slot);
+    # the empty segments' entries a few runs' in all, not one per program and entry
+    assert split["empty_signals"] <= 2 * (split["gemm_entries"] - dead) + 8 < 2 * split["gemm_entries"], split
+    assert split["empty_signals"] < dead, split
+    layer = rdepc.load(path)
+    calls = [random_inputs(4, 16, 64, 128, 8, 2, seed=s, routing=r) for s, r in ((0, "uniform"), (1, "zipf:1.5"))]
+    outs = {}
+    for mode in ("unified", "split"):
+        m = layer.module(schedule="pipelined", mode=mode, programs=2)
+        outs[mode] = [m(*inputs[:6]) for inputs in calls]
+    assert all(torch.equal(a, b) for a, b in zip(outs["unified"], outs["split"], strict=True))

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 97b70cad21eece3474e84d6e5cb3854adedaa51d7eeab0d2775c31570bee4201
+# content-sha256: d551e33b5676bdace70dc3961637dbda4438fa9456f3e89b685bd830d72b5b6e
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -3226,6 +3226,79 @@ def rdep_layer(
         tl.atomic_add(ctl + CTL_CALLS, 1)
 
 
+@triton.jit(noinline=True)
+def skip_empty_run(
+    heap, table, queue, first_item, tile_table, ctl, profile, pos, last_pos, item0, mine, stride, target,
+    PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """From queue position ``pos``, a GEMM1 or GEMM2 entry whose segment has no m-tile (its
+    slot 0 is empty): the run of such entries from there, 64 positions at a time, up to the
+    first that is another kind, whose owner's scan is not done yet, or whose segment has
+    rows. Returns the position after the run. Each entry of the run is counted done, all
+    its items in one signal, by the program whose items include its first (``mine``: this
+    program's first item of the call, its items ``mine`` + k·``stride``); every other program
+    only steps past it. An owner's rows fill its segments in order (``route.scan`` packs them
+    from row 0), so once one is empty so are its later ones: a pipelined schedule plans each
+    owner's segments for every row choosing it (dropless: ~W times what uniform routing
+    brings), and the programs would otherwise step through the empty ones one entry at a time."""
+    lane = tl.arange(0, 64)
+    end = pos
+    going = end < last_pos
+    while going:
+        p = end + lane
+        live = p < last_pos
+        entry = tl.load(queue + p, mask=live, other=0)
+        row = table + entry * NCOL
+        kind = tl.load(row + C_KIND, mask=live, other=-1)
+        gemm = live & ((kind == KIND_GEMM1) | (kind == KIND_GEMM2))
+        guard = tl.load(row + C_GUARD, mask=gemm, other=-1)
+        gemm = gemm & (guard >= 0)
+        guard = tl.where(gemm, guard, 0)
+        grow = table + guard * NCOL
+        scanned = tl.atomic_add(done_flag(heap, table, guard, BACKWARD), 0, mask=gemm, sem="acquire", scope=SCOPE)
+        tl.debug_barrier()  # every warp sees what the acquire made visible: the scans' m-tile tables
+        ready = gemm & (scanned >= target * tl.load(grow + C_ITEMS, mask=gemm, other=0))
+        at = (
+            tile_table
+            + (
+                tl.cast(tl.load(row + C_OWNER, mask=ready, other=0), tl.int64) * (SEGMENTS * TILE_SLOTS)
+                + tl.load(row + C_SEGMENT, mask=ready, other=0) * TILE_SLOTS
+            )
+            * 4
+        )
+        empty = ready & (tl.load(at + 3, mask=ready, other=0) <= tl.load(at + 2, mask=ready, other=0))
+        run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position that is not in the run
+        first = tl.load(first_item + p, mask=lane < run, other=0) - item0
+        items = tl.load(first_item + p + 1, mask=lane < run, other=0) - item0 - first
+        counted = (lane < run) & (first % stride == mine)
+        if PROFILE:
+            stamp_entries(ctl, profile, item0, first, items, counted, GLOBALTIMER)
+        tl.debug_barrier()
+        tl.atomic_add(done_flag(heap, table, entry, BACKWARD), items, mask=counted, sem="release", scope=SCOPE)
+        end += run
+        going = (run == 64) & (end < last_pos)
+    return end
+
+
+@triton.jit
+def stamp_entries(ctl, profile, item0, first, items, counted, GLOBALTIMER: tl.constexpr):
+    """The profile's start and end, both now, of every item of the entries ``counted`` among
+    those whose items are [``first``, ``first`` + ``items``) (of the launch whose first item is
+    ``item0``): counted done without running."""
+    stamp = now(ctl, GLOBALTIMER)
+    lane = tl.arange(0, 64)
+    k = tl.arange(0, 256)
+    for j in range(0, 64):
+        pick = counted & (lane == j)
+        lo = tl.sum(tl.where(pick, first, 0), axis=0)
+        hi = lo + tl.sum(tl.where(pick, items, 0), axis=0)
+        while lo < hi:
+            at = (item0 + lo + k) * 2
+            tl.store(profile + at, stamp + k * 0, mask=lo + k < hi)
+            tl.store(profile + at + 1, stamp + k * 0, mask=lo + k < hi)
+            lo += 256
+
+
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
 def rdep_gemm(
     heap, w_up, w_down, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up,
@@ -3246,7 +3319,9 @@ def rdep_gemm(
     the rest of its items in the entry done with one signal: under a dropless bulk schedule
     most slots are empty (an owner's slots cover every token choosing it, ~W times the rows
     a uniform routing brings), and each would otherwise cost its loop turn, its m-tile's
-    words and two released signals.
+    words and two released signals. Where the whole segment is empty (a segmented schedule
+    plans each owner as many segments), the program counts the run of such entries from it
+    done at once (``skip_empty_run``): each by the program whose items include its first.
 
     Progress: the earliest unfinished item of either kernel has its inputs done (the table
     is topological), and its program is at it — a program finishes its items in order —
@@ -3284,7 +3359,8 @@ def rdep_gemm(
     stride = tl.load(queues + 2)
     item0 = tl.load(first_item + pos)
     n_items = tl.load(first_item + last_pos) - item0
-    item = (program_base + tl.program_id(0)).to(tl.int32)
+    mine = (program_base + tl.program_id(0)).to(tl.int32)
+    item = mine + 0
     entry = -1
     next_first = item0 - item0  # the first item of the entry after the current one
     kind = 0
@@ -3347,16 +3423,27 @@ def rdep_gemm(
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
         elif (kind >= 0) & (hi <= lo):
-            # A slot past the routing's m-tiles. The slots with live rows are a prefix of the
-            # segment's (rows.m_tile) and an entry's items run m-tile major, so every item
-            # this program has left in the entry is empty too: all counted done at once (a
-            # dropless bulk owner has ~W times the slots its rows fill), their slots' GEMM1
-            # counters left to the scan (rows.bind_m_tiles).
-            rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
-            if PROFILE:
-                stamp_skipped(ctl, profile, item0, item, next_first, stride, GLOBALTIMER)
-            signal(done_flag(heap, table, entry, BACKWARD), rest)
-            item += (rest - 1) * stride
+            _, _, lo0, hi0 = bound_m_tile(tile_table, owner, segment, 0)
+            if hi0 <= lo0:
+                # The segment has no m-tile: it and the empty segments after it, each
+                # counted done by the program whose items include its first (skip_empty_run).
+                pos = skip_empty_run(
+                    heap, table, queue, first_item, tile_table, ctl, profile, pos - 1, last_pos, item0, mine, stride,
+                    target, PROFILE, GLOBALTIMER, BACKWARD,
+                )  # fmt: skip
+                next_first = tl.load(first_item + pos) - item0
+                item = next_first + (mine + stride - next_first % stride) % stride - stride
+            else:
+                # A slot past the routing's m-tiles. The slots with live rows are a prefix of
+                # the segment's (rows.m_tile) and an entry's items run m-tile major, so every
+                # item this program has left in the entry is empty too: all counted done at
+                # once (a dropless bulk owner has ~W times the slots its rows fill), their
+                # slots' GEMM1 counters left to the scan (rows.bind_m_tiles).
+                rest = ((next_first - 1 - item) // stride + 1).to(tl.int32)
+                if PROFILE:
+                    stamp_skipped(ctl, profile, item0, item, next_first, stride, GLOBALTIMER)
+                signal(done_flag(heap, table, entry, BACKWARD), rest)
+                item += (rest - 1) * stride
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
