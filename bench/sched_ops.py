@@ -18,10 +18,14 @@ on the layer (W dispatches precede a GEMM1 segment), not on H or F: moonlight at
 narrowed to a few tokens and small H, F, runs in seconds.
 
 Split mode also counts what the GEMM kernel spends on m-tile slots without live rows: the
-signals that end no tile, and the operations before each.
+signals that end no tile, and the operations before each. Both modes count the tickets
+taken (unified: its own; split: the transport kernel's). The layer runs as the spec has it
+and, pipelined, cut into ``SEGMENT_ROWS``-row segments, most of which a routing leaves
+without rows.
 
 Writes OUT.json (per mode and strategy: GEMM work items, tiles, operations, per tile mean,
-median, least and most, and in split mode the empty slots' signals and operations) and OUT.md.
+median, least and most, tickets, the GEMM entries of empty segments, and in split mode the
+empty slots' signals and operations) and OUT.md.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class Counter:
         self.lock = threading.Lock()
         self.per_tile: list[int] = []
         self.idle: list[int] = []  # what each release without a tile took (split: the GEMM kernel's empty slots)
-        self.ticket_at = -1  # unified: the ticket counter's address, and the tickets taken there
+        self.ticket_at = (
+            -1
+        )  # the ticket counter's address (the unified or the transport kernel's), the tickets taken there
         self.tickets = 0
 
     def _state(self):
@@ -66,15 +72,15 @@ class Counter:
         return self.gemm_thread is None or threading.current_thread().name.startswith(self.gemm_thread)
 
     def op(self, name: str, ptrs=None, release: bool = False) -> None:
+        addr = int(ptrs.data.reshape(-1)[0]) if ptrs is not None else -1
+        if addr == self.ticket_at and name == "create_atomic_rmw":  # split: the transport kernel's
+            with self.lock:
+                self.tickets += 1
         if not self.mine():
             return
         st = self._state()
         if st.inside:
             return
-        addr = int(ptrs.data.reshape(-1)[0]) if ptrs is not None else -1
-        if addr == self.ticket_at and name == "create_atomic_rmw":
-            with self.lock:
-                self.tickets += 1
         key = (name, addr)
         if key in st.last:  # a wait polling again (its flag, then the error word): one operation however long
             return
@@ -116,11 +122,10 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     from triton.runtime import interpreter as ti  # once the module has set Triton's mode
 
     counter = Counter(m.heap, "rdep_gemm" if mode == "split" else None)
-    if mode == "unified":
-        from rdepc.ir.contract import CTL_TICKETS
+    from rdepc.ir.contract import CTL_TICKETS
 
-        ctl = m.private["ctl"]
-        counter.ticket_at = ctl.data_ptr() + CTL_TICKETS * ctl.element_size()
+    ctl = m.private["ctl"]
+    counter.ticket_at = ctl.data_ptr() + CTL_TICKETS * ctl.element_size()
     builder = ti.interpreter_builder
     originals = {}
 
@@ -152,9 +157,10 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     ops = sorted(counter.per_tile)
     n = len(ops)
     # unified: its transport items release alike; what it skips shows in the tickets it takes
-    empty = {"empty_signals": None, "empty_operations": None, "tickets": counter.tickets}
+    empty = {"empty_signals": None, "empty_operations": None}
     if mode == "split":
-        empty = {"empty_signals": len(counter.idle), "empty_operations": sum(counter.idle), "tickets": None}
+        empty = {"empty_signals": len(counter.idle), "empty_operations": sum(counter.idle)}
+    (lo, hi), takers = m.work.bounds[0], m.per_queue[0]  # the queue that takes tickets: the call's first
     from rdepc.ir.queues import COLUMNS, GEMM_KINDS, KINDS
 
     gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e][0] in GEMM_KINDS]
@@ -170,7 +176,10 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
         "mode": mode,
         "schedule": schedule,
         "gemm_entries": len(gemm),
-        "items": m.work.n_items + m.grid,  # unified: every program takes one ticket past its items
+        # the queue that takes tickets (unified: every entry; split: the transport kernel's), each of its
+        # programs one past its items
+        "items": m.work.first_item[hi] - m.work.first_item[lo] + takers,
+        "tickets": counter.tickets,
         "gemm_items": sum(gemm),
         "empty_segment_entries": dead,  # GEMM1 and GEMM2 entries of segments the routing left without rows
         **empty,
@@ -235,9 +244,19 @@ def main(argv: list[str] | None = None) -> int:
         "routing's m-tiles runs no tile. The GEMM kernel's program counts the rest of its items in an entry done",
         "with one signal at its first empty slot (the live slots are a prefix); the empty-slot columns count",
         "those signals and the operations that led to them (split mode only: the unified kernel's transport items",
-        "end alike, so they are not told apart there). The unified kernel takes a ticket per item and one past",
-        "its items per program; at an empty slot a program takes the tickets of its entry no program has taken",
-        "yet at once (the counter moved to the entry's end), which the tickets column counts.",
+        "end alike, so they are not told apart there). A kernel that takes tickets (unified; split mode's",
+        "transport kernel) takes one per item and one past its items per program; the unified kernel takes the",
+        "tickets of an entry no program has taken yet at its first empty slot (the counter moved to the entry's",
+        "end), which the tickets column counts.",
+        "",
+        f"`pipelined, S {SEGMENT_ROWS}`: the layer cut into {SEGMENT_ROWS}-row segments, 12 an owner, of which a "
+        "uniform routing fills 2",
+        "(moonlight at T' = 4096: 6 of 48). An owner's rows fill its segments in order: at a segment without rows",
+        "the GEMM kernel counts the run of such GEMM entries after it done (a vector signal per 64 queue",
+        "positions, each entry by the program whose items include its first), and split mode's transport kernel",
+        "takes a run of moves (dispatch, return, unpack) whose front-end has no rows in the segment with the",
+        "ticket it holds, the rest of the run's tickets at once; the last column counts the GEMM entries of",
+        "segments without rows.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
