@@ -253,10 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         "uniform routing fills 2",
         "(moonlight at T' = 4096: 6 of 48). An owner's rows fill its segments in order: at a segment without rows",
         "the GEMM kernel counts the run of such GEMM entries after it done (a vector signal per 64 queue",
-        "positions, each entry by the program whose items include its first), and split mode's transport kernel",
-        "takes a run of moves (dispatch, return, unpack) whose front-end has no rows in the segment with the",
-        "ticket it holds, the rest of the run's tickets at once; the last column counts the GEMM entries of",
-        "segments without rows.",
+        "positions, each entry by the program whose items include its first); the last column counts the GEMM",
+        "entries of segments without rows. Split mode's transport kernel still takes a ticket (and its search",
+        "and waits) for every dispatch, return and unpack of such segments.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

@@ -69,12 +69,6 @@ m-tile of the segment's GEMM1, not the whole entry: every GEMM1 item of a live s
 counts into a per-(owner, segment, m-tile) counter (``tile_done``, private to the owner),
 which the scan sets to ``(epoch − 1) × ⌈F / block_f⌉`` as it binds the slot, and the GEMM2
 items of m-tile j wait for ``epoch × ⌈F / block_f⌉`` there.
-
-A dispatch, return or unpack carries its owner's scan as a guard as well, which the
-kernel does not wait for: once the scan is done, a move whose front-end has no rows in
-the segment (``route.scan`` packs an owner's rows from row 0, so under most routings most
-of a segmented owner's segments) is counted done as soon as its dependencies are, with a
-run of such moves after it, without a ticket and a wait each (``kernel.take_empty_run``).
 """
 
 from __future__ import annotations
@@ -86,10 +80,6 @@ from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.sizes import BWD_SIDEBAND, route_scratch_words
 from rdepc.ir.spec import ROUTE_VARS, LayerSpec
 from rdepc.version import __version__
-
-# The moves of one (front-end, owner, segment) that carry a guard too, their owner's scan:
-# whether the front-end has rows in the segment is known once the scan published its offsets.
-GUARDED_MOVES = frozenset(KINDS.index(k) for k in ("dispatch", "return", "unpack"))
 
 
 def _kind(stage: str, detail: str) -> int:
@@ -167,7 +157,7 @@ def lower(
     for i, old in enumerate(order):
         e = sched.table[old]
         kind = _kind(e.stage, e.detail)
-        guard_dep = scan_of[e.owner] if e.stage == "compute" or kind in GUARDED_MOVES else -1
+        guard_dep = scan_of[e.owner] if e.stage == "compute" else -1
         mine = [new[d] for d in e.deps]
         if any(d >= i for d in mine):
             raise ValueError(f"task table entry {i} depends on a later entry: the order is not topological")

@@ -127,6 +127,17 @@ def bound_tiles(group, tile_table, tile_done, n_slots, epoch, f_blocks, out, BM:
 
 
 @triton.jit
+def empty_segments(tile_table, out, N: tl.constexpr):
+    # segment_empty of owner program_id(0)'s segments: as a vector (odd lanes masked off), and one scalar at a time
+    q = tl.program_id(0)
+    s = tl.arange(0, N)
+    live = (s < SEGMENTS) & (s % 2 == 0)
+    tl.store(out + (q * 2) * N + s, segment_empty(tile_table, q + s * 0, s, live).to(tl.int32), mask=live)
+    for t in range(0, SEGMENTS):
+        tl.store(out + (q * 2 + 1) * N + t, segment_empty(tile_table, q, t, t >= 0).to(tl.int32))
+
+
+@triton.jit
 def narrow_bf16(x, y, N: tl.constexpr, CAST_F32: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(y + i, narrow(tl.load(x + i), tl.bfloat16, CAST_F32))

@@ -287,3 +287,28 @@ def test_the_m_tile_table_holds_each_slots_binding(kernels):
         assert (words[:, n:] == -7).all(), "a slot past the owner's count was written"
         at = counters[q].view(SEGMENTS, TILE_SLOTS)
         assert (at[:, :n] == (epoch - 1) * f_blocks).all() and (at[:, n:] == 5).all(), (q, at)
+
+
+def test_segment_empty_says_which_segments_have_no_m_tile(kernels):
+    """segment_empty: owner q's segment s has no m-tile (its slot 0 without live rows, as
+    bind_m_tiles wrote it), as scalars and as a masked vector — the test the GEMM kernel
+    makes before it counts a run of empty segments done."""
+    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = 3, 24, 8, 3, 16
+    owners = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
+    group = torch.zeros((len(owners), E_MAX, 2), dtype=torch.int32)
+    for q, spans in enumerate(owners):
+        for l, (first, rows) in enumerate(spans):
+            group[q, l] = torch.tensor([first, rows])
+    n_slots = torch.tensor([13, 9, 4, 16], dtype=torch.int32)
+    table = torch.zeros((len(owners), SEGMENTS * TILE_SLOTS * 4), dtype=torch.int32)
+    counters = torch.zeros((len(owners), SEGMENTS * TILE_SLOTS), dtype=torch.int64)
+    mod = kernels(E_MAX=E_MAX, EL_PAD=4, S=S, SEGMENTS=SEGMENTS, TILE_SLOTS=TILE_SLOTS, SLOT_BLOCK=8)
+    read = torch.zeros((len(owners), SEGMENTS, TILE_SLOTS, 4), dtype=torch.int32)
+    launch(mod.bound_tiles, (len(owners),), group, table, counters, n_slots, 1, 1, read, BM=BM, SLOTS=TILE_SLOTS)
+    out = torch.full((len(owners), 2, 4), -1, dtype=torch.int32)
+    launch(mod.empty_segments, (len(owners),), table, out, N=4)
+    for q, spans in enumerate(owners):
+        want = [int(not reference_tiles(spans, s, S, BM)) for s in range(SEGMENTS)]
+        assert out[q, 1, :SEGMENTS].tolist() == want, (q, want)
+        assert out[q, 0, 0:SEGMENTS:2].tolist() == want[0::2] and (out[q, 0, 1::2] == -1).all(), q
+    assert out[1, 1, :SEGMENTS].tolist() == [0, 0, 0] and out[0, 1, :SEGMENTS].tolist() == [0, 0, 1]

@@ -30,7 +30,7 @@ from rdepc.codegen.device.layout import (
     TMA,
     F,
 )
-from rdepc.codegen.device.rows import bound_m_tile
+from rdepc.codegen.device.rows import bound_m_tile, segment_empty
 from rdepc.codegen.device.signals import SCOPE, signal, wait
 from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
 
@@ -67,15 +67,8 @@ def skip_empty_run(
         scanned = tl.atomic_add(done_flag(heap, table, guard, BACKWARD), 0, mask=gemm, sem="acquire", scope=SCOPE)
         tl.debug_barrier()  # every warp sees what the acquire made visible: the scans' m-tile tables
         ready = gemm & (scanned >= target * tl.load(grow + C_ITEMS, mask=gemm, other=0))
-        at = (
-            tile_table
-            + (
-                tl.cast(tl.load(row + C_OWNER, mask=ready, other=0), tl.int64) * (SEGMENTS * TILE_SLOTS)
-                + tl.load(row + C_SEGMENT, mask=ready, other=0) * TILE_SLOTS
-            )
-            * 4
-        )
-        empty = ready & (tl.load(at + 3, mask=ready, other=0) <= tl.load(at + 2, mask=ready, other=0))
+        owner = tl.load(row + C_OWNER, mask=ready, other=0)
+        empty = ready & segment_empty(tile_table, owner, tl.load(row + C_SEGMENT, mask=ready, other=0), ready)
         run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position that is not in the run
         first = tl.load(first_item + p, mask=lane < run, other=0) - item0
         items = tl.load(first_item + p + 1, mask=lane < run, other=0) - item0 - first
@@ -168,8 +161,7 @@ def rdep_gemm(
     stride = tl.load(queues + 2)
     item0 = tl.load(first_item + pos)
     n_items = tl.load(first_item + last_pos) - item0
-    mine = (program_base + tl.program_id(0)).to(tl.int32)
-    item = mine + 0
+    item = (program_base + tl.program_id(0)).to(tl.int32)
     entry = -1
     next_first = item0 - item0  # the first item of the entry after the current one
     kind = 0
@@ -232,16 +224,15 @@ def rdep_gemm(
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
         elif (kind >= 0) & (hi <= lo):
-            _, _, lo0, hi0 = bound_m_tile(tile_table, owner, segment, 0)
-            if hi0 <= lo0:
+            if segment_empty(tile_table, owner, segment, kind >= 0):
                 # The segment has no m-tile: it and the empty segments after it, each
                 # counted done by the program whose items include its first (skip_empty_run).
                 pos = skip_empty_run(
-                    heap, table, queue, first_item, tile_table, ctl, profile, pos - 1, last_pos, item0, mine, stride,
-                    target, PROFILE, GLOBALTIMER, BACKWARD,
+                    heap, table, queue, first_item, tile_table, ctl, profile, pos - 1, last_pos, item0, item % stride,
+                    stride, target, PROFILE, GLOBALTIMER, BACKWARD,
                 )  # fmt: skip
                 next_first = tl.load(first_item + pos) - item0
-                item = next_first + (mine + stride - next_first % stride) % stride - stride
+                item = next_first + (item % stride + stride - next_first % stride) % stride - stride
             else:
                 # A slot past the routing's m-tiles. The slots with live rows are a prefix of
                 # the segment's (rows.m_tile) and an entry's items run m-tile major, so every

@@ -159,21 +159,6 @@ def locate(u, lo, n, local):
 
 
 @triton.jit
-def rows_in_segment(heap, r, q, s):
-    """How many of front-end r's admitted rows at owner q lie in q's segment s, for vectors
-    r, q, s of moves (the offsets and counts q's scan published back to r: what the
-    dispatch, the return and the unpack of (r, q, s) each cut to the segment)."""
-    local = tl.arange(0, EL_PAD)
-    at = (q * E_MAX)[:, None] + local[None, :]
-    m = (local < E_MAX)[None, :] & (at >= 0)
-    back = peer(heap, r)
-    first = tl.load((back + OFFSETS).to(tl.pointer_type(tl.int32))[:, None] + at, mask=m, other=0)
-    rows = tl.load((back + ADMITTED).to(tl.pointer_type(tl.int32))[:, None] + at, mask=m, other=0)
-    lo = tl.maximum(first, (s * S)[:, None])
-    return tl.sum(tl.maximum(tl.minimum(first + rows, (s * S + S)[:, None]) - lo, 0), axis=1)
-
-
-@triton.jit
 def ring_row(row, s, slot):
     """Where payload row ``row`` of segment s sits in a ring of B slots of S rows, in slot
     ``slot % B``: the owner's rings use slot s, a front-end's return ring the piece's claim."""
@@ -277,6 +262,14 @@ def bound_m_tile(tile_table, q, s, j):
     row, lo, hi), four scalar loads."""
     at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
     return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+
+
+@triton.jit
+def segment_empty(tile_table, q, s, mask):
+    """Whether owner q's segment s has no m-tile: its slot 0 without live rows, as
+    ``bind_m_tiles`` wrote it (its lo and hi words). Scalars, or vectors under ``mask``."""
+    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS) * 4
+    return tl.load(at + 3, mask=mask, other=0) <= tl.load(at + 2, mask=mask, other=0)
 
 
 @triton.jit

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 941517e00f990f170264fb198198131e3098e0477363d805ace86dd7bfdc0081
+# content-sha256: 3995af51da7c044803c45f8f45fe01e70c9355ed4e763436ca4cf6032853c881
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -513,21 +513,6 @@ def locate(u, lo, n, local):
 
 
 @triton.jit
-def rows_in_segment(heap, r, q, s):
-    """How many of front-end r's admitted rows at owner q lie in q's segment s, for vectors
-    r, q, s of moves (the offsets and counts q's scan published back to r: what the
-    dispatch, the return and the unpack of (r, q, s) each cut to the segment)."""
-    local = tl.arange(0, EL_PAD)
-    at = (q * E_MAX)[:, None] + local[None, :]
-    m = (local < E_MAX)[None, :] & (at >= 0)
-    back = peer(heap, r)
-    first = tl.load((back + OFFSETS).to(tl.pointer_type(tl.int32))[:, None] + at, mask=m, other=0)
-    rows = tl.load((back + ADMITTED).to(tl.pointer_type(tl.int32))[:, None] + at, mask=m, other=0)
-    lo = tl.maximum(first, (s * S)[:, None])
-    return tl.sum(tl.maximum(tl.minimum(first + rows, (s * S + S)[:, None]) - lo, 0), axis=1)
-
-
-@triton.jit
 def ring_row(row, s, slot):
     """Where payload row ``row`` of segment s sits in a ring of B slots of S rows, in slot
     ``slot % B``: the owner's rings use slot s, a front-end's return ring the piece's claim."""
@@ -631,6 +616,14 @@ def bound_m_tile(tile_table, q, s, j):
     row, lo, hi), four scalar loads."""
     at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
     return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+
+
+@triton.jit
+def segment_empty(tile_table, q, s, mask):
+    """Whether owner q's segment s has no m-tile: its slot 0 without live rows, as
+    ``bind_m_tiles`` wrote it (its lo and hi words). Scalars, or vectors under ``mask``."""
+    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS) * 4
+    return tl.load(at + 3, mask=mask, other=0) <= tl.load(at + 2, mask=mask, other=0)
 
 
 @triton.jit
@@ -2998,76 +2991,6 @@ def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.cons
     return tl.maximum(end - taken, 0)
 
 
-@triton.jit(noinline=True)
-def take_empty_run(
-    heap, table, deps, queue, first_item, ctl, profile, pos, ticket, item0, base, last_pos, target,
-    PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
-):  # fmt: skip
-    """At ticket ``ticket``, of the entry at queue position ``pos``: the run of moves
-    (dispatch, return, unpack) from there whose front-end has no rows in the owner's segment
-    (``rows.rows_in_segment``, once the owner's scan is done) and whose dependencies are done
-    or earlier moves of the run, at most 64 positions, up to the first that is not one. Such
-    a move moves nothing, but it is done only after what it waits for: a ring slot's next
-    user waits for its last one, and the front-end's return ring passes between owners, so a
-    move counted done early would let a return overwrite a slot an unpack still reads. The
-    run's tickets no program has taken yet are taken at once (the counter moved to the run's
-    end, as ``take_empty_rest`` does), and this ticket's item and theirs are counted done,
-    an entry's in one signal; a ticket another program took is counted by that program.
-    Returns the run's positions (0: this move has rows, or is not ready)."""
-    lane = tl.arange(0, 64)
-    p = pos + lane
-    live = p < last_pos
-    entry = tl.load(queue + p, mask=live, other=0)
-    row = table + entry * NCOL
-    kind = tl.load(row + C_KIND, mask=live, other=-1)
-    moves = live & ((kind == KIND_DISPATCH) | (kind == KIND_RETURN) | (kind == KIND_UNPACK))
-    guard = tl.load(row + C_GUARD, mask=moves, other=-1)
-    moves = moves & (guard >= 0)
-    guard = tl.where(moves, guard, 0)
-    scanned = tl.atomic_add(done_flag(heap, table, guard, BACKWARD), 0, mask=moves, sem="acquire", scope=SCOPE)
-    tl.debug_barrier()  # every warp sees what the acquire made visible: the offsets the scans published
-    ready = moves & (scanned >= target * tl.load(table + guard * NCOL + C_ITEMS, mask=moves, other=0))
-    # its dependencies (up to 4: a move with more ends the run), each done or a move of the run
-    # before it (the queue holds every move of its rank, in the table's order)
-    i = tl.arange(0, 4)
-    n_deps = tl.load(row + C_DEP_COUNT, mask=ready, other=0)
-    has = ready[:, None] & (i[None, :] < n_deps[:, None])
-    dep = tl.load(deps + tl.load(row + C_DEP_START, mask=ready, other=0)[:, None] + i[None, :], mask=has, other=0)
-    before = dep < 0
-    dep = tl.where(before, -dep - 1, dep)
-    want = (target - before.to(tl.int64)) * tl.load(table + dep * NCOL + C_ITEMS, mask=has, other=0)
-    seen = tl.atomic_add(done_flag(heap, table, dep, BACKWARD), 0, mask=has, sem="acquire", scope=SCOPE)
-    dep_kind = tl.load(table + dep * NCOL + C_KIND, mask=has, other=-1)
-    moved = (dep_kind == KIND_DISPATCH) | (dep_kind == KIND_RETURN) | (dep_kind == KIND_UNPACK)
-    earlier = moved & (before == 0) & (dep >= tl.load(queue + pos)) & (dep < entry[:, None])
-    if PER_RANK:  # this rank's moves only: another rank's are in its own process's queue
-        mine = tl.load(row + C_RANK, mask=ready, other=-2)
-        earlier = earlier & (tl.load(table + dep * NCOL + C_RANK, mask=has, other=-1) == mine[:, None])
-    met = (has == 0) | (seen >= want) | earlier
-    tl.debug_barrier()
-    ready = ready & (n_deps <= 4) & (tl.min(met.to(tl.int32), axis=1) > 0)
-    front = tl.load(row + C_SRC, mask=ready, other=0)
-    owner = tl.load(row + C_OWNER, mask=ready, other=-1)
-    segment = tl.load(row + C_SEGMENT, mask=ready, other=0)
-    empty = ready & (rows_in_segment(heap, front, owner, segment) == 0)
-    run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position not in the run
-    if run > 0:
-        end = tl.load(first_item + pos + run) - item0
-        taken = tl.atomic_max(ctl + CTL_TICKETS, base + end) - base  # tickets [0, taken) were handed out
-        first = tl.load(first_item + p, mask=lane < run, other=0) - item0
-        last = tl.load(first_item + p + 1, mask=lane < run, other=0) - item0
-        units = tl.maximum(tl.minimum(last, end) - tl.maximum(first, taken), 0)
-        units += ((first <= ticket) & (ticket < last)).to(tl.int32)
-        if PROFILE:
-            stamp_skipped(ctl, profile, item0, ticket, ticket + 1, 1, GLOBALTIMER)
-            stamp_skipped(ctl, profile, item0, taken, end, 1, GLOBALTIMER)
-        tl.debug_barrier()
-        tl.atomic_add(
-            done_flag(heap, table, entry, BACKWARD), units, mask=(lane < run) & (units > 0), sem="release", scope=SCOPE
-        )
-    return run
-
-
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
 )
@@ -3102,10 +3025,7 @@ def rdep_layer(
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
     its dispatch dependencies and finishes at once, with the rest of its entry's items no
-    program has taken yet (the live slots are a prefix). In split and phased mode a move
-    (dispatch, return, unpack) past segment 0 whose front-end has no rows in the segment
-    finishes as soon as its owner's scan (its guard) and its dependencies are done, with the
-    run of such moves after it (``take_empty_run``). An entry of kind < 0 is withheld (fault
+    program has taken yet (the live slots are a prefix). An entry of kind < 0 is withheld (fault
     injection): it runs nothing and never signals. ``n_programs``: the programs of every
     kernel of the call, which all count out of it.
     """
@@ -3187,8 +3107,7 @@ def rdep_layer(
         seen = target * 0
         expected = target * 0
         guard = tl.load(row + C_GUARD)
-        gemm = (kind == KIND_GEMM1) | (kind == KIND_GEMM2)
-        if (guard >= 0) & gemm:  # GEMM items: their owner's scan first
+        if guard >= 0:  # GEMM items: their owner's scan first
             got, want = wait_done(heap, table, guard, target, bound, ctl + CTL_ERR_CODE, BACKWARD)
             if got < want:
                 blocked = guard
@@ -3201,19 +3120,10 @@ def rdep_layer(
         row0 = 0
         lo_row = 0
         hi_row = 0
-        if (guard >= 0) & gemm & (blocked < 0):
+        if (guard >= 0) & (blocked < 0):
             local, row0, lo_row, hi_row = bound_m_tile(tile_table, owner, segment, mt)
             empty = (hi_row <= lo_row).to(tl.int32)
-        # A move's guard is its owner's scan too (rdepc.codegen.lower): past segment 0 it may
-        # have no rows. Not in the unified kernel, whose backward then spills in a GEMM loop.
-        skipped = 0
-        if not GEMMS:  # noqa: SIM102 - GEMMS is folded at compile time
-            if (guard >= 0) & (gemm == 0) & (segment > 0):
-                skipped = take_empty_run(
-                    heap, table, deps, queue, first_item, ctl, profile, lo, ticket, item0, base, last_pos, target,
-                    PROFILE, GLOBALTIMER, BACKWARD,
-                )  # fmt: skip
-        if (empty == 0) & (blocked < 0) & (skipped == 0):
+        if (empty == 0) & (blocked < 0):
             whole = whole_wait(weight_of, kind, owner, local)
             blocked, seen, expected = wait_deps(
                 heap, table, deps, row, kind, target, tile, f_blocks, bound, ctl + CTL_ERR_CODE, whole, BACKWARD
@@ -3229,7 +3139,7 @@ def rdep_layer(
                 expected = want
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 0, segment, seen, expected)
-        elif (kind >= 0) & (skipped == 0):
+        elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
             if empty == 0:
@@ -3356,15 +3266,8 @@ def skip_empty_run(
         scanned = tl.atomic_add(done_flag(heap, table, guard, BACKWARD), 0, mask=gemm, sem="acquire", scope=SCOPE)
         tl.debug_barrier()  # every warp sees what the acquire made visible: the scans' m-tile tables
         ready = gemm & (scanned >= target * tl.load(grow + C_ITEMS, mask=gemm, other=0))
-        at = (
-            tile_table
-            + (
-                tl.cast(tl.load(row + C_OWNER, mask=ready, other=0), tl.int64) * (SEGMENTS * TILE_SLOTS)
-                + tl.load(row + C_SEGMENT, mask=ready, other=0) * TILE_SLOTS
-            )
-            * 4
-        )
-        empty = ready & (tl.load(at + 3, mask=ready, other=0) <= tl.load(at + 2, mask=ready, other=0))
+        owner = tl.load(row + C_OWNER, mask=ready, other=0)
+        empty = ready & segment_empty(tile_table, owner, tl.load(row + C_SEGMENT, mask=ready, other=0), ready)
         run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position that is not in the run
         first = tl.load(first_item + p, mask=lane < run, other=0) - item0
         items = tl.load(first_item + p + 1, mask=lane < run, other=0) - item0 - first
@@ -3457,8 +3360,7 @@ def rdep_gemm(
     stride = tl.load(queues + 2)
     item0 = tl.load(first_item + pos)
     n_items = tl.load(first_item + last_pos) - item0
-    mine = (program_base + tl.program_id(0)).to(tl.int32)
-    item = mine + 0
+    item = (program_base + tl.program_id(0)).to(tl.int32)
     entry = -1
     next_first = item0 - item0  # the first item of the entry after the current one
     kind = 0
@@ -3521,16 +3423,15 @@ def rdep_gemm(
         if blocked >= 0:
             report(ctl, ERR_WAIT, entry, blocked, rank, epoch, 1, segment, seen, expected)
         elif (kind >= 0) & (hi <= lo):
-            _, _, lo0, hi0 = bound_m_tile(tile_table, owner, segment, 0)
-            if hi0 <= lo0:
+            if segment_empty(tile_table, owner, segment, kind >= 0):
                 # The segment has no m-tile: it and the empty segments after it, each
                 # counted done by the program whose items include its first (skip_empty_run).
                 pos = skip_empty_run(
-                    heap, table, queue, first_item, tile_table, ctl, profile, pos - 1, last_pos, item0, mine, stride,
-                    target, PROFILE, GLOBALTIMER, BACKWARD,
+                    heap, table, queue, first_item, tile_table, ctl, profile, pos - 1, last_pos, item0, item % stride,
+                    stride, target, PROFILE, GLOBALTIMER, BACKWARD,
                 )  # fmt: skip
                 next_first = tl.load(first_item + pos) - item0
-                item = next_first + (mine + stride - next_first % stride) % stride - stride
+                item = next_first + (item % stride + stride - next_first % stride) % stride - stride
             else:
                 # A slot past the routing's m-tiles. The slots with live rows are a prefix of
                 # the segment's (rows.m_tile) and an entry's items run m-tile major, so every
