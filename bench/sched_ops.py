@@ -57,9 +57,8 @@ class Counter:
         self.lock = threading.Lock()
         self.per_tile: list[int] = []
         self.idle: list[int] = []  # what each release without a tile took (split: the GEMM kernel's empty slots)
-        self.ticket_at = (
-            -1
-        )  # the ticket counter's address (the unified or the transport kernel's), the tickets taken there
+        # the ticket counter's address (the unified or the transport kernel's), the tickets taken there
+        self.ticket_at = -1
         self.tickets = 0
 
     def _state(self):

@@ -255,18 +255,29 @@ def test_m_tile_binds_slots_to_the_tiles_in_order_and_none_past_the_bound(kernel
             assert len(got) > len(want)
 
 
+# Owners' rows per local expert (first row, rows) for the m-tile table's tests: E_MAX 3,
+# segments of S 24 rows, BM 8, 3 segments of 16 slots; an owner without rows among them.
+E_MAX_T, S_T, BM_T, SEGMENTS_T, TILE_SLOTS_T = 3, 24, 8, 3, 16
+OWNERS = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
+
+
+def owner_groups() -> torch.Tensor:
+    """OWNERS as the scan leaves them (``group``: [owners, E_MAX, 2])."""
+    group = torch.zeros((len(OWNERS), E_MAX_T, 2), dtype=torch.int32)
+    for q, spans in enumerate(OWNERS):
+        for l, (first, rows) in enumerate(spans):
+            group[q, l] = torch.tensor([first, rows])
+    return group
+
+
 def test_the_m_tile_table_holds_each_slots_binding(kernels):
     """bind_m_tiles writes every owner's slots of every segment, in blocks of SLOT_BLOCK
     (a partial last block included), and bound_m_tile reads back m_tile's binding of each:
     the live slots a prefix, the rest empty (what lets the GEMM kernel count an entry's
     remaining items done at its first empty slot). Each slot's GEMM1 counter is set to its
     value before the call, (epoch - 1) · f_blocks; nothing past the owner's slots is touched."""
-    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = 3, 24, 8, 3, 16
-    owners = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
-    group = torch.zeros((len(owners), E_MAX, 2), dtype=torch.int32)
-    for q, spans in enumerate(owners):
-        for l, (first, rows) in enumerate(spans):
-            group[q, l] = torch.tensor([first, rows])
+    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = E_MAX_T, S_T, BM_T, SEGMENTS_T, TILE_SLOTS_T
+    owners, group = OWNERS, owner_groups()
     n_slots = torch.tensor([13, 9, 0, 16], dtype=torch.int32)  # 13: one block of 8 and a partial one
     table = torch.full((len(owners), SEGMENTS * TILE_SLOTS * 4), -7, dtype=torch.int32)
     out = torch.full((len(owners), SEGMENTS, TILE_SLOTS, 4), -99, dtype=torch.int32)
@@ -293,12 +304,8 @@ def test_segment_empty_says_which_segments_have_no_m_tile(kernels):
     """segment_empty: owner q's segment s has no m-tile (its slot 0 without live rows, as
     bind_m_tiles wrote it), as scalars and as a masked vector — the test the GEMM kernel
     makes before it counts a run of empty segments done."""
-    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = 3, 24, 8, 3, 16
-    owners = [[(0, 5), (5, 0), (5, 30)], [(0, 24), (24, 1), (25, 40)], [], [(0, 2), (2, 2), (4, 2)]]
-    group = torch.zeros((len(owners), E_MAX, 2), dtype=torch.int32)
-    for q, spans in enumerate(owners):
-        for l, (first, rows) in enumerate(spans):
-            group[q, l] = torch.tensor([first, rows])
+    E_MAX, S, BM, SEGMENTS, TILE_SLOTS = E_MAX_T, S_T, BM_T, SEGMENTS_T, TILE_SLOTS_T
+    owners, group = OWNERS, owner_groups()
     n_slots = torch.tensor([13, 9, 4, 16], dtype=torch.int32)
     table = torch.zeros((len(owners), SEGMENTS * TILE_SLOTS * 4), dtype=torch.int32)
     counters = torch.zeros((len(owners), SEGMENTS * TILE_SLOTS), dtype=torch.int64)
