@@ -84,21 +84,14 @@ def skip_empty_run(
 
 @triton.jit
 def stamp_entries(ctl, profile, item0, first, items, counted, GLOBALTIMER: tl.constexpr):
-    """The profile's start and end, both now, of every item of the entries ``counted`` among
-    those whose items are [``first``, ``first`` + ``items``) (of the launch whose first item is
-    ``item0``): counted done without running."""
-    stamp = now(ctl, GLOBALTIMER)
+    """The profile's stamps (``control.stamp_skipped``) of every item of the entries
+    ``counted`` among those whose items are [``first``, ``first`` + ``items``) (of the launch
+    whose first item is ``item0``): counted done without running."""
     lane = tl.arange(0, 64)
-    k = tl.arange(0, 256)
     for j in range(0, 64):
         pick = counted & (lane == j)
         lo = tl.sum(tl.where(pick, first, 0), axis=0)
-        hi = lo + tl.sum(tl.where(pick, items, 0), axis=0)
-        while lo < hi:
-            at = (item0 + lo + k) * 2
-            tl.store(profile + at, stamp + k * 0, mask=lo + k < hi)
-            tl.store(profile + at + 1, stamp + k * 0, mask=lo + k < hi)
-            lo += 256
+        stamp_skipped(ctl, profile, item0, lo, lo + tl.sum(tl.where(pick, items, 0), axis=0), 1, GLOBALTIMER)
 
 
 @triton.jit(do_not_specialize=["n_programs", "rank0", "bound", "program_base"])
