@@ -38,8 +38,9 @@ def test_empty_segments_cost_a_run_not_a_turn_each(tmp_path):
     """A pipelined owner has segments for every row choosing it; an owner's rows fill them in
     order, so under a uniform routing most GEMM entries are of segments without rows. Split
     mode's GEMM kernel counts a run of them done in one vector signal per program and 64
-    positions (each entry by the program whose items include its first), and computes
-    bitwise what the unified kernel does, in calls whose empty segments differ."""
+    positions (each entry by the program whose items include its first), stamps each item it
+    counts done in a profiled call, and computes bitwise what the unified kernel does, in
+    calls whose empty segments differ."""
     sys.path.insert(0, str(ROOT))
     from bench.sched_ops import count
 
@@ -55,6 +56,13 @@ def test_empty_segments_cost_a_run_not_a_turn_each(tmp_path):
     calls = [random_inputs(4, 16, 64, 128, 8, 2, seed=s, routing=r) for s, r in ((0, "uniform"), (1, "zipf:1.5"))]
     outs = {}
     for mode in ("unified", "split"):
-        m = layer.module(schedule="pipelined", mode=mode, programs=2)
-        outs[mode] = [m(*inputs[:6]) for inputs in calls]
+        m = layer.module(schedule="pipelined", mode=mode, programs=2, profile=mode == "split")
+        outs[mode] = [m(*calls[0][:6])]
+        if mode == "split":  # the first call's stamps (ticks from 0): the run stamps each item it counts done
+            stamps = m.private["profile"].view(-1, 2).tolist()[: m.work.n_items]
+            assert all(start <= end and end > 0 for start, end in stamps)
+            gemm = m.last_profile["kernels"][1]["kinds"]
+            tiles = sum(m.last_stats["m_tiles"].tolist())
+            assert gemm["gemm1"]["ran"] == tiles * -(-layer.shapes["F"] // m.tiles.block_f) < gemm["gemm1"]["items"]
+        outs[mode] += [m(*inputs[:6]) for inputs in calls[1:]]
     assert all(torch.equal(a, b) for a, b in zip(outs["unified"], outs["split"], strict=True))
