@@ -67,7 +67,6 @@ def combine(
     r,
     tile,
     n_tokens,
-    BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
 ):
@@ -169,7 +168,6 @@ def combine_grad(
     r,
     tile,
     n_tokens,
-    BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
     """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
@@ -206,16 +204,18 @@ def combine_grad(
                 dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
             )
     else:
+        # as combine's: COMBINE_COLS columns at a time, the slots unrolled, so every slot's
+        # rows are in flight before the sums wait for them (wider columns spill)
         dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
             keep = real[:, None] & (c < H)[None, :]
             if GATE_INPUT:  # the gate gradient reads the forward's input
                 d = tl.load(x + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
             else:
                 d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
-            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-            for kk in range(K):
+            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            for kk in tl.static_range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 if RING:  # unpacked into the layer's dtype

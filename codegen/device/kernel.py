@@ -307,12 +307,12 @@ def rdep_layer(
                     if BACKWARD:
                         combine_grad(
                             heap, landing, x, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, gprime,
-                            dgprime, rank, claim, n_tokens, BLOCK_H, CAST_F32,
+                            dgprime, rank, claim, n_tokens, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
                             heap, landing, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
-                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
+                            rowpos, saved_out, rank, claim, n_tokens, CAST_F32, SAVE,
                         )  # fmt: skip
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
                 if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 05132d59b969adcbc9c0d4d0d54d3d88649f5ad7c2839a2bdc08841d6230e609
+# content-sha256: e3ad627f571b8d2e8d217df3d4f497a283411e1a44f07839d0abed1f425d60e8
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2407,7 +2407,6 @@ def combine(
     r,
     tile,
     n_tokens,
-    BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
 ):
@@ -2509,7 +2508,6 @@ def combine_grad(
     r,
     tile,
     n_tokens,
-    BLOCK_H: tl.constexpr,
     CAST_F32: tl.constexpr,
 ):
     """Backward, front-end r, one tile of tokens: dL/dx_t = sum_k dL/dx_tk over its accepted
@@ -2546,16 +2544,18 @@ def combine_grad(
                 dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
             )
     else:
+        # as combine's: COMBINE_COLS columns at a time, the slots unrolled, so every slot's
+        # rows are in flight before the sums wait for them (wider columns spill)
         dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
+        for h in range(0, H, COMBINE_COLS):
+            c = h + tl.arange(0, COMBINE_COLS)
             keep = real[:, None] & (c < H)[None, :]
             if GATE_INPUT:  # the gate gradient reads the forward's input
                 d = tl.load(x + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
             else:
                 d = tl.load(dy + rows[:, None] + c[None, :], mask=keep, other=0.0).to(tl.float32)
-            acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
-            for kk in range(K):
+            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            for kk in tl.static_range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 if RING:  # unpacked into the layer's dtype
@@ -3185,12 +3185,12 @@ def rdep_layer(
                     if BACKWARD:
                         combine_grad(
                             heap, landing, x, dy, dx, accepted, saved_out, topk_ids, owner_of, slot, gprime,
-                            dgprime, rank, claim, n_tokens, BLOCK_H, CAST_F32,
+                            dgprime, rank, claim, n_tokens, CAST_F32,
                         )  # fmt: skip
                     else:
                         combine(
                             heap, landing, topk_ids, gates, y, accepted, slot, gprime, owner_of, local_of,
-                            rowpos, saved_out, rank, claim, n_tokens, BLOCK_H, CAST_F32, SAVE,
+                            rowpos, saved_out, rank, claim, n_tokens, CAST_F32, SAVE,
                         )  # fmt: skip
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
                 if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time
