@@ -25,10 +25,10 @@ from rdepc.codegen.device import include
 from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.sizes import (
-    COMBINE_COLS,
     ROUTE_CHUNK_TOKENS,
     SCALE_BLOCK,
     block_scales,
+    combine_cols,
     route_chunks,
     route_counts_at,
     route_scratch_words,
@@ -207,7 +207,7 @@ def constants(p: KernelContract) -> str:
         _c("KEY_ROWS", 64, "admission keys per block of the scan's count"),
         _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
-        _c("COMBINE_COLS", COMBINE_COLS, "columns the combine sums over all K slots at once (wider spills)"),
+        _c("COMBINE_COLS", combine_cols(p.K), "columns the combine sums over all K slots at once (wider spills)"),
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
         _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),

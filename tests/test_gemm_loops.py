@@ -123,7 +123,7 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
     in BLOCK_H columns it spilled 9-24 loads a slot and step, with 216-336 B of stack)."""
     from rdepc.ir.contract import Tiles
     from rdepc.ir.sizes import BM as COMBINE_TOKENS  # the generated COMBINE_TOKENS (KernelContract.combine_tokens)
-    from rdepc.ir.sizes import COMBINE_COLS
+    from rdepc.ir.sizes import combine_cols
 
     results, _ = compiled
     for kernel in ("rdep_transport", "rdep_transport.backward"):
@@ -132,6 +132,7 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
         for r in transport:
             sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
             K, threads = sh["K"], 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
+            COMBINE_COLS = combine_cols(K)
             per_slot = COMBINE_TOKENS * COMBINE_COLS * 2 // (threads * 16)  # bf16 rows, 16-byte loads
             if kernel == "rdep_transport":  # one FMA per slot and element: g'·out
                 combine = [

@@ -27,6 +27,14 @@ BM = 128  # rows of one grouped-GEMM m-tile: the planner's and the cost model's 
 COMBINE_COLS = 64
 
 
+def combine_cols(K: int) -> int:
+    """Columns a combine step sums over all K slots: COMBINE_COLS up to K = 8, half that
+    above, where K slots' rows of 64 columns (16·K registers a thread at 128 tokens and 8
+    warps) spilled on sm_90 (qwen3_next_80b_a3b, K = 10: 119 spill loads a step; at 32
+    columns none)."""
+    return COMBINE_COLS if K <= 8 else COMBINE_COLS // 2
+
+
 def kept_columns(H: Any, F: Any, gated: bool, recompute: bool, resend: bool = False) -> dict[str, Any]:
     """Columns of each owner-row buffer a forward keeps for its backward, per row: the input
     rows x (saved_x) unless the backward's dispatch sends them again (``activations input
