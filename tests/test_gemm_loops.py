@@ -132,12 +132,10 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
         for r in transport:
             sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
             K, threads = sh["K"], 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
-            COMBINE_COLS = combine_cols(K)
-            per_slot = COMBINE_TOKENS * COMBINE_COLS * 2 // (threads * 16)  # bf16 rows, 16-byte loads
+            cols = combine_cols(K)
+            per_slot = COMBINE_TOKENS * cols * 2 // (threads * 16)  # bf16 rows, 16-byte loads
             if kernel == "rdep_transport":  # one FMA per slot and element: g'·out
-                combine = [
-                    loop for loop in r["sum_loops"] if loop["ffma"] == K * COMBINE_TOKENS * COMBINE_COLS // threads
-                ]
+                combine = [loop for loop in r["sum_loops"] if loop["ffma"] == K * COMBINE_TOKENS * cols // threads]
             else:  # dL/dx and dL/dg' (dL/dy · out): K returned rows, K kept outputs and dL/dy a step
                 combine = [loop for loop in r["sum_loops"] if loop["loads"] == (2 * K + 1) * per_slot]
             assert len(combine) == 1, (r["layer"], kernel, r["sum_loops"])

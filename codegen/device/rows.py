@@ -220,6 +220,7 @@ def bind_m_tiles(first, rows, tile_table, tile_done, q, n_slots, epoch, f_blocks
     empty in an earlier call would lag. The GEMM items of this call wait for this scan
     first, and the previous call's GEMM2 items have all passed their waits (the scan waits
     for the previous call's combine)."""
+    # the words' addresses by hand: through m_tile_words the kernels that scan take 8 B more stack
     table = tile_table + tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS * 4)
     field = tl.arange(0, 4)
     live = tl.zeros([SLOT_BLOCK], tl.int32)
@@ -257,10 +258,17 @@ def set_tile_counters(tile_done, q, n_slots, epoch, f_blocks):
 
 
 @triton.jit
+def m_tile_words(tile_table, q, s, j):
+    """Where slot j of owner q's segment s starts in the m-tile table [W, SEGMENTS *
+    TILE_SLOTS, 4]: its four words (local expert, first row, lo, hi)."""
+    return tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
+
+
+@triton.jit
 def bound_m_tile(tile_table, q, s, j):
     """Slot j of owner q's segment s as ``bind_m_tiles`` wrote it: (local expert, first
     row, lo, hi), four scalar loads."""
-    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS + j) * 4
+    at = m_tile_words(tile_table, q, s, j)
     return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
 
 
@@ -268,7 +276,7 @@ def bound_m_tile(tile_table, q, s, j):
 def segment_empty(tile_table, q, s, mask):
     """Whether owner q's segment s has no m-tile: its slot 0 without live rows, as
     ``bind_m_tiles`` wrote it (its lo and hi words). Scalars, or vectors under ``mask``."""
-    at = tile_table + (tl.cast(q, tl.int64) * (SEGMENTS * TILE_SLOTS) + s * TILE_SLOTS) * 4
+    at = m_tile_words(tile_table, q, s, 0)
     return tl.load(at + 3, mask=mask, other=0) <= tl.load(at + 2, mask=mask, other=0)
 
 
