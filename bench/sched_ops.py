@@ -246,15 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         "end alike, so they are not told apart there). A kernel that takes tickets (unified; split mode's",
         "transport kernel) takes one per item and one past its items per program; the unified kernel takes the",
         "tickets of an entry no program has taken yet at its first empty slot (the counter moved to the entry's",
-        "end), which the tickets column counts.",
+        "end), the transport kernel at a move without rows those of the run of such moves after it whose",
+        "dependencies are done (`take_empty_run`), which the tickets column counts.",
         "",
         f"`pipelined, S {SEGMENT_ROWS}`: the layer cut into {SEGMENT_ROWS}-row segments, 12 an owner, of which a "
         "uniform routing fills 2",
         "(moonlight at T' = 4096: 6 of 48). An owner's rows fill its segments in order: at a segment without rows",
         "the GEMM kernel counts the run of such GEMM entries after it done (a vector signal per 64 queue",
         "positions, each entry by the program whose items include its first); the last column counts the GEMM",
-        "entries of segments without rows. Split mode's transport kernel still takes a ticket (and its search",
-        "and waits) for every dispatch, return and unpack of such segments.",
+        "entries of segments without rows. Split mode's transport kernel counts the moves of such segments",
+        "done in runs likewise; the unified kernel still takes a ticket (and its search and waits) for each.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

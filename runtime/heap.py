@@ -75,6 +75,7 @@ def task_tables(
             "table": i32(v for row in work.table for v in row),
             "deps": i32(deps or (0,)),
             "queue": i32(work.queue),
+            "queue_pos": i32(work.positions()),
             "first_item": i32(work.first_item),
             "queues": i32(queue_records(work, per_queue)),
         }

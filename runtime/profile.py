@@ -21,7 +21,9 @@ Clocks (``otherData.clock`` / ``otherData.unit``): on a GPU ``globaltimer``, %gl
 in ns, written as µs from the earliest start — real durations. Under the Triton interpreter
 ``logical``: an atomic counter the kernel bumps at every work item's start and end, written
 as is, one tick per µs of the trace, from the earliest start. Logical ticks order the
-tasks (an entry starts after every entry it depends on has ended); they are not durations.
+tasks (an entry starts after every entry it depends on has ended; the items a kernel counts
+done without running them, an empty m-tile slot's or a run of moves without rows, share
+one tick); they are not durations.
 
 With the programs of each launch given, ``last_profile["kernels"]`` also says per launch how
 its time divides (:func:`kernel_summary`): per task kind the items and the time they ran, and

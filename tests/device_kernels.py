@@ -9,6 +9,8 @@ import pytest
 from rdepc.codegen.device import include
 from rdepc.runtime.launch import Launcher
 
+from rdepc.ir.contract import CONTROL, CTL_TICKETS
+from rdepc.ir.queues import COLUMNS, KINDS
 from rdepc.toolchain import import_kernels
 
 # The constants the functions under test read, at a small layer's values; a test's variant
@@ -37,6 +39,15 @@ BASE = dict(
     SEGMENTS=3,
     TILE_SLOTS=16,
     SLOT_BLOCK=8,
+    OFFSETS=0,  # byte offsets in a rank's heap slice: what owners publish back to it
+    ADMITTED=64,
+    FLAGS=128,  # ... and its entries' done counters (int64, 16 of them)
+    BWD_FLAGS=128,
+    NCOL=len(COLUMNS),  # the task table's encoding and the control block's words, as the emitter writes them
+    CTL_TICKETS=CTL_TICKETS,
+    CTL_CLOCK=CONTROL.index("clock"),
+    **{f"C_{c.upper()}": i for i, c in enumerate(COLUMNS)},
+    **{f"KIND_{k.upper()}": i for i, k in enumerate(KINDS)},
 )
 
 
@@ -70,6 +81,15 @@ def clip_spans(first, rows, out, N: tl.constexpr):
     lo, n = clip(tl.load(first + i), tl.load(rows + i), s)
     tl.store(out + (s * N + i) * 2, lo)
     tl.store(out + (s * N + i) * 2 + 1, n)
+
+
+@triton.jit
+def piece_sizes(heap, recv, back, srcs, owners, segments, out, N: tl.constexpr):
+    # piece_rows of N pieces at once, every third lane masked off
+    i = tl.arange(0, N)
+    live = i % 3 != 2
+    n = piece_rows(heap, recv, tl.load(back + i), tl.load(srcs + i), tl.load(owners + i), tl.load(segments + i), live)
+    tl.store(out + i, n, mask=live)
 
 
 @triton.jit
@@ -222,6 +242,12 @@ def reroute_ranks(home_ids, topk_ids, plans, n_tokens, elems):
 
 
 @triton.jit
+def empty_run(heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, pos, last_pos, base, target, out):
+    tl.store(out, take_empty_run(heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, pos, last_pos,
+                                 0, base, target, True, False, False))
+
+
+@triton.jit
 def signal_then_wait(flag, seen, target, bound, stop, TIMES: tl.constexpr):
     for _ in tl.static_range(TIMES):
         signal(flag)
@@ -232,7 +258,8 @@ DEVICE = "\n\n\n".join(
     (
         include("heap"),
         include("signals"),
-        include("control", ("narrow", "note", "validate")),
+        include("control", ("done_flag", "now", "stamp_skipped", "narrow", "note", "validate")),
+        include("kernel", ("take_empty_run",)),
         include("rows"),
         include("route", ("keys_below",)),
         include("combine", ("leads",)),

@@ -151,6 +151,39 @@ def test_clip_cuts_spans_to_each_segment(kernels):
                 assert lo == min(meet), (s, first[i], rows[i])
 
 
+def test_piece_rows_counts_what_each_move_finds_in_a_segment(kernels):
+    """piece_rows: the rows source r and owner q move for segment s, the spans q published
+    cut to it — read from r's heap slice (a dispatch, an unpack) or from q's split table
+    (a return), as the tasks read them; the test a kernel makes before it counts a run of
+    moves without rows done."""
+    W, E_MAX, S, HEAP = BASE["W"], BASE["E_MAX"], BASE["S"], BASE["HEAP_BYTES"]
+    rng = np.random.default_rng(11)
+    heap = torch.zeros((W, HEAP), dtype=torch.uint8)
+    published = rng.integers(0, 3 * S, (W, W, E_MAX, 2))  # [r, q, local]: (first, rows) as r's slice holds them
+    kept = rng.integers(0, 3 * S, (W, W, E_MAX, 2))  # [q, r, local]: q's split table, made to differ
+    published[0, 1] = 0  # a piece without rows anywhere
+    kept[2, 3, :, 1] = 0
+    for r in range(W):
+        words = heap[r].view(torch.int32)
+        words[BASE["OFFSETS"] // 4 :][: W * E_MAX] = torch.from_numpy(published[r, :, :, 0].reshape(-1)).int()
+        words[BASE["ADMITTED"] // 4 :][: W * E_MAX] = torch.from_numpy(published[r, :, :, 1].reshape(-1)).int()
+    recv = torch.from_numpy(kept.reshape(-1)).int()
+    pieces = [(b, r, q, s) for b in (0, 1) for r in range(W) for q in range(W) for s in range(4)]
+    N = pow2(len(pieces))
+    pieces += [(0, 0, 0, 0)] * (N - len(pieces))
+    cols = [torch.tensor(c, dtype=torch.int32) for c in zip(*pieces, strict=True)]
+    out = torch.full((N,), -1, dtype=torch.int32)
+    launch(kernels().piece_sizes, (1,), heap, recv, *cols, out, N=N)
+    for i, (b, r, q, s) in enumerate(pieces):
+        if i % 3 == 2:
+            assert out[i] == -1, i
+            continue
+        spans = kept[q, r] if b else published[r, q]
+        want = sum(len(set(range(f, f + n)) & set(range(s * S, s * S + S))) for f, n in spans)
+        assert out[i] == want, (b, r, q, s)
+    assert {int(out[i]) for i, p in enumerate(pieces) if p[1:3] == (0, 1) and not p[0] and i % 3 != 2} == {0}
+
+
 def test_locate_finds_the_span_and_payload_row_of_each_row_of_a_piece(kernels):
     """locate: the u-th row of spans (lo_l, n_l) taken in local order is span l's row
     lo_l + (u − rows before l); empty spans are skipped."""

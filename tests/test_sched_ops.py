@@ -2,7 +2,8 @@
 split mode's GEMM kernel binds a tile with a handful of global operations once its entry is
 open; the unified kernel pays its ticket, search, table row and every dependency for each.
 The slots a routing leaves empty cost split mode's GEMM kernel one signal per entry, the
-segments it leaves empty a run of GEMM entries counted done at once."""
+segments it leaves empty a run of entries counted done at once (GEMM entries in the GEMM
+kernel, moves in the transport kernel)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def test_empty_segments_cost_a_run_not_a_turn_each(tmp_path):
     """A pipelined owner has segments for every row choosing it; an owner's rows fill them in
     order, so under a uniform routing most GEMM entries are of segments without rows. Split
     mode's GEMM kernel counts a run of them done in one vector signal per program and 64
-    positions (each entry by the program whose items include its first), stamps each item it
-    counts done in a profiled call, and computes bitwise what the unified kernel does, in
-    calls whose empty segments differ."""
+    positions (each entry by the program whose items include its first), and its transport
+    kernel the moves of those segments (``take_empty_run``: their tickets at once); each
+    stamps the items it counts done in a profiled call, and the call computes bitwise what
+    the unified kernel does, in calls whose empty segments differ."""
     sys.path.insert(0, str(ROOT))
     from bench.sched_ops import count
 
@@ -52,6 +54,10 @@ def test_empty_segments_cost_a_run_not_a_turn_each(tmp_path):
     # the empty segments' entries a few runs' in all, not one per program and entry
     assert split["empty_signals"] <= 2 * (split["gemm_entries"] - dead) + 8 < 2 * split["gemm_entries"], split
     assert split["empty_signals"] < dead, split
+    # the transport kernel's moves of those segments likewise: a run of moves without rows
+    # takes its tickets at once (one a move and one past them per program before; how many
+    # runs depends on how far the transport's program is ahead of the GEMMs)
+    assert split["tickets"] < split["items"], split
     layer = rdepc.load(path)
     calls = [random_inputs(4, 16, 64, 128, 8, 2, seed=s, routing=r) for s, r in ((0, "uniform"), (1, "zipf:1.5"))]
     outs = {}
@@ -64,5 +70,7 @@ def test_empty_segments_cost_a_run_not_a_turn_each(tmp_path):
             gemm = m.last_profile["kernels"][1]["kinds"]
             tiles = sum(m.last_stats["m_tiles"].tolist())
             assert gemm["gemm1"]["ran"] == tiles * -(-layer.shapes["F"] // m.tiles.block_f) < gemm["gemm1"]["items"]
+            moves = m.last_profile["kernels"][0]["kinds"]
+            assert sum(moves[k]["ran"] - moves[k]["items"] for k in ("dispatch", "return")) < 0, moves
         outs[mode] += [m(*inputs[:6]) for inputs in calls[1:]]
     assert all(torch.equal(a, b) for a, b in zip(outs["unified"], outs["split"], strict=True))

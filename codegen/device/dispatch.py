@@ -79,7 +79,8 @@ def dispatch(
     BACKWARD: tl.constexpr,
 ):
     """Source r → owner q, segment s (dispatch phase 3): the admitted rows of r that fall in
-    the segment, payload and sideband, into q's ring slot s % B.
+    the segment, payload and sideband, into q's ring slot s % B. Returns how many (all the
+    entry's items find the same: 0 says every one of them is empty).
 
     The backward sends along the same offsets (the forward's accepted set, never routed
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
@@ -193,6 +194,7 @@ def dispatch(
             if CARRY_GATE:
                 gate = tl.load(gates + base + i, mask=keep, other=0.0)
                 put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+    return n
 
 
 @triton.jit

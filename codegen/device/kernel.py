@@ -12,6 +12,8 @@ from rdepc.codegen.device.expert_grads import expert_item
 from rdepc.codegen.device.experts import m_tile_slot, ring_descriptors, weight_descriptors
 from rdepc.codegen.device.layout import (
     C_CLAIM,
+    C_DEP_COUNT,
+    C_DEP_START,
     C_GUARD,
     C_ITEMS,
     C_KIND,
@@ -64,8 +66,8 @@ from rdepc.codegen.device.layout import (
 from rdepc.codegen.device.plan import load_task, reroute_task, solve_task
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
-from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows
-from rdepc.codegen.device.signals import signal, wait
+from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows, piece_rows
+from rdepc.codegen.device.signals import SCOPE, signal, wait
 from rdepc.codegen.device.slots import push_slot, receive_slot
 from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
 
@@ -113,14 +115,78 @@ def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.cons
     return tl.maximum(end - taken, 0)
 
 
+@triton.jit(noinline=True)
+def take_empty_run(
+    heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, pos, last_pos, item0, base, target,
+    PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """The transport kernel, at a move (dispatch, return, unpack) of the entry at queue
+    position ``pos`` that found no rows, its dependencies done: the items no program has
+    taken yet of that entry and of the run of moves after it without rows either, counted
+    done at once — their tickets taken in one step (the counter moved to the run's end: a
+    call still takes its items' tickets and one past them per program). A move joins the
+    run, 64 positions at a time, while its piece has no rows (``rows.piece_rows``) and its
+    dependencies are done or are entries of the run: counting it done is then what running
+    it would do. The first entry's rest counts toward its own signal (returned); the others
+    are signalled here. A pipelined schedule plans each owner's segments for every row
+    choosing it (dropless: ~W times what a uniform routing brings), so most moves past the
+    last filled segment have no rows, and each would otherwise cost a ticket, a search, its
+    waits and a signal."""
+    lane = tl.arange(0, 64)
+    dep_lane = tl.arange(0, 4)
+    end = pos + 1
+    going = end < last_pos
+    while going:
+        p = end + lane
+        live = p < last_pos
+        row = table + tl.load(queue + p, mask=live, other=0) * NCOL
+        kind = tl.load(row + C_KIND, mask=live, other=-1)
+        count = tl.load(row + C_DEP_COUNT, mask=live, other=0)
+        move = (kind == KIND_DISPATCH) | (kind == KIND_RETURN) | (kind == KIND_UNPACK)
+        ok = live & move & (count <= 4)
+        has = ok[:, None] & (dep_lane[None, :] < count[:, None])
+        dep = tl.load(deps + tl.load(row + C_DEP_START, mask=ok, other=0)[:, None] + dep_lane[None, :], mask=has)
+        has = has & (dep >= 0)  # -(e + 1): entry e of the previous call, done
+        dep = tl.where(has, dep, 0)
+        at = tl.load(queue_pos + dep, mask=has, other=-1)
+        polled = has & ((at < pos) | (at >= p[:, None]))  # the run's earlier entries count as done
+        want = target * tl.load(table + dep * NCOL + C_ITEMS, mask=polled, other=0)
+        seen = tl.atomic_add(done_flag(heap, table, dep, BACKWARD), 0, mask=polled, sem="acquire", scope=SCOPE)
+        ok = ok & (tl.max((polled & (seen < want)).to(tl.int32), axis=1) == 0)
+        tl.debug_barrier()  # every warp sees what the acquires made visible: the published spans
+        src = tl.load(row + C_SRC, mask=ok, other=0)
+        owner = tl.load(row + C_OWNER, mask=ok, other=0)
+        segment = tl.load(row + C_SEGMENT, mask=ok, other=0)
+        empty = ok & (piece_rows(heap, recv, kind == KIND_RETURN, src, owner, segment, ok) == 0)
+        run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position that is not in the run
+        end += run
+        going = (run == 64) & (end < last_pos)
+    hi = tl.load(first_item + end) - item0
+    taken = tl.atomic_max(ctl + CTL_TICKETS, base + hi) - base  # the run's items from here are this program's
+    if PROFILE:
+        stamp_skipped(ctl, profile, item0, taken, hi, 1, GLOBALTIMER)
+    at = pos + 1
+    while at < end:
+        p = at + lane
+        live = p < end
+        first = tl.maximum(tl.load(first_item + p, mask=live, other=0) - item0, taken)
+        units = tl.minimum(tl.load(first_item + p + 1, mask=live, other=0) - item0, hi) - first
+        live = live & (units > 0)
+        entry = tl.load(queue + p, mask=live, other=0)
+        tl.debug_barrier()
+        tl.atomic_add(done_flag(heap, table, entry, BACKWARD), units, mask=live, sem="release", scope=SCOPE)
+        at += 64
+    return tl.maximum(tl.minimum(tl.load(first_item + pos + 1) - item0, hi) - taken, 0)
+
+
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
 )
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
     dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, plan, home_ids, exchange, table,
-    deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
-    m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
+    deps, queue, queue_pos, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max,
+    caps, m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
     tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
     ex_stride, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr,
@@ -147,9 +213,10 @@ def rdep_layer(
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
     its dispatch dependencies and finishes at once, with the rest of its entry's items no
-    program has taken yet (the live slots are a prefix). An entry of kind < 0 is withheld (fault
-    injection): it runs nothing and never signals. ``n_programs``: the programs of every
-    kernel of the call, which all count out of it.
+    program has taken yet (the live slots are a prefix); in the transport kernel a move
+    without rows, with the run of such moves after it (``take_empty_run``). An entry of
+    kind < 0 is withheld (fault injection): it runs nothing and never signals.
+    ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
@@ -283,12 +350,14 @@ def rdep_layer(
                             entry, epoch, rank, f_blocks, BM,
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
-                    dispatch(
+                    moved = dispatch(
                         heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
+                    if not GEMMS:  # the transport kernel: a run of moves without rows at once
+                        empty = (moved == 0).to(tl.int32)
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
@@ -299,10 +368,12 @@ def rdep_layer(
                             down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
-                    return_rows(
+                    moved = return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
                         claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
+                    if not GEMMS:
+                        empty = (moved == 0).to(tl.int32)
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
@@ -317,10 +388,12 @@ def rdep_layer(
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
                 if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time
                     if kind == KIND_UNPACK:
-                        unpack(
+                        moved = unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
+                        if not GEMMS:
+                            empty = (moved == 0).to(tl.int32)
                 # the call's balance plan and the slots' weights, one process per rank (with every
                 # rank in one, the plan is launched before the layer and the slots gathered from
                 # it); in the backward these tasks run nothing
@@ -343,8 +416,14 @@ def rdep_layer(
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             units = target * 0 + 1
-            if empty != 0:
-                units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+            if empty != 0:  # an empty m-tile slot, or (the transport kernel) a move without rows
+                if GEMMS:
+                    units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+                else:
+                    units += take_empty_run(
+                        heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, lo, last_pos, item0,
+                        base, target, PROFILE, GLOBALTIMER, BACKWARD,
+                    )  # fmt: skip
             elif kind == KIND_GEMM1:  # the scan sets an empty slot's counter (rows.bind_m_tiles)
                 signal(tile)
             signal(done_flag(heap, table, entry, BACKWARD), units)

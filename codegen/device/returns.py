@@ -105,6 +105,7 @@ def return_rows(
     """Owner q → front-end r, segment s: the outputs of r's rows in the segment, each to its
     (token, slot) place by its decoded row_id — or (RING) into the slot of r's return ring
     that this piece claimed (claim % B), each row with its row_id, for r's unpack to place.
+    Returns the piece's rows (as ``dispatch``).
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
     the segment. A row_id that decodes to another rank is reported, not written. The
@@ -214,6 +215,7 @@ def return_rows(
                     c = h + tl.arange(0, BLOCK_H)
                     m = ok[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+    return n
 
 
 @triton.jit
@@ -241,7 +243,7 @@ def unpack(
     """RING, front-end r: copy the piece owner q returned for segment s out of its
     return-ring slot (claim % B) to each row's (token, slot) place in r's private landing,
     by the row's decoded row_id (appendix A.3, condition 3); done, the slot is free for
-    claim + B.
+    claim + B. Returns the piece's rows (as ``dispatch``).
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
     (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
@@ -278,3 +280,4 @@ def unpack(
             else:
                 rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
             tl.store(to[:, None] + c[None, :], rows_h, mask=m)
+    return n

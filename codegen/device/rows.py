@@ -281,6 +281,26 @@ def segment_empty(tile_table, q, s, mask):
 
 
 @triton.jit
+def piece_rows(heap, recv, back, r, q, s, mask):
+    """Rows of the piece source r and owner q move for segment s, found as the tasks find
+    them: the spans q published (in r's heap slice: the dispatch and the unpack; q's split
+    table ``recv`` where ``back``: the return) cut to the segment. Vectors under ``mask``."""
+    local = tl.arange(0, EL_PAD)
+    on = mask[:, None] & (local < E_MAX)[None, :]
+    sent = on & (back == 0)[:, None]
+    kept = on & (back != 0)[:, None]
+    at = (q * E_MAX)[:, None] + local[None, :]
+    split = recv + ((tl.cast(q, tl.int64) * W + r) * (E_MAX * 2))[:, None] + local[None, :] * 2
+    me = peer(heap, r)
+    first = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32))[:, None] + at, mask=sent, other=0)
+    rows = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32))[:, None] + at, mask=sent, other=0)
+    first += tl.load(split, mask=kept, other=0)
+    rows += tl.load(split + 1, mask=kept, other=0)
+    _, count = clip(first, rows, s[:, None])
+    return tl.sum(count, axis=1)
+
+
+@triton.jit
 def owner_rows(group, q):
     """Owner q's rows per local expert as the scan left them: (first row, rows), [EL_PAD]
     each (0 rows past its experts)."""

@@ -586,7 +586,7 @@ def _layer_args(dt: str) -> list[tuple[str, str]]:
     # their physical ids into topk_ids) and the balance exchange (rdepc.ir.balance.exchange_regions;
     # placeholders elsewhere)
     args += [("plan", "*i32"), ("home_ids", "*i64"), ("exchange", "*u8")]
-    tables = ("table", "deps", "queue", "first_item", "queues", "owner_of", "local_of", "n_local")
+    tables = ("table", "deps", "queue", "queue_pos", "first_item", "queues", "owner_of", "local_of", "n_local")
     tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
     args += [(n, "*i32") for n in tables]
     args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group", "tile_table")]

@@ -67,6 +67,15 @@ class Work:
     def n_entries(self) -> int:
         return len(self.table)
 
+    def positions(self) -> tuple[int, ...]:
+        """The queue position of every entry (-1: in none of this process's queues), the
+        ``queue_pos`` table: where a kernel tells whether a dependency is one of the entries
+        it is counting done (``take_empty_run``)."""
+        out = [-1] * len(self.table)
+        for pos, i in enumerate(self.queue):
+            out[i] = pos
+        return tuple(out)
+
     def entry_items(self) -> list[tuple[int, int]]:
         """(first work item, items) of every entry, in table order."""
         out = [(0, 0)] * len(self.table)

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 378c2df91003114e203a93ecaedac3f30090fd03bf1f0310505cb760806ebffa
+# content-sha256: d36a7ec6a11666e6c59458ef1b3df90dc5b4fdd5067f1177a592416e51f8e514
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -635,6 +635,26 @@ def segment_empty(tile_table, q, s, mask):
 
 
 @triton.jit
+def piece_rows(heap, recv, back, r, q, s, mask):
+    """Rows of the piece source r and owner q move for segment s, found as the tasks find
+    them: the spans q published (in r's heap slice: the dispatch and the unpack; q's split
+    table ``recv`` where ``back``: the return) cut to the segment. Vectors under ``mask``."""
+    local = tl.arange(0, EL_PAD)
+    on = mask[:, None] & (local < E_MAX)[None, :]
+    sent = on & (back == 0)[:, None]
+    kept = on & (back != 0)[:, None]
+    at = (q * E_MAX)[:, None] + local[None, :]
+    split = recv + ((tl.cast(q, tl.int64) * W + r) * (E_MAX * 2))[:, None] + local[None, :] * 2
+    me = peer(heap, r)
+    first = tl.load((me + OFFSETS).to(tl.pointer_type(tl.int32))[:, None] + at, mask=sent, other=0)
+    rows = tl.load((me + ADMITTED).to(tl.pointer_type(tl.int32))[:, None] + at, mask=sent, other=0)
+    first += tl.load(split, mask=kept, other=0)
+    rows += tl.load(split + 1, mask=kept, other=0)
+    _, count = clip(first, rows, s[:, None])
+    return tl.sum(count, axis=1)
+
+
+@triton.jit
 def owner_rows(group, q):
     """Owner q's rows per local expert as the scan left them: (first row, rows), [EL_PAD]
     each (0 rows past its experts)."""
@@ -951,7 +971,8 @@ def dispatch(
     BACKWARD: tl.constexpr,
 ):
     """Source r → owner q, segment s (dispatch phase 3): the admitted rows of r that fall in
-    the segment, payload and sideband, into q's ring slot s % B.
+    the segment, payload and sideband, into q's ring slot s % B. Returns how many (all the
+    entry's items find the same: 0 says every one of them is empty).
 
     The backward sends along the same offsets (the forward's accepted set, never routed
     again): ``x`` is then dL/dy and ``gates`` g', each row goes as g'·dL/dy in the layer's
@@ -1065,6 +1086,7 @@ def dispatch(
             if CARRY_GATE:
                 gate = tl.load(gates + base + i, mask=keep, other=0.0)
                 put((dst + SB_GATE).to(tl.pointer_type(tl.float32)) + at, gate, keep)
+    return n
 
 
 @triton.jit
@@ -2200,6 +2222,7 @@ def return_rows(
     """Owner q → front-end r, segment s: the outputs of r's rows in the segment, each to its
     (token, slot) place by its decoded row_id — or (RING) into the slot of r's return ring
     that this piece claimed (claim % B), each row with its row_id, for r's unpack to place.
+    Returns the piece's rows (as ``dispatch``).
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
     the segment. A row_id that decodes to another rank is reported, not written. The
@@ -2309,6 +2332,7 @@ def return_rows(
                     c = h + tl.arange(0, BLOCK_H)
                     m = ok[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
+    return n
 
 
 @triton.jit
@@ -2336,7 +2360,7 @@ def unpack(
     """RING, front-end r: copy the piece owner q returned for segment s out of its
     return-ring slot (claim % B) to each row's (token, slot) place in r's private landing,
     by the row's decoded row_id (appendix A.3, condition 3); done, the slot is free for
-    claim + B.
+    claim + B. Returns the piece's rows (as ``dispatch``).
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
     (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
@@ -2373,6 +2397,7 @@ def unpack(
             else:
                 rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
             tl.store(to[:, None] + c[None, :], rows_h, mask=m)
+    return n
 
 
 @triton.jit
@@ -2999,14 +3024,78 @@ def take_empty_rest(ctl, first_item, profile, pos, item0, base, PROFILE: tl.cons
     return tl.maximum(end - taken, 0)
 
 
+@triton.jit(noinline=True)
+def take_empty_run(
+    heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, pos, last_pos, item0, base, target,
+    PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """The transport kernel, at a move (dispatch, return, unpack) of the entry at queue
+    position ``pos`` that found no rows, its dependencies done: the items no program has
+    taken yet of that entry and of the run of moves after it without rows either, counted
+    done at once — their tickets taken in one step (the counter moved to the run's end: a
+    call still takes its items' tickets and one past them per program). A move joins the
+    run, 64 positions at a time, while its piece has no rows (``rows.piece_rows``) and its
+    dependencies are done or are entries of the run: counting it done is then what running
+    it would do. The first entry's rest counts toward its own signal (returned); the others
+    are signalled here. A pipelined schedule plans each owner's segments for every row
+    choosing it (dropless: ~W times what a uniform routing brings), so most moves past the
+    last filled segment have no rows, and each would otherwise cost a ticket, a search, its
+    waits and a signal."""
+    lane = tl.arange(0, 64)
+    dep_lane = tl.arange(0, 4)
+    end = pos + 1
+    going = end < last_pos
+    while going:
+        p = end + lane
+        live = p < last_pos
+        row = table + tl.load(queue + p, mask=live, other=0) * NCOL
+        kind = tl.load(row + C_KIND, mask=live, other=-1)
+        count = tl.load(row + C_DEP_COUNT, mask=live, other=0)
+        move = (kind == KIND_DISPATCH) | (kind == KIND_RETURN) | (kind == KIND_UNPACK)
+        ok = live & move & (count <= 4)
+        has = ok[:, None] & (dep_lane[None, :] < count[:, None])
+        dep = tl.load(deps + tl.load(row + C_DEP_START, mask=ok, other=0)[:, None] + dep_lane[None, :], mask=has)
+        has = has & (dep >= 0)  # -(e + 1): entry e of the previous call, done
+        dep = tl.where(has, dep, 0)
+        at = tl.load(queue_pos + dep, mask=has, other=-1)
+        polled = has & ((at < pos) | (at >= p[:, None]))  # the run's earlier entries count as done
+        want = target * tl.load(table + dep * NCOL + C_ITEMS, mask=polled, other=0)
+        seen = tl.atomic_add(done_flag(heap, table, dep, BACKWARD), 0, mask=polled, sem="acquire", scope=SCOPE)
+        ok = ok & (tl.max((polled & (seen < want)).to(tl.int32), axis=1) == 0)
+        tl.debug_barrier()  # every warp sees what the acquires made visible: the published spans
+        src = tl.load(row + C_SRC, mask=ok, other=0)
+        owner = tl.load(row + C_OWNER, mask=ok, other=0)
+        segment = tl.load(row + C_SEGMENT, mask=ok, other=0)
+        empty = ok & (piece_rows(heap, recv, kind == KIND_RETURN, src, owner, segment, ok) == 0)
+        run = tl.min(tl.where(empty, 64, lane), axis=0)  # the first position that is not in the run
+        end += run
+        going = (run == 64) & (end < last_pos)
+    hi = tl.load(first_item + end) - item0
+    taken = tl.atomic_max(ctl + CTL_TICKETS, base + hi) - base  # the run's items from here are this program's
+    if PROFILE:
+        stamp_skipped(ctl, profile, item0, taken, hi, 1, GLOBALTIMER)
+    at = pos + 1
+    while at < end:
+        p = at + lane
+        live = p < end
+        first = tl.maximum(tl.load(first_item + p, mask=live, other=0) - item0, taken)
+        units = tl.minimum(tl.load(first_item + p + 1, mask=live, other=0) - item0, hi) - first
+        live = live & (units > 0)
+        entry = tl.load(queue + p, mask=live, other=0)
+        tl.debug_barrier()
+        tl.atomic_add(done_flag(heap, table, entry, BACKWARD), units, mask=live, sem="release", scope=SCOPE)
+        at += 64
+    return tl.maximum(tl.minimum(tl.load(first_item + pos + 1) - item0, hi) - taken, 0)
+
+
 @triton.jit(
     do_not_specialize=["n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "ex_stride", "bound"]
 )
 def rdep_layer(
     heap, x, topk_ids, gates, w_up, w_down, y, accepted, slot, gprime, dy, dx, dgprime, saved_x, saved_pre, saved_out,
     dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, slots, dslots, plan, home_ids, exchange, table,
-    deps, queue, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max, caps,
-    m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
+    deps, queue, queue_pos, first_item, queues, owner_of, local_of, n_local, weight_of, order, owner_first, rows_max,
+    caps, m_slots, rowpos, sorted_rows, route_scratch, recv, group, tile_table, hbuf, hbuf_rid, staging, staging_rid,
     tile_done, landing, stats, ctl, profile, tokens_of, n_tokens, n_programs, rank0, rid_c, rid_r, rid_t, rid_k,
     ex_stride, bound, BM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr, GEMMS: tl.constexpr, PROFILE: tl.constexpr,
@@ -3033,9 +3122,10 @@ def rdep_layer(
     expected) and every program stops at its next ticket. Compute items wait for their
     owner's scan first (their guard): an m-tile slot that the routing leaves empty skips
     its dispatch dependencies and finishes at once, with the rest of its entry's items no
-    program has taken yet (the live slots are a prefix). An entry of kind < 0 is withheld (fault
-    injection): it runs nothing and never signals. ``n_programs``: the programs of every
-    kernel of the call, which all count out of it.
+    program has taken yet (the live slots are a prefix); in the transport kernel a move
+    without rows, with the run of such moves after it (``take_empty_run``). An entry of
+    kind < 0 is withheld (fault injection): it runs nothing and never signals.
+    ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
@@ -3169,12 +3259,14 @@ def rdep_layer(
                             entry, epoch, rank, f_blocks, BM,
                         )  # fmt: skip
                 elif kind == KIND_DISPATCH:
-                    dispatch(
+                    moved = dispatch(
                         heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
                         CAST_F32, BACKWARD,
                     )  # fmt: skip
+                    if not GEMMS:  # the transport kernel: a run of moves without rows at once
+                        empty = (moved == 0).to(tl.int32)
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
                         expert_item(
@@ -3185,10 +3277,12 @@ def rdep_layer(
                             down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
-                    return_rows(
+                    moved = return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
                         claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
+                    if not GEMMS:
+                        empty = (moved == 0).to(tl.int32)
                 elif kind == KIND_COMBINE:
                     if BACKWARD:
                         combine_grad(
@@ -3203,10 +3297,12 @@ def rdep_layer(
                 # KIND_COMBINE_WAIT has no work: it only joins the returns into its rank.
                 if RING:  # noqa: SIM102 - RING is folded at compile time, the kind tested at run time
                     if kind == KIND_UNPACK:
-                        unpack(
+                        moved = unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
                             rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
+                        if not GEMMS:
+                            empty = (moved == 0).to(tl.int32)
                 # the call's balance plan and the slots' weights, one process per rank (with every
                 # rank in one, the plan is launched before the layer and the slots gathered from
                 # it); in the backward these tasks run nothing
@@ -3229,8 +3325,14 @@ def rdep_layer(
                 tl.store(profile + at, start)
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             units = target * 0 + 1
-            if empty != 0:
-                units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+            if empty != 0:  # an empty m-tile slot, or (the transport kernel) a move without rows
+                if GEMMS:
+                    units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
+                else:
+                    units += take_empty_run(
+                        heap, table, deps, queue, queue_pos, first_item, recv, ctl, profile, lo, last_pos, item0,
+                        base, target, PROFILE, GLOBALTIMER, BACKWARD,
+                    )  # fmt: skip
             elif kind == KIND_GEMM1:  # the scan sets an empty slot's counter (rows.bind_m_tiles)
                 signal(tile)
             signal(done_flag(heap, table, entry, BACKWARD), units)
