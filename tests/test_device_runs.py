@@ -13,17 +13,22 @@ TARGET = 2  # the call: an entry is done at TARGET × its items
 BASE_TICKET = 100  # the call's first ticket on the counter
 
 
+def runs_on(row: dict) -> int:
+    """The rank that runs a move: its source (dispatch, unpack) or its owner (return)."""
+    return row["owner"] if row["kind"] == "return" else row["src"]
+
+
 def build(rows: list[dict], deps: list[int], queue: list[int]):
     """The tensors take_empty_run reads for a table of ``rows`` (kind, src, owner,
     segment, items, deps as a list), ``queue`` its positions' entries; every entry's done
-    counter at the previous call's end, but those a row marks ``done`` (this call's) or
-    ``late`` (not yet). Every (source, owner) piece holds rows 0-9 of its owner (segment 0
-    only), published in the source's slice and kept in the owner's split table alike."""
+    counter at the previous call's end (not done in this one), but those a row marks
+    ``done`` (this call's). Every (source, owner) piece holds rows 0-9 of its owner (segment
+    0 only), published in the source's slice and kept in the owner's split table alike."""
     heap = torch.zeros((W, BASE["HEAP_BYTES"]), dtype=torch.uint8)
     table = torch.zeros((len(rows), len(COL)), dtype=torch.int32)
     for i, r in enumerate(rows):
         kind = BASE[f"KIND_{r['kind'].upper()}"]
-        rank = r["src"] if r["kind"] != "return" else r["owner"]  # the rank that runs it
+        rank = runs_on(r)
         values = dict(kind=kind, rank=rank, src=r["src"], owner=r["owner"], segment=r["segment"], claim=-1)
         values |= dict(items=r["items"], dep_start=r["dep_start"], dep_count=r["dep_count"], guard=-1, flag=i)
         for c, v in values.items():
@@ -53,8 +58,7 @@ def counters(heap, rows) -> list[int]:
     """Each entry's done counter less the previous call's: what this call counted."""
     out = []
     for i, r in enumerate(rows):
-        rank = r["src"] if r["kind"] != "return" else r["owner"]
-        out.append(int(heap[rank, BASE["FLAGS"] :].view(torch.int64)[i]) - (TARGET - 1) * r["items"])
+        out.append(int(heap[runs_on(r), BASE["FLAGS"] :].view(torch.int64)[i]) - (TARGET - 1) * r["items"])
     return out
 
 
@@ -83,7 +87,7 @@ def table_of_moves():
     join — one waiting for the first (in the run), a return waiting for an entry done this
     call outside the queue, an unpack waiting for that return, one waiting for an entry of
     the previous call — then a dispatch waiting for an entry not done yet (the run ends
-    there), and two more empty moves after it. Entries 8 (done) and 9 (late) are outside the
+    there), and two more empty moves after it. Entries 8 (done) and 9 (not yet) are outside the
     queue (another rank's)."""
     rows = [
         move("dispatch", 0, 1, 1, items=2),

@@ -417,7 +417,7 @@ def rdep_layer(
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             units = target * 0 + 1
             if empty != 0:  # an empty m-tile slot, or (the transport kernel) a move without rows
-                if GEMMS:
+                if GEMMS:  # the unified kernel: the entry's rest only (a run's call there costs its GEMM loops)
                     units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
                 else:
                     units += take_empty_run(

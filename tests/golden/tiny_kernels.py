@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: d36a7ec6a11666e6c59458ef1b3df90dc5b4fdd5067f1177a592416e51f8e514
+# content-sha256: cc14e7ae8f85d9fedc1a2a3e0cdeec9b1b08815e13393489a126b72a172637fb
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -3326,7 +3326,7 @@ def rdep_layer(
                 tl.store(profile + at + 1, now(ctl, GLOBALTIMER))
             units = target * 0 + 1
             if empty != 0:  # an empty m-tile slot, or (the transport kernel) a move without rows
-                if GEMMS:
+                if GEMMS:  # the unified kernel: the entry's rest only (a run's call there costs its GEMM loops)
                     units += take_empty_rest(ctl, first_item, profile, lo, item0, base, PROFILE, GLOBALTIMER)
                 else:
                     units += take_empty_run(
