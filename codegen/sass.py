@@ -14,8 +14,10 @@ stub at the end of the function that jumps back into the loop); such a "loop" ru
 inside the real one to the stub, overlapping it: of overlapping HGMMA loops only the
 smallest counts, and so does one that holds a smaller one (a persistent kernel's loop
 over its tiles).
-:func:`sum_loops` finds the loops that sum loaded rows instead (the combine's): how many
-of their 128-bit loads issue before the first FMA says how many rows are in flight.
+:func:`sum_loops` finds the loops that sum loaded rows instead (the combine's), and
+:func:`move_loops` those that store them (dispatch, return, unpack): how many of their
+128-bit loads issue before the first FMA or 128-bit store (both wait for the rows they
+read) says how many rows a program has in flight.
 Pure Python over text; :func:`disassemble` runs the tool.
 """
 
@@ -126,10 +128,11 @@ def gemm_loops(text: str) -> list[Loop]:
 
 
 @dataclass(frozen=True)
-class SumLoop:
-    """One loop that sums loaded rows (the combine's): per iteration its instructions, its
-    128-bit global loads, how many of them issue before its first FMA (the rows in flight
-    before the sum waits for them), its FMAs and the spills inside it."""
+class RowLoop:
+    """One loop that moves or sums loaded rows (a dispatch's, a return's, the combine's): per
+    iteration its instructions, its 128-bit global loads, how many of them issue before the
+    first FMA or 128-bit store (both wait for the rows they read: the loads after it are a
+    round trip later), its FMAs and the spills inside it."""
 
     start: int
     end: int
@@ -141,34 +144,45 @@ class SumLoop:
     spill_stores: int
 
 
-def sum_loops(text: str) -> list[SumLoop]:
-    """The innermost loops of one kernel's SASS that load 128-bit rows and sum them with FMAs
-    and issue no HGMMA, in address order (retry stubs and enclosing loops dropped as in
-    :func:`gemm_loops`)."""
+def _row_loops(text: str, keep) -> list[RowLoop]:
+    """The innermost loops that load 128-bit rows, issue no HGMMA and whose opcodes ``keep``
+    accepts, in address order (retry stubs and enclosing loops dropped as in :func:`gemm_loops`)."""
 
-    def summing(body: list[str]) -> bool:
-        wide = any("LDG.E.128" in s for s in body)
-        return wide and any(_op(s) == "FFMA" for s in body) and not any("HGMMA" in s for s in body)
+    def rows(body: list[str]) -> bool:
+        ops = [_op(s) for s in body]
+        return any("LDG.E.128" in s for s in body) and "HGMMA" not in ops and keep(ops, body)
 
     insts, labels = _parse(text)
     out = []
-    for lo, hi in _innermost(insts, labels, summing):
-        ops = [_op(s) for _, s in insts[lo : hi + 1]]
-        first_fma = ops.index("FFMA")
-        wide = [i for i, (_, s) in enumerate(insts[lo : hi + 1]) if "LDG.E.128" in s]
+    for lo, hi in _innermost(insts, labels, rows):
+        body = [s for _, s in insts[lo : hi + 1]]
+        ops = [_op(s) for s in body]
+        first_use = min(i for i, s in enumerate(body) if ops[i] == "FFMA" or "STG.E.128" in s)
+        wide = [i for i, s in enumerate(body) if "LDG.E.128" in s]
         out.append(
-            SumLoop(
+            RowLoop(
                 start=insts[lo][0],
                 end=insts[hi][0],
                 instructions=len(ops),
                 loads=len(wide),
-                loads_ahead=sum(i < first_fma for i in wide),
+                loads_ahead=sum(i < first_use for i in wide),
                 ffma=ops.count("FFMA"),
-                spill_loads=sum(op.startswith("LDL") for op in ops),
-                spill_stores=sum(op.startswith("STL") for op in ops),
+                spill_loads=ops.count("LDL"),
+                spill_stores=ops.count("STL"),
             )
         )
     return out
+
+
+def sum_loops(text: str) -> list[RowLoop]:
+    """The row loops of one kernel's SASS that sum with FMAs (the combine's)."""
+    return _row_loops(text, lambda ops, body: "FFMA" in ops)
+
+
+def move_loops(text: str) -> list[RowLoop]:
+    """The row loops of one kernel's SASS that store 128-bit rows and sum nothing (the
+    moves': dispatch, return, unpack)."""
+    return _row_loops(text, lambda ops, body: "FFMA" not in ops and any("STG.E.128" in s for s in body))
 
 
 def _op(ins: str) -> str:
@@ -189,4 +203,4 @@ def ctas_per_sm(registers: int, shared: int, threads: int, sm: dict | None = Non
     return max(0, min(by_regs, by_shared, by_threads, sm["blocks"]))
 
 
-__all__ = ["H100_SM", "Loop", "SumLoop", "ctas_per_sm", "disassemble", "gemm_loops", "sum_loops"]
+__all__ = ["H100_SM", "Loop", "RowLoop", "ctas_per_sm", "disassemble", "gemm_loops", "move_loops", "sum_loops"]

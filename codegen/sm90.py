@@ -423,6 +423,7 @@ def _compile(
                 "descriptors": descriptor_builds(ptx),
                 "loops": loops,
                 "sum_loops": [asdict(loop) for loop in sass.sum_loops(text)],  # the combine's
+                "move_loops": [asdict(loop) for loop in sass.move_loops(text)],  # dispatch's, return's, unpack's
                 "acquire": "acquire" in ptx,
                 "release": "release" in ptx,
                 "globaltimer": "%globaltimer" in ptx,

@@ -158,6 +158,9 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
         assert cubin.stat().st_size > 0 and f"compiled {kernel} for sm_90a in " in out and f"wrote {cubin}" in out
     assert "registers" in out and "GEMMs: no wgmma, TMA" in out  # fp32: IEEE dots, TMA operands
     assert "GEMMs: no wgmma, no TMA" in out  # the transport kernel
+    assert re.search(
+        r"row loop \(move\) at 0x[0-9a-f]+: (\d+) of its \1 loads a thread \(16 bytes each\) before the first use", out
+    )
     assert re.search(r"bytes of stack and 0 bytes of local memory \(spills\) per thread, [12] CTAs? per SM", out)
     balance = re.findall(r"compiled balance_\S+ .* 0 bytes of local memory \(spills\) per thread, 4 warps", out)
     assert len(balance) == len(BALANCE_KERNELS["per-rank"])

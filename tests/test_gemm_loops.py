@@ -116,9 +116,11 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
 
 def test_the_combine_loads_every_slot_before_it_sums(compiled):
     """The transport kernel's combine (one process): per step of COMBINE_COLS columns of its
-    COMBINE_TOKENS tokens, all K slots' rows are loaded before the first FMA waits for them
-    (a loop over the slots kept one slot's rows in flight, and the stage is latency-bound:
-    2.16 ms for moonlight at T' = 4096 on an H200, 12 GB/s a program), without a spill. The
+    COMBINE_TOKENS tokens, all K slots' rows are loaded before the first FMA or store waits
+    for them (a loop over the slots kept one slot's rows in flight, and the stage is
+    latency-bound: 2.16 ms for moonlight at T' = 4096 on an H200, 12 GB/s a program; so did
+    this build's stores of each slot's rows for the backward, SAVE, before the next slot's
+    loads: 4 of 24 loads ahead), without a spill. The
     backward's combine likewise: at least K slots' rows in flight, no spill (over the slots
     in BLOCK_H columns it spilled 9-24 loads a slot and step, with 216-336 B of stack)."""
     from rdepc.ir.contract import Tiles

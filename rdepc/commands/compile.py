@@ -80,6 +80,9 @@ def _cubins(out: Path, name: str) -> list[Path]:
         )
         for loop in r["loops"]:
             print(f"  {loop_line(loop)}")
+        for kind in ("move", "sum"):
+            for loop in r[f"{kind}_loops"]:
+                print(f"  {row_line(kind, loop, 32 * r['tiles']['num_warps'])}")
     return wrote
 
 
@@ -96,4 +99,16 @@ def loop_line(loop: dict) -> str:
         f"GEMM loop {'/'.join(loop['shapes'])} at {loop['start']}: {loop['instructions']} instructions per "
         f"iteration, {loop['hgmma']} HGMMA, {loop['tma_loads']} TMA loads, {loop['r2ur']} R2UR, "
         f"{spills} spill loads/stores, wgmma wait depth {loop['wait_depth']}"
+    )
+
+
+def row_line(kind: str, loop: dict, threads: int) -> str:
+    """One loop that copies rows (``move``) or sums them (``sum``) of a compile's report
+    (``rdepc.codegen.sass.RowLoop``), in words: what a program has in flight before its first
+    FMA or store waits for a row."""
+    spills = loop["spill_loads"] + loop["spill_stores"]
+    return (
+        f"row loop ({kind}) at {loop['start']:#x}: {loop['loads_ahead']} of its {loop['loads']} loads a thread "
+        f"(16 bytes each) before the first use ({loop['loads_ahead'] * 16 * threads // 1024} KB in flight a program), "
+        f"{spills} spill loads/stores"
     )

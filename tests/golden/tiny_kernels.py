@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: cc14e7ae8f85d9fedc1a2a3e0cdeec9b1b08815e13393489a126b72a172637fb
+# content-sha256: 37f5e2b4b9685b568d9a4078336573c3fdb0eff9f26437f1e56abb8d802ed41e
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2505,22 +2505,28 @@ def combine(
     else:
         tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
         # COMBINE_COLS columns at a time, the slots unrolled: all K slots' rows are loaded
-        # before they are summed (a loop over the slots keeps one slot's rows in flight, and
-        # the step is latency-bound); the sum keeps its slot order
+        # before one is summed or kept (a loop over the slots keeps one slot's rows in flight,
+        # and the step is latency-bound; so does a store of each slot's rows before the next
+        # slot's load, which may alias it); the sum keeps its slot order
         for h in range(0, H, COMBINE_COLS):
             c = h + tl.arange(0, COMBINE_COLS)
-            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            masks = ()
+            outs = ()
             for kk in tl.static_range(K):
-                wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                masks = masks + (m,)  # noqa: RUF005 - Triton compiles no starred tuple
+                outs = outs + (out,)  # noqa: RUF005
+            acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
+            for kk in tl.static_range(K):
                 if GATE_INPUT:
-                    acc += out.to(tl.float32)
+                    acc += outs[kk].to(tl.float32)
                 else:
-                    acc += wk[:, None] * out.to(tl.float32)
+                    wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
+                    acc += wk[:, None] * outs[kk].to(tl.float32)
                     if SAVE:
-                        tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], out, mask=m)
+                        tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], outs[kk], mask=masks[kk])
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
 
 
