@@ -114,6 +114,12 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
             # (Triton 3.6-3.9); as launched 32-160 bytes (nvshmem, NVSHMEM's device code linked: 600-840).
             most = 256 if backend == "emulated" else 1024
             assert r["stack"] <= most, f"moonlight {r['kernel']}: {r['stack']} bytes of stack per thread"
+        if r["kernel"].startswith("rdep_transport"):
+            # Rows move 16 bytes a load and store (a loop that stores 2 bytes at a time is no move loop:
+            # through nvshmem_ptr's unaligned peers every one did), each step's loads before its stores.
+            moves = r["move_loops"]
+            assert len(moves) >= 2, (r["layer"], r["kernel"], moves)
+            assert all(m["loads_ahead"] == m["loads"] and m["spill_loads"] == 0 for m in moves), (r["layer"], moves)
         if gemms and r["layer"] in ("moonlight", "deepseek_v3"):
             # Tensor descriptors built in global memory, each written and fenced before its first read:
             # the experts' weights' and, one process per rank, the rows' (payload and workspace rings) once

@@ -31,7 +31,11 @@ def nvshmem_ptr(ptr, pe, _semantic=None):
 def peer(heap, rank):
     """Base of rank ``rank``'s copy of the symmetric heap. nvshmem_ptr is NULL for a peer
     that is not load/store reachable; the host checks every peer is before the first launch."""
-    return nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32)).to(tl.pointer_type(tl.uint8))
+    at = nvshmem_ptr(heap.to(tl.int64), tl.cast(rank, tl.int32))
+    # As our copy plus a multiple of 16 bytes (the runtime passes a 16-byte aligned heap, and
+    # every peer's copy is as aligned): so told, the compiler moves rows to and from it 16
+    # bytes a load or store, not 2 (it reads no alignment through an integer made a pointer)
+    return heap + (((at - heap.to(tl.int64)) >> 4) << 4)
 
 
 @triton.jit
