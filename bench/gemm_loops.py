@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,10 @@ def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kerne
             jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
         for r in compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=kernels):
             threads = r.get("threads") or 32 * r["tiles"]["num_warps"]
-            loops = [loop.as_dict() for loop in sass.gemm_loops(sass.disassemble(r["cubin"]))]
+            text = sass.disassemble(r["cubin"])
+            loops = [loop.as_dict() for loop in sass.gemm_loops(text)]
+            rows_moved = [{"kind": "move", **asdict(loop)} for loop in sass.move_loops(text)]
+            rows_moved += [{"kind": "sum", **asdict(loop)} for loop in sass.sum_loops(text)]
             rows.append(
                 {
                     "label": label,
@@ -77,6 +81,8 @@ def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kerne
                     "shared": r["shared"],
                     "ctas_per_sm": sass.ctas_per_sm(r["registers"], r["shared"], threads),
                     "loops": loops,
+                    "threads": threads,
+                    "row_loops": rows_moved,  # the transport's moves and combine
                 }
             )
     return rows
@@ -119,6 +125,23 @@ def markdown(data: dict) -> str:
                 cells = [shape, loop["instructions"], f"{ratio:.2f}", loop["r2ur"], spills, loop["wait_depth"]]
             head = [r["label"], r["layer"], r["kernel"], r["registers"], r["stack"], r["shared"], r["ctas_per_sm"]]
             lines.append("| " + " | ".join(str(c) for c in [*head, *cells]) + " |")
+    lines += [
+        "",
+        "## Row loops: rows copied (move: the transport's dispatch, return, unpack; the GEMM kernel's kept "
+        "input rows) or summed (sum: the combine)",
+        "",
+        "128-bit loads a thread per iteration, and how many of them issue before the first FMA or 128-bit "
+        "store waits for one: what a program has in flight (× 16 B × its threads) before a round trip.",
+        "",
+        "| build | layer | kernel | loop | loads a thread | ahead | KB in flight a program | spills |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        for loop in r.get("row_loops", []):
+            kb = loop["loads_ahead"] * 16 * r["threads"] / 1024
+            spills = loop["spill_loads"] + loop["spill_stores"]
+            cells = [r["label"], r["layer"], r["kernel"], loop["kind"], loop["loads"], loop["loads_ahead"], f"{kb:g}"]
+            lines.append("| " + " | ".join(str(c) for c in [*cells, spills]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -111,8 +111,10 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         assert sp["aligned_pointers"] == sp["pointers"] > 0 and r["launch"]["n_programs"] > 0, (r["layer"], sp)
         if r["layer"] == "moonlight" and not r["kernel"].endswith("backward"):
             # Without the launch's alignment facts its stores were 2 bytes wide: 2.3-2.7 KB of stack
-            # (Triton 3.6-3.9); as launched 32-160 bytes (nvshmem, NVSHMEM's device code linked: 600-840).
-            most = 256 if backend == "emulated" else 1024
+            # (Triton 3.6-3.9). As launched, the forward's moves 64 KB a step, 264 bytes (nvshmem: 320;
+            # spilled outside every loop, which test_gemm_loops holds); with each nvshmem peer's
+            # alignment unknown, its moves 2 bytes wide: 2,056.
+            most = 512
             assert r["stack"] <= most, f"moonlight {r['kernel']}: {r['stack']} bytes of stack per thread"
         if r["kernel"].startswith("rdep_transport"):
             # Rows move 16 bytes a load and store (a loop that stores 2 bytes at a time is no move loop:

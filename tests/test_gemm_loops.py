@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -144,3 +145,27 @@ def test_the_combine_loads_every_slot_before_it_sums(compiled):
             where = (r["layer"], kernel, combine[0])
             assert combine[0]["loads_ahead"] >= K * per_slot, where
             assert combine[0]["spill_loads"] == combine[0]["spill_stores"] == 0, where
+
+
+def test_the_forward_moves_load_a_whole_step_before_they_store(compiled):
+    """The forward transport kernel's moves (dispatch, return and, with a return ring, unpack:
+    rows copied as they are): every 16-byte load of a step of MOVE_BYTES (64 rows of
+    ``move_cols`` columns) issues before the first store waits for one, without a spill. In
+    BLOCK_H columns a step was 16 KB a program, one round trip each. The backward's moves
+    keep BLOCK_H (wider, they took the backward combine's registers: moonlight 28 -> 20 of
+    its 52 loads ahead)."""
+    from rdepc.ir.contract import KernelContract, Tiles
+    from rdepc.ir.sizes import MOVE_BYTES
+
+    results, _ = compiled
+    transport = [r for r in results if r["kernel"] == "rdep_transport"]
+    assert sorted(r["layer"] for r in transport) == ["moonlight", "qwen3_30b_a3b"]
+    for r in transport:
+        contract = KernelContract.from_json(Path(r["cubin"]).with_name(f"{r['layer']}.plan.json").read_text())
+        sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
+        threads = 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
+        step = MOVE_BYTES // (threads * 16)
+        moves = [loop for loop in r["move_loops"] if loop["loads"] == step]
+        assert len(moves) == (3 if contract.ring else 2), (r["layer"], r["move_loops"])
+        for loop in moves:
+            assert loop["loads_ahead"] == step and loop["spill_loads"] == loop["spill_stores"] == 0, (r["layer"], loop)

@@ -75,6 +75,7 @@ def dispatch(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -93,6 +94,9 @@ def dispatch(
 
     RESEND: the backward also sends each row's input again (``inputs``, the forward's x; g'·x
     under GATE_INPUT), as the forward's dispatch sent it, into q's BWD_INPUTS at the same place.
+
+    A step that copies rows (the forward's payload, not fp8) carries MOVE_H columns; one that
+    computes in fp32, BLOCK_H.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -181,7 +185,7 @@ def dispatch(
                 scale = tl.load(gates + base + i, mask=send, other=0.0)
             else:
                 scale = tl.zeros([BLOCK_R], tl.float32)  # unread
-            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, CAST_F32)
+            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32)
             sent = tl.sum(send.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
@@ -219,7 +223,8 @@ def gated(rows, scale, CAST_F32: tl.constexpr):
 
 @triton.jit
 def payload_rows(
-    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
+    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, MOVE_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
 ):  # fmt: skip
     """The forward dispatch's payload rows (those ``send`` marks), from ``src`` to ``to``: as
     they are, narrowed to the dispatch dtype, or quantised to fp8 e4m3 (DISPATCH_SCALE) with
@@ -248,8 +253,8 @@ def payload_rows(
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             put_e4m3(rows_h, to, at_scales, h, send, m, SCALE_COLS, CAST_F32)
     else:
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
+        for h in range(0, H, MOVE_H):
+            c = h + tl.arange(0, MOVE_H)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
             put(to[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)

@@ -42,6 +42,7 @@ from rdepc.codegen.device.layout import (
     KIND_SOLVE,
     KIND_UNPACK,
     KIND_WGRAD,
+    MOVE_COLS,
     NCOL,
     PER_RANK,
     PLAN_SLOTS_AT,
@@ -218,6 +219,10 @@ def rdep_layer(
     kind < 0 is withheld (fault injection): it runs nothing and never signals.
     ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
+    # Columns a step of a move that copies rows carries: the forward transport kernel's MOVE_COLS
+    # (more rows in flight); BLOCK_H where wider steps cost other loops their registers (the
+    # unified kernel's GEMM loops, the backward's combine)
+    MOVE_H: tl.constexpr = BLOCK_H if (GEMMS or BACKWARD) else MOVE_COLS
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
     # With every rank in one process rank0 is 0 and nothing moves.
@@ -354,7 +359,7 @@ def rdep_layer(
                         heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
-                        CAST_F32, BACKWARD,
+                        MOVE_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                     if not GEMMS:  # the transport kernel: a run of moves without rows at once
                         empty = (moved == 0).to(tl.int32)
@@ -370,7 +375,8 @@ def rdep_layer(
                 elif kind == KIND_RETURN:
                     moved = return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
-                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32,
+                        BACKWARD,
                     )  # fmt: skip
                     if not GEMMS:
                         empty = (moved == 0).to(tl.int32)
@@ -390,7 +396,7 @@ def rdep_layer(
                     if kind == KIND_UNPACK:
                         moved = unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
-                            rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
                         if not GEMMS:
                             empty = (moved == 0).to(tl.int32)

@@ -99,6 +99,7 @@ def return_rows(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -108,7 +109,8 @@ def return_rows(
     Returns the piece's rows (as ``dispatch``).
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written. The
+    the segment. A step that copies rows carries MOVE_H columns; one that sums (DEDUP) or
+    quantises (BWD_FP8) them, BLOCK_H. A row_id that decodes to another rank is reported, not written. The
     backward returns dL/dx rows the same way, into r's backward regions.
 
     DEDUP: one row per (token, owner) — for every token of r whose last slot at q is in the
@@ -211,8 +213,8 @@ def return_rows(
                     v = tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                     put_e4m3(v, to, scales_at, h, ok, m, BWD_SCALE_COLS, CAST_F32)
             else:
-                for h in range(0, H, BLOCK_H):
-                    c = h + tl.arange(0, BLOCK_H)
+                for h in range(0, H, MOVE_H):
+                    c = h + tl.arange(0, MOVE_H)
                     m = ok[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
     return n
@@ -237,6 +239,7 @@ def unpack(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -246,8 +249,8 @@ def unpack(
     claim + B. Returns the piece's rows (as ``dispatch``).
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
-    (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
-    fp8 with their scales, and land dequantised.
+    (offset, count) per local expert, cut to the segment, MOVE_H columns a step. BWD_FP8: the
+    backward's rows are fp8 with their scales, and land dequantised, BLOCK_H columns a step.
     """
     local = tl.arange(0, EL_PAD)
     me = peer(heap, r)
@@ -272,12 +275,14 @@ def unpack(
         ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
         frm = ring + tl.cast(at, tl.int64) * H
         to = mine + (t * K + k) * H
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            m = ok[:, None] & (c < H)[None, :]
-            if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
-                rows_h = returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE)
-            else:
-                rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
-            tl.store(to[:, None] + c[None, :], rows_h, mask=m)
+        if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = ok[:, None] & (c < H)[None, :]
+                tl.store(to[:, None] + c[None, :], returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE), mask=m)
+        else:
+            for h in range(0, H, MOVE_H):
+                c = h + tl.arange(0, MOVE_H)
+                m = ok[:, None] & (c < H)[None, :]
+                tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
     return n

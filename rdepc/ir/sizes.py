@@ -35,6 +35,20 @@ def combine_cols(K: int) -> int:
     return COMBINE_COLS if K <= 8 else COMBINE_COLS // 2
 
 
+# Bytes of rows a program's move step (a dispatch's, return's or unpack's) loads before it
+# stores them, at 64 rows a block (every tile's block_r): in BLOCK_H columns a step was 16 KB,
+# a round trip each (the combine's steps, ~12 GB/s a program, were as latency-bound before
+# their slots were unrolled)
+MOVE_BYTES = 64 * 1024
+
+
+def move_cols(H: int, elem_bytes: int) -> int:
+    """Columns one step of a forward move carries in the transport kernel: MOVE_BYTES over 64
+    rows of ``elem_bytes`` each (512 in bf16), no more than H rounded up to a power of two."""
+    cols = MOVE_BYTES // (64 * elem_bytes)
+    return min(cols, 1 << max(4, (H - 1).bit_length()))
+
+
 def kept_columns(H: Any, F: Any, gated: bool, recompute: bool, resend: bool = False) -> dict[str, Any]:
     """Columns of each owner-row buffer a forward keeps for its backward, per row: the input
     rows x (saved_x) unless the backward's dispatch sends them again (``activations input

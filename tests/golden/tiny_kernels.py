@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 37f5e2b4b9685b568d9a4078336573c3fdb0eff9f26437f1e56abb8d802ed41e
+# content-sha256: 5c4b197b82fd10b28a1d1a1867094ba46d59ae123a5e1e8dd8e6f2422be5933c
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -78,6 +78,7 @@ KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
 COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills)
+MOVE_COLS = tl.constexpr(64)  # columns a forward transport move's step carries
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
@@ -967,6 +968,7 @@ def dispatch(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -985,6 +987,9 @@ def dispatch(
 
     RESEND: the backward also sends each row's input again (``inputs``, the forward's x; g'·x
     under GATE_INPUT), as the forward's dispatch sent it, into q's BWD_INPUTS at the same place.
+
+    A step that copies rows (the forward's payload, not fp8) carries MOVE_H columns; one that
+    computes in fp32, BLOCK_H.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -1073,7 +1078,7 @@ def dispatch(
                 scale = tl.load(gates + base + i, mask=send, other=0.0)
             else:
                 scale = tl.zeros([BLOCK_R], tl.float32)  # unread
-            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, CAST_F32)
+            payload_rows(dst, src, to, at, send, scale, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32)
             sent = tl.sum(send.to(tl.int32), axis=0)
             tl.atomic_add(stats + tl.cast(r, tl.int64) * ST_COLS + ST_SENT, sent)
         row_id = rid_c + tl.cast(r, tl.int64) * rid_r + tl.cast(t, tl.int64) * rid_t + k * rid_k
@@ -1111,7 +1116,8 @@ def gated(rows, scale, CAST_F32: tl.constexpr):
 
 @triton.jit
 def payload_rows(
-    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, CAST_F32: tl.constexpr
+    dst, src, to, at, send, scale, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, MOVE_H: tl.constexpr,
+    CAST_F32: tl.constexpr,
 ):  # fmt: skip
     """The forward dispatch's payload rows (those ``send`` marks), from ``src`` to ``to``: as
     they are, narrowed to the dispatch dtype, or quantised to fp8 e4m3 (DISPATCH_SCALE) with
@@ -1140,8 +1146,8 @@ def payload_rows(
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m, other=0.0), scale, CAST_F32).to(tl.float32)
             put_e4m3(rows_h, to, at_scales, h, send, m, SCALE_COLS, CAST_F32)
     else:
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
+        for h in range(0, H, MOVE_H):
+            c = h + tl.arange(0, MOVE_H)
             m = send[:, None] & (c < H)[None, :]
             rows_h = gated(tl.load(src[:, None] + c[None, :], mask=m), scale, CAST_F32)
             put(to[:, None] + c[None, :], on_wire(rows_h, CAST_F32), m)
@@ -2216,6 +2222,7 @@ def return_rows(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -2225,7 +2232,8 @@ def return_rows(
     Returns the piece's rows (as ``dispatch``).
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
-    the segment. A row_id that decodes to another rank is reported, not written. The
+    the segment. A step that copies rows carries MOVE_H columns; one that sums (DEDUP) or
+    quantises (BWD_FP8) them, BLOCK_H. A row_id that decodes to another rank is reported, not written. The
     backward returns dL/dx rows the same way, into r's backward regions.
 
     DEDUP: one row per (token, owner) — for every token of r whose last slot at q is in the
@@ -2328,8 +2336,8 @@ def return_rows(
                     v = tl.load(frm[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
                     put_e4m3(v, to, scales_at, h, ok, m, BWD_SCALE_COLS, CAST_F32)
             else:
-                for h in range(0, H, BLOCK_H):
-                    c = h + tl.arange(0, BLOCK_H)
+                for h in range(0, H, MOVE_H):
+                    c = h + tl.arange(0, MOVE_H)
                     m = ok[:, None] & (c < H)[None, :]
                     put(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), m)
     return n
@@ -2354,6 +2362,7 @@ def unpack(
     rid_k,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    MOVE_H: tl.constexpr,
     CAST_F32: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
@@ -2363,8 +2372,8 @@ def unpack(
     claim + B. Returns the piece's rows (as ``dispatch``).
 
     Which slot rows hold the piece follows from what q published to r: the admitted spans
-    (offset, count) per local expert, cut to the segment. BWD_FP8: the backward's rows are
-    fp8 with their scales, and land dequantised.
+    (offset, count) per local expert, cut to the segment, MOVE_H columns a step. BWD_FP8: the
+    backward's rows are fp8 with their scales, and land dequantised, BLOCK_H columns a step.
     """
     local = tl.arange(0, EL_PAD)
     me = peer(heap, r)
@@ -2389,14 +2398,16 @@ def unpack(
         ok = owned_by(rank, rid, live, r, ctl, entry, epoch, s)
         frm = ring + tl.cast(at, tl.int64) * H
         to = mine + (t * K + k) * H
-        for h in range(0, H, BLOCK_H):
-            c = h + tl.arange(0, BLOCK_H)
-            m = ok[:, None] & (c < H)[None, :]
-            if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
-                rows_h = returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE)
-            else:
-                rows_h = tl.load(frm[:, None] + c[None, :], mask=m)
-            tl.store(to[:, None] + c[None, :], rows_h, mask=m)
+        if BACKWARD and BWD_FP8:  # dequantised, already rounded to the layer's dtype (exact in it)
+            for h in range(0, H, BLOCK_H):
+                c = h + tl.arange(0, BLOCK_H)
+                m = ok[:, None] & (c < H)[None, :]
+                tl.store(to[:, None] + c[None, :], returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE), mask=m)
+        else:
+            for h in range(0, H, MOVE_H):
+                c = h + tl.arange(0, MOVE_H)
+                m = ok[:, None] & (c < H)[None, :]
+                tl.store(to[:, None] + c[None, :], tl.load(frm[:, None] + c[None, :], mask=m), mask=m)
     return n
 
 
@@ -3133,6 +3144,10 @@ def rdep_layer(
     kind < 0 is withheld (fault injection): it runs nothing and never signals.
     ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
+    # Columns a step of a move that copies rows carries: the forward transport kernel's MOVE_COLS
+    # (more rows in flight); BLOCK_H where wider steps cost other loops their registers (the
+    # unified kernel's GEMM loops, the backward's combine)
+    MOVE_H: tl.constexpr = BLOCK_H if (GEMMS or BACKWARD) else MOVE_COLS
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
     # With every rank in one process rank0 is 0 and nothing moves.
@@ -3269,7 +3284,7 @@ def rdep_layer(
                         heap, sent, x, gates, order, owner_first, n_local, sorted_rows, route_scratch, topk_ids,
                         owner_of, local_of, rowpos, stats,
                         src, owner, segment, item, items, n_tokens, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H,
-                        CAST_F32, BACKWARD,
+                        MOVE_H, CAST_F32, BACKWARD,
                     )  # fmt: skip
                     if not GEMMS:  # the transport kernel: a run of moves without rows at once
                         empty = (moved == 0).to(tl.int32)
@@ -3285,7 +3300,8 @@ def rdep_layer(
                 elif kind == KIND_RETURN:
                     moved = return_rows(
                         heap, recv, staging, staging_rid, saved_out, stats, ctl, entry, epoch, owner, src, segment,
-                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                        claim, item, items, rid_c, rid_r, rid_t, rid_k, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32,
+                        BACKWARD,
                     )  # fmt: skip
                     if not GEMMS:
                         empty = (moved == 0).to(tl.int32)
@@ -3305,7 +3321,7 @@ def rdep_layer(
                     if kind == KIND_UNPACK:
                         moved = unpack(
                             heap, landing, ctl, entry, epoch, rank, owner, segment, claim, item, items, rid_c, rid_r,
-                            rid_t, rid_k, BLOCK_R, BLOCK_H, CAST_F32, BACKWARD,
+                            rid_t, rid_k, BLOCK_R, BLOCK_H, MOVE_H, CAST_F32, BACKWARD,
                         )  # fmt: skip
                         if not GEMMS:
                             empty = (moved == 0).to(tl.int32)
