@@ -68,8 +68,8 @@ def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kerne
             threads = r.get("threads") or 32 * r["tiles"]["num_warps"]
             text = sass.disassemble(r["cubin"])
             loops = [loop.as_dict() for loop in sass.gemm_loops(text)]
-            rows_moved = [{"kind": "move", **asdict(loop)} for loop in sass.move_loops(text)]
-            rows_moved += [{"kind": "sum", **asdict(loop)} for loop in sass.sum_loops(text)]
+            row_loops = [{"kind": "move", **asdict(loop)} for loop in sass.move_loops(text)]
+            row_loops += [{"kind": "sum", **asdict(loop)} for loop in sass.sum_loops(text)]
             rows.append(
                 {
                     "label": label,
@@ -82,7 +82,7 @@ def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kerne
                     "ctas_per_sm": sass.ctas_per_sm(r["registers"], r["shared"], threads),
                     "loops": loops,
                     "threads": threads,
-                    "row_loops": rows_moved,  # the transport's moves and combine
+                    "row_loops": row_loops,  # the transport's moves and combine
                 }
             )
     return rows

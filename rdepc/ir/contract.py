@@ -29,7 +29,7 @@ from rdepc.ir.queues import mode_kernels as mode_kernels
 from rdepc.ir.queues import phase_queues as phase_queues
 from rdepc.ir.queues import queue_records as queue_records
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
-from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots, route_chunks
+from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots, next_pow2, route_chunks
 from rdepc.ir.spec import Dtype, is_gated
 
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
@@ -77,13 +77,6 @@ def tile_slots(rows_max, n_local, S: int, bm: int = 16) -> int:
     """m-tile slots of the busiest (owner, segment) at ``bm`` rows per m-tile (default: the
     smallest legal one, so that ``tile_done`` fits every choice of tiles)."""
     return max(m_tile_slots(rows_max, n_local, S, bm), default=0)
-
-
-def next_pow2(n: int, least: int = 2) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
 
 
 SHARED_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200

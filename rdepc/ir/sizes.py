@@ -45,8 +45,15 @@ MOVE_BYTES = 64 * 1024
 def move_cols(H: int, elem_bytes: int) -> int:
     """Columns one step of a forward move carries in the transport kernel: MOVE_BYTES over 64
     rows of ``elem_bytes`` each (512 in bf16), no more than H rounded up to a power of two."""
-    cols = MOVE_BYTES // (64 * elem_bytes)
-    return min(cols, 1 << max(4, (H - 1).bit_length()))
+    return min(MOVE_BYTES // (64 * elem_bytes), next_pow2(H, 16))
+
+
+def next_pow2(n: int, least: int = 2) -> int:
+    """The least power of two, ``least`` or more, that is n or more (a tl.arange size)."""
+    p = least
+    while p < n:
+        p *= 2
+    return p
 
 
 def kept_columns(H: Any, F: Any, gated: bool, recompute: bool, resend: bool = False) -> dict[str, Any]:
