@@ -95,11 +95,11 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
     1.10× of the yardstick in the GEMM kernel (1.03-1.07×) and 1.16× in the unified one
     (1.03-1.08×). Stack: none in the GEMM kernel, whose gated dA epilogue runs over even and
     odd columns apart, the loads ``anchored`` to the accumulator (``paired_backward``); the
-    unified kernel's 1,128-1,152 B are in dA's epilogue, where Triton forms the gated
+    unified kernel's 904-1,160 B are in dA's epilogue, where Triton forms the gated
     activation's backward in two layouts, the accumulator's and the stride-2 loads' (its
     registers, beside the transport code, do not hold the GEMM kernel's way), and in the
-    backward combine's unrolled slots (864-1,112 B before them)
-    (bench/results/gemm-loops-sm90.md)."""
+    backward combine's unrolled slots (864-1,112 B before them; 1,128-1,152 B with each
+    slot's rows addressed on their own) (bench/results/gemm-loops-sm90.md)."""
     results, yard = compiled
     backward = [r for r in results if "backward" in r["kernel"] and r["loops"]]  # the transport has no GEMM
     kernels = ["rdep_gemm.backward"] * 2 + ["rdep_gemm.backward (per rank)"] * 2 + ["rdep_layer.backward"] * 2
@@ -112,7 +112,7 @@ def test_the_backward_gemm_loops_are_pipelined_and_spill_free(compiled):
             assert loop["spill_loads"] == loop["spill_stores"] == 0 and loop["wait_depth"] >= 1, where
             assert loop["tma_loads"] == 2 and loop["r2ur"] <= 1, where
             assert loop["instructions"] <= (1.10 if split else 1.16) * yard[loop["shapes"][0]], where
-        assert r["stack"] <= (0 if split else 1152), (r["layer"], r["kernel"], r["stack"])
+        assert r["stack"] <= (0 if split else 1160), (r["layer"], r["kernel"], r["stack"])
 
 
 def test_the_combine_loads_every_slot_before_it_sums(compiled):

@@ -56,11 +56,12 @@ def returned_rows(me, BACKWARD: tl.constexpr):
 
 
 @triton.jit
-def returned_grad(me, landing, row, c, m, CAST_F32: tl.constexpr):
-    """dL/dx rows ``row`` (int [N]) of the backward's landing rows ``landing`` in front-end
-    slice ``me``, columns ``c``, in fp32: under BWD_FP8 times their scales, rounded to the
-    layer's dtype (as a return ring's unpack keeps them: the same sums either way)."""
-    back = tl.load(landing + tl.cast(row, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+def returned_grad(me, at, row, c, m, CAST_F32: tl.constexpr):
+    """dL/dx rows ``row`` (int [N]) of the backward's landing rows in front-end slice ``me``,
+    ``at`` where each starts ([N, 1]), columns ``c``, in fp32: under BWD_FP8 times their
+    scales, rounded to the layer's dtype (as a return ring's unpack keeps them: the same
+    sums either way)."""
+    back = tl.load(at + c[None, :], mask=m, other=0.0).to(tl.float32)
     if BWD_FP8:
         scales = (me + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32))
         at = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
@@ -279,7 +280,9 @@ def unpack(
             for h in range(0, H, BLOCK_H):
                 c = h + tl.arange(0, BLOCK_H)
                 m = ok[:, None] & (c < H)[None, :]
-                tl.store(to[:, None] + c[None, :], returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE), mask=m)
+                tl.store(
+                    to[:, None] + c[None, :], returned_grad(me, frm[:, None], at, c, m, CAST_F32).to(DTYPE), mask=m
+                )
         else:
             for h in range(0, H, MOVE_H):
                 c = h + tl.arange(0, MOVE_H)

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 5c4b197b82fd10b28a1d1a1867094ba46d59ae123a5e1e8dd8e6f2422be5933c
+# content-sha256: 685c12c35887cf2e9269eb7b90092d08415535e56508385ad84350f39382fc57
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2179,11 +2179,12 @@ def returned_rows(me, BACKWARD: tl.constexpr):
 
 
 @triton.jit
-def returned_grad(me, landing, row, c, m, CAST_F32: tl.constexpr):
-    """dL/dx rows ``row`` (int [N]) of the backward's landing rows ``landing`` in front-end
-    slice ``me``, columns ``c``, in fp32: under BWD_FP8 times their scales, rounded to the
-    layer's dtype (as a return ring's unpack keeps them: the same sums either way)."""
-    back = tl.load(landing + tl.cast(row, tl.int64)[:, None] * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+def returned_grad(me, at, row, c, m, CAST_F32: tl.constexpr):
+    """dL/dx rows ``row`` (int [N]) of the backward's landing rows in front-end slice ``me``,
+    ``at`` where each starts ([N, 1]), columns ``c``, in fp32: under BWD_FP8 times their
+    scales, rounded to the layer's dtype (as a return ring's unpack keeps them: the same
+    sums either way)."""
+    back = tl.load(at + c[None, :], mask=m, other=0.0).to(tl.float32)
     if BWD_FP8:
         scales = (me + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32))
         at = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
@@ -2402,7 +2403,9 @@ def unpack(
             for h in range(0, H, BLOCK_H):
                 c = h + tl.arange(0, BLOCK_H)
                 m = ok[:, None] & (c < H)[None, :]
-                tl.store(to[:, None] + c[None, :], returned_grad(me, ring, at, c, m, CAST_F32).to(DTYPE), mask=m)
+                tl.store(
+                    to[:, None] + c[None, :], returned_grad(me, frm[:, None], at, c, m, CAST_F32).to(DTYPE), mask=m
+                )
         else:
             for h in range(0, H, MOVE_H):
                 c = h + tl.arange(0, MOVE_H)
@@ -2421,17 +2424,27 @@ def leads(ok, q, row):
 
 
 @triton.jit
-def lead_rows(landing, lead, t, k, c, BLOCK_H: tl.constexpr):
+def lead_rows(firsts, lead, k, c, BLOCK_H: tl.constexpr):
     """DEDUP: the sum of the rows returned per (token, owner), at each token's first slot
-    there (``lead``), in slot order, columns ``c``."""
+    there (``lead``), in slot order, columns ``c``; ``firsts``: each token's first slot's
+    row (``slot_rows``)."""
     acc = tl.zeros([COMBINE_TOKENS, BLOCK_H], tl.float32)
     # one row per (token, owner), at the token's first slot there, in slot order; unrolled, so
     # that every slot's rows are loaded before the sum waits for them (as combine's)
     for kk in tl.static_range(K):
         lead_k = tl.max(tl.where(k[None, :] == kk, lead.to(tl.int32), 0), axis=1) != 0
         m = lead_k[:, None] & (c < H)[None, :]
-        acc += tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(firsts + kk * H + c[None, :], mask=m, other=0.0).to(tl.float32)
     return acc
+
+
+@triton.jit
+def slot_rows(rows, t):
+    """Where tokens ``t``'s first slot's row starts in ``rows`` (a row per (token, slot)): a
+    slot's is kk·H elements on, a constant its loads and stores carry as an offset. Indexed
+    per slot instead, each slot's rows took an address of their own (deepseek_v3's combine,
+    H = 7168: 68 spill loads a step)."""
+    return rows + tl.cast(t, tl.int64)[:, None] * (K * H)
 
 
 @triton.jit
@@ -2503,18 +2516,20 @@ def combine(
         landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
     else:
         landing = returned_rows(me, False)
+    firsts = slot_rows(landing, t)
     y_rows = y + (tl.cast(r, tl.int64) * n_tokens + t) * H
     real = t < n_tokens
     if DEDUP:
         lead = leads(ok, at // E_MAX, offset + p)
         for h in range(0, H, COMBINE_COLS):
             c = h + tl.arange(0, COMBINE_COLS)
-            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
+            acc = lead_rows(firsts, lead, k, c, COMBINE_COLS)
             if RENORMALIZE:
                 acc = acc * scale[:, None]
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
     else:
         tl.debug_barrier()  # the loop below reads g' and the accepted set back, slot by slot
+        kept_rows = slot_rows(saved_out + base * H, t)
         # COMBINE_COLS columns at a time, the slots unrolled: all K slots' rows are loaded
         # before one is summed or kept (a loop over the slots keeps one slot's rows in flight,
         # and the step is latency-bound; so does a store of each slot's rows before the next
@@ -2526,7 +2541,7 @@ def combine(
             for kk in tl.static_range(K):
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
-                out = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                out = tl.load(firsts + kk * H + c[None, :], mask=m, other=0.0)
                 masks = masks + (m,)  # noqa: RUF005 - Triton compiles no starred tuple
                 outs = outs + (out,)  # noqa: RUF005
             acc = tl.zeros([COMBINE_TOKENS, COMBINE_COLS], tl.float32)
@@ -2537,7 +2552,7 @@ def combine(
                     wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                     acc += wk[:, None] * outs[kk].to(tl.float32)
                     if SAVE:
-                        tl.store(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], outs[kk], mask=masks[kk])
+                        tl.store(kept_rows + kk * H + c[None, :], outs[kk], mask=masks[kk])
             tl.store(y_rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :])
 
 
@@ -2580,6 +2595,7 @@ def combine_grad(
         landing = landing + tl.cast(r, tl.int64) * (T * K) * H  # unpacked from the return ring
     else:
         landing = returned_rows(peer(heap, r), True)
+    firsts = slot_rows(landing, t)
     rows = (tl.cast(r, tl.int64) * n_tokens + t) * H
     if DEDUP:
         i = t[:, None] * K + k[None, :]
@@ -2589,7 +2605,7 @@ def combine_grad(
         dg = tl.load((peer(heap, r) + BWD_DGATE).to(tl.pointer_type(tl.float32)) + i, mask=ok, other=0.0)
         for h in range(0, H, COMBINE_COLS):
             c = h + tl.arange(0, COMBINE_COLS)
-            acc = lead_rows(landing, lead, t, k, c, COMBINE_COLS)
+            acc = lead_rows(firsts, lead, k, c, COMBINE_COLS)
             tl.store(
                 dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=real[:, None] & (c < H)[None, :]
             )
@@ -2597,6 +2613,7 @@ def combine_grad(
         # as combine's: COMBINE_COLS columns at a time, the slots unrolled, so every slot's
         # rows are in flight before the sums wait for them (wider columns spill)
         dg = tl.zeros([COMBINE_TOKENS, K_PAD], tl.float32)
+        kept_rows = slot_rows(saved_out + base * H, t)
         for h in range(0, H, COMBINE_COLS):
             c = h + tl.arange(0, COMBINE_COLS)
             keep = real[:, None] & (c < H)[None, :]
@@ -2609,16 +2626,16 @@ def combine_grad(
                 ok_k = tl.load(accepted + base + t * K + kk, mask=real, other=0) != 0
                 m = ok_k[:, None] & (c < H)[None, :]
                 if RING:  # unpacked into the layer's dtype
-                    back = tl.load(landing + (t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0).to(tl.float32)
+                    back = tl.load(firsts + kk * H + c[None, :], mask=m, other=0.0).to(tl.float32)
                 else:  # BWD_FP8: with their scales
-                    back = returned_grad(peer(heap, r), landing, t * K + kk, c, m, CAST_F32)
+                    back = returned_grad(peer(heap, r), firsts + kk * H, t * K + kk, c, m, CAST_F32)
                 if GATE_INPUT:  # back: dL/d(g'x); the token's row times g', and x · it
                     wk = tl.load(gprime + base + t * K + kk, mask=real, other=0.0)
                     acc += wk[:, None] * back
                     dg += tl.where(k[None, :] == kk, tl.sum(d * back, axis=1)[:, None], 0.0)
                 else:  # back: dL/dx of the slot; dL/dg' = dL/dy · the output kept
                     acc += back
-                    out = tl.load(saved_out + (base + t[:, None] * K + kk) * H + c[None, :], mask=m, other=0.0)
+                    out = tl.load(kept_rows + kk * H + c[None, :], mask=m, other=0.0)
                     dg += tl.where(k[None, :] == kk, tl.sum(d * out.to(tl.float32), axis=1)[:, None], 0.0)
             tl.store(dx + rows[:, None] + c[None, :], narrow(acc, DTYPE, CAST_F32), mask=keep)
     tl.store(dgprime + base + t[:, None] * K + k[None, :], dg, mask=real[:, None] & (k < K)[None, :])
