@@ -25,6 +25,7 @@ from rdepc.codegen.device import include
 from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
 from rdepc.ir.sizes import (
+    BM,
     ROUTE_CHUNK_TOKENS,
     SCALE_BLOCK,
     block_scales,
@@ -210,6 +211,7 @@ def constants(p: KernelContract) -> str:
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
         _c("COMBINE_COLS", combine_cols(p.K), "columns the combine sums over all K slots at once (wider spills)"),
         _c("MOVE_COLS", move_cols(p.H, Dtype(p.dtype).bytes), "columns a forward transport move's step carries"),
+        _c("KEEP_COLS", move_cols(p.H, Dtype(p.dtype).bytes, BM), "columns a step of the GEMM kernel's row copies"),
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
         _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),

@@ -169,3 +169,26 @@ def test_the_forward_moves_load_a_whole_step_before_they_store(compiled):
         assert len(moves) == (3 if contract.ring else 2), (r["layer"], r["move_loops"])
         for loop in moves:
             assert loop["loads_ahead"] == step and loop["spill_loads"] == loop["spill_stores"] == 0, (r["layer"], loop)
+
+
+def test_the_gemm_kernel_copies_its_kept_rows_a_whole_step_at_a_time(compiled):
+    """The GEMM kernel's row copies — a training forward's input rows kept for the backward
+    (``gemm1`` under SAVE), the backward's dO rows — step KEEP_COLS columns of an m-tile's
+    rows, MOVE_BYTES a step: every 16-byte load issues before the first store, without a
+    spill, and the GEMM loops keep their figures (held above). In BLOCK_K columns a step
+    was 16 KB, a round trip each, in the program's GEMM1 item."""
+    from rdepc.ir.contract import Tiles
+    from rdepc.ir.sizes import MOVE_BYTES
+
+    results, _ = compiled
+    copying = [r for r in results if r["kernel"].split()[0] in ("rdep_gemm", "rdep_gemm.backward")]
+    assert len(copying) == 8, [(r["layer"], r["kernel"]) for r in copying]
+    for r in copying:
+        sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
+        step = MOVE_BYTES // (32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps * 16)
+        where = (r["layer"], r["kernel"], r["move_loops"])
+        assert [(m["loads"], m["loads_ahead"], m["spill_loads"], m["spill_stores"]) for m in r["move_loops"]] == [
+            (step, step, 0, 0)
+        ], where
+    forward = [r for r in results if r["kernel"].split()[0] == "rdep_gemm.forward"]  # keeps nothing: copies none
+    assert forward and not any(r["move_loops"] for r in forward)

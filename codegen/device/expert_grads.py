@@ -153,6 +153,7 @@ def bgemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     PAIRED: tl.constexpr,
+    COPY_COLS: tl.constexpr,
     down_t=None,
     up_desc=None,
     a_desc=None,
@@ -269,9 +270,9 @@ def bgemm1(
             elif BWD_FP8:  # dequantised, as the GEMM above read them
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K, scales, BWD_SCALE_COLS)
             else:
-                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, COPY_COLS)
             if RESEND:  # the input rows for the weight gradients, as the forward would have kept them
-                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
+                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, COPY_COLS)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
@@ -381,25 +382,28 @@ def expert_item(
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr, up_desc=None,
-    down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr,
+    COPY_COLS: tl.constexpr, up_desc=None, down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
     kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
-    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``."""
+    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``;
+    ``COPY_COLS``: the columns a step of an item's row copies carries (the rows kept for the
+    backward, its dO rows)."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc, rows_desc,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, COPY_COLS, down_t, up_desc,
+                rows_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc, rows_desc,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, COPY_COLS, up_desc, rows_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H

@@ -209,6 +209,7 @@ def gemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
+    COPY_COLS: tl.constexpr,
     w_desc=None,
     a_desc=None,
 ):
@@ -222,9 +223,9 @@ def gemm1(
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
     kept at the rows' places among the owner's rows, for the backward (the input rows not
-    under ``RESEND``: the backward sends them again). fp8 rows are read
-    with their scales; under DEDUP each slot reads the payload row of its token's first
-    slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
+    under ``RESEND``: the backward sends them again), ``COPY_COLS`` columns a step. fp8
+    rows are read with their scales; under DEDUP each slot reads the payload row of its
+    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
     before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
@@ -272,7 +273,7 @@ def gemm1(
                     if DISPATCH_SCALE != "none":
                         copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
                     else:
-                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, COPY_COLS)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)

@@ -20,6 +20,7 @@ from rdepc.codegen.device.layout import (
     CTL_EXITS,
     CTL_GEMM_PROGRAMS,
     ERR_WAIT,
+    KEEP_COLS,
     KIND_GEMM1,
     KIND_GEMM2,
     NCOL,
@@ -240,11 +241,14 @@ def rdep_gemm(
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
+            # the rows an item keeps for the backward (and the backward's dO rows) are copied
+            # KEEP_COLS columns a step, as many bytes as a transport move's: 16 loads a thread
+            # before the first store, where BLOCK_K columns were 4
             expert_item(
                 kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                 saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                 owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
+                SAVE, True, KEEP_COLS, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
             )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2

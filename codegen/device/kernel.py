@@ -365,12 +365,14 @@ def rdep_layer(
                         empty = (moved == 0).to(tl.int32)
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
+                        # rows copied BLOCK_K columns a step: wider, the backward's GEMM loops and
+                        # stack lost registers (rdep_gemm copies KEEP_COLS)
                         expert_item(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
-                            down_t, rows_desc, mid_desc,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, BLOCK_K, up_desc, down_desc,
+                            up_t, down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     moved = return_rows(

@@ -35,17 +35,18 @@ def combine_cols(K: int) -> int:
     return COMBINE_COLS if K <= 8 else COMBINE_COLS // 2
 
 
-# Bytes of rows a program's move step (a dispatch's, return's or unpack's) loads before it
-# stores them, at 64 rows a block (every tile's block_r): in BLOCK_H columns a step was 16 KB,
-# a round trip each (the combine's steps, ~12 GB/s a program, were as latency-bound before
-# their slots were unrolled)
+# Bytes of rows a program's move step (a dispatch's, return's or unpack's; the GEMM kernel's
+# copy of the rows it keeps) loads before it stores them: in BLOCK_H columns of 64 rows (every
+# tile's block_r) a step was 16 KB, a round trip each (the combine's steps, ~12 GB/s a program,
+# were as latency-bound before their slots were unrolled)
 MOVE_BYTES = 64 * 1024
 
 
-def move_cols(H: int, elem_bytes: int) -> int:
-    """Columns one step of a forward move carries in the transport kernel: MOVE_BYTES over 64
-    rows of ``elem_bytes`` each (512 in bf16), no more than H rounded up to a power of two."""
-    return min(MOVE_BYTES // (64 * elem_bytes), next_pow2(H, 16))
+def move_cols(H: int, elem_bytes: int, rows: int = 64) -> int:
+    """Columns one step of a copy of ``rows`` rows of ``elem_bytes`` each carries: MOVE_BYTES
+    of them (in bf16 512 at a transport move's 64 rows, 256 at an m-tile's BM), no more than H
+    rounded up to a power of two."""
+    return min(MOVE_BYTES // (rows * elem_bytes), next_pow2(H, 16))
 
 
 def next_pow2(n: int, least: int = 2) -> int:

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 685c12c35887cf2e9269eb7b90092d08415535e56508385ad84350f39382fc57
+# content-sha256: 5be17424e37fa57032eca62b5af22fdfa9769e236299b1332c675a61bbc36623
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -79,6 +79,7 @@ KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection ste
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
 COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills)
 MOVE_COLS = tl.constexpr(64)  # columns a forward transport move's step carries
+KEEP_COLS = tl.constexpr(64)  # columns a step of the GEMM kernel's row copies
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
 TILE_SLOTS = tl.constexpr(9)  # m-tile slots per segment at 16 rows per m-tile
@@ -1653,6 +1654,7 @@ def gemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     SAVE: tl.constexpr,
+    COPY_COLS: tl.constexpr,
     w_desc=None,
     a_desc=None,
 ):
@@ -1666,9 +1668,9 @@ def gemm1(
     dispatch may refill the payload slot before GEMM2 has run. With ``SAVE`` (a forward
     that backward will walk) the pre-activations and, from F-block 0, the input rows are
     kept at the rows' places among the owner's rows, for the backward (the input rows not
-    under ``RESEND``: the backward sends them again). fp8 rows are read
-    with their scales; under DEDUP each slot reads the payload row of its token's first
-    slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
+    under ``RESEND``: the backward sends them again), ``COPY_COLS`` columns a step. fp8
+    rows are read with their scales; under DEDUP each slot reads the payload row of its
+    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
     before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
@@ -1716,7 +1718,7 @@ def gemm1(
                     if DISPATCH_SCALE != "none":
                         copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K, scales, SCALE_COLS)
                     else:
-                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, BLOCK_K)
+                        copy_rows(rows, src_rows, saved_x + first * H, live, H, BM, COPY_COLS)
         if f == 0:
             rid = tl.load((me + SB_ROW_ID).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + row, rid, mask=live)
@@ -1898,6 +1900,7 @@ def bgemm1(
     STAGES: tl.constexpr,
     CAST_F32: tl.constexpr,
     PAIRED: tl.constexpr,
+    COPY_COLS: tl.constexpr,
     down_t=None,
     up_desc=None,
     a_desc=None,
@@ -2014,9 +2017,9 @@ def bgemm1(
             elif BWD_FP8:  # dequantised, as the GEMM above read them
                 copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K, scales, BWD_SCALE_COLS)
             else:
-                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, BLOCK_K)
+                copy_rows(rows, at + m, do_rows + first * H, live, H, BM, COPY_COLS)
             if RESEND:  # the input rows for the weight gradients, as the forward would have kept them
-                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, BLOCK_K)
+                copy_rows(inputs, at + m, saved_x + first * H, live, H, BM, COPY_COLS)
             ring = tl.cast(q, tl.int64) * (B * S) + at + m
             rid = tl.load((me + BWD_ROW_IDS).to(tl.pointer_type(tl.int64)) + at + m, mask=live, other=0)
             tl.store(hbuf_rid + ring, rid, mask=live)
@@ -2126,25 +2129,28 @@ def expert_item(
     saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down, q, s, item, local, row0, lo, hi,
     BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr, up_desc=None,
-    down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
+    CAST_F32: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr, PAIRED: tl.constexpr,
+    COPY_COLS: tl.constexpr, up_desc=None, down_desc=None, up_t=None, down_t=None, rows_desc=None, mid_desc=None,
 ):  # fmt: skip
     """Run GEMM work item ``item`` of an entry of ``kind`` (gemm1, gemm2 or, in the backward,
     wgrad) at owner q, segment s; a GEMM1 or GEMM2 item's m-tile is already bound (local
     expert, first row, live rows [lo, hi): ``rows.m_tile`` of ``m_tile_slot``). Both
     kernels that run GEMM work call it: ``rdep_layer`` in unified mode, ``rdep_gemm``, with
-    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``."""
+    their program's ``weight_descriptors`` and, one process per rank, ``ring_descriptors``;
+    ``COPY_COLS``: the columns a step of an item's row copies carries (the rows kept for the
+    backward, its dO rows)."""
     if kind == KIND_GEMM1:
         f = item % ((F + BLOCK_F - 1) // BLOCK_F) * BLOCK_F
         if BACKWARD:
             bgemm1(
                 heap, w_down, weight_of, slots, saved_pre, w_up, b_up, saved_x, dh, act_rows, do_rows, hbuf_rid, q, s,
-                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, down_t, up_desc, rows_desc,
+                local, row0, lo, hi, f, BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, PAIRED, COPY_COLS, down_t, up_desc,
+                rows_desc,
             )  # fmt: skip
         else:
             gemm1(
                 heap, w_up, b_up, weight_of, slots, hbuf, hbuf_rid, saved_x, saved_pre, q, s, local, row0, lo, hi, f,
-                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, up_desc, rows_desc,
+                BM, BLOCK_F, BLOCK_K, STAGES, CAST_F32, SAVE, COPY_COLS, up_desc, rows_desc,
             )  # fmt: skip
     elif kind == KIND_GEMM2:
         h = item % ((H + BLOCK_H - 1) // BLOCK_H) * BLOCK_H
@@ -3307,12 +3313,14 @@ def rdep_layer(
                         empty = (moved == 0).to(tl.int32)
                 elif (kind == KIND_GEMM1) | (kind == KIND_GEMM2) | (kind == KIND_WGRAD):
                     if GEMMS:  # split mode: rdep_gemm runs them
+                        # rows copied BLOCK_K columns a step: wider, the backward's GEMM loops and
+                        # stack lost registers (rdep_gemm copies KEEP_COLS)
                         expert_item(
                             kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging,
                             staging_rid, saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up,
                             b_down, db_up, db_down, owner, segment, item, local, row0, lo_row, hi_row, BM, BLOCK_H,
-                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, up_desc, down_desc, up_t,
-                            down_t, rows_desc, mid_desc,
+                            BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD, SAVE, False, BLOCK_K, up_desc, down_desc,
+                            up_t, down_t, rows_desc, mid_desc,
                         )  # fmt: skip
                 elif kind == KIND_RETURN:
                     moved = return_rows(
@@ -3588,11 +3596,14 @@ def rdep_gemm(
         elif kind >= 0:
             if PROFILE:
                 start = now(ctl, GLOBALTIMER)
+            # the rows an item keeps for the backward (and the backward's dO rows) are copied
+            # KEEP_COLS columns a step, as many bytes as a transport move's: 16 loads a thread
+            # before the first store, where BLOCK_K columns were 4
             expert_item(
                 kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
                 saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
                 owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                SAVE, True, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
+                SAVE, True, KEEP_COLS, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
             )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
