@@ -80,8 +80,9 @@ STEPS = (
         "launcher now runs each build itself: on a 2-core CPU a split call's host work 311 -> 119 us), each method "
         "also with its calls issued back to back (back_to_back_ms); pipelined split with its GEMM kernel and now its "
         "transport kernel counting the empty segments' entries done in runs (stages_others: the last lease's "
-        "3,072 pipelined dispatch items ran 52.6 ms in all against bulk's 8.7); the forward's moves loading 64 KB "
-        "a program before they store (16 KB before: the dispatch stage's 1.33 ms), a training forward's combine "
+        "3,072 pipelined dispatch items ran 52.6 ms in all against bulk's 8.7); the transport's moves loading 64 KB "
+        "a program before they store (16 KB before: the dispatch stage's 1.33 ms; the backward's return and unpack "
+        "too, its combine 34 -> 22 loads ahead), a training forward's combine "
         "loading every slot before it keeps one (K round trips a step before) and its GEMM kernel copying the input "
         "rows it keeps (the backward: its dO rows) 64 KB a step (16 KB before, a round trip each)",
         cap=110,

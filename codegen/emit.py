@@ -210,7 +210,7 @@ def constants(p: KernelContract) -> str:
         _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
         _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
         _c("COMBINE_COLS", combine_cols(p.K), "columns the combine sums over all K slots at once (wider spills)"),
-        _c("MOVE_COLS", move_cols(p.H, Dtype(p.dtype).bytes), "columns a forward transport move's step carries"),
+        _c("MOVE_COLS", move_cols(p.H, Dtype(p.dtype).bytes), "columns a transport move's step carries"),
         _c("KEEP_COLS", move_cols(p.H, Dtype(p.dtype).bytes, BM), "columns a step of the GEMM kernel's row copies"),
         _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
         _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),

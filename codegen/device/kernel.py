@@ -219,10 +219,10 @@ def rdep_layer(
     kind < 0 is withheld (fault injection): it runs nothing and never signals.
     ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
-    # Columns a step of a move that copies rows carries: the forward transport kernel's MOVE_COLS
-    # (more rows in flight); BLOCK_H where wider steps cost other loops their registers (the
-    # unified kernel's GEMM loops, the backward's combine)
-    MOVE_H: tl.constexpr = BLOCK_H if (GEMMS or BACKWARD) else MOVE_COLS
+    # Columns a step of a move that copies rows carries: the transport kernel's MOVE_COLS (more
+    # rows in flight); the unified kernel's BLOCK_H, where wider steps cost its GEMM loops their
+    # registers
+    MOVE_H: tl.constexpr = BLOCK_H if GEMMS else MOVE_COLS
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
     # With every rank in one process rank0 is 0 and nothing moves.

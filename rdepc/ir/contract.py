@@ -90,7 +90,7 @@ class Tiles:
     ``bm`` rows per m-tile of the grouped GEMMs; ``block_f`` the F columns of one GEMM1 tile
     (a gated expert's gate and up make its operand 2·block_f wide); ``block_h`` the H
     columns of one GEMM2 tile, and of one row chunk of the unified kernel's moves (dispatch,
-    return, unpack) and the backward's (the forward transport kernel's: ``move_cols``);
+    return, unpack; the transport kernel's: ``move_cols``);
     ``block_k`` the reduction chunk of both GEMMs (GEMM1 over H, GEMM2 over F);
     ``block_r`` rows per dispatch/return block; ``rows_per_item`` rows one dispatch or
     return work item moves at most (more rows: more items, striding); ``num_warps`` and

@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 5be17424e37fa57032eca62b5af22fdfa9769e236299b1332c675a61bbc36623
+# content-sha256: b7464834171309bc0fe32d698a91035dd3269b2dabde8545cec22ab7ae7c9453
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -78,7 +78,7 @@ KEY_ROWS = tl.constexpr(64)  # admission keys per block of the scan's count
 KEY_BITS = tl.constexpr(0)  # bits of an admission key: the scan's bisection steps
 COMBINE_TOKENS = tl.constexpr(128)  # tokens per combine tile (the scheduler's token tiles)
 COMBINE_COLS = tl.constexpr(64)  # columns the combine sums over all K slots at once (wider spills)
-MOVE_COLS = tl.constexpr(64)  # columns a forward transport move's step carries
+MOVE_COLS = tl.constexpr(64)  # columns a transport move's step carries
 KEEP_COLS = tl.constexpr(64)  # columns a step of the GEMM kernel's row copies
 VALIDATE_TOKENS = tl.constexpr(128)  # tokens per block of the input checks
 SEGMENTS = tl.constexpr(1)  # segments of the busiest owner
@@ -3167,10 +3167,10 @@ def rdep_layer(
     kind < 0 is withheld (fault injection): it runs nothing and never signals.
     ``n_programs``: the programs of every kernel of the call, which all count out of it.
     """
-    # Columns a step of a move that copies rows carries: the forward transport kernel's MOVE_COLS
-    # (more rows in flight); BLOCK_H where wider steps cost other loops their registers (the
-    # unified kernel's GEMM loops, the backward's combine)
-    MOVE_H: tl.constexpr = BLOCK_H if (GEMMS or BACKWARD) else MOVE_COLS
+    # Columns a step of a move that copies rows carries: the transport kernel's MOVE_COLS (more
+    # rows in flight); the unified kernel's BLOCK_H, where wider steps cost its GEMM loops their
+    # registers
+    MOVE_H: tl.constexpr = BLOCK_H if GEMMS else MOVE_COLS
     # A process that runs one rank (rank0) holds only that rank's inputs and private buffers:
     # their bases move back by rank0 rows, so indexing them by the global rank lands in them.
     # With every rank in one process rank0 is 0 and nothing moves.
