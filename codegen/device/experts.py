@@ -225,8 +225,8 @@ def gemm1(
     kept at the rows' places among the owner's rows, for the backward (the input rows not
     under ``RESEND``: the backward sends them again), ``COPY_COLS`` columns a step. fp8
     rows are read with their scales; under DEDUP each slot reads the payload row of its
-    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
-    before the activation, so the kept pre-activations hold it.
+    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's
+    columns) is added before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)

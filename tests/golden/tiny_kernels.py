@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: b7464834171309bc0fe32d698a91035dd3269b2dabde8545cec22ab7ae7c9453
+# content-sha256: 25fb750292c488e7bb6b2eb53d57d6737eb344cb3ed2d7b889f99a8aadaf011a
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -1670,8 +1670,8 @@ def gemm1(
     kept at the rows' places among the owner's rows, for the backward (the input rows not
     under ``RESEND``: the backward sends them again), ``COPY_COLS`` columns a step. fp8
     rows are read with their scales; under DEDUP each slot reads the payload row of its
-    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's columns) is added
-    before the activation, so the kept pre-activations hold it.
+    token's first slot here. With ``BIAS`` the expert's b_up (laid out as the tile's
+    columns) is added before the activation, so the kept pre-activations hold it.
     """
     if hi > lo:
         e = tl.cast(tl.load(weight_of + q * E_MAX + local), tl.int64)
