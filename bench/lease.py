@@ -81,8 +81,8 @@ STEPS = (
         "also with its calls issued back to back (back_to_back_ms); pipelined split with its GEMM kernel and now its "
         "transport kernel counting the empty segments' entries done in runs (stages_others: the last lease's "
         "3,072 pipelined dispatch items ran 52.6 ms in all against bulk's 8.7); the transport's moves loading 64 KB "
-        "a program before they store (16 KB before: the dispatch stage's 1.33 ms; the backward's return and unpack "
-        "too, its combine 34 -> 22 loads ahead), a training forward's combine "
+        "a program before they store (16 KB before: the dispatch stage's 1.33 ms; the backward's dispatch, return and "
+        "unpack too, its combine 34 -> 21 loads ahead), a training forward's combine "
         "loading every slot before it keeps one (K round trips a step before) and its GEMM kernel copying the input "
         "rows it keeps (the backward: its dO rows) 64 KB a step (16 KB before, a round trip each)",
         cap=110,

@@ -95,8 +95,9 @@ def dispatch(
     RESEND: the backward also sends each row's input again (``inputs``, the forward's x; g'·x
     under GATE_INPUT), as the forward's dispatch sent it, into q's BWD_INPUTS at the same place.
 
-    A step that copies rows (the forward's payload, not fp8) carries MOVE_H columns; one that
-    computes in fp32, BLOCK_H.
+    A step that copies rows or scales them (the forward's payload but fp8, the backward's
+    g'·dL/dy) carries MOVE_H columns; one that quantises them (fp8), sends dL/dy once per
+    (token, owner) (DEDUP) or resends the input rows (RESEND), BLOCK_H.
 
     Every row goes to the exact offset q published for its (source, local expert) span plus
     its position in the span; payload and sideband share that one split table (appendix
@@ -167,8 +168,8 @@ def dispatch(
                     v = tl.load(src[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32) * scale[:, None]
                     put_e4m3(v, to, scales_at, h, keep, m, BWD_SCALE_COLS, CAST_F32)
             else:
-                for h in range(0, H, BLOCK_H):
-                    c = h + tl.arange(0, BLOCK_H)
+                for h in range(0, H, MOVE_H):
+                    c = h + tl.arange(0, MOVE_H)
                     m = keep[:, None] & (c < H)[None, :]
                     rows_h = tl.load(src[:, None] + c[None, :], mask=m)
                     put(to[:, None] + c[None, :], narrow(rows_h.to(tl.float32) * scale[:, None], DTYPE, CAST_F32), m)
