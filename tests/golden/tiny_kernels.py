@@ -10,7 +10,7 @@
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 0ad7f1f9b756178d858ceb20dbf524c9bff702134a62fc2e7ec28f64a5910c9a
+# content-sha256: 463cde5ab5d0ad5050ee3a3bb1606059f94ef41ac656f6c078d751dc1684b94f
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -2194,8 +2194,8 @@ def returned_grad(me, at, row, c, m, CAST_F32: tl.constexpr):
     back = tl.load(at + c[None, :], mask=m, other=0.0).to(tl.float32)
     if BWD_FP8:
         scales = (me + BWD_RETURN_SCALES).to(tl.pointer_type(tl.float32))
-        at = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
-        back = narrow(back * tl.load(scales + at, mask=m, other=0.0), DTYPE, CAST_F32).to(tl.float32)
+        per_col = tl.cast(row, tl.int64)[:, None] * BWD_SCALES + c[None, :] // BWD_SCALE_COLS
+        back = narrow(back * tl.load(scales + per_col, mask=m, other=0.0), DTYPE, CAST_F32).to(tl.float32)
     return back
 
 
@@ -2241,8 +2241,8 @@ def return_rows(
 
     The rows are found by the owner's saved split table (one span per local expert), cut to
     the segment. A step that copies rows carries MOVE_H columns; one that sums (DEDUP) or
-    quantises (BWD_FP8) them, BLOCK_H. A row_id that decodes to another rank is reported, not written. The
-    backward returns dL/dx rows the same way, into r's backward regions.
+    quantises (BWD_FP8) them, BLOCK_H. A row_id that decodes to another rank is reported,
+    not written. The backward returns dL/dx rows the same way, into r's backward regions.
 
     DEDUP: one row per (token, owner) — for every token of r whose last slot at q is in the
     segment, sum_k g_k · out_k over its slots here (link order, raw gates, fp32), in the
