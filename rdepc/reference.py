@@ -112,7 +112,8 @@ def route(
     logit_bias: torch.Tensor | None = None,
 ):
     """The router of docs/language.md, one token at a time: ``x`` [N, H], ``weight`` [E, H],
-    ``router`` a spec's :class:`rdepc.ir.spec.Router`. Returns (ids [N, K], gates [N, K]) in fp32.
+    ``router`` a spec's :class:`rdepc.ir.spec.Router`. Returns (ids [N, K], gates [N, K]) in fp32
+    (float64 if ``x`` is float64).
 
     Per token: logits z = W·x (+ ``logit_bias``); scores s = softmax(z) or sigmoid(z); a choice
     score c = s (+ bias); with G groups, each group's score is the sum of its two best c
@@ -121,13 +122,14 @@ def route(
     their sum when ``renormalize``, times ``scale``.
     """
     E = weight.shape[0]
+    ct = torch.promote_types(x.dtype, torch.float32)
     ids, gates = [], []
-    for xt in x.float():
-        z = weight.float() @ xt
+    for xt in x.to(ct):
+        z = weight.to(ct) @ xt
         if logit_bias is not None:
-            z = z + logit_bias.float()
+            z = z + logit_bias.to(ct)
         s = torch.softmax(z, dim=0) if router.score == "softmax" else torch.sigmoid(z)
-        c = s if bias is None else s + bias.float()
+        c = s if bias is None else s + bias.to(ct)
         allowed = list(range(E))
         if router.groups > 1:
             size = E // router.groups
@@ -142,7 +144,7 @@ def route(
         ids.append(chosen)
         gates.append(g * float(router.scale))
     if not gates:  # no tokens
-        return torch.zeros((0, K), dtype=torch.int64), torch.zeros((0, K))
+        return torch.zeros((0, K), dtype=torch.int64), torch.zeros((0, K), dtype=ct)
     return torch.tensor(ids, dtype=torch.int64).reshape(-1, K), torch.stack(gates).reshape(-1, K)
 
 

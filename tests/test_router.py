@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rdepc.runtime import router as R
 from rdepc.runtime.tensors import max_relative_error
+from tolerance import assert_close, bound, reorder_bound, unit_roundoff
 
 import rdepc
 from rdepc.api import Layer, SpecError, elaborate_layer
@@ -114,6 +115,13 @@ ROUTERS = [
 ]
 
 
+def gate_bound(x, weight, r, K: int, bias=None, logit_bias=None) -> torch.Tensor:
+    """How far two routers' gates may differ: the logit's sum over H, then the score's exp (or
+    sigmoid), its sum over E, the group choice, the renormalisation over K and the scale."""
+    E, H = weight.shape
+    return bound(lambda x, w, lb: route(x, w, r, K, bias, lb)[1], (x, weight, logit_bias), H + E + K + 8)
+
+
 @pytest.mark.parametrize("router", ROUTERS)
 def test_the_runtime_router_matches_the_per_token_reference(router):
     r = spec_of(router).router
@@ -124,12 +132,14 @@ def test_the_runtime_router_matches_the_per_token_reference(router):
     ids, gates, logits = R.route(x, weight, r, 3, bias, logit_bias=logit_bias)
     want_ids, want_gates = route(x, weight, r, 3, bias, logit_bias)
     assert torch.equal(ids, want_ids)
-    assert torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
+    assert_close(gates, want_gates, gate_bound(x, weight, r, 3, bias, logit_bias), "gates")
     want_logits = x @ weight.T + (0 if logit_bias is None else logit_bias)
-    assert torch.allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    logit_bound = bound(lambda x, w, lb: x @ w.T + (0 if lb is None else lb), (x, weight, logit_bias), 33)
+    assert_close(logits, want_logits, logit_bound, "logits")
     sums = gates.sum(-1)
-    if r.renormalize:
-        assert torch.allclose(sums, torch.full_like(sums, float(r.scale)))
+    if r.renormalize:  # K gates divided by their sum, scaled and summed: each rounding moves the sum by u·scale
+        scale = torch.full_like(sums, float(r.scale))
+        assert_close(sums, scale, reorder_bound(unit_roundoff(torch.float32) * scale, 2 * 3 + 2, scale), "sums")
     elif r.score == "softmax":
         assert (sums < float(r.scale)).all()
 
@@ -160,7 +170,7 @@ def test_every_router_rule_matches_the_reference(groups, size, data, options, se
     ids, gates, _ = R.route(x, weight, r, K, b, logit_bias=lb)
     want_ids, want_gates = route(x, weight, r, K, b, lb)
     assert torch.equal(ids, want_ids)
-    assert torch.allclose(gates, want_gates, rtol=1e-6, atol=1e-7)
+    assert_close(gates, want_gates, gate_bound(x, weight, r, K, b, lb), "gates")
 
 
 def test_zero_tokens_route_to_empty_tensors():
@@ -190,7 +200,8 @@ def test_a_logit_bias_moves_the_scores_and_the_gates():
     logit_bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0])
     ids, gates, logits = R.route(x, weight, r, 2, logit_bias=logit_bias)
     assert ids.tolist() == [[7, 6]] and torch.equal(logits, logit_bias[None])
-    assert torch.allclose(gates, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))  # GPT-OSS: softmax of the top-K logits
+    top = torch.tensor([[2.0, 1.0]])  # GPT-OSS: softmax of the top-K logits
+    assert_close(gates, torch.softmax(top, -1), bound(lambda t: torch.softmax(t, -1), (top,), 8 + 2 + 8))
 
 
 def test_a_bias_chooses_but_does_not_weigh():
@@ -211,8 +222,10 @@ def test_the_losses_are_the_switch_and_st_moe_formulas():
     counts = torch.zeros(8)
     for e in routing.ids.flatten().tolist():
         counts[e] += 1
-    assert torch.allclose(out.aux_loss, 0.5 * 8 * (counts / 2 * p.mean(0)).sum())
-    assert torch.allclose(out.z_loss, 0.25 * torch.logsumexp(logits, -1).square().mean())
+    aux = lambda p: 0.5 * 8 * (counts / 2 * p.mean(0)).sum()  # noqa: E731
+    z = lambda t: 0.25 * torch.logsumexp(t, -1).square().mean()  # noqa: E731
+    assert_close(out.aux_loss, aux(p), bound(aux, (p,), 2 + 8 + 8), "aux_loss")
+    assert_close(out.z_loss, z(logits), bound(z, (logits,), 8 + 2 + 8), "z_loss")
     assert R.outputs(routing, spec_of(MIXTRAL).router)[1:] == (None, None)
 
 
@@ -220,7 +233,7 @@ def test_balanced_routing_has_aux_loss_k():
     """E·Σ f_e·P_e with every expert equally likely and equally loaded is K, as in transformers."""
     r = spec_of("router softmax, aux_loss 1").router
     ids = torch.arange(8).reshape(4, 2).repeat(2, 1)  # 8 tokens, each expert twice
-    assert torch.allclose(R.aux_loss(torch.zeros(8, 8), ids, r), torch.tensor(2.0))
+    assert_close(R.aux_loss(torch.zeros(8, 8), ids, r), torch.tensor(2.0), reorder_bound(0, 8 + 8 + 8, 2.0))
 
 
 def test_deepseek_routing_runs_through_rdepmoe_and_matches_the_reference():
