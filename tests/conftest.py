@@ -20,6 +20,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# A wall-clock bound in a test only ends a hang: whatever outlives it has stopped making
+# progress, on any machine under any load (the slowest launch seen, emulated-mp tiny on 2
+# cores beside two CPU-heavy processes, takes under a tenth of it). No test asserts speed.
+HANG_S = 900
+
+
+def growing_bounds(first: float):
+    """first, 2·first, 4·first, ... up to :data:`HANG_S`: the bounds a test that must see a
+    launch end by its own timeout tries in turn, the next only when a loaded machine had not
+    reached the point the test needs within the last."""
+    bound = first
+    while bound <= HANG_S:
+        yield bound
+        bound *= 2
+
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))
 TINY = ROOT / "examples" / "tiny.rdep"
 
