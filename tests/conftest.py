@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from device_kernels import kernels  # noqa: F401 - the device-function tests' fixture
 from hypothesis import HealthCheck, settings
 
@@ -104,3 +105,105 @@ def grads_in(fn, inputs, dy, dtype) -> dict:
     y = y[0] if isinstance(y, tuple) else y
     (y.float() * dy).sum().backward()
     return {n: t.grad.float() for n, t in zip(GRAD_NAMES, (leaves[0], gates, *leaves[1:]), strict=True)}
+
+
+def block_parameters(moe) -> dict:
+    """An RDEPMoE's parameters by name (detached), and its selection bias ``router_bias``."""
+    params = {n: p.detach() for n, p in moe.named_parameters()}
+    return params | ({} if moe.router_bias is None else {"router_bias": moe.router_bias})
+
+
+def block_reference(moe):
+    """fn(x, params) -> y: what the RDEPMoE ``moe`` computes for x [W, T', H] (every token real)
+    with ``params`` (:func:`block_parameters`' names), by rdepc.reference: its router
+    (``route``), its routed experts (``reference_for``) and its shared experts
+    (``shared_experts``); in float64 when given float64, the function tests/tolerance.py's
+    bounds re-run for a block."""
+    from rdepc.reference import reference_for, route, shared_experts
+
+    spec, K = moe.layer.spec, moe.K
+    routed = reference_for(spec)
+
+    def fn(x, params):
+        W, T, H = x.shape
+        ids, gates = route(
+            x.reshape(-1, H), params["router"], spec.router, K, params.get("router_bias"),
+            params.get("router_logit_bias"),
+        )  # fmt: skip
+        if "w_gate_up" in params:
+            wg, wu = params["w_gate_up"][..., 0], params["w_gate_up"][..., 1]
+        else:
+            wg, wu = None, params["w_up"]
+        biases = {}
+        if "b_down" in params:
+            b = params.get("b_gate_up")
+            biases = {"b_gate": b[..., 0], "b_up": b[..., 1]} if b is not None else {"b_up": params["b_up"]}
+            biases["b_down"] = params["b_down"]
+        y = routed(x, ids.reshape(W, T, K), gates.reshape(W, T, K), wg, wu, params["w_down"], **biases)[0]
+        if "shared_up" in params:
+            shared = shared_experts(
+                x, params.get("shared_gate"), params["shared_up"], params["shared_down"], moe.shared_act,
+                params.get("shared_gate_proj"), *moe._shared_act_params,
+            )  # fmt: skip
+            y = y + shared
+        return y
+
+    return fn
+
+
+def received(spec, inputs):
+    """``inputs`` in fp32 with x as the experts receive it: rounded to e4m3 by the spec's fp8
+    dispatch (``fp8_dispatch``, as the reference rounds it) or as it is. A layer rounds x as
+    the reference does, so what differs is the arithmetic after the rounding: bound it with
+    ``reference_for(spec, dispatch_rounding=False)`` on these rows (the output gate only)."""
+    from rdepc.reference import fp8_dispatch
+
+    x, *rest = (None if t is None else (t.float() if t.dtype.is_floating_point else t) for t in inputs)
+    scale = spec.precision.dispatch_scale
+    if scale is not None and spec.gate_on != "output":
+        raise ValueError("with the gate on the expert's input the dispatch rounds g'·x, not x")
+    x = x if scale is None else fp8_dispatch(x, scale)
+    return type(inputs)(x, *rest) if hasattr(inputs, "_fields") else (x, *rest)
+
+
+def reference_grads(spec):
+    """fn(inputs, dy) -> {name: gradient} of sum(y · dy) through the reference from the experts'
+    rows on (x as :func:`received` rounds it), in the inputs' dtype: what tests/tolerance.py's
+    bounds re-run for a layer's gradients."""
+    from rdepc.reference import reference_for
+
+    ref = reference_for(spec, dispatch_rounding=False)
+
+    def fn(inputs, dy):
+        x, ids, g, wg, wu, wd = inputs
+        leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (x, g, wg, wu, wd)]
+        (ref(leaves[0], ids, *leaves[1:])[0] * dy).sum().backward()
+        return {n: t.grad for n, t in zip(GRAD_NAMES, leaves, strict=True) if t is not None}
+
+    return fn
+
+
+def layer_bound(layer, inputs, dtype=None):
+    """The bound (tests/tolerance.py) of ``layer``'s output on ``inputs`` against the reference's
+    on the same (fp8-rounded) rows; ``dtype``: the one the layer rounds its intermediates to
+    (None: fp32)."""
+    from tolerance import NARROWINGS, bound, layer_chain
+
+    from rdepc.reference import reference_for
+
+    sh = layer.shapes
+    chain = layer_chain(sh["H"], sh["F"], sh["K"]) if dtype in (None, torch.float32) else NARROWINGS
+    fn = reference_for(layer.spec, dispatch_rounding=False)
+    return bound(fn, received(layer.spec, inputs), chain, dtype or torch.float32)
+
+
+def layer_grad_bounds(layer, inputs, dy, dtype=None) -> dict:
+    """{name: bound} of ``layer``'s gradients of sum(y · dy) against autograd through the
+    reference (:func:`reference_grads`): the layer's chain and the W·T·K rows a weight's sums."""
+    from tolerance import NARROWINGS, bounds, layer_chain
+
+    sh = layer.shapes
+    chain = layer_chain(sh["H"], sh["F"], sh["K"], extra=sh["W"] * sh["T"] * sh["K"])
+    args = (received(layer.spec, inputs), dy)
+    narrow = dtype not in (None, torch.float32)
+    return bounds(reference_grads(layer.spec), args, NARROWINGS if narrow else chain, dtype or torch.float32)

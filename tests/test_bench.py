@@ -7,13 +7,23 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
 from conftest import ROOT
+from tolerance import assert_close, bound, layer_chain
 
 sys.path.insert(0, str(ROOT))
 from bench import moe_bench
 
 
-def test_smoke_configuration_runs_every_method(tmp_path):
+def test_smoke_configuration_runs_every_method(tmp_path, monkeypatch):
+    from rdepc.runtime import tensors
+
+    import rdepc
+    from rdepc.reference import random_inputs, reference_for
+
+    compared = []  # what the script compares, in its order: a layer's output and the reference's
+    relative = tensors.max_relative_error
+    monkeypatch.setattr(tensors, "max_relative_error", lambda y, ref: compared.append((y, ref)) or relative(y, ref))
     out = tmp_path / "smoke"
     assert moe_bench.main(["--config", "smoke", "--out", str(out)]) == 0
     results = json.loads(out.with_suffix(".json").read_text())
@@ -31,11 +41,20 @@ def test_smoke_configuration_runs_every_method(tmp_path):
         "torch._grouped_mm alone",
         "dense roof",
     }
+    checked = iter(compared)
+    reference, limits = reference_for(rdepc.load(ROOT / "examples" / "tiny.rdep")), {}
     for r in results["runs"]:
         assert r["ms"]["min"] <= r["ms"]["median"] <= r["ms"]["max"]
         assert r["rows"] == 4 * r["T"] * 2 and r["mu"] == r["rows"] / 8
         if r["method"].startswith(("rdepc", "sort", "per-expert")):  # whole layers: checked before timed
-            assert r["max_rel_err"] <= 1e-5, r
+            y, ref = next(checked)
+            assert r["max_rel_err"] == relative(y, ref), r
+            inputs = random_inputs(4, r["T"], 64, 128, 8, 2, routing=r["routing"], seed=0)  # what the script drew
+            assert torch.equal(ref, reference(*inputs)[0])
+            key = (r["T"], r["routing"])
+            if key not in limits:
+                limits[key] = bound(reference, inputs, layer_chain(64, 128, 2))
+            assert_close(y, ref, limits[key], f"{r['method']} at T' {r['T']}, {r['routing']}")
         if r["method"].startswith("rdepc"):
             assert {"route", "scan", "dispatch", "compute", "return", "combine"} <= r["stages"].keys()
             assert r["stage_clock"] == "logical"

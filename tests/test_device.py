@@ -12,6 +12,7 @@ import pytest
 import torch
 from device_kernels import interpreted
 from rdepc.codegen.device import include
+from tolerance import assert_close, bound
 
 from rdepc.toolchain import import_kernels
 
@@ -97,16 +98,23 @@ def kernels(tmp_path_factory):
 
 
 def expected(a, row0, w, col0, BM, BN):
-    """The tile with every out-of-range row and column as zero."""
-    rows = torch.zeros(BM, a.shape[1])
+    """The tile with every out-of-range row and column as zero, in fp32 (float64 if a is)."""
+    ct = torch.promote_types(a.dtype, torch.float32)
+    rows = torch.zeros(BM, a.shape[1], dtype=ct)
     for i in range(BM):
         if 0 <= row0 + i < a.shape[0]:
-            rows[i] = a[row0 + i].float()
-    cols = torch.zeros(w.shape[0], BN)
+            rows[i] = a[row0 + i].to(ct)
+    cols = torch.zeros(w.shape[0], BN, dtype=ct)
     for j in range(BN):
         if col0 + j < w.shape[1]:
-            cols[:, j] = w[:, col0 + j].float()
+            cols[:, j] = w[:, col0 + j].to(ct)
     return rows @ cols
+
+
+def tile_bound(a, row0, w, col0, BM, BN):
+    """The tile's bound (tests/tolerance.py): a dot product over K, summed in fp32 (bf16 operands
+    are exact there), K roundings and the last one."""
+    return bound(expected, (a, row0, w, col0, BM, BN), a.shape[1] + 1)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +138,7 @@ def test_gemm_tile_reads_zero_outside_both_operands(kernels, dtype, K, N, tma, r
             kernels.tile, (1,), (a, a.shape[0], row0, w, N, col0, out), dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma,
                                                                              CAST_F32=True)
         )  # fmt: skip
-        torch.testing.assert_close(out, expected(a, row0, w, col0, BM, BN), rtol=1e-5, atol=1e-5)
+        assert_close(out, expected(a, row0, w, col0, BM, BN), tile_bound(a, row0, w, col0, BM, BN), f"col0 {col0}")
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -177,7 +185,7 @@ def test_pointer_loads_match_tensor_descriptors_bit_for_bit(kernels, trans_b, ro
             )  # fmt: skip
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
-        torch.testing.assert_close(outs[1], expected(a, row0, b, col0, BM, BN), rtol=1e-5, atol=1e-5)
+        assert_close(outs[1], expected(a, row0, b, col0, BM, BN), tile_bound(a, row0, b, col0, BM, BN), f"col0 {col0}")
 
 
 def test_device_code_uses_no_block_pointers():
@@ -205,7 +213,11 @@ def test_gemm_tile_applies_fp8_row_and_block_scales(kernels, K, scale_cols, tma)
     groups = -(-K // scale_cols)
     scales = torch.rand(40, groups, generator=g) + 0.5
     w = torch.randn(K, 48, generator=g).to(torch.bfloat16)
-    deq = a.float() * scales.repeat_interleave(scale_cols, dim=1)[:, :K]
+
+    def dequantised(a, scales):
+        return a * scales.repeat_interleave(scale_cols, dim=1)[:, :K]
+
+    deq = dequantised(a.float(), scales)
     BM, BN, BK = 32, 32, 32
     for row0 in (-8, 20):
         out = torch.full((BM, BN), float("nan"))
@@ -213,7 +225,13 @@ def test_gemm_tile_applies_fp8_row_and_block_scales(kernels, K, scale_cols, tma)
             kernels.scaled_tile, (1,), (a, 40, row0, w, 48, 16, scales, out),
             dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TMA=tma, SCALE_COLS=scale_cols),
         )  # fmt: skip
-        torch.testing.assert_close(out, expected(deq, row0, w, 16, BM, BN), rtol=1e-5, atol=1e-4)
+
+        def tile(a, s, w, row0=row0):
+            return expected(dequantised(a, s), row0, w, 16, BM, BN)
+
+        # the sum over K in runs of scale_cols columns, each run's sum times its scale, the runs' sum
+        limit = bound(tile, (a.float(), scales, w), K + groups + 1)
+        assert_close(out, expected(deq, row0, w, 16, BM, BN), limit, f"row0 {row0}")
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -230,10 +248,13 @@ def test_gemm_tile_gathers_rows_by_index(kernels, trans_b):
         kernels.gathered_tile, (1,), (a, 24, index, w, N, 8, out),
         dict(K_DIM=K, BM=BM, BN=BN, BK=BK, TRANS_B=trans_b),
     )  # fmt: skip
-    rows = torch.where((index >= 0)[:, None], a[index.clamp(min=0).long()], 0.0)
-    b = w.t() if trans_b else w
-    want = rows @ torch.cat((b, torch.zeros(K, BN)), dim=1)[:, 8 : 8 + BN]
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+    def gathered(a, w):
+        rows = torch.where((index >= 0)[:, None], a[index.clamp(min=0).long()], 0.0)
+        b = w.t() if trans_b else w
+        return rows @ torch.cat((b, torch.zeros(K, BN, dtype=b.dtype)), dim=1)[:, 8 : 8 + BN]
+
+    assert_close(out, gathered(a, w), bound(gathered, (a, w), K + 1), "tile")  # a dot product over K
 
 
 def test_e4m3_rounding_is_torchs_bit_for_bit(kernels):

@@ -22,13 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, ROOT, growing_bounds, tiny_segmented
+from conftest import HANG_S, ROOT, block_parameters, block_reference, growing_bounds, tiny_segmented
 from rdepc.runtime import ranks
 from rdepc.runtime.module import KernelError
+from tolerance import assert_close, layer_chain
+from tolerance import bound as derived_bound  # `bound` names the hang bounds below
 
 import rdepc
 from rdepc.per_rank import Case, Job, Progress, run_rank
-from rdepc.reference import random_inputs
+from rdepc.reference import random_inputs, reference_for
 
 TINY = str(ROOT / "examples" / "tiny.rdep")  # fp32, dropless, H=64, F=128, E=8, K=2, T=16
 RDEPC = str(Path(sys.executable).with_name("rdepc"))
@@ -58,6 +60,21 @@ def emulated(W: int, case: Case) -> torch.Tensor:
     T = sh["T"] if case.tokens is None else case.tokens
     inputs = random_inputs(W, T, sh["H"], sh["F"], sh["E"], sh["K"], routing=case.routing, seed=case.seed)
     return m(*inputs)
+
+
+def reference(W: int, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's output [W, T', H] over the case's global inputs, drawn as
+    rdepc.per_rank.run_case draws them, and its bound (tests/tolerance.py): a rank's y is
+    within it of its slice ``[rank, :T'_r]`` (dropless, or every rank bringing T')."""
+    layer = rdepc.load(case.file, case.layer, **dict(case.overrides))
+    sh = layer.shapes
+    counts = case.rank_tokens or [sh["T"] if case.tokens is None else case.tokens] * W
+    inputs = random_inputs(
+        W, max(*counts, 1), sh["H"], sh["F"], sh["E"], sh["K"], routing=case.routing, seed=case.seed,
+        gated=layer.spec.expert.gated,
+    )  # fmt: skip
+    fn = reference_for(layer.spec)
+    return fn(*inputs)[0], derived_bound(fn, inputs, layer_chain(sh["H"], sh["F"], sh["K"]))
 
 
 def cases(W: int, segmented: str) -> list[Case]:
@@ -95,11 +112,16 @@ def test_every_rank_matches_emulated_bitwise(W, tmp_path):
     results = ranks.spawn(run_rank, W, job, timeout=HANG_S, delays=[0.1 * r for r in range(W)])
     for i, case in enumerate(job.cases):
         want = emulated(W, case)
+        ref, limit = reference(W, case)
         for rank in range(W):
             got = results[rank][i]
             assert "error" not in got, got["error"]
             assert len(got["calls"]) == case.calls
-            assert got["error_rel"] <= 1e-5 and got["accepted_same"], (case, rank, got["error_rel"])
+            assert got["accepted_same"], (case, rank)
+            n = got["tokens"]
+            assert_close(
+                got["y"], ref[rank, :n], limit[rank, :n], f"{case.schedule} {case.mode} {case.routing}: rank {rank}"
+            )
             assert torch.equal(got["y"], want[rank]), f"{case.schedule} {case.mode} {case.routing}: rank {rank}"
 
 
@@ -108,12 +130,17 @@ def test_ranks_may_bring_different_token_counts():
     returns serve the others); every slice equals the reference over the same tokens."""
     counts = (16, 0, 7)
     job = Job(
-        tuple(Case(TINY, overrides=(("W", 3),), rank_tokens=counts, mode=m, seed=3) for m in ("unified", "split"))
+        tuple(
+            Case(TINY, overrides=(("W", 3),), rank_tokens=counts, mode=m, seed=3, keep_output=True)
+            for m in ("unified", "split")
+        )
     )
+    ref, limit = reference(3, job.cases[0])  # the cases differ only in their kernel mode
     for per_case in zip(*ranks.spawn(run_rank, 3, job, timeout=HANG_S), strict=True):
         for rank, got in enumerate(per_case):
             assert got["tokens"] == counts[rank] and "error" not in got
-            assert got["error_rel"] <= 1e-5 and got["accepted_same"]
+            assert got["accepted_same"]
+            assert_close(got["y"], ref[rank, : counts[rank]], limit[rank, : counts[rank]], f"rank {rank}")
         received = sum(sum(got["stats"]["received_per_expert"]) for got in per_case)
         assert received == sum(counts) * 2  # K = 2 route rows per token reach their owners
 
@@ -128,9 +155,11 @@ def test_capacity_follows_the_tokens_all_ranks_bring(tmp_path):
     case = Case(str(spec), overrides=(("W", 2),), routing="zipf:1.5", seed=5, tokens=12, keep_output=True)
     results = [r[0] for r in ranks.spawn(run_rank, 2, Job((case,)), timeout=HANG_S)]
     want = emulated(2, case)
+    ref, limit = reference(2, case)
     for rank, got in enumerate(results):
         assert got["stats"]["capacity"] == 6  # ceil(1.0 * W * T' * K / E) = ceil(2 * 12 * 2 / 8)
-        assert got["accepted_same"] and got["error_rel"] <= 1e-5
+        assert got["accepted_same"]
+        assert_close(got["y"], ref[rank], limit[rank], f"rank {rank}")
         assert torch.equal(got["y"], want[rank])
     assert sum(got["stats"]["dropped_rows"] for got in results) > 0  # zipf 1.5 overflows expert 0
 
@@ -373,7 +402,17 @@ def test_rdepmoe_per_rank_holds_its_experts_and_matches_one_process():
         assert torch.equal(grads["w_gate_up"], moe.w_gate_up.grad[mine])
         assert torch.equal(grads["w_down"], moe.w_down.grad[mine])
     router = sum(grads["router"] for _, grads in got)
-    assert torch.allclose(router, moe.router.grad, rtol=1e-5, atol=1e-6)
+    block = block_reference(moe)
+
+    def router_grad(x, params, dy):
+        router = params["router"].detach().clone().requires_grad_(True)
+        (block(x, params | {"router": router}) * dy).sum().backward()
+        return router.grad
+
+    # tiny: the layer's chain, the router's dot over H = 64 and softmax over E = 8, and the
+    # W·T·K = 64 rows its gradient sums; the ranks' shares add one sum of W = 2
+    chain = layer_chain(64, 128, 2, extra=64 + 8 + 64 + 2)
+    assert_close(router, moe.router.grad, derived_bound(router_grad, (x, block_parameters(moe), dy), chain), "router")
 
 
 def test_under_torchrun_each_process_is_one_rank():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rdepc.runtime import router as R
-from tolerance import LAMBDA, assert_close, bound, bounds, layer_chain, reorder_bound, spread, unit_roundoff
+from tolerance import LAMBDA, assert_close, bound, bounds, layer_chain, spread, unit_roundoff
 
 from rdepc.api import Layer, elaborate_layer
 from rdepc.parser import parse_text
@@ -32,16 +32,28 @@ def layer():
     return Layer(spec)
 
 
-def test_the_spread_of_a_sum_is_its_rounding_errors_spread():
-    """A sum of n terms, each off by a relative error uniform in [−u, u] (variance u²/3):
-    σ = u·√(Σ t²/3); the bound is 2λ√chain·σ plus both results' last rounding."""
+def test_a_sum_in_any_order_is_within_its_bound_and_a_bf16_rounding_is_not():
+    """σ of an fp32 sum is its sampled rounding error; every order of its terms lands within
+    2λ√n·σ of the reference's, and the terms rounded to bf16 first land far outside. In bf16
+    σ is the spread of rounding the terms: u·√(Σ t²/3) for uniform errors."""
     assert unit_roundoff(torch.float32) == 2.0**-24 and unit_roundoff(torch.bfloat16) == 2.0**-8
-    t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
-    sigma = float(spread(torch.sum, (t,))[0])
-    assert sigma == pytest.approx(2.0**-24 * float(t.square().sum() / 3) ** 0.5, rel=0.35)
-    assert float(reorder_bound(torch.tensor(sigma), 4096, torch.tensor(2.0))) == pytest.approx(
-        2 * LAMBDA * 64 * sigma + 2 * 2.0**-24 * 2.0
-    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(4096, generator=g)
+    limit = bound(torch.sum, (t,), 4096)
+    assert float(limit) == pytest.approx(
+        2 * LAMBDA * 64 * float(spread(torch.sum, (t,))[0]) + 2 * 2.0**-24 * float(t.sum().abs())
+    )
+    want = t.sum()
+    for _ in range(50):  # other orders: permuted, pairwise, blocked, sequential
+        assert_close(t[torch.randperm(4096, generator=g)].sum(), want, limit)
+    assert_close(t.reshape(64, 64).sum(0).sum(), want, limit)
+    assert_close(torch.tensor(sum(t.tolist()), dtype=torch.float32), want, limit)
+    with pytest.raises(AssertionError, match="beyond their bound"):
+        assert_close(t.bfloat16().float().sum(), want, limit)
+    sigma16 = float(spread(torch.sum, (t,), torch.bfloat16)[0])
+    assert sigma16 == pytest.approx(2.0**-8 * float(t.double().square().sum() / 3) ** 0.5, rel=0.35)
+    with pytest.raises(AssertionError, match="not float64"):
+        spread(lambda v: v.float().sum(), (t,))
 
 
 def test_a_nan_or_an_element_beyond_its_bound_fails_and_is_named():

@@ -8,29 +8,35 @@ per-token loop) differ by what their δs make of the value. Bounding every δ by
 a sum of n terms) is too loose to tell a reordering from a real error once a value has
 passed two GEMMs and a backward; rounding errors behave as independent, mean-zero
 perturbations (Higham & Mary, "A new approach to probabilistic rounding error analysis",
-SIAM J. Sci. Comput. 41(5), 2019), which accumulate as √n, not n. So:
+SIAM J. Sci. Comput. 41(5), 2019), which accumulate as √n, not n. So a comparison states
+the dtype its computation rounds to and ``chain``, the roundings to that dtype an output
+element passes through (a sum of n terms counts n; each pointwise step one), and:
 
-- **magnitude**: how the computation spreads one rounding's error is measured, not
-  guessed: it runs in float64 :data:`SAMPLES` times with every floating input multiplied
-  by (1 + δ), δ uniform in [−u, u] (a rounding's error), and σ is each output element's
-  standard deviation about the unperturbed float64 result (Monte Carlo arithmetic: Parker,
-  Stott & Pierce, 1997). σ carries the values' magnitudes and the computation's
-  conditioning (a sum whose terms cancel spreads an error far beyond its result);
-- **size of the reduction**: an output element passes through ``chain`` roundings (a sum
-  of n terms counts n; each pointwise step — exp, a division, an activation, a scale —
-  one), each spreading an error like an input's, so the order's effect is within
-  √chain · σ for each computation;
-- **the dtype's epsilon**: u above, and the final rounding of each result, u·|value|.
+- **σ, measured** (:func:`spread`): in fp32, the reference's own rounding error, sampled —
+  it runs in fp32 and in float64 on the same inputs, :data:`SAMPLES` times, the inputs moved
+  each time by a relative error uniform in [−u, u] so that every rounding falls anew
+  (Monte Carlo arithmetic: Parker, Stott & Pierce, 1997), and σ is each element's RMS
+  difference. It carries the values' magnitudes, the size of every reduction on the way and
+  their cancellation, intermediate ones included. A narrower dtype (bf16, fp16), which the
+  kernels round to at a few points while they accumulate in fp32 and the fp32 reference
+  never does, is emulated instead: σ is the spread of the float64 result when the inputs
+  move by that dtype's u;
+- **another order**: σ is the error of one order of the reductions; another order of a
+  reduction of n terms may gather up to √n times as much (recursive summation against a
+  blocked one), so each computation is within λ·√chain·σ with a probability of failure
+  below 2·exp(−λ²/2) (Hoeffding, as Higham and Mary use it): 3·10^-14 per element at
+  :data:`LAMBDA` = 8;
+- **the last rounding** of both results, u·|value| each.
 
-Each computation is within λ·√chain·σ of the exact value with a probability of failure below
-2·exp(−λ²/2) (Hoeffding's inequality, as Higham and Mary use it); at :data:`LAMBDA` = 8
-that is 3·10^-14 per element. :func:`reorder_bound` is twice that plus both results'
-rounding, per element.
+:func:`reorder_bound` is 2λ·√chain·σ + 2u·|want| per element: both computations' share. ``chain`` in a narrower dtype
+counts only the roundings to it: a layer's :data:`NARROWINGS`.
 
 A bound so derived catches what the tests exist to catch: a term missing, doubled or routed
 to the wrong expert moves an element by that term, and a value rounded to a narrower dtype
-than promised (bf16: u = 2^-9, 2^15 times fp32's) moves it by thousands of σ;
-tests/test_tolerance.py perturbs single elements and inputs so and sees the check fail.
+than promised moves it by that dtype's u, bf16's 2^16 times fp32's, far beyond λ√chain
+fp32 σ; tests/test_tolerance.py perturbs single elements and inputs so and sees the check
+fail. The function σ is measured on must compute in float64 when given float64 (the
+reference does); one that does not is refused, since its σ would be 0.
 
 What this bound is not for: the comparisons the project promises bitwise (one lowering
 across runs, schedules, kernel modes and backends on one machine) stay ``torch.equal``; a
@@ -46,8 +52,12 @@ from collections.abc import Callable
 
 import torch
 
-SAMPLES = 16  # float64 runs that measure σ
-LAMBDA = 8.0  # standard deviations: 2·exp(−32) ≈ 3·10^-14 per element
+SAMPLES = 16  # runs that measure σ
+LAMBDA = 8.0  # 2·exp(−32) ≈ 3·10^-14 per element
+# The roundings to a narrower dtype on a layer's way from input to output and back that the
+# fp32 reference does not make: GEMM1's output (kept) and activation, GEMM2's output, the
+# combined output; backward, g'·dL/dy, dH, dX, the weight gradients.
+NARROWINGS = 8
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -78,34 +88,49 @@ def _flat(out) -> dict:
     return {i: v for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
+def _float64(out: dict) -> dict:
+    """The float64 results of a run in float64; a result in another dtype is refused (the
+    function did not compute in float64, so its σ would measure nothing)."""
+    other = [k for k, v in out.items() if v.dtype != torch.float64]
+    assert not other, f"results {other} are not float64: the function must compute in float64 when given float64"
+    return {k: v.detach() for k, v in out.items()}
+
+
 def spread(fn: Callable, args: tuple, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs) -> dict:
     """{key: σ per element} of ``fn(*args, **kwargs)`` (a tensor, a tuple or a dict of
-    tensors), run in float64 with every floating input perturbed by a relative error
-    uniform in [−u, u] of ``dtype`` (see above)."""
+    tensors): in fp32 its rounding error, sampled; in a narrower dtype the spread its
+    rounding of the inputs makes (see above)."""
     g = torch.Generator().manual_seed(seed)
     u = unit_roundoff(dtype)
 
-    def f64(t):
-        return t.detach().double()
-
-    def noisy(t):
+    def moved(t):
         t = t.detach().double()
         return t * (1 + (torch.rand(t.shape, generator=g, dtype=torch.float64) * 2 - 1) * u)
 
+    def run64(a, k):
+        return _float64(_flat(fn(*_map(a, lambda t: t.detach().double()), **_map(k, lambda t: t.detach().double()))))
+
     with torch.enable_grad():  # fn may differentiate
-        exact = {k: v.detach().double() for k, v in _flat(fn(*_map(args, f64), **_map(kwargs, f64))).items()}
-        total = {k: torch.zeros_like(v) for k, v in exact.items()}
+        total: dict = {}
+        exact = None if dtype == torch.float32 else run64(args, kwargs)
         for _ in range(SAMPLES):
-            out = _flat(fn(*_map(args, noisy), **_map(kwargs, noisy)))
-            for k in total:
-                total[k] += (out[k].detach().double() - exact[k]) ** 2
-    return {k: (v / SAMPLES).sqrt() for k, v in total.items()}
+            a, k = _map(args, moved), _map(kwargs, moved)
+            if dtype == torch.float32:
+                a, k = _map(a, lambda t: t.float()), _map(k, lambda t: t.float())
+                got = {key: v.detach().double() for key, v in _flat(fn(*a, **k)).items()}
+                diff = {key: got[key] - v for key, v in run64(a, k).items()}
+            else:
+                diff = {key: v - exact[key] for key, v in run64(a, k).items()}
+            for key, d in diff.items():
+                total[key] = total.get(key, 0) + d**2
+    return {key: (v / SAMPLES).sqrt() for key, v in total.items()}
 
 
-def reorder_bound(sigma: torch.Tensor, chain: int, want: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Per element, how far two computations of ``want`` in ``dtype``, ``chain`` roundings
-    long and spreading an error by ``sigma`` (:func:`spread`), may differ."""
+def reorder_bound(sigma, chain: int, want, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per element, how far two computations of ``want`` in ``dtype``, ``chain`` roundings to
+    it long and spreading an error by ``sigma`` (:func:`spread`), may differ."""
     u = unit_roundoff(dtype)
+    sigma = torch.as_tensor(sigma, dtype=torch.float64)
     return 2 * LAMBDA * math.sqrt(chain) * sigma + 2 * u * torch.as_tensor(want).detach().double().abs()
 
 
