@@ -23,8 +23,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 ROOT = Path(__file__).resolve().parent.parent
 
 # A wall-clock bound in a test only ends a hang: whatever outlives it has stopped making
-# progress, on any machine under any load (the slowest launch seen, emulated-mp tiny on 2
-# cores beside two CPU-heavy processes, takes under a tenth of it). No test asserts speed.
+# progress, on any machine under any load (a test's subprocess or launch takes seconds to a
+# minute on 2 cores; the acceptance dry run, the longest, 214 s, is given twice this). No
+# test asserts speed.
 HANG_S = 900
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 sys.path.insert(0, str(ROOT))
 from bench import acceptance
@@ -21,7 +21,7 @@ ENV_KEYS = {"device", "driver", "torch", "triton", "nvshmem", "python", "date", 
 def test_the_dry_run_of_every_stage_passes(tmp_path):
     out = tmp_path / "acc"
     cmd = [sys.executable, "bench/acceptance.py", "--stage", "all", "--dry-run", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2 * HANG_S)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     names = {}
     for stage in acceptance.STAGES:

@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rdepc.runtime import memory, ranks, transport
@@ -507,6 +507,6 @@ def short_rank(rank: int, world: int, file: str, meminfo: str) -> str:
 def test_per_rank_modules_all_refuse_what_one_rank_cannot_hold(tmp_path):
     """The ranks agree before the collective allocation: none is left waiting for a peer
     that refused."""
-    got = ranks.spawn(short_rank, 2, str(TINY), meminfo(tmp_path, 64), timeout=300)
+    got = ranks.spawn(short_rank, 2, str(TINY), meminfo(tmp_path, 64), timeout=HANG_S)
     assert got[0] == got[1] and got[0].startswith("rdepc layer tiny (rank 1 of 2): the symmetric heap needs")
     assert "but the host has 64.0 KiB available" in got[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tolerance import assert_close, bounds, layer_chain
@@ -280,7 +280,7 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     from rdepc.runtime import ranks
 
     f = str(ROOT / "examples" / "tiny_balance.rdep")
-    got = ranks.spawn(rank_step, W, f, timeout=600)
+    got = ranks.spawn(rank_step, W, f, timeout=HANG_S)
     one = rdepc.load(f).module("emulated", "cpu")
     y0, g0 = train_step(one, *skewed())
     layer = rdepc.load(f)

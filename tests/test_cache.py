@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import HANG_S, ROOT, TINY
 from rdepc.runtime import cache
 
 import rdepc
@@ -202,7 +202,7 @@ def _compile_in_processes(cache_dir: Path, args: list[list[str]]) -> list[subpro
     ]  # fmt: skip
     done = []
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=HANG_S)
         done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     for p in done:
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
@@ -378,7 +378,7 @@ def test_cache_commands_import_neither_torch_nor_triton(cache_dir):
         "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))\n"
     )
     env = dict(os.environ, RDEPC_CACHE_DIR=str(cache_dir))
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-2:] == ["0 0", "[]"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from rdepc.runtime import ranks
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -173,10 +173,10 @@ def load_rank(rank: int, W: int, path: str, whole: dict, per_expert: dict):
 
 def test_dcp_checkpoint_saved_at_w4_loads_at_w2_with_equal_outputs(tmp_path):
     path = str(tmp_path / "ckpt")
-    saved = ranks.spawn(save_rank, 4, path, timeout=300)
+    saved = ranks.spawn(save_rank, 4, path, timeout=HANG_S)
     src = block(4, 9)
     whole = {"router": src.router.detach(), "w_gate_up": src.w_gate_up.detach(), "w_down": src.w_down.detach()}
-    loaded = ranks.spawn(load_rank, 2, path, whole, dict(src.state_dict()), timeout=300)
+    loaded = ranks.spawn(load_rank, 2, path, whole, dict(src.state_dict()), timeout=HANG_S)
     assert torch.equal(torch.cat([y for y, _ in saved]), torch.cat([y for y, *_ in loaded]))
     want = {k: v for _, state in saved for k, v in state.items()}
     got = {k: v for _, state, _ in loaded for k, v in state.items()}

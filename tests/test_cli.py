@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, HANG_S, ROOT
 
 import rdepc
 from rdepc import cli
@@ -32,7 +32,13 @@ def run(*args: str, cwd: Path = ROOT, **kw) -> subprocess.CompletedProcess:
     """python -m rdepc.cli ARGS, never with a traceback."""
     env = dict(os.environ, NO_COLOR="1")
     p = subprocess.run(
-        [sys.executable, "-m", "rdepc.cli", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=120, **kw
+        [sys.executable, "-m", "rdepc.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_S,
+        **kw,
     )
     assert "Traceback" not in p.stdout + p.stderr, p.stderr
     return p
@@ -380,7 +386,7 @@ def test_check_imports_neither_torch_triton_nor_sympy():
         "status = main(['check', 'examples/moonlight.rdep', 'examples/nvl72_e128.rdep'])\n"
         "print(status, sorted(m for m in ('torch', 'triton', 'sympy') if m in sys.modules))\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "0 []"
 
@@ -397,7 +403,7 @@ def test_broken_pipe_is_not_an_internal_error(tmp_path):
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
+            timeout=HANG_S,
         )
     finally:
         os.close(write_end)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,7 +29,7 @@ def test_native_calls_and_a_replayed_cuda_graph_match_the_reference(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     checks = {c["name"]: c for c in json.loads((tmp_path / "correct.json").read_text())["checks"]}
     for name in ("cuda_graph/qwen3_30b_a3b", "cuda_graph/tiny"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, block_parameters, block_reference
+from conftest import HANG_S, ROOT, block_parameters, block_reference
 from rdepc.runtime import ranks
 from tolerance import assert_close, bounds, layer_chain
 from torch import nn
@@ -148,7 +148,7 @@ def rank_cases(rank: int, world: int, spec: str) -> dict:
 
 @pytest.fixture(scope="module")
 def per_rank(spec):
-    return ranks.spawn(rank_cases, W, spec, timeout=300)
+    return ranks.spawn(rank_cases, W, spec, timeout=HANG_S)
 
 
 def one_process(spec: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -246,7 +246,7 @@ def test_train_example_under_torchrun(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert "Traceback" not in p.stdout + p.stderr, p.stderr
     assert p.returncode == 0, p.stdout + p.stderr

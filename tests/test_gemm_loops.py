@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from rdepc.codegen import write_module
 from rdepc.codegen.sm90 import compile_cubins
 
@@ -56,7 +56,7 @@ def compiled(tmp_path_factory):
     results += [{**r, "kernel": r["kernel"] + " (per rank)"} for r in per_rank]
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", _YARDSTICK, str(ROOT)], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
+                          timeout=HANG_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     yard = {r["loops"][0]["shapes"][0]: r["loops"][0]["instructions"] for r in json.loads(done.stdout)}
     return results, yard

@@ -11,7 +11,7 @@ import sys
 import hf_families as fam
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from safetensors.torch import load_file
 from tolerance import NARROWINGS, assert_close, bound, layer_chain, reorder_bound, spread
 
@@ -472,14 +472,20 @@ def test_triton_imported_natively_first_says_what_to_set():
         "    print(e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S
+    )
     assert "Start the process with TRITON_INTERPRET=1 in its environment" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_hf_swap_example_runs(dtype):
     out = subprocess.run(
-        [sys.executable, "examples/hf_swap.py", "--dtype", dtype], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "examples/hf_swap.py", "--dtype", dtype],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, out.stderr
     assert "swapped 2 blocks: model.layers.0.mlp, model.layers.1.mlp" in out.stdout
@@ -490,7 +496,7 @@ def test_the_hf_swap_example_runs(dtype):
 def test_the_hf_swap_example_without_transformers_says_what_to_install():
     code = "import runpy, sys\nsys.modules['transformers'] = None\nrunpy.run_path(sys.argv[1], run_name='__main__')\n"
     out = subprocess.run(
-        [sys.executable, "-c", code, "examples/hf_swap.py"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code, "examples/hf_swap.py"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
     )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [

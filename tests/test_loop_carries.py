@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 DEVICE = ROOT / "codegen" / "device"
 
@@ -110,7 +110,7 @@ def test_triton_drops_the_aliased_name_from_the_loops_carries(tmp_path):
     path.write_text("import triton\nimport triton.language as tl\n" + textwrap.dedent(REPRODUCER))
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
     done = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+                          timeout=HANG_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     loop = next(line for line in done.stdout.splitlines() if "scf.while" in line)
     carried = loop.split("scf.while (")[1].split(")")[0].count("=")

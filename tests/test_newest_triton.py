@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from test_examples import NARROW
 
 NEWEST = "3.9.0"
@@ -31,7 +31,7 @@ def newest(request, tmp_path_factory) -> dict[str, str]:
     probe = [sys.executable, "-c", "import triton; print(triton.__version__)"]
     if subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip() != NEWEST:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(target)]
-        got = subprocess.run([*pip, f"triton=={NEWEST}"], capture_output=True, text=True, timeout=900)
+        got = subprocess.run([*pip, f"triton=={NEWEST}"], capture_output=True, text=True, timeout=HANG_S)
         if got.returncode != 0:
             pytest.fail(f"could not install triton {NEWEST} for the slice:\n{got.stderr[-2000:]}")
     seen = subprocess.run(probe, env=env, capture_output=True, text=True).stdout.strip()
@@ -39,7 +39,7 @@ def newest(request, tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def _run(env: dict[str, str], *argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(env: dict[str, str], *argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )  # fmt: skip
@@ -87,6 +87,6 @@ def test_examples_check_under_the_newest_triton(newest, tmp_path):
 def test_device_functions_under_the_newest_triton(newest):
     tests = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").glob("test_device*.py"))]
     assert "tests/test_device.py" in tests
-    got = _run(newest, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, timeout=900)
+    got = _run(newest, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, timeout=2 * HANG_S)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-2000:]
     assert " passed" in got.stdout.splitlines()[-1]

@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from rdepc.codegen import transport
 from rdepc.runtime.nvshmem import NvshmemWorld, needs_module_init
 
@@ -123,7 +123,7 @@ def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=240,
+        timeout=HANG_S,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -171,6 +171,6 @@ def test_a_world_that_lost_a_peer_skips_the_collective_finalize(capsys):
 def test_import_is_light():
     heavy = ("torch", "triton", "nvshmem")
     code = f"import sys, rdepc.runtime.nvshmem; print(sorted(m for m in {heavy!r} if m in sys.modules))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"

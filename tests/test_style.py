@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 
 def _ruff() -> list[str]:
@@ -25,5 +25,5 @@ def _ruff() -> list[str]:
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
 def test_ruff(args):
-    p = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([*_ruff(), *args], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, f"ruff {' '.join(args)} found problems:\n{p.stdout}{p.stderr}"

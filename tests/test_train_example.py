@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 SCRIPT = ROOT / "examples" / "train_moe.py"
 
@@ -21,7 +21,7 @@ def test_train_example_loss_falls(tmp_path):
     env = dict(os.environ, RDEPC_CACHE_DIR=str(tmp_path / "rdepc-cache"), NO_COLOR="1")
     args = ["--steps", str(steps), "--layers", "1", "--lr", "1e-2", "--seed", "0", "--json", str(out)]
     p = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=HANG_S
     )
     assert "Traceback" not in p.stdout + p.stderr, p.stderr
     assert p.returncode == 0, p.stdout + p.stderr
@@ -49,7 +49,7 @@ def test_per_rank_backend_outside_torchrun_is_refused_in_one_line(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.strip().splitlines() == [
