@@ -13,6 +13,8 @@ SCHEDULES = ("bulk", "pipelined", "deep")
 MODES = ("unified", "split")
 # phased mode runs a schedule whose GEMMs wait for no return (rdepc.ir.contract.phase_queues): bulk
 PHASED = (("bulk", "phased"),)
+# the library GEMM lowering's own checks on a GPU: bf16 at two shapes, fp8 rows with scales
+LIBRARY_EXAMPLES = ("moonlight", "qwen3_30b_a3b", "deepseek_v3")
 GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
 ROUTING = "zipf:1.0"  # skewed: owners' loads differ, capacity policies drop
 
@@ -66,10 +68,16 @@ def plan(dry: bool, device: str | None = None) -> list:
     fit = fit_backward("deepseek_v3", dry, "dedup", room)
     grads = trained("deepseek_v3", dry, "dedup", fit)
     out.append(Planned("dedup/deepseek_v3", dedup, (runs, grads, fit), runs + grads))
+    for name in ("tiny",) if dry else LIBRARY_EXAMPLES:  # the library GEMM lowering: bulk, phased
+        runs = (variant(name, dry, "bulk", gemm="library"),)
+        out.append(Planned(f"library/{name}", forward, (runs,), runs))
+        fit = fit_backward(name, dry, None, room)
+        runs = (variant(name, dry, "bulk", pass_="train", narrow=fit["narrowed"] if fit else None, gemm="library"),)
+        out.append(Planned(f"library_backward/{name}", backward, (runs, fit), runs))
     for name in ("tiny",) if dry else ("qwen3_30b_a3b", "tiny"):
         pairs = (("bulk", None),) if dry else (("bulk", "split"), ("pipelined", "split"), ("bulk", "unified"))
         pairs += () if dry else PHASED
-        runs = tuple(variant(name, dry, s, m) for s, m in pairs)
+        runs = (*(variant(name, dry, s, m) for s, m in pairs), variant(name, dry, "bulk", gemm="library"))
         out.append(Planned(f"cuda_graph/{name}", cuda_graph, (runs,), runs))
     for name in ("tiny",) if dry else ("tiny", "moonlight"):
         runs = (variant(name, dry),) if dry else (variant(name, dry), variant(name, dry, mode="unified"))
@@ -84,15 +92,19 @@ def overrides(name: str, dry: bool, tokens: int | None = None) -> dict:
     return dict(DRY[name]) if dry else {"T": tokens or GPU_TOKENS.get(name, 256)}
 
 
-def variant(name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None):
+def variant(
+    name: str, dry: bool, schedule=None, mode=None, pass_="forward", edit=None, tokens=None, narrow=None, gemm="triton"
+):
     """A launch of example ``name`` on the one-process backend (``acceptance.Variant``);
     ``narrow``: parameters replaced on top of the stage's (a check sized to the free memory);
-    ``mode`` None: the default kernel mode (``default_mode``: split on a GPU)."""
+    ``mode`` None: the default kernel mode (``default_mode``: split on a GPU; phased for the
+    library GEMM lowering, ``gemm``)."""
     from bench.acceptance import Variant
     from rdepc.ir.contract import default_mode
 
     ov = tuple((overrides(name, dry, tokens) | (narrow or {})).items())
-    return Variant(f"examples/{name}.rdep", ov, schedule, mode or default_mode(not dry), pass_, "emulated", edit)
+    mode = mode or ("phased" if gemm == "library" else default_mode(not dry))
+    return Variant(f"examples/{name}.rdep", ov, schedule, mode, pass_, "emulated", edit, gemm)
 
 
 def load(name: str, dry: bool, edit: str | None = None, tokens: int | None = None):
@@ -287,9 +299,9 @@ def forward(check, variants, device: str, dry: bool) -> None:
     first = None
     runs = {}
     for v in variants:
-        key = f"{v.schedule} {v.mode}"
+        key = f"{v.schedule} {v.mode}" + (" library" if v.gemm == "library" else "")
         try:
-            m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+            m = v.module(device)
         except ValueError as e:  # a split this GPU cannot hold at once: refused, not run (recorded)
             if "runs every program at once" not in str(e):
                 raise
@@ -347,8 +359,8 @@ def backward(check, variants, fit: dict | None, device: str, dry: bool) -> None:
     first = None
     errs = {}
     for v in variants:
-        schedule = f"{v.schedule} {v.mode}"
-        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+        schedule = f"{v.schedule} {v.mode}" + (" library" if v.gemm == "library" else "")
+        m = v.module(device)
         got = settled(m, lambda m=m: grads_in(m, inputs, dy, dtype))
         errs[schedule] = {n: max_relative_error(got[n], want[n]) for n in got}
         for n, e in errs[schedule].items():
@@ -374,7 +386,7 @@ def fp8(check, variants, device: str, dry: bool) -> None:
     layer = v.layer()
     check.expect(layer.spec.precision.dispatch_scale is not None, "deepseek_v3 no longer dispatches fp8")
     inputs = inputs_for(layer, device)
-    m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+    m = v.module(device)
     y = settled(m, lambda: m(*inputs))
     quantised, _ = reference_for(layer.spec)(*fp32(inputs))
     exact, _ = reference_for(layer.spec, dispatch_rounding=False)(*fp32(inputs))
@@ -398,7 +410,7 @@ def dedup(check, variants, grads, fit: dict | None, device: str, dry: bool) -> N
     ys = {}
     for v in variants:
         schedule = v.schedule
-        m = layer.module(v.backend, device, schedule=schedule, mode=v.mode)
+        m = v.module(device)
         ys[schedule] = settled(m, lambda m=m: m(*inputs))
         st = m.last_stats
         accepted = int(st["accepted"].sum())
@@ -426,8 +438,8 @@ def cuda_graph(check, variants, device: str, dry: bool) -> None:
     layer = variants[0].layer()
     captured = check.figure("captured", device == "cuda")
     for v in variants:
-        schedule = f"{v.schedule} {v.mode}"
-        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+        schedule = f"{v.schedule} {v.mode}" + (" library" if v.gemm == "library" else "")
+        m = v.module(device)
         make = [inputs_for(layer, device, seed=s) for s in (0, 1, 2)]
         eager = [m(*inp) for inp in make]
         m.synchronize()
@@ -472,7 +484,7 @@ def withheld(check, variants, device: str, dry: bool) -> None:
         def fig(name: str, value, mode=v.mode, first=i == 0):
             return check.figure(name if first else f"{mode}: {name}", value)
 
-        m = layer.module(v.backend, device, schedule=v.schedule, mode=v.mode)
+        m = v.module(device)
         clean = settled(m, lambda m=m: m(*inputs))
         plan = m.contract
         # an entry of rank 1 that rank 0 waits for: a dependent's wait must expire

@@ -34,6 +34,7 @@ CPU under the Triton interpreter at tiny shapes: the same code paths and JSON fi
 from __future__ import annotations
 
 import argparse
+import contextvars
 import datetime as dt
 import fnmatch
 import functools
@@ -52,6 +53,20 @@ ROOT = HERE.parent
 STAGES = ("correct", "nvshmem", "perf", "tune")
 STATUSES = ("pass", "fail", "error", "skipped")
 ALWAYS = ("prewarm",)  # checks a run makes whatever --only selects (prewarm: for the checks selected)
+TILES: contextvars.ContextVar = contextvars.ContextVar("tiles", default=None)  # --tiles: every module's
+
+
+def given_tiles(path: Path):
+    """The Tiles a ``--tiles`` file holds: a Tiles' fields, an ``rdepc tune`` record (``tiles``)
+    or an acceptance tune stage's record (its tune check's ``best``)."""
+    from rdepc.ir.contract import Tiles
+
+    rec = json.loads(path.read_text(encoding="utf-8"))
+    if "checks" in rec:
+        rec = next(c["figures"]["best"] for c in rec["checks"] if c["name"].startswith("tune/"))
+    return Tiles(**rec.get("tiles", rec))
+
+
 PREWARM_PROCESSES = 16  # at most: one per core of the GPU machines
 
 
@@ -225,6 +240,7 @@ class Variant:
     pass_: str = "forward"
     backend: str = "emulated"
     edit: str | None = None
+    gemm: str = "triton"  # the expert GEMMs' lowering (rdepc.ir.lowering): the library's runs phased
 
     def layer(self):
         """The example as a Layer (one per example, edit and overrides in this process)."""
@@ -234,7 +250,8 @@ class Variant:
     def label(self) -> str:
         sizes = ",".join(f"{k}={v}" for k, v in self.overrides)
         edit = f"+{self.edit}" if self.edit else ""
-        return f"{Path(self.file).stem}{edit}[{sizes}] {self.backend} {self.schedule or 'own'}"
+        gemm = " library" if self.gemm == "library" else ""
+        return f"{Path(self.file).stem}{edit}[{sizes}] {self.backend} {self.schedule or 'own'}{gemm}"
 
     def requests(self, *, interpret: bool, sms: int, device_name: str | None) -> list[dict]:
         """rdepc.codegen.prewarm.prewarm's requests for this variant's native launches: the
@@ -245,11 +262,21 @@ class Variant:
         from rdepc.codegen.prewarm import launch_requests
         from rdepc.runtime import tune
 
-        compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret)
+        gemm = "library" if self.gemm == "library" else None
+        compiled = self.layer().compile(schedule=self.schedule, backend=self.backend, interpret=interpret, gemm=gemm)
         plan = compiled.kernel
         tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
+        tiles = TILES.get() or tiles
         return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=self.mode,
-                               pass_=self.pass_, tiles=tiles, sms=sms, label=self.label)  # fmt: skip
+                               pass_=self.pass_, tiles=tiles, sms=sms, label=self.label, gemm=self.gemm)  # fmt: skip
+
+    def module(self, device: str, **options):
+        """A module of this variant on ``device`` (its schedule, mode and lowering; the stage's
+        ``--tiles`` where given)."""
+        gemm = {"gemm": "library"} if self.gemm == "library" else {}
+        tiles = {"tiles": TILES.get()} if TILES.get() is not None else {}
+        return self.layer().module(self.backend, device, schedule=self.schedule, mode=self.mode,
+                                   **(gemm | tiles | options))  # fmt: skip
 
 
 def example_path(file: str) -> Path:
@@ -448,7 +475,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], help="run only checks matching this glob (repeatable)")
     ap.add_argument("--report", metavar="DIR", help="print the markdown summary of the stage records in DIR")
     ap.add_argument("--plot", metavar="DIR", help="write DIR/perf.png from DIR/perf.json (times and stage timelines)")
+    ap.add_argument(
+        "--tiles",
+        metavar="FILE",
+        help="launch every module with these tiles (JSON: a Tiles' fields, or an rdepc tune record or acceptance "
+        "tune record holding them) instead of this machine's tuning record or the defaults",
+    )
     args = ap.parse_args(argv)
+    if args.tiles:
+        try:
+            TILES.set(given_tiles(Path(args.tiles)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"acceptance: --tiles {args.tiles}: {e}", file=sys.stderr)
+            return 2
     if args.report or args.plot:
         if args.stage:
             ap.error("--report DIR and --plot DIR read records; they run no stage")

@@ -50,6 +50,7 @@ class Step:
     only: tuple[str, ...] = ()
     budget: float | None = None
     command: tuple[str, ...] = field(default=())
+    tiles: str | None = None  # an acceptance stage's --tiles (a record under bench/results), natively
 
     def argv(self, out: Path, index: int, dry: bool) -> list[str]:
         if self.stage:
@@ -57,12 +58,38 @@ class Step:
             argv += ["--out", str(out / f"{index}-{self.stage}")]
             argv += [a for g in self.only for a in ("--only", g)]
             argv += ["--budget", str(self.budget)] if self.budget else []
+            argv += ["--tiles", str(ROOT / self.tiles)] if self.tiles and not dry else []
             return argv + (["--dry-run"] if dry else [])
         fill = {"ROOT": str(ROOT), "OUT": str(out), "PY": sys.executable}
         return [a.format(**fill) for a in self.command]
 
 
+TUNED_1128 = "bench/results/h200-2026-11-28-lease/b-tune.json"  # moonlight's tiles, tuned on an H200
+
 STEPS = (
+    Step(
+        "the library GEMM lowering against the Triton one and both baselines, on the tiles the 2026-11-28 lease "
+        "tuned (no re-tuning): moonlight and qwen3_30b_a3b at T' = 4096 (W = 8 emulated) and moonlight on one GPU "
+        "as its only rank (W = 1, T' = 32768: as many route rows), forward and forward+backward, bulk in split and "
+        "phased mode x triton / library, sort + _grouped_mm and the fused grouped_mm a careful user writes; a "
+        "call replayed from a CUDA graph beside eager calls (its host work gone), the route's span, the "
+        "backward's stages (targets: moonlight forward <= 8.5 ms, >= 1.4x sort + _grouped_mm, faster than the "
+        "fused one; fwd+bwd <= 24 ms, >= 1.25x; replay within 0.1 ms of the kernel span; route <= 0.1 ms)",
+        cap=260,
+        stage="perf",
+        only=("perf/moonlight/T4096/uniform", "perf/qwen3_30b_a3b/T4096/uniform", "perf/moonlight/T32768/uniform/W1"),
+        budget=240,
+        tiles=TUNED_1128,
+    ),
+    Step(
+        "the library lowering natively correct: moonlight, qwen3_30b_a3b and deepseek_v3 (fp8 rows with scales) "
+        "against the reference forward, moonlight backward, bitwise across calls; captured into a CUDA graph "
+        "and replayed (tiny, every mode and both lowerings)",
+        cap=120,
+        stage="correct",
+        only=("library/*", "library_backward/moonlight", "cuda_graph/tiny"),
+        budget=100,
+    ),
     Step(
         "tile sizes tuned where perf measures (moonlight, T' = 4096, bulk), every candidate prewarmed first "
         "(the last lease: 63 of 63 timed, GEMM2 256 wide and 4 stages 13.87 ms against the defaults' 16.29)",

@@ -56,7 +56,8 @@ class Generated:
 
 @dataclass(frozen=True)
 class CodegenPass:
-    """Schedule and its memory plan (the memplan pass's output) → Generated. ``schedule``
+    """Schedule, its memory plan and the GEMMs' lowering (the memplan and lowering passes'
+    outputs) → Generated. ``schedule``
     is the strategy the user asked for explicitly (command line or API), None when it came
     from the spec or the cost model (it is recorded in the generated header)."""
 
@@ -65,10 +66,14 @@ class CodegenPass:
     transport: str = "emulated"
     name: str = "codegen"
 
-    def __call__(self, sched: Schedule, mp: MemoryPlan) -> Generated:
+    def __call__(self, sched: Schedule, mp: MemoryPlan, lowering) -> Generated:
         spec = sched.graph.spec
         options = (("schedule", self.schedule or "from the spec"), ("hw", self.hw), ("backend", self.transport))
-        contract = dataclasses.replace(lower(spec, sched, mp, self.transport), options=options)
+        contract = lower(spec, sched, mp, self.transport)
+        decisions = (*contract.decisions, f"gemm = {lowering.gemm} ({lowering.why})")
+        contract = dataclasses.replace(
+            contract, options=options, gemm=lowering.gemm, gemm_why=lowering.why, decisions=decisions
+        )  # fmt: skip
         return Generated(contract, generate(contract), sched, mp)
 
 

@@ -45,7 +45,7 @@ PASSES = {
     "profile": ((False, False, True),),  # a profiled module's call (%globaltimer stamps)
     "profile_train": ((False, True, True), (True, False, True)),  # ... under autograd, and its backward
 }
-VARIANT_CONSTEXPRS = ("BACKWARD", "SAVE", "PROFILE", "GLOBALTIMER")  # and rdep_layer's GEMMS
+VARIANT_CONSTEXPRS = ("BACKWARD", "SAVE", "PROFILE", "GLOBALTIMER")  # and rdep_layer's GEMMS, rdep_gemm's LIBRARY
 _LINE = "rdepc-prewarm "  # a compiling process's result lines start so (anything else on stdout is not one)
 
 
@@ -61,13 +61,15 @@ def launch_requests(
     ranks: list[int] | None = None,
     spin_bound: int = NATIVE_SPIN_BOUND,
     label: str = "",
+    gemm: str = "triton",
 ) -> list[dict]:
     """:func:`prewarm`'s requests for the launches a native RDEPModule of this generated file
     makes in ``mode`` for ``pass_`` (PASSES), one per kernel the mode launches (once however
     often a call launches it): its tiles (default the native defaults; the module uses
     ``rdepc tune``'s record when there is one), T' = ``tokens`` (default the plan's T), a
     GPU of ``sms`` SMs, the spin bound; a per-rank transport: one request per rank in
-    ``ranks`` (default all W), each process's own launch. ValueError where the module
+    ``ranks`` (default all W), each process's own launch; ``gemm``: the GEMMs' lowering (the
+    library's launches the GEMM kernel to wait and signal only). ValueError where the module
     refuses the launch (a split that leaves a kernel no program, a phased call of a
     schedule whose GEMMs wait for returns)."""
     contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
@@ -86,7 +88,7 @@ def launch_requests(
                         "plan": str(Path(plan_path).resolve()),
                         "kernel": kernel,
                         "tiles": asdict(own),
-                        "meta": variant_meta(mode, kernel, backward, save, profile),
+                        "meta": variant_meta(mode, kernel, backward, save, profile, gemm == "library"),
                         "launch": launch,
                         "label": f"{label or contract.layer} {mode} {kernel} {what}",
                     }
@@ -178,7 +180,7 @@ class _Builds:
         from rdepc.toolchain import import_kernels
 
         kernel = req["kernel"]
-        want = set(VARIANT_CONSTEXPRS) | ({"GEMMS"} if kernel == "rdep_layer" else set())
+        want = set(VARIANT_CONSTEXPRS) | ({"GEMMS"} if kernel == "rdep_layer" else {"LIBRARY"})
         if set(req["meta"]) != want:
             raise ValueError(f"a prewarm request's meta for {kernel} sets {sorted(req['meta'])}, not {sorted(want)}")
         contract = self.contracts.get(req["plan"])

@@ -66,14 +66,16 @@ from rdepc.toolchain import package_home
 
 # The native builds of one generated file, each (function, constexprs): split mode's
 # transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE; the GEMM
-# kernel also as a call without autograd launches it) and backward, then the unified
-# kernel's forward and backward.
+# kernel also as a call without autograd launches it) and backward, the GEMM kernel as the
+# library lowering launches it, then the unified kernel's forward and backward.
 KERNELS = {
     "rdep_transport": ("rdep_layer", {"GEMMS": False, "BACKWARD": False, "SAVE": True}),
     "rdep_gemm": ("rdep_gemm", {"BACKWARD": False, "SAVE": True}),
     "rdep_gemm.forward": ("rdep_gemm", {"BACKWARD": False, "SAVE": False}),  # a call that keeps nothing
     "rdep_transport.backward": ("rdep_layer", {"GEMMS": False, "BACKWARD": True, "SAVE": False}),
     "rdep_gemm.backward": ("rdep_gemm", {"BACKWARD": True, "SAVE": False}),
+    # the library GEMM lowering's: the GEMM kernel's items wait and signal, torch computes them
+    "rdep_gemm.library": ("rdep_gemm", {"BACKWARD": False, "SAVE": True, "LIBRARY": True}),
     "rdep_layer": ("rdep_layer", {"GEMMS": True, "BACKWARD": False, "SAVE": True}),
     "rdep_layer.backward": ("rdep_layer", {"GEMMS": True, "BACKWARD": True, "SAVE": False}),
 }
@@ -240,19 +242,22 @@ def launch_values(contract: KernelContract, kernel: str, tiles: Tiles, sms: int 
 def kernel_meta(contract: KernelContract, tiles: Tiles, kernel: str, profile: bool = False) -> dict:
     """The constexprs a native launch of build ``kernel`` passes (its function's only)."""
     fn, variant = KERNELS[kernel]
-    meta = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile} | variant
+    meta = tiles.constexprs() | {"CAST_F32": False, "PROFILE": profile, "GLOBALTIMER": profile, "LIBRARY": False}
+    meta |= variant
     return own_constexprs(contract, fn, meta)
 
 
 def variant_meta(
-    mode: str, kernel: str, backward: bool = False, save: bool = False, profile: bool = False
+    mode: str, kernel: str, backward: bool = False, save: bool = False, profile: bool = False, library: bool = False
 ) -> dict[str, bool]:
     """The constexprs that tell one native launch of ``kernel`` (``rdep_layer`` or
     ``rdep_gemm``) from another (RDEPModule._launch): those ``mode`` sets for it
-    (``mode_kernels``), the pass, keeping what a backward walks, and the profile's
-    %globaltimer stamps (a profiled module's, in either pass)."""
-    meta = dict(mode_kernels(mode))[kernel]
-    return meta | {"PROFILE": profile, "GLOBALTIMER": profile, "BACKWARD": backward, "SAVE": save}
+    (``mode_kernels``), the pass, keeping what a backward walks, the profile's %globaltimer
+    stamps (a profiled module's, in either pass) and, for the GEMM kernel, the library
+    lowering's waits without GEMMs."""
+    meta = dict(mode_kernels(mode))[kernel] | {"PROFILE": profile, "GLOBALTIMER": profile}
+    meta |= {"BACKWARD": backward, "SAVE": save}
+    return meta | ({"LIBRARY": library} if kernel == "rdep_gemm" else {})
 
 
 def launch_options(contract: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:

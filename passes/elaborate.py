@@ -250,7 +250,7 @@ class _Layer(Statements, Checks):
         precision = self.precision(stmts.get("dtype"))
         model = self.model(stmts.get("model"))
         transport, dedup = self.transport(stmts.get("transport"))
-        schedule = self.schedule(stmts.get("schedule"))
+        schedule, gemm = self.schedule(stmts.get("schedule"))
         if shape is None:
             return None
         self.token_vars = shape.T.free
@@ -324,6 +324,7 @@ class _Layer(Statements, Checks):
             capacity=capacity,
             segment=segment,
             schedule=schedule,
+            gemm=gemm,
             transport=transport,
             dedup=dedup,
             span=decl.name_span,
@@ -335,6 +336,8 @@ class _Layer(Statements, Checks):
             gate_on=gate_on,
         )
         self.warn(spec)
+        if not self.library_check(spec):
+            return None
         ir = self.to_ir(spec)
         rows = int(ir.shape.W) * ir.shape.T_max * int(ir.shape.K)
         if ir.keyed_admission and rows >= 1 << 31:  # a key is (gate order) << 31 | dense row index

@@ -85,3 +85,24 @@ def profile(name: str) -> HardwareProfile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown hardware profile '{name}' (known: {', '.join(PROFILES)})") from None
+
+
+# The share of ``flops`` (cuBLAS's dense MAMF) an expert GEMM reaches under each lowering
+# (rdepc.ir.lowering), measured on moonlight's forward (196,608 expert-sorted rows, H 2048,
+# F 1408: 3.40 TFLOP) on one H200; the same kernels on every profile until another is
+# measured.
+GEMM_EFFICIENCY: dict[str, Value] = {
+    "library": Value(
+        0.673,
+        "of flops",
+        "measured",
+        "bench/results/h200-2026-11-28-lease/b-perf.json: torch._grouped_mm alone, 534.6 TFLOPS median",
+    ),
+    "triton": Value(
+        0.620,
+        "of flops",
+        "measured",
+        "bench/results/h200-2026-11-28-lease/b-perf.json: bulk split's GEMM stage, 9.02 ms on 101 of 132 SMs "
+        "(377 TFLOPS; 493 scaled to all 132)",
+    ),
+}

@@ -18,7 +18,8 @@ of a sampled routing (:mod:`rdepc.passes.padding`) and the ``--probs`` parser
 (:mod:`rdepc.passes.probs`). ``schedule auto`` is resolved as compile resolves it, by the
 scheduler's cost model (:func:`rdepc.passes.plan_symbols.resolve_strategy`). numpy is
 imported only to sample a routing (``--routing``) and by that scheduler (``schedule auto``,
-or a segmented schedule without a segment statement). Neither torch nor triton is imported.
+or a segmented schedule without a segment statement, or a bulk one's GEMM lowering, compared
+on its cost model as compile compares it). Neither torch nor triton is imported.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from rdepc.passes.replicate import physical_layer
 from rdepc.passes.symmetric import symmetric_figures
 from rdepc.passes.transport import dedup_plan, transport_plan
 
+from rdepc.diagnostics import SpecError
 from rdepc.ir.sizes import BM, kept_columns
 from rdepc.ir.spec import LayerSpec
 
@@ -82,7 +84,8 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     # what compile builds: under balance replicate the physical layer, whose slots are experts
     # of their ranks (its buffers are what a module allocates); the load figures stay the spec's
     layer = physical_layer(spec)
-    resolved = resolve_strategy(layer, opts.strategy, opts.hw)  # auto: the scheduler's choice, as compile
+    strategy_asked = "bulk" if opts.gemm == "library" and opts.strategy in (None, "auto") else opts.strategy
+    resolved = resolve_strategy(layer, strategy_asked, opts.hw)  # auto: the scheduler's choice, as compile
     strategy, rows, buffers = resolved.strategy, resolved.S, resolved.B
     if strategy in SEGMENTED and spec.segment is None and rows is None:
         # No segment statement: the S and B the scheduler chooses on this profile, as compile does.
@@ -289,7 +292,25 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         tuple(warnings),
         balance_plan(env, spec, opts),
         compute_plan(env, spec),
+        gemm_lowering(layer, strategy, opts),
     )
+
+
+def gemm_lowering(layer: LayerSpec, strategy: str, opts: PlanOptions) -> tuple[str, str]:
+    """The expert GEMMs' lowering ``compile`` chooses for ``layer`` under ``strategy`` and why
+    (a bulk schedule's lowerings compared on its cost model, as compile's lowering pass does)."""
+    from rdepc.passes.lowering import decide, predicted
+
+    def predict() -> dict[str, float]:  # a bulk schedule's cost model (numpy): only where compared
+        from rdepc.passes.schedule import build_for, schedule
+
+        return predicted(schedule(build_for(layer, "bulk", None, opts.hw, opts.gemm), opts.hw))
+
+    try:
+        lo = decide(layer, strategy, opts.gemm, predict)
+    except SpecError as e:  # compile cannot build the layer (not supported yet): nothing to compare
+        return "triton", f"not compared: {e.diagnostics[0].message if e.diagnostics else e}"
+    return lo.gemm, lo.why
 
 
 def _g(x: float) -> str:

@@ -21,6 +21,7 @@ class PlanOptions:
     seed: int = 0
     probs: tuple[float, ...] | None = None  # per-expert selection probabilities p_e
     strategy: str | None = None  # None: the spec's schedule (auto: the scheduler's choice, as compile)
+    gemm: str | None = None  # --gemm: the expert GEMMs' lowering (None: the spec's, else the compiler's choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +237,7 @@ class Plan:
     warnings: tuple[str, ...] = field(default=())
     balance: BalancePlan | None = None
     compute: ComputePlan | None = None
+    gemm: tuple[str, str] = ("triton", "")  # the expert GEMMs' lowering and why (rdepc.passes.lowering)
 
     def figures(self) -> Iterator[Figure]:
         """Every figure of the plan, in report order."""
@@ -299,6 +301,7 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             },
         },
         "strategy": pl.strategy,
+        "gemm": {"lowering": pl.gemm[0], "why": pl.gemm[1]},
         "T_bound": pl.t_bound,
         "values": dict(pl.values),
         "mu": j(po.mu),

@@ -39,7 +39,7 @@ from rdepc.passes.cost import Split, best_split, cost_model, durations
 from rdepc.passes.graph import STRATEGIES, build_graph, candidates
 from rdepc.passes.order import BALANCE_ORDERS, LATE_PUSHES, ORDERS, Timeline, priority, timeline, topo_order
 
-from rdepc.diagnostics import SpecError
+from rdepc.diagnostics import SpecError, UsageError
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
@@ -342,23 +342,44 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.3f} ms"
 
 
-def resolve(spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100") -> Choice:
-    """Strategy, cut, S and B: command line over spec over the cost model."""
-    return _resolve(spec, strategy, cut, hw)[0]
+def resolve(
+    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
+) -> Choice:
+    """Strategy, cut, S and B: command line over spec over the cost model (``gemm``: the
+    command line's ``--gemm``; the library lowering runs bulk)."""
+    return _resolve(spec, strategy, cut, hw, gemm)[0]
 
 
-def _resolve(spec, strategy, cut, hw) -> tuple[Choice, TaskGraph | None]:
-    decisions: list[Decision] = []
+def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
+    """The strategy the command line or the spec fixes and why (None: the cost model's):
+    ``--schedule``, the spec's, or bulk where the library lowering is asked for."""
     if strategy is not None and strategy not in (*STRATEGIES, "auto"):
         raise ValueError(f"unknown schedule '{strategy}' (known: auto, {', '.join(STRATEGIES)})")
-    seg = spec.segment
     # None: not given on the command line; "auto" given there: the cost model decides.
-    if strategy is not None:
-        fixed_strategy, why = (None, "") if strategy == "auto" else (strategy, "command line --schedule")
-    elif spec.schedule != "auto":
-        fixed_strategy, why = spec.schedule, f"spec: schedule {spec.schedule}"
+    if strategy is not None and strategy != "auto":
+        fixed = (strategy, "command line --schedule")
+    elif strategy is None and spec.schedule != "auto":
+        fixed = (spec.schedule, f"spec: schedule {spec.schedule}")
     else:
-        fixed_strategy, why = None, ""
+        fixed = (None, "")
+    asked = "command line --gemm library" if gemm == "library" else "spec: schedule ..., gemm library"
+    if not (gemm == "library" or (gemm in (None, "auto") and spec.gemm == "library")):
+        return fixed
+    if fixed[0] not in (None, "bulk") and (strategy not in (None, "auto") or gemm != "library"):
+        raise UsageError(
+            f"rdepc layer {spec.name}: the library GEMM lowering ({asked}) runs bulk schedules, not {fixed[0]} "
+            f"({fixed[1]})"
+        )
+    aside = f"; the spec's schedule {fixed[0]} set aside" if fixed[0] not in (None, "bulk") else ""
+    return (
+        ("bulk", fixed[1]) if fixed[0] == "bulk" else ("bulk", f"the library GEMM lowering runs bulk ({asked}{aside})")
+    )
+
+
+def _resolve(spec, strategy, cut, hw, gemm=None) -> tuple[Choice, TaskGraph | None]:
+    decisions: list[Decision] = []
+    seg = spec.segment
+    fixed_strategy, why = _fixed_strategy(spec, strategy, gemm)
     if cut is not None:
         fixed_cut, cut_why = (None, "") if cut == "auto" else (cut, "command line --cut")
     elif seg is not None and seg.cut != "auto":
@@ -414,9 +435,11 @@ def _resolve(spec, strategy, cut, hw) -> tuple[Choice, TaskGraph | None]:
     return choice, graphs[key]
 
 
-def build_for(spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100") -> TaskGraph:
+def build_for(
+    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
+) -> TaskGraph:
     """The graph of ``spec`` with every choice resolved (see :func:`resolve`)."""
-    ch, tg = _resolve(spec, strategy, cut, hw)
+    ch, tg = _resolve(spec, strategy, cut, hw, gemm)
     return replace(tg, decisions=ch.decisions)
 
 
@@ -442,10 +465,11 @@ class GraphPass:
     strategy: str | None = None
     cut: str | None = None
     hw: str = "h100"
+    gemm: str | None = None  # --gemm: the library lowering runs bulk
     name: str = "graph"
 
     def __call__(self, spec: LayerSpec) -> TaskGraph:
-        return build_for(spec, self.strategy, self.cut, self.hw)
+        return build_for(spec, self.strategy, self.cut, self.hw, self.gemm)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Checks of a built LayerSpec that are warnings and notes, not errors: ownership, capacity
-against segments, schedules against buffers, dtypes, and where compile will stop (a task
-table over MAX_TASKS). The methods :class:`Checks` adds to the elaborator's per-layer
-context."""
+"""Checks of a built LayerSpec, warnings and notes but one: ownership, capacity against
+segments, schedules against buffers, dtypes, where compile will stop (a task table over
+MAX_TASKS), and the error of a ``gemm library`` the library lowering cannot serve. The
+methods :class:`Checks` adds to the elaborator's per-layer context."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rdepc.passes.statements import ranges
 
 from rdepc.ir import sizes
 from rdepc.ir.graph import MAX_TASKS
+from rdepc.ir.lowering import library_refusals
 from rdepc.ir.spec import LayerSpec
 
 
@@ -39,6 +40,19 @@ class Checks:
         if n > MAX_TASKS:
             what, key, hint = too_many_tasks(W, T, n, strategy, S, segments, seg is not None)
             self.diags.note(f"not supported yet: {what} (compile and run stop here)", spec.span_of(key), hint)
+
+    def library_check(self, spec: LayerSpec) -> bool:
+        """``schedule ..., gemm library`` on a layer the library lowering does not run is an
+        error at the option, naming each construct in the way (an auto schedule is bulk's)."""
+        if spec.gemm != "library":
+            return True
+        strategy = "bulk" if spec.schedule == "auto" else spec.schedule
+        why = library_refusals(strategy, spec.balance.slots if spec.balance.kind == "replicate" else 0)
+        for reason in why:
+            self.diags.error(
+                f"the library GEMM lowering cannot run this layer: {reason}", spec.span_of("schedule.gemm")
+            )
+        return not why
 
     # --- warnings -------------------------------------------------------------------
 

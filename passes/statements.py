@@ -13,6 +13,7 @@ from rdepc.passes.expressions import MAX_VALUE, evaluate
 from rdepc import syntax as S
 from rdepc.diagnostics import Span, did_you_mean
 from rdepc.ir.exact import Poly
+from rdepc.ir.lowering import GEMM_LOWERINGS
 from rdepc.ir.sizes import block_scales
 from rdepc.ir.spec import (
     CLAMPED_SWIGLU,
@@ -488,8 +489,20 @@ class Statements:
             return None
         return None if policy is None else (policy, inputs)
 
-    def schedule(self, st: S.Stmt | None) -> str:
-        return self.one_flag(st, SCHEDULES, "auto")
+    def schedule(self, st: S.Stmt | None) -> tuple[str, str]:
+        """(strategy, the expert GEMMs' lowering): ``schedule STRATEGY[, gemm LOWERING]``."""
+        if st is None:
+            return "auto", "auto"
+        opts, _ = self.args(st, keyed=("gemm",), flags=SCHEDULES)
+        strategies = [k for k in SCHEDULES if k in opts]
+        if len(strategies) > 1 or not st.args:
+            self.diags.error(f"'schedule' needs one of: {', '.join(SCHEDULES)}", st.keyword_span)
+        if len(strategies) != 1:  # none (an unknown one is reported where it stands), or several
+            strategies = ["auto"]
+        gemm = "auto"
+        if "gemm" in opts:
+            gemm = self.choice(opts["gemm"], ("auto", *GEMM_LOWERINGS), "schedule gemm") or "auto"
+        return strategies[0], gemm
 
     def transport(self, st: S.Stmt | None) -> tuple[str, bool]:
         if st is None:

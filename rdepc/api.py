@@ -116,17 +116,23 @@ class Layer:
         self._compiled: dict = {}
 
     def compile(
-        self, *, schedule: str | None = None, backend: str = "emulated", hw: str = "h100", interpret: bool = True
+        self,
+        *,
+        schedule: str | None = None,
+        backend: str = "emulated",
+        hw: str = "h100",
+        interpret: bool = True,
+        gemm: str | None = None,
     ):
         """The generated kernels of this layer (from the cache when they are there): an
         ``rdepc.compiled.Compiled`` with ``.source``, ``.kernel`` and ``.module()``.
-        ``schedule`` overrides the spec's (as ``--schedule``); raises SpecError for what
-        the code generator does not support yet."""
-        key = (schedule, backend, hw, interpret)
+        ``schedule`` overrides the spec's (as ``--schedule``), ``gemm`` its GEMMs' lowering
+        (as ``--gemm``); raises SpecError for what the code generator does not support yet."""
+        key = (schedule, backend, hw, interpret, gemm)
         if key not in self._compiled:
             from rdepc.compiled import compile_layer
 
-            self._compiled[key] = compile_layer(self.spec, schedule, hw, backend, interpret)
+            self._compiled[key] = compile_layer(self.spec, schedule, hw, backend, interpret, gemm)
         return self._compiled[key]
 
     @property
@@ -151,11 +157,13 @@ class Layer:
         w_down) -> y`` on ``backend`` — ``emulated`` (all ranks in this process), or one rank
         per process with ``emulated-mp`` (CPU) and ``nvshmem`` (this rank's GPU, under
         torchrun) — on ``device`` "cpu" (the Triton interpreter, the default) or "cuda".
-        ``options``: ``tiles``, ``programs``, ``spin_bound``, ``mode``, ``profile`` (see
-        rdepc.runtime.RDEPModule)."""
+        ``options``: ``tiles``, ``programs``, ``spin_bound``, ``mode``, ``profile``, ``gemm``
+        (see rdepc.runtime.RDEPModule; ``gemm`` reaches the compiler too: the library
+        lowering runs bulk)."""
         check_device(device)  # before compiling
         interpret = backend != "nvshmem" and (device is None or str(device).startswith("cpu"))
-        compiled = self.compile(schedule=schedule, backend=backend, interpret=interpret)
+        gemm = options.get("gemm")
+        compiled = self.compile(schedule=schedule, backend=backend, interpret=interpret, gemm=gemm)
         return compiled.module(backend=backend, device=device, **options)
 
     @property

@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split mode: the transport kernel's programs, the rest of the GPU's the GEMM kernel's "
         "(default: the schedule's split of communication and compute)",
     )
+    common.gemm_option(p)
     p.add_argument("--tokens", type=int, metavar="T'", help="tokens per rank (default: the spec's T)")
     p.add_argument("--check", action="store_true", help="exit 1 unless the result matches the reference")
     p.add_argument(
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
     p.add_argument("--symbolic", action="store_true", help="also print the formula behind every figure")
     p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+    common.gemm_option(p)
     p.add_argument(
         "--overflow",
         type=common.probability,

@@ -51,17 +51,20 @@ class Compiled:
         return layer_module(self.kernel, self.kernels_path, backend=backend, device=device, **options)
 
 
-def compile_layer(spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", interpret=True):
+def compile_layer(
+    spec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", interpret=True, gemm=None
+):
     """Generate ``spec``'s kernels (or find them in the cache) and return them as
-    :class:`Compiled`. Raises SpecError for what the code generator does not support."""
+    :class:`Compiled` (``gemm``: the GEMMs' lowering asked for, as ``--gemm``). Raises
+    SpecError for what the code generator does not support."""
     from rdepc.driver import generate_spec
 
     get(backend)  # a clear error for an unknown backend, before any work
-    options = {"schedule": schedule, "hw": hw, "backend": backend}
+    options = {"schedule": schedule, "hw": hw, "backend": backend} | ({"gemm": gemm} if gemm else {})
     key = cache_key(spec_to_json(spec), options, backend, interpret, generator_digest())
 
     def build() -> dict[str, str]:
-        g = generate_spec(spec, schedule, hw, backend)
+        g = generate_spec(spec, schedule, hw, backend, gemm)
         return {"kernels.py": g.source, "plan.json": g.kernel.to_json() + "\n"}
 
     directory, hit = entry(key, build, required=("kernels.py", "plan.json"))

@@ -75,6 +75,7 @@ class Options:
     cut: str | None = None  # --cut: overrides the segment statement's cut
     hw: str = "h100"  # hardware profile of the cost model
     backend: str = "emulated"  # --backend: the transport the kernels are generated for
+    gemm: str | None = None  # --gemm: overrides the spec's schedule ..., gemm
 
 
 @dataclass
@@ -104,14 +105,15 @@ def _plain(x: Any) -> Any:
 def spec_passes(options: Options | None = None) -> list[Pass]:
     """Passes over the checked LayerSpec, in order. Later stages append here."""
     from rdepc import codegen
-    from rdepc.passes import cost, graph, memplan, replicate, schedule
+    from rdepc.passes import cost, graph, lowering, memplan, replicate, schedule
 
     o = options or Options()
     return [
         Pass("replicate", replicate.physical_layer, dump=replicate.dump, source=("elaborate",)),
-        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw), dump=graph.dump, source=("replicate",)),
+        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw, o.gemm), dump=graph.dump, source=("replicate",)),
         Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source=("graph",)),
         Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source=("cost",)),
+        Pass("lowering", lowering.LoweringPass(o.gemm), dump=lowering.dump, source=("schedule",)),
         Pass(
             "memplan",
             memplan.MemPlanPass(),
@@ -124,7 +126,7 @@ def spec_passes(options: Options | None = None) -> list[Pass]:
             codegen.CodegenPass(o.schedule, o.hw, o.backend),
             unsupported=codegen.UNSUPPORTED,
             dump=codegen.dump,
-            source=("schedule", "memplan"),
+            source=("schedule", "memplan", "lowering"),
         ),
     ]
 
@@ -150,11 +152,15 @@ def run_passes(
     return last
 
 
-def generate_spec(spec: LayerSpec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated"):
+def generate_spec(
+    spec: LayerSpec, schedule: str | None = None, hw: str = "h100", backend: str = "emulated", gemm: str | None = None
+):
     """Run the passes over a checked LayerSpec up to and including codegen (the "not
     supported yet" checks included): an ``rdepc.codegen.Generated``. ``schedule`` as
-    ``--schedule``, ``backend`` the transport the kernels are generated for."""
-    return run_passes(spec_passes(Options(schedule=schedule, hw=hw, backend=backend)), {"elaborate": spec})
+    ``--schedule``, ``gemm`` as ``--gemm``, ``backend`` the transport the kernels are
+    generated for."""
+    options = Options(schedule=schedule, hw=hw, backend=backend, gemm=gemm)
+    return run_passes(spec_passes(options), {"elaborate": spec})
 
 
 def compile_file(

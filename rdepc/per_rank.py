@@ -31,6 +31,7 @@ class Case:
     device: str = "cpu"
     schedule: str | None = None
     mode: str | None = None  # the kernel mode (None: rdepc.ir.contract.default_mode)
+    gemm: str | None = None  # the GEMMs' lowering (None: rdepc.ir.lowering.choose_gemm's)
     routing: str = "uniform"
     seed: int = 0
     tokens: int | None = None  # T' of every rank (default: the spec's T)
@@ -80,7 +81,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
     if any(not 0 <= n <= T for n in counts):
         raise ValueError(f"every rank's T' must lie in [0, {T}], got {counts}")
     Tmax = max(counts)
-    options = {"mode": case.mode} | ({"spin_bound": case.spin_bound} if case.spin_bound else {})
+    options = {"mode": case.mode, "gemm": case.gemm} | ({"spin_bound": case.spin_bound} if case.spin_bound else {})
     module = layer.module(case.backend, case.device, schedule=case.schedule, **options)
     dt = TORCH_DTYPES[spec.precision.dtype.value]
     # Global inputs [W, T'_max]: a rank with fewer tokens keeps a prefix of its row.
@@ -97,7 +98,7 @@ def run_case(case: Case, rank: int, W: int) -> dict:
         full_biases = random_biases(E, H, F, gated=spec.expert.gated, seed=case.seed, dtype=dt)
     biases = {k: None if v is None else v[mine].contiguous().to(dev) for k, v in full_biases.items()}
     rng = random.Random(case.seed * 1000 + rank)
-    out: dict = {"rank": rank, "tokens": n, "calls": []}
+    out: dict = {"rank": rank, "tokens": n, "calls": [], "mode": module.mode, "gemm": module.gemm}
     if case.withhold is not None and case.withhold[0] == rank:
         victims = waited_on(module.contract, rank)
         out["withheld"] = victims[case.withhold[1] % len(victims)]

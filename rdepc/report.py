@@ -111,6 +111,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     seg = f"segment S={v['S']} B={v['B']}" if "S" in v else "no segment statement"
     cap = cp.policy if cp.rows_per_expert is None else f"{cp.policy} (cap_e = {cp.rows_per_expert.value:,} rows)"
     add(f"  capacity {cap}; {seg}; symmetric heap strategy: {pl.strategy}")
+    add(f"  expert GEMMs {pl.gemm[0]} ({pl.gemm[1]})")
     add(f"  hardware {hw.name}: {hw.description}")
     hw_rows = []
     for name, val in hw.values().items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rdepc.runtime import ranks
 
+from rdepc.diagnostics import UsageError
 from rdepc.ir.contract import (
     NATIVE_SPIN_BOUND,
     QUEUE_WORDS,
@@ -14,13 +15,22 @@ from rdepc.ir.contract import (
     mode_kernels,
     own_constexprs,
 )
+from rdepc.ir.lowering import LIBRARY_MODE
 
 INTERPRETED_PROGRAMS = {"unified": 2, "split": 3, "phased": 1}  # a launch's programs under the interpreter
 
 
-def choose_mode(mode: str | None, tuned: dict | None, interpret: bool) -> tuple[str, str]:
-    """The kernel mode — given, ``rdepc tune``'s fastest on this GPU (``tuned``:
+def choose_mode(mode: str | None, tuned: dict | None, interpret: bool, gemm: str = "triton") -> tuple[str, str]:
+    """The kernel mode — given, phased under the library GEMM lowering (its GEMMs run between
+    the transport kernel's launches), ``rdepc tune``'s fastest on this GPU (``tuned``:
     ``runtime.tune.lookup_launch``), or ``default_mode`` — and where it comes from."""
+    if gemm == "library":
+        if mode not in (None, LIBRARY_MODE):
+            raise UsageError(
+                f"the library GEMM lowering runs in {LIBRARY_MODE} mode (its GEMMs between the transport kernel's "
+                f"launches), not {mode}"
+            )
+        return LIBRARY_MODE, "given" if mode is not None else "the library GEMM lowering"
     if mode is not None:
         return mode, "given"
     if tuned is not None:
@@ -83,6 +93,7 @@ def launch_plan(module, backward: bool, save: bool) -> list[tuple]:
         "GLOBALTIMER": module.profiling and not module.interpret,
         "BACKWARD": backward,
         "SAVE": save,
+        "LIBRARY": module.gemm == "library",  # the GEMM kernel waits and signals; torch computes
     }
     options = {"num_warps": tiles.num_warps} if not module.interpret else {}
     queues = (module.bwd_tables if backward else module.tables)["queues"]

@@ -79,6 +79,7 @@ from rdepc.runtime.heap import (
     task_tables,
 )
 from rdepc.runtime.inputs import brought_tokens, check_inputs
+from rdepc.runtime.library import LibraryGemms
 from rdepc.runtime.memory import HeapSizeError, check_fits
 from rdepc.runtime.profile import read_profile
 from rdepc.runtime.records import KernelError, input_error, kernel_error
@@ -95,6 +96,7 @@ from rdepc.ir.contract import (
     Tiles,
     concurrent,
 )
+from rdepc.ir.lowering import choose_gemm
 from rdepc.toolchain import import_kernels
 
 
@@ -118,7 +120,11 @@ class RDEPModule:
     ``profile``: record the start and end of every work item (``last_profile``; a
     backward's: ``last_backward_profile``).
     ``inference``: the forward's heap and buffers only; a call that would save is refused.
-    ``share``: a module of this layer whose heap and call counters this one uses (one ring)."""
+    ``share``: a module of this layer whose heap and call counters this one uses (one ring).
+    ``gemm``: the expert GEMMs' lowering, ``triton`` (the GEMM kernel) or ``library``
+    (torch's grouped GEMM between the transport kernel's launches, phased mode:
+    ``rdepc.runtime.library``); by default the compiler's choice, under the interpreter
+    ``triton`` (``gemm_source`` says which)."""
 
     def __init__(
         self,
@@ -135,6 +141,7 @@ class RDEPModule:
         profile: bool = False,
         inference: bool = False,
         share: RDEPModule | None = None,
+        gemm: str | None = None,
     ):
         self.contract = contract
         self.inference = inference
@@ -151,7 +158,8 @@ class RDEPModule:
         # rdepc tune's record for this layer on this GPU: tiles, the fastest kernel mode and split
         gpu = None if self.interpret else torch.cuda.get_device_name(self.device)
         tuned = None if gpu is None else tune.lookup_launch(contract, gpu)
-        mode, self.mode_source = grid.choose_mode(mode, tuned, self.interpret)
+        self.gemm, self.gemm_source = choose_gemm(gemm, contract, self.interpret, tuned)
+        mode, self.mode_source = grid.choose_mode(mode, tuned, self.interpret, self.gemm)
         self.mode = mode
         self.profiling = profile
         self.dtype = TORCH_DTYPES[contract.dtype]
@@ -165,6 +173,7 @@ class RDEPModule:
         self.grid, self.per_queue = grid.launch_grid(self, programs, comm_programs, tuned)  # all resident on a GPU
         self.spin_bound = grid.spin_bound(spin_bound, mode, self.interpret, self.per_rank)
         self._allocate(buffers, share)
+        self.library = LibraryGemms(self) if self.gemm == "library" else None
         self._start()
 
     def _transport(self, backend: str, mode: str | None) -> transports.Transport:
@@ -498,8 +507,10 @@ class RDEPModule:
         if concurrent(self.mode):
             self.launcher(launches)
         else:  # phased: one after another on the stream, each done before the next starts
-            for launch in launches:
+            for i, launch in enumerate(launches):
                 self.launcher([launch])
+                if i == 1 and self.library is not None:  # the GEMM kernel waited for the rows: the library's GEMMs
+                    self.library.run(given, backward, save)
 
     # ------------------------------------------------------------------ checks
     def _name(self) -> str:

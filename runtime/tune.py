@@ -27,6 +27,7 @@ from pathlib import Path
 from rdepc.runtime.cache import _unusable, _version, cache_dir, write_atomic
 
 from rdepc.ir.contract import MODES, KernelContract, Tiles, default_mode
+from rdepc.ir.lowering import contract_refusals
 
 
 def candidates(contract: KernelContract) -> list[Tiles]:
@@ -98,16 +99,18 @@ def backward_tiles(contract: KernelContract, tiles: Tiles, interpret: bool) -> T
 
 
 def lookup_launch(contract: KernelContract, device_name: str) -> dict | None:
-    """The kernel mode ``rdepc tune`` found fastest for ``contract`` on ``device_name`` with
-    its tiles (``launch``: ``mode``, ``comm_programs`` of the fastest split, ``programs``
-    the budget it was timed at, ``ms``), or None: not tuned, or tuned before launches were."""
+    """The kernel mode and GEMM lowering ``rdepc tune`` found fastest for ``contract`` on
+    ``device_name`` with its tiles (``launch``: ``mode``, ``comm_programs`` of the fastest
+    split, ``gemm``, ``programs`` the budget it was timed at, ``ms``), or None: not tuned,
+    or tuned before launches were. A record from before the lowerings were timed ran the
+    Triton GEMM kernel."""
     try:
         launch = json.loads(_path(contract, device_name).read_text(encoding="utf-8"))["launch"]
         if launch["mode"] not in MODES or not isinstance(launch["programs"], int):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return launch
+    return {"gemm": "triton"} | launch
 
 
 def record(
@@ -163,44 +166,57 @@ def tune(
 SPLIT_FACTORS = (1.0, 0.5, 0.75, 1.25, 1.5)  # of the schedule's transport programs, tried in split mode
 
 
-def launch_candidates(contract: KernelContract, tiles: Tiles, programs: int) -> list[tuple[str, int | None]]:
-    """(mode, transport programs) the tuned tiles are timed in: split mode with the
-    schedule's share of ``programs`` for the transport kernel and with SPLIT_FACTORS of it,
-    then phased mode where the schedule's GEMMs wait for no return (``phase_queues``)."""
+Launch = tuple[str, int | None, str]  # (kernel mode, split mode's transport programs, GEMM lowering)
+
+
+def launch_candidates(contract: KernelContract, tiles: Tiles, programs: int) -> list[Launch]:
+    """(mode, transport programs, GEMM lowering) the tuned tiles are timed in: split mode with
+    the schedule's share of ``programs`` for the transport kernel and with SPLIT_FACTORS of
+    it, then phased mode where the schedule's GEMMs wait for no return (``phase_queues``),
+    with the Triton GEMM kernel and, where the library lowering runs the layer, the library's."""
     _, (comm, _) = contract.launch_grid(contract.work(tiles, "split"), programs)
     comms = dict.fromkeys(min(programs - 1, max(1, round(comm * f))) for f in SPLIT_FACTORS)
-    out: list[tuple[str, int | None]] = [("split", c) for c in comms]
+    out: list[Launch] = [("split", c, "triton") for c in comms]
     try:
         contract.work(tiles, "phased")
     except ValueError:
         return out
-    return [*out, ("phased", None)]
+    out.append(("phased", None, "triton"))
+    return out if contract_refusals(contract) else [*out, ("phased", None, "library")]
 
 
 def time_launches(
-    time_launch: Callable[[str, int | None], float],
-    tried: Iterable[tuple[str, int | None]],
+    time_launch: Callable[[str, int | None, str], float],
+    tried: Iterable[Launch],
     programs: int,
     progress: Callable[[str], None] = lambda line: None,
 ) -> tuple[dict, list[dict]]:
-    """Time each (mode, transport programs) with ``time_launch`` (milliseconds of one call;
-    a launch that raises is recorded and skipped); the fastest as :func:`lookup_launch`
-    returns it (``comm_programs``: the fastest split's, whichever mode won), and every result."""
+    """Time each (mode, transport programs, GEMM lowering) with ``time_launch`` (milliseconds
+    of one call; a launch that raises is recorded and skipped); the fastest as
+    :func:`lookup_launch` returns it (``comm_programs``: the fastest split's, whichever mode
+    won), and every result."""
 
-    def what(launch: tuple[str, int | None]) -> str:
-        mode, comm = launch
-        return f"{mode} mode" + (f", {comm} transport programs of {programs}" if comm else "")
+    def what(launch: Launch) -> str:
+        mode, comm, gemm = launch
+        return f"{mode} mode" + (f", {comm} transport programs of {programs}" if comm else "") + f", {gemm} GEMMs"
 
-    results = _time_each(
-        tried, lambda launch: {"mode": launch[0], "comm_programs": launch[1]}, lambda c: time_launch(*c), what, progress
-    )
+    def entry(launch: Launch) -> dict:
+        return {"mode": launch[0], "comm_programs": launch[1], "gemm": launch[2]}
+
+    results = _time_each(tried, entry, lambda c: time_launch(*c), what, progress)
     timed = [r for r in results if "ms" in r]
     if not timed:
         raise RuntimeError("rdepc tune: the tuned tiles ran in no kernel mode: " + results[0]["error"])
     best = min(timed, key=lambda r: r["ms"])
     splits = [r for r in timed if r["mode"] == "split"]
     comm = min(splits, key=lambda r: r["ms"])["comm_programs"] if splits else None
-    return {"mode": best["mode"], "comm_programs": comm, "programs": programs, "ms": best["ms"]}, results
+    return {
+        "mode": best["mode"],
+        "comm_programs": comm,
+        "gemm": best["gemm"],
+        "programs": programs,
+        "ms": best["ms"],
+    }, results
 
 
 def _time_each(tried, entry, time_one, describe, progress, budget: float | None = None) -> list[dict]:
@@ -246,7 +262,7 @@ def tune_layer(
     tried: Iterable[Tiles] | None = None,
     progress: Callable[[str], None] = lambda line: None,
     budget: float | None = None,
-    launches: Iterable[tuple[str, int | None]] | None = None,
+    launches: Iterable[Launch] | None = None,
 ) -> tuple[Tiles, list[dict], Path]:
     """Tune ``layer`` (an ``rdepc.Layer``) on ``device``, on the emulated backend at T' =
     ``tokens`` (default: the spec's T) with uniform routing: every candidate is run ``warmup``
@@ -309,8 +325,8 @@ def tune_layer(
     tried_launches = launch_candidates(contract, best, programs) if launches is None else list(launches)
     progress(f"  the fastest tiles in each kernel mode ({len(tried_launches)} launches):")
 
-    def time_launch(mode_: str, comm: int | None) -> float:
-        m = layer.module("emulated", device, schedule=schedule, mode=mode_, tiles=best, comm_programs=comm)
+    def time_launch(mode_: str, comm: int | None, gemm: str) -> float:
+        m = layer.module("emulated", device, schedule=schedule, mode=mode_, tiles=best, comm_programs=comm, gemm=gemm)
         return time_module(m)
 
     launch, launch_results = time_launches(time_launch, tried_launches, programs, progress)
@@ -318,6 +334,7 @@ def tune_layer(
 
 
 __all__ = [
+    "Launch",
     "backward_tiles",
     "candidates",
     "key",

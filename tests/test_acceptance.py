@@ -35,10 +35,10 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
         names[stage] = [c["name"] for c in rec["checks"]]
     assert names["correct"] == [
         "prewarm", "forward/tiny", "forward/moonlight", "backward/tiny", "fp8/deepseek_v3",
-        "dedup/deepseek_v3", "cuda_graph/tiny", "withheld/tiny",
+        "dedup/deepseek_v3", "library/tiny", "library_backward/tiny", "cuda_graph/tiny", "withheld/tiny",
     ]  # fmt: skip
     assert names["nvshmem"] == ["prewarm", "bitwise/tiny/W2", "kill/W2", "rate/tiny/W2", "torchrun/W2"]
-    assert names["perf"] == ["prewarm", "perf/tiny/T8/zipf:1.2"]
+    assert names["perf"] == ["prewarm", "perf/tiny/T8/zipf:1.2", "perf/tiny/T16/uniform/W1"]
     assert names["tune"] == ["tune/moonlight"]
     correct = {c["name"]: c["figures"] for c in json.loads((out / "correct.json").read_text())["checks"]}
     # the prewarm lists what the checks launch, and under the interpreter compiles nothing
@@ -46,12 +46,13 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     warm = {s: json.loads((out / f"{s}.json").read_text())["checks"][0]["figures"] for s in stages}
     assert all(w["compiled"] == 0 and w["dry_run"] and w["launches"] >= w["variants"] > 0 for w in warm.values())
     # forward: tiny 7 (3 schedules × 2 modes, bulk phased), moonlight 2; backward tiny 3; fp8 1; dedup
-    # 2 + 1; withheld 1 (cuda_graph's is forward's)
-    assert warm["correct"]["variants"] == 7 + 2 + 3 + 1 + 3 + 1
-    # 3 candidates × 4 passes, 6 calls (two under autograd: the forward, the backward): the split
-    # candidate's two kernels each, the unified one's one, the phased one's two (its transport kernel
-    # launched twice, one build)
-    assert warm["perf"]["variants"] == 3 * 4 and warm["perf"]["launches"] == 6 * 2 + 6 + 6 * 2
+    # 2 + 1; the library's forward and backward 2; withheld 1 (cuda_graph's are forward's and the library's)
+    assert warm["correct"]["variants"] == 7 + 2 + 3 + 1 + 3 + 2 + 1
+    # T8: 4 candidates × 4 passes, 6 calls (two under autograd: the forward, the backward): the split
+    # candidate's two kernels each, the unified one's one, the phased ones' two (the transport kernel
+    # launched twice, one build; the library's GEMM kernel waiting and signalling); W1: bulk's 3
+    assert warm["perf"]["variants"] == 4 * 4 + 3 * 4
+    assert warm["perf"]["launches"] == (6 * 2 + 6 + 6 * 2 + 6 * 2) + (6 * 2 + 6 * 2 + 6 * 2)
     # per rank: 5 bitwise cases (2 unified, 2 split and 1 phased: two kernels each), kill's (and
     # torchrun's) call, a profiled call; the reference's 2 in one process
     assert warm["nvshmem"]["launches"] == 2 * (2 * 1 + 2 * 2 + 2 + 1 + 1) + 2
@@ -60,7 +61,9 @@ def test_the_dry_run_of_every_stage_passes(tmp_path):
     assert correct["withheld/tiny"]["recovered_bitwise"] and "error" in correct["withheld/tiny"]
     assert correct["cuda_graph/tiny"]["captured"] is False  # the CPU captures nothing: said so
     perf = json.loads((out / "perf.json").read_text())["checks"][1]["figures"]  # after the prewarm
-    assert {"sort + torch._grouped_mm", "torch._grouped_mm alone", "dense roof"} <= perf["methods"].keys()
+    baselines = {"sort + torch._grouped_mm", "fused grouped_mm (torchtitan)", "torch._grouped_mm alone", "dense roof"}
+    assert baselines <= perf["methods"].keys() and "rdepc bulk phased library" in perf["methods"]
+    assert "fused grouped_mm (torchtitan) fwd+bwd" in perf["methods"]
     assert any(k.endswith("fwd+bwd") and k.startswith("rdepc") for k in perf["methods"])
     assert all(m["back_to_back_ms"] > 0 for m in perf["methods"].values() if "ms" in m)  # the host running ahead
     assert perf["ratios"]["speedup_vs_sort_grouped_mm_back_to_back"] > 0

@@ -75,15 +75,22 @@ def test_a_lease_runs_its_steps_in_order_and_packs_what_they_wrote(tmp_path, cap
 
     assert lease.main(["--plan"]) == 0
     plan = capsys.readouterr().out
-    assert plan.index("--stage tune") < plan.index("--stage perf") < plan.index("kill/W2") < plan.index("balance.py")
-    # the last step needs a GPU (skipped in a dry run); step 1 is the tune stage under the interpreter
+    # the library lowering's perf and correctness first, on the tiles the last tuning lease chose
+    assert plan.startswith("1. [260 s] the library GEMM lowering") and "perf/moonlight/T32768/uniform/W1" in plan
+    assert (
+        plan.index("--only 'library/*'") < plan.index("--stage tune") < plan.index("kill/W2") < plan.index("balance.py")
+    )
+    native = lease.STEPS[0].argv(tmp_path, 1, dry=False)
+    assert native[native.index("--tiles") + 1] == str(ROOT / lease.TUNED_1128)
+    assert "--tiles" not in lease.STEPS[0].argv(tmp_path, 1, dry=True)  # the interpreter keeps its own tiles
+    # the last step needs a GPU (skipped in a dry run); step 3 is the tune stage under the interpreter
     last = len(lease.STEPS)
-    assert lease.main(["--dry-run", "--out", str(tmp_path), "--steps", str(last), "1"]) == 0
+    assert lease.main(["--dry-run", "--out", str(tmp_path), "--steps", str(last), "3"]) == 0
     record = json.loads((tmp_path / "lease.json").read_text())
-    assert [(s["step"], s["status"]) for s in record["steps"]] == [(last, "skipped"), (1, "pass")]
-    assert (tmp_path / "1-tune" / "tune.json").is_file() and "| tune |" in (tmp_path / "summary.md").read_text()
+    assert [(s["step"], s["status"]) for s in record["steps"]] == [(last, "skipped"), (3, "pass")]
+    assert (tmp_path / "3-tune" / "tune.json").is_file() and "| tune |" in (tmp_path / "summary.md").read_text()
     with tarfile.open(tmp_path / "lease.tar.gz") as tar:
-        assert {"lease.json", "summary.md", "1-tune/tune.json"} <= set(tar.getnames())
+        assert {"lease.json", "summary.md", "3-tune/tune.json"} <= set(tar.getnames())
     assert lease.main(["--dry-run", "--out", str(tmp_path), "--deadline", "5", "--steps", "1"]) == 0
     assert json.loads((tmp_path / "lease.json").read_text())["steps"][0]["status"] == "skipped"  # under MIN_LEFT
 
@@ -103,3 +110,12 @@ def test_the_host_path_bench_records_one_calls_launches(tmp_path):
         ("rdep_gemm", False),
     ]
     assert all(len(grid) == 1 and grid[0] > 1 for _, grid, _, _ in saved["launches"])  # an H100's programs
+
+
+def test_a_stage_takes_the_tiles_a_tuning_lease_recorded():
+    from bench.acceptance import given_tiles
+    from rdepc.ir.contract import Tiles
+
+    tiles = given_tiles(ROOT / "bench/results/h200-2026-11-28-lease/b-tune.json")
+    assert tiles == Tiles(bm=128, block_h=256, block_f=128, block_r=64, rows_per_item=4096, num_warps=8, block_k=64,
+                          num_stages=4)  # fmt: skip

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EXAMPLES, ROOT, tiny_segmented
+from conftest import EXAMPLES, HANG_S, ROOT, tiny_segmented
 from rdepc.codegen import UNSUPPORTED, write_module
 from rdepc.codegen.sm90 import BALANCE_KERNELS, H100_SHARED, KERNELS, compile_cubins, cubin_name
 
@@ -444,7 +444,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.pop("TRITON_DEFAULT_FP_FUSION", None)  # the controls set it
     done = subprocess.run([sys.executable, "-c", _JIT_KEYS, str(job)], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
+                          timeout=HANG_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     warmed = out["prewarm"]
@@ -495,7 +495,7 @@ def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monk
     native = rdepc.load("examples/tiny.rdep").compile(backend="emulated", interpret=False)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
     cmd = [sys.executable, "-c", _PREWARM_TWICE, str(native.kernels_path), str(native.directory / "plan.json")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     first, again = out["first"], out["again"]
@@ -540,3 +540,29 @@ def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, sh
     for r in got:
         assert r["local_bytes"] == 0 and r["stack"] <= 64 and 0 < r["registers"] <= 255, r
         assert r["target"] == "sm_90a" and r["ctas_per_sm"] >= 1 and r["bytes"] > 0, r
+
+
+@pytest.mark.parametrize("backend", ["emulated", "nvshmem"])
+def test_the_library_lowerings_gemm_kernel_compiles_to_waits_and_signals(tmp_path, monkeypatch, backend):
+    """The GEMM kernel as the library GEMM lowering launches it (LIBRARY): its items wait for
+    their rows and signal their entries, and compute nothing (no TMA, no local memory; the
+    stack is the call frame of the error report, 16-24 bytes)."""
+    monkeypatch.chdir(ROOT)
+    if backend == "nvshmem":
+        from rdepc.toolchain import NvshmemUnavailable, bitcode_path
+
+        try:
+            bitcode_path()
+        except NvshmemUnavailable as e:
+            pytest.skip(str(e))
+    jobs = []
+    for name, _, g in _generate(tmp_path, backend, ("moonlight.rdep", "deepseek_v3.rdep")):
+        out = tmp_path / name
+        out.mkdir()
+        write_module(g, out)
+        jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=["rdep_gemm.library"])
+    assert [r["layer"] for r in results] == ["deepseek_v3", "moonlight"]
+    for r in results:
+        assert r["acquire"] and r["release"] and not r["tma"], r["layer"]
+        assert r["local_bytes"] == 0 and r["stack"] <= 64, (r["layer"], r["stack"], r["local_bytes"])

@@ -71,24 +71,28 @@ def test_the_tuned_tiles_are_timed_at_several_splits_and_in_phased_mode():
     tiles = Tiles.default(plan.H, plan.F, plan.dtype, interpret=False)
     tried = tune.launch_candidates(plan, tiles, 132)
     _, (comm, _) = plan.launch_grid(plan.work(tiles, "split"), 132)
-    assert tried[0] == ("split", comm) and tried[-1] == ("phased", None)  # the schedule's split first
-    comms = [c for m, c in tried if m == "split"]
+    assert tried[0] == ("split", comm, "triton")  # the schedule's split first
+    assert tried[-2:] == [("phased", None, "triton"), ("phased", None, "library")]  # bulk: the library's too
+    comms = [c for m, c, _ in tried if m == "split"]
     assert len(set(comms)) == len(comms) == 5 and (min(comms), max(comms)) == (round(comm / 2), round(comm * 1.5))
-    ms = {("split", c): 10.0 + c - min(comms) for c in comms} | {("phased", None): 9.0}
+    ms = {("split", c, "triton"): 10.0 + c - min(comms) for c in comms}
+    ms |= {("phased", None, "triton"): 9.0, ("phased", None, "library"): 7.0}
     lines = []
-    best, results = tune.time_launches(lambda m, c: ms[(m, c)], tried, 132, lines.append)
-    # phased wins; the fastest split is kept for a module asked for split mode
-    assert best == {"mode": "phased", "comm_programs": min(comms), "programs": 132, "ms": 9.0}
+    best, results = tune.time_launches(lambda *launch: ms[launch], tried, 132, lines.append)
+    # the library wins; the fastest split is kept for a module asked for split mode
+    assert best == {"mode": "phased", "comm_programs": min(comms), "gemm": "library", "programs": 132, "ms": 7.0}
     assert [r["ms"] for r in results] == [ms[t] for t in tried] and len(lines) == len(tried)
-    assert f"{comm} transport programs of 132" in lines[0] and "phased mode" in lines[-1]
+    assert f"{comm} transport programs of 132" in lines[0] and lines[-1].split("]")[1].startswith(
+        " phased mode, library GEMMs"
+    )  # fmt: skip
     # a failed launch is recorded, not fatal; none that runs is an error
-    best, results = tune.time_launches(lambda m, c: 1 / 0 if m == "phased" else 5.0, tried[:1] + tried[-1:], 132)
+    best, results = tune.time_launches(lambda m, c, g: 1 / 0 if m == "phased" else 5.0, tried[:1] + tried[-1:], 132)
     assert best["mode"] == "split" and "ZeroDivisionError" in results[1]["error"]
     with pytest.raises(RuntimeError, match="ran in no kernel mode"):
-        tune.time_launches(lambda m, c: 1 / 0, tried[:1], 132)
+        tune.time_launches(lambda m, c, g: 1 / 0, tried[:1], 132)
     # a schedule whose GEMMs wait for returns (moonlight's own: 4096-row segments, 2 buffers) is
-    # not tried in phased mode
-    assert all(m == "split" for m, _ in tune.launch_candidates(plan_of("moonlight"), tiles, 132))
+    # not tried in phased mode, nor through the library (bulk only)
+    assert all(m == "split" for m, _, _ in tune.launch_candidates(plan_of("moonlight"), tiles, 132))
 
 
 def test_a_spent_budget_leaves_the_remaining_candidates_not_timed():
@@ -123,15 +127,16 @@ def test_a_record_is_found_for_its_plan_and_device_only(cache):
 def test_tune_layer_runs_every_candidate_and_records_the_fastest(cache):
     layer = rdepc.load(ROOT / "examples/tiny.rdep")
     tried = [Tiles(bm=64, block_f=64, block_k=64), Tiles(bm=32, block_f=128, block_k=128)]
-    launches = [("unified", None), ("phased", None)]
+    launches = [("unified", None, "triton"), ("phased", None, "triton"), ("phased", None, "library")]
     best, results, path = tune.tune_layer(layer, "cpu", tried=tried, reps=1, warmup=1, launches=launches)
     assert best in tried and all(r["ms"] > 0 for r in results) and path.is_file()
     contract = layer.compile().kernel
     assert tune.lookup(contract, "cpu (Triton interpreter)")[0] == best
     launch = tune.lookup_launch(contract, "cpu (Triton interpreter)")
     rec = json.loads(path.read_text())
-    assert [(r["mode"], r["comm_programs"]) for r in rec["launch_results"]] == launches
+    assert [(r["mode"], r["comm_programs"], r["gemm"]) for r in rec["launch_results"]] == launches
     assert launch["mode"] in ("unified", "phased") and launch["programs"] == 3 and launch["comm_programs"] is None
+    assert launch["gemm"] in ("triton", "library")
     assert launch["ms"] == min(r["ms"] for r in rec["launch_results"])
     # the interpreter keeps its own tiles, whatever was recorded
     assert layer.module("emulated", "cpu").tiles_source == "the interpreter's (few, large tiles)"

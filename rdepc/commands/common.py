@@ -73,6 +73,17 @@ def schedule_options(p: argparse.ArgumentParser) -> None:
         "--cut", choices=["auto", "expert", "source"], help="override the segment statement's cut (segments by)"
     )
     p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+    gemm_option(p)
+
+
+def gemm_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gemm",
+        choices=["auto", "triton", "library"],
+        help="the expert GEMMs' lowering: the Triton GEMM kernel, or torch's grouped GEMM between the transport "
+        "kernel's launches (phased mode, bulk schedules); overrides the spec's 'schedule ..., gemm' (auto: the cost "
+        "model chooses; under the interpreter triton unless asked)",
+    )
 
 
 def probability(text: str) -> float:

@@ -26,6 +26,7 @@ def cmd_compile(args) -> int:
         cut=args.cut,
         hw=args.hw,
         backend=args.backend,
+        gemm=None if args.gemm in (None, "auto") else args.gemm,
     )
     # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
     result = compile_file(args.file, opts, sys.stdout)

@@ -27,7 +27,8 @@ def cmd_plan(args) -> int:
             raise UsageError(f"--probs {args.probs}: cannot read: {getattr(e, 'strerror', None) or e}") from None
         probs = parse_probs(text, args.probs, int(spec.shape.E))
     routing, alpha = args.routing or (None, 0.0)
-    options = PlanOptions(args.hw, args.overflow, routing, alpha, args.seed, probs)
+    gemm = None if args.gemm in (None, "auto") else args.gemm
+    options = PlanOptions(args.hw, args.overflow, routing, alpha, args.seed, probs, gemm=gemm)
     result = plan(spec, options)
     if args.json:
         print(json.dumps(to_json(result, formulas=args.symbolic), indent=2))

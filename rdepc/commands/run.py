@@ -103,7 +103,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
     spec, sh = layer.spec, layer.shapes
     W, H, F, E, K = (sh[k] for k in ("W", "H", "F", "E", "K"))
-    options = {"mode": args.mode, "comm_programs": args.comm_programs}
+    options = {"mode": args.mode, "comm_programs": args.comm_programs, "gemm": _gemm(args)}
     options |= {"profile": True} if args.profile is not None else {}
     kernels = layer.module(args.backend, args.device, schedule=args.schedule, **options)
     dtype_name = spec.precision.dtype.value
@@ -183,6 +183,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
         *_backward_tiles(kernels),
         f"  kernel          {_launches(st['launches'], kernels)}, "
         f"{kernels.work.n_items} work items over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s",
+        f"  gemm            {kernels.gemm}: {kernels.gemm_source}",
     ]
     stop = None  # a profile that could not be written: the run's report, then this error
     if args.profile is not None:
@@ -208,13 +209,21 @@ def _launches(n: int, kernels) -> str:
     return _kernels_line(n, kernels) + (f"; mode {source}" if source.startswith("tuned") else "")
 
 
+def _gemm(args) -> str | None:
+    """``--gemm``: None where the compiler chooses."""
+    return None if args.gemm in (None, "auto") else args.gemm
+
+
 def _kernels_line(n: int, kernels) -> str:
     if kernels.mode == "unified":
         return f"{n} launch, unified mode, {kernels.grid} programs"
     if kernels.mode == "phased":
         before, gemm, after = kernels.per_queue
+        middle = (
+            "the library's grouped GEMMs" if getattr(kernels, "gemm", "triton") == "library" else f"GEMM kernel {gemm}"
+        )
         return (
-            f"{n} launches, phased mode, one after another: transport kernel {before} programs, GEMM kernel {gemm}, "
+            f"{n} launches, phased mode, one after another: transport kernel {before} programs, {middle}, "
             f"transport kernel {after}"
         )
     comm, gemm = kernels.per_queue
@@ -291,6 +300,7 @@ def _run_per_rank(args, layer, tokens: int) -> int:
         device="cuda" if gpu else "cpu",
         schedule=args.schedule,
         mode=args.mode,
+        gemm=_gemm(args),
         routing=args.routing,
         seed=args.seed,
         tokens=tokens,
@@ -308,7 +318,8 @@ def _run_per_rank(args, layer, tokens: int) -> int:
         print(f"rdepc: error: {str(e).splitlines()[0].removeprefix('rdepc: ')}", file=sys.stderr)
         return 1
     where = "cuda (one process per GPU rank)" if gpu else "cpu (Triton interpreter, one process per rank)"
-    how = f"{args.backend} backend on {where}, {args.mode or default_mode(gpu)} mode"
+    ran = next((r for r in results if "gemm" in r), {"mode": args.mode or default_mode(gpu), "gemm": _gemm(args)})
+    how = f"{args.backend} backend on {where}, {ran['mode']} mode, gemm {ran['gemm'] or 'triton'}"
     inputs = f"W={W} T'={tokens}, routing {args.routing}, seed {args.seed}; each rank checks its slice"
     lines, ok = _rank_lines(results, tol)
     return report(spec, how, inputs, lines, args.check, ok)  # a failing rank's line says why

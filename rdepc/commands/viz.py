@@ -10,6 +10,7 @@ from rdepc.commands.common import load_spec
 
 
 def cmd_viz(args) -> int:
+    from rdepc.passes.lowering import lowering_line
     from rdepc.passes.replicate import without_replication
     from rdepc.passes.schedule import build_for, report, schedule
 
@@ -18,7 +19,8 @@ def cmd_viz(args) -> int:
         raise UsageError(f"--ranks {args.ranks}: expected a positive number")
     replicated = spec.balance.kind == "replicate"
     # the layer without replication: what a routing is sampled for, and the comparison
-    tg = build_for(without_replication(spec) if replicated else spec, args.schedule, args.cut, args.hw)
+    gemm = None if args.gemm in (None, "auto") else args.gemm
+    tg = build_for(without_replication(spec) if replicated else spec, args.schedule, args.cut, args.hw, gemm)
     counts = None
     if args.routing:  # strategy and cut as compile resolves them; split, order and timeline under this routing
         from rdepc.passes.sampled_routing import source_counts
@@ -41,6 +43,7 @@ def cmd_viz(args) -> int:
             layer = tg.spec
     sched = schedule(tg, args.hw, counts=counts, held=held)
     print(report(sched))
+    print(f"  decision        {lowering_line(sched, gemm)}")
     if unreplicated is not None:
         pushes = [t for t in tg.tasks if t.detail == "push"]
         busiest = max(pushes, key=lambda t: (sched.cost.link_bytes[t.id], -t.rank))

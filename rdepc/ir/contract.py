@@ -270,6 +270,9 @@ class KernelContract:
     options: tuple[tuple[str, str], ...] = ()  # the codegen options it was generated with
     # balance replicate: (N slots a rank, U least rows a replica); E counts the slots as experts
     balance: tuple[int, int] = (0, 0)
+    # the expert GEMMs' lowering on a GPU (rdepc.ir.lowering): the compiler's choice, and why
+    gemm: str = "triton"
+    gemm_why: str = ""
 
     @property
     def per_rank(self) -> bool:
@@ -520,7 +523,7 @@ RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t",
 CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "GEMMS", "PROFILE")
 CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
 GEMM_CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "STAGES", "CAST_F32", "PROFILE", "GLOBALTIMER")
-GEMM_CONSTEXPRS += ("BACKWARD", "SAVE")
+GEMM_CONSTEXPRS += ("BACKWARD", "SAVE", "LIBRARY")
 # The kernels of a generated file, by name: their arguments are kernel_args(contract, name).
 KERNELS = ("rdep_layer", "rdep_gemm")
 

@@ -255,6 +255,9 @@ class LayerSpec:
     # where the gate scales a routed expert: its output, y = Σ g'·f(x) (the default), or its
     # input, y = Σ f(g'·x) (Llama-4; ``expert ..., gate input``)
     gate_on: str = "output"
+    # the expert GEMMs' lowering the spec asks for (``schedule ..., gemm L``): auto (the
+    # compiler chooses), triton or library (rdepc.ir.lowering)
+    gemm: str = "auto"
 
     def span_of(self, key: str) -> Span:
         """The span of ``"statement.option"``, else of the statement, else of the layer."""
@@ -381,6 +384,7 @@ def spec_to_json(spec: LayerSpec) -> dict:
         if spec.segment is None
         else {"rows": j(spec.segment.rows), "buffers": j(spec.segment.buffers), "cut": spec.segment.cut},
         "schedule": spec.schedule,
+        "gemm": spec.gemm,
         "transport": spec.transport,
         "dedup": spec.dedup,
         "features": [f for f, _ in spec.features()],

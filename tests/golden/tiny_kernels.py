@@ -9,8 +9,10 @@
 #            0.001 ms summed on the busiest rank)
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
+# decision:  gemm = library (cost model: library 0.75 µs against triton 0.759 µs predicted (the GEMMs at their
+#            measured share of the rate: triton 62%, library 67%))
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 463cde5ab5d0ad5050ee3a3bb1606059f94ef41ac656f6c078d751dc1684b94f
+# content-sha256: 5accd9859802accaceaa332976fa1a6b6a0e302a8c7e4cf8cdefa823dc652b88
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
@@ -3458,6 +3460,7 @@ def rdep_gemm(
     staging, staging_rid, tile_done, ctl, profile, n_programs, rank0, bound, program_base, BM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, CAST_F32: tl.constexpr,
     PROFILE: tl.constexpr, GLOBALTIMER: tl.constexpr, BACKWARD: tl.constexpr, SAVE: tl.constexpr,
+    LIBRARY: tl.constexpr,
 ):  # fmt: skip
     """Split and phased mode's GEMM kernel: the work items of the GEMM entries (the queue
     whose record ``queues`` starts at: gemm1, gemm2 and the backward's wgrad, in the task
@@ -3483,6 +3486,10 @@ def rdep_gemm(
     starts, or within it). ``program_base`` numbers this launch's programs (the interpreter
     runs each as its own launch of one); ``n_programs`` counts every launch's programs,
     which all count out of the call.
+
+    LIBRARY (the library GEMM lowering, rdepc.runtime.library): the items wait and signal as
+    they would, and compute nothing: torch's grouped GEMMs, issued after this launch on the
+    same stream, compute them once every row they read has landed, from whichever rank.
     """
     me = tl.cast(rank0, tl.int64)
     (
@@ -3496,11 +3503,11 @@ def rdep_gemm(
     down_desc = None
     up_t = None
     down_t = None
-    if TMA and SLOT_ELEMS == 0:
+    if TMA and SLOT_ELEMS == 0 and not LIBRARY:
         up_desc, down_desc, up_t, down_t = weight_descriptors(w_up, w_down, BLOCK_H, BLOCK_F, BLOCK_K)
     rows_desc = None  # the rows the tiles read, likewise (one process per rank: one owner's)
     mid_desc = None
-    if TMA and PER_RANK:
+    if TMA and PER_RANK and not LIBRARY:
         rows_desc, mid_desc = ring_descriptors(heap, hbuf, dh, me, BM, BLOCK_K, BACKWARD)
     tl.atomic_add(ctl + CTL_GEMM_PROGRAMS, 1)  # started: a wait that expires says whether both kernels ran
     epoch = tl.load(ctl + CTL_CALLS, volatile=True) + 1
@@ -3600,12 +3607,13 @@ def rdep_gemm(
             # the rows an item keeps for the backward (and the backward's dO rows) are copied
             # KEEP_COLS columns a step, as many bytes as a transport move's: 16 loads a thread
             # before the first store, where BLOCK_K columns were 4
-            expert_item(
-                kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
-                saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
-                owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
-                SAVE, True, KEEP_COLS, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
-            )  # fmt: skip
+            if not LIBRARY:
+                expert_item(
+                    kind, heap, w_up, w_down, weight_of, slots, dslots, group, hbuf, hbuf_rid, staging, staging_rid,
+                    saved_x, saved_pre, saved_out, dh, act_rows, do_rows, dw_up, dw_down, b_up, b_down, db_up, db_down,
+                    owner, segment, i, local, row0, lo, hi, BM, BLOCK_H, BLOCK_F, BLOCK_K, STAGES, CAST_F32, BACKWARD,
+                    SAVE, True, KEEP_COLS, up_desc, down_desc, up_t, down_t, rows_desc, mid_desc,
+                )  # fmt: skip
             if PROFILE:
                 at = (item0 + item) * 2
                 tl.store(profile + at, start)
