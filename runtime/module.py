@@ -146,7 +146,7 @@ class RDEPModule:
         self.contract = contract
         self.inference = inference
         self.kernels_path = Path(kernels_path)
-        self.device = self._device(backend, device)
+        self.device = transports.module_device(backend, device)
         self.interpret = self.device.type == "cpu"
         self.transport = self._transport(backend, mode)
         self.per_rank = self.transport.per_rank
@@ -186,29 +186,6 @@ class RDEPModule:
         if mode is not None and mode not in MODES:
             raise ValueError(f"unknown kernel mode '{mode}' (known: {', '.join(MODES)})")
         return transport
-
-    @staticmethod
-    def _device(backend: str, device) -> torch.device:
-        """Where the module runs: ``device`` (default: the CPU) as ``backend`` allows it; on
-        nvshmem the GPU NVSHMEM picked for this rank when it started."""
-        if backend == "nvshmem":  # NVSHMEM picks this rank's GPU when it starts
-            from rdepc.runtime.nvshmem import NvshmemWorld
-
-            world = NvshmemWorld.start()
-            asked = None if device is None else torch.device(device)
-            if asked is not None and (asked.type != "cuda" or asked.index not in (None, world.device.index)):
-                raise ValueError(f"the nvshmem backend runs rank {world.rank} on {world.device}")
-            device = world.device
-        device = torch.device(device if device is not None else "cpu")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
-        if backend == "emulated-mp" and device.type != "cpu":
-            raise ValueError(
-                "the emulated-mp backend runs on 'cpu' (its heap is host shared memory): use nvshmem on GPUs"
-            )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
 
     def _allocate(self, buffers, share: RDEPModule | None = None) -> None:
         """The symmetric heap (the transport's: collective on a per-rank backend; inference:

@@ -185,6 +185,29 @@ def strided_slices(flat, W: int, heap_bytes: int, used: int):
 TRANSPORTS: dict[str, Transport] = {"emulated": Emulated(), "emulated-mp": EmulatedMP(), "nvshmem": Nvshmem()}
 
 
+def module_device(backend: str, device):
+    """Where a module on ``backend`` runs: ``device`` (default: the CPU) as the backend allows
+    it; on nvshmem the GPU NVSHMEM picked for this rank when it started."""
+    import torch
+
+    if backend == "nvshmem":  # NVSHMEM picks this rank's GPU when it starts
+        from rdepc.runtime.nvshmem import NvshmemWorld
+
+        world = NvshmemWorld.start()
+        asked = None if device is None else torch.device(device)
+        if asked is not None and (asked.type != "cuda" or asked.index not in (None, world.device.index)):
+            raise ValueError(f"the nvshmem backend runs rank {world.rank} on {world.device}")
+        device = world.device
+    device = torch.device(device if device is not None else "cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device}: the emulated backend runs on 'cpu' (Triton interpreter) or 'cuda'")
+    if backend == "emulated-mp" and device.type != "cpu":
+        raise ValueError("the emulated-mp backend runs on 'cpu' (its heap is host shared memory): use nvshmem on GPUs")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def get(name: str) -> Transport:
     """The transport called ``name``."""
     if name in TRANSPORTS:
@@ -192,4 +215,4 @@ def get(name: str) -> Transport:
     raise ValueError(f"unknown backend '{name}' (known: {', '.join(TRANSPORTS)})")
 
 
-__all__ = ["TRANSPORTS", "Emulated", "EmulatedMP", "Nvshmem", "Transport", "get"]
+__all__ = ["TRANSPORTS", "Emulated", "EmulatedMP", "Nvshmem", "Transport", "get", "module_device"]
