@@ -99,17 +99,17 @@ def grouped_t(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Ten
 
 
 def block_sums(values: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[G, cols] fp32: each row block's column sums (a bias's gradient)."""
-    ends = torch.cumsum(values.float(), dim=0)
-    ends = torch.cat((ends.new_zeros(1, values.shape[1]), ends))
-    at = offs.long()
-    return ends[at] - ends[torch.cat((at.new_zeros(1), at[:-1]))]
+    """[G, cols] fp32: each row block's column sums (a bias's gradient), as a grouped GEMM
+    against a column of ones: the library's fp32 accumulation, in a fixed order (a scatter's
+    atomics would not be)."""
+    width = 16 // values.element_size()  # the grouped GEMM takes rows of 16 bytes at least
+    ones = torch.ones(values.shape[0], width, dtype=values.dtype, device=values.device)
+    return grouped_t(values, ones, offs)[..., 0]
 
 
 class LibraryGemms:
     """The GEMM step of a module's calls under the library lowering: per owner this process
-    runs, its weights' indices and its rows' views; per pass, the done flags its GEMM
-    entries raise."""
+    runs, its weights' indices, its rows (R_q) and their views in its heap slice."""
 
     def __init__(self, module):
         p: KernelContract = module.contract
@@ -152,6 +152,16 @@ class LibraryGemms:
                 rows = rows.float() * self._view(slices, i, self.at[gate], R, 1, torch.float32)
         return rows.to(self.dtype)
 
+    def _gemm1(self, x: torch.Tensor, given: dict, e: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """GEMM1's pre-activations of rows ``x`` (+ b_up), in the compute dtype, as ``gemm1``
+        keeps them and the backward's recompute forms them again."""
+        p = self.p
+        cols = (2 if p.gated else 1) * p.F
+        pre = grouped(x, given["w_up"][e].reshape(len(e), p.H, cols), offs)
+        if p.bias:
+            pre += given["b_up"][e].reshape(len(e), cols).float()[self._expert_of(offs, x.shape[0])]
+        return pre.to(self.dtype)
+
     def _spans(self, group: torch.Tensor, i: int, q: int) -> torch.Tensor:
         """Owner q's offsets: the end of each local expert's rows (first + admitted), int32."""
         g = group[i, : self.p.n_local[q]]
@@ -168,22 +178,19 @@ class LibraryGemms:
     def forward(self, heap: torch.Tensor, given: dict, save: bool) -> None:
         p = self.p
         slices = own_slices(heap, self.per_rank, self.rank)
-        up_cols = (2 if p.gated else 1) * p.F
         for i, q in enumerate(self.owners):
             R, e = self.rows[i], self.weights[i]
             offs = self._spans(given["group"], i, q)
             x = self._rows(slices, i, R, backward=False)
-            pre = grouped(x, given["w_up"][e].reshape(len(e), p.H, up_cols), offs)
-            if p.bias:
-                pre += given["b_up"][e].reshape(len(e), up_cols).float()[self._expert_of(offs, R)]
-            pre = pre.to(self.dtype)
+            pre = self._gemm1(x, given, e, offs)
             act = activation(pre.float(), p).to(self.dtype)
             out = grouped(act, given["w_down"][e], offs)
             if p.bias:
                 out += given["b_down"][e].float()[self._expert_of(offs, R)]
-            given["staging"][i, :R] = out.to(self.dtype)
+            out = out.to(self.dtype)
+            given["staging"][i, :R] = out
             if save and p.dedup:  # the owner keeps its rows' outputs for the gate's gradient
-                given["saved_out"][i, :R] = out.to(self.dtype)
+                given["saved_out"][i, :R] = out
             given["staging_rid"][i, :R] = self._view(slices, i, self.at["sideband_row_id"], R, 1, torch.int64)[:, 0]
             if save:
                 if not p.recompute:
@@ -212,13 +219,7 @@ class LibraryGemms:
                 x = self._view(slices, i, self.at["bwd_inputs"], R, p.H, payload).to(self.dtype)
             else:
                 x = given["saved_x"][i, :R]
-            if p.recompute:
-                pre = grouped(x, w_up, offs)
-                if p.bias:
-                    pre += given["b_up"][e].reshape(len(e), up_cols).float()[self._expert_of(offs, R)]
-                pre = pre.to(self.dtype).float()
-            else:
-                pre = given["saved_pre"][i, :R].float()
+            pre = (self._gemm1(x, given, e, offs) if p.recompute else given["saved_pre"][i, :R]).float()
             da = grouped(d_o, given["w_down"][e].transpose(1, 2), offs)
             dh = activation_backward(pre, da, p).to(self.dtype)
             act = activation(pre, p).to(self.dtype)

@@ -229,6 +229,7 @@ def test_the_activations_backward_is_autograd_of_the_activation():
 
 
 def test_block_sums_are_each_spans_column_sums():
-    values = torch.arange(12.0).reshape(6, 2)
-    got = block_sums(values, torch.tensor([2, 2, 5], dtype=torch.int32))
-    assert torch.equal(got, torch.tensor([[2.0, 4.0], [0.0, 0.0], [18.0, 21.0]]))
+    values = torch.arange(24.0).reshape(6, 4)
+    got = block_sums(values, torch.tensor([2, 2, 5], dtype=torch.int32))  # rows 0-1, none, 2-4; row 5 in none
+    want = torch.stack([values[:2].sum(0), torch.zeros(4), values[2:5].sum(0)])
+    assert torch.equal(got, want)
