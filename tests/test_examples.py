@@ -47,6 +47,19 @@ def test_example_runs_and_checks(example, main):
     assert "max rel. error" in out and "redundancy" in out
 
 
+@pytest.mark.parametrize("example", sorted(n for n in NARROW if n != "tiny_balance"))
+def test_example_runs_and_checks_through_the_library_gemms(example, main):
+    """Every example but tiny_balance (balance replicate's slots: refused, test_library) with
+    its GEMMs through torch's grouped GEMM, bulk, phased (its own strategy set aside)."""
+    argv = ["run", f"examples/{example}.rdep", "--check", "--gemm", "library"]
+    for d in NARROW[example]:
+        argv += ["-D", d]
+    status, out, err = main(*argv)
+    assert status == 0, err
+    assert "the library's grouped GEMMs" in out and "  gemm            library: given" in out
+    assert out.rstrip().endswith("check passed")
+
+
 def test_readme_language_block_is_the_moonlight_example():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = readme.split("## The language in brief\n\n```\n", 1)[1].split("```\n", 1)[0]
