@@ -30,7 +30,7 @@ from rdepc.passes.capacity import capacity_plan
 from rdepc.passes.compute_plan import compute_plan
 from rdepc.passes.hardware import profile
 from rdepc.passes.padding import padding_plan
-from rdepc.passes.plan_records import MemoryFigures, Plan, PlanOptions, Pooling, Verdict
+from rdepc.passes.plan_records import MemoryFigures, Plan, PlanOptions, Pooling, TrainingState, Verdict
 from rdepc.passes.plan_symbols import (
     CTX_BYTES_PER_ROW,
     MU_DEF,
@@ -70,6 +70,7 @@ from rdepc.passes.symmetric import symmetric_figures
 from rdepc.passes.transport import dedup_plan, transport_plan
 
 from rdepc.diagnostics import SpecError
+from rdepc.ir.balance import slot_elems
 from rdepc.ir.sizes import BM, kept_columns
 from rdepc.ir.spec import LayerSpec
 
@@ -215,6 +216,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         env.fig("saved_activations.outputs_total", out_rows * H * a * L, "B", "× L MoE layers"),
         dense_params,
         dense_bytes,
+        training_state(env, spec),
     )
 
     # -- transport -------------------------------------------------------------------------
@@ -259,12 +261,15 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     budgets.append(("expert outputs and x kept for the backward, all layers", memory.saved_outputs_total.value))
     if dense_bytes is not None:
         budgets.append(("replicated dense weights, lower bound (eq. 21)", dense_bytes.value))
+    training = memory.training
+    budgets.append(("expert weights, their gradients and AdamW state, all layers", training.total.value))
     together = sym.private_total.value + memory.routing_context.value + memory.saved_total.value
-    together += memory.saved_outputs_total.value
+    together += memory.saved_outputs_total.value + training.total.value
     together += dense_bytes.value if dense_bytes is not None else 0
     budgets.append(
         (
-            "together: private-ring heap + routing context + saved activations" + (" + dense" if dense_bytes else ""),
+            "together: private-ring heap + routing context + saved activations + expert training state"
+            + (" + dense" if dense_bytes else ""),
             together,
         )
     )
@@ -294,6 +299,29 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         compute_plan(env, spec),
         gemm_lowering(layer, strategy, opts),
     )
+
+
+def training_state(env: Env, spec: LayerSpec) -> TrainingState:
+    """The routed experts' training state on the busiest rank (E_max experts): their weights
+    (``rdepc.ir.balance.slot_elems``: the H×F matrices and the biases of one expert), the
+    gradients, in the dtype as the layer makes them, and AdamW's moments and master copy."""
+    gated = spec.expert.gated
+    per_expert = slot_elems(3 if gated else 2, H, F, spec.expert.bias)
+    master = 4 if spec.precision.dtype.bytes < 4 else 0  # fp32 master weights under a narrower dtype
+    state = 8 + master
+    params = env.fig("expert_training_state.params_per_expert", per_expert, "params",
+                     f"{'3' if gated else '2'} H·F matrices" + (" + biases" if spec.expert.bias else "") +
+                     " of one routed expert")  # fmt: skip
+    weights = env.fig("expert_training_state.weights_per_layer", E_max * per_expert * a, "B",
+                      "E_max experts' weights at the dtype, one layer")  # fmt: skip
+    total = env.fig("expert_training_state.weights_total", E_max * per_expert * a * L, "B", "× L MoE layers")
+    grads = env.fig("expert_training_state.grads_total", E_max * per_expert * a * L, "B",
+                    "their gradients, at the dtype, × L")  # fmt: skip
+    why = "AdamW: two fp32 moments (8 B)" + (" and an fp32 master copy (4 B)" if master else "") + " per parameter, × L"
+    opt = env.fig("expert_training_state.optimizer_total", E_max * per_expert * state * L, "B", why)
+    both = env.fig("expert_training_state.total", E_max * per_expert * (2 * a + state) * L, "B",
+                   "weights + gradients + optimizer state, all layers")  # fmt: skip
+    return TrainingState(params, weights, total, grads, opt, both)
 
 
 def gemm_lowering(layer: LayerSpec, strategy: str, opts: PlanOptions) -> tuple[str, str]:

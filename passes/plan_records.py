@@ -104,6 +104,21 @@ class MemoryFigures:
     saved_outputs_total: Figure
     dense_params: Figure | None
     dense_bytes: Figure | None
+    training: TrainingState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingState:
+    """What training keeps per rank beside the layer's buffers: the routed experts' weights
+    this rank owns, their gradients and the optimizer's state (AdamW: two fp32 moments per
+    parameter, and an fp32 master copy when the dtype is narrower)."""
+
+    params_per_expert: Figure
+    weights_per_layer: Figure
+    weights_total: Figure
+    grads_total: Figure
+    optimizer_total: Figure
+    total: Figure
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +375,16 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         "dense_lower_bound": None
         if mem.dense_params is None
         else {"params": j(mem.dense_params), "bytes": j(mem.dense_bytes)},
+        "expert_training_state": None
+        if mem.training is None
+        else {
+            "params_per_expert": j(mem.training.params_per_expert),
+            "weights_per_layer": j(mem.training.weights_per_layer),
+            "weights_total": j(mem.training.weights_total),
+            "grads_total": j(mem.training.grads_total),
+            "optimizer_total": j(mem.training.optimizer_total),
+            "total": j(mem.training.total),
+        },
         "transport": {
             "stages": {
                 s.name: {

@@ -233,6 +233,12 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             (f"outputs and x kept x {v['L']}", mem.saved_outputs_total),
             ("dense params lower bound", mem.dense_params),
             ("dense weights lower bound", mem.dense_bytes),
+            ("params per routed expert", mem.training.params_per_expert),
+            ("expert weights per layer", mem.training.weights_per_layer),
+            (f"expert weights x {v['L']}", mem.training.weights_total),
+            (f"expert gradients x {v['L']}", mem.training.grads_total),
+            (f"optimizer state x {v['L']}", mem.training.optimizer_total),
+            ("expert training state", mem.training.total),
         ]
     )
     out += table(rows, ["figure", "value", "accounting"])

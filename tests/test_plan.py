@@ -691,7 +691,11 @@ def test_report_moonlight(capsys):
     # h100 has 80 GiB: the paper's bulk convention over 27 layers does not fit, the segmented heap does
     assert "paper bulk, all layers (Table 4)" in out and "DOES NOT FIT: 1.00 GiB over" in out
     assert "fits, 76.62 GiB to spare" in out
-    assert "µs" in out and "no warnings" in out
+    assert "µs" in out
+    # training it on 80 GB: the worst-case saved activations (48.09 GiB), the experts' weights, their
+    # gradients and AdamW state (27.84 GiB) and the rest do not fit together
+    assert "expert weights, their gradients and AdamW state, all layers" in out and "27.84 GiB" in out
+    assert out.rstrip().endswith("warning: the routed-layer memory together does not fit h100's HBM")
 
 
 def test_report_warnings(tmp_path, capsys):
@@ -814,3 +818,27 @@ def test_owner_pairs_counts_accepted_rows_once_per_owner():
     assert owner_pairs(ids, accepted, [0, 0, 1, 1]) == 3
     assert owner_pairs(ids, torch.ones_like(accepted), [0, 0, 1, 1]) == 4
     assert owner_pairs(ids, torch.zeros_like(accepted), [0, 0, 1, 1]) == 0
+
+
+def test_a_training_layer_counts_its_experts_weights_gradients_and_optimizer_state(tmp_path, capsys):
+    """DBRX at W = 8 (16 experts of 3 × 6144 × 10752 in bf16, 40 layers): 2 experts a rank, 0.79 GB
+    of weights a layer; their gradients as much; AdamW 12 bytes a parameter (two fp32 moments and
+    an fp32 master copy of bf16 weights) — in the verdicts and in what must fit together."""
+    body = (
+        "shape ranks 8, tokens 4096, hidden 6144, experts 16, top 4\nexpert swiglu(ffn = 10752)\ndtype bf16\n"
+        "model moe_layers 40"
+    )
+    j = run_json(capsys, write_spec(tmp_path, body, params=""))
+    st = j["expert_training_state"]
+    per_expert = 3 * 6144 * 10752
+    assert st["params_per_expert"] == per_expert
+    assert st["weights_per_layer"] == 2 * per_expert * 2 and round(st["weights_per_layer"] / 1e9, 2) == 0.79
+    assert st["weights_total"] == st["grads_total"] == 40 * st["weights_per_layer"]
+    assert st["optimizer_total"] == 40 * 2 * per_expert * 12 and st["total"] == 40 * 2 * per_expert * 16
+    verdicts = {v["budget"]: v for v in j["verdicts"]}
+    assert verdicts["expert weights, their gradients and AdamW state, all layers"]["bytes"] == st["total"]
+    together = next(v for name, v in verdicts.items() if name.startswith("together"))
+    assert "expert training state" in together["budget"] and together["bytes"] > st["total"]
+    # fp32 weights keep no master copy: 8 bytes of optimizer state a parameter
+    fp32 = run_json(capsys, write_spec(tmp_path, body.replace("bf16", "fp32"), params="", name="f"))
+    assert fp32["expert_training_state"]["optimizer_total"] == 40 * 2 * per_expert * 8
