@@ -68,6 +68,14 @@ LINK_PER_SM: dict[str, Value] = dict.fromkeys(("h100", "h200", "b200", "gb300"),
 
 
 def rates(hw: str) -> Rates:
+    """The rates of profile ``hw``; ``NAME/N``: N ranks emulated on one GPU of profile NAME (how
+    the leases measure a node's layer on one device), each with 1/N of its SMs, FLOP/s and HBM
+    bandwidth, a row to a peer an HBM read and write on the same GPU (bench/model_error.py)."""
+    if "/" in hw:
+        base, n = hw.split("/")
+        r, n = rates(base), int(n)
+        hbm = r.hbm / n
+        return Rates(hw, max(1, r.sms // n), r.flops / n, hbm / 2, r.hbm / r.sms / 2, hbm, r.latency)
     p = profile(hw)
     return Rates(
         hw=hw,

@@ -119,3 +119,26 @@ def test_a_stage_takes_the_tiles_a_tuning_lease_recorded():
     tiles = given_tiles(ROOT / "bench/results/h200-2026-11-28-lease/b-tune.json")
     assert tiles == Tiles(bm=128, block_h=256, block_f=128, block_r=64, rows_per_item=4096, num_warps=8, block_k=64,
                           num_stages=4)  # fmt: skip
+
+
+def test_the_committed_leases_are_one_table_the_model_is_held_against(tmp_path):
+    """bench/calibration.py reads every perf record under bench/results (each rdepc method's
+    call and, where profiled, its stages); bench/model_error.py sets the model's prediction
+    beside each profiled row, and draws them."""
+    from bench import model_error
+    from bench.calibration import load
+
+    rows = load()
+    assert len(rows) >= 64 and sum(1 for r in rows if r.stages) >= 31
+    assert {r.device for r in rows} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+    moon = [
+        r
+        for r in rows
+        if (r.example, r.T, r.commit, r.strategy, r.mode) == ("moonlight", 4096, "46c6da4", "bulk", "split")
+    ]
+    assert moon and moon[0].stages["compute"] == (12709376 - 2459360) / 1e6  # the 2026-11-28 lease's a-perf.json
+    assert model_error.main(["--out", str(tmp_path), "--only", "moonlight/128/"]) == 0
+    record = json.loads((tmp_path / "model-error.json").read_text())
+    assert record["rows"] and all(r["case"] == "moonlight/128/uniform" for r in record["rows"])
+    assert all(s["predicted_ms"] > 0 for r in record["rows"] for s in r["stages"].values())
+    assert (tmp_path / "model-error.png").stat().st_size > 0
