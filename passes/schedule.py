@@ -370,10 +370,10 @@ def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
             f"rdepc layer {spec.name}: the library GEMM lowering ({asked}) runs bulk schedules, not {fixed[0]} "
             f"({fixed[1]})"
         )
-    aside = f"; the spec's schedule {fixed[0]} set aside" if fixed[0] not in (None, "bulk") else ""
-    return (
-        ("bulk", fixed[1]) if fixed[0] == "bulk" else ("bulk", f"the library GEMM lowering runs bulk ({asked}{aside})")
-    )
+    if fixed[0] == "bulk":
+        return fixed
+    aside = "" if fixed[0] is None else f"; the spec's schedule {fixed[0]} set aside"
+    return "bulk", f"the library GEMM lowering runs bulk ({asked}{aside})"
 
 
 def _resolve(spec, strategy, cut, hw, gemm=None) -> tuple[Choice, TaskGraph | None]:
