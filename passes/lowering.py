@@ -29,11 +29,6 @@ class Lowering:
     predicted: tuple[tuple[str, float], ...] = ()  # (lowering, predicted forward seconds) where compared
 
 
-def refusals(spec: LayerSpec, strategy: str) -> list[str]:
-    """Why the library lowering cannot run ``spec`` under ``strategy`` (empty: it can)."""
-    return library_refusals(strategy, spec.balance.slots if spec.balance.kind == "replicate" else 0)
-
-
 def predicted(sched: Schedule) -> dict[str, float]:
     """Each lowering's predicted forward of a bulk ``sched`` (seconds, the busiest rank): the
     stages' sum with the GEMMs at the lowering's measured share of the rate; the Triton
@@ -64,7 +59,7 @@ def decide(spec: LayerSpec, strategy: str, given: str | None, predict: Callable[
     predicted forward when they are compared."""
     if given is not None and given not in ("auto", *GEMM_LOWERINGS):
         raise UsageError(f"unknown GEMM lowering '{given}' (known: auto, {', '.join(GEMM_LOWERINGS)})")
-    why_not = refusals(spec, strategy)
+    why_not = library_refusals(strategy)
     if given not in (None, "auto"):
         chosen, source = given, ASKED[0]
     elif spec.gemm != "auto":
@@ -115,4 +110,4 @@ def dump(lo: Lowering) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Lowering", "LoweringPass", "decide", "dump", "lowering_line", "predicted", "refusals"]
+__all__ = ["Lowering", "LoweringPass", "decide", "dump", "lowering_line", "predicted"]

@@ -47,7 +47,7 @@ class Checks:
         if spec.gemm != "library":
             return True
         strategy = "bulk" if spec.schedule == "auto" else spec.schedule
-        why = library_refusals(strategy, spec.balance.slots if spec.balance.kind == "replicate" else 0)
+        why = library_refusals(strategy)
         for reason in why:
             self.diags.error(
                 f"the library GEMM lowering cannot run this layer: {reason}", spec.span_of("schedule.gemm")

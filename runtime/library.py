@@ -28,8 +28,10 @@ pre-activations are the forward's, or GEMM1's again from the kept input rows
 again beside dO.
 
 fp8 rows (the dispatch's, the backward's) are read times their scales; under dedup each row
-reads its token's one row here through its link. What the lowering does not serve is
-:func:`rdepc.ir.lowering.library_refusals`: segmented schedules, redundant slots.
+reads its token's one row here through its link; under ``balance replicate`` one process per
+rank a rank's redundant slots' operands come from where its kernels read them in place, their
+gradients go where its exchange takes them home. What the lowering does not serve is
+:func:`rdepc.ir.lowering.library_refusals`: segmented schedules.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from rdepc.runtime.heap import own_slices
 from rdepc.runtime.tensors import TORCH_DTYPES
 
+from rdepc.ir.balance import slot_parts
 from rdepc.ir.contract import KernelContract
 from rdepc.ir.sizes import SCALE_BLOCK
 
@@ -109,7 +112,8 @@ def block_sums(values: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 class LibraryGemms:
     """The GEMM step of a module's calls under the library lowering: per owner this process
-    runs, its weights' indices, its rows (R_q) and their views in its heap slice."""
+    runs, its home experts' weight indices (then its slots held in place), its rows (R_q) and
+    their views in its heap slice."""
 
     def __init__(self, module):
         p: KernelContract = module.contract
@@ -117,8 +121,12 @@ class LibraryGemms:
         self.dtype = module.dtype
         self.per_rank, self.rank = module.per_rank, module.rank
         self.owners = [module.rank] if module.per_rank else list(range(p.W))
+        # one process per rank under balance replicate, a rank's last N locals are redundant
+        # slots whose operands the kernels read packed in place (``slots``), not in the weights
+        self.slots = p.slots_in_place
+        self.parts = slot_parts(p.H, p.F, p.gated, p.bias)
         weight_of = module.tables["weight_of"].view(p.W, p.E_MAX)
-        self.weights = [weight_of[q, : p.n_local[q]].long() for q in self.owners]
+        self.weights = [weight_of[q, : p.n_local[q] - self.slots].long() for q in self.owners]
         self.rows = [p.rows_max[q] for q in self.owners]
         self.at = dict(p.heap)
 
@@ -152,18 +160,39 @@ class LibraryGemms:
                 rows = rows.float() * self._view(slices, i, self.at[gate], R, 1, torch.float32)
         return rows.to(self.dtype)
 
+    def _operand(self, given: dict, name: str, e: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """[local experts, *shape]: operand ``name`` (w_up as [H, UP_COLS·F], w_down, b_up,
+        b_down) of the home experts ``e``, then of the redundant slots held in place."""
+        if name not in given or (name.startswith("b_") and not self.p.bias):
+            return None
+        home = given[name][e].reshape(len(e), *shape)
+        if not self.slots:
+            return home
+        at, n = self.parts[name]
+        return torch.cat((home, given["slots"][:, at : at + n].reshape(self.slots, *shape)))
+
+    def _gradient(self, given: dict, name: str, e: torch.Tensor, grad: torch.Tensor) -> None:
+        """Store the local experts' gradient of operand ``name``: the home experts' into
+        ``d``+name, the slots' into their parts of ``dslots``."""
+        homes = len(e)
+        given["d" + name][e] = grad[:homes].reshape(homes, *given["d" + name].shape[1:]).to(self.dtype)
+        if self.slots:
+            at, n = self.parts[name]
+            given["dslots"][:, at : at + n] = grad[homes:].reshape(self.slots, n).to(self.dtype)
+
     def _gemm1(self, x: torch.Tensor, given: dict, e: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """GEMM1's pre-activations of rows ``x`` (+ b_up), in the compute dtype, as ``gemm1``
         keeps them and the backward's recompute forms them again."""
         p = self.p
         cols = (2 if p.gated else 1) * p.F
-        pre = grouped(x, given["w_up"][e].reshape(len(e), p.H, cols), offs)
+        pre = grouped(x, self._operand(given, "w_up", e, (p.H, cols)), offs)
         if p.bias:
-            pre += given["b_up"][e].reshape(len(e), cols).float()[self._expert_of(offs, x.shape[0])]
+            pre += self._operand(given, "b_up", e, (cols,)).float()[self._expert_of(offs, x.shape[0])]
         return pre.to(self.dtype)
 
     def _spans(self, group: torch.Tensor, i: int, q: int) -> torch.Tensor:
-        """Owner q's offsets: the end of each local expert's rows (first + admitted), int32."""
+        """Owner q's offsets: the end of each local expert's rows (first + admitted), int32
+        (its redundant slots among them)."""
         g = group[i, : self.p.n_local[q]]
         return (g[:, 0] + g[:, 1]).to(torch.int32)
 
@@ -184,9 +213,9 @@ class LibraryGemms:
             x = self._rows(slices, i, R, backward=False)
             pre = self._gemm1(x, given, e, offs)
             act = activation(pre.float(), p).to(self.dtype)
-            out = grouped(act, given["w_down"][e], offs)
+            out = grouped(act, self._operand(given, "w_down", e, (p.F, p.H)), offs)
             if p.bias:
-                out += given["b_down"][e].float()[self._expert_of(offs, R)]
+                out += self._operand(given, "b_down", e, (p.H,)).float()[self._expert_of(offs, R)]
             out = out.to(self.dtype)
             given["staging"][i, :R] = out
             if save and p.dedup:  # the owner keeps its rows' outputs for the gate's gradient
@@ -213,24 +242,23 @@ class LibraryGemms:
         for i, q in enumerate(self.owners):
             R, e = self.rows[i], self.weights[i]
             offs = self._spans(given["group"], i, q)
-            w_up = given["w_up"][e].reshape(len(e), p.H, up_cols)
+            w_up = self._operand(given, "w_up", e, (p.H, up_cols))
             d_o = self._rows(slices, i, R, backward=True)
             if p.resend:
                 x = self._view(slices, i, self.at["bwd_inputs"], R, p.H, payload).to(self.dtype)
             else:
                 x = given["saved_x"][i, :R]
             pre = (self._gemm1(x, given, e, offs) if p.recompute else given["saved_pre"][i, :R]).float()
-            da = grouped(d_o, given["w_down"][e].transpose(1, 2), offs)
+            da = grouped(d_o, self._operand(given, "w_down", e, (p.F, p.H)).transpose(1, 2), offs)
             dh = activation_backward(pre, da, p).to(self.dtype)
             act = activation(pre, p).to(self.dtype)
             given["staging"][i, :R] = grouped(dh, w_up.transpose(1, 2), offs).to(self.dtype)
             given["staging_rid"][i, :R] = self._view(slices, i, self.at["bwd_row_ids"], R, 1, torch.int64)[:, 0]
-            shape = given["dw_up"].shape[1:]
-            given["dw_up"][e] = grouped_t(x, dh, offs).to(self.dtype).reshape(len(e), *shape)
-            given["dw_down"][e] = grouped_t(act, d_o, offs).to(self.dtype)
+            self._gradient(given, "w_up", e, grouped_t(x, dh, offs))
+            self._gradient(given, "w_down", e, grouped_t(act, d_o, offs))
             if p.bias:
-                given["db_up"][e] = block_sums(dh, offs).to(self.dtype).reshape(len(e), *given["db_up"].shape[1:])
-                given["db_down"][e] = block_sums(d_o, offs).to(self.dtype)
+                self._gradient(given, "b_up", e, block_sums(dh, offs))
+                self._gradient(given, "b_down", e, block_sums(d_o, offs))
 
 
 __all__ = ["LibraryGemms", "activation", "activation_backward", "block_sums", "grouped", "grouped_t"]

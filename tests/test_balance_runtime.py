@@ -145,6 +145,19 @@ def test_outputs_are_the_unreplicated_layers_and_gradients_agree(unreplicated, l
     assert torch.equal(st["rows_per_expert"], stats0["rows_per_expert"])  # summed over each expert's instances
 
 
+def test_the_library_gemms_run_the_replicated_layer_too(unreplicated, limits):
+    """The library GEMM lowering over the physical layer (the slots' copies as experts of their
+    ranks): output and every gradient within their bounds of the unreplicated layer's, the
+    replicas' gradients summed into their homes'."""
+    (y0, g0), _ = unreplicated
+    module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu", gemm="library")
+    assert (module.gemm, module.mode) == ("library", "phased")
+    y, g = train_step(module, *skewed())
+    for i, (a, b) in enumerate(zip([y, *g], [y0, *g0], strict=True)):
+        assert_close(a, b, limits[i], ("y", "x", "gates", "w_gate", "w_up", "w_down")[i])
+    assert (module.last_stats["balance"]["slots"] >= 0).any()  # the hot experts were replicated
+
+
 def test_each_source_splits_its_rows_by_the_plans_quotas():
     module = rdepc.load("examples/tiny_balance.rdep").module("emulated", "cpu")
     ids, gates, x, weights = skewed(1)
@@ -217,7 +230,8 @@ def rank_step(rank: int, W_: int, file: str):
     assert shared.ex is module.ex
     compiled_step = train_step(compiled(module), *args)
     split = train_step(layer.module("emulated-mp", mode="split", schedule="pipelined"), *args)
-    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable, kept, split
+    library = train_step(layer.module("emulated-mp", gemm="library"), *args)  # the slots' operands read in place
+    return y, g, mine, plan, compiled_step, two_layers(module, shared, rank, mine), replayable, kept, split, library
 
 
 def saved_for_backward(module, ids, gates, x, weights) -> list[tuple[int, ...]]:
@@ -285,7 +299,8 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
     y0, g0 = train_step(one, *skewed())
     layer = rdepc.load(f)
     two = two_layers(layer.module("emulated", "cpu"), layer.module("emulated", "cpu"))
-    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched), kept, split) in enumerate(got):
+    y0_lib, g0_lib = train_step(layer.module("emulated", "cpu", gemm="library"), *skewed())
+    for rank, (y, g, mine, plan, (yr, gr), shared, (differ, launched), kept, split, lib) in enumerate(got):
         # a forward is the layer's launch alone: its kernel exchanges the loads and derives the plan
         assert differ == [] and launched[0] == 0 and launched[1] > 0, (rank, differ, launched)
         # the kernels read the slots in place: the backward keeps this call's copy of the N slots, and
@@ -305,6 +320,11 @@ def test_one_process_per_rank_is_the_one_process_layer_bitwise():
         assert all(torch.equal(a, b) for a, b in zip([y, *g], [yr, *gr], strict=True)), rank
         # split mode, pipelined: the GEMM kernel's slot m-tiles wait for the receive, its threads beside the transport's
         assert all(torch.equal(a, b) for a, b in zip([y, *g], [split[0], *split[1]], strict=True)), rank
+        # the library lowering: each rank bitwise the one-process library layer's (its slots read in place)
+        assert torch.equal(lib[0], y0_lib[rank]) and torch.equal(lib[1][0], g0_lib[0][rank]), rank
+        assert torch.equal(lib[1][1], g0_lib[1][rank])
+        for a, b in zip(lib[1][2:], g0_lib[2:], strict=True):
+            assert torch.equal(a, b[mine]), rank
 
 
 def test_an_expired_exchange_wait_names_what_it_waited_for_and_stops_the_layer():

@@ -47,10 +47,10 @@ def test_example_runs_and_checks(example, main):
     assert "max rel. error" in out and "redundancy" in out
 
 
-@pytest.mark.parametrize("example", sorted(n for n in NARROW if n != "tiny_balance"))
+@pytest.mark.parametrize("example", sorted(NARROW))
 def test_example_runs_and_checks_through_the_library_gemms(example, main):
-    """Every example but tiny_balance (balance replicate's slots: refused, test_library) with
-    its GEMMs through torch's grouped GEMM, bulk, phased (its own strategy set aside)."""
+    """Every example with its GEMMs through torch's grouped GEMM, bulk, phased (its own
+    strategy set aside)."""
     argv = ["run", f"examples/{example}.rdep", "--check", "--gemm", "library"]
     for d in NARROW[example]:
         argv += ["-D", d]

@@ -14,21 +14,18 @@ LIBRARY_MODE = "phased"  # the library's GEMMs run between the transport kernel'
 ASKED = ("command line --gemm", "spec: schedule ..., gemm")
 
 
-def library_refusals(strategy: str, balance_slots: int) -> list[str]:
+def library_refusals(strategy: str) -> list[str]:
     """Why the library lowering cannot run a layer (empty: it can): each construct it does
     not take yet, in words. It runs each owner's rows as one grouped GEMM, so one segment per
-    owner (bulk); redundant slots' weights live apart from the experts'."""
-    out = []
+    owner (bulk)."""
     if strategy != "bulk":
-        out.append(f"the {strategy} schedule moves an owner's rows in segments (the library runs bulk)")
-    if balance_slots:
-        out.append("balance replicate's redundant slots hold their weights apart from the experts'")
-    return out
+        return [f"the {strategy} schedule moves an owner's rows in segments (the library runs bulk)"]
+    return []
 
 
 def contract_refusals(contract) -> list[str]:
     """:func:`library_refusals` of a kernel contract."""
-    return library_refusals(contract.strategy, contract.balance[0])
+    return library_refusals(contract.strategy)
 
 
 def choose_gemm(given: str | None, contract, interpret: bool, tuned: dict | None = None) -> tuple[str, str]:
