@@ -23,9 +23,10 @@ element passes through (a sum of n terms counts n; each pointwise step one), and
   move by that dtype's u;
 - **another order**: σ is the error of one order of the reductions; another order of a
   reduction of n terms may gather up to √n times as much (recursive summation against a
-  blocked one), so each computation is within λ·√chain·σ with a probability of failure
-  below 2·exp(−λ²/2) (Hoeffding, as Higham and Mary use it): 3·10^-14 per element at
-  :data:`LAMBDA` = 8;
+  blocked one), so each computation is taken to lie within λ·√chain·σ: at :data:`LAMBDA` =
+  8, were σ exact, a probability of failure below 2·exp(−32) ≈ 3·10^-14 per element
+  (Hoeffding's inequality, as Higham and Mary use it); σ is estimated from 16 samples, and
+  λ's margin is what absorbs the estimate's spread;
 - **the last rounding** of both results, u·|value| each.
 
 :func:`reorder_bound` is 2λ·√chain·σ + 2u·|want| per element: both computations' share. ``chain`` in a narrower dtype
@@ -53,7 +54,7 @@ from collections.abc import Callable
 import torch
 
 SAMPLES = 16  # runs that measure σ
-LAMBDA = 8.0  # 2·exp(−32) ≈ 3·10^-14 per element
+LAMBDA = 8.0  # 2·exp(−32) ≈ 3·10^-14 per element were σ exact
 # The roundings to a narrower dtype on a layer's way from input to output and back that the
 # fp32 reference does not make: GEMM1's output (kept) and activation, GEMM2's output, the
 # combined output; backward, g'·dL/dy, dH, dX, the weight gradients.
