@@ -8,7 +8,8 @@ bandwidth, a row to a peer one HBM read and write).
     python bench/model_error.py --out build/me --only moonlight/128   # a subset (CI's dry run)
 
 Writes ``OUT/model-error.json`` (per row: the case, the method, per stage measured ms,
-predicted ms and their ratio; the call's; the summary: each stage's ratios' range) and
+predicted ms and their ratio; the call's; the summary: each stage's ratios' range; the
+rankings: per record, case and mode, the strategies in measured order beside the model's) and
 ``OUT/model-error.png`` (predicted against measured, log-log, per stage). It asserts nothing:
 the model's error is a figure to read, as the issue that calibrates it states its targets.
 """
@@ -73,6 +74,45 @@ def compare(rows, only: list[str] | None = None) -> list[dict]:
     return out
 
 
+# Two strategies measured within this share of each other are a tie the model may rank either
+# way: one method's median moved by up to 9 % between records at the smallest case
+# (moonlight/128 pipelined split: 2.43 ms at 2d97c02, 2.66 ms at 46c6da4).
+TIE = 0.10
+
+
+def rankings(rows, only: list[str] | None = None) -> list[dict]:
+    """Per perf record and case, per kernel mode and lowering that timed two strategies or
+    more: the strategies in measured order, the model's predicted calls for them, and whether
+    the model's fastest is the measured fastest (``tie``: the measured fastest is within
+    :data:`TIE` of the next one)."""
+    cache: dict = {}
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        case = f"{r.example}/{r.T}/{r.routing}"
+        if r.device in PROFILE and r.call_ms and not (only and not any(o in case for o in only)):
+            key = (r.source, r.example, r.T, r.W, r.routing, r.mode, r.gemm, PROFILE[r.device])
+            groups.setdefault(key, {})[r.strategy] = r.call_ms
+    out = []
+    for (source, example, T, W, routing, mode, gemm, hw), measured in groups.items():
+        if len(measured) < 2:
+            continue
+        order = sorted(measured, key=measured.get)
+        pred = {s: predict(example, T, W, s, hw, cache)["call"] for s in order}
+        out.append(
+            {
+                "source": source,
+                "case": f"{example}/{T}/{routing}",
+                "mode": mode + (" library" if gemm == "library" else ""),
+                "measured_ms": {s: measured[s] for s in order},
+                "predicted_ms": pred,
+                "model_fastest": min(pred, key=pred.get),
+                "tie": measured[order[1]] < (1 + TIE) * measured[order[0]],
+                "agrees": min(pred, key=pred.get) == order[0],
+            }
+        )
+    return out
+
+
 def summary(compared: list[dict]) -> dict:
     """Per stage (and the call): how many rows, and the predicted / measured ratios' range."""
     out = {}
@@ -119,10 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     record = {"profile": "W ranks emulated on one GPU (passes/cost.py rates NAME/W)", "rows": compared}
     record["summary"] = summary(compared)
+    record["rankings"] = rankings(load(), args.only)
     (out / "model-error.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
     plot(compared, out / "model-error.png")
     for s, v in record["summary"].items():
         print(f"{s:9s} {v['rows']:3d} rows  predicted / measured {v['min']:.3g} to {v['max']:.3g}")
+    for k in record["rankings"]:
+        verdict = "agrees" if k["agrees"] else ("a tie" if k["tie"] else "DISAGREES")
+        print(f"{k['case']} {k['mode']}: measured {' < '.join(k['measured_ms'])}; model's fastest {k['model_fastest']} ({verdict})")
     return 0
 
 

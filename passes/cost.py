@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rdepc.passes.hardware import Value, profile
+from rdepc.passes.hardware import PROFILES, Value, profile
 from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
 from rdepc.ir import sizes
@@ -68,21 +68,19 @@ LINK_PER_SM: dict[str, Value] = dict.fromkeys(("h100", "h200", "b200", "gb300"),
 
 
 def rates(hw: str) -> Rates:
-    """The rates of profile ``hw``; ``NAME/N``: N ranks emulated on one GPU of profile NAME (how
-    the leases measure a node's layer on one device), each with 1/N of its SMs, FLOP/s and HBM
-    bandwidth, a row to a peer an HBM read and write on the same GPU (bench/model_error.py)."""
-    if "/" in hw:
-        base, n = hw.split("/")
-        r, n = rates(base), int(n)
-        hbm = r.hbm / n
-        return Rates(hw, max(1, r.sms // n), r.flops / n, hbm / 2, r.hbm / r.sms / 2, hbm, r.latency)
+    """The rates of profile ``hw``; ``NAME/N`` (``passes.hardware.emulated``): N ranks emulated
+    on one GPU of profile NAME, each with 1/N of its SMs and the profile's shares of FLOP/s and
+    HBM bandwidth; a row to a peer is an HBM read and write, one program's share of them."""
     p = profile(hw)
+    base, _, n = hw.partition("/")
+    sms = int(SMS[base].value)
+    per_sm = LINK_PER_SM[base].value if not n else PROFILES[base].hbm_bw.value / sms / 2
     return Rates(
         hw=hw,
-        sms=int(SMS[hw].value),
+        sms=max(1, sms // int(n or 1)),
         flops=p.flops.value,
         link=p.link.value,
-        link_per_sm=LINK_PER_SM[hw].value,
+        link_per_sm=per_sm,
         hbm=p.hbm_bw.value,
         latency=p.barrier_per_peer.value,
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class Value:
     value: float
     unit: str
-    kind: str  # "measured" or "datasheet"
+    kind: str  # "measured", "datasheet", or "derived" (from another Value)
     source: str
 
 
@@ -81,10 +81,42 @@ PROFILES: dict[str, HardwareProfile] = {
 
 
 def profile(name: str) -> HardwareProfile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown hardware profile '{name}' (known: {', '.join(PROFILES)})") from None
+    """Profile ``name``, or ``NAME/N``: N ranks emulated on one GPU of profile NAME (:func:`emulated`)."""
+    base, slash, n = name.partition("/")
+    if base not in PROFILES:
+        raise ValueError(f"unknown hardware profile '{name}' (known: {', '.join(PROFILES)}, or NAME/N)")
+    if not slash:
+        return PROFILES[base]
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"hardware profile '{name}': N in NAME/N must be a positive whole number of ranks")
+    return emulated(PROFILES[base], int(n))
+
+
+def emulated(p: HardwareProfile, n: int) -> HardwareProfile:
+    """One of ``n`` ranks emulated on one GPU of ``p``, as the GPU leases measure a node's layer
+    (one process, every rank's kernels on the same device): each rank has 1/n of the GPU's
+    FLOP/s, memory and memory bandwidth, and a row sent to a peer is read from and written to
+    the same HBM, so the "link" is half the rank's share of HBM bandwidth."""
+
+    def part(v: Value, scale: float, how: str) -> Value:
+        return Value(v.value * scale, v.unit, "derived", f"{how} of {p.name}'s: {v.source}")
+
+    share = f"1/{n}"
+    return HardwareProfile(
+        f"{p.name}/{n}",
+        f"{n} ranks emulated on one {p.description}",
+        part(p.flops, 1 / n, share),
+        part(p.hbm_bw, 1 / n / 2, f"half of {share} of the HBM bandwidth (a read and a write), instead"),
+        part(p.hbm, 1 / n, share),
+        part(p.hbm_bw, 1 / n, share),
+        p.barrier_per_peer,
+    )
+
+
+HW_HELP = (
+    f"hardware profile: {', '.join(PROFILES)}, or NAME/N for N ranks emulated on one GPU of NAME, "
+    "as the GPU leases measure a node's layer (e.g. h200/8); default: h100"
+)
 
 
 # The share of ``flops`` (cuBLAS's dense MAMF) an expert GEMM reaches under each lowering

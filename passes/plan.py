@@ -247,6 +247,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             f"mu = {_g(mu_v)} rows per expert is below one {BM}-row tile: expert GEMMs launch mostly padding "
             f"(pool more ranks or tokens)"
         )
+    warnings += _choice_warnings(layer, strategy_asked, opts)
     hbm = int(hw.hbm.value)
     budgets = [
         ("symmetric heap, rdepc plan fwd+bwd, private ring per layer", sym.private_total.value),
@@ -343,3 +344,14 @@ def gemm_lowering(layer: LayerSpec, strategy: str, opts: PlanOptions) -> tuple[s
 
 def _g(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def _choice_warnings(layer: LayerSpec, strategy: str | None, opts: PlanOptions) -> list[str]:
+    """The scheduler's warnings about the schedule the spec fixed (none where it cannot build
+    the layer's graph: the plan says so elsewhere)."""
+    from rdepc.passes.schedule import choice_warnings
+
+    try:
+        return choice_warnings(layer, strategy, None, opts.hw, opts.gemm)
+    except SpecError:
+        return []

@@ -435,6 +435,36 @@ def _resolve(spec, strategy, cut, hw, gemm=None) -> tuple[Choice, TaskGraph | No
     return choice, graphs[key]
 
 
+# How much slower than ``schedule auto``'s choice a fixed strategy must be predicted before a
+# user is warned: below it the model's ranking is within its own error on the leases.
+SLOWER = 1.05
+
+
+def choice_warnings(
+    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
+) -> list[str]:
+    """What a user planning ``spec`` should hear about a schedule the command line or the spec
+    fixed (the spec's own statement is checked where it is written, passes.spec_checks): deep
+    asked with fewer than three buffers, which is pipelined; a strategy the cost model
+    predicts :data:`SLOWER` or more slower on ``hw`` than the one ``schedule auto`` chooses."""
+    mine, tg = _resolve(spec, strategy, cut, hw, gemm)
+    why = next(d.why for d in mine.decisions if d.name == "strategy")
+    out = []
+    if strategy == "deep" and tg.geometry.B < 3:
+        out.append(f"deep with {tg.geometry.B} buffers (command line --schedule) is no deeper than pipelined")
+    if why.startswith("cost model") or "library" in why:
+        return out
+    best, best_tg = _resolve(spec, "auto", None, hw, gemm)
+    if best.strategy != mine.strategy:
+        ours, theirs = quick_makespan(tg, hw), quick_makespan(best_tg, hw)
+        if ours >= SLOWER * theirs:
+            out.append(
+                f"schedule {mine.strategy} ({why}) is predicted {ours / theirs:.2f}x slower than {best.strategy} on "
+                f"{hw} ({_ms(ours)} against {_ms(theirs)}): 'schedule auto' would choose {best.strategy}"
+            )
+    return out
+
+
 def build_for(
     spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
 ) -> TaskGraph:
@@ -499,6 +529,7 @@ __all__ = [
     "GraphPass",
     "SchedulePass",
     "build_for",
+    "choice_warnings",
     "compare",
     "resolve",
     "schedule",

@@ -121,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_run)
 
-    from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
-
     p = sub.add_parser(
         "tune",
         help="choose a layer's tile sizes on a GPU and record them",
@@ -156,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.spec_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes as integers)")
     p.add_argument("--symbolic", action="store_true", help="also print the formula behind every figure")
-    p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+    common.hw_option(p)
     common.gemm_option(p)
     p.add_argument(
         "--overflow",

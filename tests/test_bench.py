@@ -142,3 +142,59 @@ def test_the_committed_leases_are_one_table_the_model_is_held_against(tmp_path):
     assert record["rows"] and all(r["case"] == "moonlight/128/uniform" for r in record["rows"])
     assert all(s["predicted_ms"] > 0 for r in record["rows"] for s in r["stages"].values())
     assert (tmp_path / "model-error.png").stat().st_size > 0
+
+
+def test_the_model_ranks_the_strategies_as_the_leases_measured():
+    """For every committed record, case and kernel mode that timed two strategies or more, the
+    cost model's fastest at the emulation's rates (W ranks on one GPU) is the measured fastest,
+    unless the measured two are within bench/model_error.py's TIE of each other."""
+    from bench.calibration import load
+    from bench.model_error import rankings
+
+    ranked = rankings(load())
+    decided = [k for k in ranked if not k["tie"]]
+    assert len(decided) >= 13, ranked
+    wrong = [(k["source"], k["case"], k["mode"], k["measured_ms"], k["predicted_ms"]) for k in decided if not k["agrees"]]
+    assert not wrong, wrong
+
+
+def test_schedule_auto_chooses_what_was_measured_fastest_on_the_emulation_and_overlap_on_a_node():
+    """On the leases' emulation (h200/8) bulk measured fastest for moonlight and qwen3_30b_a3b
+    at 4,096 tokens per rank, and auto chooses it; on a node of eight H200s (h200) the model
+    predicts overlap pays for moonlight, and auto chooses pipelined there. The spec's fixed
+    schedule predicted slower is a warning."""
+    import rdepc
+    from rdepc.passes.schedule import choice_warnings, resolve
+
+    for example in ("moonlight", "qwen3_30b_a3b"):
+        spec = rdepc.load(f"examples/{example}.rdep", T=4096, W=8).spec
+        assert resolve(spec, "auto", hw="h200/8").strategy == "bulk"
+        (w,) = choice_warnings(spec, hw="h200/8")
+        assert f"schedule {spec.schedule} (spec: schedule {spec.schedule}) is predicted" in w
+        assert "'schedule auto' would choose bulk" in w
+    moon = rdepc.load("examples/moonlight.rdep").spec
+    assert resolve(moon, "auto", hw="h200").strategy == "pipelined"
+    assert choice_warnings(moon, hw="h200") == []
+    assert choice_warnings(moon, "deep", hw="h200") == [
+        "deep with 2 buffers (command line --schedule) is no deeper than pipelined"
+    ]
+
+
+def test_an_emulated_profile_is_a_share_of_its_gpu(main):
+    """--hw NAME/N: each of N ranks has 1/N of the GPU's FLOP/s, memory and bandwidth, a peer's
+    row an HBM read and write; an unknown profile or N is a usage error naming the known ones."""
+    from rdepc.passes.cost import rates
+    from rdepc.passes.hardware import profile
+
+    p, one = profile("h200/8"), profile("h200")
+    assert p.flops.value == one.flops.value / 8 and p.hbm.value == one.hbm.value / 8
+    assert p.link.value == one.hbm_bw.value / 16 and p.flops.kind == "derived"
+    r = rates("h200/8")
+    assert (r.sms, r.hbm, r.link) == (16, one.hbm_bw.value / 8, one.hbm_bw.value / 16)
+    rc, out, _ = main("plan", "examples/tiny.rdep", "--hw", "h200/8")
+    assert rc == 0 and "h200/8" in out
+    rc, _, err = main("viz", "examples/tiny.rdep", "--hw", "h9")
+    assert rc == 2 and "argument --hw: unknown hardware profile 'h9' (known: h100, h200, b200, gb300, or NAME/N)" in err
+    for bad in ("h200/0", "h200/x"):
+        rc, _, err = main("viz", "examples/tiny.rdep", "--hw", bad)
+        assert rc == 2 and f"'{bad}': N in NAME/N must be a positive whole number of ranks" in err

@@ -736,12 +736,13 @@ def test_every_example_plans(capsys):
         assert j["symmetric_bytes"]["plan"]["forward_backward"]["total"] > 0
 
 
-def test_planner_imports_neither_torch_nor_triton_nor_numpy():
+def test_planner_imports_neither_torch_nor_triton():
+    """(numpy it may: the scheduler's cost model weighs the spec's schedule against auto's.)"""
     code = (
         "import sys, rdepc; from rdepc.passes.plan import plan; from rdepc.passes.plan_records import to_json;"
         "from rdepc.report import render;"
         f"p = plan(rdepc.load({str(EX / 'moonlight.rdep')!r}).spec); render(p, True); to_json(p, True);"
-        "print(sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

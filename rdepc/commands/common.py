@@ -61,9 +61,20 @@ def sampled_routing(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seed of the sampled routing (default: 0)")
 
 
-def schedule_options(p: argparse.ArgumentParser) -> None:
-    from rdepc.passes.hardware import PROFILES  # plain data: no sympy, no torch
+def hw_option(p: argparse.ArgumentParser) -> None:
+    from rdepc.passes.hardware import HW_HELP, profile  # plain data: no sympy, no torch
 
+    def hw(name: str) -> str:
+        try:
+            profile(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return name
+
+    p.add_argument("--hw", default="h100", type=hw, metavar="PROFILE", help=HW_HELP)
+
+
+def schedule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         choices=["auto", "bulk", "pipelined", "deep"],
@@ -72,7 +83,7 @@ def schedule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cut", choices=["auto", "expert", "source"], help="override the segment statement's cut (segments by)"
     )
-    p.add_argument("--hw", default="h100", choices=list(PROFILES), help="hardware profile (default: h100)")
+    hw_option(p)
     gemm_option(p)
 
 

@@ -12,7 +12,7 @@ from rdepc.commands.common import load_spec
 def cmd_viz(args) -> int:
     from rdepc.passes.lowering import lowering_line
     from rdepc.passes.replicate import without_replication
-    from rdepc.passes.schedule import build_for, report, schedule
+    from rdepc.passes.schedule import build_for, choice_warnings, report, schedule
 
     spec = load_spec(args)
     if args.ranks < 1:
@@ -44,6 +44,8 @@ def cmd_viz(args) -> int:
     sched = schedule(tg, args.hw, counts=counts, held=held)
     print(report(sched))
     print(f"  decision        {lowering_line(sched, gemm)}")
+    for w in choice_warnings(spec, args.schedule, args.cut, args.hw, gemm):
+        print(f"  warning         {w}")
     if unreplicated is not None:
         pushes = [t for t in tg.tasks if t.detail == "push"]
         busiest = max(pushes, key=lambda t: (sched.cost.link_bytes[t.id], -t.rank))
