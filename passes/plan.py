@@ -298,7 +298,8 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         tuple(warnings),
         balance_plan(env, spec, opts),
         compute_plan(env, spec),
-        gemm_lowering(layer, strategy, opts),
+        lowering := gemm_lowering(layer, strategy, opts),
+        projection(layer, strategy, lowering[0], opts),
     )
 
 
@@ -355,3 +356,15 @@ def _choice_warnings(layer: LayerSpec, strategy: str | None, opts: PlanOptions) 
         return choice_warnings(layer, strategy, None, opts.hw, opts.gemm)
     except SpecError:
         return []
+
+
+def projection(layer: LayerSpec, strategy: str, gemm: str, opts: PlanOptions):
+    """The layer's forward and backward per GPU predicted on the profile (passes.projection),
+    or None where the scheduler cannot build its graph."""
+    from rdepc.passes.projection import project
+    from rdepc.passes.schedule import build_for, schedule
+
+    try:
+        return project(schedule(build_for(layer, strategy, None, opts.hw, opts.gemm), opts.hw), gemm)
+    except SpecError:
+        return None

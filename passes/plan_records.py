@@ -253,6 +253,7 @@ class Plan:
     balance: BalancePlan | None = None
     compute: ComputePlan | None = None
     gemm: tuple[str, str] = ("triton", "")  # the expert GEMMs' lowering and why (rdepc.passes.lowering)
+    projection: Any = None  # passes.projection.Projection: forward and backward predicted per GPU
 
     def figures(self) -> Iterator[Figure]:
         """Every figure of the plan, in report order."""
@@ -449,6 +450,25 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         keys = ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
         keys += tuple(f"routed_backward{w}{t}" for w in ("", "_worst") for t in ("", "_time"))
         out["compute"] = {k: j(getattr(c, k)) for k in keys}
+    if pl.projection is not None:
+        pr = pl.projection
+        out["projection"] = {
+            "hw": pr.hw,
+            "strategy": pr.strategy,
+            "gemm": pr.gemm,
+            "flops_forward": pr.flops,
+            "forward_s": pr.forward_s,
+            "backward_s": pr.backward_s,
+            "terms": {
+                part: [{"name": t.name, "seconds": t.seconds, "assumption": t.assumption} for t in terms]
+                for part, terms in (("forward", pr.forward), ("backward", pr.backward))
+            },
+            "published": [
+                {"system": p.system, "forward_tflops": p.forward_tflops, "backward_tflops": p.backward_tflops,
+                 "source": p.source}
+                for p in pr.published
+            ],  # fmt: skip
+        }
     if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
         b = pl.balance
         out["balance"] = {

@@ -311,6 +311,12 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])
         out += table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
 
+    if pl.projection is not None:
+        from rdepc.passes.projection import lines
+
+        add("")
+        out += lines(pl.projection)
+
     # -- dedup -------------------------------------------------------------------------------
     dd = pl.dedup
     add("")

@@ -843,3 +843,24 @@ def test_a_training_layer_counts_its_experts_weights_gradients_and_optimizer_sta
     # fp32 weights keep no master copy: 8 bytes of optimizer state a parameter
     fp32 = run_json(capsys, write_spec(tmp_path, body.replace("bf16", "fp32"), params="", name="f"))
     assert fp32["expert_training_state"]["optimizer_total"] == 40 * 2 * per_expert * 8
+
+
+def test_a_node_is_projected_beside_the_published_figure(capsys):
+    """rdepc plan on a node (qwen3_30b_a3b, eight H200s, 8,192 tokens per rank) prints the
+    forward and backward per GPU, term by term with its assumption, labelled a prediction,
+    beside LigerCute's measured figures for that shape (the JSON's terms checked here, the text
+    below on a small layer); on a one-GPU emulation (h200/8) no published figure matches."""
+    from rdepc.passes.hardware import GEMM_EFFICIENCY
+
+    j = run_json(capsys, EX / "qwen3_30b_a3b.rdep", "--hw", "h200", "-D", "T=8192")["projection"]
+    assert j["flops_forward"] == 6 * 2048 * 768 * 8192 * 8 and j["published"][0]["forward_tflops"] == 233
+    assert j["published"][0]["system"].startswith("LigerCute EP8")
+    fwd, bwd = j["terms"]["forward"], j["terms"]["backward"]
+    assert j["forward_s"] == pytest.approx(sum(t["seconds"] for t in fwd))
+    assert j["backward_s"] == pytest.approx(sum(t["seconds"] for t in bwd)) and all(t["assumption"] for t in fwd + bwd)
+    eff = GEMM_EFFICIENCY[j["gemm"]].value
+    gemms = next(t["seconds"] for t in bwd if t["name"] == "expert GEMMs")
+    assert fwd[1]["seconds"] == pytest.approx(gemms * eff / 2 * (1 / eff - 1))  # one GEMM time, two views
+    text = run_text(capsys, EX / "tiny.rdep", "--hw", "h200/8")
+    assert "Projection on h200/8: a PREDICTION of the cost model, not a measurement" in text
+    assert "published, measured" not in text
