@@ -5,6 +5,7 @@
     router softmax, groups 8, top_groups 3, group_score max, scale 16      # DeepSeek-V2
     router softmax, logit_bias, renormalize                                # GPT-OSS
     router softmax, renormalize, aux_loss 0.01, z_loss 0.001
+    router softmax, bias, renormalize, norm_min 1e-12                      # Ernie-4.5 (moe_norm_min)
 
 Without the statement a layer routes as ``router softmax, renormalize``. The semantics are
 in docs/language.md; ``RDEPMoE.route`` and ``rdepc.reference.route`` implement them.
@@ -19,7 +20,7 @@ from rdepc.ir.spec import Router, Shape
 
 SCORES = ("softmax", "sigmoid")
 FLAGS = (*SCORES, "renormalize", "bias", "logit_bias")
-KEYED = ("groups", "top_groups", "group_score", "scale", "aux_loss", "z_loss")
+KEYED = ("groups", "top_groups", "group_score", "scale", "norm_min", "aux_loss", "z_loss")
 GROUP_SCORES = ("top2", "max")  # the first is the default
 
 
@@ -41,7 +42,7 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
         return None
     E, K = int(shape.E.value), int(shape.K.value)
     numbers: dict[str, Fraction] = {}
-    for name, lowest in (("scale", None), ("aux_loss", 0), ("z_loss", 0)):
+    for name, lowest in (("scale", None), ("norm_min", None), ("aux_loss", 0), ("z_loss", 0)):
         if name not in opts:
             continue
         v, span = layer.expr(opts[name], f"router {name}")
@@ -54,6 +55,13 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
             d.error(f"router {name} must be {'positive' if lowest is None else 'zero or more'}, got {v}", span)
             return None
         numbers[name] = Fraction(v.value)
+    if "norm_min" in opts and "renormalize" not in opts:
+        d.error(
+            "router norm_min needs renormalize: it floors the sum the K gates are divided by",
+            opts["norm_min"].span,
+            "e.g. 'router softmax, bias, renormalize, norm_min 1e-12'",
+        )
+        return None
     groups = top_groups = 1
     group_score = GROUP_SCORES[0]
     if "group_score" in opts:
@@ -93,6 +101,7 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
     return Router(
         score=scores[0],
         renormalize="renormalize" in opts,
+        norm_min=numbers.get("norm_min"),
         bias="bias" in opts,
         groups=groups,
         top_groups=top_groups,

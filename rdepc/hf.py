@@ -159,7 +159,7 @@ def _check(name: str, block: nn.Module, layer: Layer) -> Family:
     want["expert"] = _expert_text(ef.act, ef.limit, ef.alpha, ef.bias)
     r = spec.router
     spec_rule = router_terms(
-        r.score, r.renormalize, r.bias, (r.groups, r.top_groups), r.scale, r.group_score, r.logit_bias
+        r.score, r.renormalize, r.bias, (r.groups, r.top_groups), r.scale, r.group_score, r.logit_bias, r.norm_min
     )
     for k, v in rule.items():
         found[f"router {k}"], want[f"router {k}"] = v, spec_rule[k]

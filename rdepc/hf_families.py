@@ -50,9 +50,9 @@ router (``router``, an ``nn.Linear`` without bias) returns (scores, logits), its
 shared MLP (``shared_expert``) is ungated, and the block returns its output with the tokens
 flattened ([N, H]) and its router's logits beside it.
 
-Refused by their router rule, because the spec language cannot express them: Ernie-4.5 with
-a ``moe_norm_min`` of 1/E or more (the gates' sum clamped), and a DeepSeek-V2
-``topk_method`` other than ``greedy`` and ``group_limited_greedy``.
+Refused by their router rule, because the spec language cannot express it: a DeepSeek-V2
+``topk_method`` other than ``greedy`` and ``group_limited_greedy``. (Ernie-4.5's
+``moe_norm_min``, the floor of the sum its gates are divided by, is the spec's ``norm_min``.)
 """
 
 from __future__ import annotations
@@ -135,7 +135,14 @@ def _gate(cls: str, *attrs: str, **parts) -> Part:
 
 # --------------------------------------------------------------------- the routers, in spec terms
 def router_terms(
-    score: str, renormalize: bool, bias: bool = False, groups=(1, 1), scale=1, group_score="top2", logit_bias=False
+    score: str,
+    renormalize: bool,
+    bias: bool = False,
+    groups=(1, 1),
+    scale=1,
+    group_score="top2",
+    logit_bias=False,
+    norm_min=None,
 ) -> dict:
     """A router rule as the spec's ``router`` options, normalised so that equal routing compares
     equal: ``groups G, top_groups G`` (or more) keeps every group, so it is no groups at all."""
@@ -150,6 +157,7 @@ def router_terms(
         "top_groups": m,
         "group_score": group_score,
         "renormalize": renormalize,
+        "norm_min": None if norm_min is None else Fraction(str(norm_min)),
         "scale": Fraction(str(scale)),
     }
 
@@ -185,10 +193,10 @@ def _deepseek_v3(gate) -> dict:
     return router_terms("sigmoid", bool(gate.norm_topk_prob), True, groups, gate.routed_scaling_factor)
 
 
-def _ernie(gate) -> dict | str:
-    if gate.norm_min * gate.num_experts >= 1:  # a softmax's top-K sum is at least 1/E: below, never clamped
-        return f"norm_min {gate.norm_min} (the gates' sum clamped at it), which is not below 1/E"
-    return router_terms("softmax", True, True)
+def _ernie(gate) -> dict:
+    # The gates are divided by max(their sum, norm_min); with the selection bias choosing, the
+    # chosen scores may sum to anything, so the floor is part of the rule for every norm_min.
+    return router_terms("softmax", True, True, norm_min=gate.norm_min or None)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def route(
         chosen = sorted(allowed, key=lambda e: -c[e].item())[:K]
         g = s[chosen]
         if router.renormalize:
-            g = g / g.sum()
+            g = g / (g.sum() if router.norm_min is None else g.sum().clamp(min=float(router.norm_min)))
         ids.append(chosen)
         gates.append(g * float(router.scale))
     if not gates:  # no tokens

@@ -54,7 +54,8 @@ def route(
     ids = choice.topk(K, dim=-1).indices
     gates = s.gather(-1, ids)
     if router.renormalize:
-        gates = gates / gates.sum(dim=-1, keepdim=True)
+        total = gates.sum(dim=-1, keepdim=True)
+        gates = gates / (total if router.norm_min is None else total.clamp(min=float(router.norm_min)))
     if router.scale != 1:
         gates = gates * float(router.scale)
     return Routing(ids, gates, logits)

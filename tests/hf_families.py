@@ -87,12 +87,12 @@ CASES = {
     "ernie4_5_moe": Case(
         "ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
         {"moe_intermediate_size": 16, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1},
-        router="softmax, bias, renormalize", shared="shared swiglu(ffn = 16)",
+        router="softmax, bias, renormalize, norm_min 1e-12", shared="shared swiglu(ffn = 16)",
     ),
     "ernie4_5_moe_unshared": Case(
         "ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
         {"moe_intermediate_size": 16, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 0},
-        router="softmax, bias, renormalize",
+        router="softmax, bias, renormalize, norm_min 1e-12",
     ),
     "hunyuan_v1_moe": Case(
         "hunyuan_v1_moe", "HunYuanMoEV1Config", "HunYuanMoEV1Moe",

@@ -221,11 +221,6 @@ def test_every_family_is_swapped_with_equal_outputs_and_gradients(tmp_path, name
             "mlp (Glm4MoeMoE) has parameter shared_experts.up_proj.bias, which rdepc.hf maps only when it is None",
         ),
         (
-            "ernie4_5_moe",
-            lambda b: setattr(b.gate, "norm_min", 0.5),
-            "mlp (Ernie4_5_MoeSparseMoeBlock): its router Ernie4_5_MoeTopKRouter has norm_min 0.5",
-        ),
-        (
             "hunyuan_v1_moe",
             lambda b: setattr(b, "experts", torch.nn.ModuleList()),
             "mlp (HunYuanMoEV1Moe) has experts of class ModuleList, where rdepc.hf maps HunYuanMoEV1Experts",
@@ -502,3 +497,34 @@ def test_the_hf_swap_example_without_transformers_says_what_to_install():
     assert out.stderr.strip().splitlines() == [
         "examples/hf_swap.py needs transformers, which is not installed: pip install 'transformers>=5.0'"
     ]
+
+
+def test_ernies_gate_floor_is_the_specs_norm_min_where_the_bias_makes_it_bind(tmp_path):
+    """An Ernie-4.5 block whose selection bias picks experts whose scores sum below its
+    moe_norm_min (transformers divides the chosen gates by clamp(sum, min=norm_min)): swapped
+    with 'norm_min' it computes what transformers does; a spec without it is refused."""
+    case = fam.Case(
+        "ernie4_5_moe", "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 0,
+         "moe_norm_min": 0.1},
+        router="softmax, bias, renormalize, norm_min 0.1", E=8,
+    )  # fmt: skip
+    holder = fam.block(transformers, case)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in holder.mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        holder.mlp.gate.moe_statics.e_score_correction_bias.copy_(torch.randn(1, 8, generator=g))
+    original = copy.deepcopy(holder.mlp)
+    x = torch.randn(2, 8, fam.H, generator=g)
+    scores = torch.softmax(torch.nn.functional.linear(x.reshape(-1, fam.H), original.gate.weight), dim=-1)
+    chosen = (scores + original.gate.moe_statics.e_score_correction_bias).topk(2, dim=-1).indices
+    assert (scores.gather(-1, chosen).sum(-1) < 0.1).any()  # the floor binds for some token
+    with pytest.raises(SwapError, match=r"has router norm_min 0\.1, but layer 'm' \(.*\) says None"):
+        swap(copy.deepcopy(holder), case_spec(tmp_path, dataclasses.replace(case, router="softmax, bias, renormalize")))
+    assert swap(holder, case_spec(tmp_path, case)) == ["mlp"]
+    with torch.no_grad():
+        want, got = original(x), holder.mlp(x)
+    twin = float64_twin(original)
+    sigma = spread(lambda x, state: torch.func.functional_call(twin, state, (x,)), (x, state_of(original)))[0]
+    assert_close(got, want, reorder_bound(sigma, moe_chain(fam.H, case.F, case.K, case.E), want), "y")

@@ -4,6 +4,8 @@ router, a logit bias and a gated shared expert through RDEPMoE's compiled kernel
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -66,6 +68,11 @@ def test_the_deepseek_v2_and_gpt_oss_routers_elaborate():
     assert spec_of("router softmax, groups 4, top_groups 2, group_score top2").router.group_score == "top2"
     r = spec_of(GPT_OSS).router
     assert (r.score, r.logit_bias, r.bias, r.renormalize) == ("softmax", True, False, True)
+    assert spec_of("router softmax, bias, renormalize, norm_min 1e-12").router.norm_min == Fraction(1, 10**12)
+    assert spec_of("router softmax, renormalize, norm_min 2.5E+1").router.norm_min == 25
+    assert spec_of(MIXTRAL).router.norm_min is None
+    with pytest.raises(SpecError):  # an exponent of three digits is not a number: 1e-100 would be one
+        spec_of("router softmax, renormalize, norm_min 1e-100")
 
 
 @pytest.mark.parametrize(
@@ -93,6 +100,8 @@ def test_the_deepseek_v2_and_gpt_oss_routers_elaborate():
         ("router softmax, group_score", "'group_score' in 'router' needs a value", 19),
         ("router softmax, logit_bias 1", "'logit_bias' in 'router' takes no value", 19),
         ("router softmax, logit_bais", "unknown option 'logit_bais' in 'router'", 19),
+        ("router softmax, norm_min 0.1", "router norm_min needs renormalize: it floors the sum the K gates are divided by", 19),
+        ("router softmax, renormalize, norm_min 0", "router norm_min must be positive, got 0", 41),
     ],
 )
 def test_router_errors_point_at_the_statement(router, message, col):
@@ -112,6 +121,7 @@ ROUTERS = [
     "router sigmoid, bias, groups 4, top_groups 2, group_score max, renormalize",
     GPT_OSS,
     "router sigmoid, logit_bias, bias, groups 4, top_groups 2, group_score max, scale 2",
+    "router softmax, bias, renormalize, norm_min 0.97",  # Ernie-4.5's floor, binding for some tokens here
 ]
 
 
@@ -137,7 +147,9 @@ def test_the_runtime_router_matches_the_per_token_reference(router):
     logit_bound = bound(lambda x, w, lb: x @ w.T + (0 if lb is None else lb), (x, weight, logit_bias), 33)
     assert_close(logits, want_logits, logit_bound, "logits")
     sums = gates.sum(-1)
-    if r.renormalize:  # K gates divided by their sum, scaled and summed: each rounding moves the sum by u·scale
+    if r.norm_min is not None:  # divided by max(sum, norm_min): where the floor binds, the sum stays below 1
+        assert (sums <= 1 + 1e-6).all() and (sums < 0.99).any() and (sums > 1 - 1e-6).any()
+    elif r.renormalize:  # K gates divided by their sum, scaled and summed: each rounding moves the sum by u·scale
         scale = torch.full_like(sums, float(r.scale))
         assert_close(sums, scale, reorder_bound(unit_roundoff(torch.float32) * scale, 2 * 3 + 2, scale), "sums")
     elif r.score == "softmax":

@@ -199,6 +199,7 @@ class Router:
 
     score: str = "softmax"  # softmax | sigmoid: s = score(x · Wr^T) over the E experts
     renormalize: bool = True  # the K gates divided by their sum
+    norm_min: Fraction | None = None  # with renormalize: by max(their sum, norm_min) (Ernie-4.5's moe_norm_min)
     bias: bool = False  # a per-expert bias added to s for choosing only (DeepSeek-V3)
     groups: int = 1  # E experts in ``groups`` groups; a token picks from its ``top_groups`` best
     top_groups: int = 1
