@@ -16,7 +16,8 @@ stages' sum (``best_split`` with ``overlapped`` false). With a split
   transport can run expert GEMMs instead;
 * local memory traffic (a rank's rows to itself, unpack copies, combine) moves at the
   role's share of HBM bandwidth, ``hbm · programs / N``;
-* an expert GEMM costs ``max(FLOPs / (flops · (N−p)/N), bytes / (hbm · (N−p)/N))`` with
+* an expert GEMM costs ``max(FLOPs / (flops · (N−p)/N), bytes / (hbm · (N−p)/N))``, flops
+  the rate rdepc's GEMM kernel was measured to reach (``passes.hardware.gemm_rate``), with
   FLOPs counted over launched m-tiles (a partial tile costs a whole one) and bytes the
   expert weights it reads plus its rows in and out (a roofline);
 * a flag crossing ranks costs ``latency`` (Prop. B.7's 50–100 ns per peer touch); the
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rdepc.passes.hardware import PROFILES, Value, profile
+from rdepc.passes.hardware import PROFILES, Value, gemm_rate, profile
 from rdepc.passes.loads import admit, expected_counts, segment_load, task_rows
 
 from rdepc.ir import sizes
@@ -78,7 +79,7 @@ def rates(hw: str) -> Rates:
     return Rates(
         hw=hw,
         sms=max(1, sms // int(n or 1)),
-        flops=p.flops.value,
+        flops=gemm_rate(p),
         link=p.link.value,
         link_per_sm=per_sm,
         hbm=p.hbm_bw.value,

@@ -1,8 +1,9 @@
 """Hardware profiles for the planner and the cost model: every value with its source.
 
-``flops`` is the dense bf16 rate the cost model charges expert GEMMs at, ``link`` the
-effective NVLink bandwidth one GPU injects at (bytes/s, one direction), ``hbm`` the GPU's
-memory in bytes. Where a measured value exists it is used in preference to a datasheet
+``flops`` is a dense bf16 GEMM's rate (or, ``flops_is_expert``, an expert GEMM's measured
+one); the cost model charges expert GEMMs at :func:`gemm_rate`, the share of it rdepc's
+GEMM kernel was measured to reach. ``link`` is the effective NVLink bandwidth one GPU
+injects at (bytes/s, one direction), ``hbm`` the GPU's memory in bytes. Where a measured value exists it is used in preference to a datasheet
 peak, and ``kind`` says which one a figure is.
 """
 
@@ -28,6 +29,8 @@ class HardwareProfile:
     hbm: Value  # bytes of GPU memory
     hbm_bw: Value  # bytes/s of GPU memory bandwidth
     barrier_per_peer: Value  # seconds per peer touch of a peer-visible phase barrier
+    # ``flops`` is itself an expert GEMM's measured rate, not a dense GEMM's (gemm_rate)
+    flops_is_expert: bool = False
 
     def values(self) -> dict[str, Value]:
         return {k: getattr(self, k) for k in ("flops", "link", "hbm", "hbm_bw", "barrier_per_peer")}
@@ -67,6 +70,7 @@ PROFILES: dict[str, HardwareProfile] = {
         Value(180e9, "B", "datasheet", "NVIDIA DGX B200 datasheet: 1,440 GB of GPU memory over 8 GPUs"),
         Value(8e12, "B/s", "datasheet", "NVIDIA B200 datasheet: 8 TB/s HBM3e"),
         _BARRIER,
+        flops_is_expert=True,
     ),
     "gb300": HardwareProfile(
         "gb300",
@@ -110,6 +114,7 @@ def emulated(p: HardwareProfile, n: int) -> HardwareProfile:
         part(p.hbm, 1 / n, share),
         part(p.hbm_bw, 1 / n, share),
         p.barrier_per_peer,
+        p.flops_is_expert,
     )
 
 
@@ -138,3 +143,10 @@ GEMM_EFFICIENCY: dict[str, Value] = {
         "(377 TFLOPS; 493 scaled to all 132)",
     ),
 }
+
+
+def gemm_rate(p: HardwareProfile) -> float:
+    """FLOP/s the cost model charges rdepc's expert GEMMs (the Triton kernel) at on ``p``: the
+    share of ``flops`` the kernel was measured to reach of a dense GEMM's rate, or ``flops``
+    itself where that is already an expert GEMM's measured rate (b200: RDEP's Table 5)."""
+    return p.flops.value * (1.0 if p.flops_is_expert else GEMM_EFFICIENCY["triton"].value)

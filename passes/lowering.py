@@ -3,7 +3,8 @@ the command line's ``--gemm``, else the spec's ``schedule ..., gemm``, else the 
 choice between them where the library can run the layer.
 
 The model charges the GEMMs at the share of the profile's rate each lowering was measured
-to reach (``passes/hardware.py``: ``GEMM_EFFICIENCY``). The library runs a bulk schedule in
+to reach (``passes/hardware.py``: ``GEMM_EFFICIENCY``; the cost model's schedules at the
+Triton kernel's, passes/cost.py). The library runs a bulk schedule in
 phased mode: the transport's stages, then the GEMMs on every SM, then the transport's
 again. The Triton GEMM kernel runs the schedule's own way: a bulk schedule in phased or
 split mode, whichever the model predicts faster (split mode's GEMMs on its GEMM
@@ -36,7 +37,7 @@ def predicted(sched: Schedule) -> dict[str, float]:
     from rdepc.passes.cost import best_split, durations  # numpy: not for rdepc plan's refusals
 
     cm = sched.cost
-    dur = durations(cm, None)  # every stage on every SM, at the profile's full rate
+    dur = durations(cm, None)  # every stage on every SM; the GEMMs at the Triton kernel's share of the rate
     sums: dict[int, list[float]] = {}
     for t in cm.graph.tasks:
         s = sums.setdefault(t.rank, [0.0, 0.0])  # all stages, the GEMMs
@@ -44,13 +45,10 @@ def predicted(sched: Schedule) -> dict[str, float]:
         s[1] += float(dur[t.id]) if t.stage == "compute" else 0.0
 
     def phased(lowering: str) -> float:
-        eff = GEMM_EFFICIENCY[lowering].value
-        return max(total - gemm + gemm / eff for total, gemm in sums.values())
+        ratio = GEMM_EFFICIENCY["triton"].value / GEMM_EFFICIENCY[lowering].value
+        return max(total - gemm + gemm * ratio for total, gemm in sums.values())
 
-    split, split_sum = best_split(cm, False)
-    gemm = max(g for _, g in sums.values()) * cm.rates.sms / split.compute  # on the GEMM programs' share
-    split_mode = split_sum - gemm + gemm / GEMM_EFFICIENCY["triton"].value
-    return {"library": phased("library"), "triton": min(phased("triton"), split_mode)}
+    return {"library": phased("library"), "triton": min(phased("triton"), best_split(cm, False)[1])}
 
 
 def decide(spec: LayerSpec, strategy: str, given: str | None, predict: Callable[[], dict[str, float]]) -> Lowering:

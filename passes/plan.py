@@ -247,7 +247,8 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             f"mu = {_g(mu_v)} rows per expert is below one {BM}-row tile: expert GEMMs launch mostly padding "
             f"(pool more ranks or tokens)"
         )
-    warnings += _choice_warnings(layer, strategy_asked, opts)
+    too_big = _too_big(layer, strategy)
+    warnings += [] if too_big else _choice_warnings(layer, strategy_asked, opts)
     hbm = int(hw.hbm.value)
     budgets = [
         ("symmetric heap, rdepc plan fwd+bwd, private ring per layer", sym.private_total.value),
@@ -299,7 +300,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         balance_plan(env, spec, opts),
         compute_plan(env, spec),
         lowering := gemm_lowering(layer, strategy, opts),
-        projection(layer, strategy, lowering[0], opts),
+        too_big or projection(layer, strategy, lowering[0], opts),
     )
 
 
@@ -368,3 +369,21 @@ def projection(layer: LayerSpec, strategy: str, gemm: str, opts: PlanOptions):
         return project(schedule(build_for(layer, strategy, None, opts.hw, opts.gemm), opts.hw), gemm)
     except SpecError:
         return None
+
+
+def _too_big(layer: LayerSpec, strategy: str) -> str | None:
+    """Why the plan does not schedule the layer (its projection and the schedule warnings need
+    a timeline): a task graph beyond passes.projection.PLAN_TASKS; None when it does."""
+    from rdepc.passes.graph import geometry, task_count
+    from rdepc.passes.projection import PLAN_TASKS
+
+    try:
+        n = task_count(geometry(layer, strategy))
+    except (SpecError, ValueError):
+        return None  # the scheduler says why, where it is asked
+    if n <= PLAN_TASKS:
+        return None
+    return (
+        f"not computed: the {strategy} task graph has {n:,} tasks, more than the {PLAN_TASKS:,} rdepc "
+        "plan schedules (rdepc viz schedules it)"
+    )

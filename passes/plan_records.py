@@ -253,7 +253,7 @@ class Plan:
     balance: BalancePlan | None = None
     compute: ComputePlan | None = None
     gemm: tuple[str, str] = ("triton", "")  # the expert GEMMs' lowering and why (rdepc.passes.lowering)
-    projection: Any = None  # passes.projection.Projection: forward and backward predicted per GPU
+    projection: Any = None  # passes.projection.Projection, or why none was computed
 
     def figures(self) -> Iterator[Figure]:
         """Every figure of the plan, in report order."""
@@ -450,7 +450,9 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         keys = ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
         keys += tuple(f"routed_backward{w}{t}" for w in ("", "_worst") for t in ("", "_time"))
         out["compute"] = {k: j(getattr(c, k)) for k in keys}
-    if pl.projection is not None:
+    if isinstance(pl.projection, str):
+        out["projection"] = {"skipped": pl.projection}
+    elif pl.projection is not None:
         pr = pl.projection
         out["projection"] = {
             "hw": pr.hw,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
@@ -327,10 +328,19 @@ class Choice:
     decisions: tuple[Decision, ...]
 
 
+# A command weighs the same candidates more than once (plan: the spec's schedule against
+# auto's, the projection; compile: the graph pass, then the schedule pass): graphs and
+# their makespans are immutable, so each is built once per process (a few kept).
+@lru_cache(maxsize=8)
 def quick_makespan(tg: TaskGraph, hw: str) -> float:
     """The predicted makespan of ``tg`` as :func:`schedule` would find it, without building
     the task table: what the strategy and cut choices compare."""
     return _plan(cost_model(tg, hw), None, None, None).tl.makespan
+
+
+@lru_cache(maxsize=4)
+def _graph(spec: LayerSpec, strategy: str, cut: str, S: int | None, B: int | None) -> TaskGraph:
+    return build_graph(spec, strategy, cut, S, B)
 
 
 def empty_mask(cm: CostModel) -> list[bool]:
@@ -399,7 +409,7 @@ def _resolve(spec, strategy, cut, hw, gemm=None) -> tuple[Choice, TaskGraph | No
     for k in keys:
         st, c, S, B = k
         try:  # the cut changes which rows land in which segment, never the tasks
-            base = built.get((st, S, B)) or build_graph(spec, st, c, S, B)
+            base = built.get((st, S, B)) or _graph(spec, st, c, S, B)
         except SpecError as e:  # too many tasks: not a candidate
             first_error = first_error or e
             continue

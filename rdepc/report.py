@@ -311,7 +311,10 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])
         out += table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
 
-    if pl.projection is not None:
+    if isinstance(pl.projection, str):
+        add("")
+        add(f"Projection: {pl.projection}")
+    elif pl.projection is not None:
         from rdepc.passes.projection import lines
 
         add("")

@@ -9,10 +9,10 @@
 #            0.001 ms summed on the busiest rank)
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
-# decision:  gemm = library (cost model: library 0.75 µs against triton 0.759 µs predicted (the GEMMs at their
+# decision:  gemm = library (cost model: library 0.708 µs against triton 0.714 µs predicted (the GEMMs at their
 #            measured share of the rate: triton 62%, library 67%))
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: 5accd9859802accaceaa332976fa1a6b6a0e302a8c7e4cf8cdefa823dc652b88
+# content-sha256: a8b0ca6906967e62d817adeadda2e24efd178d55500677ed2a3ec496b240a3b6
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
