@@ -26,8 +26,9 @@ stages' sum (``best_split`` with ``overlapped`` false). With a split
 Rows per task come from a routing: the expected one (each source spreads T·K rows evenly,
 eq. 9) unless the caller gives one. The model is a fluid one: a role's programs share its
 rate and run its tasks one after another, in the global order (a task's tiles occupy every
-program of the role before the next task's do). What it leaves out: the 3-phase protocol's
-software overheads beyond the barrier sweeps, kernel launches, L2 effects, GEMM efficiency
+program of the role before the next task's do). The route costs its measured rate
+(:data:`ROUTE_RATE`) besides its bytes. What it leaves out: the 3-phase protocol's software
+overheads beyond the barrier sweeps, kernel launches, L2 effects, GEMM efficiency
 falling for short expert groups, and HBM bandwidth a compute-bound GEMM leaves unused (the
 communication role is charged its proportional share).
 """
@@ -66,6 +67,19 @@ _LINK_PER_SM = Value(
     "DeepEP V2, EP8 over SM100 NVLink: 643 GB/s with 24 SMs (deepseek-ai/DeepEP V2 release, anchors-comm.md)",
 )
 LINK_PER_SM: dict[str, Value] = dict.fromkeys(("h100", "h200", "b200", "gb300"), _LINK_PER_SM)
+
+# Token·experts one rank's route gets through per second, whatever its programs: every committed
+# route span (bench/calibration.py, 31 profiled calls) is W·T'·E / (2.0–2.7·10⁹ per second) over
+# the 8 ranks emulated on one GPU, at T' 128–4096, E 64–128, 31 or 132 programs, H100 and H200 —
+# it grows with the tokens and the experts, not with the SMs. Its median per rank, charged as a
+# latency of the route task on every profile until a route is measured elsewhere.
+ROUTE_RATE = Value(
+    3.06e8,
+    "token·experts/s",
+    "measured",
+    "bench/results/*/perf.json route spans: moonlight 0.85 ms at T' 4096 (E 64), qwen3_30b_a3b 1.58 ms (E 128), "
+    "moonlight 0.026 ms at T' 128",
+)
 
 
 def rates(hw: str) -> Rates:
@@ -133,6 +147,7 @@ def cost_model(
                     mem_b[i] = 2 * n
             case "route":
                 mem_b[i] = k * (geo.sb + 16)  # read expert ids and gates, write order and sideband
+                fixed[i] = k / geo.K * geo.E / ROUTE_RATE.value
             case "scan":
                 mem_b[i] = t.bytes
                 fixed[i] = 2 * geo.W * R.latency
@@ -244,7 +259,7 @@ def best_split(cm: CostModel, overlapped: bool) -> tuple[Split, float]:
     return Split(best, N - best), estimate(cm, work, best, overlapped)
 
 
-__all__ = ["LINK_PER_SM", "SMS", "Split", "best_split", "cost_model", "durations", "estimate", "rates", "role_work"]
+__all__ = ["LINK_PER_SM", "ROUTE_RATE", "SMS", "Split", "best_split", "cost_model", "durations", "estimate", "rates", "role_work"]
 
 
 def dump(cm: CostModel) -> str:

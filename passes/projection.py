@@ -11,7 +11,7 @@ its transport moves the same rows (dL/dy out, dL/dx back), its GEMMs do twice th
 FLOPs (dX and dW), its scatter mirrors the combine, and nothing in it overlaps.
 
 Every figure is a prediction. Held against the committed leases at the emulation's rates
-(bench/results/model-error), the model predicted 0.11-0.56x of every measured call: read
+(bench/results/model-error), the model predicted 0.11-0.61x of every measured call: read
 a projection as a lower bound until the terms the model lacks are calibrated.
 """
 
@@ -134,7 +134,7 @@ def lines(p: Projection) -> list[str]:
     """The projection as ``rdepc plan`` prints it."""
     out = [
         f"Projection on {p.hw}: a PREDICTION of the cost model, not a measurement ({p.strategy} schedule, {p.gemm} "
-        "GEMMs; the model predicted 0.11-0.56x of every call the leases measured: a lower bound)",
+        "GEMMs; the model predicted 0.11-0.61x of every call the leases measured: a lower bound)",
     ]
 
     def block(title: str, terms: tuple[Term, ...], total: float, flops: float) -> None:

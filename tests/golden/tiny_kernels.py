@@ -9,10 +9,10 @@
 #            0.001 ms summed on the busiest rank)
 # decision:  kernel mode = phased 0.001 ms against split 0.001 ms predicted (cost model; rdepc tune times both on the
 #            GPU)
-# decision:  gemm = library (cost model: library 0.708 µs against triton 0.714 µs predicted (the GEMMs at their
-#            measured share of the rate: triton 62%, library 67%))
+# decision:  gemm = library (cost model: library 1.13 µs against triton 1.13 µs predicted (the GEMMs at their measured
+#            share of the rate: triton 62%, library 67%))
 # transport: emulated (the spec's transport statement: emulated)
-# content-sha256: a8b0ca6906967e62d817adeadda2e24efd178d55500677ed2a3ec496b240a3b6
+# content-sha256: 450e279cd7a66ece7417eb6990797eedd560f5fc9eb4b0ccc3f856ae54fa9ffe
 
 """Forward and backward kernels of the RDEP layer ``tiny``: two persistent Triton kernels,
 ``rdep_layer`` and ``rdep_gemm``, whose constexpr BACKWARD picks the pass.
