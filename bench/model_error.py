@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:9s} {v['rows']:3d} rows  predicted / measured {v['min']:.3g} to {v['max']:.3g}")
     for k in record["rankings"]:
         verdict = "agrees" if k["agrees"] else ("a tie" if k["tie"] else "DISAGREES")
-        print(f"{k['case']} {k['mode']}: measured {' < '.join(k['measured_ms'])}; model's fastest {k['model_fastest']} ({verdict})")
+        order = " < ".join(k["measured_ms"])
+        print(f"{k['case']} {k['mode']}: measured {order}; model's fastest {k['model_fastest']} ({verdict})")
     return 0
 
 

@@ -259,7 +259,18 @@ def best_split(cm: CostModel, overlapped: bool) -> tuple[Split, float]:
     return Split(best, N - best), estimate(cm, work, best, overlapped)
 
 
-__all__ = ["LINK_PER_SM", "ROUTE_RATE", "SMS", "Split", "best_split", "cost_model", "durations", "estimate", "rates", "role_work"]
+__all__ = [
+    "LINK_PER_SM",
+    "ROUTE_RATE",
+    "SMS",
+    "Split",
+    "best_split",
+    "cost_model",
+    "durations",
+    "estimate",
+    "rates",
+    "role_work",
+]
 
 
 def dump(cm: CostModel) -> str:

@@ -85,7 +85,8 @@ def evaluate(e: S.Expr, env: Mapping[str, Poly | None], diags: Diagnostics) -> P
     match e:
         case S.Num(text=text):
             digits = text.replace("_", "")
-            if len(digits.lower().partition("e")[0].partition(".")[0].lstrip("0")) > 19:  # > 2^62; and int() refuses > 4300 digits
+            mantissa = digits.lower().partition("e")[0]
+            if len(mantissa.partition(".")[0].lstrip("0")) > 19:  # > 2^62; and int() refuses > 4300 digits
                 diags.error("number too large (limit 2^62)", e.span)
                 return None
             try:

@@ -3,8 +3,9 @@
 ``flops`` is a dense bf16 GEMM's rate (or, ``flops_is_expert``, an expert GEMM's measured
 one); the cost model charges expert GEMMs at :func:`gemm_rate`, the share of it rdepc's
 GEMM kernel was measured to reach. ``link`` is the effective NVLink bandwidth one GPU
-injects at (bytes/s, one direction), ``hbm`` the GPU's memory in bytes. Where a measured value exists it is used in preference to a datasheet
-peak, and ``kind`` says which one a figure is.
+injects at (bytes/s, one direction), ``hbm`` the GPU's memory in bytes. Where a measured
+value exists it is used in preference to a datasheet peak, and ``kind`` says which one a
+figure is.
 """
 
 from __future__ import annotations

@@ -466,10 +466,9 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
                 for part, terms in (("forward", pr.forward), ("backward", pr.backward))
             },
             "published": [
-                {"system": p.system, "forward_tflops": p.forward_tflops, "backward_tflops": p.backward_tflops,
-                 "source": p.source}
+                {k: getattr(p, k) for k in ("system", "forward_tflops", "backward_tflops", "source")}
                 for p in pr.published
-            ],  # fmt: skip
+            ],
         }
     if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
         b = pl.balance

@@ -23,7 +23,6 @@ from rdepc.passes.hardware import GEMM_EFFICIENCY, profile
 
 from rdepc.ir.graph import Schedule
 
-
 # The largest task graph ``rdepc plan`` schedules for its projection and its schedule warnings:
 # about 2 s on one CPU core (Moonlight's pipelined graph has 10,264 tasks, NVL72's 129,832).
 PLAN_TASKS = 50_000
@@ -94,7 +93,7 @@ def project(sched: Schedule, gemm: str) -> Projection:
         if profile(R.hw).flops_is_expert
         else f"{triton.value:.1%} of the profile's rate: {triton.source}"
     )
-    link = f"NVLink at min({R.link / 1e9:.0f} GB/s, programs x {R.link_per_sm / 1e9:.1f} GB/s) (passes/hardware.py, cost.py)"
+    link = f"NVLink at min({R.link / 1e9:.0f} GB/s, programs x {R.link_per_sm / 1e9:.1f} GB/s)"
     forward = (
         Term(
             f"{sched.strategy} schedule",
@@ -115,13 +114,13 @@ def project(sched: Schedule, gemm: str) -> Projection:
             ),
         )
     backward = (
-        Term("transport", moves, "dL/dy rows out and dL/dx rows back: the forward's dispatch and return, not overlapped"),
+        Term("transport", moves, "dL/dy rows out, dL/dx rows back: the forward's dispatch and return, not overlapped"),
         Term(
             "expert GEMMs",
             2 * gemms * triton.value / eff.value,
             f"dX and dW: twice the forward's FLOPs at {eff.value:.1%} of the rate",
         ),
-        Term("scatter", local, "g'·dL/dy rows gathered per token and slot: the forward's combine (and unpack) mirrored"),
+        Term("scatter", local, "g'·dL/dy rows gathered per token and slot: the forward's combine and unpack mirrored"),
     )
     shape = (geo.W, geo.T, geo.H, geo.F, geo.E, geo.K)
     base = R.hw.partition("/")[0]
@@ -149,8 +148,8 @@ def lines(p: Projection) -> list[str]:
     for pub in p.published:
         fwd, bwd = p.flops / (pub.forward_tflops * 1e12), 2 * p.flops / (pub.backward_tflops * 1e12)
         out.append(
-            f"  published, measured: {pub.system}: {pub.forward_tflops:.0f} TFLOPS per GPU forward ({fwd * 1e3:.2f} ms), "
-            f"{pub.backward_tflops:.0f} backward ({bwd * 1e3:.2f} ms) — {pub.source}"
+            f"  published, measured: {pub.system}: {pub.forward_tflops:.0f} TFLOPS per GPU forward "
+            f"({fwd * 1e3:.2f} ms), {pub.backward_tflops:.0f} backward ({bwd * 1e3:.2f} ms) — {pub.source}"
         )
     return out
 

@@ -100,7 +100,11 @@ def test_the_deepseek_v2_and_gpt_oss_routers_elaborate():
         ("router softmax, group_score", "'group_score' in 'router' needs a value", 19),
         ("router softmax, logit_bias 1", "'logit_bias' in 'router' takes no value", 19),
         ("router softmax, logit_bais", "unknown option 'logit_bais' in 'router'", 19),
-        ("router softmax, norm_min 0.1", "router norm_min needs renormalize: it floors the sum the K gates are divided by", 19),
+        (
+            "router softmax, norm_min 0.1",
+            "router norm_min needs renormalize: it floors the sum the K gates are divided by",
+            19,
+        ),
         ("router softmax, renormalize, norm_min 0", "router norm_min must be positive, got 0", 41),
     ],
 )
