@@ -360,6 +360,11 @@ def resolve(
     return _resolve(spec, strategy, cut, hw, gemm)[0]
 
 
+def _library_asked(spec: LayerSpec, gemm: str | None) -> bool:
+    """The library GEMM lowering asked for: ``--gemm library``, or the spec's when not overridden."""
+    return gemm == "library" or (gemm in (None, "auto") and spec.gemm == "library")
+
+
 def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
     """The strategy the command line or the spec fixes and why (None: the cost model's):
     ``--schedule``, the spec's, or bulk where the library lowering is asked for."""
@@ -373,7 +378,7 @@ def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
     else:
         fixed = (None, "")
     asked = "command line --gemm library" if gemm == "library" else "spec: schedule ..., gemm library"
-    if not (gemm == "library" or (gemm in (None, "auto") and spec.gemm == "library")):
+    if not _library_asked(spec, gemm):
         return fixed
     if fixed[0] not in (None, "bulk") and (strategy not in (None, "auto") or gemm != "library"):
         raise UsageError(
@@ -462,8 +467,8 @@ def choice_warnings(
     out = []
     if strategy == "deep" and tg.geometry.B < 3:
         out.append(f"deep with {tg.geometry.B} buffers (command line --schedule) is no deeper than pipelined")
-    if why.startswith("cost model") or "library" in why:
-        return out
+    if _fixed_strategy(spec, strategy, gemm)[0] is None or _library_asked(spec, gemm):
+        return out  # the cost model chose, or the library lowering fixed bulk
     best, best_tg = _resolve(spec, "auto", None, hw, gemm)
     if best.strategy != mine.strategy:
         ours, theirs = quick_makespan(tg, hw), quick_makespan(best_tg, hw)

@@ -176,6 +176,7 @@ def test_schedule_auto_chooses_what_was_measured_fastest_on_the_emulation_and_ov
     moon = rdepc.load("examples/moonlight.rdep").spec
     assert resolve(moon, "auto", hw="h200").strategy == "pipelined"
     assert choice_warnings(moon, hw="h200") == []
+    assert choice_warnings(moon, hw="h200/8", gemm="library") == []  # the library lowering fixed bulk
     assert choice_warnings(moon, "deep", hw="h200") == [
         "deep with 2 buffers (command line --schedule) is no deeper than pipelined"
     ]
