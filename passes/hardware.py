@@ -151,3 +151,29 @@ def gemm_rate(p: HardwareProfile) -> float:
     share of ``flops`` the kernel was measured to reach of a dense GEMM's rate, or ``flops``
     itself where that is already an expert GEMM's measured rate (b200: RDEP's Table 5)."""
     return p.flops.value * (1.0 if p.flops_is_expert else GEMM_EFFICIENCY["triton"].value)
+
+
+# The host's work in one call before its first launch (the input checks that read device data:
+# ids' and gates' range and NaNs, the error record and the statistics copied back), as the
+# profiled calls of the newest leases measured it (``host_overhead_ms``: the call's median less
+# its kernels' span): a fixed part, the smallest case's, and a part per routed row the process
+# checks (the four T' = 4,096 cases' median slope). Older runtimes measured 0.4–3.0 ms.
+HOST_CALL = Value(
+    0.945e-3,
+    "s",
+    "measured",
+    "bench/results/h200-2026-11-28-lease/a-perf.json: moonlight T' 128 (6,144 rows), host_overhead_ms 0.945",
+)
+HOST_PER_ROW = Value(
+    5.6e-9,
+    "s/row",
+    "measured",
+    "bench/results/h200-2026-11-28-lease/{a,b}-perf.json: host_overhead_ms 1.78–2.63 at 196,608 rows "
+    "(moonlight T' 4,096), 2.11 at 262,144 (qwen3_30b_a3b): 4.2–8.6 ns a row above the fixed part, median 5.6",
+)
+
+
+def host_seconds(rows: int) -> float:
+    """The host's time in one call of a process that checks ``rows`` routed rows (T'·K per
+    rank it runs): :data:`HOST_CALL` + :data:`HOST_PER_ROW` each."""
+    return HOST_CALL.value + HOST_PER_ROW.value * rows

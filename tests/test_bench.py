@@ -147,15 +147,45 @@ def test_the_committed_leases_are_one_table_the_model_is_held_against(tmp_path):
 def test_the_model_ranks_the_strategies_as_the_leases_measured():
     """For every committed record, case and kernel mode that timed two strategies or more, the
     cost model's fastest at the emulation's rates (W ranks on one GPU) is the measured fastest,
-    unless the measured two are within bench/model_error.py's TIE of each other."""
+    unless the measured two are within bench/model_error.py's TIE of each other, or the mode's
+    ranking is a named gap of the model (GAPS) that still holds."""
     from bench.calibration import load
-    from bench.model_error import rankings
+    from bench.model_error import GAPS, rankings
 
     ranked = rankings(load())
     decided = [k for k in ranked if not k["tie"]]
     assert len(decided) >= 13, ranked
     wrong = [(k["source"], k["case"], k["measured_ms"], k["predicted_ms"]) for k in decided if not k["agrees"]]
-    assert not wrong, wrong
+    unnamed = [
+        w
+        for w, k in zip(wrong, [k for k in decided if not k["agrees"]], strict=True)
+        if ("ranking", k["mode"]) not in GAPS
+    ]
+    assert not unnamed, unnamed
+    assert any(not k["agrees"] and k["mode"] == "split" for k in decided) == (("ranking", "split") in GAPS)
+    assert all(k["agrees"] for k in decided if k["mode"] == "unified")
+
+
+def test_the_model_replays_every_committed_case_within_its_bounds_or_names_the_gap():
+    """The newest record of every case and method, replayed: each stage's predicted span within
+    25 % of the measured one and the call within 20 %, or the comparison a gap the model names
+    (bench/model_error.py GAPS, with why); a named gap no comparison shows any more fails too,
+    so the table shrinks as the model learns. The bulk split forward (the fastest method every
+    lease measured) is held at moonlight's 4,096-token cases on every stage but the scan and
+    the returns."""
+    from bench.calibration import load
+    from bench.model_error import compare, current, replay
+
+    rows = current(load())
+    assert len(rows) < len(load())
+    verdicts = replay(compare(rows))
+    assert not verdicts["fails"], verdicts["fails"]
+    assert not verdicts["closed"], verdicts["closed"]
+    held = {(case, method, stage) for case, method, stage, _ in verdicts["holds"]}
+    for case in ("moonlight/4096/uniform", "moonlight/4096/zipf:1.2"):
+        for stage in ("route", "dispatch", "compute", "combine", "call"):
+            assert (case, "bulk split", stage) in held, (case, stage)
+    assert len(verdicts["holds"]) >= 30
 
 
 def test_schedule_auto_chooses_what_was_measured_fastest_on_the_emulation_and_overlap_on_a_node():

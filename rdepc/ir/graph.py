@@ -282,6 +282,18 @@ class Schedule:
     def exposed_max(self) -> float:
         return max(self.exposed, default=0.0)
 
+    def stage_spans(self) -> dict[str, float]:
+        """Per stage, seconds from its first task's predicted start to its last one's end over
+        every rank (tasks that take no time left out): what a profiled call measures
+        (runtime/profile.py, whose ``combine`` holds the unpacks too)."""
+        out: dict[str, tuple[float, float]] = {}
+        for t in self.graph.tasks:
+            s, e = self.start[t.id], self.end[t.id]
+            if e > s:
+                lo, hi = out.get(t.stage, (s, e))
+                out[t.stage] = (min(lo, s), max(hi, e))
+        return {k: hi - lo for k, (lo, hi) in out.items()}
+
 
 @dataclass(frozen=True, slots=True)
 class Buffer:
