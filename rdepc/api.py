@@ -192,4 +192,12 @@ def load(path: str | os.PathLike, layer: str | None = None, **overrides: int | f
     return Layer(spec, warnings)
 
 
-__all__ = ["Layer", "SpecError", "UsageError", "load", "parse"]
+def load_text(text: str, layer: str | None = None, file: str = "<string>", **overrides) -> Layer:
+    """:func:`load` of spec text rather than a file (``file`` names it in diagnostics)."""
+    module = parse_text(text, file)
+    clean = {k: _override_value(k, v) for k, v in overrides.items()}
+    spec, warnings = elaborate_layer(module, layer, clean)
+    return Layer(spec, warnings)
+
+
+__all__ = ["Layer", "SpecError", "UsageError", "load", "load_text", "parse"]

@@ -19,6 +19,7 @@ from rdepc.commands import common
 from rdepc.commands.cache import cmd_cache_clear, cmd_cache_info
 from rdepc.commands.check import cmd_check
 from rdepc.commands.compile import cmd_compile
+from rdepc.commands.from_hf import cmd_from_hf
 from rdepc.commands.plan import cmd_plan
 from rdepc.commands.run import cmd_run
 from rdepc.commands.tune import cmd_tune
@@ -191,6 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=8, metavar="N", help="with --png: at most N ranks (default: 8)")
     common.sampled_routing(p, "predict under one sampled routing (numpy, as plan's) instead of the expected one")
     p.set_defaults(func=cmd_viz)
+
+    p = sub.add_parser(
+        "from-hf",
+        help="write the spec of a transformers model's MoE blocks from its config",
+        description="Write the .rdep spec of every distinct MoE block of a transformers model, each value commented "
+        "with where it came from, from the model's config alone (offline: a checkpoint directory or its "
+        "config.json; the model is built on the meta device, no weight is read). Needs transformers.",
+    )
+    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG", help="a model directory holding config.json, or the file")
+    p.add_argument("--ranks", type=int, default=8, metavar="W", help="ranks the layer runs on (param W; default 8)")
+    p.add_argument(
+        "--tokens", type=int, default=4096, metavar="T", help="tokens per rank in one call (param T; default 4096)"
+    )
+    p.add_argument("-o", dest="out", metavar="FILE", help="write the spec to FILE (default: print it)")
+    p.set_defaults(func=cmd_from_hf)
 
     p = sub.add_parser(
         "cache",

@@ -1,7 +1,9 @@
 """Swap the sparse MoE blocks of a transformers model for ``RDEPMoE`` blocks, and back.
 
-    from rdepc.hf import swap, unswap
-    swap(model, "examples/mixtral_8x7b.rdep", W=1, T=512)   # -> the names of the blocks swapped
+    from rdepc.hf import spec_for, swap, unswap
+    swap(model, ranks=2, tokens=512)                         # the spec written from the blocks
+    swap(model, "examples/mixtral_8x7b.rdep", W=1, T=512)   # or one given, checked against them
+    print(spec_for(model, ranks=2, tokens=512))              # the spec swap writes
     unswap(model)                                            # transformers' own blocks again
 
 swap maps exactly the transformers (5.x) block classes of the table in
@@ -14,15 +16,17 @@ experts, and the shared experts, in an ``RDEPMoE`` that routes from the gate's l
 spec's ``router`` says. A block that returns its router's scores (GPT-OSS) or logits
 (Llama-4) beside its output still does.
 
-Refused, with a :class:`SwapError` naming the block's path, its class and the reason: a
-router the spec language cannot express (Ernie-4.5's clamped gate sum, a DeepSeek-V2
-``topk_method`` other than ``greedy`` and ``group_limited_greedy``), every other module with
-an ``experts`` submodule, any submodule, parameter, buffer or attribute of a mapped block
-outside the table's (a bias on a shared expert's projections, router jitter noise, experts
-with biases or in another layout), and a spec that disagrees with the block: its sizes,
+Refused, with a :class:`SwapError` naming the block's path, its class and the reason
+(:mod:`rdepc.hf_spec` reads the blocks): a router the spec language cannot express (a
+DeepSeek-V2 ``topk_method`` other than ``greedy`` and ``group_limited_greedy``), every other
+MoE block (the mapped families listed, a near twin named), any submodule, parameter, buffer
+or attribute of a mapped block outside the table's (a bias on a shared expert's projections,
+router jitter noise, experts with biases or in another layout), and a spec that disagrees with the block: its sizes,
 expert function, top-K, router or shared experts (``model.layers.0.mlp
 (MixtralSparseMoeBlock) has ffn 32, but layer 'm' (m.rdep) says 64``). A spec's capacity
 policy is its own: blocks are dropless, and a spec that may drop routes computes what it says.
+Last, before any block is replaced, each swapped block is run beside its original on a probe
+batch (:func:`probe`), and one whose output differs beyond its dtype's rounding is refused.
 
 Weights are copied once (the kernels read gate and up interleaved and ``w_down`` as
 [E, F, H]) and held in the block's dtype. An RDEPBlock's state dict presents the block's own
@@ -38,153 +42,48 @@ from __future__ import annotations
 
 import copy
 import operator
-from fractions import Fraction
 
 import torch
 from torch import nn
 
-from rdepc.api import Layer, UsageError, load
-from rdepc.hf_families import ANY, FAMILIES, SILU, Family, Part, router_terms
+from rdepc.api import Layer, load, load_text
+from rdepc.hf_families import FAMILIES, Family, router_terms
+from rdepc.hf_spec import SwapError, describe, expert_text, family_of, moe_blocks, shared_text, show, spec_for, written
 from rdepc.moe import RDEPMoE
 
 
-class SwapError(UsageError):
-    """A model block that rdepc.hf does not map, or that the spec does not describe."""
-
-
-# --------------------------------------------------------------------- finding and checking blocks
-def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, block) of every sparse MoE block: a module with an ``experts`` submodule, or of a
-    class in the table (those swap maps and those it refuses); not looked into further."""
-    found: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
-            continue
-        if type(m).__name__ in FAMILIES or isinstance(m._modules.get("experts"), nn.Module):
-            found.append((name, m))
-    return found
-
-
-def family_of(name: str, block: nn.Module) -> Family:
-    """The table's row for ``block`` (at ``name`` in its model), or a :class:`SwapError`."""
-    cls = type(block).__name__
-    if cls not in FAMILIES:
-        raise SwapError(
-            f"{name} ({cls}) has experts, but {cls} is not a block class rdepc.hf maps (rdepc.hf_families lists them)"
-        )
-    return FAMILIES[cls]
-
-
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 40 else type(v).__name__
-
-
-def _walk(where: str, m: nn.Module, part: Part, path: str = "") -> None:
-    """Refuse anything in ``m`` that ``part`` does not list, or whose value it fixes otherwise."""
-    cls = type(m).__name__
-    if part.classes is None:
-        return
-    if cls not in part.classes:
-        raise SwapError(
-            f"{where} has {path.rstrip('.')} of class {cls}, where rdepc.hf maps {' or '.join(part.classes)}"
-        )
-    for name, child in m._modules.items():
-        if name not in part.children:
-            raise SwapError(f"{where} has submodule {path}{name} ({type(child).__name__}), which rdepc.hf does not map")
-        if child is not None:
-            _walk(where, child, part.children[name], f"{path}{name}.")
-    for kind, have, known in (("parameter", m._parameters, part.params), ("buffer", m._buffers, part.buffers)):
-        for name, t in have.items():
-            if name not in known:
-                raise SwapError(f"{where} has {kind} {path}{name}, which rdepc.hf does not map")
-            if known[name] is None and t is not None:
-                raise SwapError(f"{where} has {kind} {path}{name}, which rdepc.hf maps only when it is None")
-    for name, v in vars(m).items():
-        if name.startswith("_") or name == "training" or name in part.children:
-            continue
-        if name not in part.attrs:
-            raise SwapError(f"{where} has attribute {path}{name} = {_short(v)}, which rdepc.hf does not map")
-        want = part.attrs[name]
-        if want is not ANY and v != want:
-            raise SwapError(f"{where} has {path}{name} = {_short(v)}, and rdepc.hf maps only {want!r}")
-
-
-def _show(v) -> str:
-    return f"{float(v):g}" if isinstance(v, Fraction) else str(v)  # a scale as the spec writes it
-
-
-def _shared_text(count: int, act: str, ffn: int, gate: str | None = None) -> str:
-    return f"{count} x {act}(ffn = {ffn})" + ("" if gate is None else f", gate {gate}")
-
-
-def _expert_text(act: str, limit=None, alpha=None, bias: bool = False) -> str:
-    """An expert function as a spec says it, less its width."""
-    params = "" if limit is None else f"(limit = {_show(limit)}, alpha = {_show(alpha)})"
-    return f"{act}{params}" + (", bias" if bias else "")
-
-
-def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, int, str]:
-    """(E, H, F, the expert function in spec terms) of a block's experts, in its family's layout."""
-    if fam.experts in ("gpt_oss", "llama4"):  # gate_up_proj [E, H, 2F], down_proj [E, F, H]
-        E, H, twoF = ex.gate_up_proj.shape
-        down, layout = (E, twoF // 2, H), "[E, F, H]"
-    else:
-        E, twoF, H = ex.gate_up_proj.shape
-        down, layout = (E, H, twoF // 2), "[E, H, F]"
-    if fam.experts == "gpt_oss":  # gate and up interleaved, biases
-        text = _expert_text("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), bias=True)
-    else:
-        act = type(ex.act_fn).__name__
-        text = "swiglu" if act in SILU else f"gated {act}"
-    if tuple(ex.down_proj.shape) != down:
-        raise SwapError(f"{where} has experts.down_proj {tuple(ex.down_proj.shape)}, not {layout} = {down}")
-    return E, H, twoF // 2, text
-
-
+# --------------------------------------------------------------------- checking a spec
 def _check(name: str, block: nn.Module, layer: Layer) -> Family:
     """The block's family, once its structure is the table's and the spec describes it."""
-    fam = family_of(name, block)
-    where = f"{name} ({type(block).__name__})"
-    _walk(where, block, fam.block)
+    f = describe(name, block)
+    where = f"{name} ({f.cls})"
     spec, sh = layer.spec, layer.shapes
-    gate = getattr(block, fam.gate)
-    E, H, F, expert = _experts_found(where, fam, block.experts)
-    rule = fam.router(gate)
-    if isinstance(rule, str):
-        raise SwapError(f"{where}: its router {type(gate).__name__} has {rule}")
-    found = {"hidden": H, "experts": E, "ffn": F, "top": gate.top_k, "expert": expert, "expert gate": fam.gate_on}
+    found = {"hidden": f.H, "experts": f.E, "ffn": f.F, "top": f.K, "expert": f.expert, "expert gate": f.gate_on}
     ef = spec.expert
     want = {"hidden": sh["H"], "experts": sh["E"], "ffn": sh["F"], "top": sh["K"], "expert gate": spec.gate_on}
-    want["expert"] = _expert_text(ef.act, ef.limit, ef.alpha, ef.bias)
+    want["expert"] = expert_text(ef.act, ef.limit, ef.alpha, ef.bias)
     r = spec.router
     spec_rule = router_terms(
         r.score, r.renormalize, r.bias, (r.groups, r.top_groups), r.scale, r.group_score, r.logit_bias, r.norm_min
     )
-    for k, v in rule.items():
+    for k, v in f.router.items():
         found[f"router {k}"], want[f"router {k}"] = v, spec_rule[k]
     for k in found:
         if found[k] != want[k]:
-            says = f"layer '{spec.name}' ({spec.file}) says {_show(want[k])}"
-            raise SwapError(f"{where} has {k} {_show(found[k])}, but {says}")
-    mlp = getattr(block, fam.shared) if fam.shared else None
-    gated = "sigmoid" if fam.shared_gate and getattr(block, fam.shared_gate) is not None else None
-    sp = spec.shared
-    says = None if sp is None else _shared_text(sp.count, sp.fn.act, int(sp.fn.F), sp.gate)
-    if mlp is None or sp is None:
-        if (mlp is None) != (sp is None):
-            has = None if mlp is None else _shared_text(1, "swiglu", mlp.gate_proj.weight.shape[0], gated)
+            says = f"layer '{spec.name}' ({spec.file}) says {show(want[k])}"
+            raise SwapError(f"{where} has {k} {show(found[k])}, but {says}")
+    sp, have = spec.shared, f.shared
+    says = None if sp is None else shared_text(sp.count, sp.fn.act, int(sp.fn.F), sp.gate)
+    if have is None or sp is None:
+        if (have is None) != (sp is None):
+            has = None if have is None else shared_text(1, have.act, have.ffn, have.gate)
             raise SwapError(f"{where} has shared {has}, but layer '{spec.name}' ({spec.file}) says {says}")
-    else:
-        Fs = mlp.gate_proj.weight.shape[0]
-        fn = type(getattr(mlp, "act_fn", None) or mlp.activation_fn).__name__  # Llama-4's: activation_fn
-        act = "swiglu" if fn in SILU else f"gated {fn}"
-        if (act, Fs, gated) != (sp.fn.act, sp.count * int(sp.fn.F), sp.gate):  # N experts of F_s/N each
-            raise SwapError(
-                f"{where} has shared {_shared_text(1, act, Fs, gated)}, but layer '{spec.name}' ({spec.file}) "
-                f"says {says}"
-            )
-    return fam
+    elif (have.act, have.ffn, have.gate) != (sp.fn.act, sp.count * int(sp.fn.F), sp.gate):  # N experts of F_s/N
+        raise SwapError(
+            f"{where} has shared {shared_text(1, have.act, have.ffn, have.gate)}, but layer '{spec.name}' "
+            f"({spec.file}) says {says}"
+        )
+    return FAMILIES[f.cls]
 
 
 # --------------------------------------------------------------------- the swapped block
@@ -380,25 +279,93 @@ def _forget_child_keys(module: RDEPBlock, incompatible) -> None:
 
 
 # --------------------------------------------------------------------- swap and unswap
-def swap(model: nn.Module, spec, *, layer: str | None = None, **options) -> list[str]:
-    """Replace every sparse MoE block of ``model`` with an :class:`RDEPBlock` built from
-    ``spec`` (a path or a :class:`Layer`; ``-D`` overrides as keywords, e.g.
-    ``T=512``). ``backend``, ``device``, ``schedule``, ``module_options`` go to ``RDEPMoE``;
-    the blocks are built on the device their weights are on unless ``device`` says otherwise.
-    Returns the names of the blocks replaced; raises :class:`SwapError`, before replacing any,
-    when there are none, or one is not in rdepc.hf's table, or the spec does not describe it."""
+# How far a swapped block's output on the probe may stray from transformers' block's, as a
+# share of the largest output value: several roundings of the dtype (the two sum the experts
+# in another order), far below what a wrong router or expert function gives (0.1 or more).
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def probe(name: str, block: nn.Module, swapped: RDEPBlock) -> None:
+    """Refuse ``swapped`` unless its output on a probe batch (W·min(T, 4) tokens drawn from a
+    fixed seed) is ``block``'s within :data:`PROBE_TOLERANCE`; nothing to probe on the meta
+    device."""
+    w = block.experts.gate_up_proj
+    if w.device.type == "meta":
+        return
+    n = swapped.moe.W * min(swapped.moe.T, 4)
+    x = torch.randn(1, n, swapped.moe.H, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    with torch.no_grad():
+        want, got = block(x), swapped(x)
+    want, got = (y[0] if isinstance(y, tuple) else y for y in (want, got))
+    scale = want.float().abs().max().item()
+    off = (got.float().reshape(want.shape) - want.float()).abs().max().item() / (scale or 1.0)
+    bound = PROBE_TOLERANCE.get(w.dtype, 1e-2)
+    if not off <= bound:  # NaN included
+        raise SwapError(
+            f"{name} ({type(block).__name__}): on a probe of {n} tokens the swapped block's output differs from "
+            f"transformers' by {off:.3g} of its largest value, beyond the {bound:g} {str(w.dtype)[6:]} allows: the "
+            "spec or the mapping computes something else (swap(..., verify=False) skips this check)"
+        )
+
+
+def register(block_class: str | type, family: Family, *, replace: bool = False) -> None:
+    """Map the transformers-style block class ``block_class`` (or its name) as ``family`` says
+    (:class:`rdepc.hf_families.Family`: the structure swap accepts, the router rule in spec
+    terms, the experts' layout): swap, spec_for and their checks and probe then treat it as
+    one of the table's. A class already mapped is refused unless ``replace``."""
+    name = block_class if isinstance(block_class, str) else block_class.__name__
+    if name in FAMILIES and not replace:
+        raise SwapError(f"{name} is mapped already (as {FAMILIES[name].name}): register(..., replace=True) remaps it")
+    if family.block.classes is None or name not in family.block.classes:
+        raise SwapError(f"register({name}): the family's block Part must list {name} among its classes")
+    FAMILIES[name] = family
+
+
+def swap(
+    model: nn.Module,
+    spec=None,
+    *,
+    layer: str | None = None,
+    ranks: int | None = None,
+    tokens: int | None = None,
+    verify: bool = True,
+    **options,
+) -> list[str]:
+    """Replace every sparse MoE block of ``model`` with an :class:`RDEPBlock`. ``spec`` (a
+    path or a :class:`Layer`) describes them, and each block is checked against it; without
+    one, :func:`spec_for` writes it from the blocks themselves (one layer per distinct block).
+    ``ranks`` and ``tokens`` set W and T (default 1 and 512 for a written spec); other
+    keywords are ``-D`` overrides of the spec's named parameters, but ``backend``, ``device``,
+    ``schedule`` and ``module_options``, which go to ``RDEPMoE``. The blocks are built on the
+    device their weights are on unless ``device`` says otherwise. Returns the names of the
+    blocks replaced; raises :class:`SwapError`, before replacing any, when there are none, or
+    one is not in rdepc.hf's table, or the spec does not describe it, or (``verify``, the
+    default) a swapped block's output on a probe batch is not the block's (:func:`probe`)."""
     moe_keys = ("backend", "device", "schedule", "module_options")
     moe_options = {k: options.pop(k) for k in moe_keys if k in options}
-    built = spec if isinstance(spec, Layer) else load(spec, layer, **options)
     blocks = moe_blocks(model)
     if not blocks:
         raise SwapError(f"{type(model).__name__} has no sparse MoE block (a module with 'experts')")
     if blocks[0][0] == "":
         raise SwapError(f"{type(model).__name__} is itself a sparse MoE block: swap the model (or a module) holding it")
-    families = [_check(name, block, built) for name, block in blocks]
-    for (name, block), fam in zip(blocks, families, strict=True):
+    if spec is None:
+        text, layer_of = written(model, ranks or 1, tokens or 512)
+        file = f"<rdepc.hf.spec_for({type(model).__name__})>"
+        built = {n: load_text(text, n, file, **options) for n in set(layer_of.values())}
+        layers = [built[layer_of[name]] for name, _ in blocks]
+    else:
+        options |= {k: v for k, v in (("W", ranks), ("T", tokens)) if v is not None}
+        one = spec if isinstance(spec, Layer) else load(spec, layer, **options)
+        layers = [one] * len(blocks)
+    families = [_check(name, block, built) for (name, block), built in zip(blocks, layers, strict=True)]
+    swapped = []
+    for (name, block), fam, built in zip(blocks, families, layers, strict=True):
         device = moe_options.get("device", block.experts.gate_up_proj.device)
-        _replace(model, name, RDEPBlock(block, built, fam, **{**moe_options, "device": device}))
+        swapped.append(RDEPBlock(block, built, fam, **{**moe_options, "device": device}))
+        if verify:
+            probe(name, block, swapped[-1])
+    for (name, _), new in zip(blocks, swapped, strict=True):  # none replaced before every one is verified
+        _replace(model, name, new)
     return [name for name, _ in blocks]
 
 
@@ -418,4 +385,16 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), attr, new)
 
 
-__all__ = ["FAMILIES", "Family", "RDEPBlock", "SwapError", "family_of", "moe_blocks", "swap", "unswap"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "RDEPBlock",
+    "SwapError",
+    "family_of",
+    "moe_blocks",
+    "probe",
+    "register",
+    "spec_for",
+    "swap",
+    "unswap",
+]

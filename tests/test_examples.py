@@ -60,9 +60,10 @@ def test_example_runs_and_checks_through_the_library_gemms(example, main):
     assert out.rstrip().endswith("check passed")
 
 
-def test_readme_language_block_is_the_moonlight_example():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## The language in brief\n\n```\n", 1)[1].split("```\n", 1)[0]
+def test_the_language_docs_in_brief_block_is_the_moonlight_example():
+    docs = (ROOT / "docs" / "language.md").read_text(encoding="utf-8")
+    assert "\n## In brief\n\n```\n" in docs, "docs/language.md lost its 'In brief' section"
+    block = docs.split("\n## In brief\n\n```\n", 1)[1].split("```\n", 1)[0]
     assert block == (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")
 
 

@@ -153,12 +153,13 @@ def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(fam.CASES))
-def test_every_family_is_swapped_with_equal_outputs_and_gradients(tmp_path, name):
+def test_every_family_is_swapped_with_equal_outputs_and_gradients(name):
+    """swap without a spec (rdepc.hf.spec_for writes it from the block) gives transformers'
+    outputs and gradients; the spec it writes is the hand-written one's layer (below)."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
     original = copy.deepcopy(holder.mlp)
-    spec = case_spec(tmp_path, case)
-    assert swap(holder, spec) == ["mlp"] and isinstance(holder.mlp, RDEPBlock)
+    assert swap(holder, ranks=2, tokens=8) == ["mlp"] and isinstance(holder.mlp, RDEPBlock)
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(2, 4, fam.H, generator=g), torch.randn(2, 4, fam.H, generator=g)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -190,6 +191,54 @@ def test_every_family_is_swapped_with_equal_outputs_and_gradients(tmp_path, name
     assert_close(xb.grad, xa.grad, reorder_bound(sigma["x"], chain, xa.grad), "x")
     for k in want:
         assert_close(got[k], want[k], reorder_bound(sigma[k], chain, want[k]), k)
+
+
+def _layer_terms(layer) -> tuple:
+    sp = layer.spec
+    shared = None if sp.shared is None else (sp.shared.fn.act, sp.shared.count * int(sp.shared.fn.F), sp.shared.gate)
+    e = sp.expert
+    return (layer.shapes, e.act, e.limit, e.alpha, e.bias, sp.gate_on, sp.router, shared, sp.precision.dtype)
+
+
+@pytest.mark.parametrize("name", list(fam.CASES))
+def test_the_written_spec_is_the_hand_written_ones_layer_with_its_sources(tmp_path, name):
+    """spec_for's text for each family's block loads to the layer of the spec a person wrote for
+    it (sizes, expert function, router, shared experts, dtype), and says where each value came
+    from; the hand-written spec is accepted by swap as before."""
+    case = fam.CASES[name]
+    holder = fam.block(transformers, case)
+    text = rdepc.hf.spec_for(holder, ranks=2, tokens=8)
+    written = rdepc.api.load_text(text)
+    hand = rdepc.load(case_spec(tmp_path, case))
+    assert _layer_terms(written) == _layer_terms(hand)
+    assert "# hidden: config.hidden_size" in text or "# hidden: experts.gate_up_proj" in text
+    assert text.count("\n  # ") == len([ln for ln in text.splitlines() if ln.startswith("  ") and "#" not in ln])
+    assert swap(holder, case_spec(tmp_path, case)) == ["mlp"]
+
+
+def test_a_model_with_two_kinds_of_block_gets_a_layer_each_and_its_model_statement(tmp_path):
+    """A model whose MoE blocks differ (here one block's experts resized) is written as one
+    layer per kind, each with its blocks listed and the model's layer count; swap without a
+    spec gives each block its own layer."""
+    model = mixtral()
+    layers = model.model.layers
+    text = rdepc.hf.spec_for(model, ranks=2, tokens=8)
+    assert "layer mixtral {" in text and "model    moe_layers 2, layers 2, vocab 64" in text
+    assert "# Mixtral (MixtralSparseMoeBlock): model.layers.0.mlp, model.layers.1.mlp" in text
+    layers[1].mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 32))
+    layers[1].mlp.experts.down_proj = torch.nn.Parameter(torch.randn(4, 32, 8))
+    layers[1].mlp.experts.intermediate_dim = 8
+    text = rdepc.hf.spec_for(model, ranks=2, tokens=8)
+    assert "layer mixtral_1 {" in text and "layer mixtral_2 {" in text and "ffn = 8" in text
+    assert swap(model, ranks=2, tokens=8) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert [b.moe.F for b in (layers[0].mlp, layers[1].mlp)] == [32, 8]
+
+
+def test_spec_for_refuses_what_it_cannot_write_by_name():
+    with pytest.raises(rdepc.UsageError, match=r"^spec_for needs ranks and tokens of at least 1, got ranks=0"):
+        rdepc.hf.spec_for(mixtral(), ranks=0)
+    with pytest.raises(SwapError, match="Linear has no sparse MoE block"):
+        rdepc.hf.spec_for(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize(
@@ -528,3 +577,108 @@ def test_ernies_gate_floor_is_the_specs_norm_min_where_the_bias_makes_it_bind(tm
     twin = float64_twin(original)
     sigma = spread(lambda x, state: torch.func.functional_call(twin, state, (x,)), (x, state_of(original)))[0]
     assert_close(got, want, reorder_bound(sigma, moe_chain(fam.H, case.F, case.K, case.E), want), "y")
+
+
+def test_from_hf_writes_the_spec_of_a_checkpoint_directory_offline(tmp_path, main):
+    """rdepc from-hf reads only a model's config (saved here, no weights), builds the model on
+    the meta device and writes its MoE blocks' spec: dense first layers counted out of the
+    model statement, the config's dtype kept, the result a spec rdepc check accepts."""
+    cfg = transformers.DeepseekV3Config(
+        **(SMALL | {"num_hidden_layers": 4, "num_key_value_heads": 4}), intermediate_size=64, moe_intermediate_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, dtype="bfloat16",
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path / "dsv3")
+    out = tmp_path / "dsv3.rdep"
+    status, said, err = main("from-hf", str(tmp_path / "dsv3" / "config.json"), "--ranks", "2", "-o", str(out))
+    assert status == 0, err
+    assert said == f"wrote {out}\n"
+    text = out.read_text()
+    assert "router   sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5" in text
+    assert "model    moe_layers 3, layers 4, vocab 64" in text and "dtype    bf16" in text
+    layer = rdepc.load(out)
+    assert layer.shapes["W"] == 2 and layer.shapes["T"] == 4096 and layer.shapes["E"] == 8
+    status, said, _ = main("check", str(out))
+    assert status == 0 and "layer deepseek_v3: ok" in said
+    for bad, message in (
+        (tmp_path / "nowhere", "nowhere: no such file or directory (a model directory or its config.json)"),
+        (tmp_path, f"{tmp_path} has no config.json"),
+        (out, "dsv3.rdep: give a model directory or its config.json"),
+    ):
+        status, _, err = main("from-hf", str(bad))
+        assert status == 2 and message in err, err
+
+
+class MyMixtral(transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock):
+    """A user's own block: Mixtral's, under another class name."""
+
+
+def my_mixtral_holder():
+    holder = fam.block(transformers, fam.CASES["mixtral"])
+    holder.mlp.__class__ = MyMixtral
+    return holder
+
+
+@pytest.fixture
+def families():
+    """rdepc.hf_families.FAMILIES, as it was again after the test."""
+    from rdepc.hf_families import FAMILIES
+
+    before = dict(FAMILIES)
+    yield FAMILIES
+    FAMILIES.clear()
+    FAMILIES.update(before)
+
+
+def test_a_registered_block_is_swapped_and_a_mapping_that_computes_otherwise_is_refused_by_the_probe(families):
+    """register() maps a user's block class; swap checks it as any other and runs the probe:
+    a mapping whose router rule is not the block's (softmax without renormalize for Mixtral's
+    renormalised top-2) passes the structural checks, and the probe refuses it with the figure;
+    verify=False skips the probe (and so swaps it, wrongly: which is why it is on by default)."""
+    from rdepc.hf_families import router_terms
+
+    mixtral_family = families["MixtralSparseMoeBlock"]
+    part = dataclasses.replace(mixtral_family.block, classes=("MyMixtral",))
+    wrong = dataclasses.replace(mixtral_family, block=part, router=lambda gate: router_terms("softmax", False))
+    rdepc.hf.register(MyMixtral, wrong)
+    with pytest.raises(SwapError) as err:
+        swap(my_mixtral_holder(), ranks=2, tokens=8)
+    assert str(err.value).startswith("mlp (MyMixtral): on a probe of 8 tokens the swapped block's output differs")
+    assert "beyond the 0.0001 float32 allows" in str(err.value)
+    assert swap(my_mixtral_holder(), ranks=2, tokens=8, verify=False) == ["mlp"]
+    with pytest.raises(SwapError, match="MyMixtral is mapped already"):
+        rdepc.hf.register(MyMixtral, wrong)
+    rdepc.hf.register("MyMixtral", dataclasses.replace(mixtral_family, block=part), replace=True)
+    holder = my_mixtral_holder()
+    original = copy.deepcopy(holder.mlp)
+    assert swap(holder, ranks=2, tokens=8) == ["mlp"]
+    x = torch.randn(2, 4, fam.H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert_close(holder.mlp(x), original(x), 1e-5 * original(x).abs().max(), "y")
+    with pytest.raises(SwapError, match=r"register\(Other\): the family's block Part must list Other"):
+        rdepc.hf.register("Other", mixtral_family)
+
+
+def _small_model(config: str, **kw):
+    torch.manual_seed(0)
+    return getattr(transformers, config.replace("Config", "ForCausalLM"))(getattr(transformers, config)(**SMALL, **kw))
+
+
+def test_refusals_name_the_moe_block_list_the_mapped_families_and_a_near_twin(families):
+    """A block swap does not map is refused naming it (JetMoE's JetMoeMoE, not the attention
+    whose mixture of heads is called experts), with the mapped families listed and, for a
+    block that routes like a mapped one (MiniMax: Mixtral), that twin named; a class aliased
+    in the table without its Part says which class it maps, not a garbled path."""
+    jet = _small_model("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    with pytest.raises(SwapError) as err:
+        swap(jet, ranks=2, tokens=8)
+    said = str(err.value)
+    assert said.startswith("model.layers.0.mlp (JetMoeMoE) has experts, but JetMoeMoE is not a block class"), said
+    assert "Mapped: Mixtral (MixtralSparseMoeBlock), Qwen3-MoE (Qwen3MoeSparseMoeBlock)" in said
+    minimax = _small_model("MiniMaxConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    with pytest.raises(SwapError, match=r"it routes like Mixtral \(MixtralSparseMoeBlock\), which is mapped"):
+        rdepc.hf.spec_for(minimax)
+    families["MiniMaxSparseMoeBlock"] = families["MixtralSparseMoeBlock"]
+    with pytest.raises(SwapError) as err:
+        swap(minimax, ranks=2, tokens=8)
+    assert "has the block of class MiniMaxSparseMoeBlock, where rdepc.hf maps MixtralSparseMoeBlock" in str(err.value)
