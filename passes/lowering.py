@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rdepc.passes.hardware import GEMM_EFFICIENCY
 
-from rdepc.diagnostics import UsageError
+from rdepc.diagnostics import UsageError, layer_prefix
 from rdepc.ir.graph import Schedule
 from rdepc.ir.lowering import ASKED, GEMM_LOWERINGS, library_refusals
 from rdepc.ir.spec import LayerSpec
@@ -65,7 +65,7 @@ def decide(spec: LayerSpec, strategy: str, given: str | None, predict: Callable[
     else:
         chosen, source = None, ""
     if chosen == "library" and why_not:  # the spec's own request is refused at check time
-        raise UsageError(f"rdepc layer {spec.name}: the library GEMM lowering cannot run it: {'; '.join(why_not)}")
+        raise UsageError(f"{layer_prefix(spec.name)}: the library GEMM lowering cannot run it: {'; '.join(why_not)}")
     if chosen is not None:
         return Lowering(chosen, source)
     if why_not:

@@ -40,7 +40,7 @@ from rdepc.passes.cost import Split, best_split, cost_model, durations
 from rdepc.passes.graph import STRATEGIES, build_graph, candidates
 from rdepc.passes.order import BALANCE_ORDERS, LATE_PUSHES, ORDERS, Timeline, priority, timeline, topo_order
 
-from rdepc.diagnostics import SpecError, UsageError
+from rdepc.diagnostics import SpecError, UsageError, layer_prefix
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
@@ -382,7 +382,7 @@ def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
         return fixed
     if fixed[0] not in (None, "bulk") and (strategy not in (None, "auto") or gemm != "library"):
         raise UsageError(
-            f"rdepc layer {spec.name}: the library GEMM lowering ({asked}) runs bulk schedules, not {fixed[0]} "
+            f"{layer_prefix(spec.name)}: the library GEMM lowering ({asked}) runs bulk schedules, not {fixed[0]} "
             f"({fixed[1]})"
         )
     if fixed[0] == "bulk":

@@ -8,6 +8,7 @@ from __future__ import annotations
 from rdepc.passes.graph import fewest_tasks, too_many_tasks
 from rdepc.passes.statements import ranges
 
+from rdepc.diagnostics import owning
 from rdepc.ir import sizes
 from rdepc.ir.graph import MAX_TASKS
 from rdepc.ir.lowering import library_refusals
@@ -67,7 +68,8 @@ class Checks:
         elif spec.ownership.policy == "balanced" and E % W:
             hi, lo = max(per), min(per)
             d.note(
-                f"non-uniform ownership: {per.count(hi)} ranks own {hi} experts and {per.count(lo)} own {lo}"
+                f"non-uniform ownership: {owning(per.count(hi), f'{hi} experts')} and "
+                f"{per.count(lo)} {'owns' if per.count(lo) == 1 else 'own'} {lo}"
                 f" ({hi / lo:.3g}x owner-load asymmetry under equal per-expert traffic)",
                 spec.span_of("owner") if "owner" in dict(spec.spans) else spec.span_of("shape.experts"),
             )

@@ -130,3 +130,13 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     if choices and len(choices) <= 12:
         return "expected one of: " + ", ".join(f"'{c}'" for c in choices)
     return None
+
+
+def layer_prefix(layer: str) -> str:
+    """How every error raised while a layer is built or run names it: ``rdepc layer NAME``."""
+    return f"rdepc layer {layer}"
+
+
+def owning(ranks: int, what: str | int) -> str:
+    """``N ranks own WHAT``, in the singular for one rank."""
+    return f"1 rank owns {what}" if ranks == 1 else f"{ranks} ranks own {what}"

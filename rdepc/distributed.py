@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rdepc.checkpoint import EXPERT_PARAMS
-from rdepc.diagnostics import UsageError
+from rdepc.diagnostics import UsageError, layer_prefix
 from rdepc.runtime.transport import get as get_transport
 
 # An RDEPMoE's expert parameters, by attribute name (a gated expert's w_up is a view of w_gate_up),
@@ -143,7 +143,7 @@ def _check_world(model: nn.Module, size: int, what: str) -> None:
     for m in model.modules():
         if is_per_rank(m) and size != m.W:
             raise UsageError(
-                f"rdepc layer '{m.layer.spec.name}' has W = {m.W} ranks, but {what} runs over {size}: "
+                f"{layer_prefix(m.layer.spec.name)} has W = {m.W} ranks, but {what} runs over {size}: "
                 f"its experts' gradients sum over the W ranks' tokens, so data parallelism must run over those ranks"
             )
 
@@ -202,7 +202,7 @@ def check_experts(moe: nn.Module) -> None:
     sharded = [n for n in EXPERT_WEIGHTS if isinstance(moe._parameters.get(n), DTensor)]
     if sharded:
         raise UsageError(
-            f"fully_shard sharded {', '.join(sharded)} of rdepc layer '{moe.layer.spec.name}', its per-rank experts "
+            f"fully_shard sharded {', '.join(sharded)} of {layer_prefix(moe.layer.spec.name)}, its per-rank experts "
             f"(each rank holds its own): {FIX_FSDP}"
         )
 
@@ -216,7 +216,7 @@ def _check_ddp(ddp) -> None:
             if m._parameters.get(pname) is None:
                 continue
             name = f"{mname}.{pname}" if mname else pname
-            what = f"{name}, per-rank experts of rdepc layer '{m.layer.spec.name}' (each rank holds its own)"
+            what = f"{name}, per-rank experts of {layer_prefix(m.layer.spec.name)} (each rank holds its own)"
             if name not in ignore:  # the construction's name
                 raise UsageError(
                     f"DistributedDataParallel covers {what}, as if replicated: it copies rank 0's over the other "
@@ -234,7 +234,7 @@ def _check_ddp(ddp) -> None:
 def _check_scaled(moe: nn.Module, wrapper: str) -> None:
     if any(p not in _scaled for p in _experts_of(moe)):
         raise UsageError(
-            f"the per-rank expert gradients of rdepc layer '{moe.layer.spec.name}' are not divided by the world "
+            f"the per-rank expert gradients of {layer_prefix(moe.layer.spec.name)} are not divided by the world "
             f"size, as {wrapper}'s mean over ranks needs: call rdepc.distributed.scale_expert_grads(model) "
             f"(rdepc.distributed.data_parallel and fully_shard do)"
         )

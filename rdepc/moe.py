@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F_
 
+from rdepc.diagnostics import layer_prefix
 from rdepc.reference import expert_fn
 from rdepc.runtime import router as R
 from rdepc.runtime.inputs import dense
@@ -163,7 +164,7 @@ class RDEPMoE(nn.Module):
         where = self.w_down.device
         if where.type == "meta":
             raise RuntimeError(
-                f"layer '{self.layer.spec.name}': its parameters are on the meta device: "
+                f"{layer_prefix(self.layer.spec.name)}: its parameters are on the meta device: "
                 "call to_empty(device=...) and reset_parameters() first"
             )
         return where
@@ -210,7 +211,7 @@ class RDEPMoE(nn.Module):
         spec's router; from ``logits`` instead of ``x · routerᵀ (+ router_logit_bias)`` when
         given, with ``router_bias`` instead of this block's when given."""
         if logits is None and self.router is None:
-            raise ValueError(f"layer '{self.layer.spec.name}' has no router weight of its own: pass logits=")
+            raise ValueError(f"{layer_prefix(self.layer.spec.name)} has no router weight of its own: pass logits=")
         bias = self.router_bias if router_bias is None else router_bias
         return R.route(x, self.router, self.layer.spec.router, self.K, bias, logits, self.router_logit_bias)
 
@@ -282,7 +283,7 @@ class RDEPMoE(nn.Module):
         """``x`` as the kernels take it — [W, T', H] in one process, a rank's [T', H] per
         rank — the number of tokens it was padded from (None when it was not), and the
         tokens each rank brings (``tokens``, or those of the padding)."""
-        name = f"layer '{self.layer.spec.name}'"
+        name = layer_prefix(self.layer.spec.name)
         dense(name, "x", x)
         if not x.dtype.is_floating_point:  # token ids or a mask by mistake: never cast them silently
             raise TypeError(f"{name}: x must be a floating-point tensor (cast to {self.dtype}), got {x.dtype}")
@@ -325,14 +326,16 @@ class RDEPMoE(nn.Module):
         """``mask`` checked: x's shape without H, on x's device."""
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape[:-1]):
             got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"layer '{self.layer.spec.name}': mask must be shaped {tuple(shape[:-1])}, got {got}")
+            raise ValueError(
+                f"{layer_prefix(self.layer.spec.name)}: mask must be shaped {tuple(shape[:-1])}, got {got}"
+            )
         if mask.device != x.device:
-            raise ValueError(f"layer '{self.layer.spec.name}': mask is on {mask.device}, x on {x.device}")
+            raise ValueError(f"{layer_prefix(self.layer.spec.name)}: mask is on {mask.device}, x on {x.device}")
         return mask.bool()
 
     def _logits(self, logits, shape) -> torch.Tensor:
         """The given router ``logits`` checked: x's shape with E for H, on x's device."""
-        name = f"layer '{self.layer.spec.name}'"
+        name = layer_prefix(self.layer.spec.name)
         want = (*shape[:-1], self.E)
         dense(name, "logits", logits)
         if not logits.dtype.is_floating_point:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rdepc.diagnostics import owning
 from rdepc.ir.sizes import BM
 from rdepc.passes.memplan import BACKWARD_REGIONS
 from rdepc.passes.plan_records import Plan, SymmetricPlan
@@ -130,7 +131,7 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     add("Pooling (uniform independent routing, DP = W)")
     asym = "unbounded (a rank owns no expert)" if math.isinf(po.asymmetry.value) else fmt(po.asymmetry)
     per_owner = sorted(set(po.experts_per_owner), reverse=True)
-    counts = ", ".join(f"{po.experts_per_owner.count(k)} ranks own {k}" for k in per_owner)
+    counts = ", ".join(owning(po.experts_per_owner.count(k), k) for k in per_owner)
     rows = _fig_rows(
         [
             ("mu, mean rows per expert", po.mu),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rdepc.diagnostics import layer_prefix
 from rdepc.ir.contract import KernelContract
 
 
@@ -107,7 +108,7 @@ def brought_tokens(
     ranks = 1 if per_rank else p.W
     if tokens is None:
         return torch.full((ranks,), Tn, dtype=torch.int64, device=device), None
-    name = f"rdepc layer {p.layer}"
+    name = layer_prefix(p.layer)
     if per_rank:
         raise ValueError(f"{name}: tokens= is for the one-process backend; each rank passes its own T' tokens")
     if isinstance(tokens, torch.Tensor):

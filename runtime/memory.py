@@ -9,7 +9,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from rdepc.diagnostics import UsageError
+from rdepc.diagnostics import UsageError, layer_prefix
 
 if TYPE_CHECKING:
     from rdepc.ir.contract import KernelContract
@@ -130,7 +130,7 @@ def check_fits(
     message = None
     span = heap_span(p, slices, inference) if heap else 0
     if room is not None and span + private > room[0]:
-        name = f"rdepc layer {p.layer}" + (f" (rank {rank} of {p.W})" if rank is not None else "")
+        name = layer_prefix(p.layer) + (f" (rank {rank} of {p.W})" if rank is not None else "")
         if heap:
             message = f"{name}: {heap_shortfall(p, slices, private, room[1], inference)}"
         else:  # the heap is another module's

@@ -86,6 +86,7 @@ from rdepc.runtime.records import KernelError, input_error, kernel_error
 from rdepc.runtime.stats import Readback, call_stats
 from rdepc.runtime.tensors import TORCH_DTYPES, aligned, gemm1_operand
 
+from rdepc.diagnostics import layer_prefix
 from rdepc.ir.balance import plan_elems
 from rdepc.ir.contract import (
     COLUMNS,
@@ -493,7 +494,7 @@ class RDEPModule:
     def _name(self) -> str:
         """The layer as errors name it: per rank, with this process's rank."""
         c = self.contract
-        return f"rdepc layer {c.layer}" + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
+        return layer_prefix(c.layer) + (f" (rank {self.rank} of {c.W})" if self.per_rank else "")
 
     def _check(self, x, topk_ids, topk_weights, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> None:
         p = self.contract

@@ -17,6 +17,7 @@ host (at once under the interpreter; on a GPU when the copy it queued has landed
 
 from __future__ import annotations
 
+from rdepc.diagnostics import layer_prefix
 from rdepc.ir.contract import COLUMNS, CONTROL, ERRORS, KernelContract
 
 AT = {name: i for i, name in enumerate(CONTROL)}
@@ -100,7 +101,7 @@ def kernel_error(
                 "did not run at once (another kernel held the GPU's SMs, or the GEMM kernel was held back)"
             )
     kernel = "backward" if backward else "forward"
-    return KernelError(f"rdepc layer {p.layer}: the {kernel} kernel stopped in call {epoch}: {what}", record)
+    return KernelError(f"{layer_prefix(p.layer)}: the {kernel} kernel stopped in call {epoch}: {what}", record)
 
 
 def input_error(
@@ -113,31 +114,35 @@ def input_error(
     p = contract
     TK = p.T * p.K
 
-    def first(kind: str) -> tuple[int, int, int, tuple]:
+    def first(kind: str) -> tuple[str, int, tuple]:
+        """Where the first offender is: its token as the call's layout names it (one process:
+        rank and token, and its place among the call's tokens, rank by rank, as a flat [N, H]
+        input was split), its slot, its index into ``ids``."""
         idx = p.W * TK - words[AT[f"{kind}_at"]]
         r, t, k = idx // TK, idx % TK // p.K, idx % p.K
-        at = (t,) if per_rank else (r, t)
-        return r, t, k, at
+        if per_rank:
+            return f"token {t}", k, (t,)
+        return f"rank {r} token {t} (token {r * ids.shape[-2] + t} in order)", k, (r, t)
 
     why = []
     if n := words[AT["bad_ids"]]:
-        r, t, k, at = first("bad_ids")
+        token, k, at = first("bad_ids")
         v = int(ids[(*at, k)])
         why.append(
-            f"expert ids must lie in [0, {p.E}) or be -1 (no expert): {n} route rows out of range, the first rank {r} "
-            f"token {t} slot {k} (id {v})"
+            f"expert ids must lie in [0, {p.E}) or be -1 (no expert): {n} route rows out of range, the first {token} "
+            f"slot {k} (id {v})"
         )
     if n := words[AT["dup_tokens"]]:
-        r, t, _, at = first("dup_tokens")
+        token, _, at = first("dup_tokens")
         row = [int(v) for v in ids[at].tolist()]
         why.append(
-            f"{n} tokens list one expert twice in their top-K, the first rank {r} token {t} (experts {row}); the plan "
+            f"{n} tokens list one expert twice in their top-K, the first {token} (experts {row}); the plan "
             "bounds an owner's rows by W*T*min(K, E_loc), which holds for distinct top-K experts"
         )
     if n := words[AT["bad_gates"]]:
-        r, t, k, at = first("bad_gates")
+        token, k, at = first("bad_gates")
         v = float(gates[(*at, k)])
-        where = f"the first rank {r} token {t} slot {k} ({v})"
+        where = f"the first {token} slot {k} ({v})"
         if gates_from is None:
             why.append(f"topk_weights has {n} non-finite gates (NaN or inf), {where}")
         else:

@@ -342,17 +342,17 @@ def moe():
 def test_rdepmoe_refuses_bad_x_in_one_line(moe, case):
     x = torch.randn(W, TOKENS, H)
     bad, error, message = {
-        "list": (x.tolist(), TypeError, r"layer 'small': x must be a torch\.Tensor, got list"),
-        "numpy": (x.numpy(), TypeError, r"layer 'small': x must be a torch\.Tensor, got ndarray"),
-        "None": (None, TypeError, r"layer 'small': x must be a torch\.Tensor, got NoneType"),
-        "int": (x.long(), TypeError, r"layer 'small': x must be a floating-point tensor .*, got torch\.int64"),
-        "bool": (x > 0, TypeError, r"layer 'small': x must be a floating-point tensor .*, got torch\.bool"),
-        "complex": (x.to(torch.complex64), TypeError, r"layer 'small': x must be a floating-point tensor"),
-        "sparse": (x.to_sparse(), TypeError, r"layer 'small': x must be a dense \(strided\) tensor"),
-        "meta": (x.to("meta"), ValueError, r"layer 'small': x is on meta, the block on cpu"),
-        "rank 1": (x[0, 0], ValueError, r"layer 'small': x must be \[\.\.\., H\] with H=32, got \(32,\)"),
-        "N": (torch.randn(3, 6, H), ValueError, r"layer 'small': x has 18 tokens, more than the 2 ranks x T=8"),
-        "H": (x[..., :-1], ValueError, r"x has hidden size 31, but layer 'small' has 32"),
+        "list": (x.tolist(), TypeError, r"rdepc layer small: x must be a torch\.Tensor, got list"),
+        "numpy": (x.numpy(), TypeError, r"rdepc layer small: x must be a torch\.Tensor, got ndarray"),
+        "None": (None, TypeError, r"rdepc layer small: x must be a torch\.Tensor, got NoneType"),
+        "int": (x.long(), TypeError, r"rdepc layer small: x must be a floating-point tensor .*, got torch\.int64"),
+        "bool": (x > 0, TypeError, r"rdepc layer small: x must be a floating-point tensor .*, got torch\.bool"),
+        "complex": (x.to(torch.complex64), TypeError, r"rdepc layer small: x must be a floating-point tensor"),
+        "sparse": (x.to_sparse(), TypeError, r"rdepc layer small: x must be a dense \(strided\) tensor"),
+        "meta": (x.to("meta"), ValueError, r"rdepc layer small: x is on meta, the block on cpu"),
+        "rank 1": (x[0, 0], ValueError, r"rdepc layer small: x must be \[\.\.\., H\] with H=32, got \(32,\)"),
+        "N": (torch.randn(3, 6, H), ValueError, r"rdepc layer small: x has 18 tokens, more than the 2 ranks x T=8"),
+        "H": (x[..., :-1], ValueError, r"x has hidden size 31, but rdepc layer small has 32"),
         "T": (torch.randn(W, T + 1, H), ValueError, r"rdepc layer small: x has T'=9 tokens per rank, more than"),
     }[case]
     before = moe.kernels.launcher.launches
@@ -364,11 +364,11 @@ def test_rdepmoe_refuses_bad_x_in_one_line(moe, case):
 
 def test_rdepmoe_refuses_bad_logits(moe):
     x = torch.randn(W, TOKENS, H)
-    with pytest.raises(ValueError, match=r"^layer 'small': logits must be \[2, 6, 4\] \(x's shape, E=4 for H\)"):
+    with pytest.raises(ValueError, match=r"^rdepc layer small: logits must be \[2, 6, 4\] \(x's shape, E=4 for H\)"):
         moe(x, logits=torch.randn(W, TOKENS, E - 1))
-    with pytest.raises(TypeError, match=r"^layer 'small': logits must be a torch\.Tensor, got list$"):
+    with pytest.raises(TypeError, match=r"^rdepc layer small: logits must be a torch\.Tensor, got list$"):
         moe(x, logits=[0.0] * E)
-    with pytest.raises(TypeError, match=r"^layer 'small': logits must be a floating-point tensor"):
+    with pytest.raises(TypeError, match=r"^rdepc layer small: logits must be a floating-point tensor"):
         moe(x, logits=torch.zeros(W, TOKENS, E, dtype=torch.long))
 
 
@@ -388,11 +388,22 @@ def test_rdepmoe_a_non_finite_token_is_a_non_finite_gate_error(moe, bad):
     with pytest.raises(ValueError) as info:
         moe(x, logits=logits)
     assert re.match(
-        r"rdepc layer small: 2 non-finite gates \(NaN or inf\), the first rank 1 token 2 slot 0 \(nan\), from the "
+        r"rdepc layer small: 2 non-finite gates \(NaN or inf\), the first rank 1 token 2 \(token 8 in order\) slot 0 "
+        r"\(nan\), from the "
         r"router: x, the router weight or the logits given hold NaN or inf for that token$",
         one_line(info.value),
     ), str(info.value)
     moe(torch.randn(W, TOKENS, H))  # and the next call runs clean
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: NaN arithmetic
+def test_rdepmoe_names_a_flat_inputs_token_by_its_place_in_x(moe):
+    """A flat [N, H] input is split over the W ranks in order: its token 7 is rank 1's token 1
+    (T' = 6 here), and the error names both."""
+    x = torch.randn(W * TOKENS, H, generator=torch.Generator().manual_seed(1))
+    x[7, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the first rank 1 token 1 \(token 7 in order\) slot 0 \(nan\)"):
+        moe(x)
 
 
 def test_rdepmoe_a_padding_token_may_hold_anything(moe):

@@ -431,3 +431,12 @@ def test_check_notes_what_compile_does_not_implement(main, tmp_path, monkeypatch
     assert err.startswith(f"{spec}:4:23: note: not supported yet: dedup of rows a token sends to one rank")
     status, _, err = main("compile", str(spec), "-o", str(tmp_path / "out"))
     assert status == 1 and err.startswith(f"{spec}:4:23: error: not supported yet: dedup of rows a token sends")
+
+
+def test_one_owning_rank_is_said_in_the_singular(main):
+    """'1 rank owns 8', never '1 ranks own 8': in the plan's pooling table and the ownership note."""
+    status, out, _ = main("plan", "examples/tiny.rdep", "-D", "W=1")
+    assert status == 0 and "1 rank owns 8" in out and "1 ranks" not in out
+    from rdepc.diagnostics import owning
+
+    assert (owning(1, "2 experts"), owning(3, 1)) == ("1 rank owns 2 experts", "3 ranks own 1")

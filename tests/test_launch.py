@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -51,6 +52,15 @@ def tile_dot(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
     x = tl.load(a + m[:, None] * K + k[None, :])
     y = tl.load(b + k[:, None] * N + n[None, :])
     tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+
+@triton.jit
+def tile_dot_acc(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    x = tl.load(a + m[:, None] * K + k[None, :])
+    y = tl.load(b + k[:, None] * N + n[None, :])
+    acc = tl.load(c + m[:, None] * N + n[None, :])
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y, acc))
 """
 
 
@@ -108,6 +118,19 @@ def test_a_dots_row_does_not_depend_on_its_place_in_the_tile(kernels, launch):
         launch(True)([(kernels.tile_dot, (1,), (x, b, out), {"M": 32, "K": 64, "N": 32})])
     assert torch.equal(shuffled, c[order])
     assert_close(c, a @ b, bound(torch.matmul, (a, b), 64 + 1), "c")  # a dot product over K = 64
+
+
+@pytest.mark.parametrize("launch", [Launcher, ConcurrentInterpreter])
+def test_a_dot_over_rows_that_overflow_warns_nothing_and_gives_inf(kernels, launch):
+    """A tile's masked rows hold whatever their buffer held: accumulated over K, their sums may
+    overflow fp32 (here 64 · 4.7e36 onto 3e38), silently (numpy would warn in the middle of a
+    training loop); a row that overflows is inf in the result, where the caller sees it."""
+    a, b = torch.ones(32, 64), torch.full((64, 32), 4.7e36)
+    c = torch.full((32, 32), 3e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch(True)([(kernels.tile_dot_acc, (1,), (a, b, c), {"M": 32, "K": 64, "N": 32})])
+    assert torch.isinf(c).all()
 
 
 def test_a_native_build_is_prepared_once_and_launched_by_the_launcher():

@@ -174,7 +174,7 @@ def test_a_mask_on_flat_tokens_and_its_errors():
     with torch.no_grad():
         y = moe(x, mask=mask)
     assert y.shape == (24, 32) and not y[~mask].any() and y[mask].abs().min() > 0
-    with pytest.raises(ValueError, match=r"layer 'pad': mask must be shaped \(24,\), got \(3, 8\)"):
+    with pytest.raises(ValueError, match=r"rdepc layer pad: mask must be shaped \(24,\), got \(3, 8\)"):
         moe(x, mask=mask.reshape(3, 8))
 
 

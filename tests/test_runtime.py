@@ -364,23 +364,27 @@ def _bad(name: str, inputs):
             ids[3, 1, 0] = -1  # routes nowhere: no error
             return (x, ids, g, wg, wu, wd), (
                 r"expert ids must lie in \[0, 8\) or be -1 \(no expert\): 2 route rows out of range, the first rank 2 "
-                r"token 5 slot 1 \(id 8\)"
+                r"token 5 \(token 37 in order\) slot 1 \(id 8\)"
             )
         case "duplicate expert":
             return (x, ids[..., :1].expand(-1, -1, 2), g, wg, wu, wd), (
-                r"64 tokens list one expert twice in their top-K, the first rank 0 token 0 \(experts \[(\d), \1\]\)"
+                r"64 tokens list one expert twice in their top-K, the first rank 0 token 0 \(token 0 in order\) "
+                r"\(experts \[(\d), \1\]\)"
             )
         case "NaN gate":
             g = g.clone()
             g[1, 2, 0] = float("nan")
             return (x, ids, g, wg, wu, wd), (
-                r"topk_weights has 1 non-finite gates \(NaN or inf\), the first rank 1 token 2 slot 0 \(nan\)"
+                r"topk_weights has 1 non-finite gates \(NaN or inf\), the first rank 1 token 2 \(token 18 in order\) "
+                r"slot 0 \(nan\)"
             )
         case "inf gate":
             g = g.clone()
             g[3, 7, 1] = float("-inf")
             g[2, 9, 0] = float("inf")
-            return (x, ids, g, wg, wu, wd), r"2 non-finite gates \(NaN or inf\), the first rank 2 token 9 slot 0 \(inf"
+            return (x, ids, g, wg, wu, wd), (
+                r"2 non-finite gates \(NaN or inf\), the first rank 2 token 9 \(token 41 in order\) slot 0 \(inf"
+            )
         case "missing w_gate":
             return (x, ids, g, None, wu, wd), "swiglu experts are gated: w_gate"
         case "w_down shape":

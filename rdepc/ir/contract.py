@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
+from rdepc.diagnostics import layer_prefix
 from rdepc.ir.balance import slot_chunks, slot_elems
 from rdepc.ir.queues import COLUMNS as COLUMNS
 from rdepc.ir.queues import GEMM_KINDS as GEMM_KINDS
@@ -462,7 +463,7 @@ class KernelContract:
         if work.mode == "phased":  # one launch after another: each has the whole budget
             if comm is not None:
                 raise ValueError(
-                    f"rdepc layer {self.layer}: phased mode launches the transport and the GEMM kernel one after "
+                    f"{layer_prefix(self.layer)}: phased mode launches the transport and the GEMM kernel one after "
                     "another, each with every program: it takes no transport-program count"
                 )
             per_queue = tuple(max(1, min(programs, n)) for n in items)
@@ -472,7 +473,7 @@ class KernelContract:
             comm = min(programs - 1, max(1, round(programs * c / (c + g))))
         if comm < 1 or comm > programs - 1:
             raise ValueError(
-                f"rdepc layer {self.layer}: split mode runs the transport and the GEMM kernel at once, at least "
+                f"{layer_prefix(self.layer)}: split mode runs the transport and the GEMM kernel at once, at least "
                 f"one program each, within {programs} programs: {comm} transport programs leave "
                 f"{programs - comm} for the GEMMs"
             )

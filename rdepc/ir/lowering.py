@@ -5,7 +5,7 @@ decided here for the compiler, the planner and the runtime alike."""
 
 from __future__ import annotations
 
-from rdepc.diagnostics import UsageError
+from rdepc.diagnostics import UsageError, layer_prefix
 
 GEMM_LOWERINGS = ("triton", "library")
 LIBRARY_MODE = "phased"  # the library's GEMMs run between the transport kernel's two launches
@@ -39,7 +39,9 @@ def choose_gemm(given: str | None, contract, interpret: bool, tuned: dict | None
             raise UsageError(f"unknown GEMM lowering '{given}' (known: {', '.join(GEMM_LOWERINGS)})")
         why = contract_refusals(contract) if given == "library" else []
         if why:
-            raise UsageError(f"rdepc layer {contract.layer}: the library GEMM lowering cannot run it: {'; '.join(why)}")
+            raise UsageError(
+                f"{layer_prefix(contract.layer)}: the library GEMM lowering cannot run it: {'; '.join(why)}"
+            )
         return given, "given"
     if contract.gemm_why.startswith(ASKED):
         return contract.gemm, contract.gemm_why

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rdepc.diagnostics import layer_prefix
+
 # Task kinds of the generated kernel, one device function each.
 KINDS = (
     "route", "scan", "dispatch", "gemm1", "gemm2", "return", "unpack", "combine_wait", "combine", "wgrad", "push",
@@ -146,7 +148,7 @@ def phase_queues(layer: str, names, table, deps: tuple[int, ...], mine: list[int
             late = [d for d in waits if after[d] and not is_gemm[d]]
             if late:
                 raise ValueError(
-                    f"rdepc layer {layer}: phased mode runs the transport's work after the GEMMs in a "
+                    f"{layer_prefix(layer)}: phased mode runs the transport's work after the GEMMs in a "
                     f"launch of its own, but {names[i]} waits for {names[late[0]]}, which waits for a GEMM: "
                     "use split or unified mode for this schedule"
                 )
