@@ -22,23 +22,11 @@ import torch
 from torch import nn
 
 from rdepc.api import UsageError
-from rdepc.hf_families import ANY, FAMILIES, SILU, Family, Part
+from rdepc.hf_families import ANY, FAMILIES, SILU, UNMAPPED, Family, Part
 
 
 class SwapError(UsageError):
     """A model block that rdepc.hf does not map, or that the spec does not describe."""
-
-
-# Blocks transformers ships that route like a mapped family but are another class: named in
-# the refusal, so that a user knows which spec (and which future mapping) is close.
-TWINS = {
-    "MiniMaxSparseMoeBlock": "MixtralSparseMoeBlock",
-    "JambaSparseMoeBlock": "MixtralSparseMoeBlock",
-    "FlexOlmoSparseMoeBlock": "OlmoeSparseMoeBlock",
-    "Qwen3VLMoeTextSparseMoeBlock": "Qwen3MoeSparseMoeBlock",
-    "Glm4vMoeTextMoE": "Glm4MoeMoE",
-    "Dots1MoE": "DeepseekV3MoE",
-}
 
 
 # --------------------------------------------------------------------- finding blocks
@@ -71,14 +59,15 @@ def supported() -> str:
 
 def family_of(name: str, block: nn.Module) -> Family:
     """The table's row for ``block`` (at ``name`` in its model), or a :class:`SwapError` that
-    names the block, lists what is mapped and names a near twin where one is known."""
+    names the block, lists what is mapped and names the mapped class nearest by name."""
     cls = type(block).__name__
     if cls in FAMILIES:
         return FAMILIES[cls]
-    twin = TWINS.get(cls) or next(iter(difflib.get_close_matches(cls, FAMILIES, n=1, cutoff=0.75)), None)
-    near = f"; it routes like {FAMILIES[twin].name} ({twin}), which is mapped" if twin else ""
+    twin = next(iter(difflib.get_close_matches(cls, FAMILIES, n=1, cutoff=0.75)), None)
+    near = f"; the nearest mapped class is {twin} ({FAMILIES[twin].name}): compare the two" if twin else ""
+    why = f" ({UNMAPPED[cls]})" if cls in UNMAPPED else ""
     raise SwapError(
-        f"{name or type(block).__name__} ({cls}) has experts, but {cls} is not a block class rdepc.hf maps{near}. "
+        f"{name or type(block).__name__} ({cls}) has experts, but {cls} is not a block class rdepc.hf maps{why}{near}. "
         f"Mapped: {supported()}"
     )
 

@@ -128,6 +128,46 @@ CASES = {
         router="sigmoid", shared="shared swiglu(ffn = 16)",
         expert="swiglu(ffn = {F}), gate input",  # the sigmoid of the top-K logits scales the expert's input
     ),
+    "minimax": Case(
+        "minimax", "MiniMaxConfig", "MiniMaxSparseMoeBlock",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "jamba": Case(
+        "jamba", "JambaConfig", "JambaSparseMoeBlock",
+        {"intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}, router="softmax",
+    ),
+    "granitemoe": Case(
+        "granitemoe", "GraniteMoeConfig", "GraniteMoeMoE",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "flex_olmo": Case(
+        "flex_olmo", "FlexOlmoConfig", "FlexOlmoSparseMoeBlock",
+        {"intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+        router="softmax", E=8,
+    ),
+    "qwen3_vl_moe": Case(
+        "qwen3_vl_moe", "Qwen3VLMoeTextConfig", "Qwen3VLMoeTextSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_5_moe": Case(
+        "qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2},
+        shared="shared swiglu(ffn = 16), gate sigmoid",
+    ),
+    "glm4v_moe": Case(
+        "glm4v_moe", "Glm4vMoeTextConfig", "Glm4vMoeTextMoE",
+        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
+        router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5", E=8,
+        shared="shared 1 x swiglu(ffn = 16)",
+    ),
+    "dots1": Case(
+        "dots1", "Dots1Config", "Dots1MoE",
+        {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "norm_topk_prob": False},
+        router="sigmoid, bias", shared="shared swiglu(ffn = 16)",
+    ),
 }  # fmt: skip
 
 

@@ -666,19 +666,42 @@ def _small_model(config: str, **kw):
 
 def test_refusals_name_the_moe_block_list_the_mapped_families_and_a_near_twin(families):
     """A block swap does not map is refused naming it (JetMoE's JetMoeMoE, not the attention
-    whose mixture of heads is called experts), with the mapped families listed and, for a
-    block that routes like a mapped one (MiniMax: Mixtral), that twin named; a class aliased
-    in the table without its Part says which class it maps, not a garbled path."""
+    whose mixture of heads is called experts), with the mapped families listed and the mapped
+    class nearest by name (MiniMax-M2: MiniMax); a class aliased in the table without its Part
+    says which class it maps, not a garbled path."""
     jet = _small_model("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
     with pytest.raises(SwapError) as err:
         swap(jet, ranks=2, tokens=8)
     said = str(err.value)
     assert said.startswith("model.layers.0.mlp (JetMoeMoE) has experts, but JetMoeMoE is not a block class"), said
     assert "Mapped: Mixtral (MixtralSparseMoeBlock), Qwen3-MoE (Qwen3MoeSparseMoeBlock)" in said
-    minimax = _small_model("MiniMaxConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
-    with pytest.raises(SwapError, match=r"it routes like Mixtral \(MixtralSparseMoeBlock\), which is mapped"):
-        rdepc.hf.spec_for(minimax)
-    families["MiniMaxSparseMoeBlock"] = families["MixtralSparseMoeBlock"]
+    m2 = _small_model("MiniMaxM2Config", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    with pytest.raises(SwapError, match=r"nearest mapped class is MiniMaxSparseMoeBlock \(MiniMax\): compare the two"):
+        rdepc.hf.spec_for(m2)
+    families["MiniMaxM2SparseMoeBlock"] = families["MixtralSparseMoeBlock"]
     with pytest.raises(SwapError) as err:
-        swap(minimax, ranks=2, tokens=8)
-    assert "has the block of class MiniMaxSparseMoeBlock, where rdepc.hf maps MixtralSparseMoeBlock" in str(err.value)
+        swap(m2, ranks=2, tokens=8)
+    assert "has the block of class MiniMaxM2SparseMoeBlock, where rdepc.hf maps MixtralSparseMoeBlock" in str(err.value)
+
+
+def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its_reason():
+    """The installed transformers' modeling files, read as text (nothing imported): every class
+    that holds ``self.experts`` or is named as a mixture of experts (not an attention) is a row
+    of rdepc.hf_families' FAMILIES or of UNMAPPED, which says why swap refuses it; a family
+    transformers adds shows up here, never as a block swapped or refused in silence."""
+    import re
+    from pathlib import Path
+
+    from rdepc.hf_families import FAMILIES, UNMAPPED
+
+    found = {}
+    for path in sorted(Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
+        src = path.read_text(encoding="utf-8")
+        for name, body in re.findall(r"^class (\w+)\([^)]*\):\n((?:(?:    .*)?\n)*)", src, re.M):
+            moe = re.search(r"self\.experts\s*=", body) or re.search(r"(MoE|Moe|MoeBlock|MoEBlock)$", name)
+            if moe and not re.search("Attention|Config|PreTrained", name):
+                found[name] = path.parent.name
+    assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
+    unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
+    assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 20
