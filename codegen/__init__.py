@@ -11,9 +11,7 @@ and backward), any route-row encoding, admission by
 arrival or by lowest gate, every schedule (``bulk``, ``pipelined``,
 ``deep``: the kernels run the scheduler's task table, B-slot rings included), every
 transport (``emulated``: all ranks in one process; ``emulated-mp`` and ``nvshmem``: one
-process per rank). What the
-stage does not implement yet is reported with the driver's "not supported yet" diagnostic
-at the construct (``UNSUPPORTED``). The kernels are generated for the backend asked for,
+process per rank). The kernels are generated for the backend asked for,
 whatever the spec's ``transport`` statement names.
 One generated file serves both kernel modes (unified: ``rdep_layer``; split: ``rdep_layer``
 without its GEMM tasks, a constexpr, beside ``rdep_gemm``). Shared experts are computed
@@ -34,9 +32,6 @@ from rdepc.codegen.lower import lower
 
 from rdepc.ir.contract import KernelContract
 from rdepc.ir.graph import MemoryPlan, Schedule
-
-# LayerSpec.features() the code generator does not implement (see the module docstring).
-UNSUPPORTED: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -135,7 +130,6 @@ def module(backend="{contract.transport}", device={device}, **options):
 
 
 __all__ = [
-    "UNSUPPORTED",
     "CodegenPass",
     "Generated",
     "content_hash",

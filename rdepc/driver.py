@@ -1,8 +1,7 @@
 """The compiler driver: the one visible list of passes, run in order.
 
-Each pass is a pure function from one IR to the next. The driver checks, before a pass
-runs, that the spec uses nothing the pass does not implement yet (a "not supported yet"
-diagnostic pointing at the construct), can print any pass's output (``--dump-after``)
+Each pass is a pure function from one IR to the next. The driver runs each pass's verifier
+on its output before the next pass runs, can print any pass's output (``--dump-after``)
 and time every pass (``--time-passes``).
 """
 
@@ -56,8 +55,6 @@ def elaborate_layer(module: S.Module, layer: str | None, overrides: dict) -> tup
 class Pass:
     name: str
     run: Callable[[Any], Any]
-    # Features of a LayerSpec (LayerSpec.features) this pass does not implement yet.
-    unsupported: frozenset[str] = frozenset()
     dump: Callable[[Any], str] | None = None
     # The passes whose outputs this one takes, in order (default: the pass before it).
     source: tuple[str, ...] = ()
@@ -124,7 +121,6 @@ def spec_passes(options: Options | None = None) -> list[Pass]:
         Pass(
             "codegen",
             codegen.CodegenPass(o.schedule, o.hw, o.backend),
-            unsupported=codegen.UNSUPPORTED,
             dump=codegen.dump,
             source=("schedule", "memplan", "lowering"),
         ),
@@ -136,12 +132,11 @@ def run_passes(
 ) -> Any:
     """The one pass runner: each pass in order, on the outputs of the passes it names
     (``outputs`` holds the earlier ones, "elaborate" at least, and gains each pass's),
-    after the "not supported yet" check and followed by its verifier. Returns the last
+    followed by its verifier. Returns the last
     output. ``timed(name, thunk, dump)`` runs a pass (the driver times and dumps there)."""
     spec = outputs["elaborate"]
     last: Any = spec
     for p in passes:
-        _check_supported(p, spec)
         args = [outputs[s] for s in p.source] if p.source else [last]
         thunk = lambda p=p, args=args: p.run(*args)  # noqa: E731
         last = timed(p.name, thunk, p.dump) if timed else thunk()
@@ -210,14 +205,6 @@ def backend_warnings(spec: LayerSpec, backend: str) -> tuple[Diagnostic, ...]:
         "--backend nvshmem builds the spec's target (one process per GPU rank, under torchrun)",
     )
     return tuple(diags.items)
-
-
-def _check_supported(p: Pass, spec: LayerSpec) -> None:
-    diags = Diagnostics({spec.file: Path(spec.file).read_text(encoding="utf-8")} if Path(spec.file).is_file() else {})
-    for feature, key in spec.features():
-        if feature in p.unsupported:
-            diags.error(f"not supported yet: {feature} (the '{p.name}' stage does not implement it)", spec.span_of(key))
-    diags.check()
 
 
 def _dump_module(m: S.Module) -> str:

@@ -33,7 +33,11 @@ Qwen3-VL-MoE   Qwen3VLMoeTextSparseMoeBlock softmax, renormalize                
 Qwen3.5-MoE    Qwen3_5MoeSparseMoeBlock    softmax, renormalize                        as Qwen3-Next
 GLM-4V-MoE     Glm4vMoeTextMoE             as DeepSeek-V3                              ``shared_experts``
 dots.llm1      Dots1MoE                    as DeepSeek-V3                              ``shared_experts``
+DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                              ``shared_experts``
 ============== =========================== =========================================== ==================
+
+DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
+GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA.
 
 The blocks transformers ships that swap refuses are :data:`UNMAPPED`'s rows, each with why.
 
@@ -436,6 +440,36 @@ FAMILIES: dict[str, Family] = {
     )
 }  # fmt: skip
 
+# DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
+# renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none).
+for _name, _prefix, _block, _shared in (
+    ("Kimi-Linear", "KimiLinear", "KimiLinearMoE", True),
+    ("EXAONE-MoE", "ExaoneMoe", "ExaoneMoeSparseMoEBlock", True),
+    ("GLM-4-MoE-Lite", "Glm4MoeLite", "Glm4MoeLiteMoE", True),
+    ("DeepSeek-V3.2", "DeepseekV32", "DeepseekV32MoE", True),
+    ("MiMo-V2-Flash", "MiMoV2Flash", "MiMoV2FlashMoE", False),
+    ("Solar-Open", "SolarOpen", "SolarOpenMoE", True),
+    ("GLM-MoE-DSA", "GlmMoeDsa", "GlmMoeDsaMoE", True),
+):
+    FAMILIES[_block] = _family(
+        _name, _block,
+        gate=_gate(f"{_prefix}TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
+        experts=f"{_prefix}Experts",
+        router=_deepseek_v3,
+        shared=("shared_experts", f"{_prefix}MLP") if _shared else None,
+        attrs=_CONFIG,
+        bias="e_score_correction_bias",
+    )  # fmt: skip
+FAMILIES["DeepseekOcr2TextMoe"] = _family(  # DeepSeek-V2's block: greedy or group-limited top-K
+    "DeepSeek-OCR-2 (text)", "DeepseekOcr2TextMoe",
+    gate=_gate("DeepseekOcr2TextTopkRouter", "hidden_dim", "routed_scaling_factor", "topk_method", "num_group",
+               "topk_group"),
+    experts="DeepseekOcr2TextExperts",
+    router=_deepseek_v2,
+    shared=("shared_experts", "DeepseekOcr2TextMLP"),
+    attrs=_CONFIG,
+)  # fmt: skip
+
 # The routed-MoE blocks transformers ships that swap does not map, each with why: what the
 # spec language cannot say, or that nobody has compared the block with the table yet (its
 # router rule and layout unread: mapping one is a row above and a case in the tests). A block
@@ -455,16 +489,16 @@ UNMAPPED: dict[str, str] = {
 } | dict.fromkeys(
     (
         "AXK1MoE", "AXK2MoE", "AfmoeSparseMoeBlock", "AriaTextMoELayer", "BailingHybridMoE", "BeamMoE",
-        "DeepseekOcr2TextMoe", "DeepseekV32MoE", "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
-        "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock", "ExaoneMoeSparseMoEBlock",
-        "FlintSparseMoeBlock", "Glm4MoeLiteMoE", "Glm5NextTextMoE", "GlmMoeDsaMoE", "GraniteMoeHybridMoE",
+        "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
+        "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock",
+        "FlintSparseMoeBlock", "Glm5NextTextMoE", "GraniteMoeHybridMoE",
         "GraniteMoeSWAMoE", "GraniteMoeSharedMoE", "HYV3MoE", "HYV4MoE", "HYV4VLMoE", "Inkling2LoopSparseMoeBlock",
-        "Inkling2SparseMoeBlock", "InklingMoE", "KimiLinearMoE", "Kolibri1SparseMoeBlock", "LagunaSparseMoeBlock",
+        "Inkling2SparseMoeBlock", "InklingMoE", "Kolibri1SparseMoeBlock", "LagunaSparseMoeBlock",
         "LaraMiniSparseMoeBlock", "Lfm2MoeSparseMoeBlock", "LongcatFlashMoE", "MellumSparseMoeBlock",
-        "MiMoV2FlashMoE", "MiniMaxM2SparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",
+        "MiniMaxM2SparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",
         "MistralLarge4TextMoE", "MuseSparkMoE", "NemotronHMoE", "OpenAIPrivacyFilterMLP",
         "Qwen3OmniMoeTalkerTextSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock",
-        "SolarOpenMoE", "Step3p7SparseMoeBlock", "UnlimitedOcrTextMoe", "ZayaSparseMoeBlock",
+        "Step3p7SparseMoeBlock", "UnlimitedOcrTextMoe", "ZayaSparseMoeBlock",
     ),
     NOT_COMPARED,
 )  # fmt: skip

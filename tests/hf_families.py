@@ -170,6 +170,40 @@ CASES = {
     ),
 }  # fmt: skip
 
+# DeepSeek-V3's block under other names (rdepc.hf_families), one config for all: each reads its own keys.
+_V3_CLONE = {
+    "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "intermediate_size": 64,
+}  # fmt: skip
+for _module, _config, _block, _shared in (
+    ("kimi_linear", "KimiLinearConfig", "KimiLinearMoE", True),
+    ("exaone_moe", "ExaoneMoeConfig", "ExaoneMoeSparseMoEBlock", True),
+    ("glm4_moe_lite", "Glm4MoeLiteConfig", "Glm4MoeLiteMoE", True),
+    ("deepseek_v32", "DeepseekV32Config", "DeepseekV32MoE", True),
+    ("mimo_v2_flash", "MiMoV2FlashConfig", "MiMoV2FlashMoE", False),
+    ("solar_open", "SolarOpenConfig", "SolarOpenMoE", True),
+    ("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaMoE", True),
+):
+    CASES[_module] = Case(
+        _module,
+        _config,
+        _block,
+        _V3_CLONE,
+        router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5",
+        E=8,
+        shared="shared 1 x swiglu(ffn = 16)" if _shared else "",
+    )
+CASES["deepseek_ocr2"] = Case(
+    "deepseek_ocr2",
+    "DeepseekOcr2TextConfig",
+    "DeepseekOcr2TextMoe",
+    _V3_CLONE | {"topk_method": "greedy"},
+    router="softmax, scale 2.5",
+    E=8,
+    shared="shared 1 x swiglu(ffn = 16)",
+)
+
 
 def spec_text(case: Case, tokens: int = 8, dtype: str = "fp32") -> str:
     shared = f"  {case.shared}\n" if case.shared else ""
@@ -198,7 +232,8 @@ def randomize(module: nn.Module, seed: int = 0) -> None:
 def block(transformers, case: Case, seed: int = 0) -> nn.Module:
     """The family's block, alone, with random weights, in a holder module at ``mlp``."""
     modeling = importlib.import_module(f"transformers.models.{case.module}.modeling_{case.module}")
-    config = getattr(transformers, case.config)(hidden_size=H, **case.kw)
+    config = getattr(modeling, case.config, None) or getattr(transformers, case.config)
+    config = config(hidden_size=H, **case.kw)
     cls = getattr(modeling, case.block)
     made = cls(config, layer_idx=0) if "layer_idx" in cls.__init__.__code__.co_varnames else cls(config)
     randomize(made, seed)

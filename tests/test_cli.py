@@ -411,28 +411,6 @@ def test_broken_pipe_is_not_an_internal_error(tmp_path):
     assert p.stderr == ""
 
 
-def test_check_notes_what_compile_does_not_implement(main, tmp_path, monkeypatch):
-    """check and compile agree: a construct the code generator refuses is a note in check
-    (status 0, even with --werror) and an error at the same place in compile. The code
-    generator implements the whole language today, so a refusal is simulated."""
-    from rdepc import codegen
-    from rdepc.commands import check
-
-    refused = frozenset({"dedup of rows a token sends to one rank"})
-    monkeypatch.setattr(check, "UNSUPPORTED", refused)
-    monkeypatch.setattr(codegen, "UNSUPPORTED", refused)
-    spec = tmp_path / "d.rdep"
-    spec.write_text(
-        "layer m {\n  shape ranks 8, tokens 64, hidden 64, experts 16, top 4\n  expert swiglu(ffn = 64)\n"
-        "  transport emulated, dedup\n}\n"
-    )
-    status, out, err = main("check", "--werror", str(spec))
-    assert status == 0 and out.endswith(": ok (W=8 T=64 H=64 E=16 K=4, swiglu F=64)\n")
-    assert err.startswith(f"{spec}:4:23: note: not supported yet: dedup of rows a token sends to one rank")
-    status, _, err = main("compile", str(spec), "-o", str(tmp_path / "out"))
-    assert status == 1 and err.startswith(f"{spec}:4:23: error: not supported yet: dedup of rows a token sends")
-
-
 def test_one_owning_rank_is_said_in_the_singular(main):
     """'1 rank owns 8', never '1 ranks own 8': in the plan's pooling table and the ownership note."""
     status, out, _ = main("plan", "examples/tiny.rdep", "-D", "W=1")

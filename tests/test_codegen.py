@@ -1,5 +1,5 @@
 """The code generator without running kernels: golden source, header and hash, format and
-lint of the generated file, the lowering's work items, "not supported yet", the cache,
+lint of the generated file, the lowering's work items, the cache,
 and the driver/CLI plumbing. (Running the kernels: tests/test_runtime.py; compiling them
 for sm_90: tests/test_compile_sm90.py.)"""
 
@@ -20,7 +20,7 @@ from conftest import EXAMPLES, HANG_S, ROOT, tiny_segmented
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_cases import CORNERS, Case, cases
-from rdepc.codegen import UNSUPPORTED, content_hash
+from rdepc.codegen import content_hash
 from rdepc.codegen.emit import HASH_FIELD
 
 import rdepc
@@ -129,9 +129,8 @@ def _generated_sources(tmp_path: Path) -> dict[str, str]:
     try:
         for ex in EXAMPLES:
             spec = rdepc.load(f"examples/{ex.name}").spec
-            if not {f for f, _ in spec.features()} & UNSUPPORTED:
-                out[ex.stem] = generate_spec(spec).source  # the spec's schedule (moonlight: a return ring)
-                out[f"{ex.stem}_bulk"] = generate_spec(spec, schedule="bulk").source
+            out[ex.stem] = generate_spec(spec).source  # the spec's schedule (moonlight: a return ring)
+            out[f"{ex.stem}_bulk"] = generate_spec(spec, schedule="bulk").source
         for ex in ("moonlight", "deepseek_v3"):  # dedup, with a return ring and with fp8 block scales
             text = (ROOT / "examples" / f"{ex}.rdep").read_text(encoding="utf-8").replace("scale row", "scale block")
             dedup = parse_text(text.replace("transport nvshmem", "transport nvshmem, dedup"), f"{ex}.rdep")
@@ -211,13 +210,6 @@ def test_device_code_is_copied(tmp_path):
 
 
 # ----------------------------------------------------------- features and schedules
-
-
-def test_the_code_generator_implements_the_whole_language():
-    """No construct of the language is refused by the code generator (the driver's "not
-    supported yet" mechanism itself is tested in test_driver and test_cli; balance
-    replicate on a per-rank backend is refused at compile, test_balance_runtime)."""
-    assert frozenset() == UNSUPPORTED
 
 
 def test_fp8_dispatch_generates_quantising_dispatch_and_scaled_gemm(monkeypatch, tmp_path):
@@ -363,7 +355,6 @@ def test_tiles_are_validated():
 def test_codegen_is_the_drivers_last_pass():
     passes = spec_passes()
     assert [p.name for p in passes][-1] == "codegen"
-    assert passes[-1].unsupported == UNSUPPORTED
 
 
 def test_dump_after_codegen_prints_the_source(monkeypatch, tmp_path, capsys):
