@@ -548,6 +548,17 @@ def test_the_hf_swap_example_without_transformers_says_what_to_install():
     ]
 
 
+def test_from_hf_without_transformers_says_what_to_install(tmp_path):
+    code = "import sys\nsys.modules['transformers'] = None\nfrom rdepc.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "from-hf", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "rdepc: error: rdepc from-hf needs transformers, which is not installed: pip install 'transformers>=5.0'"
+    )
+
+
 def test_ernies_gate_floor_is_the_specs_norm_min_where_the_bias_makes_it_bind(tmp_path):
     """An Ernie-4.5 block whose selection bias picks experts whose scores sum below its
     moe_norm_min (transformers divides the chosen gates by clamp(sum, min=norm_min)): swapped
