@@ -7,6 +7,7 @@ import pytest
 import torch
 from device_kernels import kernels  # noqa: F401 - the device-function tests' fixture
 from hypothesis import HealthCheck, settings
+from tiers import TIER_OF
 
 from rdepc import cli
 
@@ -77,6 +78,14 @@ def main(capsys, monkeypatch):
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test marked with its file's tier (tests/tiers.py): ``pytest -m unit`` and so on."""
+    for item in items:
+        tier = TIER_OF.get(Path(str(item.fspath)).stem)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def pytest_addoption(parser):

@@ -192,3 +192,13 @@ def test_every_subcommand_has_a_section_with_its_options():
                 assert f"rdepc {name} {action}" in body, f"rdepc {name} {action} is not in its section"
     for option in ("--layer", "-D NAME=VALUE", "--debug", "--version"):
         assert option in text, f"docs/commands.md does not mention {option}"
+
+
+def test_every_test_file_has_one_tier():
+    """tests/tiers.py places every test file in exactly one tier, so that ``pytest -m TIER``
+    runs each test in one tier and a new file cannot be left out of them all."""
+    from tiers import TIERS
+
+    files = sorted(p.stem for p in (ROOT / "tests").glob("test_*.py"))
+    placed = [name for names in TIERS.values() for name in names]
+    assert sorted(placed) == files, (set(files) ^ set(placed), [n for n in placed if placed.count(n) > 1])

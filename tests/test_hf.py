@@ -213,7 +213,7 @@ def test_the_written_spec_is_the_hand_written_ones_layer_with_its_sources(tmp_pa
     assert _layer_terms(written) == _layer_terms(hand)
     assert "# hidden: config.hidden_size" in text or "# hidden: experts.gate_up_proj" in text
     assert text.count("\n  # ") == len([ln for ln in text.splitlines() if ln.startswith("  ") and "#" not in ln])
-    assert swap(holder, case_spec(tmp_path, case)) == ["mlp"]
+    assert swap(holder, case_spec(tmp_path, case), verify=False) == ["mlp"]  # equal outputs: the test above
 
 
 def test_a_model_with_two_kinds_of_block_gets_a_layer_each_and_its_model_statement(tmp_path):
