@@ -5,7 +5,6 @@ blocks."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from rdepc.api import UsageError
@@ -47,7 +46,6 @@ def _model(config):
 
 
 def cmd_from_hf(args) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # transformers imports Triton; nothing here launches a kernel
     try:
         import transformers  # noqa: F401
     except ImportError:
