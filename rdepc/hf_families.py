@@ -345,15 +345,6 @@ FAMILIES: dict[str, Family] = {
             bias="e_score_correction_bias",
         ),
         _family(
-            "GLM-4-MoE", "Glm4MoeMoE",
-            gate=_gate("Glm4MoeTopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
-            experts="Glm4MoeExperts",
-            router=_deepseek_v3,
-            shared=("shared_experts", "Glm4MoeMLP"),
-            attrs=_CONFIG,
-            bias="e_score_correction_bias",
-        ),
-        _family(
             "Ernie-4.5-MoE", "Ernie4_5_MoeSparseMoeBlock",
             gate=_gate("Ernie4_5_MoeTopKRouter", "norm_min", children={
                 "moe_statics": Part(("Ernie4_5_MoeStatics",), params={"e_score_correction_bias": ANY}),
@@ -419,30 +410,15 @@ FAMILIES: dict[str, Family] = {
             shared=("shared_expert", "Qwen3_5MoeMLP"),
             shared_gate="shared_expert_gate",
         ),
-        _family(
-            "GLM-4V-MoE (text)", "Glm4vMoeTextMoE",
-            gate=_gate("Glm4vMoeTextTopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
-            experts="Glm4vMoeTextExperts",
-            router=_deepseek_v3,
-            shared=("shared_experts", "Glm4vMoeTextMLP"),
-            attrs=_CONFIG,
-            bias="e_score_correction_bias",
-        ),
-        _family(
-            "dots.llm1", "Dots1MoE",
-            gate=_gate("Dots1TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
-            experts="Dots1Experts",
-            router=_deepseek_v3,
-            shared=("shared_experts", "Dots1MLP"),
-            attrs=_CONFIG,
-            bias="e_score_correction_bias",
-        ),
     )
 }  # fmt: skip
 
 # DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
-# renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none).
+# renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none), one row each.
 for _name, _prefix, _block, _shared in (
+    ("GLM-4-MoE", "Glm4Moe", "Glm4MoeMoE", True),
+    ("GLM-4V-MoE (text)", "Glm4vMoeText", "Glm4vMoeTextMoE", True),
+    ("dots.llm1", "Dots1", "Dots1MoE", True),
     ("Kimi-Linear", "KimiLinear", "KimiLinearMoE", True),
     ("EXAONE-MoE", "ExaoneMoe", "ExaoneMoeSparseMoEBlock", True),
     ("GLM-4-MoE-Lite", "Glm4MoeLite", "Glm4MoeLiteMoE", True),

@@ -155,13 +155,6 @@ CASES = {
          "num_experts_per_tok": 2},
         shared="shared swiglu(ffn = 16), gate sigmoid",
     ),
-    "glm4v_moe": Case(
-        "glm4v_moe", "Glm4vMoeTextConfig", "Glm4vMoeTextMoE",
-        {"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
-        router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5", E=8,
-        shared="shared 1 x swiglu(ffn = 16)",
-    ),
     "dots1": Case(
         "dots1", "Dots1Config", "Dots1MoE",
         {"moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
@@ -177,6 +170,7 @@ _V3_CLONE = {
     "norm_topk_prob": True, "intermediate_size": 64,
 }  # fmt: skip
 for _module, _config, _block, _shared in (
+    ("glm4v_moe", "Glm4vMoeTextConfig", "Glm4vMoeTextMoE", True),
     ("kimi_linear", "KimiLinearConfig", "KimiLinearMoE", True),
     ("exaone_moe", "ExaoneMoeConfig", "ExaoneMoeSparseMoEBlock", True),
     ("glm4_moe_lite", "Glm4MoeLiteConfig", "Glm4MoeLiteMoE", True),
