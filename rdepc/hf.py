@@ -51,7 +51,18 @@ from torch import nn
 
 from rdepc.api import Layer, load, load_text
 from rdepc.hf_families import FAMILIES, Family, router_terms
-from rdepc.hf_spec import SwapError, describe, expert_text, family_of, moe_blocks, shared_text, show, spec_for, written
+from rdepc.hf_spec import (
+    SwapError,
+    blocks_of,
+    describe,
+    expert_text,
+    family_of,
+    moe_blocks,
+    shared_text,
+    show,
+    spec_for,
+    written,
+)
 from rdepc.moe import RDEPMoE
 
 
@@ -346,9 +357,7 @@ def swap(
     default) a swapped block's output on a probe batch is not the block's (:func:`probe`)."""
     moe_keys = ("backend", "device", "schedule", "module_options")
     moe_options = {k: options.pop(k) for k in moe_keys if k in options}
-    blocks = moe_blocks(model)
-    if not blocks:
-        raise SwapError(f"{type(model).__name__} has no sparse MoE block (a module with 'experts')")
+    blocks = blocks_of(model)
     if blocks[0][0] == "":
         raise SwapError(f"{type(model).__name__} is itself a sparse MoE block: swap the model (or a module) holding it")
     if spec is None:

@@ -52,6 +52,14 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`moe_blocks`, or a :class:`SwapError` when there is none."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise SwapError(f"{type(model).__name__} has no sparse MoE block (a module with 'experts')")
+    return blocks
+
+
 def supported() -> str:
     """The families swap maps, as a refusal lists them."""
     return ", ".join(f"{f.name} ({cls})" for cls, f in FAMILIES.items())
@@ -337,9 +345,7 @@ def written(model_or_block: nn.Module, ranks: int, tokens: int) -> tuple[str, di
     if ranks < 1 or tokens < 1:
         raise UsageError(f"spec_for needs ranks and tokens of at least 1, got ranks={ranks}, tokens={tokens}")
     root = type(model_or_block).__name__
-    blocks = moe_blocks(model_or_block)
-    if not blocks:
-        raise SwapError(f"{root} has no sparse MoE block (a module with 'experts')")
+    blocks = blocks_of(model_or_block)
     kinds: dict[tuple, tuple[Found, list[str]]] = {}
     for name, block in blocks:
         f = describe(name or root, block)
