@@ -140,9 +140,10 @@ GAPS: dict[tuple[str, ...], str] = {
 }
 
 
-def gap(case: str, method: str, stage: str) -> str | None:
-    """Why ``stage`` of ``method`` on ``case`` is a known gap of the model, or None."""
-    return GAPS.get((case, method, stage)) or GAPS.get((method, stage)) or GAPS.get((stage,))
+def gap(case: str, method: str, stage: str) -> tuple[str, ...] | None:
+    """The key of :data:`GAPS` that names ``stage`` of ``method`` on ``case`` a known gap of the
+    model (the case's own, the method's, then the stage's), or None."""
+    return next((k for k in ((case, method, stage), (method, stage), (stage,)) if k in GAPS), None)
 
 
 def gap_note(*key: str) -> str:
@@ -158,16 +159,14 @@ def replay(compared: list[dict]) -> dict[str, list]:
     for c in compared:
         for stage, v in c["stages"].items():
             x = v["predicted_over_measured"]
-            why = gap(c["case"], c["method"], stage)
+            key = gap(c["case"], c["method"], stage)
             entry = (c["case"], c["method"], stage, x)
             if x is not None and abs(x - 1) <= BOUND[stage]:
                 out["holds"].append(entry)
             else:
-                out["gap" if why else "fails"].append(entry)
-                if why:
-                    open_gaps.add(
-                        next(k for k in ((c["case"], c["method"], stage), (c["method"], stage), (stage,)) if k in GAPS)
-                    )
+                out["gap" if key else "fails"].append(entry)
+                if key:
+                    open_gaps.add(key)
     out["closed"] = [k for k in GAPS if k not in open_gaps and k[0] != "ranking"]  # rankings: rankings()
     return out
 
