@@ -24,6 +24,7 @@ from rdepc.codegen.device import include
 
 from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
 from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
+from rdepc.ir.interface import stats_constants
 from rdepc.ir.sizes import (
     BM,
     ROUTE_CHUNK_TOKENS,
@@ -305,15 +306,7 @@ def constants(p: KernelContract) -> str:
     lines.append(_c("CTL_TICKETS", CTL_TICKETS, "the ticket counter, cumulative over calls"))
     names = ("WAIT", "OVERFLOW", "ROW_ID")
     lines += [_c(f"ERR_{n}", code, ERRORS[code]) for code, n in zip(ERRORS, names, strict=True)]
-    lines += [
-        _c("ST_ARRIVED", 0, "stats [W, ST_COLS]: rows arrived per local expert,"),
-        _c("ST_ADMITTED", p.E_MAX, "rows admitted per local expert,"),
-        _c("ST_MTILES", 2 * p.E_MAX, "m-tiles the grouped GEMM ran,"),
-        _c("ST_CAP", 2 * p.E_MAX + 1, "the capacity cap_e the scan applied,"),
-        _c("ST_SENT", 2 * p.E_MAX + 2, "payload rows this rank dispatched with their data,"),
-        _c("ST_RETURNED", 2 * p.E_MAX + 3, "rows it returned with their data"),
-        _c("ST_COLS", 2 * p.E_MAX + 4),
-    ]
+    lines += [_c(*c) for c in stats_constants(p.E_MAX)]
     return "\n".join(lines) + "\n"
 
 

@@ -77,6 +77,7 @@ from fractions import Fraction
 
 from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, ctl_words, next_pow2, tile_slots
 from rdepc.ir.graph import MemoryPlan, Schedule
+from rdepc.ir.interface import stats_columns
 from rdepc.ir.sizes import BWD_SIDEBAND, route_scratch_words
 from rdepc.ir.spec import ROUTE_VARS, LayerSpec
 from rdepc.version import __version__
@@ -241,8 +242,7 @@ def lower(
     if ring:
         private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
     private += [
-        # rows arrived, admitted per local expert; m-tiles; cap_e; rows dispatched, returned with their data
-        ("stats", "int32", (W, 2 * E_MAX + 4)),
+        ("stats", "int32", (W, stats_columns(E_MAX)["cols"])),  # rdepc.ir.interface.STATS
         ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
         ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
     ]

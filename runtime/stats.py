@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from rdepc.ir.contract import INT32_MAX, KernelContract
+from rdepc.ir.interface import stats_columns
 
 
 class Readback:
@@ -82,31 +83,32 @@ def call_stats(
     rows it took (``topk_ids``) and accepted, and its launches; ``own_experts``: a per-rank
     module's experts, in local order (None: one process, every expert)."""
     st = stats.to("cpu", torch.long)
+    at = stats_columns(p.E_MAX)
     owner = torch.tensor(p.owner, dtype=torch.long)
     local = torch.tensor(p.local, dtype=torch.long)
     if own_experts is not None:  # this rank's own experts, in local order
         mine = local[list(own_experts)]
-        arrived, admitted = st[0, mine], st[0, p.E_MAX + mine]
+        arrived, admitted = st[0, at["arrived"] + mine], st[0, at["admitted"] + mine]
     else:
-        arrived = st[owner, local]
-        admitted = st[owner, p.E_MAX + local]
+        arrived = st[owner, at["arrived"] + local]
+        admitted = st[owner, at["admitted"] + local]
     dropped = arrived - admitted
     ids = topk_ids.to("cpu")
     routed = (ids >= 0) & (ids < p.E)  # an id of -1 routes nowhere: no row to drop
     lost = (routed & ~accepted.to("cpu")).sum(dim=(-2, -1))  # per source rank (this rank's, per-rank)
-    cap = int(st[:, 2 * p.E_MAX + 1].max())  # what the scans applied (every owner the same)
+    cap = int(st[:, at["cap"]].max())  # what the scans applied (every owner the same)
     cap = None if cap == INT32_MAX else cap
     return {
         "rows_per_expert": admitted,
         "received_per_expert": arrived,
         "dropped_per_expert": dropped,
-        "rows_per_owner": st[:, p.E_MAX : 2 * p.E_MAX].sum(dim=1),
+        "rows_per_owner": st[:, at["admitted"] : at["admitted"] + p.E_MAX].sum(dim=1),
         "dropped_rows": int(dropped.sum()),
         "dropped_per_source": lost.reshape(-1),
         "accepted": accepted,
-        "m_tiles": st[:, 2 * p.E_MAX].clone(),
-        "dispatched_rows": st[:, 2 * p.E_MAX + 2].clone(),
-        "returned_rows": st[:, 2 * p.E_MAX + 3].clone(),
+        "m_tiles": st[:, at["mtiles"]].clone(),
+        "dispatched_rows": st[:, at["sent"]].clone(),
+        "returned_rows": st[:, at["returned"]].clone(),
         "capacity": cap,
         "launches": launches,
     }
