@@ -11,267 +11,204 @@ from rdepc.ir.graph import Geometry, Task, TaskGraph
 from rdepc.ir.sizes import BM
 
 
-def build_tasks(geo: Geometry) -> list[Task]:
-    """Every task of ``geo``'s graph, in the strategy's intended global order."""
-    W, T, H, F, K, S, B, L = geo.W, geo.T, geo.H, geo.F, geo.K, geo.S, geo.B, geo.lookahead
-    segs, R, per = geo.segments, geo.rows_max, geo.experts
-    ring = geo.return_ring
-    row_d = H * geo.d + geo.sb  # one payload row on the wire, with its sideband
-    row_a = H * geo.a  # one returned row
-    row_h = F * geo.a  # one row of the GEMM1 → GEMM2 workspace
-    up = (geo.flop_coef - 2) * H * F  # GEMM1 FLOPs per row (gate and up: 4·H·F)
-    down = 2 * H * F
-    tasks: list[Task] = []
-    append = tasks.append
+class _Build:
+    """The tasks made so far (their ids are their places), each added by name, and the ids of
+    the stages' tasks later ones depend on."""
+
+    def __init__(self, geo: Geometry):
+        self.geo = geo
+        self.tasks: list[Task] = []
+        W, T, K, R, S = geo.W, geo.T, geo.K, geo.rows_max, geo.S
+        self.row_d = geo.H * geo.d + geo.sb  # one payload row on the wire, with its sideband
+        self.row_a = geo.H * geo.a  # one returned row
+        self.row_h = geo.F * geo.a  # one row of the GEMM1 → GEMM2 workspace
+        # Rows of segment s of owner q, and rows one source may place in it.
+        self.cut = sizes.segments_cut(R, S)  # segment boundaries may cut an m-tile per expert
+        self.seg_rows = [[min(S, R[q] - s * S) for s in range(geo.segments[q])] for q in range(W)]
+        from_one = [sizes.owner_rows(1, T, K, geo.experts[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
+        self.piece = [[min(n, from_one[q]) for n in self.seg_rows[q]] for q in range(W)]
+        self.route: tuple[int, ...] = ()
+        self.scan: list[int] = []
+        self.receive: list[int] = []
+        self.disp: dict[tuple[int, int, int], int] = {}
+        self.gemm1: dict[tuple[int, int], int] = {}
+        self.gemm2: dict[tuple[int, int], int] = {}
+        self.ret: dict[tuple[int, int, int], int] = {}
+        self.claim_of: dict[int, int] = {}
+        self.unpack: dict[tuple[int, int], int] = {}
+        self.landed: list[list[int]] = [[] for _ in range(W)]  # what each rank's combine waits for
+        self.claims = [0] * W
 
     def add(
-        stage, detail, rank, role, src, owner, segment, slot, claim, rows, tiles, nbytes, flops, deps, war, empty_if
-    ) -> int:
-        i = len(tasks)
-        append(
+        self, stage: str, rank: int, *, detail: str = "", role: str = "comm", src: int = -1, owner: int = -1,
+        segment: int = -1, slot: int = -1, claim: int = -1, rows: int = 0, tiles: int = 1, nbytes: int = 0,
+        flops: int = 0, deps: tuple[int, ...] = (), war: tuple[int, ...] = (), empty_if: str = "",
+    ) -> int:  # fmt: skip
+        i = len(self.tasks)
+        self.tasks.append(
             Task(
-                i,
-                stage,
-                detail,
-                rank,
-                role,
-                src,
-                owner,
-                segment,
-                slot,
-                claim,
-                rows,
-                tiles,
-                nbytes,
-                flops,
-                deps + war,
-                war,
-                empty_if,
+                id=i, stage=stage, detail=detail, rank=rank, role=role, src=src, owner=owner, segment=segment,
+                slot=slot, claim=claim, rows=rows, tiles=tiles, bytes=nbytes, flops=flops, deps=deps + war, war=war,
+                empty_if=empty_if,
             )
-        )
+        )  # fmt: skip
         return i
 
-    # Rows of segment s of owner q, and rows one source may place in it.
-    cut = sizes.segments_cut(R, S)  # segment boundaries may cut an m-tile per expert
-    seg_rows = [[min(S, R[q] - s * S) for s in range(segs[q])] for q in range(W)]
-    from_one = [sizes.owner_rows(1, T, K, per[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
-    piece = [[min(n, from_one[q]) for n in seg_rows[q]] for q in range(W)]
 
-    # balance replicate: each rank's load puts its row of the load table into every rank's
-    # copy; once all have landed each rank's solve derives the call's plan (every rank the
-    # same) and its reroute gives its route rows their physical experts, which its route
-    # reads. Each rank pushes its home experts' operands into the slots the plan gave them,
-    # a chunk a work item; a rank's receive copies its N slots once every push has landed.
-    # The push bytes are the mean over ranks with every slot filled: which home pushes is
-    # known only at run time.
+def build_tasks(geo: Geometry) -> list[Task]:
+    """Every task of ``geo``'s graph, in the strategy's intended global order: balance, route
+    and scan, then in turn t each rank's returns of segment t - L - 1, GEMMs of t - L and
+    dispatches of t (L the lookahead), then the combine."""
+    b = _Build(geo)
+    planned = _balance(b)
+    route_bytes = geo.T * geo.K * (geo.sb + 8)
+    b.route = tuple(
+        b.add("route", r, rows=geo.T * geo.K, tiles=geo.token_tiles, nbytes=route_bytes, deps=planned[r])
+        for r in range(geo.W)
+    )
+    b.scan = [b.add("scan", q, nbytes=3 * geo.W * max(geo.experts[q], 1) * 4, deps=b.route) for q in range(geo.W)]
+    top = max(geo.segments, default=0)
+    for t in range(top + geo.lookahead + 1):
+        if t - geo.lookahead - 1 >= 0:
+            _returns(b, t - geo.lookahead - 1)
+        if t - geo.lookahead >= 0:
+            _gemms(b, t - geo.lookahead)
+        if t < top:
+            _dispatches(b, t)
+    _combine(b)
+    return b.tasks
+
+
+def _balance(b: _Build) -> list[tuple[int, ...]]:
+    """balance replicate: each rank's load puts its row of the load table into every rank's
+    copy; once all have landed each rank's solve derives the call's plan (every rank the
+    same) and its reroute gives its route rows their physical experts, which its route
+    reads (returned: each rank's route's dependencies). Each rank pushes its home experts'
+    operands into the slots the plan gave them, a chunk a work item; a rank's receive copies
+    its N slots once every push has landed. The push bytes are the mean over ranks with
+    every slot filled: which home pushes is known only at run time."""
+    geo = b.geo
+    W, TK = geo.W, geo.T * geo.K
     slot_bytes = geo.slots * geo.slot_bytes
     chunks = slot_chunks(geo.slot_bytes // geo.a)  # work items of one expert's operands
     table = W * geo.homes * 4  # the load table, int32
     balanced = range(W) if geo.slots else range(0)
-    loads = tuple(add("balance", "load", r, "comm", r, -1, -1, -1, -1, 0, 1, table, 0, (), (), "") for r in balanced)
-    solve = [add("balance", "solve", q, "comm", -1, q, -1, -1, -1, 0, 1, table, 0, loads, (), "") for q in balanced]
+    loads = tuple(b.add("balance", r, detail="load", src=r, nbytes=table) for r in balanced)
+    solve = [b.add("balance", q, detail="solve", owner=q, nbytes=table, deps=loads) for q in balanced]
     reroute = [
-        add("balance", "reroute", r, "comm", r, -1, -1, -1, -1, T * K, 1, T * K * 16, 0, (solve[r],), (), "")
-        for r in balanced
+        b.add("balance", r, detail="reroute", src=r, rows=TK, nbytes=TK * 16, deps=(solve[r],)) for r in balanced
     ]
-    items = [(per[r] - geo.slots) * chunks for r in balanced]  # its home experts' chunks
+    items = [(geo.experts[r] - geo.slots) * chunks for r in balanced]  # its home experts' chunks
     pushes = tuple(
-        add("balance", "push", r, "comm", r, -1, -1, -1, -1, 0, items[r], slot_bytes, 0, (solve[r],), (), "")
-        for r in balanced
+        b.add("balance", r, detail="push", src=r, tiles=items[r], nbytes=slot_bytes, deps=(solve[r],)) for r in balanced
     )
-    receive = [
-        add("balance", "receive", q, "comm", -1, q, -1, -1, -1, 0, geo.slots * chunks, slot_bytes, 0, pushes, (), "")
+    b.receive = [
+        b.add("balance", q, detail="receive", owner=q, tiles=geo.slots * chunks, nbytes=slot_bytes, deps=pushes)
         for q in balanced
     ]
-    route_bytes = T * K * (geo.sb + 8)
-    planned = [(reroute[r],) if reroute else () for r in range(W)]  # its rows' physical experts
-    route = tuple(
-        add("route", "", r, "comm", -1, -1, -1, -1, -1, T * K, geo.token_tiles, route_bytes, 0, planned[r], (), "")
-        for r in range(W)
-    )
-    scan = [
-        add("scan", "", q, "comm", -1, -1, -1, -1, -1, 0, 1, 3 * W * max(per[q], 1) * 4, 0, route, (), "")
-        for q in range(W)
-    ]
-    disp: dict[tuple[int, int, int], int] = {}
-    gemm1: dict[tuple[int, int], int] = {}
-    gemm2: dict[tuple[int, int], int] = {}
-    ret: dict[tuple[int, int, int], int] = {}
-    claim_of: dict[int, int] = {}
-    unpack: dict[tuple[int, int], int] = {}
-    landed: list[list[int]] = [[] for _ in range(W)]
-    claims = [0] * W
-    top = max(segs, default=0)
-    for t in range(top + L + 1):
-        s = t - L - 1  # return segment s: pieces to every front-end, then their unpacks
-        if s >= 0:
-            for i in range(W):
-                for q in range(W):
-                    if s >= segs[q]:
-                        continue
-                    r = (q + i) % W
-                    n = piece[q][s]
-                    war = ()
-                    if ring:
-                        j = claims[r]
-                        claims[r] += 1
-                        slot = j % B
-                        if j >= B:
-                            war = (unpack[(r, j - B)],)
-                    else:
-                        j, slot = -1, -1
-                    k = add(
-                        "return",
-                        "",
-                        q,
-                        "comm",
-                        r,
-                        q,
-                        s,
-                        slot,
-                        j,
-                        n,
-                        -(-n // BM),
-                        n * row_a,
-                        0,
-                        tuple(gemm2[(q, z)] for z in (range(s + 1) if geo.dedup else (s,))),
-                        war,
-                        f"back({q},{s},{r}) == 0",
-                    )
-                    ret[(q, s, r)] = k
-                    claim_of[k] = j
-                    if not ring:
-                        landed[r].append(k)
-                if ring:
-                    for r in range(W):
-                        q = (r - i) % W
-                        if s >= segs[q]:
-                            continue
-                        k = ret[(q, s, r)]
-                        j = claim_of[k]
-                        n = piece[q][s]
-                        u = add(
-                            "combine",
-                            "unpack",
-                            r,
-                            "comm",
-                            r,
-                            q,
-                            s,
-                            j % B,
-                            j,
-                            n,
-                            -(-n // BM),
-                            2 * n * row_a,
-                            0,
-                            (k,),
-                            (),
-                            f"back({q},{s},{r}) == 0",
-                        )
-                        unpack[(r, j)] = u
-                        landed[r].append(u)
-        s = t - L  # compute segment s: GEMM1 (up projection + activation), then GEMM2
-        if s >= 0:
-            for q in range(W):
-                if s >= segs[q]:
+    return [(reroute[r],) if reroute else () for r in range(W)]
+
+
+def _returns(b: _Build, s: int) -> None:
+    """Return segment s: each owner's pieces to every front-end (a permutation per step i),
+    then, with a return ring, each front-end's unpacks of what it claimed."""
+    geo = b.geo
+    W, B = geo.W, geo.B
+    for i in range(W):
+        for q in range(W):
+            if s >= geo.segments[q]:
+                continue
+            r = (q + i) % W
+            n = b.piece[q][s]
+            war = ()
+            if geo.return_ring:
+                j = b.claims[r]
+                b.claims[r] += 1
+                slot = j % B
+                if j >= B:
+                    war = (b.unpack[(r, j - B)],)
+            else:
+                j, slot = -1, -1
+            k = b.add(
+                "return", q, src=r, owner=q, segment=s, slot=slot, claim=j, rows=n, tiles=-(-n // BM),
+                nbytes=n * b.row_a, deps=tuple(b.gemm2[(q, z)] for z in (range(s + 1) if geo.dedup else (s,))),
+                war=war, empty_if=f"back({q},{s},{r}) == 0",
+            )  # fmt: skip
+            b.ret[(q, s, r)] = k
+            b.claim_of[k] = j
+            if not geo.return_ring:
+                b.landed[r].append(k)
+        if geo.return_ring:
+            for r in range(W):
+                q = (r - i) % W
+                if s >= geo.segments[q]:
                     continue
-                n = seg_rows[q][s]
-                # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
-                deps = tuple(disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
-                deps += (receive[q],) if receive else ()  # its slots' weights
-                tiles = sizes.segment_m_tiles(n, per[q], cut)  # at most geo.m_slots[q]: n <= min(R_q, S)
-                empty = f"rows({q}) <= {s * S}"
-                war = (gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot
-                gemm1[(q, s)] = add(
-                    "compute",
-                    "gemm1",
-                    q,
-                    "compute",
-                    -1,
-                    q,
-                    s,
-                    s % B,
-                    -1,
-                    n,
-                    tiles,
-                    n * (row_d + row_h),
-                    up * n,
-                    deps,
-                    war,
-                    empty,
-                )
-                war = tuple(ret[(q, s - B, (q + i) % W)] for i in range(W)) if s >= B else ()  # its staging slot
-                gemm2[(q, s)] = add(
-                    "compute",
-                    "gemm2",
-                    q,
-                    "compute",
-                    -1,
-                    q,
-                    s,
-                    s % B,
-                    -1,
-                    n,
-                    tiles,
-                    n * (row_h + row_a),
-                    down * n,
-                    (gemm1[(q, s)],),
-                    war,
-                    empty,
-                )
-        s = t  # dispatch segment s, source r to owner (r + i) mod W: a permutation per i
-        if s < top:
-            for i in range(W):
-                for r in range(W):
-                    q = (r + i) % W
-                    if s >= segs[q]:
-                        continue
-                    n = piece[q][s]
-                    war = (gemm1[(q, s - B)],) if s >= B else ()
-                    disp[(r, q, s)] = add(
-                        "dispatch",
-                        "",
-                        r,
-                        "comm",
-                        r,
-                        q,
-                        s,
-                        s % B,
-                        -1,
-                        n,
-                        -(-n // BM),
-                        n * row_d,
-                        0,
-                        (route[r], scan[q]),
-                        war,
-                        f"sent({r},{q},{s}) == 0",
-                    )
-    waits = [
-        add("combine", "wait", r, "comm", r, -1, -1, -1, -1, 0, 1, 0, 0, tuple(sorted(landed[r])), (), "")
-        for r in range(W)
-    ]
-    for r in range(W):
+                k = b.ret[(q, s, r)]
+                j = b.claim_of[k]
+                n = b.piece[q][s]
+                u = b.add(
+                    "combine", r, detail="unpack", src=r, owner=q, segment=s, slot=j % B, claim=j, rows=n,
+                    tiles=-(-n // BM), nbytes=2 * n * b.row_a, deps=(k,), empty_if=f"back({q},{s},{r}) == 0",
+                )  # fmt: skip
+                b.unpack[(r, j)] = u
+                b.landed[r].append(u)
+
+
+def _gemms(b: _Build, s: int) -> None:
+    """Compute segment s of every owner: GEMM1 (up projection and activation), then GEMM2."""
+    geo = b.geo
+    W, H, F, B = geo.W, geo.H, geo.F, geo.B
+    up = (geo.flop_coef - 2) * H * F  # GEMM1 FLOPs per row (gate and up: 4·H·F)
+    down = 2 * H * F
+    for q in range(W):
+        if s >= geo.segments[q]:
+            continue
+        n = b.seg_rows[q][s]
+        # dedup: a row's payload is its token's first row at q, which may sit in an earlier segment
+        deps = tuple(b.disp[((q - i) % W, q, z)] for z in (range(s + 1) if geo.dedup else (s,)) for i in range(W))
+        deps += (b.receive[q],) if b.receive else ()  # its slots' weights
+        tiles = sizes.segment_m_tiles(n, geo.experts[q], b.cut)  # at most geo.m_slots[q]: n <= min(R_q, S)
+        empty = f"rows({q}) <= {s * geo.S}"
+        war = (b.gemm2[(q, s - B)],) if s >= B else ()  # its hbuf slot
+        b.gemm1[(q, s)] = b.add(
+            "compute", q, detail="gemm1", role="compute", owner=q, segment=s, slot=s % B, rows=n, tiles=tiles,
+            nbytes=n * (b.row_d + b.row_h), flops=up * n, deps=deps, war=war, empty_if=empty,
+        )  # fmt: skip
+        war = tuple(b.ret[(q, s - B, (q + i) % W)] for i in range(W)) if s >= B else ()  # its staging slot
+        b.gemm2[(q, s)] = b.add(
+            "compute", q, detail="gemm2", role="compute", owner=q, segment=s, slot=s % B, rows=n, tiles=tiles,
+            nbytes=n * (b.row_h + b.row_a), flops=down * n, deps=(b.gemm1[(q, s)],), war=war, empty_if=empty,
+        )  # fmt: skip
+
+
+def _dispatches(b: _Build, s: int) -> None:
+    """Dispatch segment s, source r to owner (r + i) mod W: a permutation per step i."""
+    geo = b.geo
+    W, B = geo.W, geo.B
+    for i in range(W):
+        for r in range(W):
+            q = (r + i) % W
+            if s >= geo.segments[q]:
+                continue
+            n = b.piece[q][s]
+            b.disp[(r, q, s)] = b.add(
+                "dispatch", r, src=r, owner=q, segment=s, slot=s % B, rows=n, tiles=-(-n // BM), nbytes=n * b.row_d,
+                deps=(b.route[r], b.scan[q]), war=(b.gemm1[(q, s - B)],) if s >= B else (),
+                empty_if=f"sent({r},{q},{s}) == 0",
+            )  # fmt: skip
+
+
+def _combine(b: _Build) -> None:
+    """Each rank's combine: a wait for every return (or unpack) landed there, then its token tiles."""
+    geo = b.geo
+    waits = [b.add("combine", r, detail="wait", src=r, deps=tuple(sorted(b.landed[r]))) for r in range(geo.W)]
+    for r in range(geo.W):
         for tile in range(geo.token_tiles):
-            n = min(BM, T - tile * BM)
-            add(
-                "combine",
-                "tile",
-                r,
-                "comm",
-                r,
-                -1,
-                -1,
-                -1,
-                tile,
-                n,
-                1,
-                n * (K * row_a + row_a + 8 * K),
-                0,
-                (waits[r],),
-                (),
-                "",
-            )
-    return tasks
+            n = min(BM, geo.T - tile * BM)
+            b.add(
+                "combine", r, detail="tile", src=r, claim=tile, rows=n,
+                nbytes=n * (geo.K * b.row_a + b.row_a + 8 * geo.K), deps=(waits[r],),
+            )  # fmt: skip
 
 
 # --- the tile-level expansion (small specs only) ----------------------------------------
