@@ -7,6 +7,7 @@ import pytest
 import torch
 from device_kernels import kernels  # noqa: F401 - the device-function tests' fixture
 from hypothesis import HealthCheck, settings
+from rdepc.runtime import ranks
 from tiers import TIER_OF
 
 from rdepc import cli
@@ -38,6 +39,23 @@ def growing_bounds(first: float):
     while bound <= HANG_S:
         yield bound
         bound *= 2
+
+
+def orphan_heaps() -> set[str]:
+    """The shared-memory heaps (``/dev/shm/`` ``ranks.HEAP_PREFIX`` + pid + tag) whose creating process has
+    ended: left behind. A live creator's heap is in use, by this test or by another one that
+    a second worker runs beside it (``pytest -n``)."""
+    shm = Path("/dev/shm")
+    left = set()
+    for p in shm.glob(f"{ranks.HEAP_PREFIX}*") if shm.is_dir() else ():
+        pid = p.name.removeprefix(ranks.HEAP_PREFIX).split("-")[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            left.add(p.name)
+        except (ValueError, PermissionError):  # not a pid; a process of another user's: alive
+            continue
+    return left
 
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))

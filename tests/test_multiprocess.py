@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, ROOT, block_parameters, block_reference, growing_bounds, tiny_segmented
+from conftest import HANG_S, ROOT, block_parameters, block_reference, growing_bounds, orphan_heaps, tiny_segmented
 from rdepc.runtime import ranks
 from rdepc.runtime.module import KernelError
 from tolerance import assert_close, layer_chain
@@ -36,17 +36,12 @@ TINY = str(ROOT / "examples" / "tiny.rdep")  # fp32, dropless, H=64, F=128, E=8,
 RDEPC = str(Path(sys.executable).with_name("rdepc"))
 
 
-def heaps() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("rdepc-heap-*")} if shm.is_dir() else set()
-
-
 @pytest.fixture(autouse=True)
 def no_leftovers():
     """Every test: no shared-memory heap and no rank process outlives it."""
-    before = heaps()
+    before = orphan_heaps()
     yield
-    assert heaps() <= before, f"shared-memory heaps left behind: {heaps() - before}"
+    assert orphan_heaps() <= before, f"shared-memory heaps left behind: {orphan_heaps() - before}"
     import multiprocessing
 
     assert not multiprocessing.active_children()

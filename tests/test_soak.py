@@ -16,18 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import HANG_S, ROOT, growing_bounds
+from conftest import HANG_S, ROOT, growing_bounds, orphan_heaps
 from rdepc.runtime import ranks
 
 from rdepc.per_rank import Case
 
 sys.path.insert(0, str(ROOT / "tests" / "stress"))
 import soak
-
-
-def heaps() -> set[str]:
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.glob(f"{ranks.HEAP_PREFIX}*")} if shm.is_dir() else set()
 
 
 def slice_jobs(specs: dict[str, str]) -> list[soak.JobPlan]:
@@ -62,7 +57,7 @@ def test_soak_slice(tmp_path):
     specs = soak.build_specs(tmp_path)
     jobs = slice_jobs(specs)
     soak.prewarm(jobs)
-    before = heaps()
+    before = orphan_heaps()
     tally, wall = soak.run(jobs, parallel=2, progress=0, workdir=tmp_path / "work")
     print(soak.summary(tally, jobs, wall, {"backend": "emulated-mp", "seed": None, "runs": None, "jobs": 2})[0])
     c = tally.counts
@@ -77,7 +72,7 @@ def test_soak_slice(tmp_path):
         assert c[f"faults {kind} tripped"] == c[f"faults {kind}"] == 2
     assert c["faults kill"] == 1 and c["faults lost"] == 1 and c["ranks killed"] >= 1
     assert c["cases all-to-one expert"] == 1 and c["cases with an empty rank"] == 3
-    assert heaps() <= before
+    assert orphan_heaps() <= before
 
 
 def fake(plan: soak.JobPlan, results: dict, status: str = "ok", **kw) -> soak.JobResult:
@@ -139,11 +134,11 @@ def lost_before_the_heap(rank: int, W: int) -> list[str]:
 
 
 def test_a_peer_lost_before_the_heap_leaves_no_segment_and_is_the_one_named():
-    before = heaps()
+    before = orphan_heaps()
     with pytest.raises(ranks.RanksError, match=r"^rank 1 died \(exit code 3\)") as e:
         ranks.spawn(lost_before_the_heap, 2, timeout=120)
     assert e.value.results[0] == [], e.value.failures  # rank 0 raised, and had already removed its heap
-    assert set(e.value.failures) == {1} and heaps() <= before
+    assert set(e.value.failures) == {1} and orphan_heaps() <= before
 
 
 def stuck_after_the_heap(rank: int, W: int, marker: str) -> None:
@@ -160,12 +155,12 @@ def stuck_after_the_heap(rank: int, W: int, marker: str) -> None:
 
 
 def test_a_launch_ended_by_its_timeout_removes_the_heaps_its_ranks_created(tmp_path):
-    before = heaps()
+    before = orphan_heaps()
     for bound in growing_bounds(12):
         marker = tmp_path / f"created-{bound:g}"
         with pytest.raises(ranks.RanksError, match="did not finish within"):
             ranks.spawn(stuck_after_the_heap, 2, str(marker), timeout=bound)
-        assert heaps() <= before
+        assert orphan_heaps() <= before
         if marker.exists():  # rank 0 had created the heap when the launch was ended
             return
     pytest.fail(f"rank 0 did not reach the heap within {HANG_S} s")
