@@ -11,7 +11,8 @@ swap maps exactly the transformers (5.x) block classes of the table in
 DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, Llama-4, MiniMax, Jamba,
 GraniteMoE, FlexOlmo, the text blocks of Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4V-MoE, dots.llm1,
 DeepSeek-V3's clones (Kimi-Linear, EXAONE-MoE, GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash,
-Solar-Open, GLM-MoE-DSA) and DeepSeek-OCR-2's text block, and how each one's
+Solar-Open, GLM-MoE-DSA), DeepSeek-OCR-2's text block, and, in :mod:`rdepc.hf_families_more`,
+MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block holds), and how each one's
 router, experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock`
 that keeps the block's router module (``gate``, GPT-OSS's and Llama-4's ``router``:
 transformers still records its logits, and its weight is the router) and runs the routed
@@ -56,6 +57,7 @@ from rdepc.hf_spec import (
     blocks_of,
     describe,
     expert_text,
+    experts_weight,
     family_of,
     moe_blocks,
     shared_text,
@@ -116,7 +118,12 @@ class RDEPBlock(nn.Module):
         self.hf_shared_gate = fam.shared_gate if has_shared else None  # the Linear(H, 1) scaling it (Qwen)
         gate = getattr(block, fam.gate)
         setattr(self, fam.gate, gate)  # kept: its weight is the router, and transformers records its logits
-        moe_options.setdefault("dtype", block.experts.gate_up_proj.dtype)  # the model's dtype; compute in the spec's
+        bias = getattr(block, fam.block_bias, None) if fam.block_bias else None
+        if isinstance(bias, nn.Parameter):  # the block's own selection bias (AFMoE's a parameter), kept as it is
+            self.register_parameter(fam.block_bias, bias)
+        elif bias is not None:  # a buffer (MiniMax-M2, LFM2-MoE)
+            self.register_buffer(fam.block_bias, bias)
+        moe_options.setdefault("dtype", experts_weight(block)[1].dtype)  # the model's dtype; compute in the spec's
         self.moe = RDEPMoE(layer, **moe_options)
         self.moe.router = None  # routes by the gate's logits: one router weight, no tensor shared in checkpoints
         self.moe.router_logit_bias = None  # the gate's logits hold any bias on them
@@ -146,16 +153,28 @@ class RDEPBlock(nn.Module):
         """The block's router module (``gate``, or GPT-OSS's ``router``)."""
         return getattr(self, self.hf_gate)
 
+    def block_bias(self) -> torch.Tensor | None:
+        """The block's own selection bias (the router's second argument) as it is now, or None."""
+        name = self.family.block_bias
+        return None if name is None else getattr(self, name, None)
+
     def router_bias(self) -> torch.Tensor | None:
-        """The gate's selection bias [E] as it is now, or None."""
-        bias = self.family.bias
-        return None if bias is None else operator.attrgetter(bias)(self.router_module).reshape(-1)
+        """The gate's (or the block's) selection bias [E] as it is now, or None."""
+        fam = self.family
+        if fam.block_bias:
+            bias = self.block_bias()
+        else:
+            bias = None if fam.bias is None else operator.attrgetter(fam.bias)(self.router_module)
+        return None if bias is None else bias.reshape(-1)
 
     def forward(self, hidden_states: torch.Tensor):
+        fam = self.family
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # any number of tokens: the block pads them to the W ranks
-        routed = self.router_module(x)  # its logits among its outputs: transformers records them
-        y = self.moe(x, logits=routed[self.family.logits], router_bias=self.router_bias())
+        args = (x if fam.router_flat else hidden_states,) + ((self.block_bias(),) if fam.block_bias else ())
+        routed = self.router_module(*args)  # its logits among its outputs: transformers records them
+        logits = routed if fam.logits is None else routed[fam.logits]
+        y = self.moe(x, logits=logits, router_bias=self.router_bias())
         y = y if self.family.flat else y.reshape(shape)
         return (y, routed[1]) if self.family.returns_router else y
 
@@ -164,7 +183,12 @@ class RDEPBlock(nn.Module):
         holds it, its transformers shape)."""
         m = self.moe
         E, H, F = len(m.experts), m.H, m.F
-        if self.family.experts == "llama4":
+        if self.family.experts == "dbrx":  # [E·F, H] each; the gate and up halves of w_gate_up, by their views
+            out = {
+                f"experts.mlp.{k}": (name, (E * F, H))
+                for k, name in (("w1", "w_gate"), ("v1", "w_up"), ("w2", "w_down"))
+            }
+        elif self.family.experts == "llama4":
             out = {"experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)), "experts.down_proj": ("w_down", (E, F, H))}
         elif self.family.experts == "gpt_oss":
             out = {
@@ -191,12 +215,22 @@ class RDEPBlock(nn.Module):
         ``experts.down_proj`` [E, H, F], the shared MLP's ``gate_proj`` / ``up_proj`` [N·F_s, H]
         and ``down_proj`` [H, N·F_s] (shared expert j: hidden units j·F_s onward), and the gate
         that scales it, ``shared_expert_gate.weight`` [1, H]."""
+        return self.hf_layout(lambda p: p.detach())
+
+    def hf_layout(self, of) -> dict[str, torch.Tensor]:
+        """``of`` (a function of an RDEPMoE parameter: the parameter, its gradient) of each expert
+        weight, under the block's transformers names and in its layouts (:meth:`hf_state_dict`)."""
         out = {}
         interleaved = self.family.experts == "gpt_oss"  # [E, H, 2F] and [E, 2F]: rdepc's own layout
         down_as_held = self.family.experts in ("gpt_oss", "llama4")  # [E, F, H] (and [E, H]) as rdepc holds them
         for key, (name, _) in self.layout().items():
-            p = source = getattr(self.moe, name).detach()
-            if interleaved and name in ("w_gate_up", "b_gate_up"):
+            held = "w_gate_up" if name in ("w_gate", "w_up") else name  # DBRX's: w_gate_up's halves
+            p = source = of(getattr(self.moe, held))
+            if held != name:  # [E, H, F, 2] -> [E, F, H] (w1 or v1) -> [E·F, H]
+                p = p[..., 0 if name == "w_gate" else 1].transpose(1, 2).flatten(0, 1)
+            elif self.family.experts == "dbrx" and name == "w_down":  # [E, F, H] -> [E·F, H]
+                p = p.flatten(0, 1)
+            elif interleaved and name in ("w_gate_up", "b_gate_up"):
                 p = p.flatten(-2, -1)
             elif down_as_held and name in ("w_down", "b_down"):
                 pass
@@ -221,12 +255,18 @@ class RDEPBlock(nn.Module):
         m = self.moe
         name, want = self.layout()[key]
         experts = ("w_gate_up", "w_down", "b_gate_up", "b_down")
-        if name in experts and value.dim() == len(want) and value.shape[0] == m.E != len(m.experts):
+        dbrx = self.family.experts == "dbrx"  # [E·F, H]: expert e's rows e·F onward
+        if dbrx and value.dim() == 2 and value.shape[0] == m.E * m.F != len(m.experts) * m.F:
+            value = value.unflatten(0, (m.E, m.F))[list(m.experts)].flatten(0, 1)  # a per-rank block's experts
+        elif name in experts and value.dim() == len(want) and value.shape[0] == m.E != len(m.experts):
             value = value[list(m.experts)]  # a per-rank block: its own experts' rows
         if tuple(value.shape) != want:
             return f"copying a param with shape {tuple(value.shape)}, the block's is {want}"
-        p = getattr(m, name)
-        if self.family.experts == "gpt_oss" and name in experts:  # rdepc's layout, gate and up interleaved
+        p = getattr(m, name)  # DBRX's w_gate, w_up: views of w_gate_up [E, H, F, 2]
+        if dbrx:  # [E·F, H] -> [E, F, H], w_down's layout; the gate and up halves [E, H, F]
+            value = value.unflatten(0, (-1, m.F))
+            p.copy_(value if name == "w_down" else value.transpose(1, 2))
+        elif self.family.experts == "gpt_oss" and name in experts:  # rdepc's layout, gate and up interleaved
             p.copy_(value.unflatten(-1, (m.F, 2)) if name in ("w_gate_up", "b_gate_up") else value)
         elif self.family.experts == "llama4" and name in experts:  # [E, H, 2F] gate then up; [E, F, H]
             p.copy_(value.unflatten(-1, (2, m.F)).transpose(2, 3) if name == "w_gate_up" else value)
@@ -249,10 +289,13 @@ class RDEPBlock(nn.Module):
         gate = self.router_module
         block = copy.deepcopy(shell, {id(getattr(shell, self.hf_gate)): gate})
         setattr(block, self.hf_gate, gate)
+        if self.block_bias() is not None:  # the block's selection bias as it is now (it follows .to and updates)
+            setattr(block, self.family.block_bias, self.block_bias())
         layout = self.layout()
         for key, value in self.hf_state_dict().items():
             owner, _, leaf = key.rpartition(".")
-            grad = getattr(self.moe, layout[key][0]).requires_grad
+            held = "w_gate_up" if layout[key][0] in ("w_gate", "w_up") else layout[key][0]  # DBRX's: its halves
+            grad = getattr(self.moe, held).requires_grad
             setattr(block.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=grad))
         return block
 
@@ -303,7 +346,7 @@ def probe(name: str, block: nn.Module, swapped: RDEPBlock) -> None:
     """Refuse ``swapped`` unless its output on a probe batch (W·min(T, 4) tokens drawn from a
     fixed seed) is ``block``'s within :data:`PROBE_TOLERANCE`; nothing to probe on the meta
     device."""
-    w = block.experts.gate_up_proj
+    w = experts_weight(block)[1]
     if w.device.type == "meta":
         return
     n = swapped.moe.W * min(swapped.moe.T, 4)
@@ -372,7 +415,7 @@ def swap(
     families = [_check(name, block, built) for (name, block), built in zip(blocks, layers, strict=True)]
     swapped = []
     for (name, block), fam, built in zip(blocks, families, layers, strict=True):
-        device = moe_options.get("device", block.experts.gate_up_proj.device)
+        device = moe_options.get("device", experts_weight(block)[1].device)
         swapped.append(RDEPBlock(block, built, fam, **{**moe_options, "device": device}))
         if verify:
             probe(name, block, swapped[-1])

@@ -39,6 +39,9 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
 GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA.
 
+More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE), which builds them
+from this module's Parts and adds them to :data:`FAMILIES`.
+
 The blocks transformers ships that swap refuses are :data:`UNMAPPED`'s rows, each with why.
 
 S is the gate's ``routed_scaling_factor``, G and M its ``num_group`` and ``topk_group``
@@ -79,7 +82,7 @@ from fractions import Fraction
 from torch import nn
 
 ANY = object()  # an attribute whose value swap does not read (or reads through the router rule)
-SILU = ("SiLU", "SiLUActivation")
+SILU = ("SiLU", "SiLUActivation", "silu")  # the module classes, and torch's function (LFM2-MoE's experts)
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,11 @@ class Family:
     scales the experts (``gate_on``: the spec's ``expert ..., gate``), whether the block
     returns its router's second output beside its own (GPT-OSS: the top-K scores; Llama-4:
     the logits) and whether it returns its output with the tokens flattened, [N, H] (``flat``:
-    Llama-4)."""
+    Llama-4). ``block_bias``: the block's own tensor that is the selection bias (MiniMax-M2,
+    LFM2-MoE, AFMoE), passed to the router as its second argument; ``router_flat`` False: the
+    router takes the tokens as the block got them (AFMoE's: [B, S, H]); ``logits`` None: the
+    router returns its logits alone (DBRX); ``rule_reads`` "block": the router rule, and top-K,
+    are the block's attributes, not the router's (DBRX)."""
 
     name: str
     block: Part
@@ -235,23 +242,42 @@ class Family:
     shared: str | None = None
     shared_gate: str | None = None
     gate: str = "gate"
-    logits: int = 0
+    logits: int | None = 0
     experts: str = "fused"
     gate_on: str = "output"
     returns_router: bool = False
     flat: bool = False
+    block_bias: str | None = None
+    router_flat: bool = True
+    rule_reads: str = "gate"
 
 
 def _family(
-    name, block, *, gate, experts, router, shared=None, shared_gate=None, attrs=None, bias=None, gate_name="gate"
+    name,
+    block,
+    *,
+    gate,
+    experts,
+    router,
+    shared=None,
+    shared_gate=None,
+    attrs=None,
+    bias=None,
+    gate_name="gate",
+    params=None,
+    buffers=None,
+    **more,
 ) -> Family:
-    children = {gate_name: gate, "experts": _experts(experts)}
+    """A row: ``experts`` the experts' class (fused, SiLU-gated) or their Part; ``params`` and
+    ``buffers`` the block's own; ``more`` the Family's other fields."""
+    children = {gate_name: gate, "experts": experts if isinstance(experts, Part) else _experts(experts)}
     if shared is not None:
         children[shared[0]] = _mlp(shared[1])
     if shared_gate is not None:
         children[shared_gate] = _LINEAR
-    part = Part((block,), children, attrs=attrs or {})
-    return Family(name, part, router, bias, None if shared is None else shared[0], shared_gate, gate=gate_name)
+    part = Part((block,), children, params or {}, buffers or {}, attrs or {})
+    shared_name = None if shared is None else shared[0]
+    return Family(name, part, router, bias, shared_name, shared_gate, gate=gate_name, **more)
 
 
 def _softmax(gate) -> dict:  # the top-K softmax scores as they are (Jamba)
@@ -464,19 +490,22 @@ UNMAPPED: dict[str, str] = {
     "VitPoseNaiveMoe": "a vision backbone's per-dataset experts, not a routed MoE",
 } | dict.fromkeys(
     (
-        "AXK1MoE", "AXK2MoE", "AfmoeSparseMoeBlock", "AriaTextMoELayer", "BailingHybridMoE", "BeamMoE",
+        "AXK1MoE", "AXK2MoE", "AriaTextMoELayer", "BailingHybridMoE", "BeamMoE",
         "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
         "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock",
         "FlintSparseMoeBlock", "Glm5NextTextMoE", "GraniteMoeHybridMoE",
         "GraniteMoeSWAMoE", "GraniteMoeSharedMoE", "HYV3MoE", "HYV4MoE", "HYV4VLMoE", "Inkling2LoopSparseMoeBlock",
         "Inkling2SparseMoeBlock", "InklingMoE", "Kolibri1SparseMoeBlock", "LagunaSparseMoeBlock",
-        "LaraMiniSparseMoeBlock", "Lfm2MoeSparseMoeBlock", "LongcatFlashMoE", "MellumSparseMoeBlock",
-        "MiniMaxM2SparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",
+        "LaraMiniSparseMoeBlock", "LongcatFlashMoE", "MellumSparseMoeBlock",
+        "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",
         "MistralLarge4TextMoE", "MuseSparkMoE", "NemotronHMoE", "OpenAIPrivacyFilterMLP",
         "Qwen3OmniMoeTalkerTextSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock",
         "Step3p7SparseMoeBlock", "UnlimitedOcrTextMoe", "ZayaSparseMoeBlock",
     ),
     NOT_COMPARED,
 )  # fmt: skip
+
+# More rows, built from the Parts and helpers above (rdepc.hf_families_more): they join FAMILIES.
+from rdepc import hf_families_more  # noqa: E402, F401
 
 __all__ = ["ANY", "FAMILIES", "NOT_COMPARED", "SILU", "UNMAPPED", "Family", "Part", "router_terms"]

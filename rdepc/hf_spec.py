@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import types
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -192,7 +193,7 @@ _KEYS = {  # the config keys that hold each value, by family naming
     "E": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "F": ("moe_intermediate_size", "intermediate_size"),
     "K": ("num_experts_per_tok", "moe_k", "moe_topk", "top_k"),
-    "N": ("n_shared_experts", "moe_num_shared_experts"),
+    "N": ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"),
 }
 
 
@@ -203,11 +204,34 @@ def _source(config, what: str, value, fallback: str) -> str:
     return fallback
 
 
-_GATE_ATTRS = ("norm_topk_prob", "routed_scaling_factor", "topk_method", "num_group", "topk_group", "norm_min")
+_GATE_ATTRS = (
+    "norm_topk_prob", "routed_scaling_factor", "topk_method", "num_group", "topk_group", "norm_min", "route_scale",
+    "use_expert_bias", "moe_normalize_expert_weights",
+)  # fmt: skip
+
+
+def act_name(fn) -> str:
+    """An activation's class name, or a plain function's own (``F.silu``: silu)."""
+    return fn.__name__ if isinstance(fn, types.FunctionType) else type(fn).__name__
+
+
+def experts_weight(block: nn.Module) -> tuple[str, torch.Tensor]:
+    """The experts' first weight and its name in the block (``experts.gate_up_proj``, DBRX's
+    ``experts.mlp.w1``): its device and dtype are the experts'."""
+    name, w = next(block.experts.named_parameters())
+    return f"experts.{name}", w
 
 
 def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, int, tuple]:
     """(E, H, F, (act, limit, alpha, bias)) of a block's experts, in its family's layout."""
+    if fam.experts == "dbrx":  # experts.mlp.w1 (gate), v1 (up), w2 (down, [F, H] an expert), each [E·F, H]
+        mlp = ex.mlp
+        E, (EF, H) = mlp.moe_num_experts, mlp.w1.shape
+        for key in ("v1", "w2"):
+            if getattr(mlp, key).shape != mlp.w1.shape:
+                raise SwapError(f"{where} has experts.mlp.{key} {tuple(getattr(mlp, key).shape)}, not w1's {(EF, H)}")
+        act = act_name(mlp.activation_fn)
+        return E, H, EF // E, ("swiglu" if act in SILU else f"gated {act}", None, None, False)
     if fam.experts in ("gpt_oss", "llama4"):  # gate_up_proj [E, H, 2F], down_proj [E, F, H]
         E, H, twoF = ex.gate_up_proj.shape
         down, layout = (E, twoF // 2, H), "[E, F, H]"
@@ -217,7 +241,7 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
     if fam.experts == "gpt_oss":  # gate and up interleaved, biases
         fn = ("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), True)
     else:
-        act = type(ex.act_fn).__name__
+        act = act_name(ex.act_fn)
         fn = ("swiglu" if act in SILU else f"gated {act}", None, None, False)
     if tuple(ex.down_proj.shape) != down:
         raise SwapError(f"{where} has experts.down_proj {tuple(ex.down_proj.shape)}, not {layout} = {down}")
@@ -227,7 +251,9 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
 def _expert_source(ex: nn.Module, fn: tuple) -> str:
     if fn[0] == "clamped_swiglu":
         return f"experts.limit {ex.limit}, experts.alpha {ex.alpha}, experts.gate_up_proj_bias and down_proj_bias"
-    return f"experts.act_fn {type(ex.act_fn).__name__}"
+    if isinstance(getattr(ex, "mlp", None), nn.Module):  # DBRX's
+        return f"experts.mlp.activation_fn {act_name(ex.mlp.activation_fn)}"
+    return f"experts.act_fn {act_name(ex.act_fn)}"
 
 
 def _shared_found(block: nn.Module, fam: Family, config) -> Shared | None:
@@ -236,7 +262,7 @@ def _shared_found(block: nn.Module, fam: Family, config) -> Shared | None:
         return None
     gated = "sigmoid" if fam.shared_gate and getattr(block, fam.shared_gate) is not None else None
     width = mlp.gate_proj.weight.shape[0]
-    fn = type(getattr(mlp, "act_fn", None) or mlp.activation_fn).__name__  # Llama-4's: activation_fn
+    fn = act_name(getattr(mlp, "act_fn", None) or mlp.activation_fn)  # Llama-4's: activation_fn
     n = next((getattr(config, k) for k in _KEYS["N"] if isinstance(getattr(config, k, None), int)), 1)
     n = n if n > 0 and width % n == 0 else 1  # DeepSeek's N shared experts are one MLP of N·F_s
     return Shared(n, "swiglu" if fn in SILU else f"gated {fn}", width, gated)
@@ -250,24 +276,28 @@ def describe(name: str, block: nn.Module) -> Found:
     walk(where, block, fam.block)
     gate = getattr(block, fam.gate)
     E, H, F, fn = _experts_found(where, fam, block.experts)
-    rule = fam.router(gate)
+    owner, owner_name = (block, "") if fam.rule_reads == "block" else (gate, f"{fam.gate}.")  # DBRX: the block's
+    rule = fam.router(owner)
     if isinstance(rule, str):
-        raise SwapError(f"{where}: its router {type(gate).__name__} has {rule}")
+        raise SwapError(f"{where}: its router {type(owner).__name__} has {rule}")
     config = _config(block)
-    tensor = f"experts.gate_up_proj {tuple(block.experts.gate_up_proj.shape)}"
-    read = ", ".join(f"{a} = {getattr(gate, a)!r}" for a in _GATE_ATTRS if hasattr(gate, a))
+    key, weight = experts_weight(block)
+    tensor = f"{key} {tuple(weight.shape)}"
+    read = ", ".join(f"{a} = {getattr(owner, a)!r}" for a in _GATE_ATTRS if hasattr(owner, a))
+    if fam.block_bias:
+        read += f"{', ' if read else ''}the block's {fam.block_bias}"
     sources = (
         ("hidden", _source(config, "H", H, tensor)),
         ("experts", _source(config, "E", E, tensor)),
         ("ffn", _source(config, "F", F, tensor)),
-        ("top", _source(config, "K", gate.top_k, f"{fam.gate}.top_k")),
+        ("top", _source(config, "K", owner.top_k, f"{owner_name}top_k")),
         ("expert", _expert_source(block.experts, fn)),
-        ("router", f"{fam.name}'s rule, {type(gate).__name__}" + (f": {read}" if read else "")),
+        ("router", f"{fam.name}'s rule, {type(owner).__name__}" + (f": {read}" if read else "")),
         ("dtype", f"{tensor}'s dtype"),
     )
     shared = _shared_found(block, fam, config)
-    dtype = DTYPES.get(block.experts.gate_up_proj.dtype, str(block.experts.gate_up_proj.dtype))
-    found = Found(fam.name, type(block).__name__, E, H, F, gate.top_k, *fn, fam.gate_on, rule, shared, dtype)
+    dtype = DTYPES.get(weight.dtype, str(weight.dtype))
+    found = Found(fam.name, type(block).__name__, E, H, F, owner.top_k, *fn, fam.gate_on, rule, shared, dtype)
     if shared is not None:
         sources += (
             ("shared", f"{fam.shared}.gate_proj [{shared.ffn}, {H}]" + (f", {fam.shared_gate}" if shared.gate else "")),
@@ -367,4 +397,16 @@ def written(model_or_block: nn.Module, ranks: int, tokens: int) -> tuple[str, di
     return "\n".join(head) + "\n\n" + "\n\n".join(layers) + "\n", layer_of
 
 
-__all__ = ["Found", "SwapError", "describe", "family_of", "moe_blocks", "router_text", "spec_for", "supported", "walk"]
+__all__ = [
+    "Found",
+    "SwapError",
+    "act_name",
+    "describe",
+    "experts_weight",
+    "family_of",
+    "moe_blocks",
+    "router_text",
+    "spec_for",
+    "supported",
+    "walk",
+]

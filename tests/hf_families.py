@@ -198,6 +198,33 @@ CASES["deepseek_ocr2"] = Case(
     shared="shared 1 x swiglu(ffn = 16)",
 )
 
+# rdepc.hf_families_more's rows: a selection bias held by the block, passed to its router.
+CASES |= {
+    "minimax_m2": Case(
+        "minimax_m2", "MiniMaxM2Config", "MiniMaxM2SparseMoeBlock",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        router="sigmoid, bias, renormalize",
+    ),
+    "lfm2_moe": Case(
+        "lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
+         "routed_scaling_factor": 2.5},
+        router="sigmoid, bias, scale 2.5",
+    ),
+    "lfm2_moe_unbiased": Case(
+        "lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
+         "use_expert_bias": False},
+        router="sigmoid",
+    ),
+    "afmoe": Case(
+        "afmoe", "AfmoeConfig", "AfmoeSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 2,
+         "route_scale": 2.5},
+        router="sigmoid, bias, renormalize, scale 2.5", shared="shared 2 x swiglu(ffn = 16)",
+    ),
+}  # fmt: skip
+
 
 def spec_text(case: Case, tokens: int = 8, dtype: str = "fp32") -> str:
     shared = f"  {case.shared}\n" if case.shared else ""

@@ -128,28 +128,9 @@ DEEPSEEK_V3_SHARED = "  shared 1 x swiglu(ffn = 16)\n"
 # ----------------------------------------------------------------------------- every family
 def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
     """A swapped block's gradients under the transformers block's names and layouts."""
-    m = block.moe
     gate = block.router_module
     out = {f"{block.hf_gate}.{n}": p.grad for n, p in gate.named_parameters() if p.grad is not None}
-    if block.hf_class == "GptOssMLP":  # gate and up interleaved in [E, H, 2F], as rdepc holds them
-        out["experts.gate_up_proj"] = m.w_gate_up.grad.flatten(2, 3)
-        out["experts.gate_up_proj_bias"] = m.b_gate_up.grad.flatten(1, 2)
-        out["experts.down_proj"], out["experts.down_proj_bias"] = m.w_down.grad, m.b_down.grad
-        return out
-    if block.hf_class == "Llama4TextMoe":  # [E, H, F, 2] -> [E, H, 2F] (gate columns, then up); [E, F, H]
-        out["experts.gate_up_proj"] = m.w_gate_up.grad.transpose(2, 3).flatten(2, 3)
-        out["experts.down_proj"] = m.w_down.grad
-    else:
-        out["experts.gate_up_proj"] = m.w_gate_up.grad.permute(0, 3, 2, 1).flatten(1, 2)  # -> [E, 2F, H]
-        out["experts.down_proj"] = m.w_down.grad.transpose(1, 2)
-    s = block.hf_shared
-    if s:
-        out[f"{s}.gate_proj.weight"] = m.shared_gate.grad.transpose(1, 2).flatten(0, 1)
-        out[f"{s}.up_proj.weight"] = m.shared_up.grad.transpose(1, 2).flatten(0, 1)
-        out[f"{s}.down_proj.weight"] = m.shared_down.grad.permute(2, 0, 1).flatten(1, 2)
-    if block.hf_shared_gate:
-        out[f"{block.hf_shared_gate}.weight"] = m.shared_gate_proj.grad
-    return out
+    return out | block.hf_layout(lambda p: p.grad)
 
 
 @pytest.mark.parametrize("name", list(fam.CASES))
@@ -301,6 +282,28 @@ def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
     assert_close(gates, want_gates, gate_bound(x, gate.weight.detach(), router, 2, logit_bias=gate.bias.detach()))
 
 
+@pytest.mark.parametrize(
+    ("name", "kw", "message"),
+    [
+        (
+            "lfm2_moe",
+            {"norm_topk_prob": True},
+            "mlp (Lfm2MoeSparseMoeBlock): its router Lfm2MoeTopKRouter has norm_topk_prob True: it divides the "
+            "top-K gates by their sum + 1e-6, and the spec language has no term for that epsilon",
+        ),
+    ],
+)
+def test_a_router_rule_the_spec_language_lacks_is_refused_with_why(name, kw, message):
+    """A mapped family whose block, as configured, routes by a rule the spec cannot say is
+    refused, by swap and spec_for alike, naming the term it lacks."""
+    case = fam.CASES[name]
+    case = dataclasses.replace(case, kw=case.kw | kw)
+    for attempt in (lambda h: swap(h, ranks=2, tokens=8), lambda h: rdepc.hf.spec_for(h, ranks=2, tokens=8)):
+        with pytest.raises(SwapError) as err:
+            attempt(fam.block(transformers, case))
+        assert str(err.value).startswith(message), err.value
+
+
 def test_a_block_class_outside_the_table_is_refused(tmp_path):
     class MyMoe(torch.nn.Module):
         def __init__(self):
@@ -429,6 +432,42 @@ def test_the_deepseek_v3_bias_is_the_gates_buffer_through_dtype_moves_and_update
     assert torch.equal(
         model.state_dict()["model.layers.0.mlp.gate.e_score_correction_bias"], ref.gate.e_score_correction_bias
     )
+
+
+@pytest.mark.parametrize("name", ["minimax_m2", "lfm2_moe", "afmoe"])
+def test_a_selection_bias_the_block_holds_routes_and_is_its_state(name):
+    """MiniMax-M2, LFM2-MoE and AFMoE hold their selection bias in the block and pass it to the
+    router: the swapped block holds that tensor under its name (the state dict is the block's),
+    routes by it as it is at each call (an update in place moves the routing as it moves
+    transformers'), and unswap gives it back as it is."""
+    case = fam.CASES[name]
+    holder = fam.block(transformers, case)
+    bias_name = rdepc.hf_families.FAMILIES[case.block].block_bias
+    keys = holder.mlp.state_dict().keys()
+    original = copy.deepcopy(holder.mlp)
+    swap(holder, ranks=2, tokens=8)
+    block = holder.mlp
+    assert block.state_dict().keys() == keys and getattr(block, bias_name) is not None
+    x = torch.randn(2, 4, fam.H, generator=torch.Generator().manual_seed(3))
+    twin = float64_twin(original)
+    before = None
+    for favoured in ([0, 1], [2, 3]):
+        with torch.no_grad():
+            for b in (block, original):
+                getattr(b, bias_name)[favoured] += 2.0  # every token picks these now
+            got, want = block(x), original(x)
+
+        def transformers_block(x, state):
+            with torch.no_grad():
+                return torch.func.functional_call(twin, state, (x,))
+
+        sigma = spread(transformers_block, (x, state_of(original)))[0]
+        chain = moe_chain(fam.H, case.F, case.K, case.E, 32 if case.shared else 0)
+        assert_close(got, want, reorder_bound(sigma, chain, want), "y")
+        assert before is None or relative(got, before) > 1e-2  # the update moved the routing
+        before = got
+    back = unswap(holder).mlp
+    assert torch.equal(getattr(back, bias_name), getattr(original, bias_name))
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4"])
@@ -678,7 +717,7 @@ def _small_model(config: str, **kw):
 def test_refusals_name_the_moe_block_list_the_mapped_families_and_a_near_twin(families):
     """A block swap does not map is refused naming it (JetMoE's JetMoeMoE, not the attention
     whose mixture of heads is called experts), with the mapped families listed and the mapped
-    class nearest by name (MiniMax-M2: MiniMax); a class aliased in the table without its Part
+    class nearest by name (PhiMoE: OLMoE); a class aliased in the table without its Part
     says which class it maps, not a garbled path."""
     jet = _small_model("JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
     with pytest.raises(SwapError) as err:
@@ -686,13 +725,13 @@ def test_refusals_name_the_moe_block_list_the_mapped_families_and_a_near_twin(fa
     said = str(err.value)
     assert said.startswith("model.layers.0.mlp (JetMoeMoE) has experts, but JetMoeMoE is not a block class"), said
     assert "Mapped: Mixtral (MixtralSparseMoeBlock), Qwen3-MoE (Qwen3MoeSparseMoeBlock)" in said
-    m2 = _small_model("MiniMaxM2Config", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
-    with pytest.raises(SwapError, match=r"nearest mapped class is MiniMaxSparseMoeBlock \(MiniMax\): compare the two"):
-        rdepc.hf.spec_for(m2)
-    families["MiniMaxM2SparseMoeBlock"] = families["MixtralSparseMoeBlock"]
+    phi = _small_model("PhimoeConfig", num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    with pytest.raises(SwapError, match=r"nearest mapped class is OlmoeSparseMoeBlock \(OLMoE\): compare the two"):
+        rdepc.hf.spec_for(phi)
+    families["PhimoeSparseMoeBlock"] = families["MixtralSparseMoeBlock"]
     with pytest.raises(SwapError) as err:
-        swap(m2, ranks=2, tokens=8)
-    assert "has the block of class MiniMaxM2SparseMoeBlock, where rdepc.hf maps MixtralSparseMoeBlock" in str(err.value)
+        swap(phi, ranks=2, tokens=8)
+    assert "has the block of class PhimoeSparseMoeBlock, where rdepc.hf maps MixtralSparseMoeBlock" in str(err.value)
 
 
 def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its_reason():
@@ -715,4 +754,4 @@ def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its
     assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
     unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
     assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
-    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 28
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 31

@@ -1,0 +1,89 @@
+"""More rows of :data:`rdepc.hf_families.FAMILIES`, built from that module's Parts and helpers
+(it imports this one at its end, and the rows join its table):
+
+============== =========================== =========================================== ==================
+family         block class                 spec ``router``                             shared experts
+============== =========================== =========================================== ==================
+MiniMax-M2     MiniMaxM2SparseMoeBlock     sigmoid, bias, renormalize (the bias: the   none
+                                           block's ``e_score_correction_bias``)
+LFM2-MoE       Lfm2MoeSparseMoeBlock       sigmoid (bias: the block's ``expert_bias``, none
+                                           with ``use_expert_bias``), scale S; only
+                                           without ``norm_topk_prob`` (below)
+AFMoE          AfmoeSparseMoeBlock         sigmoid, bias, renormalize, scale           ``shared_experts``
+                                           ``route_scale`` (the bias: the block's
+                                           ``expert_bias``; router at ``router``)
+============== =========================== =========================================== ==================
+
+These three keep their selection bias in the block, not in its router, and pass it to the
+router as its second argument; the swapped block holds that tensor under the same name (a
+buffer, or AFMoE's parameter), so it is in the state dict, follows ``model.to(...)`` and is
+the one the training loop updates. AFMoE's router takes the tokens as the block got them
+([B, S, H]) and holds its weight in ``router.gate`` (a ``Linear`` without bias).
+
+Refused by its router rule: LFM2-MoE with ``norm_topk_prob``, which divides the top-K gates by
+their sum plus 1e-6; the spec's ``renormalize`` divides by the sum (``norm_min m``: by
+max(sum, m)), and the language has no term for an added epsilon.
+"""
+
+from __future__ import annotations
+
+from rdepc.hf_families import _LINEAR, ANY, FAMILIES, Part, _family, _gate, router_terms
+
+
+def _minimax_m2(gate) -> dict:
+    return router_terms("sigmoid", True, True)
+
+
+def _lfm2(gate) -> dict | str:
+    if gate.norm_topk_prob:
+        return (
+            "norm_topk_prob True: it divides the top-K gates by their sum + 1e-6, and the spec language has no "
+            "term for that epsilon (renormalize divides by the sum, norm_min m by max(sum, m))"
+        )
+    return router_terms("sigmoid", False, bool(gate.use_expert_bias), scale=gate.routed_scaling_factor)
+
+
+def _afmoe(gate) -> dict:  # its 1e-20 in the sum, as DeepSeek-V3's, changes no fp32 gate
+    return router_terms("sigmoid", True, True, scale=gate.route_scale)
+
+
+_AFMOE_ROUTER = Part(
+    ("AfmoeTokenChoiceRouter",),
+    {"gate": _LINEAR},
+    attrs=dict.fromkeys(("config", "top_k", "num_experts", "route_scale"), ANY),
+)
+
+MORE = (
+    _family(
+        "MiniMax-M2", "MiniMaxM2SparseMoeBlock",
+        gate=_gate("MiniMaxM2TopKRouter", "hidden_dim"),
+        experts="MiniMaxM2Experts",
+        router=_minimax_m2,
+        attrs={"top_k": ANY, "jitter_noise": 0},
+        buffers={"e_score_correction_bias": ANY},
+        block_bias="e_score_correction_bias",
+    ),
+    _family(
+        "LFM2-MoE", "Lfm2MoeSparseMoeBlock",
+        gate=_gate("Lfm2MoeTopKRouter", "hidden_dim", "norm_topk_prob", "routed_scaling_factor", "use_expert_bias"),
+        experts="Lfm2MoeExperts",
+        router=_lfm2,
+        attrs={"use_expert_bias": ANY},
+        buffers={"expert_bias": ANY},  # none without use_expert_bias
+        block_bias="expert_bias",
+    ),
+    _family(
+        "AFMoE", "AfmoeSparseMoeBlock",
+        gate=_AFMOE_ROUTER,
+        experts="AfmoeExperts",
+        router=_afmoe,
+        shared=("shared_experts", "AfmoeMLP"),
+        attrs={"config": ANY},
+        params={"expert_bias": ANY},  # a parameter without gradient
+        gate_name="router",
+        block_bias="expert_bias",
+        router_flat=False,
+    ),
+)  # fmt: skip
+
+FAMILIES.update({f.block.classes[0]: f for f in MORE})
