@@ -9,7 +9,8 @@
 swap maps exactly the transformers (5.x) block classes of the table in
 :mod:`rdepc.hf_families` (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, Qwen3-Next, DeepSeek-V2,
 DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, Llama-4, MiniMax, Jamba,
-GraniteMoE, FlexOlmo, the text blocks of Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4V-MoE, dots.llm1,
+GraniteMoE (and GraniteMoE-Shared's and -Hybrid's blocks), FlexOlmo, the text blocks of
+Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4V-MoE, dots.llm1,
 DeepSeek-V3's clones (Kimi-Linear, EXAONE-MoE, GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash,
 Solar-Open, GLM-MoE-DSA), DeepSeek-OCR-2's text block, and, in :mod:`rdepc.hf_families_more`,
 MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block holds), and how each one's

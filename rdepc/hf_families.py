@@ -28,6 +28,9 @@ MiniMax        MiniMaxSparseMoeBlock       as Mixtral                           
 Jamba          JambaSparseMoeBlock         softmax (router at ``router``)              none
 GraniteMoE     GraniteMoeMoE               softmax, renormalize (the softmax of the    none
                                            top-K logits; router at ``router``)
+GraniteShared  GraniteMoeSharedMoE         as GraniteMoE                               none (the layer's
+                                                                                       ``shared_mlp``)
+GraniteHybrid  GraniteMoeHybridMoE         as GraniteMoE                               as GraniteShared
 FlexOlmo       FlexOlmoSparseMoeBlock      as OLMoE                                    none
 Qwen3-VL-MoE   Qwen3VLMoeTextSparseMoeBlock softmax, renormalize                       none
 Qwen3.5-MoE    Qwen3_5MoeSparseMoeBlock    softmax, renormalize                        as Qwen3-Next
@@ -409,14 +412,6 @@ FAMILIES: dict[str, Family] = {
             gate_name="router",
         ),
         _family(
-            "GraniteMoE", "GraniteMoeMoE",  # softmax over the top-K logits: the top-K softmax scores renormalised
-            gate=_gate("GraniteMoeTopKRouter"),
-            experts="GraniteMoeExperts",
-            router=_softmax_renormalized,
-            attrs={"input_size": ANY},
-            gate_name="router",
-        ),
-        _family(
             "FlexOlmo", "FlexOlmoSparseMoeBlock",
             gate=_gate("FlexOlmoTopKRouter", "hidden_dim", "norm_topk_prob"),
             experts="FlexOlmoExperts",
@@ -438,6 +433,23 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }  # fmt: skip
+
+# GraniteMoE's block under other names: softmax over the top-K logits (the top-K softmax scores
+# renormalised), router at ``router``. GraniteMoE-Shared's shared MLP (``shared_mlp``) is the
+# decoder layer's, added beside the block's output: no part of the block, it stays transformers'.
+for _name, _prefix in (
+    ("GraniteMoE", "GraniteMoe"),
+    ("GraniteMoE-Shared", "GraniteMoeShared"),
+    ("GraniteMoE-Hybrid", "GraniteMoeHybrid"),
+):
+    FAMILIES[f"{_prefix}MoE"] = _family(
+        _name, f"{_prefix}MoE",
+        gate=_gate(f"{_prefix}TopKRouter"),
+        experts=f"{_prefix}Experts",
+        router=_softmax_renormalized,
+        attrs={"input_size": ANY},
+        gate_name="router",
+    )  # fmt: skip
 
 # DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
 # renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none), one row each.
@@ -493,8 +505,8 @@ UNMAPPED: dict[str, str] = {
         "AXK1MoE", "AXK2MoE", "AriaTextMoELayer", "BailingHybridMoE", "BeamMoE",
         "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
         "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock",
-        "FlintSparseMoeBlock", "Glm5NextTextMoE", "GraniteMoeHybridMoE",
-        "GraniteMoeSWAMoE", "GraniteMoeSharedMoE", "HYV3MoE", "HYV4MoE", "HYV4VLMoE", "Inkling2LoopSparseMoeBlock",
+        "FlintSparseMoeBlock", "Glm5NextTextMoE",
+        "GraniteMoeSWAMoE", "HYV3MoE", "HYV4MoE", "HYV4VLMoE", "Inkling2LoopSparseMoeBlock",
         "Inkling2SparseMoeBlock", "InklingMoE", "Kolibri1SparseMoeBlock", "LagunaSparseMoeBlock",
         "LaraMiniSparseMoeBlock", "LongcatFlashMoE", "MellumSparseMoeBlock",
         "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",

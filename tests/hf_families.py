@@ -140,6 +140,14 @@ CASES = {
         "granitemoe", "GraniteMoeConfig", "GraniteMoeMoE",
         {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    "granitemoeshared": Case(
+        "granitemoeshared", "GraniteMoeSharedConfig", "GraniteMoeSharedMoE",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 16},
+    ),
+    "granitemoehybrid": Case(
+        "granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridMoE",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "mamba_n_heads": 8},
+    ),
     "flex_olmo": Case(
         "flex_olmo", "FlexOlmoConfig", "FlexOlmoSparseMoeBlock",
         {"intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
