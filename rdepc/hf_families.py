@@ -42,7 +42,7 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
 GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA.
 
-More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE), which builds them
+More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE, DBRX), which builds them
 from this module's Parts and adds them to :data:`FAMILIES`.
 
 The blocks transformers ships that swap refuses are :data:`UNMAPPED`'s rows, each with why.
@@ -269,10 +269,12 @@ def _family(
     gate_name="gate",
     params=None,
     buffers=None,
+    layout="fused",
     **more,
 ) -> Family:
-    """A row: ``experts`` the experts' class (fused, SiLU-gated) or their Part; ``params`` and
-    ``buffers`` the block's own; ``more`` the Family's other fields."""
+    """A row: ``experts`` the experts' class (fused, SiLU-gated) or their Part, ``layout`` their
+    layout (the Family's ``experts``); ``params`` and ``buffers`` the block's own; ``more`` the
+    Family's other fields."""
     children = {gate_name: gate, "experts": experts if isinstance(experts, Part) else _experts(experts)}
     if shared is not None:
         children[shared[0]] = _mlp(shared[1])
@@ -280,7 +282,7 @@ def _family(
         children[shared_gate] = _LINEAR
     part = Part((block,), children, params or {}, buffers or {}, attrs or {})
     shared_name = None if shared is None else shared[0]
-    return Family(name, part, router, bias, shared_name, shared_gate, gate=gate_name, **more)
+    return Family(name, part, router, bias, shared_name, shared_gate, gate=gate_name, experts=layout, **more)
 
 
 def _softmax(gate) -> dict:  # the top-K softmax scores as they are (Jamba)
@@ -493,7 +495,6 @@ UNMAPPED: dict[str, str] = {
     "PhimoeSparseMoeBlock": "PhiMoE's SparseMixer gates, a router rule the spec language has no terms for",
     "JetMoeMoE": "one output bias for the whole layer, which the spec language has no term for",
     "Cohere2MoeSparseMoeBlock": "the average of its shared and routed parts, which the spec language has no term for",
-    "DbrxFFN": "DBRX's moe_normalize_expert_weights p-norm (only p = 1 is the spec's renormalize); " + NOT_COMPARED,
     "Gemma4TextDecoderLayer": "experts held by the decoder layer itself, no MoE block of their own to swap",
     "DiffusionGemmaDecoderTextLayer": "experts held by the decoder layer itself, no MoE block of their own to swap",
     "DiffusionGemmaEncoderTextLayer": "experts held by the decoder layer itself, no MoE block of their own to swap",

@@ -12,6 +12,9 @@ LFM2-MoE       Lfm2MoeSparseMoeBlock       sigmoid (bias: the block's ``expert_b
 AFMoE          AfmoeSparseMoeBlock         sigmoid, bias, renormalize, scale           ``shared_experts``
                                            ``route_scale`` (the bias: the block's
                                            ``expert_bias``; router at ``router``)
+DBRX           DbrxFFN                     softmax, renormalize (its                   none
+                                           ``moe_normalize_expert_weights`` 1; none:
+                                           softmax; router at ``router``)
 ============== =========================== =========================================== ==================
 
 These three keep their selection bias in the block, not in its router, and pass it to the
@@ -20,14 +23,20 @@ buffer, or AFMoE's parameter), so it is in the state dict, follows ``model.to(..
 the one the training loop updates. AFMoE's router takes the tokens as the block got them
 ([B, S, H]) and holds its weight in ``router.gate`` (a ``Linear`` without bias).
 
-Refused by its router rule: LFM2-MoE with ``norm_topk_prob``, which divides the top-K gates by
-their sum plus 1e-6; the spec's ``renormalize`` divides by the sum (``norm_min m``: by
-max(sum, m)), and the language has no term for an added epsilon.
+DBRX's router (``router``, a ``DbrxRouter`` holding a ``Linear`` at ``layer``) returns its
+logits alone, its top-K and its ``moe_normalize_expert_weights`` p are the block's, and its
+experts are held as ``experts.mlp.w1`` (gate), ``v1`` (up) and ``w2`` (down, [F, H] an
+expert), each [E·F, H], expert e's rows e·F onward.
+
+Refused by their router rule, for want of a term in the spec language: DBRX with a p other
+than 1 (or none), which divides the top-K gates by their p-norm (``renormalize`` is the
+1-norm), and LFM2-MoE with ``norm_topk_prob``, which divides them by their sum plus 1e-6
+(``renormalize`` divides by the sum; ``norm_min m`` by max(sum, m)).
 """
 
 from __future__ import annotations
 
-from rdepc.hf_families import _LINEAR, ANY, FAMILIES, Part, _family, _gate, router_terms
+from rdepc.hf_families import _ACT, _LINEAR, ANY, FAMILIES, Part, _family, _gate, router_terms
 
 
 def _minimax_m2(gate) -> dict:
@@ -46,6 +55,32 @@ def _lfm2(gate) -> dict | str:
 def _afmoe(gate) -> dict:  # its 1e-20 in the sum, as DeepSeek-V3's, changes no fp32 gate
     return router_terms("sigmoid", True, True, scale=gate.route_scale)
 
+
+def _dbrx(block) -> dict | str:  # the block's p: the top-K softmax scores divided by their p-norm
+    p = block.moe_normalize_expert_weights
+    if p is None:
+        return router_terms("softmax", False)
+    if p == 1:  # the scores are positive: their 1-norm is their sum
+        return router_terms("softmax", True)
+    return (
+        f"moe_normalize_expert_weights {p}: it divides the top-K gates by their {p:g}-norm, and the spec "
+        "language has no term for it (renormalize divides by their sum, the 1-norm)"
+    )
+
+
+_DBRX_ROUTER = Part(("DbrxRouter",), {"layer": _LINEAR}, attrs={"hidden_size": ANY, "moe_jitter_eps": None})
+_DBRX_EXPERTS = Part(
+    ("DbrxExperts",),
+    {
+        "mlp": Part(
+            ("DbrxExpertGLU",),
+            {"activation_fn": _ACT},
+            params=dict.fromkeys(("w1", "v1", "w2"), ANY),
+            attrs=dict.fromkeys(("hidden_size", "ffn_hidden_size", "moe_num_experts"), ANY),
+        )
+    },
+    attrs=dict.fromkeys(("hidden_size", "ffn_hidden_size", "num_experts"), ANY),
+)
 
 _AFMOE_ROUTER = Part(
     ("AfmoeTokenChoiceRouter",),
@@ -83,6 +118,17 @@ MORE = (
         gate_name="router",
         block_bias="expert_bias",
         router_flat=False,
+    ),
+    _family(
+        "DBRX", "DbrxFFN",
+        gate=_DBRX_ROUTER,
+        experts=_DBRX_EXPERTS,
+        router=_dbrx,
+        attrs={"moe_normalize_expert_weights": ANY, "top_k": ANY},
+        gate_name="router",
+        layout="dbrx",
+        logits=None,
+        rule_reads="block",
     ),
 )  # fmt: skip
 

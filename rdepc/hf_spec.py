@@ -279,7 +279,8 @@ def describe(name: str, block: nn.Module) -> Found:
     owner, owner_name = (block, "") if fam.rule_reads == "block" else (gate, f"{fam.gate}.")  # DBRX: the block's
     rule = fam.router(owner)
     if isinstance(rule, str):
-        raise SwapError(f"{where}: its router {type(owner).__name__} has {rule}")
+        who = "it" if fam.rule_reads == "block" else f"its router {type(owner).__name__}"
+        raise SwapError(f"{where}: {who} has {rule}")
     config = _config(block)
     key, weight = experts_weight(block)
     tensor = f"{key} {tuple(weight.shape)}"

@@ -231,6 +231,16 @@ CASES |= {
          "route_scale": 2.5},
         router="sigmoid, bias, renormalize, scale 2.5", shared="shared 2 x swiglu(ffn = 16)",
     ),
+    "dbrx": Case(
+        "dbrx", "DbrxConfig", "DbrxFFN",
+        {"d_model": H, "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}},
+    ),
+    "dbrx_unnormalized": Case(
+        "dbrx", "DbrxConfig", "DbrxFFN",
+        {"d_model": H, "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
+                        "moe_normalize_expert_weights": None}},
+        router="softmax",
+    ),
 }  # fmt: skip
 
 

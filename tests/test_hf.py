@@ -192,7 +192,7 @@ def test_the_written_spec_is_the_hand_written_ones_layer_with_its_sources(tmp_pa
     written = rdepc.api.load_text(text)
     hand = rdepc.load(case_spec(tmp_path, case))
     assert _layer_terms(written) == _layer_terms(hand)
-    assert "# hidden: config.hidden_size" in text or "# hidden: experts.gate_up_proj" in text
+    assert "# hidden: config.hidden_size" in text or "# hidden: experts." in text  # or an expert tensor
     assert text.count("\n  # ") == len([ln for ln in text.splitlines() if ln.startswith("  ") and "#" not in ln])
     assert swap(holder, case_spec(tmp_path, case), verify=False) == ["mlp"]  # equal outputs: the test above
 
@@ -290,6 +290,12 @@ def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
             {"norm_topk_prob": True},
             "mlp (Lfm2MoeSparseMoeBlock): its router Lfm2MoeTopKRouter has norm_topk_prob True: it divides the "
             "top-K gates by their sum + 1e-6, and the spec language has no term for that epsilon",
+        ),
+        (
+            "dbrx",
+            {"ffn_config": fam.CASES["dbrx"].kw["ffn_config"] | {"moe_normalize_expert_weights": 2.0}},
+            "mlp (DbrxFFN): it has moe_normalize_expert_weights 2.0: it divides the top-K gates by their 2-norm, "
+            "and the spec language has no term for it",
         ),
     ],
 )
@@ -470,11 +476,12 @@ def test_a_selection_bias_the_block_holds_routes_and_is_its_state(name):
     assert torch.equal(getattr(back, bias_name), getattr(original, bias_name))
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4", "dbrx"])
 def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name;
     GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down;
-    Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down."""
+    Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down;
+    DBRX's [E·F, H] w1, v1 and w2 the gate and up halves of its w_gate_up, and its w_down."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
     want = {k: v.clone() for k, v in holder.mlp.state_dict().items()}
@@ -487,6 +494,10 @@ def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     moe = other.mlp.moe
     if name == "qwen2_moe":
         assert torch.equal(moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    elif name == "dbrx":
+        for key, held in (("w1", moe.w_gate), ("v1", moe.w_up)):  # [E, H, F] -> [E·F, H]
+            assert torch.equal(held.transpose(1, 2).flatten(0, 1), want[f"experts.mlp.{key}"])
+        assert torch.equal(moe.w_down.flatten(0, 1), want["experts.mlp.w2"])
     elif name == "llama4":
         assert torch.equal(moe.w_gate_up[..., 0], want["experts.gate_up_proj"][..., : case.F])
         assert torch.equal(moe.w_gate_up[..., 1], want["experts.gate_up_proj"][..., case.F :])
@@ -754,4 +765,4 @@ def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its
     assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
     unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
     assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
-    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 33
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 34
