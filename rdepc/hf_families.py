@@ -40,9 +40,10 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 ============== =========================== =========================================== ==================
 
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
-GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA.
+GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA,
+Bailing-Hybrid (its router's weight held, and its logits computed, in fp32).
 
-More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE, DBRX), which builds them
+More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE, DBRX, Aria), which builds them
 from this module's Parts and adds them to :data:`FAMILIES`.
 
 The blocks transformers ships that swap refuses are :data:`UNMAPPED`'s rows, each with why.
@@ -466,6 +467,7 @@ for _name, _prefix, _block, _shared in (
     ("MiMo-V2-Flash", "MiMoV2Flash", "MiMoV2FlashMoE", False),
     ("Solar-Open", "SolarOpen", "SolarOpenMoE", True),
     ("GLM-MoE-DSA", "GlmMoeDsa", "GlmMoeDsaMoE", True),
+    ("Bailing-Hybrid", "BailingHybrid", "BailingHybridMoE", True),  # left-out groups masked to -inf: the spec's
 ):
     FAMILIES[_block] = _family(
         _name, _block,
@@ -503,7 +505,7 @@ UNMAPPED: dict[str, str] = {
     "VitPoseNaiveMoe": "a vision backbone's per-dataset experts, not a routed MoE",
 } | dict.fromkeys(
     (
-        "AXK1MoE", "AXK2MoE", "AriaTextMoELayer", "BailingHybridMoE", "BeamMoE",
+        "AXK1MoE", "AXK2MoE", "BeamMoE",
         "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
         "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock",
         "FlintSparseMoeBlock", "Glm5NextTextMoE",

@@ -15,6 +15,8 @@ AFMoE          AfmoeSparseMoeBlock         sigmoid, bias, renormalize, scale    
 DBRX           DbrxFFN                     softmax, renormalize (its                   none
                                            ``moe_normalize_expert_weights`` 1; none:
                                            softmax; router at ``router``)
+Aria (text)    AriaTextMoELayer            softmax, renormalize (the softmax of the    ``shared_experts``
+                                           top-K logits; router at ``router``)
 ============== =========================== =========================================== ==================
 
 These three keep their selection bias in the block, not in its router, and pass it to the
@@ -28,6 +30,10 @@ logits alone, its top-K and its ``moe_normalize_expert_weights`` p are the block
 experts are held as ``experts.mlp.w1`` (gate), ``v1`` (up) and ``w2`` (down, [F, H] an
 expert), each [E·F, H], expert e's rows e·F onward.
 
+Aria's experts are held in Llama-4's layout (``gate_up_proj`` [E, H, 2F], gate columns then
+up, ``down_proj`` [E, F, H]); its shared MLP, of ``moe_num_shared_experts`` times the experts'
+width, is the spec's ``shared N x swiglu(ffn = F)``.
+
 Refused by their router rule, for want of a term in the spec language: DBRX with a p other
 than 1 (or none), which divides the top-K gates by their p-norm (``renormalize`` is the
 1-norm), and LFM2-MoE with ``norm_topk_prob``, which divides them by their sum plus 1e-6
@@ -36,7 +42,20 @@ than 1 (or none), which divides the top-K gates by their p-norm (``renormalize``
 
 from __future__ import annotations
 
-from rdepc.hf_families import _ACT, _LINEAR, ANY, FAMILIES, Part, _family, _gate, router_terms
+from dataclasses import replace
+
+from rdepc.hf_families import (
+    _ACT,
+    _LINEAR,
+    ANY,
+    FAMILIES,
+    Part,
+    _experts,
+    _family,
+    _gate,
+    _softmax_renormalized,
+    router_terms,
+)  # fmt: skip
 
 
 def _minimax_m2(gate) -> dict:
@@ -81,6 +100,9 @@ _DBRX_EXPERTS = Part(
     },
     attrs=dict.fromkeys(("hidden_size", "ffn_hidden_size", "num_experts"), ANY),
 )
+
+# Aria's experts: Llama-4's layout (gate_up_proj [E, H, 2F], gate columns then up; down_proj [E, F, H]).
+_ARIA_EXPERTS = replace(_experts("AriaExperts"), attrs=_experts("AriaExperts").attrs | {"is_transposed": True})
 
 _AFMOE_ROUTER = Part(
     ("AfmoeTokenChoiceRouter",),
@@ -129,6 +151,15 @@ MORE = (
         layout="dbrx",
         logits=None,
         rule_reads="block",
+    ),
+    _family(
+        "Aria (text)", "AriaTextMoELayer",  # the softmax of the top-K logits: the top-K softmax scores renormalised
+        gate=_gate("AriaTextTopKRouter"),
+        experts=_ARIA_EXPERTS,
+        router=_softmax_renormalized,
+        shared=("shared_experts", "AriaSharedExpertsMLP"),
+        gate_name="router",
+        layout="llama4",
     ),
 )  # fmt: skip
 

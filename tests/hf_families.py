@@ -186,6 +186,7 @@ for _module, _config, _block, _shared in (
     ("mimo_v2_flash", "MiMoV2FlashConfig", "MiMoV2FlashMoE", False),
     ("solar_open", "SolarOpenConfig", "SolarOpenMoE", True),
     ("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaMoE", True),
+    ("bailing_hybrid", "BailingHybridConfig", "BailingHybridMoE", True),
 ):
     CASES[_module] = Case(
         _module,
@@ -240,6 +241,11 @@ CASES |= {
         {"d_model": H, "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
                         "moe_normalize_expert_weights": None}},
         router="softmax",
+    ),
+    "aria": Case(
+        "aria", "AriaTextConfig", "AriaTextMoELayer",
+        {"intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 2},
+        shared="shared 2 x swiglu(ffn = 16)",
     ),
 }  # fmt: skip
 
