@@ -104,8 +104,81 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     per_rank = spec.ownership.experts_per_rank(Wv)
     warnings: list[str] = [resolved.note] if resolved.note else []
 
-    # -- pooling ---------------------------------------------------------------------------
-    pooling = Pooling(
+    pooling = _pooling(env, per_rank)
+    mu_v = pooling.mu.value
+
+    capacity = capacity_plan(env, opts, values, spec, warnings)
+
+    memory = _memory(env, mem_env, spec, layer, strategy)
+    sym, resend = memory.plan, spec.input_activations == "resend"
+
+    transport = transport_plan(env, strategy, resend, spec.precision.backward_fp8)
+    if transport.min_ffn.value > values[F]:
+        warnings.append(
+            f"expert ffn {values[F]} is below {transport.min_ffn.value:.0f}, the width at which grouped-GEMM "
+            f"compute hides transport on {hw.name} (Table 5 rule): transport will show"
+        )
+
+    padding = None
+    if opts.routing is not None:
+        seg_rows = sym.S.value if strategy in SEGMENTED else None
+        padding = padding_plan(spec, opts, values, per_rank, seg_rows, env.values[cap_e])
+
+    warnings += _load_warnings(env, strategy, per_rank, mu_v)
+    too_big = _too_big(layer, strategy)
+    warnings += [] if too_big else _choice_warnings(layer, strategy_asked, opts)
+    verdicts = _verdicts(hw, sym, memory)
+    if not verdicts[0].fits:
+        warnings.append(f"the symmetric heap with a private ring per layer does not fit {hw.name}'s HBM")
+    if not verdicts[-1].fits:
+        warnings.append(f"the routed-layer memory together does not fit {hw.name}'s HBM")
+
+    return Plan(
+        spec.name,
+        spec.file,
+        hw,
+        strategy,
+        spec.shape.T_bound,
+        f"{spec.precision.dtype.value}, dispatch {spec.precision.dispatch.value}",
+        tuple((str(k), number(v)) for k, v in env.values.items()),
+        pooling,
+        capacity,
+        memory,
+        transport,
+        dedup_plan(env, spec, per_rank),
+        padding,
+        verdicts,
+        tuple(warnings),
+        balance_plan(env, spec, opts),
+        compute_plan(env, spec),
+        lowering := gemm_lowering(layer, strategy, opts),
+        too_big or projection(layer, strategy, lowering[0], opts),
+    )
+
+
+def _load_warnings(env: Env, strategy: str, per_rank, mu_v: float) -> list[str]:
+    """Loads too small for the schedule: a segment the least-loaded owner does not fill, and
+    fewer rows per expert than one m-tile."""
+    out: list[str] = []
+    if strategy in SEGMENTED:
+        fewest = min(k for k in per_rank if k > 0)
+        low = min(fewest * mu_v, env.values[R_max])
+        if env.values[S] > low:
+            out.append(
+                f"segment of {env.values[S]} rows is larger than the expected load of an owner with {fewest} "
+                f"expert(s) ({_g(low)} rows): that owner fills less than one segment, nothing overlaps"
+            )
+    if mu_v < BM:
+        out.append(
+            f"mu = {_g(mu_v)} rows per expert is below one {BM}-row tile: expert GEMMs launch mostly padding "
+            f"(pool more ranks or tokens)"
+        )
+    return out
+
+
+def _pooling(env: Env, per_rank) -> Pooling:
+    """Rows per expert and per owner under uniform routing (DP = W)."""
+    return Pooling(
         env.fig("mu", MU_DEF, "rows", "mean rows per expert, W·T·K/E (eq. 2 with DP = W)"),
         env.fig("mu_replica", T * K / E, "rows", "rows per expert from one replica, T·K/E"),
         env.fig("cv_uniform", sp.sqrt((1 - K / E) / mu), "frac", "CV of rows per expert, uniform routing (eq. 14)"),
@@ -120,11 +193,13 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         ),
         env.fig("owners.expected_load_max", E_max * mu, "rows", "expected rows at the busiest owner, E_max·μ"),
     )
-    mu_v = pooling.mu.value
 
-    capacity = capacity_plan(env, opts, values, spec, warnings)
 
-    # -- memory ----------------------------------------------------------------------------
+def _memory(env: Env, mem_env: Env, spec: LayerSpec, layer: LayerSpec, strategy: str) -> MemoryFigures:
+    """The paper's Table 4 symmetric memory, rdepc's heap plan (and the other strategy's, for
+    comparison), the routing context, what the backward keeps, the dense weights' lower bound
+    and the experts' training state. ``mem_env`` and ``layer``: the physical layer's (under
+    balance replicate its slots are experts), which the heap is planned for."""
     bulk_pl = PAPER_TENSORS * W * T * K * H * d
     seg_pl = PAPER_TENSORS * B * S * H * d
     has_seg = spec.segment is not None
@@ -156,7 +231,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     width_text += f"; {' and '.join(why)}" if why else ""
     saved_row = env.fig("saved_activations.bytes_per_row", row_width * a, "B", width_text)
     dense_params = dense_bytes = None
-    if values.get(V) is not None and values.get(L_all) is not None:
+    if env.values.get(V) is not None and env.values.get(L_all) is not None:
         dp = V * H + 4 * L_all * H**2 + 3 * L_dense * H * D_dense
         dense_params = env.fig(
             "dense_lower_bound.params",
@@ -165,7 +240,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             "eq. 21: V·H embeddings + 4·L·H² attention + 3·L_dense·H·D_dense dense FFN",
         )
         dense_bytes = env.fig("dense_lower_bound.bytes", dp * a, "B", "the same at the dtype, replicated on every rank")
-    memory = MemoryFigures(
+    return MemoryFigures(
         env.fig("symmetric_bytes.bulk_per_layer", bulk_pl, "B", f"{t4}, M_cap = W·T·K rows of H·d bytes"),
         env.fig("symmetric_bytes.segmented_per_layer", seg_pl, "B", f"{t4}, B·S rows of H·d bytes")
         if has_seg
@@ -219,36 +294,10 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
         training_state(env, spec),
     )
 
-    # -- transport -------------------------------------------------------------------------
-    transport = transport_plan(env, strategy, resend, spec.precision.backward_fp8)
-    if transport.min_ffn.value > values[F]:
-        warnings.append(
-            f"expert ffn {values[F]} is below {transport.min_ffn.value:.0f}, the width at which grouped-GEMM "
-            f"compute hides transport on {hw.name} (Table 5 rule): transport will show"
-        )
 
-    # -- padding (sampled) -----------------------------------------------------------------
-    padding = None
-    if opts.routing is not None:
-        seg_rows = sym.S.value if strategy in SEGMENTED else None
-        padding = padding_plan(spec, opts, values, per_rank, seg_rows, env.values[cap_e])
-
-    # -- warnings and verdicts --------------------------------------------------------------
-    if strategy in SEGMENTED:
-        fewest = min(k for k in per_rank if k > 0)
-        low = min(fewest * mu_v, env.values[R_max])
-        if values[S] > low:
-            warnings.append(
-                f"segment of {values[S]} rows is larger than the expected load of an owner with {fewest} "
-                f"expert(s) ({_g(low)} rows): that owner fills less than one segment, nothing overlaps"
-            )
-    if mu_v < BM:
-        warnings.append(
-            f"mu = {_g(mu_v)} rows per expert is below one {BM}-row tile: expert GEMMs launch mostly padding "
-            f"(pool more ranks or tokens)"
-        )
-    too_big = _too_big(layer, strategy)
-    warnings += [] if too_big else _choice_warnings(layer, strategy_asked, opts)
+def _verdicts(hw, sym, memory: MemoryFigures) -> tuple[Verdict, ...]:
+    """One verdict per memory budget against the profile's HBM, the sum of them all last."""
+    dense_bytes = memory.dense_bytes
     hbm = int(hw.hbm.value)
     budgets = [
         ("symmetric heap, rdepc plan fwd+bwd, private ring per layer", sym.private_total.value),
@@ -275,33 +324,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
             together,
         )
     )
-    verdicts = tuple(Verdict(name, int(v), hbm, int(v) <= hbm) for name, v in budgets)
-    if not verdicts[0].fits:
-        warnings.append(f"the symmetric heap with a private ring per layer does not fit {hw.name}'s HBM")
-    if not verdicts[-1].fits:
-        warnings.append(f"the routed-layer memory together does not fit {hw.name}'s HBM")
-
-    return Plan(
-        spec.name,
-        spec.file,
-        hw,
-        strategy,
-        spec.shape.T_bound,
-        f"{spec.precision.dtype.value}, dispatch {spec.precision.dispatch.value}",
-        tuple((str(k), number(v)) for k, v in env.values.items()),
-        pooling,
-        capacity,
-        memory,
-        transport,
-        dedup_plan(env, spec, per_rank),
-        padding,
-        verdicts,
-        tuple(warnings),
-        balance_plan(env, spec, opts),
-        compute_plan(env, spec),
-        lowering := gemm_lowering(layer, strategy, opts),
-        too_big or projection(layer, strategy, lowering[0], opts),
-    )
+    return tuple(Verdict(name, int(v), hbm, int(v) <= hbm) for name, v in budgets)
 
 
 def training_state(env: Env, spec: LayerSpec) -> TrainingState:

@@ -95,14 +95,13 @@ def _heap_rows(s: SymmetricPlan) -> list[list[str]]:
     return rows
 
 
-def render(pl: Plan, symbolic: bool = False) -> str:
+def _header(pl: Plan) -> list[str]:
+    """The layer, its sizes and choices, and the hardware profile's figures with their sources."""
     v = dict(pl.values)
-    po, cp, mem, tr = pl.pooling, pl.capacity, pl.memory, pl.transport
+    cp = pl.capacity
     hw = pl.hw
     out: list[str] = []
     add = out.append
-
-    # -- header ------------------------------------------------------------------------------
     add(f"rdepc plan: layer {pl.layer} ({pl.file})")
     tnote = f" (T is symbolic, T <= {pl.t_bound}: figures at the bound)" if pl.t_bound is not None else ""
     add(
@@ -125,8 +124,14 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         }[name]
         hw_rows.append([name, shown, val.kind, val.source])
     out += table(hw_rows, indent=4)
+    return out
 
-    # -- pooling -----------------------------------------------------------------------------
+
+def _pooling(pl: Plan) -> list[str]:
+    """Rows per expert and per owner under uniform routing."""
+    po = pl.pooling
+    out: list[str] = []
+    add = out.append
     add("")
     add("Pooling (uniform independent routing, DP = W)")
     asym = "unbounded (a rank owns no expert)" if math.isinf(po.asymmetry.value) else fmt(po.asymmetry)
@@ -143,8 +148,14 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     rows.append(["owner-load asymmetry", asym, po.asymmetry.what])
     rows += _fig_rows([("expected load, busiest owner", po.owner_load_expected)])
     out += table(rows, ["figure", "value", "accounting"])
+    return out
 
-    # -- capacity ----------------------------------------------------------------------------
+
+def _capacity(pl: Plan) -> list[str]:
+    """cap_e, the overflow bounds, and with --probs the skewed bound."""
+    cp = pl.capacity
+    out: list[str] = []
+    add = out.append
     add("")
     add(f"Capacity ({cp.policy}; overflow target {cp.target:g})")
     rows = _fig_rows(
@@ -177,8 +188,15 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ),
             indent=4,
         )
+    return out
 
-    # -- memory ------------------------------------------------------------------------------
+
+def _memory(pl: Plan) -> list[str]:
+    """The paper's Table 4 symmetric memory, then rdepc's heap plan region by region."""
+    v = dict(pl.values)
+    mem = pl.memory
+    out: list[str] = []
+    add = out.append
     add("")
     add("Symmetric memory, the paper's convention (Table 4: 4 routed row tensors of H·d bytes per row)")
     rows = [
@@ -219,7 +237,16 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             f"  for comparison, {alt.strategy} (S = {alt.S.value:,}, B = {alt.B.value}): fwd+bwd {fmt(fb)} "
             f"per layer, {fmt(alt.private_total)} for {v['L']} layers"
         )
+    return out
 
+
+def _other_memory(pl: Plan) -> list[str]:
+    """Routing context, saved activations, weights and training state; a verdict per budget."""
+    v = dict(pl.values)
+    mem = pl.memory
+    hw = pl.hw
+    out: list[str] = []
+    add = out.append
     add("")
     add("Other memory per GPU")
     rows = _fig_rows(
@@ -253,8 +280,15 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         else:
             verdict = f"DOES NOT FIT: {fmt_bytes(-vd.margin)} over ({vd.bytes / vd.hbm:.2f}x HBM)"
         add(f"  {vd.budget.ljust(width)}  {fmt_bytes(vd.bytes).rjust(10)}  {verdict}")
+    return out
 
-    # -- transport ---------------------------------------------------------------------------
+
+def _transport(pl: Plan) -> list[str]:
+    """Bytes and time per stage for the busiest rank, and the barriers."""
+    tr = pl.transport
+    hw = pl.hw
+    out: list[str] = []
+    add = out.append
     add("")
     add(
         f"Transport per rank per layer, the busiest rank (expected: uniform routing; worst: distinct top-K, "
@@ -295,8 +329,13 @@ def render(pl: Plan, symbolic: bool = False) -> str:
     rows.append(["min ffn hiding transport", f"{tr.min_ffn.value:,.0f}", tr.min_ffn.what])
     rows.append(["expert ffn / minimum", fmt(tr.ffn_margin), f"F = {tr.ffn.value:,}"])
     out += table(rows, ["figure", "value", "accounting"])
+    return out
 
-    # -- compute -----------------------------------------------------------------------------
+
+def _compute(pl: Plan) -> list[str]:
+    """The expert GEMMs' FLOPs and time per rank."""
+    out: list[str] = []
+    add = out.append
     if pl.compute is not None:
         c = pl.compute
         add("")
@@ -311,7 +350,13 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         if c.shared is not None:
             rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])
         out += table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
+    return out
 
+
+def _projection(pl: Plan) -> list[str]:
+    """The node projection (rdepc.passes.projection), or why there is none."""
+    out: list[str] = []
+    add = out.append
     if isinstance(pl.projection, str):
         add("")
         add(f"Projection: {pl.projection}")
@@ -320,8 +365,13 @@ def render(pl: Plan, symbolic: bool = False) -> str:
 
         add("")
         out += lines(pl.projection)
+    return out
 
-    # -- dedup -------------------------------------------------------------------------------
+
+def _dedup(pl: Plan) -> list[str]:
+    """What one payload row per (token, owner) saves."""
+    out: list[str] = []
+    add = out.append
     dd = pl.dedup
     add("")
     state = "on in this spec" if dd.enabled else "off in this spec"
@@ -337,8 +387,13 @@ def render(pl: Plan, symbolic: bool = False) -> str:
         ]
     )
     out += table(rows, ["figure", "value", "accounting"])
+    return out
 
-    # -- padding -----------------------------------------------------------------------------
+
+def _padding(pl: Plan) -> list[str]:
+    """One sampled routing's rows per expert and padding (--routing)."""
+    out: list[str] = []
+    add = out.append
     if pl.padding is not None:
         pd = pl.padding
         how = "uniform" if pd.routing == "uniform" else f"zipf alpha={pd.alpha:g}"
@@ -359,8 +414,13 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ]
         )
         out += table(rows, ["figure", "value", "accounting"])
+    return out
 
-    # -- balance -----------------------------------------------------------------------------
+
+def _balance(pl: Plan) -> list[str]:
+    """balance replicate: slots, exchange and the imbalance before and after."""
+    out: list[str] = []
+    add = out.append
     if pl.balance is not None:
         bl = pl.balance
         add("")
@@ -381,26 +441,60 @@ def render(pl: Plan, symbolic: bool = False) -> str:
             ]
             rows = _fig_rows(items)
         out += table(rows, ["figure", "value", "accounting"])
+    return out
 
-    # -- warnings ----------------------------------------------------------------------------
+
+def _warnings(pl: Plan) -> list[str]:
+    """The plan's warnings, or that there are none."""
+    out: list[str] = []
+    add = out.append
     add("")
     if pl.warnings:
         for w in pl.warnings:
             add(f"warning: {w}")
     else:
         add("no warnings")
+    return out
 
+
+def _formulas(pl: Plan) -> list[str]:
+    """With --symbolic: the formula behind every figure, and the symbols."""
+    out: list[str] = []
+    add = out.append
+    add("")
+    add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
+    for fig in pl.figures():
+        head, _, region = fig.key.rpartition(".")
+        if head.endswith(".forward_backward") and region not in (*BACKWARD_REGIONS, "total"):
+            continue
+        if fig.formula is not None:
+            add(f"  {fig.key} = {fig.formula}")
+    add("Symbols")
+    out += table([[k, d] for k, d in SYMBOLS_DOC.items()], indent=2)
+    return out
+
+
+SECTIONS = (
+    _header,
+    _pooling,
+    _capacity,
+    _memory,
+    _other_memory,
+    _transport,
+    _compute,
+    _projection,
+    _dedup,
+    _padding,
+    _balance,
+    _warnings,
+)  # the report, in order (the formulas follow with --symbolic)
+
+
+def render(pl: Plan, symbolic: bool = False) -> str:
+    """The report: each section in turn, then with ``symbolic`` the formulas."""
+    out = [line for section in SECTIONS for line in section(pl)]
     if symbolic:
-        add("")
-        add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
-        for fig in pl.figures():
-            head, _, region = fig.key.rpartition(".")
-            if head.endswith(".forward_backward") and region not in (*BACKWARD_REGIONS, "total"):
-                continue
-            if fig.formula is not None:
-                add(f"  {fig.key} = {fig.formula}")
-        add("Symbols")
-        out += table([[k, d] for k, d in SYMBOLS_DOC.items()], indent=2)
+        out += _formulas(pl)
     return "\n".join(out) + "\n"
 
 
