@@ -212,6 +212,16 @@ class RDEPMoE(nn.Module):
         given, with ``router_bias`` instead of this block's when given."""
         if logits is None and self.router is None:
             raise ValueError(f"{layer_prefix(self.layer.spec.name)} has no router weight of its own: pass logits=")
+        if router_bias is not None and not self.layer.spec.router.bias:  # it would choose other experts, unsaid
+            raise ValueError(
+                f"{layer_prefix(self.layer.spec.name)}: router_bias= given, but the spec's router has no 'bias' "
+                "term: add 'bias' to its router statement, or pass none"
+            )
+        if router_bias is not None and tuple(router_bias.shape) not in ((self.E,), (1, self.E)):
+            raise ValueError(
+                f"{layer_prefix(self.layer.spec.name)}: router_bias= has shape {tuple(router_bias.shape)}, "
+                f"not [E] = [{self.E}]"
+            )
         bias = self.router_bias if router_bias is None else router_bias
         return R.route(x, self.router, self.layer.spec.router, self.K, bias, logits, self.router_logit_bias)
 

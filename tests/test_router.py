@@ -369,3 +369,17 @@ def test_shared_gate_errors_point_at_the_option(stmt, message, col):
     (d,) = [d for d in info.value.diagnostics if d.severity is Severity.ERROR]
     assert (d.message, d.span.line, d.span.col) == (message, 7, col)
     assert f"r.rdep:7:{col}: error: {message}" in str(info.value)
+
+
+def test_a_selection_bias_the_spec_does_not_say_is_refused_not_applied():
+    """RDEPMoE(router_bias=...) chooses experts by it only where the spec's router says 'bias';
+    elsewhere (and at a shape other than [E]) it is refused by name, never applied unsaid."""
+    x, bias = torch.randn(2, 8, 32), torch.randn(8)
+    plain = rdepc.RDEPMoE(Layer(spec_of(MIXTRAL)), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^rdepc layer t: router_bias= given, but the spec's router has no 'bias'"):
+        plain.route(x, router_bias=bias)
+    biased = rdepc.RDEPMoE(Layer(spec_of(DEEPSEEK)), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"router_bias= has shape \(7,\), not \[E\] = \[8\]"):
+        biased.route(x, router_bias=bias[:7])
+    moved = biased.route(x, router_bias=bias).ids
+    assert torch.equal(moved, R.route(x, biased.router, biased.layer.spec.router, 3, bias).ids)
