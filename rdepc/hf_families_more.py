@@ -1,5 +1,5 @@
-"""More rows of :data:`rdepc.hf_families.FAMILIES`, built from that module's Parts and helpers
-(it imports this one at its end, and the rows join its table):
+"""More rows of :data:`rdepc.hf_families.FAMILIES` (:data:`MORE`, which that table takes in),
+written in :mod:`rdepc.hf_parts`' terms:
 
 ============== =========================== =========================================== ==================
 family         block class                 spec ``router``                             shared experts
@@ -44,11 +44,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rdepc.hf_families import (
+from rdepc.hf_parts import (
     _ACT,
     _LINEAR,
     ANY,
-    FAMILIES,
     Part,
     _experts,
     _family,
@@ -162,5 +161,3 @@ MORE = (
         layout="llama4",
     ),
 )  # fmt: skip
-
-FAMILIES.update({f.block.classes[0]: f for f in MORE})
