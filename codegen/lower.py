@@ -138,8 +138,6 @@ def lower(
         owner_first.append(pos)
         pos += geo.experts[q]
     owner_first.append(E)
-    # Rows one source may send one owner (distinct top-K), capped by the owner's capacity.
-    from_one = tuple(min(T * min(K, geo.experts[q]), geo.rows_max[q]) for q in range(W))
 
     ring = geo.return_ring
     if spec.dedup and max(geo.rows_max, default=0) > B * S:
@@ -310,7 +308,7 @@ def lower(
         order=tuple(by_owner),
         owner_first=tuple(owner_first),
         rows_max=tuple(geo.rows_max),
-        from_one=from_one,
+        from_one=geo.from_one,
         heap_bytes=heap_bytes,
         forward_bytes=forward_bytes,
         heap=tuple(heap),

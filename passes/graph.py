@@ -102,8 +102,9 @@ CUTS = ("expert", "source")
 SEGMENT_CANDIDATES = (1024, 2048, 4096, 8192, 16384)
 
 
-def _int(expr, spec: LayerSpec) -> int:
-    """A spec size as an int, T at its bound when symbolic."""
+def spec_int(expr, spec: LayerSpec) -> int:
+    """A spec size as an int, T at its bound when symbolic (the one home of this rule: the
+    planner's figures read it too)."""
     free = getattr(expr, "free_symbols", None)
     if free:
         expr = expr.subs(spec.shape.T, spec.shape.T_max)
@@ -116,7 +117,7 @@ def cap_per_expert(spec: LayerSpec) -> int | None:
     cap, sh = spec.capacity, spec.shape
     rows = max_over_tokens(cap.rows, spec) if cap.policy == "rows" else None
     # a factor's cap_e grows with T': its largest is at T
-    return sizes.cap_e(cap.policy, int(sh.W), sh.T_max, _int(sh.K, spec), _int(sh.E, spec), cap.factor, rows)
+    return sizes.cap_e(cap.policy, int(sh.W), sh.T_max, spec_int(sh.K, spec), spec_int(sh.E, spec), cap.factor, rows)
 
 
 def max_over_tokens(expr, spec: LayerSpec) -> int:
@@ -147,8 +148,8 @@ def geometry(
     if cut not in CUTS:
         raise ValueError(f"unknown cut '{cut}' (known: {', '.join(CUTS)})")
     sh = spec.shape
-    W, T, H, E, K = int(sh.W), sh.T_max, _int(sh.H, spec), _int(sh.E, spec), _int(sh.K, spec)
-    F = _int(spec.expert.F, spec)
+    W, T, H, E, K = int(sh.W), sh.T_max, spec_int(sh.H, spec), spec_int(sh.E, spec), spec_int(sh.K, spec)
+    F = spec_int(spec.expert.F, spec)
     per = spec.ownership.experts_per_rank(W)
     cap = cap_per_expert(spec)
     R = owner_rows(W, T, K, per, cap)
@@ -157,11 +158,11 @@ def geometry(
         if S is None:
             if seg is None:
                 raise ValueError(f"strategy '{strategy}' needs segment rows: the spec has no segment statement")
-            S = _int(seg.rows, spec)
+            S = spec_int(seg.rows, spec)
         if B is None:
-            B = _int(seg.buffers, spec) if seg is not None else (2 if strategy == "pipelined" else 3)
+            B = spec_int(seg.buffers, spec) if seg is not None else sizes.DEFAULT_BUFFERS[strategy]
     S_, B_, segs = segmentation(R, strategy, S, B, spec.dedup)
-    L = 1 if strategy in ("bulk", "pipelined") else max(1, int(B) - 1)  # B as given, before dedup raises it
+    L = sizes.lookahead(strategy, B)  # B as given, before dedup raises it
     return Geometry(
         strategy=strategy,
         cut=cut,
@@ -236,11 +237,11 @@ def candidates(schedule: str | None, segment: tuple[int, int] | None) -> list[tu
         if st == "bulk":
             out.append(("bulk", None, None))
         elif segment is not None:
-            if st == "deep" and fixed is None and segment[1] < 3:
-                continue  # deep with B < 3 is pipelined
+            if st == "deep" and fixed is None and segment[1] < sizes.DEEP_BUFFERS:
+                continue  # no deeper than pipelined
             out.append((st, None, None))
         else:
-            out += [(st, S, 2 if st == "pipelined" else 3) for S in SEGMENT_CANDIDATES]
+            out += [(st, S, sizes.DEFAULT_BUFFERS[st]) for S in SEGMENT_CANDIDATES]
     return out
 
 
@@ -330,6 +331,7 @@ __all__ = [
     "max_over_tokens",
     "owner_rows",
     "segmentation",
+    "spec_int",
     "task_count",
     "too_many_tasks",
 ]

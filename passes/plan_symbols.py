@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy as sp
-from rdepc.passes.graph import geometry, max_over_tokens
+from rdepc.passes.graph import geometry, max_over_tokens, spec_int
 
 from rdepc.diagnostics import SpecError
 from rdepc.ir import sizes
@@ -172,13 +172,6 @@ def number(r: Any) -> int | float:
     if isinstance(r, sp.Basic) and not r.is_number:
         raise ValueError(f"a figure has free symbols left: {r}")
     return float(r)
-
-
-def spec_int(expr: Any, spec: LayerSpec) -> int:
-    """A spec size as an int (T at its bound when T is symbolic)."""
-    if isinstance(expr, sp.Basic) and expr.free_symbols:
-        expr = expr.subs(spec.shape.T, spec.shape.T_max)
-    return int(expr)
 
 
 @dataclass(frozen=True, slots=True)

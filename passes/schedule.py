@@ -41,6 +41,7 @@ from rdepc.passes.graph import STRATEGIES, build_graph, candidates
 from rdepc.passes.order import BALANCE_ORDERS, LATE_PUSHES, ORDERS, Timeline, priority, timeline, topo_order
 
 from rdepc.diagnostics import SpecError, UsageError, layer_prefix
+from rdepc.ir import sizes
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
 from rdepc.ir.spec import LayerSpec
 
@@ -465,7 +466,7 @@ def choice_warnings(
     mine, tg = _resolve(spec, strategy, cut, hw, gemm)
     why = next(d.why for d in mine.decisions if d.name == "strategy")
     out = []
-    if strategy == "deep" and tg.geometry.B < 3:
+    if strategy == "deep" and tg.geometry.B < sizes.DEEP_BUFFERS:
         out.append(f"deep with {tg.geometry.B} buffers (command line --schedule) is no deeper than pipelined")
     if _fixed_strategy(spec, strategy, gemm)[0] is None or _library_asked(spec, gemm):
         return out  # the cost model chose, or the library lowering fixed bulk
@@ -494,7 +495,7 @@ def compare(spec: LayerSpec, hw: str = "h100", cut: str | None = None) -> dict[s
     for st in STRATEGIES:
         if st != "bulk" and spec.segment is None:
             continue
-        if st == "deep" and spec.segment is not None and int(spec.segment.buffers) < 3:
+        if st == "deep" and spec.segment is not None and int(spec.segment.buffers) < sizes.DEEP_BUFFERS:
             continue
         out[st] = schedule(build_for(spec, st, cut, hw), hw)
     return out

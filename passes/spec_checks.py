@@ -108,7 +108,7 @@ class Checks:
                     "pipelined with one buffer cannot overlap: dispatch waits for each compute",
                     spec.span_of("segment.buffers"),
                 )
-            if spec.schedule == "deep" and seg.buffers.value < 3:
+            if spec.schedule == "deep" and seg.buffers.value < sizes.DEEP_BUFFERS:
                 d.warning(
                     f"deep with {seg.buffers} buffer(s) is no deeper than pipelined; deep wants buffers > 2",
                     spec.span_of("segment.buffers"),

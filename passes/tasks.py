@@ -18,15 +18,14 @@ class _Build:
     def __init__(self, geo: Geometry):
         self.geo = geo
         self.tasks: list[Task] = []
-        W, T, K, R, S = geo.W, geo.T, geo.K, geo.rows_max, geo.S
+        W, R, S = geo.W, geo.rows_max, geo.S
         self.row_d = geo.H * geo.d + geo.sb  # one payload row on the wire, with its sideband
         self.row_a = geo.H * geo.a  # one returned row
         self.row_h = geo.F * geo.a  # one row of the GEMM1 → GEMM2 workspace
         # Rows of segment s of owner q, and rows one source may place in it.
         self.cut = sizes.segments_cut(R, S)  # segment boundaries may cut an m-tile per expert
         self.seg_rows = [[min(S, R[q] - s * S) for s in range(geo.segments[q])] for q in range(W)]
-        from_one = [sizes.owner_rows(1, T, K, geo.experts[q], geo.cap_e) for q in range(W)]  # R_q of one front-end
-        self.piece = [[min(n, from_one[q]) for n in self.seg_rows[q]] for q in range(W)]
+        self.piece = [[min(n, geo.from_one[q]) for n in self.seg_rows[q]] for q in range(W)]
         self.route: tuple[int, ...] = ()
         self.scan: list[int] = []
         self.receive: list[int] = []

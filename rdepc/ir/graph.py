@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from rdepc.ir.sizes import return_ring
+from rdepc.ir.sizes import owner_rows, return_ring
 from rdepc.ir.spec import LayerSpec, weight_matrices
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Geometry:
     dedup: bool  # one payload row per (token, owner): every segment's rows stay resident (B >= segments)
     S: int  # rows of one ring slot (bulk: S_bulk = max_q R_q)
     B: int  # ring slots (bulk: 1)
-    lookahead: int  # segments dispatch runs ahead of compute (pipelined 1, deep B-1)
+    lookahead: int  # segments dispatch runs ahead of compute: rdepc.ir.sizes.lookahead
     owner: tuple[int, ...]  # π(e)
     local: tuple[int, ...]  # λ(e)
     experts: tuple[int, ...]  # E_loc(q)
@@ -81,6 +81,12 @@ class Geometry:
     @property
     def segmented(self) -> bool:
         return self.strategy != "bulk"
+
+    @property
+    def from_one(self) -> tuple[int, ...]:
+        """Rows one front-end may send each owner: its T tokens' distinct top-K rows there,
+        capped by the owner's capacity (R_q of a single source, ``sizes.owner_rows``)."""
+        return tuple(owner_rows(1, self.T, self.K, n, self.cap_e) for n in self.experts)
 
     @property
     def homes(self) -> int:

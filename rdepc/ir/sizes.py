@@ -128,6 +128,18 @@ def bulk_rows(rows_max: Sequence[int]) -> int:
 # --- segments, tasks and their done counters -----------------------------------------------
 
 
+# Ring slots of a segmented strategy: deep runs dispatch B - 1 segments ahead of compute, so
+# with fewer than DEEP_BUFFERS it is no deeper than pipelined; when nothing says B, each
+# strategy's least that does what it is for.
+DEEP_BUFFERS = 3
+DEFAULT_BUFFERS = {"pipelined": 2, "deep": DEEP_BUFFERS}
+
+
+def lookahead(strategy: str, B: int) -> int:
+    """Segments dispatch runs ahead of compute: 1 for bulk and pipelined, B - 1 for deep."""
+    return 1 if strategy in ("bulk", "pipelined") else max(1, int(B) - 1)
+
+
 def segment_count(rows: int, S: int) -> int:
     """Segments of S rows that ``rows`` admitted rows of one owner fill: ⌈R_q / S⌉."""
     return ceil_div(rows, S)
