@@ -127,7 +127,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     warnings += _load_warnings(env, strategy, per_rank, mu_v)
     too_big = _too_big(layer, strategy)
     warnings += [] if too_big else _choice_warnings(layer, strategy_asked, opts)
-    verdicts = _verdicts(hw, sym, memory)
+    verdicts = _verdicts(hw, memory)
     if not verdicts[0].fits:
         warnings.append(f"the symmetric heap with a private ring per layer does not fit {hw.name}'s HBM")
     if not verdicts[-1].fits:
@@ -295,9 +295,9 @@ def _memory(env: Env, mem_env: Env, spec: LayerSpec, layer: LayerSpec, strategy:
     )
 
 
-def _verdicts(hw, sym, memory: MemoryFigures) -> tuple[Verdict, ...]:
+def _verdicts(hw, memory: MemoryFigures) -> tuple[Verdict, ...]:
     """One verdict per memory budget against the profile's HBM, the sum of them all last."""
-    dense_bytes = memory.dense_bytes
+    sym, dense_bytes = memory.plan, memory.dense_bytes
     hbm = int(hw.hbm.value)
     budgets = [
         ("symmetric heap, rdepc plan fwd+bwd, private ring per layer", sym.private_total.value),

@@ -105,6 +105,11 @@ def _check(name: str, block: nn.Module, layer: Layer) -> Family:
 
 
 # --------------------------------------------------------------------- the swapped block
+def _held(name: str) -> str:
+    """The RDEPMoE parameter that holds a layout entry: DBRX's w_gate and w_up are w_gate_up's halves."""
+    return "w_gate_up" if name in ("w_gate", "w_up") else name
+
+
 class RDEPBlock(nn.Module):
     """A transformers sparse MoE block (a class in rdepc.hf's table), its experts run by rdepc's
     kernels. ``gate`` is the block's router module; ``moe`` an ``RDEPMoE`` with no router of its
@@ -226,7 +231,7 @@ class RDEPBlock(nn.Module):
         interleaved = self.family.experts == "gpt_oss"  # [E, H, 2F] and [E, 2F]: rdepc's own layout
         down_as_held = self.family.experts in ("gpt_oss", "llama4")  # [E, F, H] (and [E, H]) as rdepc holds them
         for key, (name, _) in self.layout().items():
-            held = "w_gate_up" if name in ("w_gate", "w_up") else name  # DBRX's: w_gate_up's halves
+            held = _held(name)
             p = source = of(getattr(self.moe, held))
             if held != name:  # [E, H, F, 2] -> [E, F, H] (w1 or v1) -> [E·F, H]
                 p = p[..., 0 if name == "w_gate" else 1].transpose(1, 2).flatten(0, 1)
@@ -296,8 +301,7 @@ class RDEPBlock(nn.Module):
         layout = self.layout()
         for key, value in self.hf_state_dict().items():
             owner, _, leaf = key.rpartition(".")
-            held = "w_gate_up" if layout[key][0] in ("w_gate", "w_up") else layout[key][0]  # DBRX's: its halves
-            grad = getattr(self.moe, held).requires_grad
+            grad = getattr(self.moe, _held(layout[key][0])).requires_grad
             setattr(block.get_submodule(owner), leaf, nn.Parameter(value, requires_grad=grad))
         return block
 

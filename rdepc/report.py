@@ -7,7 +7,7 @@ Pure text from a :class:`rdepc.passes.plan_records.Plan`; ``--json`` uses ``to_j
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rdepc.diagnostics import owning
 from rdepc.ir.sizes import BM
@@ -95,24 +95,22 @@ def _heap_rows(s: SymmetricPlan) -> list[list[str]]:
     return rows
 
 
-def _header(pl: Plan) -> list[str]:
+def _header(pl: Plan) -> Iterator[str]:
     """The layer, its sizes and choices, and the hardware profile's figures with their sources."""
     v = dict(pl.values)
     cp = pl.capacity
     hw = pl.hw
-    out: list[str] = []
-    add = out.append
-    add(f"rdepc plan: layer {pl.layer} ({pl.file})")
+    yield f"rdepc plan: layer {pl.layer} ({pl.file})"
     tnote = f" (T is symbolic, T <= {pl.t_bound}: figures at the bound)" if pl.t_bound is not None else ""
-    add(
+    yield (
         f"  W={v['W']} T={v['T']} H={v['H']} E={v['E']} K={v['K']} F={v['F']} L={v['L']}{tnote}; "
         f"{pl.precision} ({v['a']} B, {v['d']} B), sideband {v['sb']} B/row"
     )
     seg = f"segment S={v['S']} B={v['B']}" if "S" in v else "no segment statement"
     cap = cp.policy if cp.rows_per_expert is None else f"{cp.policy} (cap_e = {cp.rows_per_expert.value:,} rows)"
-    add(f"  capacity {cap}; {seg}; symmetric heap strategy: {pl.strategy}")
-    add(f"  expert GEMMs {pl.gemm[0]} ({pl.gemm[1]})")
-    add(f"  hardware {hw.name}: {hw.description}")
+    yield f"  capacity {cap}; {seg}; symmetric heap strategy: {pl.strategy}"
+    yield f"  expert GEMMs {pl.gemm[0]} ({pl.gemm[1]})"
+    yield f"  hardware {hw.name}: {hw.description}"
     hw_rows = []
     for name, val in hw.values().items():
         shown = {
@@ -123,17 +121,14 @@ def _header(pl: Plan) -> list[str]:
             "barrier_per_peer": f"{val.value * 1e9:,.0f} ns",
         }[name]
         hw_rows.append([name, shown, val.kind, val.source])
-    out += table(hw_rows, indent=4)
-    return out
+    yield from table(hw_rows, indent=4)
 
 
-def _pooling(pl: Plan) -> list[str]:
+def _pooling(pl: Plan) -> Iterator[str]:
     """Rows per expert and per owner under uniform routing."""
     po = pl.pooling
-    out: list[str] = []
-    add = out.append
-    add("")
-    add("Pooling (uniform independent routing, DP = W)")
+    yield ""
+    yield "Pooling (uniform independent routing, DP = W)"
     asym = "unbounded (a rank owns no expert)" if math.isinf(po.asymmetry.value) else fmt(po.asymmetry)
     per_owner = sorted(set(po.experts_per_owner), reverse=True)
     counts = ", ".join(owning(po.experts_per_owner.count(k), k) for k in per_owner)
@@ -147,17 +142,14 @@ def _pooling(pl: Plan) -> list[str]:
     rows.append(["experts per owner", f"{po.e_min.value}..{po.e_max.value}", counts])
     rows.append(["owner-load asymmetry", asym, po.asymmetry.what])
     rows += _fig_rows([("expected load, busiest owner", po.owner_load_expected)])
-    out += table(rows, ["figure", "value", "accounting"])
-    return out
+    yield from table(rows, ["figure", "value", "accounting"])
 
 
-def _capacity(pl: Plan) -> list[str]:
+def _capacity(pl: Plan) -> Iterator[str]:
     """cap_e, the overflow bounds, and with --probs the skewed bound."""
     cp = pl.capacity
-    out: list[str] = []
-    add = out.append
-    add("")
-    add(f"Capacity ({cp.policy}; overflow target {cp.target:g})")
+    yield ""
+    yield f"Capacity ({cp.policy}; overflow target {cp.target:g})"
     rows = _fig_rows(
         [
             ("cap_e, rows per expert", cp.rows_per_expert),
@@ -172,11 +164,11 @@ def _capacity(pl: Plan) -> list[str]:
     )
     if cp.overflow_branch not in ("dropless",):
         rows.append(["bound branch", cp.overflow_branch, "which tail bound applies at this beta"])
-    out += table(rows, ["figure", "value", "accounting"])
+    yield from table(rows, ["figure", "value", "accounting"])
     if cp.skew is not None:
         sk = cp.skew
-        add(f"  with --probs (sum p_e = {sk.sum_p:.4g}; Poisson-binomial, eq. 18):")
-        out += table(
+        yield f"  with --probs (sum p_e = {sk.sum_p:.4g}; Poisson-binomial, eq. 18):"
+        yield from table(
             _fig_rows(
                 [
                     ("hottest expert mean", sk.mu_e_max),
@@ -188,17 +180,14 @@ def _capacity(pl: Plan) -> list[str]:
             ),
             indent=4,
         )
-    return out
 
 
-def _memory(pl: Plan) -> list[str]:
+def _memory(pl: Plan) -> Iterator[str]:
     """The paper's Table 4 symmetric memory, then rdepc's heap plan region by region."""
     v = dict(pl.values)
     mem = pl.memory
-    out: list[str] = []
-    add = out.append
-    add("")
-    add("Symmetric memory, the paper's convention (Table 4: 4 routed row tensors of H·d bytes per row)")
+    yield ""
+    yield "Symmetric memory, the paper's convention (Table 4: 4 routed row tensors of H·d bytes per row)"
     rows = [
         ["bulk (M_cap = W·T·K rows)", fmt(mem.bulk_per_layer), fmt(mem.bulk_total), fmt(mem.bulk_shared)],
     ]
@@ -211,16 +200,16 @@ def _memory(pl: Plan) -> list[str]:
                 fmt(mem.segmented_shared),
             ]
         )
-    out += table(rows, ["mode", "per layer", f"x {v['L']} layers (private)", "one shared ring"])
+    yield from table(rows, ["mode", "per layer", f"x {v['L']} layers (private)", "one shared ring"])
 
     s = mem.plan
-    add("")
-    add(
+    yield ""
+    yield (
         f"Symmetric heap, rdepc's plan ({s.strategy}: S = {s.S.value:,} rows, B = {s.B.value}, "
         f"R_ret = {s.R_ret.value:,} rows; every buffer padded to 256 B; docs/memory.md)"
     )
-    out += table(_heap_rows(s), ["region", "forward", "fwd+bwd", "fwd+bwd bytes", "accounting"])
-    out += table(
+    yield from table(_heap_rows(s), ["region", "forward", "fwd+bwd", "fwd+bwd bytes", "accounting"])
+    yield from table(
         _fig_rows(
             [
                 ("per layer x L (private rings)", s.private_total),
@@ -233,22 +222,19 @@ def _memory(pl: Plan) -> list[str]:
     if mem.alternative is not None:
         alt = mem.alternative
         fb = alt.forward_backward[-1]
-        add(
+        yield (
             f"  for comparison, {alt.strategy} (S = {alt.S.value:,}, B = {alt.B.value}): fwd+bwd {fmt(fb)} "
             f"per layer, {fmt(alt.private_total)} for {v['L']} layers"
         )
-    return out
 
 
-def _other_memory(pl: Plan) -> list[str]:
+def _other_memory(pl: Plan) -> Iterator[str]:
     """Routing context, saved activations, weights and training state; a verdict per budget."""
     v = dict(pl.values)
     mem = pl.memory
     hw = pl.hw
-    out: list[str] = []
-    add = out.append
-    add("")
-    add("Other memory per GPU")
+    yield ""
+    yield "Other memory per GPU"
     rows = _fig_rows(
         [
             ("routing context (eq. 20)", mem.routing_context),
@@ -269,28 +255,25 @@ def _other_memory(pl: Plan) -> list[str]:
             ("expert training state", mem.training.total),
         ]
     )
-    out += table(rows, ["figure", "value", "accounting"])
+    yield from table(rows, ["figure", "value", "accounting"])
 
-    add("")
-    add(f"Verdicts against {hw.name} HBM ({fmt_bytes(hw.hbm.value)})")
+    yield ""
+    yield f"Verdicts against {hw.name} HBM ({fmt_bytes(hw.hbm.value)})"
     width = max(len(x.budget) for x in pl.verdicts)
     for vd in pl.verdicts:
         if vd.fits:
             verdict = f"fits, {fmt_bytes(vd.margin)} to spare ({100 * vd.bytes / vd.hbm:.1f} % of HBM)"
         else:
             verdict = f"DOES NOT FIT: {fmt_bytes(-vd.margin)} over ({vd.bytes / vd.hbm:.2f}x HBM)"
-        add(f"  {vd.budget.ljust(width)}  {fmt_bytes(vd.bytes).rjust(10)}  {verdict}")
-    return out
+        yield f"  {vd.budget.ljust(width)}  {fmt_bytes(vd.bytes).rjust(10)}  {verdict}"
 
 
-def _transport(pl: Plan) -> list[str]:
+def _transport(pl: Plan) -> Iterator[str]:
     """Bytes and time per stage for the busiest rank, and the barriers."""
     tr = pl.transport
     hw = pl.hw
-    out: list[str] = []
-    add = out.append
-    add("")
-    add(
+    yield ""
+    yield (
         f"Transport per rank per layer, the busiest rank (expected: uniform routing; worst: distinct top-K, "
         f"capped by capacity; time at {hw.link.value / 1e9:,.0f} GB/s)"
     )
@@ -308,11 +291,12 @@ def _transport(pl: Plan) -> list[str]:
                 fmt(st.time_worst),
             ]
         )
-    out += table(rows, ["stage", "row", "send exp", "send worst", "recv exp", "recv worst", "time exp", "time worst"])
+    header = ["stage", "row", "send exp", "send worst", "recv exp", "recv worst", "time exp", "time worst"]
+    yield from table(rows, header)
     for st in tr.stages:
-        add(f"  {st.name}: {st.what}")
-    add("  the busiest owner receives min(E_max·mu, R_max) rows expected, R_max at worst; a front-end sends T·K rows")
-    add("")
+        yield f"  {st.name}: {st.what}"
+    yield "  the busiest owner receives min(E_max·mu, R_max) rows expected, R_max at worst; a front-end sends T·K rows"
+    yield ""
     rows = [
         [
             "one barrier",
@@ -328,19 +312,16 @@ def _transport(pl: Plan) -> list[str]:
         rows.append(["segment dispatch time", fmt(tr.segment_time), tr.segment_time.what])
     rows.append(["min ffn hiding transport", f"{tr.min_ffn.value:,.0f}", tr.min_ffn.what])
     rows.append(["expert ffn / minimum", fmt(tr.ffn_margin), f"F = {tr.ffn.value:,}"])
-    out += table(rows, ["figure", "value", "accounting"])
-    return out
+    yield from table(rows, ["figure", "value", "accounting"])
 
 
-def _compute(pl: Plan) -> list[str]:
+def _compute(pl: Plan) -> Iterator[str]:
     """The expert GEMMs' FLOPs and time per rank."""
-    out: list[str] = []
-    add = out.append
     if pl.compute is not None:
         c = pl.compute
-        add("")
+        yield ""
         rate = f"{pl.hw.flops.value / 1e12:.1f} TFLOP/s"
-        add(f"Expert compute per rank per layer (time at {rate}; the shared experts' backward is 2x their forward)")
+        yield f"Expert compute per rank per layer (time at {rate}; the shared experts' backward is 2x their forward)"
         rows = [
             ["routed experts, busiest owner", _flops(c.routed), fmt(c.routed_time), _flops(c.routed_worst),
              fmt(c.routed_worst_time), c.routed.what],
@@ -349,33 +330,27 @@ def _compute(pl: Plan) -> list[str]:
         ]  # fmt: skip
         if c.shared is not None:
             rows.append(["shared experts, a front-end", _flops(c.shared), fmt(c.shared_time), "", "", c.shared.what])
-        out += table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
-    return out
+        yield from table(rows, ["GEMMs", "FLOPs exp", "time exp", "FLOPs worst", "time worst", "accounting"])
 
 
-def _projection(pl: Plan) -> list[str]:
+def _projection(pl: Plan) -> Iterator[str]:
     """The node projection (rdepc.passes.projection), or why there is none."""
-    out: list[str] = []
-    add = out.append
     if isinstance(pl.projection, str):
-        add("")
-        add(f"Projection: {pl.projection}")
+        yield ""
+        yield f"Projection: {pl.projection}"
     elif pl.projection is not None:
         from rdepc.passes.projection import lines
 
-        add("")
-        out += lines(pl.projection)
-    return out
+        yield ""
+        yield from lines(pl.projection)
 
 
-def _dedup(pl: Plan) -> list[str]:
+def _dedup(pl: Plan) -> Iterator[str]:
     """What one payload row per (token, owner) saves."""
-    out: list[str] = []
-    add = out.append
     dd = pl.dedup
-    add("")
+    yield ""
     state = "on in this spec" if dd.enabled else "off in this spec"
-    add(f"Dedup (one payload row per (token, owner), out and back; uniform routing): {state}")
+    yield f"Dedup (one payload row per (token, owner), out and back; uniform routing): {state}"
     rows = _fig_rows(
         [
             ("owners per token", dd.owners_per_token),
@@ -386,19 +361,16 @@ def _dedup(pl: Plan) -> list[str]:
             ("backward return recv, dedup", dd.bwd_return_recv),
         ]
     )
-    out += table(rows, ["figure", "value", "accounting"])
-    return out
+    yield from table(rows, ["figure", "value", "accounting"])
 
 
-def _padding(pl: Plan) -> list[str]:
+def _padding(pl: Plan) -> Iterator[str]:
     """One sampled routing's rows per expert and padding (--routing)."""
-    out: list[str] = []
-    add = out.append
     if pl.padding is not None:
         pd = pl.padding
         how = "uniform" if pd.routing == "uniform" else f"zipf alpha={pd.alpha:g}"
-        add("")
-        add(f"Padding, one sampled routing ({how}, seed {pd.seed}; each token picks K distinct experts)")
+        yield ""
+        yield f"Padding, one sampled routing ({how}, seed {pd.seed}; each token picks K distinct experts)"
         rows = _fig_rows(
             [
                 ("mean rows per expert", pd.mu),
@@ -413,18 +385,15 @@ def _padding(pl: Plan) -> list[str]:
                 ("redundant route rows", pd.redundant),
             ]
         )
-        out += table(rows, ["figure", "value", "accounting"])
-    return out
+        yield from table(rows, ["figure", "value", "accounting"])
 
 
-def _balance(pl: Plan) -> list[str]:
+def _balance(pl: Plan) -> Iterator[str]:
     """balance replicate: slots, exchange and the imbalance before and after."""
-    out: list[str] = []
-    add = out.append
     if pl.balance is not None:
         bl = pl.balance
-        add("")
-        add(f"Balance: replicate hot experts, N = {bl.slots} slots per rank, at least {bl.min_rows} rows a replica")
+        yield ""
+        yield f"Balance: replicate hot experts, N = {bl.slots} slots per rank, at least {bl.min_rows} rows a replica"
         items = [("slot memory per rank", bl.slot_bytes), ("exchange allocation per rank", bl.exchange_bytes)]
         if bl.imbalance_before is None:
             rows = _fig_rows(items)
@@ -440,38 +409,31 @@ def _balance(pl: Plan) -> list[str]:
                 ("busiest rank's pushes", bl.weight_time),
             ]
             rows = _fig_rows(items)
-        out += table(rows, ["figure", "value", "accounting"])
-    return out
+        yield from table(rows, ["figure", "value", "accounting"])
 
 
-def _warnings(pl: Plan) -> list[str]:
+def _warnings(pl: Plan) -> Iterator[str]:
     """The plan's warnings, or that there are none."""
-    out: list[str] = []
-    add = out.append
-    add("")
+    yield ""
     if pl.warnings:
         for w in pl.warnings:
-            add(f"warning: {w}")
+            yield f"warning: {w}"
     else:
-        add("no warnings")
-    return out
+        yield "no warnings"
 
 
-def _formulas(pl: Plan) -> list[str]:
+def _formulas(pl: Plan) -> Iterator[str]:
     """With --symbolic: the formula behind every figure, and the symbols."""
-    out: list[str] = []
-    add = out.append
-    add("")
-    add("Formulas (forward_backward repeats the forward regions; the symbols are listed below)")
+    yield ""
+    yield "Formulas (forward_backward repeats the forward regions; the symbols are listed below)"
     for fig in pl.figures():
         head, _, region = fig.key.rpartition(".")
         if head.endswith(".forward_backward") and region not in (*BACKWARD_REGIONS, "total"):
             continue
         if fig.formula is not None:
-            add(f"  {fig.key} = {fig.formula}")
-    add("Symbols")
-    out += table([[k, d] for k, d in SYMBOLS_DOC.items()], indent=2)
-    return out
+            yield f"  {fig.key} = {fig.formula}"
+    yield "Symbols"
+    yield from table([[k, d] for k, d in SYMBOLS_DOC.items()], indent=2)
 
 
 SECTIONS = (
