@@ -136,11 +136,14 @@ def rdep_grads(block: RDEPBlock) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", list(fam.CASES))
 def test_every_family_is_swapped_with_equal_outputs_and_gradients(name):
     """swap without a spec (rdepc.hf.spec_for writes it from the block) gives transformers'
-    outputs and gradients; the spec it writes is the hand-written one's layer (below)."""
+    outputs and gradients; the spec it writes is the hand-written one's layer (below). The
+    probe's comparison (a forward) is this test's, with the derived bounds and the gradients
+    too, so swap skips it here (the probe's own test: test_a_registered_block_is_swapped_...;
+    swaps of whole models below run it)."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
     original = copy.deepcopy(holder.mlp)
-    assert swap(holder, ranks=2, tokens=8) == ["mlp"] and isinstance(holder.mlp, RDEPBlock)
+    assert swap(holder, ranks=2, tokens=8, verify=False) == ["mlp"] and isinstance(holder.mlp, RDEPBlock)
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(2, 4, fam.H, generator=g), torch.randn(2, 4, fam.H, generator=g)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
