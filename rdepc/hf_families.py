@@ -41,7 +41,12 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
 GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA,
-Bailing-Hybrid (its router's weight held, and its logits computed, in fp32).
+Bailing-Hybrid (its router's weight held, and its logits computed, in fp32), A.X-K2 (without
+``num_group``: no groups) and dots3-note's text block (``Dots3NoteTextMoE``); DeepSeek-V2's:
+Unlimited-OCR's text block; GraniteMoE's: GraniteMoE-SWA's. Qwen3-MoE's router (softmax,
+renormalize: ``norm_topk_prob``) under other names: Qwen3-Omni-MoE's thinker block and Mellum's
+(no shared experts), Qwen3-Omni-MoE's talker block and Qwen4-Exp's text block (Qwen2-MoE's
+gated ``shared_expert``), Lara-Mini's (its ``shared_expert`` ungated, added in full).
 
 More rows are :mod:`rdepc.hf_families_more`'s (MiniMax-M2, LFM2-MoE, AFMoE, DBRX, Aria), which
 :data:`FAMILIES` takes in; both tables are written in :mod:`rdepc.hf_parts`' terms (Part,
@@ -259,6 +264,7 @@ for _name, _prefix in (
     ("GraniteMoE", "GraniteMoe"),
     ("GraniteMoE-Shared", "GraniteMoeShared"),
     ("GraniteMoE-Hybrid", "GraniteMoeHybrid"),
+    ("GraniteMoE-SWA", "GraniteMoeSWA"),
 ):
     FAMILIES[f"{_prefix}MoE"] = _family(
         _name, f"{_prefix}MoE",
@@ -269,8 +275,21 @@ for _name, _prefix in (
         gate_name="router",
     )  # fmt: skip
 
+
 # DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
 # renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none), one row each.
+def _v3_clone(name: str, prefix: str, block: str, shared: bool = True, experts: str | None = None) -> Family:
+    return _family(
+        name, block,
+        gate=_gate(f"{prefix}TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
+        experts=experts or f"{prefix}Experts",
+        router=_deepseek_v3,
+        shared=("shared_experts", f"{prefix}MLP") if shared else None,
+        attrs=_CONFIG,
+        bias="e_score_correction_bias",
+    )  # fmt: skip
+
+
 for _name, _prefix, _block, _shared in (
     ("GLM-4-MoE", "Glm4Moe", "Glm4MoeMoE", True),
     ("GLM-4V-MoE (text)", "Glm4vMoeText", "Glm4vMoeTextMoE", True),
@@ -283,31 +302,59 @@ for _name, _prefix, _block, _shared in (
     ("Solar-Open", "SolarOpen", "SolarOpenMoE", True),
     ("GLM-MoE-DSA", "GlmMoeDsa", "GlmMoeDsaMoE", True),
     ("Bailing-Hybrid", "BailingHybrid", "BailingHybridMoE", True),  # left-out groups masked to -inf: the spec's
+    ("A.X-K2", "AXK2", "AXK2MoE", True),  # num_group None (the light checkpoints): no groups
+):
+    FAMILIES[_block] = _v3_clone(_name, _prefix, _block, _shared)
+# dots3-note's text block: its experts' class is the model's, not the text model's.
+FAMILIES["Dots3NoteTextMoE"] = _v3_clone("dots3-note (text)", "Dots3NoteText", "Dots3NoteTextMoE",
+                                         experts="Dots3NoteExperts")  # fmt: skip
+
+# DeepSeek-V2's block under other names: greedy or group-limited top-K.
+for _name, _prefix, _block in (
+    ("DeepSeek-OCR-2 (text)", "DeepseekOcr2Text", "DeepseekOcr2TextMoe"),
+    ("Unlimited-OCR (text)", "UnlimitedOcrText", "UnlimitedOcrTextMoe"),
 ):
     FAMILIES[_block] = _family(
         _name, _block,
-        gate=_gate(f"{_prefix}TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
+        gate=_gate(f"{_prefix}TopkRouter", "hidden_dim", "routed_scaling_factor", "topk_method", "num_group",
+                   "topk_group"),
         experts=f"{_prefix}Experts",
-        router=_deepseek_v3,
-        shared=("shared_experts", f"{_prefix}MLP") if _shared else None,
+        router=_deepseek_v2,
+        shared=("shared_experts", f"{_prefix}MLP"),
         attrs=_CONFIG,
-        bias="e_score_correction_bias",
     )  # fmt: skip
-FAMILIES["DeepseekOcr2TextMoe"] = _family(  # DeepSeek-V2's block: greedy or group-limited top-K
-    "DeepSeek-OCR-2 (text)", "DeepseekOcr2TextMoe",
-    gate=_gate("DeepseekOcr2TextTopkRouter", "hidden_dim", "routed_scaling_factor", "topk_method", "num_group",
-               "topk_group"),
-    experts="DeepseekOcr2TextExperts",
-    router=_deepseek_v2,
-    shared=("shared_experts", "DeepseekOcr2TextMLP"),
-    attrs=_CONFIG,
-)  # fmt: skip
+
+# Qwen3-MoE's block under other names (norm_topk_prob: renormalize), with Qwen2-MoE's shared
+# expert and its sigmoid gate where the block has them (``shared_gate``), or that expert ungated.
+for _name, _prefix, _block, _shared in (
+    ("Qwen3-Omni-MoE (thinker)", "Qwen3OmniMoeThinkerText", "Qwen3OmniMoeThinkerTextSparseMoeBlock", None),
+    ("Qwen3-Omni-MoE (talker)", "Qwen3OmniMoeTalkerText", "Qwen3OmniMoeTalkerTextSparseMoeBlock", "gated"),
+    ("Mellum", "Mellum", "MellumSparseMoeBlock", None),
+    ("Qwen4-Exp (text)", "Qwen4ExpText", "Qwen4ExpTextSparseMoeBlock", "gated"),
+    ("Lara-Mini", "LaraMini", "LaraMiniSparseMoeBlock", "ungated"),  # its router's logits in fp32
+):
+    FAMILIES[_block] = _family(
+        _name, _block,
+        gate=_gate(f"{_prefix}TopKRouter", "hidden_dim", "norm_topk_prob"),
+        experts=f"{_prefix}Experts",
+        router=_softmax_norm_topk,
+        shared=None if _shared is None else ("shared_expert", f"{_prefix}MLP"),
+        shared_gate="shared_expert_gate" if _shared == "gated" else None,
+    )  # fmt: skip
 
 # The routed-MoE blocks transformers ships that swap does not map, each with why: what the
 # spec language cannot say, or that nobody has compared the block with the table yet (its
 # router rule and layout unread: mapping one is a row above and a case in the tests). A block
 # class in neither table fails tests/test_hf.py's scan of transformers, so none is missed.
 NOT_COMPARED = "not yet compared with the table: its router rule and weight layout are unread"
+_CLAMPED = (
+    "experts computing SiLU(min(g, L))·clamp(u, ±L) (swiglu_limit L), a clamped SwiGLU without clamped_swiglu's +1 "
+    "and alpha, which the spec language has no function for"
+)
+_SOFTCAPPED = (
+    "experts computing a softcapped SwiGLU (tanh caps: mlp_gate_softcap on the gate's linear factor, mlp_up_softcap "
+    "on up), which the spec language has no function for"
+)
 UNMAPPED: dict[str, str] = {
     "PhimoeSparseMoeBlock": "PhiMoE's SparseMixer gates, a router rule the spec language has no terms for",
     "JetMoeMoE": "one output bias for the whole layer, which the spec language has no term for",
@@ -318,19 +365,40 @@ UNMAPPED: dict[str, str] = {
     "NllbMoeSparseMLP": "an encoder-decoder translation model's MoE (NLLB), not a decoder layer's",
     "VitPoseBackboneMoeMLP": "a vision backbone's per-dataset experts, not a routed MoE",
     "VitPoseNaiveMoe": "a vision backbone's per-dataset experts, not a routed MoE",
+    "AXK1MoE": "an RMSNorm on the block's output (post_mlp_layernorm, after the shared experts are added), which the "
+    "spec language has no term for",
+    "DeepseekV4SparseMoeBlock": "scores by scoring_func (sqrtsoftplus by default), hash-routed first layers (tid2eid: "
+    "experts chosen by token id) and experts clamping SwiGLU at swiglu_limit without clamped_swiglu's +1: none has a "
+    "term in the spec language",
+    "DogeCDMoE": "product-key retrieval over num_keys² single-neuron experts held as embeddings (down_embed, "
+    "up_embed), a router rule and expert function the spec language has no terms for",
+    "Ernie4_5_VLMoeMoeBlock": "modality-isolated experts: a text and a vision set, each token routed in one by "
+    "moe_mm_token_type_ids, which the spec language has no term for",
+    "Ernie4_5_VLMoeSparseMoeBlock": "the text or vision half of Ernie4_5_VLMoeMoeBlock (refused), returning its "
+    "output and logits flattened to 1-D for the modality split",
+    "Glm5NextTextMoE": "experts and shared MLP computing SiLU(min(g, L))·clamp(u, ±L) (swiglu_limit L), a clamped "
+    "SwiGLU without clamped_swiglu's +1 and alpha, which the spec language has no function for",
+    "HYV4MoE": _CLAMPED,
+    "HYV4VLMoE": _CLAMPED,
+    "Inkling2SparseMoeBlock": _SOFTCAPPED,
+    "Inkling2LoopSparseMoeBlock": _SOFTCAPPED,
+    "InklingMoE": "shared experts weighted by the router too: the top-K and the shared experts' sigmoid scores "
+    "normalised together, times a learned global_scale, which the spec language has no terms for",
+    "Kolibri1SparseMoeBlock": "a selection bias added to the logits (the top-K of z + b, gates sigmoid(z)), where the "
+    "spec's bias is added to the scores (sigmoid(z) + b)",
+    "LongcatFlashMoE": "zero-computation experts (zero_expert_num: a route to one returns the token itself, times its "
+    "gate), which the spec language has no expert function for",
+    "MuseSparkMoE": "a projection to moe_hidden_size and a centred RMSNorm before the experts and one back after "
+    "(pre_expert_proj, pre_expert_norm, post_expert_proj), which the spec language has no terms for",
+    "NemotronHMoE": "non-gated ReLU² experts and shared MLP (mlp_hidden_act relu2; the spec's relu is not squared) and "
+    "an optional latent projection around the experts (moe_latent_size), which the spec language has no terms for",
+    "ZayaSparseMoeBlock": "an MLP router over the tokens and the previous layer's router state "
+    "(prev_router_hidden_states), with a skip expert, which the spec language has no router rule for",
 } | dict.fromkeys(
     (
-        "AXK1MoE", "AXK2MoE", "BeamMoE",
-        "DeepseekV4SparseMoeBlock", "DogeCDMoE", "Dots3NoteTextMoE",
-        "Dots3NoteVisionMoE", "Ernie4_5_VLMoeMoeBlock", "Ernie4_5_VLMoeSparseMoeBlock",
-        "FlintSparseMoeBlock", "Glm5NextTextMoE",
-        "GraniteMoeSWAMoE", "HYV3MoE", "HYV4MoE", "HYV4VLMoE", "Inkling2LoopSparseMoeBlock",
-        "Inkling2SparseMoeBlock", "InklingMoE", "Kolibri1SparseMoeBlock", "LagunaSparseMoeBlock",
-        "LaraMiniSparseMoeBlock", "LongcatFlashMoE", "MellumSparseMoeBlock",
-        "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE",
-        "MistralLarge4TextMoE", "MuseSparkMoE", "NemotronHMoE", "OpenAIPrivacyFilterMLP",
-        "Qwen3OmniMoeTalkerTextSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock",
-        "Step3p7SparseMoeBlock", "UnlimitedOcrTextMoe", "ZayaSparseMoeBlock",
+        "BeamMoE", "Dots3NoteVisionMoE", "FlintSparseMoeBlock", "HYV3MoE",
+        "LagunaSparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE", "MistralLarge4TextMoE",
+        "OpenAIPrivacyFilterMLP", "Step3p7SparseMoeBlock",
     ),
     NOT_COMPARED,
 )  # fmt: skip

@@ -187,6 +187,7 @@ for _module, _config, _block, _shared in (
     ("solar_open", "SolarOpenConfig", "SolarOpenMoE", True),
     ("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaMoE", True),
     ("bailing_hybrid", "BailingHybridConfig", "BailingHybridMoE", True),
+    ("axk2", "AXK2Config", "AXK2MoE", True),
 ):
     CASES[_module] = Case(
         _module,
@@ -197,15 +198,61 @@ for _module, _config, _block, _shared in (
         E=8,
         shared="shared 1 x swiglu(ffn = 16)" if _shared else "",
     )
-CASES["deepseek_ocr2"] = Case(
-    "deepseek_ocr2",
-    "DeepseekOcr2TextConfig",
-    "DeepseekOcr2TextMoe",
-    _V3_CLONE | {"topk_method": "greedy"},
-    router="softmax, scale 2.5",
-    E=8,
-    shared="shared 1 x swiglu(ffn = 16)",
-)
+CASES["dots3_note"] = Case(
+    "dots3_note", "Dots3NoteTextConfig", "Dots3NoteTextMoE",
+    _V3_CLONE | {"shared_experts_intermediate_size": 8, "n_shared_experts": 2},
+    router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5", E=8,
+    shared="shared 2 x swiglu(ffn = 8)",
+)  # fmt: skip
+for _module, _config, _block, _more in (
+    ("deepseek_ocr2", "DeepseekOcr2TextConfig", "DeepseekOcr2TextMoe", {}),
+    ("unlimited_ocr", "UnlimitedOcrTextConfig", "UnlimitedOcrTextMoe", {"num_attention_heads": 4}),
+):
+    CASES[_module] = Case(
+        _module,
+        _config,
+        _block,
+        _V3_CLONE | {"topk_method": "greedy"} | _more,
+        router="softmax, scale 2.5",
+        E=8,
+        shared="shared 1 x swiglu(ffn = 16)",
+    )
+
+# Qwen3-MoE's and Qwen2-MoE's blocks under other names (rdepc.hf_families), and GraniteMoE's.
+CASES |= {
+    "qwen3_omni_moe_thinker": Case(
+        "qwen3_omni_moe", "Qwen3OmniMoeTextConfig", "Qwen3OmniMoeThinkerTextSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False},
+        router="softmax", E=8, K=3,
+    ),
+    "qwen3_omni_moe_talker": Case(
+        "qwen3_omni_moe", "Qwen3OmniMoeTalkerTextConfig", "Qwen3OmniMoeTalkerTextSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "norm_topk_prob": True},
+        shared="shared swiglu(ffn = 16), gate sigmoid",
+    ),
+    "mellum": Case(
+        "mellum", "MellumConfig", "MellumSparseMoeBlock",
+        {"moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True},
+        E=8,
+    ),
+    "qwen4_exp": Case(
+        "qwen4_exp", "Qwen4ExpTextConfig", "Qwen4ExpTextSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "norm_topk_prob": False},
+        router="softmax", shared="shared swiglu(ffn = 16), gate sigmoid",
+    ),
+    "lara_mini": Case(
+        "lara_mini", "LaraMiniConfig", "LaraMiniSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "norm_topk_prob": True},
+        shared="shared swiglu(ffn = 16)",
+    ),
+    "granitemoe_swa": Case(
+        "granitemoe_swa", "GraniteMoeSWAConfig", "GraniteMoeSWAMoE",
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+}  # fmt: skip
 
 # rdepc.hf_families_more's rows: a selection bias held by the block, passed to its router.
 CASES |= {
