@@ -396,9 +396,8 @@ UNMAPPED: dict[str, str] = {
     "(prev_router_hidden_states), with a skip expert, which the spec language has no router rule for",
 } | dict.fromkeys(
     (
-        "BeamMoE", "Dots3NoteVisionMoE", "FlintSparseMoeBlock", "HYV3MoE",
-        "LagunaSparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "Mistral4MoE", "MistralLarge4TextMoE",
-        "OpenAIPrivacyFilterMLP", "Step3p7SparseMoeBlock",
+        "BeamMoE", "LagunaSparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "OpenAIPrivacyFilterMLP",
+        "Step3p7SparseMoeBlock",
     ),
     NOT_COMPARED,
 )  # fmt: skip

@@ -17,13 +17,30 @@ DBRX           DbrxFFN                     softmax, renormalize (its            
                                            softmax; router at ``router``)
 Aria (text)    AriaTextMoELayer            softmax, renormalize (the softmax of the    ``shared_experts``
                                            top-K logits; router at ``router``)
+Mistral-4      Mistral4MoE                 softmax, groups G, top_groups M,            ``shared_experts``
+                                           (renormalize: ``norm_topk_prob``), scale S
+MistralLarge4  MistralLarge4TextMoE        softmax, groups G, top_groups M,            ``shared_experts``
+(text)                                     renormalize, scale S
+Flint          FlintSparseMoeBlock         sigmoid (renormalize: ``norm_topk_prob``)   ``shared_expert``,
+                                                                                       ungated
+HY-V3          HYV3MoE                     sigmoid, bias, renormalize, scale S (the    ``shared_experts``
+                                           bias: the block's
+                                           ``e_score_correction_bias``)
+dots3-note     Dots3NoteVisionMoE          as HY-V3                                    none
+(vision)
 ============== =========================== =========================================== ==================
 
-These three keep their selection bias in the block, not in its router, and pass it to the
-router as its second argument; the swapped block holds that tensor under the same name (a
-buffer, or AFMoE's parameter), so it is in the state dict, follows ``model.to(...)`` and is
-the one the training loop updates. AFMoE's router takes the tokens as the block got them
-([B, S, H]) and holds its weight in ``router.gate`` (a ``Linear`` without bias).
+Mistral-4's groups are DeepSeek-V3's (a group scores the sum of its two best), over the
+softmax scores, without a selection bias (G, M, S: the router's ``num_group``, ``topk_group``,
+``routed_scaling_factor``); HY-V3's and dots3-note's vision block's S is their router's
+``router_scaling_factor``.
+
+MiniMax-M2, LFM2-MoE, AFMoE, HY-V3 and dots3-note's vision block keep their selection bias
+in the block, not in its router, and pass it to the router as its second argument; the
+swapped block holds that tensor under the same name (a buffer, or AFMoE's parameter), so it
+is in the state dict, follows ``model.to(...)`` and is the one the training loop updates.
+AFMoE's router takes the tokens as the block got them ([B, S, H]) and holds its weight in
+``router.gate`` (a ``Linear`` without bias).
 
 DBRX's router (``router``, a ``DbrxRouter`` holding a ``Linear`` at ``layer``) returns its
 logits alone, its top-K and its ``moe_normalize_expert_weights`` p are the block's, and its
@@ -86,6 +103,23 @@ def _dbrx(block) -> dict | str:  # the block's p: the top-K softmax scores divid
     )
 
 
+def _mistral4(gate) -> dict:  # DeepSeek-V3's groups, over the softmax scores, without a selection bias
+    groups = (gate.num_group, gate.topk_group)
+    return router_terms("softmax", bool(gate.norm_topk_prob), groups=groups, scale=gate.routed_scaling_factor)
+
+
+def _mistral_large4(gate) -> dict:  # Mistral-4's, always renormalised
+    return router_terms("softmax", True, groups=(gate.num_group, gate.topk_group), scale=gate.routed_scaling_factor)
+
+
+def _sigmoid_norm_topk(gate) -> dict:  # Flint: no selection bias
+    return router_terms("sigmoid", bool(gate.norm_topk_prob))
+
+
+def _sigmoid_bias_scaled(gate) -> dict:  # its 1e-20 in the sum, as DeepSeek-V3's, changes no fp32 gate
+    return router_terms("sigmoid", True, True, scale=gate.router_scaling_factor)
+
+
 _DBRX_ROUTER = Part(("DbrxRouter",), {"layer": _LINEAR}, attrs={"hidden_size": ANY, "moe_jitter_eps": None})
 _DBRX_EXPERTS = Part(
     ("DbrxExperts",),
@@ -102,6 +136,8 @@ _DBRX_EXPERTS = Part(
 
 # Aria's experts: Llama-4's layout (gate_up_proj [E, H, 2F], gate columns then up; down_proj [E, F, H]).
 _ARIA_EXPERTS = replace(_experts("AriaExperts"), attrs=_experts("AriaExperts").attrs | {"is_transposed": True})
+
+_GROUPED = ("hidden_dim", "routed_scaling_factor", "num_group", "topk_group")
 
 _AFMOE_ROUTER = Part(
     ("AfmoeTokenChoiceRouter",),
@@ -159,5 +195,46 @@ MORE = (
         shared=("shared_experts", "AriaSharedExpertsMLP"),
         gate_name="router",
         layout="llama4",
+    ),
+    _family(
+        "Mistral-4", "Mistral4MoE",
+        gate=_gate("Mistral4TopkRouter", *_GROUPED, "norm_topk_prob"),
+        experts="Mistral4Experts",
+        router=_mistral4,
+        shared=("shared_experts", "Mistral4MLP"),
+        attrs={"config": ANY},
+    ),
+    _family(
+        "Mistral-Large-4 (text)", "MistralLarge4TextMoE",  # its router's weight held, and its logits computed, in fp32
+        gate=_gate("MistralLarge4TextTopkRouter", *_GROUPED),
+        experts="MistralLarge4TextExperts",
+        router=_mistral_large4,
+        shared=("shared_experts", "MistralLarge4TextMLP"),
+        attrs={"config": ANY},
+    ),
+    _family(
+        "Flint", "FlintSparseMoeBlock",
+        gate=_gate("FlintTopKRouter", "hidden_dim", "norm_topk_prob"),
+        experts="FlintExperts",
+        router=_sigmoid_norm_topk,
+        shared=("shared_expert", "FlintMLP"),  # ungated, added in full
+    ),
+    _family(
+        "HY-V3", "HYV3MoE",
+        gate=_gate("HYV3TopKRouter", "hidden_dim", "router_scaling_factor"),
+        experts="HYV3Experts",
+        router=_sigmoid_bias_scaled,
+        shared=("shared_experts", "HYV3MLP"),
+        attrs={"top_k": ANY, "enable_moe_fp32_combine": ANY},  # the sum with the shared MLP's output in fp32
+        buffers={"e_score_correction_bias": ANY},
+        block_bias="e_score_correction_bias",
+    ),
+    _family(
+        "dots3-note (vision)", "Dots3NoteVisionMoE",
+        gate=_gate("Dots3NoteVisionTopKRouter", "hidden_dim", "router_scaling_factor"),
+        experts="Dots3NoteExperts",
+        router=_sigmoid_bias_scaled,
+        buffers={"e_score_correction_bias": ANY},
+        block_bias="e_score_correction_bias",
     ),
 )  # fmt: skip

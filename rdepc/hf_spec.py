@@ -206,7 +206,7 @@ def _source(config, what: str, value, fallback: str) -> str:
 
 _GATE_ATTRS = (
     "norm_topk_prob", "routed_scaling_factor", "topk_method", "num_group", "topk_group", "norm_min", "route_scale",
-    "use_expert_bias", "moe_normalize_expert_weights",
+    "use_expert_bias", "moe_normalize_expert_weights", "router_scaling_factor",
 )  # fmt: skip
 
 

@@ -294,6 +294,37 @@ CASES |= {
         {"intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 2},
         shared="shared 2 x swiglu(ffn = 16)",
     ),
+    "mistral4": Case(
+        "mistral4", "Mistral4Config", "Mistral4MoE",
+        {"moe_intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+        router="softmax, groups 4, top_groups 2, renormalize, scale 2.5", E=8, shared="shared swiglu(ffn = 16)",
+    ),
+    "mistral_large4": Case(
+        "mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextMoE",
+        {"moe_intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 2,
+         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+        router="softmax, groups 4, top_groups 2, renormalize, scale 1.5", E=8, K=3,
+        shared="shared 2 x swiglu(ffn = 16)",
+    ),
+    "flint": Case(
+        "flint", "FlintConfig", "FlintSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "norm_topk_prob": True},
+        router="sigmoid, renormalize", shared="shared swiglu(ffn = 16)",
+    ),
+    "hy_v3": Case(
+        "hy_v3", "HYV3Config", "HYV3MoE",
+        {"moe_intermediate_size": 16, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "num_shared_experts": 1, "router_scaling_factor": 2.5},
+        router="sigmoid, bias, renormalize, scale 2.5", shared="shared swiglu(ffn = 16)",
+    ),
+    "dots3_note_vision": Case(
+        "dots3_note", "Dots3NoteVisionConfig", "Dots3NoteVisionMoE",
+        {"moe_intermediate_size": 16, "pyramid_num_routed": [4], "num_experts_per_tok": 2,
+         "router_scaling_factor": 2.5, "adapter_in_dim": H, "num_attention_heads": 4},
+        router="sigmoid, bias, renormalize, scale 2.5",
+    ),
 }  # fmt: skip
 
 
