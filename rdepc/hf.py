@@ -17,7 +17,8 @@ Unlimited-OCR's text blocks, GraniteMoE-SWA, Qwen3-MoE's clones (Qwen3-Omni-MoE'
 talker blocks, Mellum, Qwen4-Exp's text block, Lara-Mini), and, in
 :mod:`rdepc.hf_families_more`, MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block
 holds), DBRX, Aria's text block, Mistral-4, Mistral-Large-4's text block, Flint, HY-V3 and
-dots3-note's vision block (both holding their selection bias), and how each one's
+dots3-note's vision block (both holding their selection bias), Beam, Laguna and Step-3.7
+(their scale the block's), and how each one's
 router, experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock`
 that keeps the block's router module (``gate``, GPT-OSS's and Llama-4's ``router``:
 transformers still records its logits, and its weight is the router) and runs the routed

@@ -396,8 +396,7 @@ UNMAPPED: dict[str, str] = {
     "(prev_router_hidden_states), with a skip expert, which the spec language has no router rule for",
 } | dict.fromkeys(
     (
-        "BeamMoE", "LagunaSparseMoeBlock", "MiniMaxM3VLSparseMoeBlock", "OpenAIPrivacyFilterMLP",
-        "Step3p7SparseMoeBlock",
+        "MiniMaxM3VLSparseMoeBlock", "OpenAIPrivacyFilterMLP",
     ),
     NOT_COMPARED,
 )  # fmt: skip

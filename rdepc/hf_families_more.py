@@ -28,12 +28,24 @@ HY-V3          HYV3MoE                     sigmoid, bias, renormalize, scale S (
                                            ``e_score_correction_bias``)
 dots3-note     Dots3NoteVisionMoE          as HY-V3                                    none
 (vision)
+Beam           BeamMoE                     as DeepSeek-V3 (S: the block's              none
+                                           ``routed_scaling_factor``)
+Laguna         LagunaSparseMoeBlock        sigmoid, bias, renormalize, scale S (S: the ``shared_experts``
+                                           block's ``routed_scaling_factor``); only
+                                           without ``router_logit_softcapping``
+Step-3.7       Step3p7SparseMoeBlock       as Laguna; only where its experts and       ``shared_experts``
+                                           shared MLP are unclamped (``limit`` inf)
 ============== =========================== =========================================== ==================
 
 Mistral-4's groups are DeepSeek-V3's (a group scores the sum of its two best), over the
 softmax scores, without a selection bias (G, M, S: the router's ``num_group``, ``topk_group``,
 ``routed_scaling_factor``); HY-V3's and dots3-note's vision block's S is their router's
-``router_scaling_factor``.
+``router_scaling_factor``. Beam, Laguna and Step-3.7 scale the experts' sum by the block's
+own ``routed_scaling_factor`` (the spec's ``scale``: the same product, gate by gate), so their
+router rule reads the block, and top-K its router. Laguna's router keeps its selection bias as
+a parameter without gradient (``gate.e_score_correction_bias``); Step-3.7's experts and shared
+MLP clamp their SwiGLU on the layers its ``swiglu_limits`` and ``swiglu_limits_shared`` name,
+an expert function the spec language lacks: those blocks are refused (``experts.limit``).
 
 MiniMax-M2, LFM2-MoE, AFMoE, HY-V3 and dots3-note's vision block keep their selection bias
 in the block, not in its router, and pass it to the router as its second argument; the
@@ -51,14 +63,16 @@ Aria's experts are held in Llama-4's layout (``gate_up_proj`` [E, H, 2F], gate c
 up, ``down_proj`` [E, F, H]); its shared MLP, of ``moe_num_shared_experts`` times the experts'
 width, is the spec's ``shared N x swiglu(ffn = F)``.
 
-Refused by their router rule, for want of a term in the spec language: DBRX with a p other
-than 1 (or none), which divides the top-K gates by their p-norm (``renormalize`` is the
-1-norm), and LFM2-MoE with ``norm_topk_prob``, which divides them by their sum plus 1e-6
+Refused by their router rule, for want of a term in the spec language: Laguna with a
+``router_logit_softcapping`` c, whose logits are c·tanh(z/c) before the sigmoid; DBRX with a
+p other than 1 (or none), which divides the top-K gates by their p-norm (``renormalize`` is
+the 1-norm), and LFM2-MoE with ``norm_topk_prob``, which divides them by their sum plus 1e-6
 (``renormalize`` divides by the sum; ``norm_min m`` by max(sum, m)).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from rdepc.hf_parts import (
@@ -69,6 +83,7 @@ from rdepc.hf_parts import (
     _experts,
     _family,
     _gate,
+    _mlp,
     _softmax_renormalized,
     router_terms,
 )  # fmt: skip
@@ -120,6 +135,26 @@ def _sigmoid_bias_scaled(gate) -> dict:  # its 1e-20 in the sum, as DeepSeek-V3'
     return router_terms("sigmoid", True, True, scale=gate.router_scaling_factor)
 
 
+def _beam(block) -> dict:  # DeepSeek-V3's router; its scale the block's, on the experts' sum
+    g = block.gate
+    groups = (g.num_group, g.topk_group)
+    return router_terms("sigmoid", bool(g.norm_topk_prob), True, groups, block.routed_scaling_factor)
+
+
+def _laguna(block) -> dict | str:  # the scale is the block's, on the experts' sum
+    cap = block.gate.router_logit_softcapping
+    if cap > 0:
+        return (
+            f"a router whose logits are soft-capped (gate.router_logit_softcapping {cap:g}: c·tanh(z/c) before the "
+            "sigmoid), and the spec language has no term for it"
+        )
+    return router_terms("sigmoid", True, True, scale=block.routed_scaling_factor)
+
+
+def _step3p7(block) -> dict:  # the scale is the block's, on the experts' sum
+    return router_terms("sigmoid", True, True, scale=block.routed_scaling_factor)
+
+
 _DBRX_ROUTER = Part(("DbrxRouter",), {"layer": _LINEAR}, attrs={"hidden_size": ANY, "moe_jitter_eps": None})
 _DBRX_EXPERTS = Part(
     ("DbrxExperts",),
@@ -138,6 +173,17 @@ _DBRX_EXPERTS = Part(
 _ARIA_EXPERTS = replace(_experts("AriaExperts"), attrs=_experts("AriaExperts").attrs | {"is_transposed": True})
 
 _GROUPED = ("hidden_dim", "routed_scaling_factor", "num_group", "topk_group")
+
+_LAGUNA_ROUTER = Part(
+    ("LagunaTopKRouter",),
+    params={"weight": ANY, "e_score_correction_bias": ANY},  # the selection bias: a parameter without gradient
+    attrs=dict.fromkeys(("top_k", "num_experts", "hidden_dim", "router_logit_softcapping"), ANY),
+)
+
+# Step-3.7's experts and shared MLP clamp SwiGLU at a per-layer limit (swiglu_limits, swiglu_limits_shared):
+# without one (inf) they are plain SwiGLU, and only then mapped.
+_STEP3P7_EXPERTS = replace(_experts("Step3p7Experts"), attrs=_experts("Step3p7Experts").attrs | {"limit": math.inf})
+_STEP3P7_SHARED = replace(_mlp("Step3p7MLP"), attrs=_mlp("Step3p7MLP").attrs | {"limit": math.inf})
 
 _AFMOE_ROUTER = Part(
     ("AfmoeTokenChoiceRouter",),
@@ -236,5 +282,35 @@ MORE = (
         router=_sigmoid_bias_scaled,
         buffers={"e_score_correction_bias": ANY},
         block_bias="e_score_correction_bias",
+    ),
+    _family(
+        "Beam", "BeamMoE",
+        gate=_gate("BeamTopKRouter", "hidden_dim", "num_group", "topk_group", "norm_topk_prob",
+                   buffers={"e_score_correction_bias": ANY}),
+        experts="BeamExperts",  # SwiGLU in fp32, cast back: in an fp32 block, the spec's
+        router=_beam,
+        attrs={"routed_scaling_factor": ANY},
+        bias="e_score_correction_bias",
+        rule_reads="block",
+    ),
+    _family(
+        "Laguna", "LagunaSparseMoeBlock",
+        gate=_LAGUNA_ROUTER,
+        experts="LagunaExperts",
+        router=_laguna,
+        shared=("shared_experts", "LagunaMLP"),
+        attrs={"routed_scaling_factor": ANY},
+        bias="e_score_correction_bias",
+        rule_reads="block",
+    ),
+    _family(
+        "Step-3.7", "Step3p7SparseMoeBlock",
+        gate=_gate("Step3p7TopKRouter", "hidden_dim", buffers={"e_score_correction_bias": ANY}),
+        experts=_STEP3P7_EXPERTS,
+        router=_step3p7,
+        shared=("shared_experts", _STEP3P7_SHARED),
+        attrs={"routed_scaling_factor": ANY},
+        bias="e_score_correction_bias",
+        rule_reads="block",
     ),
 )  # fmt: skip

@@ -203,11 +203,11 @@ def _family(
     **more,
 ) -> Family:
     """A row: ``experts`` the experts' class (fused, SiLU-gated) or their Part, ``layout`` their
-    layout (the Family's ``experts``); ``params`` and ``buffers`` the block's own; ``more`` the
-    Family's other fields."""
+    layout (the Family's ``experts``); ``shared`` (its name, its MLP's class or Part);
+    ``params`` and ``buffers`` the block's own; ``more`` the Family's other fields."""
     children = {gate_name: gate, "experts": experts if isinstance(experts, Part) else _experts(experts)}
     if shared is not None:
-        children[shared[0]] = _mlp(shared[1])
+        children[shared[0]] = shared[1] if isinstance(shared[1], Part) else _mlp(shared[1])
     if shared_gate is not None:
         children[shared_gate] = _LINEAR
     part = Part((block,), children, params or {}, buffers or {}, attrs or {})

@@ -277,6 +277,10 @@ def describe(name: str, block: nn.Module) -> Found:
     gate = getattr(block, fam.gate)
     E, H, F, fn = _experts_found(where, fam, block.experts)
     owner, owner_name = (block, "") if fam.rule_reads == "block" else (gate, f"{fam.gate}.")  # DBRX: the block's
+    if not hasattr(owner, "top_k"):  # a block that holds its scale (Beam, Laguna), its router top-K
+        k_owner, k_name = gate, f"{fam.gate}."
+    else:
+        k_owner, k_name = owner, owner_name
     rule = fam.router(owner)
     if isinstance(rule, str):
         who = "it" if fam.rule_reads == "block" else f"its router {type(owner).__name__}"
@@ -291,14 +295,14 @@ def describe(name: str, block: nn.Module) -> Found:
         ("hidden", _source(config, "H", H, tensor)),
         ("experts", _source(config, "E", E, tensor)),
         ("ffn", _source(config, "F", F, tensor)),
-        ("top", _source(config, "K", owner.top_k, f"{owner_name}top_k")),
+        ("top", _source(config, "K", k_owner.top_k, f"{k_name}top_k")),
         ("expert", _expert_source(block.experts, fn)),
         ("router", f"{fam.name}'s rule, {type(owner).__name__}" + (f": {read}" if read else "")),
         ("dtype", f"{tensor}'s dtype"),
     )
     shared = _shared_found(block, fam, config)
     dtype = DTYPES.get(weight.dtype, str(weight.dtype))
-    found = Found(fam.name, type(block).__name__, E, H, F, owner.top_k, *fn, fam.gate_on, rule, shared, dtype)
+    found = Found(fam.name, type(block).__name__, E, H, F, k_owner.top_k, *fn, fam.gate_on, rule, shared, dtype)
     if shared is not None:
         sources += (
             ("shared", f"{fam.shared}.gate_proj [{shared.ffn}, {H}]" + (f", {fam.shared_gate}" if shared.gate else "")),

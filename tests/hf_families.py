@@ -325,6 +325,24 @@ CASES |= {
          "router_scaling_factor": 2.5, "adapter_in_dim": H, "num_attention_heads": 4},
         router="sigmoid, bias, renormalize, scale 2.5",
     ),
+    "beam": Case(
+        "beam", "BeamConfig", "BeamMoE",
+        {"moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+         "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+        router="sigmoid, bias, groups 4, top_groups 2, renormalize, scale 2.5", E=8,
+    ),
+    "laguna": Case(
+        "laguna", "LagunaConfig", "LagunaSparseMoeBlock",
+        {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_routed_scaling_factor": 2.5},
+        router="sigmoid, bias, renormalize, scale 2.5", shared="shared swiglu(ffn = 16)",
+    ),
+    "step3p7": Case(
+        "step3p7", "Step3p7TextConfig", "Step3p7SparseMoeBlock",
+        {"moe_intermediate_size": 16, "share_expert_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_router_scaling_factor": 2.5, "num_attention_heads": 4, "head_dim": 8},
+        router="sigmoid, bias, renormalize, scale 2.5", shared="shared swiglu(ffn = 16)",
+    ),
 }  # fmt: skip
 
 

@@ -258,6 +258,11 @@ def test_spec_for_refuses_what_it_cannot_write_by_name():
             lambda b: setattr(b, "experts", torch.nn.ModuleList()),
             "mlp (HunYuanMoEV1Moe) has experts of class ModuleList, where rdepc.hf maps HunYuanMoEV1Experts",
         ),
+        (
+            "step3p7",
+            lambda b: setattr(b.experts, "limit", 7.0),  # a layer of swiglu_limits: SwiGLU clamped at 7
+            "mlp (Step3p7SparseMoeBlock) has experts.limit = 7.0, and rdepc.hf maps only inf",
+        ),
     ],
 )
 def test_what_the_table_does_not_know_is_refused(tmp_path, name, change, message):
@@ -293,6 +298,12 @@ def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
             {"norm_topk_prob": True},
             "mlp (Lfm2MoeSparseMoeBlock): its router Lfm2MoeTopKRouter has norm_topk_prob True: it divides the "
             "top-K gates by their sum + 1e-6, and the spec language has no term for that epsilon",
+        ),
+        (
+            "laguna",
+            {"moe_router_logit_softcapping": 30.0},
+            "mlp (LagunaSparseMoeBlock): it has a router whose logits are soft-capped "
+            "(gate.router_logit_softcapping 30: c·tanh(z/c) before the sigmoid), and the spec language has no term",
         ),
         (
             "dbrx",
@@ -768,4 +779,4 @@ def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its
     assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
     unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
     assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
-    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 50
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 53
