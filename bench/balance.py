@@ -130,8 +130,9 @@ def makespans(spec, routing: str, seed: int, hw: str) -> dict:
     the pushes launched before it (the design the tasks replaced); the layer without
     replication; and the busiest rank's pushes alone."""
     from rdepc.passes.replicate import physical_counts, physical_layer, without_replication
+    from rdepc.passes.resolve import build_for
     from rdepc.passes.sampled_routing import source_counts
-    from rdepc.passes.schedule import build_for, schedule
+    from rdepc.passes.schedule import schedule
 
     from rdepc.ir.balance import push_seconds, slot_elems, solve_seconds
 

@@ -38,7 +38,8 @@ def predict(example: str, T: int, W: int, strategy: str, mode: str, hw: str, cac
     key = (example, T, W, strategy, mode == "split", hw)
     if key not in cache:
         from rdepc.passes.hardware import host_seconds
-        from rdepc.passes.schedule import build_for, schedule
+        from rdepc.passes.resolve import build_for
+        from rdepc.passes.schedule import schedule
 
         import rdepc
 

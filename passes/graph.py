@@ -85,6 +85,8 @@ check, and the pass's dump. The tasks themselves are built by :mod:`rdepc.passes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 from rdepc.passes.tasks import build_tasks
@@ -319,15 +321,40 @@ def build_graph(
     return TaskGraph(spec.name, spec.file, geo, tuple(tasks), tuple(decisions), spec)
 
 
+@lru_cache(maxsize=4)
+def _built(spec: LayerSpec, strategy: str, S: int | None, B: int | None) -> TaskGraph:
+    return build_graph(spec, strategy, "expert", S, B)
+
+
+def graph_of(spec: LayerSpec, strategy: str, cut: str, S: int | None = None, B: int | None = None) -> TaskGraph:
+    """:func:`build_graph`'s graph, its tasks built once for both cuts (a few kept): the cut
+    changes which rows land in which segment, never the tasks."""
+    base = _built(spec, strategy, S, B)
+    return base if base.geometry.cut == cut else replace(base, geometry=replace(base.geometry, cut=cut))
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """(LayerSpec, Resolution) → TaskGraph: the one graph of the resolve pass's strategy,
+    cut, S and B, carrying its decisions."""
+
+    name: str = "graph"
+
+    def __call__(self, spec: LayerSpec, res) -> TaskGraph:
+        return replace(graph_of(spec, res.strategy, res.cut, res.S, res.B), decisions=res.decisions)
+
+
 __all__ = [
     "CUTS",
     "SEGMENT_CANDIDATES",
     "STRATEGIES",
+    "GraphPass",
     "build_graph",
     "cap_per_expert",
     "check_size",
     "fewest_tasks",
     "geometry",
+    "graph_of",
     "max_over_tokens",
     "owner_rows",
     "segmentation",

@@ -15,8 +15,8 @@ The parts live beside it, one role each: the symbols and their evaluation
 the symmetric heap of docs/memory.md (:mod:`rdepc.passes.symmetric`, which the memory-plan
 pass is checked against), transport and dedup (:mod:`rdepc.passes.transport`), the padding
 of a sampled routing (:mod:`rdepc.passes.padding`) and the ``--probs`` parser
-(:mod:`rdepc.passes.probs`). ``schedule auto`` is resolved as compile resolves it, by the
-scheduler's cost model (:func:`rdepc.passes.plan_symbols.resolve_strategy`). numpy is
+(:mod:`rdepc.passes.probs`). ``schedule auto`` is resolved by compile's resolve pass
+(:func:`rdepc.passes.resolve.resolve_strategy`), on the scheduler's cost model. numpy is
 imported only to sample a routing (``--routing``) and by that scheduler (``schedule auto``,
 or a segmented schedule without a segment statement, or a bulk one's GEMM lowering, compared
 on its cost model as compile compares it). Neither torch nor triton is imported.
@@ -61,11 +61,11 @@ from rdepc.passes.plan_symbols import (
     d,
     mu,
     number,
-    resolve_strategy,
     spec_values,
     t_b,
 )
 from rdepc.passes.replicate import physical_layer
+from rdepc.passes.resolve import resolve, resolve_strategy
 from rdepc.passes.symmetric import symmetric_figures
 from rdepc.passes.transport import dedup_plan, transport_plan
 
@@ -89,9 +89,7 @@ def plan(spec: LayerSpec, options: PlanOptions | None = None) -> Plan:
     resolved = resolve_strategy(layer, strategy_asked, opts.hw)  # auto: the scheduler's choice, as compile
     strategy, rows, buffers = resolved.strategy, resolved.S, resolved.B
     if strategy in SEGMENTED and spec.segment is None and rows is None:
-        # No segment statement: the S and B the scheduler chooses on this profile, as compile does.
-        from rdepc.passes.schedule import resolve
-
+        # No segment statement: the S and B the resolve pass chooses on this profile, as compile's does.
         choice = resolve(layer, strategy, hw=opts.hw)
         rows, buffers = choice.S, choice.B
     values = spec_values(spec, strategy, rows, buffers)
@@ -356,7 +354,8 @@ def gemm_lowering(layer: LayerSpec, strategy: str, opts: PlanOptions) -> tuple[s
     from rdepc.passes.lowering import decide, predicted
 
     def predict() -> dict[str, float]:  # a bulk schedule's cost model (numpy): only where compared
-        from rdepc.passes.schedule import build_for, schedule
+        from rdepc.passes.resolve import build_for
+        from rdepc.passes.schedule import schedule
 
         return predicted(schedule(build_for(layer, "bulk", None, opts.hw, opts.gemm), opts.hw))
 
@@ -374,7 +373,7 @@ def _g(x: float) -> str:
 def _choice_warnings(layer: LayerSpec, strategy: str | None, opts: PlanOptions) -> list[str]:
     """The scheduler's warnings about the schedule the spec fixed (none where it cannot build
     the layer's graph: the plan says so elsewhere)."""
-    from rdepc.passes.schedule import choice_warnings
+    from rdepc.passes.resolve import choice_warnings
 
     try:
         return choice_warnings(layer, strategy, None, opts.hw, opts.gemm)
@@ -386,7 +385,8 @@ def projection(layer: LayerSpec, strategy: str, gemm: str, opts: PlanOptions):
     """The layer's forward and backward per GPU predicted on the profile (passes.projection),
     or None where the scheduler cannot build its graph."""
     from rdepc.passes.projection import project
-    from rdepc.passes.schedule import build_for, schedule
+    from rdepc.passes.resolve import build_for
+    from rdepc.passes.schedule import schedule
 
     try:
         return project(schedule(build_for(layer, strategy, None, opts.hw, opts.gemm), opts.hw), gemm)

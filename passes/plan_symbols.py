@@ -16,7 +16,6 @@ from typing import Any
 import sympy as sp
 from rdepc.passes.graph import geometry, max_over_tokens, spec_int
 
-from rdepc.diagnostics import SpecError
 from rdepc.ir import sizes
 from rdepc.ir.spec import LayerSpec
 
@@ -172,40 +171,6 @@ def number(r: Any) -> int | float:
     if isinstance(r, sp.Basic) and not r.is_number:
         raise ValueError(f"a figure has free symbols left: {r}")
     return float(r)
-
-
-@dataclass(frozen=True, slots=True)
-class Resolved:
-    """The strategy a plan is made for, with the S and B the scheduler chose (None: the
-    segment statement's, or bulk), and why compile's choice could not be used (or None)."""
-
-    strategy: str
-    S: int | None = None
-    B: int | None = None
-    note: str | None = None
-
-
-def resolve_strategy(spec: LayerSpec, strategy: str | None = None, hw: str = "h100") -> Resolved:
-    """The strategy as ``rdepc compile`` resolves it: ``strategy`` (else the spec's
-    ``schedule``) when it is bulk, pipelined or deep; for ``auto``, the scheduler's choice on
-    the profile ``hw`` (:func:`rdepc.passes.schedule.resolve`: the cost model compares the
-    strategies, and S and B without a segment statement). When compile could build none of
-    the candidates (too many tasks), the plan falls back to segmented iff the spec has a
-    segment statement, and says so in ``note``."""
-    s = strategy or spec.schedule
-    if s not in (*STRATEGIES, "auto"):
-        raise ValueError(f"unknown strategy '{s}' (known: auto, {', '.join(STRATEGIES)})")
-    if s != "auto":
-        return Resolved(s)
-    from rdepc.passes.schedule import resolve  # the cost model: numpy, never torch or triton
-
-    try:
-        choice = resolve(spec, "auto", hw=hw)
-    except SpecError as e:
-        fallback = "pipelined" if spec.segment is not None else "bulk"
-        why = e.diagnostics[0].message if e.diagnostics else str(e)
-        return Resolved(fallback, note=f"schedule auto planned as {fallback}: compile cannot choose ({why})")
-    return Resolved(choice.strategy, choice.S, choice.B)
 
 
 def spec_values(spec: LayerSpec, strategy: str, rows: int | None = None, buffers: int | None = None) -> dict:

@@ -19,10 +19,9 @@ Strategies (RDEP section 3.5):
 * ``pipelined`` — B = 2 semantics: in step s, dispatch s | compute s−1 | return s−2;
 * ``deep`` — B > 2: dispatch runs up to B−1 segments ahead of compute.
 
-``auto`` lets the cost model choose; the precedence is command line (``--schedule``) over
-the spec's ``schedule`` statement over the cost model, and the same for the segment cut
-(``--cut``, ``segment ..., cut expert|source``). Without a segment statement a segmented
-strategy's S and B are the cost model's choice too.
+Which strategy, cut, S and B a layer gets is the resolve pass's (:mod:`rdepc.passes.resolve`),
+decided before the graph is built; it predicts each candidate's makespan with
+:func:`predicted_makespan`.
 
 The timeline (:func:`rdepc.passes.order.timeline`) is the cost model's prediction: each resource
 runs its tasks one after another in the global order; a task starts when its resource is free and its inputs are
@@ -33,17 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
-from rdepc.passes.graph import STRATEGIES, build_graph, candidates
 from rdepc.passes.order import BALANCE_ORDERS, LATE_PUSHES, ORDERS, Timeline, priority, timeline, topo_order
 
-from rdepc.diagnostics import SpecError, UsageError, layer_prefix
-from rdepc.ir import sizes
 from rdepc.ir.graph import CostModel, Decision, Entry, Resource, Schedule, TaskGraph
-from rdepc.ir.spec import LayerSpec
 
 REFINE_LIMIT = 60_000  # tasks: below this the split is refined on the timeline itself
 
@@ -82,6 +76,16 @@ def schedule(
     global order, and predict the timeline under ``counts`` (None: expected routing;
     ``held``: the balance plan's slots for them, :func:`rdepc.passes.cost.cost_model`)."""
     return schedule_costed(cost_model(tg, hw, counts, held), comm, decisions, refine)
+
+
+def predicted_makespan(cm: CostModel) -> float:
+    """The makespan :func:`schedule` predicts for ``cm``, without building the task table."""
+    return _plan(cm, None, None, None).tl.makespan
+
+
+def empty_mask(cm: CostModel) -> list[bool]:
+    """Tasks that move nothing under the cost model's routing (their predicate holds)."""
+    return [bool(t.empty_if) and r == 0 for t, r in zip(cm.graph.tasks, cm.rows, strict=True)]
 
 
 @dataclass
@@ -317,205 +321,7 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
     )
 
 
-# --- choosing the strategy, the cut, S and B ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    strategy: str
-    cut: str
-    S: int | None
-    B: int | None
-    decisions: tuple[Decision, ...]
-
-
-# A command weighs the same candidates more than once (plan: the spec's schedule against
-# auto's, the projection; compile: the graph pass, then the schedule pass): graphs and
-# their makespans are immutable, so each is built once per process (a few kept).
-@lru_cache(maxsize=8)
-def quick_makespan(tg: TaskGraph, hw: str) -> float:
-    """The predicted makespan of ``tg`` as :func:`schedule` would find it, without building
-    the task table: what the strategy and cut choices compare."""
-    return _plan(cost_model(tg, hw), None, None, None).tl.makespan
-
-
-@lru_cache(maxsize=4)
-def _graph(spec: LayerSpec, strategy: str, cut: str, S: int | None, B: int | None) -> TaskGraph:
-    return build_graph(spec, strategy, cut, S, B)
-
-
-def empty_mask(cm: CostModel) -> list[bool]:
-    """Tasks that move nothing under the cost model's routing (their predicate holds)."""
-    return [bool(t.empty_if) and r == 0 for t, r in zip(cm.graph.tasks, cm.rows, strict=True)]
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.3f} ms"
-
-
-def resolve(
-    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
-) -> Choice:
-    """Strategy, cut, S and B: command line over spec over the cost model (``gemm``: the
-    command line's ``--gemm``; the library lowering runs bulk)."""
-    return _resolve(spec, strategy, cut, hw, gemm)[0]
-
-
-def _library_asked(spec: LayerSpec, gemm: str | None) -> bool:
-    """The library GEMM lowering asked for: ``--gemm library``, or the spec's when not overridden."""
-    return gemm == "library" or (gemm in (None, "auto") and spec.gemm == "library")
-
-
-def _fixed_strategy(spec, strategy, gemm) -> tuple[str | None, str]:
-    """The strategy the command line or the spec fixes and why (None: the cost model's):
-    ``--schedule``, the spec's, or bulk where the library lowering is asked for."""
-    if strategy is not None and strategy not in (*STRATEGIES, "auto"):
-        raise ValueError(f"unknown schedule '{strategy}' (known: auto, {', '.join(STRATEGIES)})")
-    # None: not given on the command line; "auto" given there: the cost model decides.
-    if strategy is not None and strategy != "auto":
-        fixed = (strategy, "command line --schedule")
-    elif strategy is None and spec.schedule != "auto":
-        fixed = (spec.schedule, f"spec: schedule {spec.schedule}")
-    else:
-        fixed = (None, "")
-    asked = "command line --gemm library" if gemm == "library" else "spec: schedule ..., gemm library"
-    if not _library_asked(spec, gemm):
-        return fixed
-    if fixed[0] not in (None, "bulk") and (strategy not in (None, "auto") or gemm != "library"):
-        raise UsageError(
-            f"{layer_prefix(spec.name)}: the library GEMM lowering ({asked}) runs bulk schedules, not {fixed[0]} "
-            f"({fixed[1]})"
-        )
-    if fixed[0] == "bulk":
-        return fixed
-    aside = "" if fixed[0] is None else f"; the spec's schedule {fixed[0]} set aside"
-    return "bulk", f"the library GEMM lowering runs bulk ({asked}{aside})"
-
-
-def _resolve(spec, strategy, cut, hw, gemm=None) -> tuple[Choice, TaskGraph | None]:
-    decisions: list[Decision] = []
-    seg = spec.segment
-    fixed_strategy, why = _fixed_strategy(spec, strategy, gemm)
-    if cut is not None:
-        fixed_cut, cut_why = (None, "") if cut == "auto" else (cut, "command line --cut")
-    elif seg is not None and seg.cut != "auto":
-        fixed_cut, cut_why = seg.cut, f"spec: segment ..., cut {seg.cut}"
-    else:
-        fixed_cut, cut_why = None, ""
-    if cut is not None and cut not in ("auto", "expert", "source"):
-        raise ValueError(f"unknown cut '{cut}' (known: auto, expert, source)")
-
-    tried = candidates(fixed_strategy, None if seg is None else (int(seg.rows), int(seg.buffers)))
-    cuts = [fixed_cut] if fixed_cut else ["expert", "source"]
-    keys = [(st, c, S, B) for st, S, B in tried for c in (cuts if st != "bulk" else ["expert"])]
-    results: dict[tuple[str, str, int | None, int | None], float] = {}
-    graphs: dict[tuple, TaskGraph] = {}
-    first_error: SpecError | None = None
-    built: dict[tuple, TaskGraph] = {}
-    for k in keys:
-        st, c, S, B = k
-        try:  # the cut changes which rows land in which segment, never the tasks
-            base = built.get((st, S, B)) or _graph(spec, st, c, S, B)
-        except SpecError as e:  # too many tasks: not a candidate
-            first_error = first_error or e
-            continue
-        built[(st, S, B)] = base
-        tg = base if base.geometry.cut == c else replace(base, geometry=replace(base.geometry, cut=c))
-        graphs[k] = tg
-        results[k] = quick_makespan(tg, hw) if len(keys) > 1 else 0.0
-    if not results:
-        assert first_error is not None
-        raise first_error
-    key = min(results, key=lambda k: (results[k], STRATEGIES.index(k[0]), k[1], k[2] or 0))
-    st, c, S, B = key
-    if fixed_strategy:
-        decisions.append(Decision("strategy", st, why))
-    else:
-        others = ", ".join(
-            f"{k[0]}{'' if k[2] is None else f' S={k[2]}'}{'' if k[0] == 'bulk' else ' cut ' + k[1]}: {_ms(v)}"
-            for k, v in sorted(results.items(), key=lambda kv: kv[1])
-        )
-        decisions.append(Decision("strategy", st, f"cost model: {others}"))
-    if st != "bulk":
-        if fixed_cut:
-            decisions.append(Decision("cut", c, cut_why))
-        else:
-            alt = {k[1]: v for k, v in results.items() if k[0] == st and k[2] == S}
-            decisions.append(
-                Decision("cut", c, "cost model: " + ", ".join(f"{k} {_ms(v)}" for k, v in sorted(alt.items())))
-            )
-        g = graphs[key].geometry
-        src = "spec: segment statement" if S is None else "cost model: no segment statement"
-        decisions.append(Decision("segment", f"S={g.S}, B={g.B}", src))
-    choice = Choice(st, c if st != "bulk" else "expert", S, B, tuple(decisions))
-    return choice, graphs[key]
-
-
-# How much slower than ``schedule auto``'s choice a fixed strategy must be predicted before a
-# user is warned: below it the model's ranking is within its own error on the leases.
-SLOWER = 1.05
-
-
-def choice_warnings(
-    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
-) -> list[str]:
-    """What a user planning ``spec`` should hear about a schedule the command line or the spec
-    fixed (the spec's own statement is checked where it is written, passes.spec_checks): deep
-    asked with fewer than three buffers, which is pipelined; a strategy the cost model
-    predicts :data:`SLOWER` or more slower on ``hw`` than the one ``schedule auto`` chooses."""
-    mine, tg = _resolve(spec, strategy, cut, hw, gemm)
-    why = next(d.why for d in mine.decisions if d.name == "strategy")
-    out = []
-    if strategy == "deep" and tg.geometry.B < sizes.DEEP_BUFFERS:
-        out.append(f"deep with {tg.geometry.B} buffers (command line --schedule) is no deeper than pipelined")
-    if _fixed_strategy(spec, strategy, gemm)[0] is None or _library_asked(spec, gemm):
-        return out  # the cost model chose, or the library lowering fixed bulk
-    best, best_tg = _resolve(spec, "auto", None, hw, gemm)
-    if best.strategy != mine.strategy:
-        ours, theirs = quick_makespan(tg, hw), quick_makespan(best_tg, hw)
-        if ours >= SLOWER * theirs:
-            out.append(
-                f"schedule {mine.strategy} ({why}) is predicted {ours / theirs:.2f}x slower than {best.strategy} on "
-                f"{hw} ({_ms(ours)} against {_ms(theirs)}): 'schedule auto' would choose {best.strategy}"
-            )
-    return out
-
-
-def build_for(
-    spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
-) -> TaskGraph:
-    """The graph of ``spec`` with every choice resolved (see :func:`resolve`)."""
-    ch, tg = _resolve(spec, strategy, cut, hw, gemm)
-    return replace(tg, decisions=ch.decisions)
-
-
-def compare(spec: LayerSpec, hw: str = "h100", cut: str | None = None) -> dict[str, Schedule]:
-    """Schedules of every strategy the spec admits (for reports and plots)."""
-    out = {}
-    for st in STRATEGIES:
-        if st != "bulk" and spec.segment is None:
-            continue
-        if st == "deep" and spec.segment is not None and int(spec.segment.buffers) < sizes.DEEP_BUFFERS:
-            continue
-        out[st] = schedule(build_for(spec, st, cut, hw), hw)
-    return out
-
-
 # --- passes -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GraphPass:
-    """LayerSpec → TaskGraph, every choice resolved (command line over spec over cost model)."""
-
-    strategy: str | None = None
-    cut: str | None = None
-    hw: str = "h100"
-    gemm: str | None = None  # --gemm: the library lowering runs bulk
-    name: str = "graph"
-
-    def __call__(self, spec: LayerSpec) -> TaskGraph:
-        return build_for(spec, self.strategy, self.cut, self.hw, self.gemm)
 
 
 @dataclass(frozen=True)
@@ -540,14 +346,10 @@ class SchedulePass:
 
 
 __all__ = [
-    "Choice",
     "CostPass",
-    "GraphPass",
     "SchedulePass",
-    "build_for",
-    "choice_warnings",
-    "compare",
-    "resolve",
+    "empty_mask",
+    "predicted_makespan",
     "schedule",
     "schedule_costed",
 ]

@@ -21,7 +21,6 @@ from rdepc.passes.plan_symbols import (
     a,
     d,
     pad,
-    resolve_strategy,
     sb,
     spec_values,
 )
@@ -163,6 +162,7 @@ def symmetric_plan(
          "forward_backward": {... forward regions, "bwd_control", "bwd_payload", "bwd_return", "total"}}
     """
     from rdepc.passes.replicate import physical_layer
+    from rdepc.passes.resolve import resolve_strategy
 
     spec = physical_layer(spec)  # what compile builds (balance replicate: the slots are experts)
     resolved = resolve_strategy(spec, strategy, hw)

@@ -102,12 +102,13 @@ def _plain(x: Any) -> Any:
 def spec_passes(options: Options | None = None) -> list[Pass]:
     """Passes over the checked LayerSpec, in order. Later stages append here."""
     from rdepc import codegen
-    from rdepc.passes import cost, graph, lowering, memplan, replicate, schedule
+    from rdepc.passes import cost, graph, lowering, memplan, replicate, resolve, schedule
 
     o = options or Options()
     return [
         Pass("replicate", replicate.physical_layer, dump=replicate.dump, source=("elaborate",)),
-        Pass("graph", schedule.GraphPass(o.schedule, o.cut, o.hw, o.gemm), dump=graph.dump, source=("replicate",)),
+        Pass("resolve", resolve.ResolvePass(o.schedule, o.cut, o.hw, o.gemm), dump=resolve.dump, source=("replicate",)),
+        Pass("graph", graph.GraphPass(), dump=graph.dump, source=("replicate", "resolve")),
         Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source=("graph",)),
         Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source=("cost",)),
         Pass("lowering", lowering.LoweringPass(o.gemm), dump=lowering.dump, source=("schedule",)),

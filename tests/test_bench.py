@@ -193,7 +193,7 @@ def test_schedule_auto_chooses_what_was_measured_fastest_on_the_emulation_and_ov
     at 4,096 tokens per rank, and auto chooses it; on a node of eight H200s (h200) the model
     predicts overlap pays for moonlight, and auto chooses pipelined there. The spec's fixed
     schedule predicted slower is a warning."""
-    from rdepc.passes.schedule import choice_warnings, resolve
+    from rdepc.passes.resolve import choice_warnings, resolve
 
     import rdepc
 

@@ -251,7 +251,8 @@ def test_dedup_memory_plan_matches_the_planner():
     """Moonlight under dedup, pipelined: B rises from 2 to the busiest owner's segments in
     the memory plan and in ``rdepc plan`` alike, and the sideband carries the links."""
     from rdepc.passes.memplan import memory_plan
-    from rdepc.passes.schedule import build_for, schedule
+    from rdepc.passes.resolve import build_for
+    from rdepc.passes.schedule import schedule
     from rdepc.passes.symmetric import symmetric_plan
 
     text = (ROOT / "examples" / "moonlight.rdep").read_text(encoding="utf-8")

@@ -14,7 +14,8 @@ from moe_cases import CORNERS, ROUTING_KINDS, cases, counts, routing
 from rdepc.passes import memplan as M
 from rdepc.passes.graph import build_graph, geometry, task_count
 from rdepc.passes.plan_symbols import ALIGN
-from rdepc.passes.schedule import build_for, schedule
+from rdepc.passes.resolve import build_for
+from rdepc.passes.schedule import schedule
 from rdepc.passes.symmetric import symmetric_plan
 
 import rdepc

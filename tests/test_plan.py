@@ -18,8 +18,8 @@ from rdepc.passes.padding import rho_tallest, rho_tiled, tiled_rows
 from rdepc.passes.plan import plan
 from rdepc.passes.plan_records import PlanOptions, to_json
 from rdepc.passes.probs import parse_probs
+from rdepc.passes.resolve import build_for, resolve
 from rdepc.passes.sampled_routing import owners_per_token_expr, sample_routing
-from rdepc.passes.schedule import build_for, resolve
 from rdepc.passes.symmetric import symmetric_formulas, symmetric_plan
 
 import rdepc

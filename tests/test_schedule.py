@@ -17,7 +17,8 @@ from moe_cases import CORNERS, ROUTING_KINDS, Case, cases, counts, place_rows, r
 from rdepc.passes.graph import SEGMENT_CANDIDATES, build_graph, geometry, task_count
 from rdepc.passes.memplan import memory_plan
 from rdepc.passes.order import timeline
-from rdepc.passes.schedule import build_for, empty_mask, resolve, schedule
+from rdepc.passes.resolve import build_for, resolve
+from rdepc.passes.schedule import empty_mask, schedule
 from rdepc.passes.simulate import DeadlockError, random_durations, simulate
 
 import rdepc

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 from conftest import ROOT, tiny_segmented
-from rdepc.passes.schedule import build_for, schedule
+from rdepc.passes.resolve import build_for
+from rdepc.passes.schedule import schedule
 
 import rdepc
 from rdepc import viz

@@ -12,7 +12,8 @@ from rdepc.commands.common import load_spec
 def cmd_viz(args) -> int:
     from rdepc.passes.lowering import lowering_line
     from rdepc.passes.replicate import without_replication
-    from rdepc.passes.schedule import build_for, choice_warnings, report, schedule
+    from rdepc.passes.resolve import build_for, choice_warnings
+    from rdepc.passes.schedule import report, schedule
 
     spec = load_spec(args)
     if args.ranks < 1:
@@ -94,7 +95,8 @@ def _balanced(spec, args, tg, counts):
     under that plan), and the plan's figures printed."""
     from rdepc.ir.balance import imbalance, owner_loads
     from rdepc.passes.replicate import physical_counts, physical_layer
-    from rdepc.passes.schedule import build_for, schedule
+    from rdepc.passes.resolve import build_for
+    from rdepc.passes.schedule import schedule
 
     phys, plan = physical_counts(spec, counts)
     before = owner_loads(counts, spec.ownership.owner).tolist()
