@@ -42,7 +42,9 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
 GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA,
 Bailing-Hybrid (its router's weight held, and its logits computed, in fp32), A.X-K2 (without
-``num_group``: no groups) and dots3-note's text block (``Dots3NoteTextMoE``); DeepSeek-V2's:
+``num_group``: no groups; with groups leaving some out it is refused, as it scores their
+experts 0.0, not -inf, which a negative selection bias can put above the kept ones) and
+dots3-note's text block (``Dots3NoteTextMoE``); DeepSeek-V2's:
 Unlimited-OCR's text block; GraniteMoE's: GraniteMoE-SWA's. Qwen3-MoE's router (softmax,
 renormalize: ``norm_topk_prob``) under other names: Qwen3-Omni-MoE's thinker block and Mellum's
 (no shared experts), Qwen3-Omni-MoE's talker block and Qwen4-Exp's text block (Qwen2-MoE's
@@ -97,6 +99,7 @@ from rdepc.hf_parts import (
     SILU,
     Family,
     Part,
+    _axk2,
     _deepseek_v2,
     _deepseek_v3,
     _ernie,
@@ -278,12 +281,14 @@ for _name, _prefix in (
 
 # DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
 # renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none), one row each.
-def _v3_clone(name: str, prefix: str, block: str, shared: bool = True, experts: str | None = None) -> Family:
+def _v3_clone(
+    name: str, prefix: str, block: str, shared: bool = True, experts: str | None = None, router=_deepseek_v3
+) -> Family:
     return _family(
         name, block,
         gate=_gate(f"{prefix}TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
         experts=experts or f"{prefix}Experts",
-        router=_deepseek_v3,
+        router=router,
         shared=("shared_experts", f"{prefix}MLP") if shared else None,
         attrs=_CONFIG,
         bias="e_score_correction_bias",
@@ -302,9 +307,10 @@ for _name, _prefix, _block, _shared in (
     ("Solar-Open", "SolarOpen", "SolarOpenMoE", True),
     ("GLM-MoE-DSA", "GlmMoeDsa", "GlmMoeDsaMoE", True),
     ("Bailing-Hybrid", "BailingHybrid", "BailingHybridMoE", True),  # left-out groups masked to -inf: the spec's
-    ("A.X-K2", "AXK2", "AXK2MoE", True),  # num_group None (the light checkpoints): no groups
 ):
     FAMILIES[_block] = _v3_clone(_name, _prefix, _block, _shared)
+# A.X-K2: without num_group (the light checkpoints) no groups; with groups leaving some out, refused
+FAMILIES["AXK2MoE"] = _v3_clone("A.X-K2", "AXK2", "AXK2MoE", router=_axk2)
 # dots3-note's text block: its experts' class is the model's, not the text model's.
 FAMILIES["Dots3NoteTextMoE"] = _v3_clone("dots3-note (text)", "Dots3NoteText", "Dots3NoteTextMoE",
                                          experts="Dots3NoteExperts")  # fmt: skip

@@ -144,6 +144,18 @@ def _deepseek_v3(gate) -> dict:
     return router_terms("sigmoid", bool(gate.norm_topk_prob), True, groups, gate.routed_scaling_factor)
 
 
+def _axk2(gate) -> dict | str:
+    # Its left-out groups score 0.0, not DeepSeek-V3's -inf: beside sigmoid + bias scores, which a
+    # negative selection bias brings below 0, a left-out expert may then be chosen.
+    if gate.num_group is not None and gate.topk_group < gate.num_group:
+        return (
+            f"num_group {gate.num_group}, topk_group {gate.topk_group}: it scores its left-out groups' experts 0.0, "
+            "above kept ones a negative selection bias brings below 0 (the spec's groups leave them out at -inf), "
+            "and the spec language has no term for that"
+        )
+    return _deepseek_v3(gate)
+
+
 def _ernie(gate) -> dict:
     # The gates are divided by max(their sum, norm_min); with the selection bias choosing, the
     # chosen scores may sum to anything, so the floor is part of the rule for every norm_min.

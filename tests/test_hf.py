@@ -306,6 +306,12 @@ def test_the_gpt_oss_router_is_softmax_logit_bias_renormalize(tmp_path):
             "(gate.router_logit_softcapping 30: c·tanh(z/c) before the sigmoid), and the spec language has no term",
         ),
         (
+            "axk2",
+            {"n_group": 4, "topk_group": 2},
+            "mlp (AXK2MoE): its router AXK2TopkRouter has num_group 4, topk_group 2: it scores its left-out groups' "
+            "experts 0.0, above kept ones a negative selection bias brings below 0",
+        ),
+        (
             "dbrx",
             {"ffn_config": fam.CASES["dbrx"].kw["ffn_config"] | {"moe_normalize_expert_weights": 2.0}},
             "mlp (DbrxFFN): it has moe_normalize_expert_weights 2.0: it divides the top-K gates by their 2-norm, "
