@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-after", action="append", default=[], metavar="PASS", help="print the IR after PASS")
     p.add_argument("--time-passes", action="store_true", help="print each pass's time")
     p.add_argument(
+        "--verify-each",
+        action="store_true",
+        help="check the graph's and the schedule's invariants after their passes (the memory plan's always are)",
+    )
+    p.add_argument(
         "--target",
         choices=["sm_90"],
         help="also compile every kernel to a cubin for this GPU (LAYER.KERNEL.sm_90.cubin; no GPU needed)",

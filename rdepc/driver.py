@@ -1,8 +1,9 @@
 """The compiler driver: the one visible list of passes, run in order.
 
 Each pass is a pure function from one IR to the next. The driver runs each pass's verifier
-on its output before the next pass runs, can print any pass's output (``--dump-after``)
-and time every pass (``--time-passes``).
+on its output before the next pass runs (the memory plan's always; the graph's and the
+schedule's, :mod:`rdepc.passes.verify`, with ``--verify-each``), can print any pass's output
+(``--dump-after``) and time every pass (``--time-passes``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Options:
     hw: str = "h100"  # hardware profile of the cost model
     backend: str = "emulated"  # --backend: the transport the kernels are generated for
     gemm: str | None = None  # --gemm: overrides the spec's schedule ..., gemm
+    verify_each: bool = False  # --verify-each: the graph's and the schedule's invariants checked too
 
 
 @dataclass
@@ -102,15 +104,28 @@ def _plain(x: Any) -> Any:
 def spec_passes(options: Options | None = None) -> list[Pass]:
     """Passes over the checked LayerSpec, in order. Later stages append here."""
     from rdepc import codegen
-    from rdepc.passes import cost, graph, lowering, memplan, replicate, resolve, schedule
+    from rdepc.passes import cost, graph, lowering, memplan, replicate, resolve, schedule, verify
 
     o = options or Options()
+    checked = o.verify_each
     return [
         Pass("replicate", replicate.physical_layer, dump=replicate.dump, source=("elaborate",)),
         Pass("resolve", resolve.ResolvePass(o.schedule, o.cut, o.hw, o.gemm), dump=resolve.dump, source=("replicate",)),
-        Pass("graph", graph.GraphPass(), dump=graph.dump, source=("replicate", "resolve")),
+        Pass(
+            "graph",
+            graph.GraphPass(),
+            dump=graph.dump,
+            source=("replicate", "resolve"),
+            verify=verify.graph_problems if checked else None,
+        ),
         Pass("cost", schedule.CostPass(o.hw), dump=cost.dump, source=("graph",)),
-        Pass("schedule", schedule.SchedulePass(), dump=schedule.dump, source=("cost",)),
+        Pass(
+            "schedule",
+            schedule.SchedulePass(),
+            dump=schedule.dump,
+            source=("cost",),
+            verify=verify.schedule_problems if checked else None,
+        ),
         Pass("lowering", lowering.LoweringPass(o.gemm), dump=lowering.dump, source=("schedule",)),
         Pass(
             "memplan",

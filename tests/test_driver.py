@@ -44,3 +44,38 @@ def test_the_resolve_pass_decides_once_and_the_graph_and_plan_read_it(root, monk
         p = plan(res.spec, PlanOptions(strategy=schedule))
         assert (p.strategy, p.memory.plan.S.value, p.memory.plan.B.value) == (geo.strategy, geo.S, geo.B)
     assert text[1].startswith("strategy = deep  (cost model: deep cut source: ") and "bulk: " in text[1]
+
+
+def test_verify_each_checks_the_graph_and_the_schedule_between_passes(root, monkeypatch):
+    """--verify-each runs the graph's and the schedule's verifiers (rdepc.passes.verify) after
+    their passes: a sound compile passes them, and a schedule whose order is not topological,
+    or a graph with a cycle, stops the driver before the next pass, naming the invariant."""
+    from dataclasses import replace
+
+    import pytest
+    from rdepc.passes.verify import graph_problems, schedule_problems
+
+    from rdepc.driver import spec_passes
+
+    monkeypatch.chdir(root)
+    o = Options(verify_each=True, schedule="pipelined")
+    passes = spec_passes(o)
+    assert all(p.verify is not None for p in passes if p.name in ("graph", "schedule", "memplan"))
+    assert all(p.verify is None for p in spec_passes() if p.name in ("graph", "schedule"))
+    res = compile_file("examples/tiny.rdep", o, out=io.StringIO(), passes=passes[:5])
+    sched, tg = res.outputs["schedule"], res.outputs["graph"]
+    assert schedule_problems(sched) == [] and graph_problems(tg) == []
+    order = tuple(reversed(sched.order))
+    position = tuple(sorted(range(len(order)), key=order.__getitem__))
+    backwards = replace(sched, order=order, position=position)
+    assert any("is ordered before its input" in p for p in schedule_problems(backwards))
+    stale = ["the tasks' positions are not their places in the global order"]
+    assert schedule_problems(replace(sched, order=order)) == stale
+    first = next(t for t in tg.tasks if t.deps)
+    loop = tuple(replace(t, deps=(*t.deps, first.id)) if t.id == first.deps[0] else t for t in tg.tasks)
+    (cycle,) = graph_problems(replace(tg, tasks=loop))
+    assert cycle.startswith("the graph has a cycle: ") and cycle.endswith(" of its tasks are on it or wait on it")
+    broken = [replace(p, run=lambda cm, p=p: replace(p.run(cm), order=order, position=position))
+              if p.name == "schedule" else p for p in passes[:5]]  # fmt: skip
+    with pytest.raises(AssertionError, match="the schedule pass's output violates its invariants"):
+        compile_file("examples/tiny.rdep", o, out=io.StringIO(), passes=broken)

@@ -5,10 +5,8 @@ that moves every route row through the rings."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 
-import numpy as np
 import pytest
 from conftest import EXAMPLES, ROOT
 from hypothesis import example, given, settings
@@ -16,10 +14,10 @@ from hypothesis import strategies as st
 from moe_cases import CORNERS, ROUTING_KINDS, Case, cases, counts, place_rows, routing
 from rdepc.passes.graph import SEGMENT_CANDIDATES, build_graph, geometry, task_count
 from rdepc.passes.memplan import memory_plan
-from rdepc.passes.order import timeline
 from rdepc.passes.resolve import build_for, resolve
-from rdepc.passes.schedule import empty_mask, schedule
+from rdepc.passes.schedule import schedule
 from rdepc.passes.simulate import DeadlockError, random_durations, simulate
+from rdepc.passes.verify import graph_problems, schedule_problems
 
 import rdepc
 
@@ -27,42 +25,9 @@ EPS = 1e-12
 
 
 def check_order_and_timeline(sched) -> None:
-    tasks = sched.graph.tasks
-    pos = sched.position
-    assert sorted(sched.order) == list(range(len(tasks)))
-    for t in tasks:
-        assert all(pos[d] < pos[t.id] for d in t.deps), "the global order is topological"
-        for d in t.deps:
-            assert sched.start[t.id] >= sched.end[d] - EPS, "a task starts after its inputs are done"
-    for e in sched.table:
-        assert all(d < e.index for d in e.deps)
-    # Each resource runs its tasks one after another, in the global order.
-    per: dict[int, list[int]] = {}
-    for u in sched.order:
-        per.setdefault(sched.resource_of[u], []).append(u)
-    for lst in per.values():
-        for a, b in itertools.pairwise(lst):
-            assert sched.start[b] >= sched.end[a] - EPS
-    busy = sched.busy
-    assert sched.makespan >= max(busy) - EPS
-    assert sched.makespan >= sched.critical_path - EPS
-    # Graham's bound: without flag latency, makespan <= Σ over resources of work/programs
-    # (a resource's busy time) + critical path.
-    dur = np.asarray([e - s for s, e in zip(sched.start, sched.end, strict=True)])
-    tl0 = timeline(sched.graph, sched.order, dur, 0.0, unified=sched.unified)
-    assert max(busy) - EPS <= tl0.makespan <= sum(busy) + tl0.critical_path + EPS
-    # With flag latency, the time in which no program works is covered by flags in flight.
-    lat = sched.cost.rates.latency
-    empty = empty_mask(sched.cost)
-    flights = sorted(
-        (sched.end[d], sched.end[d] + lat) for t in tasks if not empty[t.id] for d in t.deps if tasks[d].rank != t.rank
-    )
-    in_flight, cur = 0.0, -1.0
-    for a, b in flights:
-        if b > cur:
-            in_flight += b - max(a, cur)
-            cur = b
-    assert sched.makespan <= sum(busy) + in_flight + EPS
+    """The schedule's invariants, as ``rdepc compile --verify-each`` checks them."""
+    assert schedule_problems(sched) == []
+    assert graph_problems(sched.graph) == []
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -148,7 +148,7 @@ PLAN_OPTIONS = (
     ["--json", "--hw", "b200", "--overflow", "0.01"],
     ["--routing", "uniform"],
 )
-COMPILE_OPTIONS = ([], [], ["--backend", "nvshmem"], ["--dump-after", "memplan", "--time-passes"])
+COMPILE_OPTIONS = ([], ["--verify-each"], ["--backend", "nvshmem"], ["--dump-after", "memplan", "--time-passes"])
 COMPILE_OPTIONS += (["--backend", "emulated-mp", "--dump-after", "graph", "--hw", "gb300"],)
 VIZ_OPTIONS = (
     [],

@@ -27,6 +27,7 @@ def cmd_compile(args) -> int:
         hw=args.hw,
         backend=args.backend,
         gemm=None if args.gemm in (None, "auto") else args.gemm,
+        verify_each=args.verify_each,
     )
     # sys.stdout as it is now: compile_file's default was bound when rdepc.driver was imported
     result = compile_file(args.file, opts, sys.stdout)
