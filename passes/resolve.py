@@ -89,7 +89,7 @@ def build_for(
 
 def dump(res: Resolution) -> str:
     """``--dump-after resolve``: what the layer is built with, then each decision and why."""
-    lines = ["// what the layer is built with, and why (a bulk schedule has one segment an owner)"]
+    lines = ["// what the layer is built with, and why"]
     lines += [f"{d.name} = {d.value}  ({d.why})" for d in res.decisions]
     return "\n".join(lines)
 

@@ -14,8 +14,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_api", "test_cli", "test_docs", "test_driver", "test_elaborate", "test_interface", "test_layers",
         "test_parser", "test_plan", "test_reference", "test_sizes", "test_style", "test_viz",
     ),
-    # generated source and printed plans against the committed goldens
-    "golden": ("test_codegen", "test_golden"),
+    # generated source and printed plans against the committed goldens, each pass's dump checked
+    "golden": ("test_codegen", "test_dumps", "test_golden"),
     # hypothesis: schedules, memory plans and specs drawn at random and checked
     "property": ("test_fuzz", "test_graph", "test_memplan", "test_schedule", "test_spec_fuzz"),
     # kernels run under the Triton interpreter, every rank in one process
