@@ -22,31 +22,16 @@ import textwrap
 from rdepc.codegen import transport
 from rdepc.codegen.device import include
 
-from rdepc.ir.balance import SLOT_CHUNK, exchange_regions, plan_tables, slot_parts
-from rdepc.ir.contract import COLUMNS, CONTROL, CTL_TICKETS, ERRORS, KINDS, KernelContract, next_pow2, tile_slots
-from rdepc.ir.interface import stats_constants
-from rdepc.ir.sizes import (
-    BM,
-    ROUTE_CHUNK_TOKENS,
-    SCALE_BLOCK,
-    block_scales,
-    combine_cols,
-    move_cols,
-    route_chunks,
-    route_counts_at,
-    route_scratch_words,
-)
-from rdepc.ir.spec import Dtype
+from rdepc.ir.contract import KINDS, KernelContract
+from rdepc.ir.interface import Tl, constant_groups
 
 HASH_FIELD = "# content-sha256: "
 _ZERO = "0" * 64
-TL_DTYPE = {"fp32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16", "fp8_e4m3": "tl.float8e4nv"}
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
     "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "slots",
     "plan", "kernel", "gemm_kernel",
 )  # fmt: skip
-RID_CODES = {"rank": 0, "token": 1, "slot": 2}
 
 
 def content_hash(text: str) -> str:
@@ -142,172 +127,24 @@ def _launches(p: KernelContract) -> str:
     return f"Each of the W = {p.W} ranks launches it in its own process, on its own entries."
 
 
-def tma(p: KernelContract) -> bool:
-    """Whether every GEMM operand's rows are 16-byte aligned — payload, workspace, weights —
-    as tensor descriptors (TMA) require; otherwise the GEMMs read through masked pointer loads."""
-    a, d = Dtype(p.dtype).bytes, Dtype(p.dispatch).bytes
-    return all(n % 16 == 0 for n in (p.H * d, p.H * a, p.F * a))
-
-
-def _c(name: str, value, comment: str = "") -> str:
-    return f"{name} = tl.constexpr({value})" + (f"  # {comment}" if comment else "")
-
-
-def _slot_constants(p: KernelContract) -> list[str]:
-    """Where the kernels read a redundant slot's operands in place (``rdepc.ir.balance.slot_parts``);
-    SLOT_ELEMS 0 (and the offsets -1) when the slots are not read in place."""
-    parts = slot_parts(p.H, p.F, p.gated, p.bias) if p.slot_elems else {}
-    at = {name: parts.get(name, (-1, 0))[0] for name in ("w_down", "b_up", "b_down")}
-    # the exchange and the plan the balance tasks read (one process per rank), else -1
-    ex = exchange_regions(p.W, p.homes, p.balance[0], p.slot_elems, Dtype(p.dtype).bytes)[0] if p.slot_elems else {}
-    plan = {n: at for n, (at, _) in plan_tables(p.W, p.homes, p.balance[0]).items()} if p.slot_elems else {}
-    return [
-        _c("SLOT_ELEMS", p.slot_elems, "elements of one redundant slot read in place (one process per rank)"),
-        _c("SLOT_DOWN_AT", at["w_down"], "a slot's GEMM2 weights, after GEMM1's (then b_up, b_down)"),
-        _c("SLOT_B_UP_AT", at["b_up"]),
-        _c("SLOT_B_DOWN_AT", at["b_down"]),
-        _c("SLOT_CHUNK", SLOT_CHUNK, "slot elements one push or receive work item moves"),
-        _c("SLOT_CHUNKS", p.slot_chunks if p.balance[0] else 1, "work items a slot takes"),
-        _c("EX_LOADS_AT", ex.get("loads", -1), "the balance exchange's load table [W, HOMES] int32 (bytes)"),
-        _c("EX_SLOTS_AT", ex.get("slots", -1), "... and its slots' weights [SLOTS, SLOT_ELEMS]"),
-        _c("PLAN_PHYS_AT", plan.get("phys", -1), "the plan's tables (int32 elements; its load table first)"),
-        _c("PLAN_CUM_AT", plan.get("cum", -1)),
-        _c("PLAN_SLOTS_AT", plan.get("slots", -1)),
-        _c("PLAN_LOADS_AT", plan.get("loads", -1)),
-    ]
-
-
 def constants(p: KernelContract) -> str:
-    """The generated file's constants block: every name ``codegen/device/layout.py`` stands
-    in for (a region or field this layer has not is -1, and is never read)."""
-    E_PAD, EL_PAD, W_PAD, K_PAD = next_pow2(p.E), next_pow2(p.E_MAX), next_pow2(p.W), next_pow2(p.K)
-    route_rows = max(16, min(256, 8192 // E_PAD))
-    off = dict(p.heap)
-    rid = [RID_CODES[v] for v in p.row_id_order] + [-1] * (3 - len(p.row_id_order))
-    scale = {"row": "one per row", "block": "one per SCALE_COLS columns"}.get(p.dispatch_scale, "none: no fp8")
-    lines = [
-        "# ---------------------------------------------------------------------------------------",
-        "# The layer: sizes from the spec (T at its bound; a call may pass T' <= T tokens per rank)",
-        "# ---------------------------------------------------------------------------------------",
-        _c("W", p.W, "ranks: DP = EP = W, TP = 1 (RDEP eq. 6)"),
-        _c("T", p.T, "tokens per rank, the plan's bound"),
-        _c("H", p.H, "hidden size"),
-        _c("F", p.F, "ffn width of one expert"),
-        _c("E", p.E, "routed experts"),
-        _c("K", p.K, "experts per token (top-K)"),
-        _c("E_MAX", p.E_MAX, "most experts one owner holds"),
-        _c("S", p.S, "rows of one ring slot (bulk: the worst case over owners, max_q R_q)"),
-        _c("B", p.B, "ring slots: segment s uses slot s % B"),
-        _c("E_PAD", E_PAD, "E, E_MAX, W and K rounded up to powers of two (tl.arange sizes)"),
-        _c("EL_PAD", EL_PAD),
-        _c("W_PAD", W_PAD),
-        _c("K_PAD", K_PAD),
-        _c("ROUTE_ROWS", route_rows, "route rows per block of the route stage's one-hot prefix count"),
-        _c("ROUTE_CHUNK_TOKENS", ROUTE_CHUNK_TOKENS, "tokens one route work item counts, and then buckets"),
-        _c("ROUTE_CHUNKS", route_chunks(p.T), "chunks of a front-end's tokens: the route's items are twice as many"),
-        _c("ROUTE_SCRATCH", route_scratch_words(E_PAD, p.T), "int32 words of a front-end's route scratch"),
-        _c("ROUTE_COUNTS_AT", route_counts_at(E_PAD), "where in it each chunk's counts per expert start"),
-        _c("KEY_ROWS", 64, "admission keys per block of the scan's count"),
-        _c("KEY_BITS", p.key_bits if p.keyed else 0, "bits of an admission key: the scan's bisection steps"),
-        _c("COMBINE_TOKENS", p.combine_tokens, "tokens per combine tile (the scheduler's token tiles)"),
-        _c("COMBINE_COLS", combine_cols(p.K), "columns the combine sums over all K slots at once (wider spills)"),
-        _c("MOVE_COLS", move_cols(p.H, Dtype(p.dtype).bytes), "columns a transport move's step carries"),
-        _c("KEEP_COLS", move_cols(p.H, Dtype(p.dtype).bytes, BM), "columns a step of the GEMM kernel's row copies"),
-        _c("VALIDATE_TOKENS", max(16, 512 // (K_PAD * K_PAD)), "tokens per block of the input checks"),
-        _c("SEGMENTS", -(-max(p.rows_max, default=0) // p.S), "segments of the busiest owner"),
-        _c("TILE_SLOTS", tile_slots(p.rows_max, p.n_local, p.S), "m-tile slots per segment at 16 rows per m-tile"),
-        _c("SLOT_BLOCK", 64, "m-tile slots per block of the scan's m-tile table"),
-        _c("R_MAX", p.R_MAX, "rows of the busiest owner: the backward's saved rows per owner"),
-        _c("SCALE_COLS", p.scale_cols, f"payload columns one fp8 scale covers ({scale})"),
-        _c("SCALES", p.scales if p.scale_cols else 0, "fp32 scales per payload row, in the sideband"),
-        _c("HOMES", p.homes, "home experts: the E - W*SLOTS the router picks from (balance replicate)"),
-        _c("HOMES_PAD", next_pow2(p.homes)),
-        _c("SLOTS", p.balance[0], "redundant expert slots a rank (balance replicate; else 0)"),
-        _c("SLOTS_PAD", next_pow2(max(p.W * p.balance[0], 1)), "W*SLOTS rounded up to a power of two"),
-        _c("RANK_SLOTS_PAD", next_pow2(max(p.balance[0], 1), 1), "SLOTS rounded up to a power of two"),
-        _c("MIN_ROWS", p.balance[1], "the least rows a replica takes"),
-        *_slot_constants(p),
-        "",
-        "# The spec's choices, which the device functions branch on at compile time.",
-        _c("DTYPE", TL_DTYPE[p.dtype], "weights, activations, returned rows"),
-        _c("DISPATCH_DTYPE", TL_DTYPE[p.dispatch], "payload rows on the wire"),
-        _c("DISPATCH_SCALE", f'"{p.dispatch_scale or "none"}"', "fp8 payload scales: row, block or none"),
-        _c("PRECISION", '"ieee"', "fp32 tl.dot in IEEE fp32, not TF32"),
-        _c("TMA", tma(p), "GEMM operands read through tensor descriptors (rows 16-byte aligned)"),
-        _c("PER_RANK", p.per_rank, "one process per rank: every GEMM item a process runs is its rank's"),
-        _c("ACT", f'"{p.act}"', "the expert's activation"),
-        _c("ACT_LIMIT", p.act_limit, "clamped_swiglu: gate <= limit, up within +-limit (else 0)"),
-        _c("ACT_ALPHA", p.act_alpha, "clamped_swiglu: (up + 1) * gate * sigmoid(alpha * gate) (else 0)"),
-        _c("BIAS", p.bias, "expert biases: GEMM1's epilogue adds b_up before the activation, GEMM2's b_down"),
-        _c("RECOMPUTE", p.recompute, "the backward computes GEMM1's pre-activations again (not kept)"),
-        _c("GATE_INPUT", p.gate_input, "the gate scales the expert's input: rows go out as g'*x, come back unweighted"),
-        _c("RESEND", p.resend, "the backward's dispatch sends the input rows again (the owners kept none)"),
-        _c("BWD_FP8", p.bwd_fp8, "the backward's rows go as fp8 e4m3, with a scale per BWD_SCALE_COLS columns"),
-        _c("BWD_WIRE", "tl.float8e4nv" if p.bwd_fp8 else TL_DTYPE[p.dtype], "the backward's rows on the wire"),
-        _c("BWD_SCALE_COLS", SCALE_BLOCK, "columns of a backward row one fp8 scale covers"),
-        _c("BWD_SCALES", block_scales(p.H) if p.bwd_fp8 else 0, "fp32 scales per backward row"),
-        _c("GATED", p.gated, "a gated expert: GEMM1's weights are [Wg Wu], interleaved"),
-        _c("UP_COLS", 2 if p.gated else 1, "GEMM1 output columns per ffn column"),
-        _c("KEYED", p.keyed, "admission by key (a drop policy other than arrival order), not by row order"),
-        _c("POSITIONS_BY_KEY", p.keyed and not p.keys_in_row_order, "route positions in key order"),
-        _c("DROP", f'"{p.drop}"', "the capacity's drop policy"),
-        _c("RENORMALIZE", p.weights == "renormalize", "capacity weights: renormalize over accepted slots"),
-        _c("CARRY_LOCAL_EXPERT", "local_expert" in p.sideband, "the sideband carries each row's local expert"),
-        _c("CARRY_GATE", "gate" in p.sideband, "the sideband carries each row's gate"),
-        _c("RING", p.ring, "returns go through a return ring that unpack empties"),
-        _c("DEDUP", p.dedup, "one payload row per (token, owner) (X-MoE)"),
-        _c("RID_0", rid[0], "route-row variables from the largest row_id coefficient down:"),
-        _c("RID_1", rid[1], "0 rank, 1 token, 2 slot, -1 none (route_row " + " > ".join(p.row_id_order) + ")"),
-        _c("RID_2", rid[2]),
-        "",
-        "# ---------------------------------------------------------------------------------------",
-        "# The symmetric heap: byte offsets in one rank's slice (the memory plan, docs/memory.md)",
-        "# ---------------------------------------------------------------------------------------",
-        _c("HEAP_BYTES", p.heap_bytes, "one rank's slice: the forward's regions, then the backward's"),
-        _c("TOKENS", off["tokens"], "int64 [W] at the owner: the tokens T' each front-end brings to the call"),
-        _c("COUNTS", off["counts"], "int32 [W, E_MAX] at the owner: rows each source sends each local expert"),
-        _c("OFFSETS", off["offsets"], "int32 [W, E_MAX] at the source: write base per (owner, local expert)"),
-        _c("ADMITTED", off["admitted"], "int32 [W, E_MAX] at the source: admitted rows per (owner, local expert)"),
-        _c("KEYS", off.get("keys", -1), "int64 [W, T*K] at the owner: each source's admission keys"),
-        _c("FLAGS", off["flags"], "int64 done counters of the entries this rank runs (task-table column flag)"),
-        _c("PAYLOAD", off["payload"], "DISPATCH_DTYPE [B*S, H]: a segment's rows by local expert, then source"),
-    ]
-    sizes = {
-        "row_id": "int64 [B*S]",
-        "local_expert": "int32 [B*S]",
-        "gate": "fp32 [B*S]",
-        "scale": "fp32 [B*S, SCALES]",
-        "links": "int32 [B*S, 2]: the token's first and next row here (dedup)",
-    }
-    for f, what in sizes.items():
-        lines.append(_c(f"SB_{f.upper()}", off.get(f"sideband_{f}", -1), f"sideband {f}, {what}"))
-    ring = "the return ring, claim j in slot j % B" if p.ring else "row t*K + k of each (token, slot)"
-    lines += [
-        _c("RETURN", off["return"], f"DTYPE at the front-end: {ring}"),
-        _c("RETURN_IDS", off.get("return_ids", -1), "int64 [B*S]: the row_id of each return-ring row"),
-        _c("BWD_FLAGS", off["bwd_flags"], "int64 the backward's done counters"),
-        _c("BWD_PAYLOAD", off["bwd_payload"], "BWD_WIRE [B*S, H]: g'·dL/dy rows at the forward's places"),
-        _c("BWD_SCALES_AT", off["bwd_scales"], "fp32 [B*S, BWD_SCALES]: BWD_FP8, their scales"),
-        _c("BWD_ROW_IDS", off["bwd_row_ids"], "int64 [B*S]: their row_ids"),
-        _c("BWD_INPUTS", off["bwd_inputs"], "DISPATCH_DTYPE [B*S, H]: RESEND, the input rows x again at those places"),
-        _c("BWD_RETURN", off["bwd_return"], "BWD_WIRE: dL/dx rows at the front-end, laid out as RETURN"),
-        _c("BWD_RETURN_SCALES", off["bwd_return_scales"], "fp32 [rows, BWD_SCALES]: BWD_FP8, their scales"),
-        _c("BWD_RETURN_IDS", off.get("bwd_return_ids", -1), "int64 [B*S]: their row_ids"),
-        _c("BWD_SB_GATE", off.get("bwd_sideband_gate", -1), "fp32 [B*S]: dedup, each backward row's g'"),
-        _c("BWD_SB_LINKS", off.get("bwd_sideband_links", -1), "int32 [B*S, 2]: dedup, its links (as SB_LINKS)"),
-        _c("BWD_DGATE", off.get("bwd_dgate", -1), "fp32 [T*K] at the front-end: dedup, dL/dg' of each (token, slot)"),
-        "",
-        "# Task kinds, columns of a task-table row (int32), the control block (int64), statistics.",
-    ]
-    lines += [_c(f"KIND_{k.upper()}", i) for i, k in enumerate(KINDS)]
-    lines += [_c(f"C_{c.upper()}", i) for i, c in enumerate(COLUMNS)]
-    lines.append(_c("NCOL", len(COLUMNS)))
-    lines += [_c(f"CTL_{c.upper()}", i) for i, c in enumerate(CONTROL)]
-    lines.append(_c("CTL_TICKETS", CTL_TICKETS, "the ticket counter, cumulative over calls"))
-    names = ("WAIT", "OVERFLOW", "ROW_ID")
-    lines += [_c(f"ERR_{n}", code, ERRORS[code]) for code, n in zip(ERRORS, names, strict=True)]
-    lines += [_c(*c) for c in stats_constants(p.E_MAX)]
+    """The generated file's constants block: :data:`rdepc.ir.interface.CONSTANTS` for ``p``,
+    group by group under its heading (a region or field this layer has not is -1, and is
+    never read)."""
+    lines: list[str] = []
+    for i, (heading, group) in enumerate(constant_groups(p)):
+        lines += [""] * (i > 0) + list(heading)
+        lines += [
+            f"{name} = tl.constexpr({source(value)})" + (f"  # {doc}" if doc else "") for name, value, doc in group
+        ]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["DEVICE_MODULES", "HASH_FIELD", "constants", "content_hash", "generate"]
+def source(value) -> str:
+    """A constant's value as Python source: ``tl.<name>`` for a dtype, a string quoted."""
+    if isinstance(value, Tl):
+        return f"tl.{value.name}"
+    return f'"{value}"' if isinstance(value, str) else f"{value}"
+
+
+__all__ = ["DEVICE_MODULES", "HASH_FIELD", "constants", "content_hash", "generate", "source"]

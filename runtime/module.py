@@ -97,6 +97,7 @@ from rdepc.ir.contract import (
     Tiles,
     concurrent,
 )
+from rdepc.ir.interface import constant_values
 from rdepc.ir.lowering import choose_gemm
 from rdepc.toolchain import import_kernels
 
@@ -562,6 +563,12 @@ class RDEPModule:
             first, last = CONTROL.index("bad_ids"), CONTROL.index("dup_tokens_at")
             self.private["ctl"][first : last + 1] = 0  # the call completed: only the counts go
             raise bad
+
+    @property
+    def constants(self) -> dict[str, object]:
+        """The layer's kernel constants by name, as its kernel file holds them
+        (``rdepc.ir.interface.CONSTANTS``, the table the emitter writes from)."""
+        return {name: value for name, value, _ in constant_values(self.contract)}
 
     @property
     def last_stats(self) -> dict | None:

@@ -401,7 +401,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))
 def test_every_global_a_device_function_reads_is_a_constant_the_emitter_writes(example, tmp_path):
     """Every ALL_CAPS global of a copied function (the generated file's modules, the heap's
     and the signals') is written by the constants block or the transport's section, and so
-    is every stand-in of layout.py (and heap.py's, signals.py's). The names the block writes
+    is every stand-in of heap.py and signals.py. The names the block writes
     do not depend on the schedule: the examples are planned bulk, which is quick, and tiny
     also segmented and pipelined."""
     path = tiny_segmented(tmp_path) if example == "tiny-segmented" else example
@@ -413,8 +413,6 @@ def test_every_global_a_device_function_reads_is_a_constant_the_emitter_writes(e
     assert {"W", "RID_0", "DROP", "S"} <= read["rows"] and read["signals"] == {"SCOPE"}
     missing = {m: sorted(names - have) for m, names in read.items() if names - have}
     assert not missing, f"read by device functions but not written for {Path(str(path)).name}: {missing}"
-    stand_ins = module_constants(HERE / "layout.py")
-    assert len(stand_ins) > 100
-    assert not stand_ins - written(block), sorted(stand_ins - written(block))
+    # layout.py's stand-ins are the table the block is written from (tests/test_interface.py)
     for m in ("heap", "signals"):
         assert module_constants(HERE / f"{m}.py") <= have, m

@@ -1,43 +1,50 @@
 """The kernel interface declared once (rdepc.ir.interface): what is declared there reaches
-the emitted constants, the device stand-ins, the lowering's buffers and the runtime's reader."""
+the emitted constants, the device stand-ins, the lowering's buffers and the runtime."""
 
 from __future__ import annotations
 
-import ast
+import importlib
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import TINY
 from rdepc.codegen import emit
-from rdepc.codegen.device import HERE
 from rdepc.runtime.stats import call_stats
 
 import rdepc
 from rdepc.driver import generate_spec
 from rdepc.ir import interface
-from rdepc.ir.interface import Column, stats_columns, stats_constants
+from rdepc.ir.interface import Column, Constant, constant_values, stats_columns
+
+
+def stand_ins():
+    """codegen/device/layout.py, imported as the CPU tests import Triton (interpreted: a
+    process keeps the mode of its first import, and collection imports no Triton)."""
+    from rdepc.toolchain import interpreter_env
+
+    with interpreter_env(True):
+        from rdepc.codegen.device import layout
+
+    return layout
 
 
 def contract():
     return generate_spec(rdepc.load(TINY).spec, schedule="bulk").kernel
 
 
-def stand_ins() -> dict[str, int]:
-    """layout.py's ST_* stand-ins and its E_MAX: name → the int in tl.constexpr(...)."""
-    tree = ast.parse((HERE / "layout.py").read_text(encoding="utf-8"))
-    out = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            if name.startswith("ST_") or name == "E_MAX":
-                out[name] = node.value.args[0].value
-    return out
-
-
-def test_the_device_stand_ins_are_the_declared_columns():
-    have = stand_ins()
-    want = {name: value for name, value, _ in stats_constants(have.pop("E_MAX"))}
+def test_the_device_stand_ins_are_the_tables_values_for_tiny():
+    """layout.py's stand-ins are every constant of the table at tiny's values: its contract,
+    stand_in.json, still gives what compile gives tiny now (else write it again:
+    ``generate_spec(rdepc.load("examples/tiny.rdep").spec).kernel.to_json()``)."""
+    layout = stand_ins()
+    want = {name: value for name, value, _ in constant_values(contract())}
+    have = {name: value for name, value, _ in constant_values(layout.STAND_IN)}
     assert have == want
+    for name, value in want.items():
+        got = getattr(layout, name).value
+        assert got == (getattr(__import__("triton").language, value.name) if isinstance(value, interface.Tl) else value)
+    assert {n for n, v in vars(layout).items() if n.isupper() and n != "STAND_IN"} == set(want)
 
 
 def test_the_emitted_constants_are_the_declared_columns():
@@ -87,3 +94,23 @@ def test_the_columns_tile_a_row(E_MAX):
     widths = [E_MAX if c.per_expert else 1 for c in interface.STATS]
     assert [at[c.name] for c in interface.STATS] == [sum(widths[:i]) for i in range(len(widths))]
     assert at["cols"] == sum(widths) == 2 * E_MAX + 4
+
+
+def test_a_constant_declared_once_reaches_the_kernel_the_stand_ins_and_the_runtime(monkeypatch):
+    """A constant put first in CONSTANTS, with no other edit: the emitted block writes it with
+    its comment, the device modules' stand-ins hold it at tiny's value, and a module of the
+    layer reads it among its constants."""
+    probe = Constant("PROBE", lambda p: 1000 * p.W + p.E, "a constant for this test")
+    first, *rest = interface.CONSTANTS
+    monkeypatch.setattr(interface, "CONSTANTS", (replace(first, constants=(probe, *first.members())), *rest))
+    p = contract()
+    assert "PROBE = tl.constexpr(4008)  # a constant for this test\nW = tl.constexpr(4)" in emit.constants(p)
+    module = rdepc.load(TINY).module("emulated", "cpu")
+    assert module.constants["PROBE"] == 4008 and module.constants["W"] == 4
+    layout = stand_ins()
+    try:
+        assert importlib.reload(layout).PROBE.value == 4008
+    finally:
+        monkeypatch.undo()
+        del layout.PROBE
+        importlib.reload(layout)
