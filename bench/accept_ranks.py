@@ -150,7 +150,7 @@ def rank_rate(rank: int, W: int, v, device: str) -> dict:
     spans = [
         end - start
         for entry, start, end in prof["events"]
-        if STAGE_OF[KINDS[m.contract.table[entry][0]]][0] == "dispatch"
+        if STAGE_OF[KINDS[m.contract.table[entry].kind]][0] == "dispatch"
     ]
     torch.cuda.synchronize() if m.device.type == "cuda" else None
     return {"rank": rank, "rows": sent, "bytes": int(out_bytes), "clock": prof["clock"], "dispatch_spans": spans}

@@ -160,17 +160,12 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     if mode == "split":
         empty = {"empty_signals": len(counter.idle), "empty_operations": sum(counter.idle)}
     (lo, hi), takers = m.work.bounds[0], m.per_queue[0]  # the queue that takes tickets: the call's first
-    from rdepc.ir.queues import COLUMNS, GEMM_KINDS, KINDS
+    from rdepc.ir.queues import GEMM_KINDS, KINDS
 
-    gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e][0] in GEMM_KINDS]
-    col = {c: i for i, c in enumerate(COLUMNS)}
+    gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e].kind in GEMM_KINDS]
     rows = m.private["group"].view(sh["W"], -1, 2)[:, :, 1].sum(1).tolist()  # each owner's rows this call
     segmented = [KINDS.index(k) for k in ("gemm1", "gemm2")]
-    dead = sum(
-        1
-        for r in m.work.table
-        if r[col["kind"]] in segmented and rows[r[col["owner"]]] <= r[col["segment"]] * m.contract.S
-    )
+    dead = sum(1 for r in m.work.table if r.kind in segmented and rows[r.owner] <= r.segment * m.contract.S)
     return {
         "mode": mode,
         "schedule": schedule,

@@ -62,7 +62,7 @@ def generate(contract: KernelContract) -> str:
 def _header(p: KernelContract) -> str:
     counts: dict[str, int] = {}
     for row in p.table:
-        counts[KINDS[row[0]]] = counts.get(KINDS[row[0]], 0) + 1
+        counts[KINDS[row.kind]] = counts.get(KINDS[row.kind], 0) + 1
     tasks = ", ".join(f"{n} {k}" for k, n in counts.items())
     cap = p.capacity if p.capacity == "dropless" else f"{p.capacity}, drop {p.drop}, weights {p.weights}"
     lines = [

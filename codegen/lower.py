@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, ctl_words, next_pow2, tile_slots
+from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, Row, ctl_words, next_pow2, tile_slots
 from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.interface import stats_columns
 from rdepc.ir.sizes import BWD_SIDEBAND, route_scratch_words
@@ -165,8 +165,10 @@ def lower(
         before = [-(new[d] + 1) for d in previous.get(old, ())]
         flag = runs[e.rank]
         runs[e.rank] += 1
-        table.append((kind, e.rank, e.src, e.owner, e.segment, e.claim, 0, len(deps), len(mine) + len(before)))
-        table[-1] += (guard_dep, resource, flag)
+        table.append(
+            Row(kind, e.rank, e.src, e.owner, e.segment, e.claim, items=0, dep_start=len(deps),
+                dep_count=len(mine) + len(before), guard=guard_dep, resource=resource, flag=flag)
+        )  # fmt: skip
         deps.extend(mine + before)
         names.append(task.name)
         tasks.append(e.task)
@@ -178,11 +180,14 @@ def lower(
     wgrad_table, wgrad_deps = [], []
     gemm1 = KINDS.index("gemm1")
     for q in range(W):
-        mine = [i for i, row in enumerate(table) if row[0] == gemm1 and row[3] == q]
+        mine = [i for i, row in enumerate(table) if row.kind == gemm1 and row.owner == q]
         if not mine:
             continue
         start = len(deps) + len(wgrad_deps)
-        wgrad_table.append((KINDS.index("wgrad"), q, q, q, 0, 0, 0, start, len(mine), -1, 2 * q + 1, runs[q]))
+        wgrad_table.append(
+            Row(KINDS.index("wgrad"), rank=q, src=q, owner=q, segment=0, claim=0, items=0, dep_start=start,
+                dep_count=len(mine), guard=-1, resource=2 * q + 1, flag=runs[q])
+        )  # fmt: skip
         wgrad_deps.extend(mine)
         runs[q] += 1
 

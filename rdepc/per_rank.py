@@ -200,16 +200,12 @@ class Progress:
 def waited_on(plan, rank: int) -> list[int]:
     """The task-table entries ``rank`` runs that an entry of another rank depends on (in this
     call): withholding one of them makes a peer's wait expire."""
-    from rdepc.ir.contract import COLUMNS
-
-    at = {c: COLUMNS.index(c) for c in ("rank", "dep_start", "dep_count")}
     found = set()
     for row in plan.table:
-        if row[at["rank"]] == rank:
+        if row.rank == rank:
             continue
-        start = row[at["dep_start"]]
-        for d in plan.deps[start : start + row[at["dep_count"]]]:
-            if d >= 0 and plan.table[d][at["rank"]] == rank:
+        for d in plan.deps[row.dep_start : row.dep_start + row.dep_count]:
+            if d >= 0 and plan.table[d].rank == rank:
                 found.add(d)
     return sorted(found)
 

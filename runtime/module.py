@@ -322,7 +322,7 @@ class RDEPModule:
         )
         if not 0 <= entry < len(table):
             raise ValueError(f"task-table entry {entry} out of range [0, {len(table)})")
-        if self.per_rank and table[entry][COLUMNS.index("rank")] != self.rank:
+        if self.per_rank and table[entry].rank != self.rank:
             raise ValueError(f"task-table entry {entry} ({names[entry]}) runs on another rank than {self.rank}")
         self._withheld = (entry, backward)
 

@@ -44,11 +44,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rdepc.ir.contract import COLUMNS, KINDS, KernelContract
+from rdepc.ir.contract import KINDS, KernelContract
 from rdepc.ir.queues import mode_kernels
 from rdepc.ir.trace import rank_metadata
 
-_COL = {c: i for i, c in enumerate(COLUMNS)}
 # Task-table kind → (stage, detail), as the task graph names them (rdepc.ir.graph.Task).
 STAGE_OF = {
     "route": ("route", ""),
@@ -119,7 +118,7 @@ def kernel_summary(work, at: list, programs) -> list[dict]:
         end = max(e for _, e in at[first:last])
         kinds: dict[str, dict] = {}
         for pos in range(lo, hi):
-            kind = KINDS[work.table[work.queue[pos]][_COL["kind"]]]
+            kind = KINDS[work.table[work.queue[pos]].kind]
             k = kinds.setdefault(kind, {"items": 0, "busy": 0, "took": []})
             for s, e in at[work.first_item[pos] : work.first_item[pos + 1]]:
                 k["items"] += 1
@@ -188,12 +187,12 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
     events = rank_metadata(contract.W, _thread_names(contract, mode, programs))
     for entry, start, end in spans:
         row = contract.table[entry]
-        kind = KINDS[row[_COL["kind"]]]
+        kind = KINDS[row.kind]
         stage, detail = STAGE_OF[kind]
-        role = row[_COL["resource"]] % 2  # resource = 2·rank + role: 0 communication (transport), 1 compute (GEMMs)
+        role = row.resource % 2  # resource = 2·rank + role: 0 communication (transport), 1 compute (GEMMs)
         args = {"entry": entry, "task": contract.tasks[entry], "kind": kind}
         for key in ("segment", "claim", "owner", "src"):
-            v = row[_COL[key]]
+            v = getattr(row, key)
             if v >= 0:
                 args["source" if key == "src" else key] = v
         if detail:
@@ -206,7 +205,7 @@ def measured_trace(contract: KernelContract, profile: dict, programs=None) -> di
                 "name": contract.names[entry],
                 "cat": stage,
                 "ph": "X",
-                "pid": row[_COL["rank"]],
+                "pid": row.rank,
                 "tid": 0 if contract.unified and mode == "unified" else role,
                 "ts": (start - origin) * scale,
                 "dur": dur,

@@ -18,7 +18,7 @@ host (at once under the interpreter; on a GPU when the copy it queued has landed
 from __future__ import annotations
 
 from rdepc.diagnostics import layer_prefix
-from rdepc.ir.contract import COLUMNS, CONTROL, ERRORS, KernelContract
+from rdepc.ir.contract import CONTROL, ERRORS, KernelContract
 
 AT = {name: i for i, name in enumerate(CONTROL)}
 
@@ -62,7 +62,7 @@ def kernel_error(
 
     role = "any task (unified)" if mode == "unified" else ("transport kernel", "GEMM kernel")[queue % 2]
     seg = f", segment {segment}" if segment >= 0 else ""
-    flag_rank = table[dep][COLUMNS.index("rank")] if code == 1 and 0 <= dep < len(table) else None
+    flag_rank = table[dep].rank if code == 1 and 0 <= dep < len(table) else None
     if code == 1:
         what = (
             f"{task(entry)} on rank {rank} ({role}{' programs' if mode == 'unified' else ''}{seg}) waited "

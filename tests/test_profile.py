@@ -267,10 +267,10 @@ def test_kernel_summary_divides_each_launchs_time():
     and after its last."""
     from rdepc.runtime.profile import kernel_summary
 
-    from rdepc.ir.queues import KINDS, Work
+    from rdepc.ir.queues import KINDS, Row, Work
 
     def row(kind):
-        return (KINDS.index(kind),) + (0,) * (len(COLUMNS) - 1)
+        return Row(KINDS.index(kind), *(0,) * (len(COLUMNS) - 1))
 
     table = (row("dispatch"), row("gemm1"), row("gemm2"))
     # queue 0 (transport): entry 0, items 0-1; queue 1 (GEMM kernel, 2 programs): entry 1,

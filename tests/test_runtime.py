@@ -471,7 +471,7 @@ def test_a_wait_that_expires_is_reported_not_hung():
     compiled = layer.compile()
     plan = compiled.kernel
     last = len(plan.table) - 1
-    first = (*plan.table[0][:7], len(plan.deps), 1, *plan.table[0][9:])
+    first = plan.table[0]._replace(dep_start=len(plan.deps), dep_count=1)
     broken = dataclasses.replace(plan, table=(first, *plan.table[1:]), deps=(*plan.deps, last))
     module = RDEPModule(broken, compiled.kernels_path, spin_bound=20)
     inputs = random_inputs(4, 16, 64, 128, 8, 2)

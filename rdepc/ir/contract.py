@@ -23,6 +23,7 @@ from rdepc.ir.queues import KINDS as KINDS
 from rdepc.ir.queues import MODES as MODES
 from rdepc.ir.queues import NATIVE_MODE as NATIVE_MODE
 from rdepc.ir.queues import QUEUE_WORDS as QUEUE_WORDS
+from rdepc.ir.queues import Row as Row
 from rdepc.ir.queues import Work as Work
 from rdepc.ir.queues import concurrent as concurrent
 from rdepc.ir.queues import default_mode as default_mode
@@ -257,13 +258,13 @@ class KernelContract:
     layout: tuple[tuple[str, str, int, int], ...]  # the heap's buffers: (name, region, offset, size)
     private: tuple[tuple[str, str, tuple[int, ...]], ...]  # per-rank private buffers: (name, dtype, shape)
     # the task table: the scheduler's entries in its global order (``items`` filled by work())
-    table: tuple[tuple[int, ...], ...]  # rows of COLUMNS
+    table: tuple[Row, ...]
     deps: tuple[int, ...]  # dependency entries; -(d + 1): entry d of the previous call
     names: tuple[str, ...]  # task names, for error messages and profiles
     tasks: tuple[int, ...]  # the graph's task id of each entry
     # the backward's own entries, after the forward's (``bwd_table``): one weight-gradient
     # entry per owner, its dependencies numbered after the forward's (``bwd_deps``)
-    wgrad_table: tuple[tuple[int, ...], ...] = ()
+    wgrad_table: tuple[Row, ...] = ()
     wgrad_deps: tuple[int, ...] = ()
     programs: tuple[int, int] = (1, 1)  # split mode's (transport, GEMM) kernel programs per rank (the schedule's)
     guard: int = 0  # bytes of guard band before each heap buffer and after the last (tests)
@@ -314,7 +315,7 @@ class KernelContract:
         return len(self.table)
 
     @property
-    def bwd_table(self) -> tuple[tuple[int, ...], ...]:
+    def bwd_table(self) -> tuple[Row, ...]:
         """The backward's task table: the forward's entries (same order, dependencies and done
         counters, counted in the backward's own words), then the weight gradients."""
         return self.table + self.wgrad_table
@@ -325,7 +326,7 @@ class KernelContract:
 
     @property
     def bwd_names(self) -> tuple[str, ...]:
-        return self.names + tuple(f"wgrad r{row[COLUMNS.index('owner')]}" for row in self.wgrad_table)
+        return self.names + tuple(f"wgrad r{row.owner}" for row in self.wgrad_table)
 
     @property
     def R_MAX(self) -> int:
@@ -348,12 +349,10 @@ class KernelContract:
         def split(rows: int) -> int:
             return max(1, min(-(-rows // tiles.rows_per_item), -(-rows // tiles.block_r)))
 
-        col = {c: i for i, c in enumerate(COLUMNS)}
         table = []
         h_blocks, f_blocks = -(-self.H // tiles.block_h), -(-self.F // tiles.block_f)
         for row in self.bwd_table if backward else self.table:
-            kind = KINDS[row[col["kind"]]]
-            owner = row[col["owner"]]
+            kind, owner = KINDS[row.kind], row.owner
             items = 1
             if kind == "route" and not backward:  # each chunk counted, then bucketed (the backward routes nothing)
                 items = 2 * route_chunks(self.T)
@@ -364,18 +363,18 @@ class KernelContract:
             elif kind == "gemm2":
                 items = m_slots[owner] * h_blocks
             elif kind == "push":  # every chunk of the rank's home experts: read once, stored to each replica
-                items = (self.n_local[row[col["rank"]]] - self.balance[0]) * self.slot_chunks
+                items = (self.n_local[row.rank] - self.balance[0]) * self.slot_chunks
             elif kind == "receive":
                 items = self.balance[0] * self.slot_chunks
             elif kind == "wgrad":  # per local expert: dW of GEMM1's weights, then of Wd, in tiles
                 items = self.n_local[owner] * 2 * h_blocks * f_blocks
-            table.append((*row[: col["items"]], items, *row[col["items"] + 1 :]))
-        mine = [i for i, row in enumerate(table) if rank is None or row[col["rank"]] == rank]
+            table.append(row._replace(items=items))
+        mine = [i for i, row in enumerate(table) if rank is None or row.rank == rank]
         if mode == "unified":
             queues = [mine]
         elif mode == "split":
-            queues = [[i for i in mine if table[i][col["kind"]] not in GEMM_KINDS]]
-            queues.append([i for i in mine if table[i][col["kind"]] in GEMM_KINDS])
+            queues = [[i for i in mine if table[i].kind not in GEMM_KINDS]]
+            queues.append([i for i in mine if table[i].kind in GEMM_KINDS])
         else:
             names, deps = (self.bwd_names, self.bwd_deps) if backward else (self.names, self.deps)
             queues = phase_queues(self.layer, names, table, deps, mine)
@@ -384,7 +383,7 @@ class KernelContract:
         for q in queues:
             bounds.append((len(first) - 1, len(first) - 1 + len(q)))
             for i in q:
-                first.append(first[-1] + table[i][col["items"]])
+                first.append(first[-1] + table[i].items)
         return Work(mode, tuple(table), queue, tuple(first), tuple(bounds), m_slots)
 
     @property
@@ -513,6 +512,8 @@ class KernelContract:
             v = d.get(f.name)
             if isinstance(v, list):
                 d[f.name] = _tuples(v)
+        for name in ("table", "wgrad_table"):  # rows as named records again
+            d[name] = tuple(Row(*row) for row in d.get(name, ()))
         return KernelContract(**d)
 
 

@@ -9,6 +9,7 @@ every entry queued per launch (:class:`Work`, built by ``KernelContract.work``),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rdepc.diagnostics import layer_prefix
 
@@ -19,12 +20,26 @@ KINDS = (
 )  # fmt: skip
 # The kinds split mode's GEMM kernel (``rdep_gemm``) runs; the transport kernel runs the others.
 GEMM_KINDS = frozenset(KINDS.index(k) for k in ("gemm1", "gemm2", "wgrad"))
-# Columns of one task-table row (int32). ``claim``: the return-ring claim (return, unpack)
-# or the token tile (combine); ``resource``: the scheduler's (rank, role) resource;
-# ``flag``: the entry's done counter in the ``flags`` words of its rank's heap slice.
-COLUMNS = (
-    "kind", "rank", "src", "owner", "segment", "claim", "items", "dep_start", "dep_count", "guard", "resource", "flag"
-)  # fmt: skip
+
+
+class Row(NamedTuple):
+    """One task-table row (int32 columns, in this order: :data:`COLUMNS`, the kernel's C_*)."""
+
+    kind: int  # the task kind, an index of KINDS
+    rank: int  # the rank that runs the entry
+    src: int  # the front-end whose rows it moves (-1: none)
+    owner: int  # the owner whose experts they are (-1: none)
+    segment: int  # the owner's segment
+    claim: int  # the return-ring claim (return, unpack) or the token tile (combine)
+    items: int  # the entry's work items (filled by ``KernelContract.work``)
+    dep_start: int  # its dependencies: ``deps[dep_start : dep_start + dep_count]``
+    dep_count: int
+    guard: int  # the entry whose offsets a GEMM's m-tile table reads (its owner's scan), or -1
+    resource: int  # the scheduler's resource: 2·rank + role (0 communication, 1 compute)
+    flag: int  # its done counter in the ``flags`` words of its rank's heap slice
+
+
+COLUMNS = Row._fields
 # Kernel modes: one kernel that runs every task (``unified``); the transport kernel and the
 # GEMM kernel launched side by side (``split``); or one after another on one stream, each
 # with every program (``phased``: the transport's entries before the GEMMs, the GEMMs, the
@@ -138,11 +153,10 @@ def phase_queues(layer: str, names, table, deps: tuple[int, ...], mine: list[int
     of the last kind (a schedule whose GEMMs wait for returns: a ring of buffers reused
     within the call) cannot run in phases: a ValueError names it. A dependency on the
     previous call is always met (its launches have ended)."""
-    col = {c: i for i, c in enumerate(COLUMNS)}
-    is_gemm = [row[col["kind"]] in GEMM_KINDS for row in table]
+    is_gemm = [row.kind in GEMM_KINDS for row in table]
     after = [False] * len(table)  # waits for a GEMM entry (or is one)
     for i, row in enumerate(table):
-        start, count, guard = row[col["dep_start"]], row[col["dep_count"]], row[col["guard"]]
+        start, count, guard = row.dep_start, row.dep_count, row.guard
         waits = [d for d in deps[start : start + count] if d >= 0] + ([guard] if guard >= 0 else [])
         if is_gemm[i]:
             late = [d for d in waits if after[d] and not is_gemm[d]]
@@ -168,6 +182,7 @@ __all__ = [
     "MODES",
     "NATIVE_MODE",
     "QUEUE_WORDS",
+    "Row",
     "Work",
     "concurrent",
     "default_mode",
