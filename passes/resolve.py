@@ -13,10 +13,10 @@ statement a segmented strategy's S and B are the cost model's choice too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
-from rdepc.passes.graph import STRATEGIES, candidates, graph_of
+from rdepc.passes.graph import STRATEGIES, GraphPass, candidates, graph_of
 
 from rdepc.diagnostics import SpecError, UsageError, layer_prefix
 from rdepc.ir import sizes
@@ -83,8 +83,7 @@ def build_for(
     spec: LayerSpec, strategy: str | None = None, cut: str | None = None, hw: str = "h100", gemm: str | None = None
 ) -> TaskGraph:
     """The graph of ``spec`` with every choice resolved: the resolve pass, then the graph pass."""
-    res, tg = _choose(spec, strategy, cut, hw, gemm)
-    return replace(tg, decisions=res.decisions)
+    return GraphPass()(spec, resolve(spec, strategy, cut, hw, gemm))
 
 
 def dump(res: Resolution) -> str:

@@ -38,12 +38,14 @@ def test_the_device_stand_ins_are_the_tables_values_for_tiny():
     stand_in.json, still gives what compile gives tiny now (else write it again:
     ``generate_spec(rdepc.load("examples/tiny.rdep").spec).kernel.to_json()``)."""
     layout = stand_ins()
+    import triton.language as tl
+
     want = {name: value for name, value, _ in constant_values(contract())}
     have = {name: value for name, value, _ in constant_values(layout.STAND_IN)}
     assert have == want
     for name, value in want.items():
         got = getattr(layout, name).value
-        assert got == (getattr(__import__("triton").language, value.name) if isinstance(value, interface.Tl) else value)
+        assert got == (getattr(tl, value.name) if isinstance(value, interface.Tl) else value)
     assert {n for n, v in vars(layout).items() if n.isupper() and n != "STAND_IN"} == set(want)
 
 

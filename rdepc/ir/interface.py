@@ -32,7 +32,7 @@ from rdepc.ir.sizes import (
     route_counts_at,
     route_scratch_words,
 )
-from rdepc.ir.spec import Dtype
+from rdepc.ir.spec import ROUTE_VARS, Dtype
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Group:
 
 
 TL_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "float8e4nv"}
-RID_CODES = {"rank": 0, "token": 1, "slot": 2}
+RID_CODES = {v: i for i, v in enumerate(ROUTE_VARS)}  # the device's decode order: 0 rank, 1 token, 2 slot
 _RULE = "# " + "-" * 87
 
 
