@@ -18,7 +18,8 @@ talker blocks, Mellum, Qwen4-Exp's text block, Lara-Mini), and, in
 :mod:`rdepc.hf_families_more`, MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block
 holds), DBRX, Aria's text block, Mistral-4, Mistral-Large-4's text block, Flint, HY-V3 and
 dots3-note's vision block (both holding their selection bias), Beam, Laguna and Step-3.7
-(their scale the block's), and how each one's
+(their scale the block's), OpenAI's privacy filter (GPT-OSS's experts, gate and up in halves),
+and how each one's
 router, experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock`
 that keeps the block's router module (``gate``, GPT-OSS's and Llama-4's ``router``:
 transformers still records its logits, and its weight is the router) and runs the routed
@@ -58,6 +59,7 @@ from torch import nn
 
 from rdepc.api import Layer, load, load_text
 from rdepc.hf_families import FAMILIES, Family, router_terms
+from rdepc.hf_parts import BIASED_LAYOUTS
 from rdepc.hf_spec import (
     SwapError,
     blocks_of,
@@ -201,7 +203,7 @@ class RDEPBlock(nn.Module):
             }
         elif self.family.experts == "llama4":
             out = {"experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)), "experts.down_proj": ("w_down", (E, F, H))}
-        elif self.family.experts == "gpt_oss":
+        elif self.family.experts in BIASED_LAYOUTS:
             out = {
                 "experts.gate_up_proj": ("w_gate_up", (E, H, 2 * F)),
                 "experts.gate_up_proj_bias": ("b_gate_up", (E, 2 * F)),
@@ -233,7 +235,7 @@ class RDEPBlock(nn.Module):
         weight, under the block's transformers names and in its layouts (:meth:`hf_state_dict`)."""
         out = {}
         interleaved = self.family.experts == "gpt_oss"  # [E, H, 2F] and [E, 2F]: rdepc's own layout
-        down_as_held = self.family.experts in ("gpt_oss", "llama4")  # [E, F, H] (and [E, H]) as rdepc holds them
+        down_as_held = self.family.experts in (*BIASED_LAYOUTS, "llama4")  # [E, F, H] (and [E, H]) as rdepc holds them
         for key, (name, _) in self.layout().items():
             held = _held(name)
             p = source = of(getattr(self.moe, held))
@@ -243,6 +245,8 @@ class RDEPBlock(nn.Module):
                 p = p.flatten(0, 1)
             elif interleaved and name in ("w_gate_up", "b_gate_up"):
                 p = p.flatten(-2, -1)
+            elif name in ("w_gate_up", "b_gate_up") and self.family.experts == "gpt_oss_halves":  # [..., F, 2]
+                p = p.transpose(-1, -2).flatten(-2, -1)
             elif down_as_held and name in ("w_down", "b_down"):
                 pass
             elif self.family.experts == "llama4" and name == "w_gate_up":  # [E, H, F, 2] -> [E, H, 2F]
@@ -279,6 +283,8 @@ class RDEPBlock(nn.Module):
             p.copy_(value if name == "w_down" else value.transpose(1, 2))
         elif self.family.experts == "gpt_oss" and name in experts:  # rdepc's layout, gate and up interleaved
             p.copy_(value.unflatten(-1, (m.F, 2)) if name in ("w_gate_up", "b_gate_up") else value)
+        elif self.family.experts == "gpt_oss_halves" and name in experts:  # [..., 2F]: the gate half, then up
+            p.copy_(value.unflatten(-1, (2, m.F)).transpose(-1, -2) if name in ("w_gate_up", "b_gate_up") else value)
         elif self.family.experts == "llama4" and name in experts:  # [E, H, 2F] gate then up; [E, F, H]
             p.copy_(value.unflatten(-1, (2, m.F)).transpose(2, 3) if name == "w_gate_up" else value)
         elif name == "w_gate_up":

@@ -402,7 +402,7 @@ UNMAPPED: dict[str, str] = {
     "(prev_router_hidden_states), with a skip expert, which the spec language has no router rule for",
 } | dict.fromkeys(
     (
-        "MiniMaxM3VLSparseMoeBlock", "OpenAIPrivacyFilterMLP",
+        "MiniMaxM3VLSparseMoeBlock",
     ),
     NOT_COMPARED,
 )  # fmt: skip

@@ -35,6 +35,8 @@ Laguna         LagunaSparseMoeBlock        sigmoid, bias, renormalize, scale S (
                                            without ``router_logit_softcapping``
 Step-3.7       Step3p7SparseMoeBlock       as Laguna; only where its experts and       ``shared_experts``
                                            shared MLP are unclamped (``limit`` inf)
+privacy filter OpenAIPrivacyFilterMLP      as GPT-OSS, scale N/K (N: the block's       none
+                                           ``num_experts``, K: its router's ``top_k``)
 ============== =========================== =========================================== ==================
 
 Mistral-4's groups are DeepSeek-V3's (a group scores the sum of its two best), over the
@@ -46,6 +48,13 @@ router rule reads the block, and top-K its router. Laguna's router keeps its sel
 a parameter without gradient (``gate.e_score_correction_bias``); Step-3.7's experts and shared
 MLP clamp their SwiGLU on the layers its ``swiglu_limits`` and ``swiglu_limits_shared`` name,
 an expert function the spec language lacks: those blocks are refused (``experts.limit``).
+
+OpenAI's privacy filter is GPT-OSS's block computed in fp32 whatever the model's dtype (the
+spec computes in the model's: a bf16 model's block is probed within bf16's tolerance): its
+router divides GPT-OSS's gates by top-K and the block multiplies the experts' sum by
+``num_experts`` (the same K, from the config), so the spec's scale is their ratio; its experts
+hold ``gate_up_proj`` [E, H, 2F] and its bias [E, 2F] with the gate half first, then the up
+half (GPT-OSS's interleave them), and compute GPT-OSS's clamped SwiGLU.
 
 MiniMax-M2, LFM2-MoE, AFMoE, HY-V3 and dots3-note's vision block keep their selection bias
 in the block, not in its router, and pass it to the router as its second argument; the
@@ -74,9 +83,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from fractions import Fraction
 
 from rdepc.hf_parts import (
     _ACT,
+    _GPT_OSS_EXPERTS,
+    _GPT_OSS_ROUTER,
     _LINEAR,
     ANY,
     Part,
@@ -155,6 +167,10 @@ def _step3p7(block) -> dict:  # the scale is the block's, on the experts' sum
     return router_terms("sigmoid", True, True, scale=block.routed_scaling_factor)
 
 
+def _privacy_filter(block) -> dict:  # GPT-OSS's gates over top_k, the experts' sum times the block's num_experts
+    return router_terms("softmax", True, logit_bias=True, scale=Fraction(block.num_experts, block.router.top_k))
+
+
 _DBRX_ROUTER = Part(("DbrxRouter",), {"layer": _LINEAR}, attrs={"hidden_size": ANY, "moe_jitter_eps": None})
 _DBRX_EXPERTS = Part(
     ("DbrxExperts",),
@@ -184,6 +200,16 @@ _LAGUNA_ROUTER = Part(
 # without one (inf) they are plain SwiGLU, and only then mapped.
 _STEP3P7_EXPERTS = replace(_experts("Step3p7Experts"), attrs=_experts("Step3p7Experts").attrs | {"limit": math.inf})
 _STEP3P7_SHARED = replace(_mlp("Step3p7MLP"), attrs=_mlp("Step3p7MLP").attrs | {"limit": math.inf})
+
+# OpenAI's privacy filter: GPT-OSS's router and experts (in fp32 whatever the input's dtype), gate and up in halves.
+_PRIVACY_FILTER_ROUTER = replace(_GPT_OSS_ROUTER, classes=("OpenAIPrivacyFilterTopKRouter",))
+_PRIVACY_FILTER_EXPERTS = Part(
+    ("OpenAIPrivacyFilterExperts",),
+    params=_GPT_OSS_EXPERTS.params,
+    attrs=dict.fromkeys(("intermediate_size", "num_experts", "hidden_size", "alpha", "limit", "config"), ANY)
+    | {"has_gate": True, "has_bias": True, "has_post_expert_norm": False, "is_transposed": True}
+    | {"is_concatenated": True},  # the layout transformers' expert kernels read: the gate half, then up
+)
 
 _AFMOE_ROUTER = Part(
     ("AfmoeTokenChoiceRouter",),
@@ -311,6 +337,17 @@ MORE = (
         shared=("shared_experts", _STEP3P7_SHARED),
         attrs={"routed_scaling_factor": ANY},
         bias="e_score_correction_bias",
+        rule_reads="block",
+    ),
+    _family(
+        "OpenAI privacy filter", "OpenAIPrivacyFilterMLP",
+        gate=_PRIVACY_FILTER_ROUTER,
+        experts=_PRIVACY_FILTER_EXPERTS,
+        router=_privacy_filter,
+        attrs={"num_experts": ANY},  # top-K: the scale of its experts' sum
+        gate_name="router",
+        layout="gpt_oss_halves",
+        returns_router=True,
         rule_reads="block",
     ),
 )  # fmt: skip

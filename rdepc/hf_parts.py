@@ -32,6 +32,9 @@ class Part:
 
 
 _ACT = Part(None)
+# Experts held as gate_up_proj [E, H, 2F] and down_proj [E, F, H], with biases, computing GPT-OSS's clamped
+# SwiGLU: GPT-OSS's with gate and up interleaved, the privacy filter's with the gate half, then the up half.
+BIASED_LAYOUTS = ("gpt_oss", "gpt_oss_halves")
 _LINEAR = Part(("Linear",), params={"weight": ANY, "bias": None}, attrs={"in_features": ANY, "out_features": ANY})
 _EXPERT_LAYOUT = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from rdepc.api import UsageError
 from rdepc.hf_families import ANY, FAMILIES, SILU, UNMAPPED, Family, Part
+from rdepc.hf_parts import BIASED_LAYOUTS
 
 
 class SwapError(UsageError):
@@ -232,13 +233,13 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
                 raise SwapError(f"{where} has experts.mlp.{key} {tuple(getattr(mlp, key).shape)}, not w1's {(EF, H)}")
         act = act_name(mlp.activation_fn)
         return E, H, EF // E, ("swiglu" if act in SILU else f"gated {act}", None, None, False)
-    if fam.experts in ("gpt_oss", "llama4"):  # gate_up_proj [E, H, 2F], down_proj [E, F, H]
+    if fam.experts in (*BIASED_LAYOUTS, "llama4"):  # gate_up_proj [E, H, 2F], down_proj [E, F, H]
         E, H, twoF = ex.gate_up_proj.shape
         down, layout = (E, twoF // 2, H), "[E, F, H]"
     else:
         E, twoF, H = ex.gate_up_proj.shape
         down, layout = (E, H, twoF // 2), "[E, H, F]"
-    if fam.experts == "gpt_oss":  # gate and up interleaved, biases
+    if fam.experts in BIASED_LAYOUTS:  # biases, GPT-OSS's clamped SwiGLU
         fn = ("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), True)
     else:
         act = act_name(ex.act_fn)

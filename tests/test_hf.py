@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -65,13 +66,36 @@ def relative(got, want) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
 
+class Float64Mode(torch.overrides.TorchFunctionMode):
+    """Every fp32 a module asks for made fp64 (``.float()``, ``.to(torch.float32)``, a
+    ``dtype=torch.float32``): a block that computes in fp32 whatever its input (the privacy
+    filter's) would leave its float64 twin's roundings in fp32, and the bound blind to them.
+    Active where the twin's input (or, for a model, its weights) is fp64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        return func(*args, **kwargs)
+
+
 def float64_twin(module: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of a transformers module, its experts run by transformers' eager loop (its
-    grouped GEMMs take no float64): what tests/tolerance.py's bounds re-run."""
+    grouped GEMMs take no float64), under :class:`Float64Mode`: what tests/tolerance.py's
+    bounds re-run."""
     twin = copy.deepcopy(module).double()
     for m in twin.modules():
         if hasattr(getattr(m, "config", None), "_experts_implementation"):
             m.config._experts_implementation = "eager"
+    forward = twin.forward
+
+    def forward64(x, *args, **kwargs):  # tolerance.spread runs it in fp32 too: as the block runs
+        held = x if x.is_floating_point() else next(twin.parameters())  # a model's input: token ids
+        with Float64Mode() if held.dtype == torch.float64 else contextlib.nullcontext():
+            return forward(x, *args, **kwargs)
+
+    twin.forward = forward64
     return twin
 
 
@@ -496,11 +520,12 @@ def test_a_selection_bias_the_block_holds_routes_and_is_its_state(name):
     assert torch.equal(getattr(back, bias_name), getattr(original, bias_name))
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4", "dbrx"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4", "dbrx", "privacy_filter"])
 def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name;
     GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down;
-    Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down;
+    Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down
+    (and the privacy filter's, with its biases in halves too);
     DBRX's [E·F, H] w1, v1 and w2 the gate and up halves of its w_gate_up, and its w_down."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
@@ -518,10 +543,13 @@ def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
         for key, held in (("w1", moe.w_gate), ("v1", moe.w_up)):  # [E, H, F] -> [E·F, H]
             assert torch.equal(held.transpose(1, 2).flatten(0, 1), want[f"experts.mlp.{key}"])
         assert torch.equal(moe.w_down.flatten(0, 1), want["experts.mlp.w2"])
-    elif name == "llama4":
+    elif name in ("llama4", "privacy_filter"):  # [E, H, 2F]: the gate half, then up
         assert torch.equal(moe.w_gate_up[..., 0], want["experts.gate_up_proj"][..., : case.F])
         assert torch.equal(moe.w_gate_up[..., 1], want["experts.gate_up_proj"][..., case.F :])
         assert torch.equal(moe.w_down, want["experts.down_proj"])
+        if name == "privacy_filter":
+            assert torch.equal(moe.b_gate, want["experts.gate_up_proj_bias"][:, : case.F])
+            assert torch.equal(moe.b_down, want["experts.down_proj_bias"])
     else:
         assert torch.equal(moe.w_gate_up.flatten(2, 3), want["experts.gate_up_proj"])
         assert torch.equal(moe.b_gate, want["experts.gate_up_proj_bias"][:, 0::2])
@@ -785,4 +813,4 @@ def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its
     assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
     unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
     assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
-    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 53
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 54
