@@ -6,6 +6,7 @@ Generated kernels are imported by :func:`rdepc.toolchain.import_kernels`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import threading
 
@@ -219,9 +220,37 @@ def language_patched_once():
 @contextlib.contextmanager
 def interpreting():
     """What every interpreted launch runs under: TRITON_INTERPRET=1, the language patched
-    once (:func:`language_patched_once`) and a dot by rows (:func:`dot_by_rows`)."""
-    with interpreter_env(True), language_patched_once(), dot_by_rows():
+    once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`) and no overflow
+    checks whose failure nothing would report (:func:`overflow_checks_as_reported`)."""
+    with interpreter_env(True), language_patched_once(), dot_by_rows(), overflow_checks_as_reported():
         yield
+
+
+@contextlib.contextmanager
+def overflow_checks_as_reported():
+    """For the duration of an interpreted launch, the interpreter's integer overflow checks
+    run only when its assertions are on. Its options ask for them (``sanitize_overflow``):
+    every int32 ``+``, ``-`` and ``*`` computed again in int64 and compared with the type's
+    range, about a third of an interpreted launch's time. But the comparison reaches the
+    program only as a device assertion, which the interpreter drops unless its ``debug``
+    option is set, and it is not (Triton does not read TRITON_DEBUG there): the work changes
+    nothing. An interpreter without the options is left alone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    checks = getattr(options, "debug", None)
+    if checks is None or getattr(options, "sanitize_overflow", checks) == checks:
+        yield
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=checks)
+    try:
+        yield
+    finally:
+        builder.options = options
 
 
 @contextlib.contextmanager

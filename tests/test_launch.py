@@ -1,5 +1,6 @@
 """The interpreted launches: the concurrent interpreter's programs as threads, rewritten first,
-stopped together; a dot's rows computed apart from each other, as on a GPU."""
+stopped together; a dot's rows computed apart from each other, as on a GPU; overflow
+checks only where a failure would be reported."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def tile_dot_acc(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
     y = tl.load(b + k[:, None] * N + n[None, :])
     acc = tl.load(c + m[:, None] * N + n[None, :])
     tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y, acc))
+
+
+@triton.jit
+def times_four(x, out):
+    tl.store(out, tl.load(x) * 4)
 """
 
 
@@ -179,3 +185,32 @@ def test_a_native_build_is_prepared_once_and_launched_by_the_launcher():
     assert len(prepared) == 6 and launcher.launches == 8
     assert [a for a, _ in prepared] == [c[0] for i, c in enumerate(calls) if i not in (1, 7)]
     assert launched == [((2, 1, 1), (*args, meta["BM"], 3)) for args, meta in calls]
+
+
+@pytest.mark.parametrize("launch", [Launcher, ConcurrentInterpreter])
+def test_overflow_checks_run_only_where_a_failure_would_be_reported(kernels, launch, monkeypatch):
+    """The interpreter's int32 overflow checks end in a device assertion, which it drops
+    without its debug option: a launch skips them (an int32 product wraps, as on a GPU,
+    either way), runs them with debug on, and leaves the interpreter's options as they were."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    semantic, seen = type(interpreter.interpreter_semantic), []
+    real = semantic.binary_op_sanitize_overflow_impl
+
+    def spy(self, *args):  # each int32 +, -, *: whether its check runs
+        seen.append(self.builder.options.sanitize_overflow)
+        return real(self, *args)
+
+    monkeypatch.setattr(semantic, "binary_op_sanitize_overflow_impl", spy)
+    before = builder.options
+    assert before.sanitize_overflow and not before.debug  # Triton's defaults, which the launch works around
+    x, out = torch.tensor([1 << 30], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    launch(True)([(kernels.times_four, (1,), (x, out), {})])
+    assert seen == [False] and out.item() == 0 and builder.options is before  # 2^32 wrapped
+    monkeypatch.setattr(builder, "options", dataclasses.replace(before, debug=True))
+    with pytest.raises(Exception, match="int32 overflow detected"):
+        launch(True)([(kernels.times_four, (1,), (x, out), {})])
+    assert seen == [False, True]
