@@ -220,10 +220,51 @@ def language_patched_once():
 @contextlib.contextmanager
 def interpreting():
     """What every interpreted launch runs under: TRITON_INTERPRET=1, the language patched
-    once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`) and no overflow
-    checks whose failure nothing would report (:func:`overflow_checks_as_reported`)."""
-    with interpreter_env(True), language_patched_once(), dot_by_rows(), overflow_checks_as_reported():
+    once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`), no overflow
+    checks whose failure nothing would report (:func:`overflow_checks_as_reported`) and numpy
+    dtypes looked up (:func:`numpy_dtypes_looked_up`)."""
+    with (
+        interpreter_env(True),
+        language_patched_once(),
+        dot_by_rows(),
+        overflow_checks_as_reported(),
+        numpy_dtypes_looked_up(),
+    ):
         yield
+
+
+@contextlib.contextmanager
+def numpy_dtypes_looked_up():
+    """For the duration of an interpreted launch, the interpreter's numpy dtype of a Triton
+    type is looked up, not rebuilt: it builds an 18-entry table at each call (for every
+    tensor an operation makes: 13% of an interpreted launch's time). The table's value for a
+    type is what the interpreter's own function gives it (asked once per type)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "rdepc_table", False):
+        yield
+        return
+    table: dict = {}
+
+    def np_dtype(tt_dtype):
+        try:
+            found = table.get(tt_dtype)
+        except TypeError:  # a pointer type (unhashable)
+            return original(tt_dtype)
+        if found is None:
+            found = table[tt_dtype] = original(tt_dtype)
+        return found
+
+    np_dtype.rdepc_table = True
+    interpreter._get_np_dtype = np_dtype
+    try:
+        yield
+    finally:
+        interpreter._get_np_dtype = original
 
 
 @contextlib.contextmanager

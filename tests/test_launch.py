@@ -214,3 +214,25 @@ def test_overflow_checks_run_only_where_a_failure_would_be_reported(kernels, lau
     with pytest.raises(Exception, match="int32 overflow detected"):
         launch(True)([(kernels.times_four, (1,), (x, out), {})])
     assert seen == [False, True]
+
+
+def test_numpy_dtypes_are_the_interpreters_own_and_its_function_is_restored():
+    """A launch's numpy dtype of each Triton type (scalar, block, pointer, block of pointers)
+    is what the interpreter's own function gives, asked once per type; after the launch the
+    interpreter has its own function back."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from runtime.launch import numpy_dtypes_looked_up
+
+    original = interpreter._get_np_dtype
+    kinds = [tl.float32, tl.bfloat16, tl.int1, tl.float8e4nv, tl.pointer_type(tl.float16)]
+    kinds += [tl.block_type(tl.int32, [4, 8]), tl.block_type(tl.pointer_type(tl.int64), [2])]
+    asked = []
+    with numpy_dtypes_looked_up():
+        table = interpreter._get_np_dtype
+        assert table is not original
+        for t in kinds * 2:
+            asked.append(table(t))
+    assert interpreter._get_np_dtype is original
+    assert asked == [original(t) for t in kinds * 2]
