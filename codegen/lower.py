@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from rdepc.ir.arguments import Sizes, private_buffers
 from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, Row, ctl_words, next_pow2, tile_slots
 from rdepc.ir.graph import MemoryPlan, Schedule
 from rdepc.ir.interface import stats_columns
@@ -224,31 +225,11 @@ def lower(
         heap.append((f"sideband_{f}", sb))
         sb += B * S * spec.route_row.field_bytes(f)
     layout = tuple((b.name, b.region, place[b.name], b.size) for b in bufs)
-    E_PAD = next_pow2(E)
+    slots = max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S)
+    sizes = Sizes(W, T, K, H, F, B, S, E_MAX, route_scratch_words(next_pow2(E), T), ctl_words(W),
+                  stats_columns(E_MAX)["cols"], slots, ring)  # fmt: skip
     adt = spec.precision.dtype.value
-    private = [
-        ("rowpos", "int32", (W, T * K)),  # position of each route row within its (source, expert) run
-        ("sorted_rows", "int32", (W, T * K)),  # each source's rows bucketed by (owner, local expert)
-        # bucket base per expert, then per (owner, local), then each chunk's counts (bases) per expert
-        ("route_scratch", "int32", (W, route_scratch_words(E_PAD, T))),
-        ("recv", "int32", (W, W, E_MAX, 2)),  # the owner's split table: (payload offset, admitted)
-        ("group", "int32", (W, E_MAX, 2)),  # (first payload row, rows) per (owner, local expert)
-        # each m-tile slot's (local expert, first row, lo, hi) per (owner, segment): the GEMMs' tile table
-        ("tile_table", "int32", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S) * 4)),
-        ("hbuf", adt, (W, B * S, F)),  # silu(x·Wg) ⊙ (x·Wu) per payload ring row: GEMM1 → GEMM2
-        ("hbuf_rid", "int64", (W, B * S)),  # their row ids: the payload slot is refilled before GEMM2
-        ("staging", adt, (W, B * S, H)),  # expert outputs per payload ring row (the memory plan's staging ring)
-        ("staging_rid", "int64", (W, B * S)),  # their row ids, for the return
-        ("tile_done", "int64", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S))),
-        ("bwd_tile_done", "int64", (W, max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S))),
-    ]
-    if ring:
-        private.append(("landing", adt, (W, T * K, H)))  # unpacked returns at their (token, slot) places
-    private += [
-        ("stats", "int32", (W, stats_columns(E_MAX)["cols"])),  # rdepc.ir.interface.STATS
-        ("ctl", "int64", (ctl_words(W),)),  # clock, error record, ticket counters
-        ("bwd_ctl", "int64", (ctl_words(W),)),  # the backward's own
-    ]
+    private = private_buffers(sizes, adt)
     rr = spec.route_row
     n_T = T + 1 if spec.shape.symbolic else 1  # one row per T' = 0..T when T is symbolic
     parts = [_per_token(rr.offset, spec, n_T), *(_per_token(rr.coefficient(x), spec, n_T) for x in ROUTE_VARS)]
@@ -318,7 +299,7 @@ def lower(
         forward_bytes=forward_bytes,
         heap=tuple(heap),
         layout=layout,
-        private=tuple(private),
+        private=private,
         table=tuple(table),
         deps=tuple(deps),
         names=tuple(names),

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rdepc.codegen.sm90 import launch_options, native_launch, specialize, variant_meta
 
+from rdepc.ir.arguments import own_constexprs
 from rdepc.ir.contract import (
     H100_SMS,
     NATIVE_MODE,
@@ -34,7 +35,6 @@ from rdepc.ir.contract import (
     KernelContract,
     Tiles,
     mode_kernels,
-    own_constexprs,
 )
 from rdepc.toolchain import package_home
 

@@ -49,18 +49,16 @@ from pathlib import Path
 
 from rdepc.codegen import sass
 
+from rdepc.ir.arguments import POINTEE, kernel_args, own_constexprs
 from rdepc.ir.balance import COUNTERS
 from rdepc.ir.contract import (
     H100_SMS,
     NATIVE_MODE,
     NATIVE_SPIN_BOUND,
-    POINTEE,
     TRANSPORT_PROCESSES,
     KernelContract,
     Tiles,
-    kernel_args,
     mode_kernels,
-    own_constexprs,
 )
 from rdepc.toolchain import package_home
 
@@ -305,7 +303,7 @@ def specialize(
     kernel: str = "rdep_layer",
 ) -> Specialized:
     """What ``JITFunction.run`` derives for ``target`` from a launch of ``fn`` (the generated
-    ``kernel``, of ``rdepc.ir.contract.KERNELS``) with the scalar arguments ``scalars`` (those
+    ``kernel``, of ``rdepc.ir.arguments.KERNELS``) with the scalar arguments ``scalars`` (those
     it declares), a 16-byte aligned tensor of its declared type for every pointer (every
     pointer the runtime passes is: ``runtime.tensors.aligned``) and the keyword arguments
     ``kwargs`` (constexprs and options), passed as a launch passes them."""

@@ -7,13 +7,12 @@ from __future__ import annotations
 from rdepc.runtime import ranks
 
 from rdepc.diagnostics import UsageError
+from rdepc.ir.arguments import kernel_args, own_constexprs
 from rdepc.ir.contract import (
     NATIVE_SPIN_BOUND,
     QUEUE_WORDS,
     default_mode,
-    kernel_args,
     mode_kernels,
-    own_constexprs,
 )
 from rdepc.ir.lowering import LIBRARY_MODE
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from rdepc.runtime.tensors import INT_DTYPES, TORCH_DTYPES
 
-from rdepc.ir.contract import BACKWARD_PRIVATE, KERNELS, POINTEE, KernelContract, Work, kernel_args, queue_records
+from rdepc.ir.arguments import BACKWARD_PRIVATE, KERNELS, POINTEE, kernel_args
+from rdepc.ir.contract import KernelContract, Work, queue_records
 from rdepc.ir.sizes import kept_columns
 
 

@@ -28,7 +28,8 @@ from rdepc.codegen.emit import HASH_FIELD
 import rdepc
 from rdepc.api import elaborate_layer
 from rdepc.driver import Options, compile_file, generate_spec, spec_passes
-from rdepc.ir.contract import COLUMNS, GEMM_KINDS, KINDS, KernelContract, Tiles, kernel_args
+from rdepc.ir.arguments import kernel_args
+from rdepc.ir.contract import COLUMNS, GEMM_KINDS, KINDS, KernelContract, Tiles
 from rdepc.parser import parse_text
 
 GOLDEN = ROOT / "tests" / "golden" / "tiny_kernels.py"

@@ -384,7 +384,8 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     from rdepc.codegen.prewarm import PASSES, launch_requests
     from rdepc.codegen.sm90 import native_launch, variant_meta
 
-    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, POINTEE, Tiles, kernel_args, own_constexprs
+    from rdepc.ir.arguments import POINTEE, kernel_args, own_constexprs
+    from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, Tiles
 
     monkeypatch.chdir(ROOT)
     layer = rdepc.load("examples/tiny.rdep")
@@ -461,7 +462,7 @@ import torch
 from triton import knobs
 
 from rdepc.codegen.sm90 import stand_in_driver
-from rdepc.ir.contract import POINTEE, kernel_args
+from rdepc.ir.arguments import POINTEE, kernel_args
 from rdepc.ir.contract import KernelContract, Tiles
 from rdepc.codegen.prewarm import launch_requests, prewarm
 from rdepc.toolchain import import_kernels

@@ -1,20 +1,22 @@
-"""The kernel interface declared once (rdepc.ir.interface): what is declared there reaches
-the emitted constants, the device stand-ins, the lowering's buffers and the runtime."""
+"""The kernel interface declared once (rdepc.ir.interface, rdepc.ir.arguments): what is
+declared there reaches the emitted constants, the device stand-ins, the kernels' signatures,
+the lowering's buffers and the runtime."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import ROOT, TINY
 from rdepc.codegen import emit
 from rdepc.runtime.stats import call_stats
 
 import rdepc
 from rdepc.driver import generate_spec
-from rdepc.ir import interface
+from rdepc.ir import arguments, interface
 from rdepc.ir.interface import Column, Constant, constant_values, stats_columns
 
 
@@ -116,3 +118,38 @@ def test_a_constant_declared_once_reaches_the_kernel_the_stand_ins_and_the_runti
         monkeypatch.undo()
         del layout.PROBE
         importlib.reload(layout)
+
+
+@pytest.mark.parametrize("kernel", arguments.KERNELS)
+def test_the_declared_arguments_are_the_kernels_signatures(kernel):
+    """ARGUMENTS, read by kernel_args, is each device kernel's signature: its names in order,
+    tl.constexpr exactly where it declares a constexpr."""
+    source = {"rdep_layer": "kernel.py", "rdep_gemm": "gemm_kernel.py"}[kernel]
+    tree = ast.parse((ROOT / "codegen" / "device" / source).read_text(encoding="utf-8"))
+    fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == kernel)
+    constexpr = [a.annotation is not None and ast.unparse(a.annotation) == "tl.constexpr" for a in fn.args.args]
+    signature = list(zip([a.arg for a in fn.args.args], constexpr, strict=True))
+    declared = arguments.kernel_args(contract(), kernel)
+    assert signature == [(name, kind == "constexpr") for name, kind in declared]
+
+
+def test_every_private_buffer_is_an_argument_or_the_backwards_own():
+    names = {n for n, _ in arguments.kernel_args(contract())}
+    for p in arguments.PRIVATE:
+        assert (p.backward_of or p.name) in names, p.name
+    backward = {p.name for p in arguments.PRIVATE if p.backward_of}
+    assert backward == arguments.BACKWARD_PRIVATE == {"bwd_ctl", "bwd_tile_done"}
+
+
+def test_a_private_buffer_declared_once_reaches_the_contract_and_the_module(monkeypatch, tmp_path):
+    """A private buffer put last in PRIVATE, with no other edit: the lowering's contract lists
+    it at its shape and a module of the layer (compiled anew: a cache of its own) allocates
+    it, zeroed."""
+    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path))
+    probe = arguments.Private("probe", "int32", lambda z: (z.W, z.E_MAX + 1), "a buffer for this test")
+    monkeypatch.setattr(arguments, "PRIVATE", (*arguments.PRIVATE, probe))
+    p = contract()
+    assert p.private[-1] == ("probe", "int32", (p.W, p.E_MAX + 1))
+    module = rdepc.load(TINY).module("emulated", "cpu")
+    got = module.private["probe"]
+    assert got.shape == (p.W, p.E_MAX + 1) and got.dtype == torch.int32 and not got.any()

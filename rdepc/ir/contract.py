@@ -64,11 +64,6 @@ NATIVE_SPIN_BOUND = 1 << 26
 H100_SMS = 132
 
 
-# The private buffers only the backward's launch reads (its control words and tile counters):
-# a module built for inference allocates the others.
-BACKWARD_PRIVATE = frozenset({"bwd_ctl", "bwd_tile_done"})
-
-
 def ctl_words(W: int) -> int:
     """Words of the private control block: CONTROL's words, then the ticket counter of the
     kernel that takes tickets (unified mode's, or split mode's transport kernel's)."""
@@ -118,7 +113,7 @@ class Tiles:
                 raise ValueError(f"tile size {name} must be a power of two >= 16, got {v}")
 
     def constexprs(self) -> dict[str, int]:
-        """The kernel's tile constexprs (``CONSTEXPRS``) these sizes set."""
+        """The kernel's tile constexprs (``rdepc.ir.arguments.ARGUMENTS``) these sizes set."""
         return {
             "BM": self.bm,
             "BLOCK_H": self.block_h,
@@ -482,7 +477,7 @@ class KernelContract:
     def launch_scalars(
         self, n_tokens: int, n_programs: int, rank: int | None, bound: int, per_rank: bool = False
     ) -> dict[str, int]:
-        """``rdep_layer``'s scalar arguments (:func:`kernel_args`) of a launch: ``n_tokens``
+        """``rdep_layer``'s scalar arguments (``rdepc.ir.arguments.kernel_args``) of a launch: ``n_tokens``
         the call's T', ``n_programs`` the grid, ``rank`` this process's rank (None: all of
         them, in one process), ``bound`` the spin bound. Row ids decode at the owner with
         one radix for all ranks: per rank (``per_rank``), whose T' may differ, the spec's T;
@@ -519,82 +514,3 @@ class KernelContract:
 
 def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
-
-
-RUNTIME_SCALARS = ("n_tokens", "n_programs", "rank0", "rid_c", "rid_r", "rid_t", "rid_k", "bound", "program_base")
-CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "BLOCK_R", "STAGES", "CAST_F32", "GEMMS", "PROFILE")
-CONSTEXPRS += ("GLOBALTIMER", "BACKWARD", "SAVE")
-GEMM_CONSTEXPRS = ("BM", "BLOCK_H", "BLOCK_F", "BLOCK_K", "STAGES", "CAST_F32", "PROFILE", "GLOBALTIMER")
-GEMM_CONSTEXPRS += ("BACKWARD", "SAVE", "LIBRARY")
-# The kernels of a generated file, by name: their arguments are kernel_args(contract, name).
-KERNELS = ("rdep_layer", "rdep_gemm")
-
-
-# The torch dtype (by name) a pointer argument of kernel_args points to, by its Triton type.
-POINTEE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-POINTEE |= {"u8": "uint8", "i8": "int8", "i32": "int32", "i64": "int64"}
-
-
-def kernel_args(contract: KernelContract, kernel: str = "rdep_layer") -> list[tuple[str, str]]:
-    """(name, Triton type) of the arguments of ``kernel`` (``rdep_layer`` or ``rdep_gemm``),
-    in order: the kernel's signature (``codegen/device/kernel.py``,
-    ``codegen/device/gemm_kernel.py``; a test holds they agree), the names the host passes
-    arguments by, and the types sm_90 compiles use. The same for every layer but for the
-    dtype of the layer's tensors."""
-    dt = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[contract.dtype]
-    every = dict(_layer_args(dt))
-    if kernel == "rdep_layer":
-        return list(every.items())
-    if kernel != "rdep_gemm":
-        raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
-    names = ("heap", "w_up", "w_down", "saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows", "dw_up")
-    names += ("dw_down", "b_up", "b_down", "db_up", "db_down", "slots", "dslots")
-    names += ("table", "deps", "queue", "first_item", "queues")
-    names += ("weight_of", "group", "tile_table", "hbuf")
-    names += ("hbuf_rid", "staging", "staging_rid", "tile_done", "ctl", "profile", "n_programs", "rank0", "bound")
-    args = [(n, every[n]) for n in names] + [("program_base", "i32")]  # its programs' first number: its own
-    return args + [(c, "constexpr") for c in GEMM_CONSTEXPRS]
-
-
-def own_constexprs(contract: KernelContract, kernel: str, meta: dict) -> dict:
-    """``meta`` without the constexprs the generated ``kernel`` does not take (a launch passes
-    each kernel of its mode only its own)."""
-    names = {n for n, kind in kernel_args(contract, kernel) if kind == "constexpr"}
-    return {k: v for k, v in meta.items() if k in names}
-
-
-def _layer_args(dt: str) -> list[tuple[str, str]]:
-    args = [("heap", "*u8"), ("x", f"*{dt}"), ("topk_ids", "*i64"), ("gates", "*fp32")]
-    args.append(("w_up", f"*{dt}"))  # a gated expert's [Wg Wu], interleaved: [E, H, F, 2]
-    args += [("w_down", f"*{dt}"), ("y", f"*{dt}"), ("accepted", "*i8"), ("slot", "*i32")]
-    args.append(("gprime", "*fp32"))
-    # The backward's: dL/dy, dL/dx, dL/dg'; what the forward saved for it (input rows and
-    # pre-activations at the owner, expert outputs at the front-end or under dedup at the
-    # owner); its working rows (dH, the activation, g'·dL/dy at the owner) and the weight
-    # gradients.
-    args += [("dy", f"*{dt}"), ("dx", f"*{dt}"), ("dgprime", "*fp32")]
-    args += [(n, f"*{dt}") for n in ("saved_x", "saved_pre", "saved_out", "dh", "act_rows", "do_rows")]
-    args += [("dw_up", f"*{dt}"), ("dw_down", f"*{dt}")]
-    # expert biases (BIAS; otherwise placeholders): GEMM1's [E, F, 2] or [E, F], GEMM2's [E, H], their gradients
-    args += [(n, f"*{dt}") for n in ("b_up", "b_down", "db_up", "db_down")]
-    # the redundant slots' packed operands and their gradients, read and written in place one
-    # process per rank under balance replicate (SLOT_ELEMS; otherwise placeholders)
-    args += [("slots", f"*{dt}"), ("dslots", f"*{dt}")]
-    # ... and, for the balance tasks (load, solve, reroute, push, receive): the call's plan
-    # (rdepc.ir.balance.plan_tables), the route rows' home expert ids (the reroute writes
-    # their physical ids into topk_ids) and the balance exchange (rdepc.ir.balance.exchange_regions;
-    # placeholders elsewhere)
-    args += [("plan", "*i32"), ("home_ids", "*i64"), ("exchange", "*u8")]
-    tables = ("table", "deps", "queue", "queue_pos", "first_item", "queues", "owner_of", "local_of", "n_local")
-    tables += ("weight_of", "order", "owner_first", "rows_max", "caps", "m_slots")
-    args += [(n, "*i32") for n in tables]
-    args += [(n, "*i32") for n in ("rowpos", "sorted_rows", "route_scratch", "recv", "group", "tile_table")]
-    args += [("hbuf", f"*{dt}"), ("hbuf_rid", "*i64"), ("staging", f"*{dt}"), ("staging_rid", "*i64")]
-    args.append(("tile_done", "*i64"))
-    args.append(("landing", f"*{dt}"))  # a return ring's unpacked rows (otherwise a placeholder)
-    args += [("stats", "*i32"), ("ctl", "*i64"), ("profile", "*i64"), ("tokens_of", "*i64")]
-    args += [("n_tokens", "i32"), ("n_programs", "i32"), ("rank0", "i32")]
-    args += [(n, "i64") for n in ("rid_c", "rid_r", "rid_t", "rid_k", "ex_stride")]
-    args.append(("bound", "i32"))
-    args += [(c, "constexpr") for c in CONSTEXPRS]
-    return args

@@ -11,6 +11,9 @@ a constant added here reaches all three.
 :data:`STATS` is the statistics buffer's columns (``stats`` [W, ST_COLS] int32, one row per
 owner), in order. From it come the ``ST_*`` constants, the buffer's shape in the lowering's
 private buffers, and the offsets the runtime's statistics reader indexes.
+
+The kernels' arguments and the private buffers among them are declared in
+:mod:`rdepc.ir.arguments`.
 """
 
 from __future__ import annotations
