@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from fractions import Fraction
 
 from rdepc.diagnostics import layer_prefix
 from rdepc.ir.balance import slot_chunks, slot_elems
@@ -31,7 +32,7 @@ from rdepc.ir.queues import mode_kernels as mode_kernels
 from rdepc.ir.queues import phase_queues as phase_queues
 from rdepc.ir.queues import queue_records as queue_records
 from rdepc.ir.sizes import BM as COMBINE_TOKENS
-from rdepc.ir.sizes import SCALE_BLOCK, m_tile_slots, next_pow2, route_chunks
+from rdepc.ir.sizes import SCALE_BLOCK, cap_e, m_tile_slots, next_pow2, route_chunks
 from rdepc.ir.spec import Dtype, is_gated
 
 # Transports (backends) and how their ranks are held: all in one process, or one process per rank.
@@ -411,30 +412,26 @@ class KernelContract:
         return dict(self.heap)[name]
 
     def cap_at(self, T: int) -> int | None:
-        """cap_e for a call with T' = ``T`` tokens per rank (None: dropless). The factor
-        policy is ⌈f·W·T'·K/E⌉ at the call's T', as rdepc.reference.capacity_for."""
-        if self.capacity == "dropless":
-            return None
-        if self.capacity == "factor":
-            p, q = self.cap_factor
-            return -(-p * self.W * T * self.K // (q * self.E))
-        if isinstance(self.cap_rows, tuple):
-            return self.cap_rows[T]
-        return self.cap_rows
+        """cap_e for a call with T' = ``T`` tokens per rank (None: dropless): the spec's
+        capacity rule (``rdepc.ir.sizes.cap_e``) at the call's T', as
+        rdepc.reference.capacity_for; symbolic row tables are read at T'."""
+        rows = self.cap_rows[T] if isinstance(self.cap_rows, tuple) else self.cap_rows
+        factor = None if self.cap_factor is None else Fraction(*self.cap_factor)
+        return cap_e(self.capacity, self.W, T, self.K, self.E, factor, rows)
 
     def caps(self) -> tuple[int, ...]:
         """cap_e for every total n = Σ_r T'_r of tokens the W ranks bring to a call, n in
         [0, W·T]: the scan reads it at the owner, which learns n from the ``tokens`` words
-        every front-end published. With equal T' this is :meth:`cap_at` (T' = n / W);
-        symbolic row tables are read at ⌈n / W⌉. Dropless: INT32_MAX."""
-        W, out = self.W, []
-        for n in range(W * self.T + 1):
+        every front-end published. A factor's mean is over the n tokens, μ = n·K/E (with
+        equal T' this is :meth:`cap_at`, T' = n / W); row tables are read at ⌈n / W⌉.
+        Dropless: INT32_MAX."""
+        out = []
+        for n in range(self.W * self.T + 1):
             if self.capacity == "factor":
-                p, q = self.cap_factor
-                out.append(-(-p * n * self.K // (q * self.E)))
+                cap = cap_e("factor", 1, n, self.K, self.E, Fraction(*self.cap_factor))
             else:
-                cap = self.cap_at(-(-n // W))
-                out.append(INT32_MAX if cap is None else cap)
+                cap = self.cap_at(-(-n // self.W))
+            out.append(INT32_MAX if cap is None else cap)
         return tuple(out)
 
     def row_id_radix(self, T: int) -> tuple[int, int, int, int]:
