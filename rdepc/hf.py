@@ -18,7 +18,8 @@ talker blocks, Mellum, Qwen4-Exp's text block, Lara-Mini), and, in
 :mod:`rdepc.hf_families_more`, MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block
 holds), DBRX, Aria's text block, Mistral-4, Mistral-Large-4's text block, Flint, HY-V3 and
 dots3-note's vision block (both holding their selection bias), Beam, Laguna and Step-3.7
-(their scale the block's), OpenAI's privacy filter (GPT-OSS's experts, gate and up in halves),
+(their scale the block's), MiniMax-M3-VL's (clamped SwiGLU experts and shared MLP, the
+shared MLP's gate and up fused), OpenAI's privacy filter (GPT-OSS's experts, gate and up in halves),
 and how each one's
 router, experts and shared experts read in spec terms); each becomes an :class:`RDEPBlock`
 that keeps the block's router module (``gate``, GPT-OSS's and Llama-4's ``router``:
@@ -97,23 +98,23 @@ def _check(name: str, block: nn.Module, layer: Layer) -> Family:
             says = f"layer '{spec.name}' ({spec.file}) says {show(want[k])}"
             raise SwapError(f"{where} has {k} {show(found[k])}, but {says}")
     sp, have = spec.shared, f.shared
-    says = None if sp is None else shared_text(sp.count, sp.fn.act, int(sp.fn.F), sp.gate)
+    says = None if sp is None else shared_text(sp.count, sp.fn.act, int(sp.fn.F), sp.gate, sp.fn.limit, sp.fn.alpha)
+    has = None if have is None else shared_text(1, have.act, have.ffn, have.gate, have.limit, have.alpha)
     if have is None or sp is None:
         if (have is None) != (sp is None):
-            has = None if have is None else shared_text(1, have.act, have.ffn, have.gate)
             raise SwapError(f"{where} has shared {has}, but layer '{spec.name}' ({spec.file}) says {says}")
-    elif (have.act, have.ffn, have.gate) != (sp.fn.act, sp.count * int(sp.fn.F), sp.gate):  # N experts of F_s/N
-        raise SwapError(
-            f"{where} has shared {shared_text(1, have.act, have.ffn, have.gate)}, but layer '{spec.name}' "
-            f"({spec.file}) says {says}"
-        )
+    elif (have.act, have.ffn, have.gate, have.limit, have.alpha) != (
+        sp.fn.act, sp.count * int(sp.fn.F), sp.gate, sp.fn.limit, sp.fn.alpha  # N experts of F_s/N
+    ):  # fmt: skip
+        raise SwapError(f"{where} has shared {has}, but layer '{spec.name}' ({spec.file}) says {says}")
     return FAMILIES[f.cls]
 
 
 # --------------------------------------------------------------------- the swapped block
 def _held(name: str) -> str:
-    """The RDEPMoE parameter that holds a layout entry: DBRX's w_gate and w_up are w_gate_up's halves."""
-    return "w_gate_up" if name in ("w_gate", "w_up") else name
+    """The RDEPMoE parameter that holds a layout entry: DBRX's w_gate and w_up are w_gate_up's
+    halves; a fused shared gate_up_proj's gate rows are shared_gate (its up rows shared_up)."""
+    return {"w_gate": "w_gate_up", "w_up": "w_gate_up", "shared_gate_up": "shared_gate"}.get(name, name)
 
 
 class RDEPBlock(nn.Module):
@@ -215,8 +216,11 @@ class RDEPBlock(nn.Module):
         s = self.hf_shared
         if s:
             width = m.shared_up.shape[0] * m.shared_up.shape[2]  # N shared experts of F_s: one MLP of N·F_s
-            out[f"{s}.gate_proj.weight"] = ("shared_gate", (width, H))
-            out[f"{s}.up_proj.weight"] = ("shared_up", (width, H))
+            if self.family.shared_fused:  # gate rows, then up rows: shared_gate's and shared_up's
+                out[f"{s}.gate_up_proj.weight"] = ("shared_gate_up", (2 * width, H))
+            else:
+                out[f"{s}.gate_proj.weight"] = ("shared_gate", (width, H))
+                out[f"{s}.up_proj.weight"] = ("shared_up", (width, H))
             out[f"{s}.down_proj.weight"] = ("shared_down", (H, width))
         if self.hf_shared_gate:
             out[f"{self.hf_shared_gate}.weight"] = ("shared_gate_proj", (1, H))  # one layout: nn.Linear's
@@ -239,7 +243,10 @@ class RDEPBlock(nn.Module):
         for key, (name, _) in self.layout().items():
             held = _held(name)
             p = source = of(getattr(self.moe, held))
-            if held != name:  # [E, H, F, 2] -> [E, F, H] (w1 or v1) -> [E·F, H]
+            if name == "shared_gate_up":  # [N, H, F_s] each -> [N·F_s, H], gate rows then up
+                halves = (of(self.moe.shared_gate), of(self.moe.shared_up))
+                p = torch.cat([h.transpose(1, 2).flatten(0, 1) for h in halves])
+            elif held != name:  # [E, H, F, 2] -> [E, F, H] (w1 or v1) -> [E·F, H]
                 p = p[..., 0 if name == "w_gate" else 1].transpose(1, 2).flatten(0, 1)
             elif self.family.experts == "dbrx" and name == "w_down":  # [E, F, H] -> [E·F, H]
                 p = p.flatten(0, 1)
@@ -277,6 +284,10 @@ class RDEPBlock(nn.Module):
             value = value[list(m.experts)]  # a per-rank block: its own experts' rows
         if tuple(value.shape) != want:
             return f"copying a param with shape {tuple(value.shape)}, the block's is {want}"
+        if name == "shared_gate_up":  # [2·N·F_s, H]: gate rows, then up rows
+            for half, p in zip(value.chunk(2), (m.shared_gate, m.shared_up), strict=True):
+                p.copy_(half.unflatten(0, (p.shape[0], p.shape[2])).transpose(1, 2))
+            return None
         p = getattr(m, name)  # DBRX's w_gate, w_up: views of w_gate_up [E, H, F, 2]
         if dbrx:  # [E·F, H] -> [E, F, H], w_down's layout; the gate and up halves [E, H, F]
             value = value.unflatten(0, (-1, m.F))

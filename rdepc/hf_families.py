@@ -349,10 +349,8 @@ for _name, _prefix, _block, _shared in (
     )  # fmt: skip
 
 # The routed-MoE blocks transformers ships that swap does not map, each with why: what the
-# spec language cannot say, or that nobody has compared the block with the table yet (its
-# router rule and layout unread: mapping one is a row above and a case in the tests). A block
-# class in neither table fails tests/test_hf.py's scan of transformers, so none is missed.
-NOT_COMPARED = "not yet compared with the table: its router rule and weight layout are unread"
+# spec language cannot say. A block class in neither table fails tests/test_hf.py's scan of
+# transformers, so none is missed.
 _CLAMPED = (
     "experts computing SiLU(min(g, L))·clamp(u, ±L) (swiglu_limit L), a clamped SwiGLU without clamped_swiglu's +1 "
     "and alpha, which the spec language has no function for"
@@ -400,13 +398,8 @@ UNMAPPED: dict[str, str] = {
     "an optional latent projection around the experts (moe_latent_size), which the spec language has no terms for",
     "ZayaSparseMoeBlock": "an MLP router over the tokens and the previous layer's router state "
     "(prev_router_hidden_states), with a skip expert, which the spec language has no router rule for",
-} | dict.fromkeys(
-    (
-        "MiniMaxM3VLSparseMoeBlock",
-    ),
-    NOT_COMPARED,
-)  # fmt: skip
+}
 
 FAMILIES.update({f.block.classes[0]: f for f in MORE})  # rdepc.hf_families_more's rows
 
-__all__ = ["ANY", "FAMILIES", "NOT_COMPARED", "SILU", "UNMAPPED", "Family", "Part", "router_terms"]
+__all__ = ["ANY", "FAMILIES", "SILU", "UNMAPPED", "Family", "Part", "router_terms"]

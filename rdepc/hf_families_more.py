@@ -35,6 +35,8 @@ Laguna         LagunaSparseMoeBlock        sigmoid, bias, renormalize, scale S (
                                            without ``router_logit_softcapping``
 Step-3.7       Step3p7SparseMoeBlock       as Laguna; only where its experts and       ``shared_experts``
                                            shared MLP are unclamped (``limit`` inf)
+MiniMax-M3-VL  MiniMaxM3VLSparseMoeBlock   sigmoid, bias, renormalize, scale S (S: the ``shared_experts``,
+               (its text model's)          block's ``routed_scaling_factor``)          ungated
 privacy filter OpenAIPrivacyFilterMLP      as GPT-OSS, scale N/K (N: the block's       none
                                            ``num_experts``, K: its router's ``top_k``)
 ============== =========================== =========================================== ==================
@@ -48,6 +50,11 @@ router rule reads the block, and top-K its router. Laguna's router keeps its sel
 a parameter without gradient (``gate.e_score_correction_bias``); Step-3.7's experts and shared
 MLP clamp their SwiGLU on the layers its ``swiglu_limits`` and ``swiglu_limits_shared`` name,
 an expert function the spec language lacks: those blocks are refused (``experts.limit``).
+
+MiniMax-M3-VL's experts and shared MLP compute GPT-OSS's clamped SwiGLU without biases (the
+spec's ``clamped_swiglu(ffn = F, limit = L, alpha = a)`` and ``shared clamped_swiglu(...)``,
+L and a its ``swiglu_limit`` and ``swiglu_alpha``); its experts are fused, and its shared
+MLP holds gate and up as one ``gate_up_proj`` (``Linear(H, 2·F_s)``, gate rows then up).
 
 OpenAI's privacy filter is GPT-OSS's block computed in fp32 whatever the model's dtype (the
 spec computes in the model's: a bf16 model's block is probed within bf16's tolerance): its
@@ -91,6 +98,7 @@ from rdepc.hf_parts import (
     _GPT_OSS_ROUTER,
     _LINEAR,
     ANY,
+    CLAMPED_FUSED,
     Part,
     _experts,
     _family,
@@ -167,6 +175,10 @@ def _step3p7(block) -> dict:  # the scale is the block's, on the experts' sum
     return router_terms("sigmoid", True, True, scale=block.routed_scaling_factor)
 
 
+def _minimax_m3(block) -> dict:  # MiniMax-M2's router; its scale the block's, on the experts' sum
+    return router_terms("sigmoid", True, True, scale=block.routed_scaling_factor)
+
+
 def _privacy_filter(block) -> dict:  # GPT-OSS's gates over top_k, the experts' sum times the block's num_experts
     return router_terms("softmax", True, logit_bias=True, scale=Fraction(block.num_experts, block.router.top_k))
 
@@ -209,6 +221,22 @@ _PRIVACY_FILTER_EXPERTS = Part(
     attrs=dict.fromkeys(("intermediate_size", "num_experts", "hidden_size", "alpha", "limit", "config"), ANY)
     | {"has_gate": True, "has_bias": True, "has_post_expert_norm": False, "is_transposed": True}
     | {"is_concatenated": True},  # the layout transformers' expert kernels read: the gate half, then up
+)
+
+# MiniMax-M3-VL's experts and shared MLP: SwiGLU clamped as GPT-OSS's (its limit and alpha at swiglu_limit and
+# swiglu_alpha; the experts' limit is a copy their forward does not read), the experts fused, the shared MLP's gate
+# and up one Linear(H, 2·F_s), gate rows then up.
+_MINIMAX_M3_EXPERTS = Part(
+    ("MiniMaxM3VLExperts",),
+    params={"gate_up_proj": ANY, "down_proj": ANY},
+    attrs=dict.fromkeys(("num_experts", "hidden_dim", "intermediate_dim", "limit", "swiglu_alpha", "swiglu_limit"), ANY)
+    | {"config": ANY, "has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
+    | {"is_concatenated": True},
+)
+_MINIMAX_M3_SHARED = Part(
+    ("MiniMaxM3VLDenseMLP",),
+    {"gate_up_proj": _LINEAR, "down_proj": _LINEAR},
+    attrs=dict.fromkeys(("swiglu_alpha", "swiglu_limit"), ANY),
 )
 
 _AFMOE_ROUTER = Part(
@@ -338,6 +366,18 @@ MORE = (
         attrs={"routed_scaling_factor": ANY},
         bias="e_score_correction_bias",
         rule_reads="block",
+    ),
+    _family(
+        "MiniMax-M3-VL", "MiniMaxM3VLSparseMoeBlock",
+        gate=_gate("MiniMaxM3VLTopKRouter", "hidden_dim", buffers={"e_score_correction_bias": ANY}),
+        experts=_MINIMAX_M3_EXPERTS,
+        router=_minimax_m3,
+        shared=("shared_experts", _MINIMAX_M3_SHARED),  # ungated, added in full
+        attrs={"routed_scaling_factor": ANY},
+        bias="e_score_correction_bias",
+        layout=CLAMPED_FUSED,
+        rule_reads="block",
+        shared_fused=True,
     ),
     _family(
         "OpenAI privacy filter", "OpenAIPrivacyFilterMLP",

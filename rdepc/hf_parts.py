@@ -35,6 +35,9 @@ _ACT = Part(None)
 # Experts held as gate_up_proj [E, H, 2F] and down_proj [E, F, H], with biases, computing GPT-OSS's clamped
 # SwiGLU: GPT-OSS's with gate and up interleaved, the privacy filter's with the gate half, then the up half.
 BIASED_LAYOUTS = ("gpt_oss", "gpt_oss_halves")
+# Fused experts (gate_up_proj [E, 2F, H], down_proj [E, H, F]) computing that clamped SwiGLU without biases,
+# its limit and alpha at swiglu_limit and swiglu_alpha (MiniMax-M3-VL's).
+CLAMPED_FUSED = "fused_clamped"
 _LINEAR = Part(("Linear",), params={"weight": ANY, "bias": None}, attrs={"in_features": ANY, "out_features": ANY})
 _EXPERT_LAYOUT = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False}
 
@@ -181,7 +184,9 @@ class Family:
     LFM2-MoE, AFMoE), passed to the router as its second argument; ``router_flat`` False: the
     router takes the tokens as the block got them (AFMoE's: [B, S, H]); ``logits`` None: the
     router returns its logits alone (DBRX); ``rule_reads`` "block": the router rule, and top-K,
-    are the block's attributes, not the router's (DBRX)."""
+    are the block's attributes, not the router's (DBRX). ``shared_fused``: the shared MLP holds
+    its gate and up projections as one ``gate_up_proj`` (``Linear(H, 2·F_s)``, gate rows then
+    up) and computes a clamped SwiGLU (MiniMax-M3-VL's)."""
 
     name: str
     block: Part
@@ -198,6 +203,7 @@ class Family:
     block_bias: str | None = None
     router_flat: bool = True
     rule_reads: str = "gate"
+    shared_fused: bool = False
 
 
 def _family(

@@ -24,7 +24,7 @@ from torch import nn
 
 from rdepc.api import UsageError
 from rdepc.hf_families import ANY, FAMILIES, SILU, UNMAPPED, Family, Part
-from rdepc.hf_parts import BIASED_LAYOUTS
+from rdepc.hf_parts import BIASED_LAYOUTS, CLAMPED_FUSED
 
 
 class SwapError(UsageError):
@@ -129,8 +129,9 @@ def expert_text(act: str, limit=None, alpha=None, bias: bool = False) -> str:
     return f"{act}{params}" + (", bias" if bias else "")
 
 
-def shared_text(count: int, act: str, ffn: int, gate: str | None = None) -> str:
-    return f"{count} x {act}(ffn = {ffn})" + ("" if gate is None else f", gate {gate}")
+def shared_text(count: int, act: str, ffn: int, gate: str | None = None, limit=None, alpha=None) -> str:
+    params = "" if limit is None else f", limit = {show(limit)}, alpha = {show(alpha)}"
+    return f"{count} x {act}(ffn = {ffn}{params})" + ("" if gate is None else f", gate {gate}")
 
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -142,6 +143,8 @@ class Shared:
     act: str
     ffn: int
     gate: str | None  # "sigmoid": Qwen's shared_expert_gate
+    limit: Fraction | None = None  # clamped_swiglu's (MiniMax-M3-VL's)
+    alpha: Fraction | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,8 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
         down, layout = (E, H, twoF // 2), "[E, H, F]"
     if fam.experts in BIASED_LAYOUTS:  # biases, GPT-OSS's clamped SwiGLU
         fn = ("clamped_swiglu", Fraction(str(ex.limit)), Fraction(str(ex.alpha)), True)
+    elif fam.experts == CLAMPED_FUSED:  # the same SwiGLU, no biases
+        fn = ("clamped_swiglu", Fraction(str(ex.swiglu_limit)), Fraction(str(ex.swiglu_alpha)), False)
     else:
         act = act_name(ex.act_fn)
         fn = ("swiglu" if act in SILU else f"gated {act}", None, None, False)
@@ -250,6 +255,8 @@ def _experts_found(where: str, fam: Family, ex: nn.Module) -> tuple[int, int, in
 
 
 def _expert_source(ex: nn.Module, fn: tuple) -> str:
+    if fn[0] == "clamped_swiglu" and not fn[3]:
+        return f"experts.swiglu_limit {ex.swiglu_limit}, experts.swiglu_alpha {ex.swiglu_alpha}"
     if fn[0] == "clamped_swiglu":
         return f"experts.limit {ex.limit}, experts.alpha {ex.alpha}, experts.gate_up_proj_bias and down_proj_bias"
     if isinstance(getattr(ex, "mlp", None), nn.Module):  # DBRX's
@@ -262,11 +269,20 @@ def _shared_found(block: nn.Module, fam: Family, config) -> Shared | None:
     if mlp is None:
         return None
     gated = "sigmoid" if fam.shared_gate and getattr(block, fam.shared_gate) is not None else None
+    if fam.shared_fused:  # one gate_up_proj [2·F_s, H], gate rows then up; GPT-OSS's clamped SwiGLU
+        limit, alpha = Fraction(str(mlp.swiglu_limit)), Fraction(str(mlp.swiglu_alpha))
+        return Shared(1, "clamped_swiglu", mlp.gate_up_proj.weight.shape[0] // 2, gated, limit, alpha)
     width = mlp.gate_proj.weight.shape[0]
     fn = act_name(getattr(mlp, "act_fn", None) or mlp.activation_fn)  # Llama-4's: activation_fn
     n = next((getattr(config, k) for k in _KEYS["N"] if isinstance(getattr(config, k, None), int)), 1)
     n = n if n > 0 and width % n == 0 else 1  # DeepSeek's N shared experts are one MLP of N·F_s
     return Shared(n, "swiglu" if fn in SILU else f"gated {fn}", width, gated)
+
+
+def _shared_source(fam: Family, shared: Shared, H: int) -> str:
+    if fam.shared_fused:
+        return f"{fam.shared}.gate_up_proj [{2 * shared.ffn}, {H}], its swiglu_limit and swiglu_alpha"
+    return f"{fam.shared}.gate_proj [{shared.ffn}, {H}]" + (f", {fam.shared_gate}" if shared.gate else "")
 
 
 def describe(name: str, block: nn.Module) -> Found:
@@ -305,9 +321,7 @@ def describe(name: str, block: nn.Module) -> Found:
     dtype = DTYPES.get(weight.dtype, str(weight.dtype))
     found = Found(fam.name, type(block).__name__, E, H, F, k_owner.top_k, *fn, fam.gate_on, rule, shared, dtype)
     if shared is not None:
-        sources += (
-            ("shared", f"{fam.shared}.gate_proj [{shared.ffn}, {H}]" + (f", {fam.shared_gate}" if shared.gate else "")),
-        )
+        sources += (("shared", _shared_source(fam, shared, H)),)
     return replace(found, sources=sources)
 
 
@@ -353,7 +367,7 @@ def layer_text(f: Found, name: str, blocks: list[str], model=None) -> str:
     ]
     if f.shared is not None:
         s = f.shared
-        rows.append(("shared", shared_text(s.count, s.act, s.ffn // s.count, s.gate), src["shared"]))
+        rows.append(("shared", shared_text(s.count, s.act, s.ffn // s.count, s.gate, s.limit, s.alpha), src["shared"]))
     rows.append(("dtype", f.dtype, src["dtype"]))
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", None)

@@ -352,6 +352,13 @@ CASES |= {
          "moe_router_scaling_factor": 2.5, "num_attention_heads": 4, "head_dim": 8},
         router="sigmoid, bias, renormalize, scale 2.5", shared="shared swiglu(ffn = 16)",
     ),
+    "minimax_m3_vl": Case(  # its text model's block: clamped SwiGLU experts and shared MLP, gate and up fused
+        "minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLSparseMoeBlock",
+        {"intermediate_size": 16, "shared_intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "swiglu_limit": 1.0, "routed_scaling_factor": 2.5, "num_attention_heads": 4, "head_dim": 8},
+        router="sigmoid, bias, renormalize, scale 2.5", expert="clamped_swiglu(ffn = {F}, limit = 1)",
+        shared="shared clamped_swiglu(ffn = 16, limit = 1)",
+    ),
     "privacy_filter": Case(  # GPT-OSS's block in fp32, its gates over K and its sum times K: the spec's scale 1
         "openai_privacy_filter", "OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterMLP",
         {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 1.0,

@@ -520,12 +520,13 @@ def test_a_selection_bias_the_block_holds_routes_and_is_its_state(name):
     assert torch.equal(getattr(back, bias_name), getattr(original, bias_name))
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4", "dbrx", "privacy_filter"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "gpt_oss", "llama4", "dbrx", "privacy_filter", "minimax_m3_vl"])
 def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     """Qwen2-MoE's shared_expert_gate is the RDEPMoE's shared_gate_proj under the block's name;
     GPT-OSS's interleaved experts and their biases are its w_gate_up, b_gate_up, w_down, b_down;
     Llama-4's [E, H, 2F] gate_up_proj (gate columns, then up) its w_gate_up, its down_proj w_down
-    (and the privacy filter's, with its biases in halves too);
+    (and the privacy filter's, with its biases in halves too); MiniMax-M3-VL's shared gate_up_proj
+    its shared_gate and shared_up;
     DBRX's [E·F, H] w1, v1 and w2 the gate and up halves of its w_gate_up, and its w_down."""
     case = fam.CASES[name]
     holder = fam.block(transformers, case)
@@ -539,6 +540,9 @@ def test_a_block_round_trips_through_its_state_dict(tmp_path, name):
     moe = other.mlp.moe
     if name == "qwen2_moe":
         assert torch.equal(moe.shared_gate_proj, want["shared_expert_gate.weight"])
+    elif name == "minimax_m3_vl":  # the shared MLP's gate_up_proj [2·F_s, H]: shared_gate's rows, then shared_up's
+        fused = want["shared_experts.gate_up_proj.weight"]
+        assert torch.equal(moe.shared_gate[0].T, fused[:16]) and torch.equal(moe.shared_up[0].T, fused[16:])
     elif name == "dbrx":
         for key, held in (("w1", moe.w_gate), ("v1", moe.w_up)):  # [E, H, F] -> [E·F, H]
             assert torch.equal(held.transpose(1, 2).flatten(0, 1), want[f"experts.mlp.{key}"])
@@ -813,4 +817,4 @@ def test_every_routed_moe_block_transformers_ships_is_mapped_or_refused_with_its
     assert len(found) >= 80 and not set(FAMILIES) & set(UNMAPPED)
     unknown = {name: model for name, model in found.items() if name not in FAMILIES and name not in UNMAPPED}
     assert not unknown, f"routed-MoE blocks neither mapped nor refused with a reason: {unknown}"
-    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 54
+    assert sum(1 for name in found if name in FAMILIES) == len(FAMILIES) == 55
