@@ -4,6 +4,7 @@
     swap(model, ranks=2, tokens=512)                         # the spec written from the blocks
     swap(model, "examples/mixtral_8x7b.rdep", W=1, T=512)   # or one given, checked against them
     print(spec_for(model, ranks=2, tokens=512))              # the spec swap writes
+    named_parameters(model)                                  # its parameters by transformers' names
     unswap(model)                                            # transformers' own blocks again
 
 swap maps exactly the transformers (5.x) block classes of the table in
@@ -225,6 +226,18 @@ class RDEPBlock(nn.Module):
         if self.hf_shared_gate:
             out[f"{self.hf_shared_gate}.weight"] = ("shared_gate_proj", (1, H))  # one layout: nn.Linear's
         return out
+
+    def hf_named_parameters(self):
+        """(transformers name, parameter) of each parameter of the block: the router's, and a
+        selection bias the block holds, as they are; the experts' and shared experts' under the
+        names of the block's state dict (:meth:`layout`; one parameter holding two entries, as
+        DBRX's w_gate_up holds w1 and v1, is named by the first)."""
+        named = {id(p): (n, p) for n, p in self.named_parameters()}
+        for key, (name, _) in self.layout().items():
+            p = getattr(self.moe, _held(name))
+            if id(p) in named and named[id(p)][0].startswith("moe."):
+                named[id(p)] = (key, p)
+        return list(named.values())
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The routed and shared experts' weights under the block's transformers names and in its
@@ -462,6 +475,18 @@ def unswap(model: nn.Module) -> nn.Module:
     return model
 
 
+def named_parameters(model: nn.Module):
+    """``model.named_parameters()`` with each swapped block's parameters under the names of
+    the transformers block it replaced (:meth:`RDEPBlock.hf_named_parameters`): what a
+    training script matches names against (optimizer groups, freezing, weight decay) finds
+    them as it did before the swap. Each parameter once; the rest as torch names them."""
+    hf = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, RDEPBlock):
+            hf |= {id(p): f"{prefix}.{n}" if prefix else n for n, p in m.hf_named_parameters()}
+    return [(hf.get(id(p), n), p) for n, p in model.named_parameters()]
+
+
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, new)
@@ -474,6 +499,7 @@ __all__ = [
     "SwapError",
     "family_of",
     "moe_blocks",
+    "named_parameters",
     "probe",
     "register",
     "spec_for",

@@ -432,6 +432,23 @@ def test_a_swapped_mixtral_gives_the_same_logits(tmp_path):
     assert out.aux_loss is not None and torch.isfinite(out.aux_loss)
 
 
+@pytest.mark.parametrize("build", [mixtral, deepseek_v3])
+def test_a_swapped_models_parameters_keep_their_transformers_names_for_optimizer_groups(build):
+    """rdepc.hf.named_parameters names every parameter of a swapped model as the model named
+    it before the swap (experts, shared experts, router), each once, each the swapped model's
+    own: optimizer groups built by name (here: decay all but the routers) group the same."""
+    model = build()
+    before = [n for n, _ in model.named_parameters()]
+    swap(model, ranks=2, tokens=8, verify=False)
+    named = rdepc.hf.named_parameters(model)
+    assert sorted(n for n, _ in named) == sorted(before)
+    assert {id(p) for _, p in named} == {id(p) for p in model.parameters()}
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in named)
+    assert any(".moe." in n for n, _ in model.named_parameters())  # torch's own names are rdepc's
+    routers = [p for n, p in named if n.endswith(".mlp.gate.weight")]
+    assert [id(p) for p in routers] == [id(layer.mlp.gate.weight) for layer in model.model.layers]
+
+
 def test_a_swapped_bf16_mixtral_stays_within_bf16_tolerance_and_trains(tmp_path):
     model = mixtral(torch.bfloat16)
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
