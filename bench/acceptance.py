@@ -267,7 +267,7 @@ class Variant:
         plan = compiled.kernel
         tiles, _ = tune.launch_tiles(plan, device_name, interpret=False)  # as a native RDEPModule picks them
         tiles = TILES.get() or tiles
-        return launch_requests(compiled.kernels_path, compiled.directory / "plan.json", mode=self.mode,
+        return launch_requests(compiled.kernels_path, compiled.directory / "contract.json", mode=self.mode,
                                pass_=self.pass_, tiles=tiles, sms=sms, label=self.label, gemm=self.gemm)  # fmt: skip
 
     def module(self, device: str, **options):

@@ -63,7 +63,7 @@ def rdepc_rows(examples: list[str], label: str, backend: str = "emulated", kerne
                 write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec, backend=backend), out)
             finally:
                 os.chdir(cwd)
-            jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+            jobs.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
         for r in compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=kernels):
             threads = r.get("threads") or 32 * r["tiles"]["num_warps"]
             text = sass.disassemble(r["cubin"])

@@ -79,12 +79,12 @@ def dump(g: Generated) -> str:
 
 def write_module(g: Generated, out: Path) -> list[Path]:
     """Write the importable module of ``g`` into ``out``: the kernels (``LAYER_kernels.py``),
-    the kernel contract (``LAYER.plan.json``) and a small wrapper (``LAYER.py``) whose
+    the kernel contract (``LAYER.contract.json``) and a small wrapper (``LAYER.py``) whose
     ``module(backend, device)`` builds the runtime module. Atomic writes (tmp + replace)."""
     name = g.kernel.layer
     files = {
         f"{name}_kernels.py": g.source,
-        f"{name}.plan.json": g.kernel.to_json() + "\n",
+        f"{name}.contract.json": g.kernel.to_json() + "\n",
         f"{name}.py": wrapper_source(g.kernel),
     }
     written = []
@@ -112,7 +112,7 @@ def wrapper_source(contract: KernelContract) -> str:
     import {name}
 {usage}
 
-The kernels are in {name}_kernels.py, their plan in {name}.plan.json.
+The kernels are in {name}_kernels.py, their contract in {name}.contract.json.
 """
 
 from pathlib import Path
@@ -124,8 +124,8 @@ HERE = Path(__file__).resolve().parent
 
 def module(backend="{contract.transport}", device={device}, **options):
     """The compiled layer as an ``rdepc.runtime.RDEPModule`` (see its ``forward``)."""
-    plan, kernels = HERE / "{name}.plan.json", HERE / "{name}_kernels.py"
-    return load_compiled(plan, kernels, backend=backend, device=device, **options)
+    contract, kernels = HERE / "{name}.contract.json", HERE / "{name}_kernels.py"
+    return load_compiled(contract, kernels, backend=backend, device=device, **options)
 '''
 
 

@@ -127,22 +127,43 @@ def lower(
     it must still be topological. ``guard`` puts that many bytes before every heap buffer
     and after the last (guard bands a test fills with a pattern)."""
     geo = sched.graph.geometry
-    W, T, H, F, E, K, S, B = geo.W, geo.T, geo.H, geo.F, geo.E, geo.K, geo.S, geo.B
-    E_MAX = max(geo.experts)
-    owner, local = geo.owner, geo.local
-    weight_of = [0] * (W * E_MAX)
-    for e in range(E):
-        weight_of[owner[e] * E_MAX + local[e]] = e
-    by_owner = sorted(range(E), key=lambda e: (owner[e], local[e]))
-    owner_first, pos = [], 0
-    for q in range(W):
-        owner_first.append(pos)
-        pos += geo.experts[q]
-    owner_first.append(E)
-
-    ring = geo.return_ring
-    if spec.dedup and max(geo.rows_max, default=0) > B * S:
+    if spec.dedup and max(geo.rows_max, default=0) > geo.B * geo.S:
         raise AssertionError("dedup needs every segment resident (B·S >= R_max): the geometry raises B")
+    table, deps, names, tasks, runs = _task_table(sched, order)
+    fwd_runs = max(runs, default=0)
+    wgrad_table, wgrad_deps = _wgrad_table(table, len(deps), runs, geo.W)
+    E_MAX = max(geo.experts)
+    slots = max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, geo.S)
+    sizes = Sizes(geo.W, geo.T, geo.K, geo.H, geo.F, geo.B, geo.S, E_MAX, route_scratch_words(next_pow2(geo.E), geo.T),
+                  ctl_words(geo.W), stats_columns(E_MAX)["cols"], slots, geo.return_ring)  # fmt: skip
+    return KernelContract(
+        layer=spec.name,
+        file=spec.file,
+        rdepc=__version__,
+        strategy=sched.strategy,
+        decisions=tuple(f"{d.name} = {d.value} ({d.why})" for d in sched.decisions),
+        transport=transport,
+        spec_transport=spec.transport,
+        **_sizes_and_choices(spec, geo, sched),
+        **_ownership(geo),
+        **_heap(spec, mp, geo, guard, fwd_runs, max(runs, default=0)),
+        private=private_buffers(sizes, spec.precision.dtype.value),
+        table=tuple(table),
+        deps=tuple(deps),
+        names=tuple(names),
+        tasks=tuple(tasks),
+        wgrad_table=tuple(wgrad_table),
+        wgrad_deps=tuple(wgrad_deps),
+        programs=tuple(sched.kernel_split),
+        guard=guard,
+        balance=(spec.balance.slots, spec.balance.min_rows) if spec.balance.kind == "replicate" else (0, 0),
+    )
+
+
+def _task_table(sched: Schedule, order: tuple[int, ...] | None) -> tuple[list, list, list, list, list[int]]:
+    """The forward's task table in ``order`` (rows, dependency entries, task names, graph
+    task ids) and the entries each rank runs (each one's done counter is its place among them)."""
+    W = sched.graph.geometry.W
     n = len(sched.table)
     order = tuple(range(n)) if order is None else tuple(order)
     if sorted(order) != list(range(n)):
@@ -173,36 +194,63 @@ def lower(
         deps.extend(mine + before)
         names.append(task.name)
         tasks.append(e.task)
+    return table, deps, names, tasks, runs
 
-    # The backward walks the same table (its dispatches carry g'·dL/dy, its GEMMs are the
-    # transposed ones, its returns carry dL/dx), then each owner's weight gradients, once
-    # every GEMM1 of the owner has written its rows' dH.
-    fwd_runs = max(runs, default=0)
+
+def _wgrad_table(table: list[Row], n_deps: int, runs: list[int], W: int) -> tuple[list[Row], list[int]]:
+    """The backward's own entries: it walks the same table (its dispatches carry g'·dL/dy, its
+    GEMMs are the transposed ones, its returns carry dL/dx), then each owner's weight
+    gradients, once every GEMM1 of the owner has written its rows' dH (``runs`` counts them)."""
     wgrad_table, wgrad_deps = [], []
     gemm1 = KINDS.index("gemm1")
     for q in range(W):
         mine = [i for i, row in enumerate(table) if row.kind == gemm1 and row.owner == q]
         if not mine:
             continue
-        start = len(deps) + len(wgrad_deps)
+        start = n_deps + len(wgrad_deps)
         wgrad_table.append(
             Row(KINDS.index("wgrad"), rank=q, src=q, owner=q, segment=0, claim=0, items=0, dep_start=start,
                 dep_count=len(mine), guard=-1, resource=2 * q + 1, flag=runs[q])
         )  # fmt: skip
         wgrad_deps.extend(mine)
         runs[q] += 1
+    return wgrad_table, wgrad_deps
 
-    # The heap: the memory plan's buffers, forward and backward, at its offsets (shifted by
-    # guard bands).
+
+def _ownership(geo) -> dict:
+    """The ownership tables: π(e), λ(e), E_loc(q), the weight index of each (q, λ), the
+    experts by (owner, local) and each owner's first among them; R_q and what one source
+    may send each owner."""
+    W, E, E_MAX = geo.W, geo.E, max(geo.experts)
+    owner, local = geo.owner, geo.local
+    weight_of = [0] * (W * E_MAX)
+    for e in range(E):
+        weight_of[owner[e] * E_MAX + local[e]] = e
+    owner_first = [sum(geo.experts[:q]) for q in range(W)] + [E]
+    return {
+        "E_MAX": E_MAX,
+        "owner": tuple(owner),
+        "local": tuple(local),
+        "n_local": tuple(geo.experts),
+        "weight_of": tuple(weight_of),
+        "order": tuple(sorted(range(E), key=lambda e: (owner[e], local[e]))),
+        "owner_first": tuple(owner_first),
+        "rows_max": tuple(geo.rows_max),
+        "from_one": geo.from_one,
+    }
+
+
+def _heap(spec: LayerSpec, mp: MemoryPlan, geo, guard: int, fwd_runs: int, all_runs: int) -> dict:
+    """The heap: the memory plan's buffers, forward and backward, at its offsets (shifted by
+    guard bands), the forward's regions a prefix of the slice (an inference module allocates
+    that prefix alone, and every offset its forward reads lies inside it)."""
+    B, S = geo.B, geo.S
     bufs = list(mp.buffers)
-    for name, n_runs in (("flags", fwd_runs), ("bwd_flags", max(runs, default=0))):
+    for name, n_runs in (("flags", fwd_runs), ("bwd_flags", all_runs)):
         slots = next(b.bytes for b in bufs if b.name == name) // 8
         if n_runs > slots:
             raise AssertionError(f"a rank runs {n_runs} task-table entries, more than its {slots} {name} counters")
     place = {b.name: b.offset + guard * (k + 1) for k, b in enumerate(bufs)}
-    heap_bytes = mp.regions("forward_backward")["total"] + guard * (len(bufs) + 1)
-    # The forward's regions lead the slice: an inference module allocates that prefix alone,
-    # and every offset its forward reads lies inside it.
     fwd = mp.regions("forward")
     n_fwd = sum(b.region in fwd for b in bufs)
     forward_bytes = fwd["total"] + guard * (n_fwd + 1)
@@ -212,7 +260,7 @@ def lower(
     names_heap += ("bwd_flags", "bwd_payload", "bwd_scales", "bwd_row_ids", "bwd_inputs", "bwd_return")
     names_heap += ("bwd_return_scales",)
     heap = [(name, place[name]) for name in names_heap]
-    if ring:
+    if geo.return_ring:
         heap += [("return_ids", place["return_ids"]), ("bwd_return_ids", place["bwd_return_ids"])]
     if spec.dedup:
         sb = place["bwd_sideband"]  # structure of arrays: g' [B*S] fp32, then the links [B*S, 2] int32
@@ -224,92 +272,55 @@ def lower(
     for f in spec.route_row.sideband:  # structure of arrays, fields in the spec's (canonical) order
         heap.append((f"sideband_{f}", sb))
         sb += B * S * spec.route_row.field_bytes(f)
-    layout = tuple((b.name, b.region, place[b.name], b.size) for b in bufs)
-    slots = max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, S)
-    sizes = Sizes(W, T, K, H, F, B, S, E_MAX, route_scratch_words(next_pow2(E), T), ctl_words(W),
-                  stats_columns(E_MAX)["cols"], slots, ring)  # fmt: skip
-    adt = spec.precision.dtype.value
-    private = private_buffers(sizes, adt)
+    return {
+        "heap_bytes": mp.regions("forward_backward")["total"] + guard * (len(bufs) + 1),
+        "forward_bytes": forward_bytes,
+        "heap": tuple(heap),
+        "layout": tuple((b.name, b.region, place[b.name], b.size) for b in bufs),
+    }
+
+
+def _sizes_and_choices(spec: LayerSpec, geo, sched: Schedule) -> dict:
+    """The layer's sizes and the spec's choices the kernels read: the expert function,
+    precision, route rows and their identity, admission and capacity."""
+    T = geo.T
     rr = spec.route_row
     n_T = T + 1 if spec.shape.symbolic else 1  # one row per T' = 0..T when T is symbolic
     parts = [_per_token(rr.offset, spec, n_T), *(_per_token(rr.coefficient(x), spec, n_T) for x in ROUTE_VARS)]
-    row_id = tuple(zip(*parts, strict=True))
-    row_id_order = tuple(v for v, _ in reversed(rr.radix))
     cap = spec.capacity
-    keyed = spec.keyed_admission
     cap_factor = cap_rows = None
     if cap.policy == "factor":
         cap_factor = (int(cap.factor.p), int(cap.factor.q))
     elif cap.policy == "rows":
-        if spec.shape.symbolic:
-            cap_rows = _per_token(cap.rows, spec, T + 1)
-        else:
-            cap_rows = int(cap.rows)
-    return KernelContract(
-        layer=spec.name,
-        file=spec.file,
-        rdepc=__version__,
-        strategy=sched.strategy,
-        decisions=tuple(f"{d.name} = {d.value} ({d.why})" for d in sched.decisions),
-        transport=transport,
-        spec_transport=spec.transport,
-        W=W,
-        T=T,
-        H=H,
-        F=F,
-        E=E,
-        K=K,
-        E_MAX=E_MAX,
-        S=S,
-        B=B,
-        ring=ring,
-        unified=sched.unified,
-        act=spec.expert.act,
-        act_limit=float(spec.expert.limit or 0),
-        act_alpha=float(spec.expert.alpha or 0),
-        bias=spec.expert.bias,
-        recompute=spec.pre_activations == "recompute",
-        gate_input=spec.gate_on == "input",
-        resend=spec.input_activations == "resend",
-        bwd_fp8=spec.precision.backward_fp8,
-        dtype=adt,
-        dispatch=spec.precision.dispatch.value,
-        dispatch_scale=spec.precision.dispatch_scale,
-        scales=spec.route_row.scales,
-        sideband=tuple(spec.route_row.sideband),
-        symbolic_tokens=spec.shape.symbolic,
-        row_id=row_id,
-        row_id_order=row_id_order,
-        keyed=keyed,
-        dedup=spec.dedup,
-        capacity=cap.policy,
-        cap_factor=cap_factor,
-        cap_rows=cap_rows,
-        weights=cap.weights,
-        drop=cap.drop,
-        owner=tuple(owner),
-        local=tuple(local),
-        n_local=tuple(geo.experts),
-        weight_of=tuple(weight_of),
-        order=tuple(by_owner),
-        owner_first=tuple(owner_first),
-        rows_max=tuple(geo.rows_max),
-        from_one=geo.from_one,
-        heap_bytes=heap_bytes,
-        forward_bytes=forward_bytes,
-        heap=tuple(heap),
-        layout=layout,
-        private=private,
-        table=tuple(table),
-        deps=tuple(deps),
-        names=tuple(names),
-        tasks=tuple(tasks),
-        wgrad_table=tuple(wgrad_table),
-        wgrad_deps=tuple(wgrad_deps),
-        programs=tuple(sched.kernel_split),
-        guard=guard,
-        balance=(spec.balance.slots, spec.balance.min_rows) if spec.balance.kind == "replicate" else (0, 0),
-    )
+        cap_rows = _per_token(cap.rows, spec, T + 1) if spec.shape.symbolic else int(cap.rows)
+    return {
+        **{k: getattr(geo, k) for k in ("W", "T", "H", "F", "E", "K", "S", "B")},
+        "ring": geo.return_ring,
+        "unified": sched.unified,
+        "act": spec.expert.act,
+        "act_limit": float(spec.expert.limit or 0),
+        "act_alpha": float(spec.expert.alpha or 0),
+        "bias": spec.expert.bias,
+        "recompute": spec.pre_activations == "recompute",
+        "gate_input": spec.gate_on == "input",
+        "resend": spec.input_activations == "resend",
+        "bwd_fp8": spec.precision.backward_fp8,
+        "dtype": spec.precision.dtype.value,
+        "dispatch": spec.precision.dispatch.value,
+        "dispatch_scale": spec.precision.dispatch_scale,
+        "scales": rr.scales,
+        "sideband": tuple(rr.sideband),
+        "symbolic_tokens": spec.shape.symbolic,
+        "row_id": tuple(zip(*parts, strict=True)),
+        "row_id_order": tuple(v for v, _ in reversed(rr.radix)),
+        "keyed": spec.keyed_admission,
+        "dedup": spec.dedup,
+        "capacity": cap.policy,
+        "cap_factor": cap_factor,
+        "cap_rows": cap_rows,
+        "weights": cap.weights,
+        "drop": cap.drop,
+    }
 
 
 def _per_token(expr, spec: LayerSpec, n: int) -> tuple[int, ...]:

@@ -51,7 +51,7 @@ _LINE = "rdepc-prewarm "  # a compiling process's result lines start so (anythin
 
 def launch_requests(
     kernels_path: str | Path,
-    plan_path: str | Path,
+    contract_path: str | Path,
     *,
     mode: str = NATIVE_MODE,
     pass_: str = "forward",
@@ -72,7 +72,7 @@ def launch_requests(
     library's launches the GEMM kernel to wait and signal only). ValueError where the module
     refuses the launch (a split that leaves a kernel no program, a phased call of a
     schedule whose GEMMs wait for returns)."""
-    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    contract = KernelContract.from_json(Path(contract_path).read_text(encoding="utf-8"))
     tiles = tiles or Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     per_rank = contract.per_rank
     out = []
@@ -85,7 +85,7 @@ def launch_requests(
                 out.append(
                     {
                         "kernels": str(Path(kernels_path).resolve()),  # the compiling process starts elsewhere
-                        "plan": str(Path(plan_path).resolve()),
+                        "contract": str(Path(contract_path).resolve()),
                         "kernel": kernel,
                         "tiles": asdict(own),
                         "meta": variant_meta(mode, kernel, backward, save, profile, gemm == "library"),
@@ -183,10 +183,10 @@ class _Builds:
         want = set(VARIANT_CONSTEXPRS) | ({"GEMMS"} if kernel == "rdep_layer" else {"LIBRARY"})
         if set(req["meta"]) != want:
             raise ValueError(f"a prewarm request's meta for {kernel} sets {sorted(req['meta'])}, not {sorted(want)}")
-        contract = self.contracts.get(req["plan"])
+        contract = self.contracts.get(req["contract"])
         if contract is None:
-            contract = self.contracts[req["plan"]] = KernelContract.from_json(
-                Path(req["plan"]).read_text(encoding="utf-8")
+            contract = self.contracts[req["contract"]] = KernelContract.from_json(
+                Path(req["contract"]).read_text(encoding="utf-8")
             )
         fn = getattr(import_kernels(req["kernels"], interpret=False), kernel)
         tiles = Tiles(**req["tiles"])

@@ -118,7 +118,7 @@ def compile_cubins(
     sms: int = H100_SMS,
     kernels: list[str] | None = None,
 ) -> list[dict]:
-    """Compile every kernel (``kernels``: of KERNELS or BALANCE_KERNELS) of each (kernels.py, plan.json,
+    """Compile every kernel (``kernels``: of KERNELS or BALANCE_KERNELS) of each (kernels.py, contract.json,
     out_dir) job, in ``parallel`` subprocesses (jobs dealt round-robin); results in job
     order. ``profile``: with the profile's %globaltimer stamps compiled in. ``sms``: the
     GPU's SMs, which size the launch each kernel is specialised for."""
@@ -372,7 +372,7 @@ def _specialize(contract, fn, target, declared, args, scalars, kwargs, kernel) -
 
 def _compile(
     kernels_path: str,
-    plan_path: str,
+    contract_path: str,
     out_dir: str,
     arch: int,
     profile: bool = False,
@@ -385,7 +385,7 @@ def _compile(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    contract = KernelContract.from_json(Path(contract_path).read_text(encoding="utf-8"))
     name = f"rdepc_sm{arch}_{contract.layer}_{abs(hash(kernels_path))}"
     spec = importlib.util.spec_from_file_location(name, kernels_path)
     module = importlib.util.module_from_spec(spec)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compile",
         help="compile a layer",
         description="Compile one layer: writes the elaborated spec as JSON (LAYER.spec.json), the generated Triton "
-        "kernels (LAYER_kernels.py), their plan (LAYER.plan.json) and an importable module (LAYER.py).",
+        "kernels (LAYER_kernels.py), their contract (LAYER.contract.json) and an importable module (LAYER.py).",
     )
     common.spec_options(p)
     p.add_argument("-o", dest="out", metavar="DIR", help="output directory (default: build/LAYER)")

@@ -15,7 +15,7 @@ from rdepc.runtime.transport import get
 
 def generator_digest() -> str:
     """SHA-256 of the code generator's own source (codegen/, device code included) and of the
-    IR it writes (rdepc/ir: the kernel contract in plan.json): a changed generator or
+    IR it writes (rdepc/ir: the kernel contract in contract.json): a changed generator or
     contract never reuses what was built before, even at the same rdepc version."""
     from rdepc import codegen, ir
 
@@ -36,7 +36,7 @@ class Compiled:
         self.directory = directory
         self.hit = hit
         self.kernels_path = directory / "kernels.py"
-        self.kernel = KernelContract.from_json((directory / "plan.json").read_text(encoding="utf-8"))
+        self.kernel = KernelContract.from_json((directory / "contract.json").read_text(encoding="utf-8"))
 
     @property
     def source(self) -> str:
@@ -65,7 +65,7 @@ def compile_layer(
 
     def build() -> dict[str, str]:
         g = generate_spec(spec, schedule, hw, backend, gemm)
-        return {"kernels.py": g.source, "plan.json": g.kernel.to_json() + "\n"}
+        return {"kernels.py": g.source, "contract.json": g.kernel.to_json() + "\n"}
 
-    directory, hit = entry(key, build, required=("kernels.py", "plan.json"))
+    directory, hit = entry(key, build, required=("kernels.py", "contract.json"))
     return Compiled(directory, hit)

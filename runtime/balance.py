@@ -353,10 +353,10 @@ def layer_module(contract: KernelContract, kernels_path, **options):
     return RDEPModule(contract, kernels_path, **options)
 
 
-def load_compiled(plan_path: str | Path, kernels_path: str | Path, **options):
+def load_compiled(contract_path: str | Path, kernels_path: str | Path, **options):
     """The module of a compiled layer directory (``rdepc compile FILE -o DIR``): an
     RDEPModule, or a :class:`ReplicatedModule` for a ``balance replicate`` layer."""
-    contract = KernelContract.from_json(Path(plan_path).read_text(encoding="utf-8"))
+    contract = KernelContract.from_json(Path(contract_path).read_text(encoding="utf-8"))
     return layer_module(contract, kernels_path, **options)
 
 

@@ -1,9 +1,9 @@
-"""The compilation cache: generated kernels and their plan, keyed by what produced them.
+"""The compilation cache: generated kernels and their contract, keyed by what produced them.
 
 The key is a SHA-256 over the elaborated spec (``spec_to_json``), the codegen options, the
 rdepc, torch and triton versions (and a digest of the generator's own source), the target
 (the backend) and whether the kernels run under the interpreter. An entry is a directory
-``KEY[:2]/KEY`` holding ``kernels.py``, ``plan.json`` and a ``complete`` marker: JSON with
+``KEY[:2]/KEY`` holding ``kernels.py``, ``contract.json`` and a ``complete`` marker: JSON with
 the key and the SHA-256 of every other file. It is built in a scratch directory beside it
 (marker last) and renamed into place, so a reader never sees half an entry.
 

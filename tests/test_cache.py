@@ -47,8 +47,8 @@ def _append_line(d: Path) -> None:
 
 
 def _truncate_plan(d: Path) -> None:
-    text = (d / "plan.json").read_bytes()
-    (d / "plan.json").write_bytes(text[: len(text) // 2])
+    text = (d / "contract.json").read_bytes()
+    (d / "contract.json").write_bytes(text[: len(text) // 2])
 
 
 def _other_key(d: Path) -> None:
@@ -64,7 +64,7 @@ def _not_a_directory(d: Path) -> None:
 
 DAMAGE = {
     "appended-line": (_append_line, "kernels.py does not match its digest"),
-    "truncated-plan": (_truncate_plan, "plan.json does not match its digest"),
+    "truncated-plan": (_truncate_plan, "contract.json does not match its digest"),
     "deleted-kernels": (lambda d: (d / "kernels.py").unlink(), "kernels.py is missing"),
     "kernels-a-directory": (
         lambda d: ((d / "kernels.py").unlink(), (d / "kernels.py").mkdir()),
@@ -124,7 +124,7 @@ def test_the_marker_records_every_file_digest(cache_dir):
     d = compile_tiny().directory
     marker = json.loads((d / "complete").read_text(encoding="utf-8"))
     assert marker["key"] == d.name
-    assert marker["files"] == {name: cache._sha256((d / name).read_bytes()) for name in ("kernels.py", "plan.json")}
+    assert marker["files"] == {name: cache._sha256((d / name).read_bytes()) for name in ("kernels.py", "contract.json")}
 
 
 def test_extra_files_in_an_entry_are_not_damage(cache_dir, capsys):
@@ -234,7 +234,7 @@ def test_processes_heal_one_damaged_entry_at_once(cache_dir):
     _truncate_plan(first.directory)
     done = _compile_in_processes(cache_dir, [["16"]] * 4)
     warnings = "".join(p.stderr for p in done)  # one process rebuilds it; the others find it rebuilt
-    assert warnings == damaged(first.directory, "plan.json does not match its digest")
+    assert warnings == damaged(first.directory, "contract.json does not match its digest")
     assert _directories(done) == {"16": {str(first.directory)}}
     assert entry_files(first.directory) == files
     assert cache.info().damaged == []
@@ -307,13 +307,15 @@ def test_cache_clear_removes_entries_and_nothing_else(cache_dir, main):
     freed = cache.human_size(sum(_bytes(p) for p in (tiny, eight, four, stale)))
     building = shard / f".{tiny.name}.4243.0123abce.tmp"  # a build in progress
     building.mkdir()
+    taken = {tiny.parent.name, eight.parent.name, four.parent.name}
+    odd = next(n for n in ("ef", "fe", "ee") if n not in taken)  # a shard holding no entry
     foreign = [
         cache_dir / "notes.txt",
         cache_dir / "tuning" / "tiny-0123.json",
         shard / "mine.txt",
         cache_dir / "zz" / ("a" * 64) / "kernels.py",
         cache_dir / "ab" / ("cd" + "0" * 62) / "kernels.py",  # a key name in the wrong shard
-        cache_dir / "ef" / "ef",
+        cache_dir / odd / odd,
     ]
     for f in foreign:
         f.parent.mkdir(parents=True, exist_ok=True)

@@ -228,7 +228,7 @@ def test_compile_writes_the_golden_spec(main, tmp_path):
     status, out, err = main("compile", "examples/tiny.rdep", "-o", str(tmp_path))
     assert status == 0 and err == ""
     target = tmp_path / "tiny.spec.json"
-    module = ["tiny.spec.json", "tiny_kernels.py", "tiny.plan.json", "tiny.py"]  # the spec, then the module
+    module = ["tiny.spec.json", "tiny_kernels.py", "tiny.contract.json", "tiny.py"]  # the spec, then the module
     assert out == "".join(f"wrote {tmp_path / name}\n" for name in module)
     assert target.read_text(encoding="utf-8") == (GOLDEN / "tiny.json").read_text(encoding="utf-8")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(module)  # no temporary left behind

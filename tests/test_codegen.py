@@ -382,7 +382,7 @@ def test_dump_after_codegen_prints_the_source(monkeypatch, tmp_path, capsys):
     assert generated_part((tmp_path / "tiny_kernels.py").read_text(encoding="utf-8")) == GOLDEN.read_text(
         encoding="utf-8"
     )
-    plan = json.loads((tmp_path / "tiny.plan.json").read_text(encoding="utf-8"))
+    plan = json.loads((tmp_path / "tiny.contract.json").read_text(encoding="utf-8"))
     assert plan["layer"] == "tiny" and len(plan["table"]) == 56
     assert 'def module(backend="emulated", device="cpu"' in (tmp_path / "tiny.py").read_text(encoding="utf-8")
 
@@ -410,7 +410,7 @@ def test_cache_is_keyed_atomic_and_configurable(tmp_path, monkeypatch):
     layer = rdepc.load(ROOT / "examples" / "tiny.rdep")
     first = layer.compile()
     assert not first.hit and first.directory.parent.parent == tmp_path / "cache"
-    assert sorted(p.name for p in first.directory.iterdir()) == ["complete", "kernels.py", "plan.json"]
+    assert sorted(p.name for p in first.directory.iterdir()) == ["complete", "contract.json", "kernels.py"]
     again = rdepc.load(ROOT / "examples" / "tiny.rdep").compile()
     assert again.hit and again.directory == first.directory and again.source == first.source
     native = layer.compile(interpret=False)  # the interpreter flag is part of the key

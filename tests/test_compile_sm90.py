@@ -84,7 +84,7 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
         out = tmp_path / name
         out.mkdir()
         write_module(g, out)
-        jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+        jobs.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
         dtypes[name] = dtype
     assert len(jobs) == len(names or [e for e in EXAMPLES if e.name not in SAME_KERNELS])
     few = {f"{p.removesuffix('.rdep')}" for p in TRANSPORT_ONLY} if names is None else set()
@@ -181,7 +181,7 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     # compiled as a native launch at T' = T runs it, on an H100's grid (at most one program per work item)
     grids = [int(n) for n in re.findall(r"as launched: pointers 16-byte aligned, T'=16, (\d+) programs\n", out)]
     assert len(grids) == len(KERNELS) and all(0 < n <= 132 for n in grids), grids
-    written = ["tiny_balance.spec.json", "tiny_balance_kernels.py", "tiny_balance.plan.json", "tiny_balance.py"]
+    written = ["tiny_balance.spec.json", "tiny_balance_kernels.py", "tiny_balance.contract.json", "tiny_balance.py"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*written, *(c.name for c in cubins)])
 
 
@@ -191,7 +191,7 @@ def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     g = generate_spec(rdepc.load(tiny_segmented(tmp_path)).spec)  # pipelined, 4 segments per owner
     write_module(g, tmp_path)
-    job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.plan.json", tmp_path)
+    job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.contract.json", tmp_path)
     kernels = ["rdep_transport", "rdep_gemm", "rdep_layer", "rdep_transport.backward", "rdep_gemm.backward"]
     results = compile_cubins([job], arch=90, profile=True, kernels=kernels)
     assert [r["kernel"] for r in results] == kernels
@@ -212,7 +212,7 @@ def test_a_dedup_layer_compiles_for_sm90(tmp_path, monkeypatch):
     )
     g = generate_spec(spec)
     write_module(g, tmp_path)
-    job = (tmp_path / "deepseek_v3_kernels.py", tmp_path / "deepseek_v3.plan.json", tmp_path)
+    job = (tmp_path / "deepseek_v3_kernels.py", tmp_path / "deepseek_v3.contract.json", tmp_path)
     results = compile_cubins([job], arch=90, kernels=["rdep_transport", "rdep_gemm", "rdep_gemm.backward"])
     for r in results:
         backward, gemms = r["kernel"].endswith("backward"), r["kernel"].startswith("rdep_gemm")
@@ -412,7 +412,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
             else:
                 m(x, ids, gates, w_gate, w_up, w_down)
             launches += [_described(m.kernels_path, *call) for call in recorder.calls]
-            got = launch_requests(native.kernels_path, native.directory / "plan.json", mode=mode, pass_=pass_,
+            got = launch_requests(native.kernels_path, native.directory / "contract.json", mode=mode, pass_=pass_,
                                   tiles=tiles)  # fmt: skip
             kernels = 1 if mode == "unified" else 2
             assert len(got) == len(recorder.calls) == kernels * len(PASSES[pass_]), (mode, pass_)
@@ -437,7 +437,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
             meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("split", kernel)
             meta = own_constexprs(plan, kernel, meta) | {"num_warps": tiles.num_warps}
             launches.append(_described(shmem.kernels_path, kernel, (scalars["n_programs"],), args, meta, "nvshmem"))
-        requests += launch_requests(shmem.kernels_path, shmem.directory / "plan.json", mode="split", tiles=tiles,
+        requests += launch_requests(shmem.kernels_path, shmem.directory / "contract.json", mode="split", tiles=tiles,
                                     ranks=[1])  # fmt: skip
     job = tmp_path / "launches.json"
     job.write_text(json.dumps({"launches": launches, "requests": requests}))
@@ -469,11 +469,11 @@ from rdepc.toolchain import import_kernels
 
 
 stand_in_driver()  # an H100: what JITFunction.run asks the driver before it compiles
-kernels, plan_path = sys.argv[1:3]
-requests = [launch_requests(kernels, plan_path, mode=m)[k] for m, k in (("unified", 0), ("split", 0), ("unified", 0))]
+kernels, path = sys.argv[1:3]
+requests = [launch_requests(kernels, path, mode=m)[k] for m, k in (("unified", 0), ("split", 0), ("unified", 0))]
 out = {"first": prewarm(requests, 2), "again": prewarm(requests, 2)}
 # the JIT's own compile of the first request's launch (warmup: compiled, not launched) finds it
-req, plan = requests[0], KernelContract.from_json(open(plan_path).read())
+req, plan = requests[0], KernelContract.from_json(open(path).read())
 args = [torch.empty(1, dtype=getattr(torch, POINTEE[k[1:]])) if k.startswith("*") else req["launch"][n]
         for n, k in kernel_args(plan) if k != "constexpr"]
 tiles = Tiles(**req["tiles"])
@@ -494,7 +494,7 @@ def test_prewarm_compiles_each_build_once_and_the_launch_finds_it(tmp_path, monk
     monkeypatch.chdir(ROOT)
     native = rdepc.load("examples/tiny.rdep").compile(backend="emulated", interpret=False)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    cmd = [sys.executable, "-c", _PREWARM_TWICE, str(native.kernels_path), str(native.directory / "plan.json")]
+    cmd = [sys.executable, "-c", _PREWARM_TWICE, str(native.kernels_path), str(native.directory / "contract.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -535,7 +535,7 @@ def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, sh
     written = write_module(g, tmp_path)
     kernels = next(p for p in written if p.name.endswith("_kernels.py"))
     balance = list(BALANCE_KERNELS["one" if backend == "emulated" else "per-rank"])
-    got = compile_cubins([(kernels, tmp_path / f"{g.kernel.layer}.plan.json", tmp_path)], arch=90, kernels=balance)
+    got = compile_cubins([(kernels, tmp_path / f"{g.kernel.layer}.contract.json", tmp_path)], arch=90, kernels=balance)
     assert [r["kernel"] for r in got] == balance
     for r in got:
         assert r["local_bytes"] == 0 and r["stack"] <= 64 and 0 < r["registers"] <= 255, r
@@ -560,7 +560,7 @@ def test_the_library_lowerings_gemm_kernel_compiles_to_waits_and_signals(tmp_pat
         out = tmp_path / name
         out.mkdir()
         write_module(g, out)
-        jobs.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+        jobs.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
     results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=["rdep_gemm.library"])
     assert [r["layer"] for r in results] == ["deepseek_v3", "moonlight"]
     for r in results:

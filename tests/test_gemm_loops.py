@@ -47,7 +47,7 @@ def compiled(tmp_path_factory):
                 out = tmp / backend / name
                 out.mkdir(parents=True)
                 write_module(generate_spec(rdepc.load(f"examples/{name}.rdep").spec, backend=backend), out)
-                named.append((out / f"{name}_kernels.py", out / f"{name}.plan.json", out))
+                named.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
     finally:
         os.chdir(cwd)
     parallel = min(2, os.cpu_count() or 1)
@@ -165,7 +165,7 @@ def test_the_transport_moves_load_a_whole_step_before_they_store(compiled):
     transport = [r for r in results if r["kernel"] in ("rdep_transport", "rdep_transport.backward")]
     assert sorted(r["layer"] for r in transport) == ["moonlight"] * 2 + ["qwen3_30b_a3b"] * 2
     for r in transport:
-        contract = KernelContract.from_json(Path(r["cubin"]).with_name(f"{r['layer']}.plan.json").read_text())
+        contract = KernelContract.from_json(Path(r["cubin"]).with_name(f"{r['layer']}.contract.json").read_text())
         sh = rdepc.load(ROOT / "examples" / f"{r['layer']}.rdep").shapes
         threads = 32 * Tiles.default(sh["H"], sh["F"], "bf16", interpret=False).num_warps
         step = MOVE_BYTES // (threads * 16)

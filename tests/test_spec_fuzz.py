@@ -248,7 +248,7 @@ def assert_no_internal_error(o: Outcome) -> None:
             out = Path(run.argv[run.argv.index("-o") + 1])
             assert (out / f"{name}_kernels.py").read_text(encoding="utf-8") == o.result.outputs["codegen"].source
             ast.parse((out / f"{name}.py").read_text(encoding="utf-8"))
-            json.loads((out / f"{name}.plan.json").read_text(encoding="utf-8"))
+            json.loads((out / f"{name}.contract.json").read_text(encoding="utf-8"))
             json.loads((out / f"{name}.spec.json").read_text(encoding="utf-8"))
         elif cmd == "viz":
             dot = Path(run.argv[run.argv.index("--dot") + 1]).read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""``rdepc compile``: the elaborated spec, the generated kernels, their plan and an
+"""``rdepc compile``: the elaborated spec, the generated kernels, their contract and an
 importable module in one directory; with ``--target sm_90`` also every kernel's cubin."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _cubins(out: Path, name: str) -> list[Path]:
     from rdepc.codegen.sm90 import compile_cubins
 
     wrote = []
-    for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.plan.json", out)], arch=90):
+    for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.contract.json", out)], arch=90):
         wrote.append(Path(r["cubin"]))
         if r.get("balance"):  # a replicated layer's plan and exchange: launches of their own
             print(

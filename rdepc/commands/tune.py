@@ -65,7 +65,7 @@ def prewarm_candidates(
     for t in tried:
         try:
             requests += warm.launch_requests(
-                compiled.kernels_path, compiled.directory / "plan.json", mode=mode or default_mode(True),
+                compiled.kernels_path, compiled.directory / "contract.json", mode=mode or default_mode(True),
                 tiles=t, sms=sms, tokens=tokens, label=f"{layer.spec.name} {t}",
             )  # fmt: skip
         except ValueError:
