@@ -196,7 +196,7 @@ def language_patched_once():
         yield
         return
     original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "rdepc_once", False):
+    if original is None or _ours(original):
         yield
         return
     langs_of: dict = {}
@@ -209,12 +209,8 @@ def language_patched_once():
             return _Kept()
         return original(fn)
 
-    patch.rdepc_once = True
-    interpreter._patch_lang = patch
-    try:
+    with _in_place(interpreter, "_patch_lang", patch):
         yield
-    finally:
-        interpreter._patch_lang = original
 
 
 @contextlib.contextmanager
@@ -245,7 +241,7 @@ def numpy_dtypes_looked_up():
         yield
         return
     original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "rdepc_table", False):
+    if original is None or _ours(original):
         yield
         return
     table: dict = {}
@@ -259,12 +255,8 @@ def numpy_dtypes_looked_up():
             found = table[tt_dtype] = original(tt_dtype)
         return found
 
-    np_dtype.rdepc_table = True
-    interpreter._get_np_dtype = np_dtype
-    try:
+    with _in_place(interpreter, "_get_np_dtype", np_dtype):
         yield
-    finally:
-        interpreter._get_np_dtype = original
 
 
 @contextlib.contextmanager
@@ -313,7 +305,7 @@ def dot_by_rows():
     builder = getattr(interpreter, "InterpreterBuilder", None)
     original = getattr(builder, "create_dot", None)
     convert = getattr(interpreter, "_convert_float", None)
-    if original is None or convert is None or getattr(original, "rdepc_rows", False):
+    if original is None or convert is None or _ours(original):
         yield
         return
 
@@ -328,12 +320,25 @@ def dot_by_rows():
             product = np.einsum("...mk,...kn->...mn", x, y, dtype=d.data.dtype, optimize=False)
             return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
-    create_dot.rdepc_rows = True
-    builder.create_dot = create_dot
+    with _in_place(builder, "create_dot", create_dot):
+        yield
+
+
+def _ours(fn) -> bool:
+    """Whether ``fn`` is a replacement :func:`_in_place` put there (a launch inside a launch)."""
+    return getattr(fn, "rdepc_launch", False)
+
+
+@contextlib.contextmanager
+def _in_place(owner, name: str, replacement):
+    """``owner.name`` is ``replacement`` (marked as ours) for the duration, then what it was."""
+    original = getattr(owner, name)
+    replacement.rdepc_launch = True
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
-        builder.create_dot = original
+        setattr(owner, name, original)
 
 
 def rewrite_callees(fn) -> None:
