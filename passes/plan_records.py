@@ -301,25 +301,18 @@ def sym_json(s: SymmetricPlan) -> dict:
     }
 
 
-def to_json(pl: Plan, formulas: bool = False) -> dict:
-    """The plan as plain data (bytes as integers). With ``formulas``, each figure's formula too."""
-    po, cp, mem, tr = pl.pooling, pl.capacity, pl.memory, pl.transport
+def _hw_json(hw) -> dict:
+    values = hw.values().items()
+    return {
+        "name": hw.name,
+        "description": hw.description,
+        "values": {k: {"value": v.value, "unit": v.unit, "kind": v.kind, "source": v.source} for k, v in values},
+    }
+
+
+def _pooling_json(po) -> dict:
     j = jsonval
-    out: dict[str, Any] = {
-        "layer": pl.layer,
-        "file": pl.file,
-        "hw": {
-            "name": pl.hw.name,
-            "description": pl.hw.description,
-            "values": {
-                k: {"value": v.value, "unit": v.unit, "kind": v.kind, "source": v.source}
-                for k, v in pl.hw.values().items()
-            },
-        },
-        "strategy": pl.strategy,
-        "gemm": {"lowering": pl.gemm[0], "why": pl.gemm[1]},
-        "T_bound": pl.t_bound,
-        "values": dict(pl.values),
+    return {
         "mu": j(po.mu),
         "mu_replica": j(po.mu_replica),
         "cv_uniform": j(po.cv_uniform),
@@ -330,30 +323,47 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
             "asymmetry": j(po.asymmetry),
             "expected_load_max": j(po.owner_load_expected),
         },
-        "capacity": {
-            "policy": cp.policy,
-            "rows_per_expert": j(cp.rows_per_expert),
-            "rows_per_owner": j(cp.rows_per_owner),
-            "rows_per_owner_bounded_by_capacity": cp.bounded,
-            "worst_owner_load": j(cp.worst_owner_load),
-            "beta": j(cp.beta),
-            "overflow_bound": j(cp.overflow_bound),
-            "overflow_union_bound": j(cp.overflow_union_bound),
-            "overflow_branch": cp.overflow_branch,
-            "overflow_target": cp.target,
-            "factor_needed": j(cp.factor_needed),
-            "rows_per_expert_needed": j(cp.rows_per_expert_needed),
-            "skew": None
-            if cp.skew is None
-            else {
-                "sum_p": cp.skew.sum_p,
-                "mu_e_max": j(cp.skew.mu_e_max),
-                "owner_load_max": j(cp.skew.owner_load_max),
-                "overflow_bound": j(cp.skew.overflow_bound),
-                "rows_per_expert_needed": j(cp.skew.rows_per_expert_needed),
-                "factor_needed": j(cp.skew.factor_needed),
-            },
-        },
+    }
+
+
+def _skew_json(sk) -> dict | None:
+    if sk is None:
+        return None
+    j = jsonval
+    return {
+        "sum_p": sk.sum_p,
+        "mu_e_max": j(sk.mu_e_max),
+        "owner_load_max": j(sk.owner_load_max),
+        "overflow_bound": j(sk.overflow_bound),
+        "rows_per_expert_needed": j(sk.rows_per_expert_needed),
+        "factor_needed": j(sk.factor_needed),
+    }
+
+
+def _capacity_json(cp) -> dict:
+    j = jsonval
+    return {
+        "policy": cp.policy,
+        "rows_per_expert": j(cp.rows_per_expert),
+        "rows_per_owner": j(cp.rows_per_owner),
+        "rows_per_owner_bounded_by_capacity": cp.bounded,
+        "worst_owner_load": j(cp.worst_owner_load),
+        "beta": j(cp.beta),
+        "overflow_bound": j(cp.overflow_bound),
+        "overflow_union_bound": j(cp.overflow_union_bound),
+        "overflow_branch": cp.overflow_branch,
+        "overflow_target": cp.target,
+        "factor_needed": j(cp.factor_needed),
+        "rows_per_expert_needed": j(cp.rows_per_expert_needed),
+        "skew": _skew_json(cp.skew),
+    }
+
+
+def _memory_json(mem) -> dict:
+    """The symmetric heap, the routing context, the saved activations and the training state."""
+    j = jsonval
+    tr = mem.training
+    return {
         "symmetric_bytes": {
             "bulk_per_layer": j(mem.bulk_per_layer),
             "segmented_per_layer": j(mem.segmented_per_layer),
@@ -377,68 +387,113 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         if mem.dense_params is None
         else {"params": j(mem.dense_params), "bytes": j(mem.dense_bytes)},
         "expert_training_state": None
-        if mem.training is None
+        if tr is None
         else {
-            "params_per_expert": j(mem.training.params_per_expert),
-            "weights_per_layer": j(mem.training.weights_per_layer),
-            "weights_total": j(mem.training.weights_total),
-            "grads_total": j(mem.training.grads_total),
-            "optimizer_total": j(mem.training.optimizer_total),
-            "total": j(mem.training.total),
+            "params_per_expert": j(tr.params_per_expert),
+            "weights_per_layer": j(tr.weights_per_layer),
+            "weights_total": j(tr.weights_total),
+            "grads_total": j(tr.grads_total),
+            "optimizer_total": j(tr.optimizer_total),
+            "total": j(tr.total),
         },
-        "transport": {
-            "stages": {
-                s.name: {
-                    "what": s.what,
-                    "row_bytes": j(s.row_bytes),
-                    "send_expected": j(s.send_expected),
-                    "send_worst": j(s.send_worst),
-                    "recv_expected": j(s.recv_expected),
-                    "recv_worst": j(s.recv_worst),
-                    "time_expected_s": j(s.time_expected),
-                    "time_worst_s": j(s.time_worst),
-                }
-                for s in tr.stages
-            },
-            "barrier": {
-                "per_barrier_s": j(tr.barrier),
-                "per_barrier_range_s": [j(tr.barrier_low), j(tr.barrier_high)],
-                "per_segment_s": j(tr.barrier_segment),
-                "segments_per_layer": j(tr.segments),
-                "per_layer_s": j(tr.barrier_layer),
-            },
-            "segment_time_s": j(tr.segment_time),
-            "min_ffn": j(tr.min_ffn),
-            "ffn": j(tr.ffn),
-            "ffn_margin": j(tr.ffn_margin),
+    }
+
+
+def _transport_json(tr) -> dict:
+    j = jsonval
+    stage_keys = ("row_bytes", "send_expected", "send_worst", "recv_expected", "recv_worst")
+    return {
+        "stages": {
+            s.name: {
+                "what": s.what,
+                **{k: j(getattr(s, k)) for k in stage_keys},
+                "time_expected_s": j(s.time_expected),
+                "time_worst_s": j(s.time_worst),
+            }
+            for s in tr.stages
         },
-        "padding": None
-        if pl.padding is None
-        else {
-            "routing": pl.padding.routing,
-            "alpha": pl.padding.alpha,
-            "seed": pl.padding.seed,
-            "counts": list(pl.padding.counts),
-            "mu": j(pl.padding.mu),
-            "cv": j(pl.padding.cv),
-            "p10": j(pl.padding.p10),
-            "dropped": j(pl.padding.dropped),
-            "max_owner_load": j(pl.padding.max_owner_load),
-            "rho_tallest": j(pl.padding.rho_tallest),
-            "rho_tallest_max": j(pl.padding.rho_tallest_max),
-            "rho_tiled": j(pl.padding.rho_tiled),
-            "owners_per_token": j(pl.padding.owners_per_token),
-            "redundant": j(pl.padding.redundant),
+        "barrier": {
+            "per_barrier_s": j(tr.barrier),
+            "per_barrier_range_s": [j(tr.barrier_low), j(tr.barrier_high)],
+            "per_segment_s": j(tr.barrier_segment),
+            "segments_per_layer": j(tr.segments),
+            "per_layer_s": j(tr.barrier_layer),
         },
-        "dedup": {
-            "enabled": pl.dedup.enabled,
-            "owners_per_token": j(pl.dedup.owners_per_token),
-            "redundant": j(pl.dedup.redundant),
-            "dispatch_send": j(pl.dedup.dispatch_send),
-            "return_recv": j(pl.dedup.return_recv),
-            "bwd_dispatch_send": j(pl.dedup.bwd_dispatch_send),
-            "bwd_return_recv": j(pl.dedup.bwd_return_recv),
+        "segment_time_s": j(tr.segment_time),
+        "min_ffn": j(tr.min_ffn),
+        "ffn": j(tr.ffn),
+        "ffn_margin": j(tr.ffn_margin),
+    }
+
+
+def _padding_json(pd) -> dict | None:
+    if pd is None:
+        return None
+    figures = ("mu", "cv", "p10", "dropped", "max_owner_load", "rho_tallest", "rho_tallest_max", "rho_tiled")
+    figures += ("owners_per_token", "redundant")
+    return {
+        "routing": pd.routing,
+        "alpha": pd.alpha,
+        "seed": pd.seed,
+        "counts": list(pd.counts),
+        **{k: jsonval(getattr(pd, k)) for k in figures},
+    }
+
+
+def _dedup_json(dd) -> dict:
+    figures = ("owners_per_token", "redundant", "dispatch_send", "return_recv", "bwd_dispatch_send")
+    return {"enabled": dd.enabled, **{k: jsonval(getattr(dd, k)) for k in (*figures, "bwd_return_recv")}}
+
+
+def _compute_json(c) -> dict:
+    keys = ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
+    keys += tuple(f"routed_backward{w}{t}" for w in ("", "_worst") for t in ("", "_time"))
+    return {k: jsonval(getattr(c, k)) for k in keys}
+
+
+def _projection_json(pr) -> dict:
+    if isinstance(pr, str):
+        return {"skipped": pr}
+    return {
+        "hw": pr.hw,
+        "strategy": pr.strategy,
+        "gemm": pr.gemm,
+        "flops_forward": pr.flops,
+        "forward_s": pr.forward_s,
+        "backward_s": pr.backward_s,
+        "terms": {
+            part: [{"name": t.name, "seconds": t.seconds, "assumption": t.assumption} for t in terms]
+            for part, terms in (("forward", pr.forward), ("backward", pr.backward))
         },
+        "published": [
+            {k: getattr(p, k) for k in ("system", "forward_tflops", "backward_tflops", "source")} for p in pr.published
+        ],
+    }
+
+
+def _balance_json(b) -> dict:
+    figures = ("slot_bytes", "exchange_bytes", "imbalance_before", "imbalance_after", "replicas", "time_before")
+    figures += ("time_after", "weight_bytes", "weight_time")
+    return {"slots": b.slots, "min_rows": b.min_rows, **{k: jsonval(getattr(b, k)) for k in figures}}
+
+
+def to_json(pl: Plan, formulas: bool = False) -> dict:
+    """The plan as plain data (bytes as integers). With ``formulas``, each figure's formula too."""
+    mem = pl.memory
+    out: dict[str, Any] = {
+        "layer": pl.layer,
+        "file": pl.file,
+        "hw": _hw_json(pl.hw),
+        "strategy": pl.strategy,
+        "gemm": {"lowering": pl.gemm[0], "why": pl.gemm[1]},
+        "T_bound": pl.t_bound,
+        "values": dict(pl.values),
+        **_pooling_json(pl.pooling),
+        "capacity": _capacity_json(pl.capacity),
+        **_memory_json(mem),
+        "transport": _transport_json(pl.transport),
+        "padding": _padding_json(pl.padding),
+        "dedup": _dedup_json(pl.dedup),
         "verdicts": [
             {"budget": v.budget, "bytes": v.bytes, "hbm": v.hbm, "fits": v.fits, "margin": v.margin}
             for v in pl.verdicts
@@ -446,45 +501,11 @@ def to_json(pl: Plan, formulas: bool = False) -> dict:
         "warnings": list(pl.warnings),
     }
     if pl.compute is not None:
-        c = pl.compute
-        keys = ("routed", "routed_worst", "routed_time", "routed_worst_time", "shared", "shared_time")
-        keys += tuple(f"routed_backward{w}{t}" for w in ("", "_worst") for t in ("", "_time"))
-        out["compute"] = {k: j(getattr(c, k)) for k in keys}
-    if isinstance(pl.projection, str):
-        out["projection"] = {"skipped": pl.projection}
-    elif pl.projection is not None:
-        pr = pl.projection
-        out["projection"] = {
-            "hw": pr.hw,
-            "strategy": pr.strategy,
-            "gemm": pr.gemm,
-            "flops_forward": pr.flops,
-            "forward_s": pr.forward_s,
-            "backward_s": pr.backward_s,
-            "terms": {
-                part: [{"name": t.name, "seconds": t.seconds, "assumption": t.assumption} for t in terms]
-                for part, terms in (("forward", pr.forward), ("backward", pr.backward))
-            },
-            "published": [
-                {k: getattr(p, k) for k in ("system", "forward_tflops", "backward_tflops", "source")}
-                for p in pr.published
-            ],
-        }
+        out["compute"] = _compute_json(pl.compute)
+    if pl.projection is not None:
+        out["projection"] = _projection_json(pl.projection)
     if pl.balance is not None:  # only when asked for, so other layers' JSON stays as it was
-        b = pl.balance
-        out["balance"] = {
-            "slots": b.slots,
-            "min_rows": b.min_rows,
-            "slot_bytes": j(b.slot_bytes),
-            "exchange_bytes": j(b.exchange_bytes),
-            "imbalance_before": j(b.imbalance_before),
-            "imbalance_after": j(b.imbalance_after),
-            "replicas": j(b.replicas),
-            "time_before": j(b.time_before),
-            "time_after": j(b.time_after),
-            "weight_bytes": j(b.weight_bytes),
-            "weight_time": j(b.weight_time),
-        }
+        out["balance"] = _balance_json(pl.balance)
     if mem.alternative is not None:
         name = "plan_bulk" if mem.alternative.strategy == "bulk" else "plan_segmented"
         out["symmetric_bytes"][name] = sym_json(mem.alternative)
