@@ -149,7 +149,7 @@ def train_rows_bytes(contract) -> int:
 
     p = contract
     columns = sum(owner_row_buffers(p, backward=False).values()) + sum(owner_row_buffers(p, backward=True).values())
-    owners = 1 if p.per_rank else p.W  # owner_rows: one block per owner this process runs
+    owners = 1 if p.per_rank else p.W  # owner_row_block: one block per owner this process runs
     saved_out = 0 if p.dedup else owners * p.T * p.K * p.H
     return (owners * p.R_MAX * columns + saved_out) * TORCH_DTYPES[p.dtype].itemsize
 

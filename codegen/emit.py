@@ -30,7 +30,7 @@ _ZERO = "0" * 64
 # The device modules a generated file is made of, in the order it holds them (after the transport's).
 DEVICE_MODULES = (
     "control", "rows", "route", "dispatch", "gemm", "experts", "expert_grads", "returns", "combine", "waits", "slots",
-    "plan", "kernel", "gemm_kernel",
+    "replicas", "kernel", "gemm_kernel",
 )  # fmt: skip
 
 
@@ -45,7 +45,7 @@ def content_hash(text: str) -> str:
 
 
 def generate(contract: KernelContract) -> str:
-    """The Triton source of ``plan``'s layer (formatted, with its content hash)."""
+    """The Triton source of ``contract``'s layer (formatted, with its content hash)."""
     imports = transport.imports(contract.transport)
     head = [
         _header(contract),

@@ -80,7 +80,7 @@ def schedule(
 
 def predicted_makespan(cm: CostModel) -> float:
     """The makespan :func:`schedule` predicts for ``cm``, without building the task table."""
-    return _plan(cm, None, None, None).tl.makespan
+    return _choose(cm, None, None, None).tl.makespan
 
 
 def empty_mask(cm: CostModel) -> list[bool]:
@@ -89,7 +89,7 @@ def empty_mask(cm: CostModel) -> list[bool]:
 
 
 @dataclass
-class _Plan:
+class _Choice:
     split: Split | None  # None: unified (bulk)
     variant: str
     order: list[int]
@@ -99,7 +99,7 @@ class _Plan:
     kernels: Split | None = None  # split mode's kernels where it differs from ``split`` (bulk)
 
 
-def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | None) -> _Plan:
+def _choose(cm: CostModel, comm: int | None, refine: bool | None, variant: str | None) -> _Choice:
     """Choose the program split and the order within a step; predict the timeline."""
     tg = cm.graph
     geo = tg.geometry
@@ -122,7 +122,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
             f"phased {tl.makespan * 1e3:.3f} ms against split {est * 1e3:.3f} ms predicted",
             "cost model; rdepc tune times both on the GPU",
         )
-        return _Plan(None, "returns-first", order, tl, dur, [d, k, m], kernels)
+        return _Choice(None, "returns-first", order, tl, dur, [d, k, m], kernels)
     variants = [variant] if variant else list(ORDERS) if geo.segmented else ["returns-first"]
     if geo.slots and not variant:  # balance replicate: the weight pushes before or after the first dispatch
         variants += [v + LATE_PUSHES for v in variants]
@@ -134,7 +134,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
         ds = [Decision("programs", f"{comm} comm / {N - comm} compute of {N}", "given")]
         if len(tls) > 1:
             ds.append(_order_decision(v, tls))
-        return _Plan(Split(comm, N - comm), v, orders[v], tls[v], dur, ds)
+        return _Choice(Split(comm, N - comm), v, orders[v], tls[v], dur, ds)
     split, est = best_split(cm, True)
     tls = {
         v: timeline(tg, o, durations(cm, split.comm), lat, empty=empty, unslotted=cm.unslotted)
@@ -167,7 +167,7 @@ def _plan(cm: CostModel, comm: int | None, refine: bool | None, variant: str | N
     ]
     if len(tls) > 1:
         ds.append(_order_decision(v, tls))
-    return _Plan(Split(best, N - best), v, orders[v], tl, durations(cm, best), ds)
+    return _Choice(Split(best, N - best), v, orders[v], tl, durations(cm, best), ds)
 
 
 def schedule_costed(
@@ -180,7 +180,7 @@ def schedule_costed(
     """:func:`schedule` of a graph whose cost model is already built. ``comm`` fixes the
     communication programs per rank (then bulk too runs on that split); ``variant`` fixes
     the order within a step (see :func:`priority`)."""
-    pl = _plan(cm, comm, refine, variant)
+    pl = _choose(cm, comm, refine, variant)
     sched = _finish(cm.graph, cm, pl.order, pl.split, pl.tl, pl.dur, [*decisions, *pl.decisions])
     kernels = pl.kernels or pl.split
     return replace(sched, kernel_split=(kernels.comm, kernels.compute))

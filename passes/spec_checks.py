@@ -82,11 +82,11 @@ class Checks:
         seg = spec.segment
         cap_e = self.cap_e(spec)
         if seg is not None and cap_e is not None and spec.schedule != "bulk":  # bulk: warned below
-            owner_rows = cap_e * min(per)
-            if min(per) and owner_rows < seg.rows.value:
+            fewest = cap_e * min(per)
+            if min(per) and fewest < seg.rows.value:
                 d.warning(
                     f"capacity is below one segment: an owner with {min(per)} expert(s) admits at most "
-                    f"{owner_rows} rows, less than the {seg.rows}-row segment",
+                    f"{fewest} rows, less than the {seg.rows}-row segment",
                     spec.span_of("segment.rows"),
                 )
         if seg is not None and spec.schedule == "bulk":

@@ -1,6 +1,6 @@
 """A module's kernel mode, the programs of each of its launches and the spins a wait may
 take: given, ``rdepc tune``'s record for the layer on this GPU, or the defaults; and what
-each launch of a pass passes but the call's own tensors (``launch_plan``)."""
+each launch of a pass passes but the call's own tensors (``pass_launches``)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def spin_bound(given: int | None, mode: str, interpret: bool, per_rank: bool) ->
     return 10_000 if mode in ("unified", "phased") and not per_rank else 1 << 20
 
 
-def launch_plan(module, backward: bool, save: bool) -> list[tuple]:
+def pass_launches(module, backward: bool, save: bool) -> list[tuple]:
     """What every call of a pass of ``module`` launches, made once (the module keeps it): per
     launch of its mode, the kernel, its arguments' (name, type) but the constexprs, its
     constexprs and options, and its queue record."""
@@ -107,4 +107,4 @@ def launch_plan(module, backward: bool, save: bool) -> list[tuple]:
     ]
 
 
-__all__ = ["INTERPRETED_PROGRAMS", "choose_mode", "launch_grid", "launch_plan", "spin_bound"]
+__all__ = ["INTERPRETED_PROGRAMS", "choose_mode", "launch_grid", "pass_launches", "spin_bound"]

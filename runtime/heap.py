@@ -150,7 +150,7 @@ def own_slices(heap: torch.Tensor, per_rank: bool, rank: int | None) -> torch.Te
     return heap.view(1, -1) if heap.dim() == 1 else heap[rank : rank + 1]
 
 
-def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+def owner_row_block(contract: KernelContract, per_rank: bool, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[owners, R_max, cols] rows in the layer's dtype, one block per owner this process
     runs: where the owners' rows sit for the backward, at their places among their rows."""
     owners = 1 if per_rank else contract.W
@@ -158,7 +158,7 @@ def owner_rows(contract: KernelContract, per_rank: bool, cols: int, dtype: torch
 
 
 def owner_row_buffers(contract: KernelContract, backward: bool) -> dict[str, int]:
-    """The owner-row buffers (:func:`owner_rows`) a call keeping what backward walks
+    """The owner-row buffers (:func:`owner_row_block`) a call keeping what backward walks
     allocates (``sizes.kept_columns``: saved_x unless sent again, saved_pre unless recomputed,
     and under dedup saved_out) or, with ``backward``, its backward (dh, act_rows, do_rows, and
     saved_x when the backward's dispatch sends the input rows again): name -> columns."""
@@ -196,8 +196,8 @@ __all__ = [
     "keeps_outputs",
     "local_experts",
     "own_slices",
+    "owner_row_block",
     "owner_row_buffers",
-    "owner_rows",
     "placeholders",
     "private_buffers",
     "regions",

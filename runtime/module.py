@@ -70,8 +70,8 @@ from rdepc.runtime.heap import (
     keeps_outputs,
     local_experts,
     own_slices,
+    owner_row_block,
     owner_row_buffers,
-    owner_rows,
     placeholders,
     private_buffers,
     regions,
@@ -227,7 +227,7 @@ class RDEPModule:
         self.handle = ops.register(self)  # what the rdepc::forward and rdepc::backward ops name it by
         self.epoch = 0  # calls since the control block was last reset (the kernel keeps its own count)
         self.launcher = self.transport.launcher(self.interpret, concurrent=concurrent(self.mode))
-        self._plans: dict[tuple[bool, bool], list[tuple]] = {}  # (backward, save) -> grid.launch_plan
+        self._plans: dict[tuple[bool, bool], list[tuple]] = {}  # (backward, save) -> grid.pass_launches
         self._last: tuple | None = None  # what last_stats is computed from, when it is read
         self._stats_cache: dict | None = None
         self._readback = Readback(self.device)  # native calls whose control words are still on their way
@@ -359,7 +359,7 @@ class RDEPModule:
         if save:  # the owners' rows (input, pre-activations) and the expert outputs: at the front-ends,
             # under dedup at the owners (they return them summed per (token, owner)); none when the
             # gate is on the expert's input (its gradient reads x)
-            kept = {name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=False).items()}
+            kept = {name: self._owner_row_block(cols) for name, cols in owner_row_buffers(p, backward=False).items()}
             if keeps_outputs(p):
                 kept["saved_out"] = torch.empty((*lead, Tn, K, p.H), dtype=self.dtype, device=self.device)
             given |= kept
@@ -419,7 +419,7 @@ class RDEPModule:
             "gprime": context.gprime,
             "topk_ids": context.topk_ids,  # dedup: the links, and which slots lead at their owner
             "slot": context.slot,
-            **{name: self._owner_rows(cols) for name, cols in owner_row_buffers(p, backward=True).items()},
+            **{name: self._owner_row_block(cols) for name, cols in owner_row_buffers(p, backward=True).items()},
             "dw_up": torch.zeros(weights["w_up"].shape, **new),  # an owner without rows runs no weight gradient
             "dw_down": torch.zeros(weights["w_down"].shape, **new),
         }
@@ -442,8 +442,8 @@ class RDEPModule:
         out += (given["db_up"], given["db_down"]) if p.bias else ()
         return out + ((given["dslots"],) if slots is not None else ())
 
-    def _owner_rows(self, cols: int) -> torch.Tensor:
-        return owner_rows(self.contract, self.per_rank, cols, self.dtype, self.device)
+    def _owner_row_block(self, cols: int) -> torch.Tensor:
+        return owner_row_block(self.contract, self.per_rank, cols, self.dtype, self.device)
 
     def _operands(self, w_up, w_down, b_up=None, b_down=None, slots=None) -> dict[str, torch.Tensor]:
         """The kernel's weight arguments, contiguous and aligned (``w_up``: GEMM1's operand),
@@ -479,7 +479,7 @@ class RDEPModule:
 
         launches = []
         if (backward, save) not in self._plans:
-            self._plans[backward, save] = grid.launch_plan(self, backward, save)
+            self._plans[backward, save] = grid.pass_launches(self, backward, save)
         for i, (kernel, names, meta, queues) in enumerate(self._plans[backward, save]):
             given["queues"] = queues  # launch i reads queue i's record
             launches.append((kernel, (self.per_queue[i],), tuple(arg(n, kind) for n, kind in names), meta))

@@ -115,7 +115,7 @@ def m_tiles(group, slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
     s = tl.program_id(0)
     q = tl.program_id(1)
     n = tl.load(slots + q * tl.num_programs(0) + s)
-    first, rows = owner_rows(group, q)
+    first, rows = expert_spans(group, q)
     j = tl.arange(0, SLOTS)
     which, row0, lo, hi = m_tile(first, rows, s, j, BM)
     o = out + ((q * tl.num_programs(0) + s) * SLOTS + j) * 4
@@ -130,7 +130,7 @@ def m_tiles(group, slots, out, BM: tl.constexpr, SLOTS: tl.constexpr):
 def bound_tiles(group, tile_table, tile_done, n_slots, epoch, f_blocks, out, BM: tl.constexpr, SLOTS: tl.constexpr):
     # bind_m_tiles for owner program_id(0), then every slot read back through bound_m_tile
     q = tl.program_id(0)
-    first, rows = owner_rows(group, q)
+    first, rows = expert_spans(group, q)
     n = tl.load(n_slots + q)
     bind_m_tiles(first, rows, tile_table, tile_done, q, n, epoch, f_blocks, BM)
     tl.debug_barrier()
@@ -264,7 +264,7 @@ DEVICE = "\n\n\n".join(
         include("route", ("keys_below",)),
         include("combine", ("leads",)),
         include("slots"),
-        include("plan"),
+        include("replicas"),
     )
 )
 

@@ -413,8 +413,8 @@ def test_resent_input_rows_give_the_kept_ones_outputs_and_gradients_bitwise(case
     kept = {name: shape for name, shape, _ in ops.kept_layout(m, case.T)}
     assert "saved_x" not in kept and ("saved_pre" in kept) == ("recompute" not in policy)
     figures = {f.key: f.value for f in plan(again.spec).figures()}
-    owner_rows = [shape for name, shape in kept.items() if name in ("saved_x", "saved_pre")]
-    per_owner = sum(math.prod(shape[1:]) for shape in owner_rows)
+    kept_rows = [shape for name, shape in kept.items() if name in ("saved_x", "saved_pre")]
+    per_owner = sum(math.prod(shape[1:]) for shape in kept_rows)
     assert per_owner * 4 == figures["saved_activations.per_layer"]
     assert figures["transport.bwd_dispatch.row_bytes"] == case.H * (4 + 4)  # dL/dy and x again, fp32
 

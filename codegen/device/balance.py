@@ -3,7 +3,7 @@
 With every rank in one process, three before the layer's, no host sync between them
 (nothing there keeps a CUDA graph from capturing them): ``balance_count`` (one program per
 source: L[src, e], rows of src for home expert e), ``balance_solve`` (one program: the
-plan, ``codegen/device/plan.py``) and ``balance_reroute`` (one program per source: each
+plan, ``codegen/device/replicas.py``) and ``balance_reroute`` (one program per source: each
 route row's physical expert). One process per rank the plan is tasks of the layer's own
 kernel (``load``, ``solve``, ``reroute``, beside its weight ``push`` and ``receive``), and
 what is left here is the backward's: ``balance_give``/``balance_await``/``balance_reduce``
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from rdepc.codegen.device.heap import peer_in
 from rdepc.codegen.device.layout import DTYPE, HOMES, HOMES_PAD, SLOTS, SLOTS_PAD, K, W
-from rdepc.codegen.device.plan import count_rows, reroute_rows, solve_plan
+from rdepc.codegen.device.replicas import count_rows, reroute_rows, solve_plan
 from rdepc.codegen.device.signals import signal, wait
 from rdepc.codegen.device.slots import copy_elems
 

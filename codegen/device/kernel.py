@@ -64,10 +64,10 @@ from rdepc.codegen.device.layout import (
     T,
     W,
 )
-from rdepc.codegen.device.plan import load_task, reroute_task, solve_task
+from rdepc.codegen.device.replicas import load_task, reroute_task, solve_task
 from rdepc.codegen.device.returns import return_rows, unpack
 from rdepc.codegen.device.route import route, scan
-from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, owner_rows, piece_rows
+from rdepc.codegen.device.rows import bind_m_tiles, bound_m_tile, expert_spans, piece_rows
 from rdepc.codegen.device.signals import SCOPE, signal, wait
 from rdepc.codegen.device.slots import push_slot, receive_slot
 from rdepc.codegen.device.waits import wait_deps, wait_done, whole_wait
@@ -345,7 +345,7 @@ def rdep_layer(
                         )  # fmt: skip
                 elif kind == KIND_SCAN:
                     if BACKWARD:  # the m-tile table again, from the rows the forward left
-                        first, rows = owner_rows(group, rank)
+                        first, rows = expert_spans(group, rank)
                         bind_m_tiles(
                             first, rows, tile_table, tile_done, rank, tl.load(m_slots + rank), epoch, f_blocks, BM
                         )

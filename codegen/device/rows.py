@@ -301,7 +301,7 @@ def piece_rows(heap, recv, back, r, q, s, mask):
 
 
 @triton.jit
-def owner_rows(group, q):
+def expert_spans(group, q):
     """Owner q's rows per local expert as the scan left them: (first row, rows), [EL_PAD]
     each (0 rows past its experts)."""
     local = tl.arange(0, EL_PAD)

@@ -1,4 +1,4 @@
-"""The balance plan as device functions (``balance replicate``): each call, the load the
+"""The replica map as device functions (``balance replicate``; UltraEP's balance plan): each call, the load the
 router just produced → the plan every rank derives → each route row's physical expert.
 
 Count the rows per home expert (:func:`count_rows`), solve UltraEP's Algorithm 1 exactly as
