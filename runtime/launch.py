@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import threading
 
 from rdepc.toolchain import interpreter_env
@@ -217,15 +218,112 @@ def language_patched_once():
 def interpreting():
     """What every interpreted launch runs under: TRITON_INTERPRET=1, the language patched
     once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`), no overflow
-    checks whose failure nothing would report (:func:`overflow_checks_as_reported`) and numpy
-    dtypes looked up (:func:`numpy_dtypes_looked_up`)."""
+    checks whose failure nothing would report (:func:`overflow_checks_as_reported`), numpy
+    dtypes looked up (:func:`numpy_dtypes_looked_up`), operands of one type let through
+    (:func:`like_operands_let_through`) and tensors' shapes shared (:func:`tensor_shapes_shared`)."""
     with (
         interpreter_env(True),
         language_patched_once(),
         dot_by_rows(),
         overflow_checks_as_reported(),
         numpy_dtypes_looked_up(),
+        like_operands_let_through(),
+        tensor_shapes_shared(),
     ):
+        yield
+
+
+@contextlib.contextmanager
+def tensor_shapes_shared():
+    """For the duration of an interpreted launch, a ``tl.tensor`` takes its ``shape`` and
+    ``numel`` from a table, one entry per shape, instead of building them: the language
+    builds, for every tensor an operation makes, a ``tl.tuple`` of ``constexpr`` and a tuple
+    type whose name formats each of them (a fifth of an interpreted launch's time), values
+    that every tensor of one shape holds alike and nothing changes in place. A language
+    whose tensors, made this way, differ from its own is left alone."""
+    try:
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    tensor = tl.core.tensor
+    original = tensor.__init__
+    if _ours(original):
+        yield
+        return
+    table: dict = {}
+
+    def init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        shape = type.shape if type.is_block() else ()
+        found = table.get(shape)
+        if found is None:
+            found = table[shape] = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
+        self.numel, self.shape = found
+
+    if not _made_alike(tensor, original, init):
+        yield
+        return
+    with _in_place(tensor, "__init__", init):
+        yield
+
+
+def _made_alike(tensor, original, init) -> bool:
+    """Whether ``init`` makes a tensor of a block type and one of a scalar type as ``original`` does."""
+    import triton.language as tl
+
+    for type in (tl.block_type(tl.float32, [2, 4]), tl.int32):
+        ours, theirs = object.__new__(tensor), object.__new__(tensor)
+        init(ours, None, type)
+        original(theirs, None, type)
+        if vars(ours).keys() != vars(theirs).keys():
+            return False
+        if any(repr(getattr(ours, k)) != repr(getattr(theirs, k)) for k in vars(theirs)):
+            return False
+    return True
+
+
+_CHECK_PARAMS = ["self", "lhs", "rhs", "allow_lhs_ptr", "allow_rhs_ptr", "arithmetic_check", "div_or_mod"]
+
+
+@contextlib.contextmanager
+def like_operands_let_through():
+    """For the duration of an interpreted launch, a binary operation on two tensors of one
+    type, where the language's implicit casts and broadcasts return both operands as they
+    are, skips them. Every ``+``, ``<``, ``&`` ... first converts its operands to their
+    computation type and broadcasts their shapes; for operands of one value type (most of a
+    kernel's: 56% of tiny's), that returns the operands themselves, a decision that depends
+    on the type and the operation's flags alone. The language's own function decides it once
+    per type and flags; pointers, Python numbers and operands of two types always go through
+    it. A language whose function takes other parameters is left alone."""
+    try:
+        import triton.language as tl
+        from triton.language import semantic
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    owner = getattr(semantic, "TritonSemantic", None)
+    original = getattr(owner, "binary_op_type_checking_impl", None)
+    if original is None or _ours(original) or list(inspect.signature(original).parameters) != _CHECK_PARAMS:
+        yield
+        return
+    as_they_are: dict = {}
+
+    def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        flags = (allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        key = None
+        if type(lhs) is tl.tensor and type(rhs) is tl.tensor and not lhs.dtype.is_ptr() and lhs.type == rhs.type:
+            key = (lhs.dtype, tuple(lhs.type.shape) if lhs.type.is_block() else None, flags)
+            if as_they_are.get(key):
+                return lhs, rhs
+        out = original(self, lhs, rhs, *flags)
+        if key is not None:
+            as_they_are[key] = out[0] is lhs and out[1] is rhs
+        return out
+
+    with _in_place(owner, "binary_op_type_checking_impl", checked):
         yield
 
 

@@ -1,6 +1,7 @@
 """The interpreted launches: the concurrent interpreter's programs as threads, rewritten first,
 stopped together; a dot's rows computed apart from each other, as on a GPU; overflow
-checks only where a failure would be reported."""
+checks only where a failure would be reported; operands of one type let through and
+tensors' shapes shared, computing what the language does."""
 
 from __future__ import annotations
 
@@ -67,6 +68,17 @@ def tile_dot_acc(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def times_four(x, out):
     tl.store(out, tl.load(x) * 4)
+
+
+@triton.jit
+def mixed(h, b, i, f, out_h, out_f, out_i, out_b):
+    r = tl.arange(0, 4)
+    x, y, n, z, w = tl.load(h + r), tl.load(h + 4 + r), tl.load(i + r), tl.load(f + r), tl.load(b + r)
+    tl.store(out_h + r, x + y)  # one type: let through
+    tl.store(out_f + r, (x / y) + (x % y) + (x + z) + (z < x) + (n + 3))  # fp16 / and %: fp32; mixed; a number
+    tl.store(out_f + 4 + r, (w * w) + (w / w) + (x * w))  # bf16 alone and with fp16
+    tl.store(out_i + r, (n * n) + (n // (n + 1)) + (n & 6))
+    tl.store(out_b + r, (x < y) & (n > 2))
 """
 
 
@@ -236,3 +248,54 @@ def test_numpy_dtypes_are_the_interpreters_own_and_its_function_is_restored():
             asked.append(table(t))
     assert interpreter._get_np_dtype is original
     assert asked == [original(t) for t in kinds * 2]
+
+
+def test_like_operands_and_shared_shapes_compute_what_the_language_does(kernels, monkeypatch):
+    """A launch lets two operands of one type through a binary operation unchecked only
+    where the language's casts and broadcasts return them as they are (fp16 and bf16 ``/``
+    and ``%`` still compute in fp32, mixed types and numbers are converted as the language
+    does), and makes tensors with shared shapes: every result equals the language's own,
+    fewer operations reach its type checks, no tensor is made its way, and both of its
+    functions are back after."""
+    import contextlib
+
+    import triton.language as tl
+    from triton.language import semantic
+
+    import runtime.launch
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.rand(8, generator=g).add(0.5).half()
+    args = (h, torch.rand(4, generator=g).add(0.5).bfloat16(), torch.arange(1, 9, 2, dtype=torch.int8))
+    args += (torch.rand(4, generator=g),)
+    checks, made = semantic.TritonSemantic.binary_op_type_checking_impl, tl.core.tensor.__init__
+    counts = []
+
+    def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        counts[-1][0] += 1
+        return checks(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    def init(self, handle, type):
+        counts[-1][1] += 1
+        made(self, handle, type)
+
+    monkeypatch.setattr(semantic.TritonSemantic, "binary_op_type_checking_impl", checked)
+    monkeypatch.setattr(tl.core.tensor, "__init__", init)
+
+    def run():
+        outs = torch.zeros(4, dtype=torch.float16), torch.zeros(8), torch.zeros(4, dtype=torch.int8), torch.zeros(4)
+        counts.append([0, 0])
+        Launcher(True)([(kernels.mixed, (1,), (*args, *outs), {})])
+        assert semantic.TritonSemantic.binary_op_type_checking_impl is checked and tl.core.tensor.__init__ is init
+        return outs
+
+    ours = run()
+    with monkeypatch.context() as m:
+        m.setattr(runtime.launch, "like_operands_let_through", contextlib.nullcontext)
+        m.setattr(runtime.launch, "tensor_shapes_shared", contextlib.nullcontext)
+        theirs = run()
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs, strict=True))
+    assert ours[1].abs().sum() > 0 and ours[3].sum() > 0
+    (checked_ours, made_ours), (checked_theirs, made_theirs) = counts
+    assert 0 < checked_ours < checked_theirs  # the first of each type and flags decided by the language
+    assert made_ours == 2 < made_theirs  # the two tensors that compare the ways of making one
