@@ -1,6 +1,6 @@
 """The interpreted launches: the concurrent interpreter's programs as threads, rewritten first,
 stopped together; a dot's rows computed apart from each other, as on a GPU; overflow
-checks only where a failure would be reported; operands of one type let through and
+checks only where a failure would be reported; operands' casts decided once per kind and
 tensors' shapes shared, computing what the language does."""
 
 from __future__ import annotations
@@ -75,9 +75,13 @@ def mixed(h, b, i, f, out_h, out_f, out_i, out_b):
     r = tl.arange(0, 4)
     x, y, n, z, w = tl.load(h + r), tl.load(h + 4 + r), tl.load(i + r), tl.load(f + r), tl.load(b + r)
     tl.store(out_h + r, x + y)  # one type: let through
-    tl.store(out_f + r, (x / y) + (x % y) + (x + z) + (z < x) + (n + 3))  # fp16 / and %: fp32; mixed; a number
+    tl.store(out_f + r, (x / y) + (x % y) + (x + z) + (z < x) + (n + 3) + x * 0.5)  # fp16 / and %: fp32; mixed
     tl.store(out_f + 4 + r, (w * w) + (w / w) + (x * w))  # bf16 alone and with fp16
-    tl.store(out_i + r, (n * n) + (n // (n + 1)) + (n & 6))
+    acc = (n * n).to(tl.int32)
+    for k in range(3):  # the same operations again: decided once; integers of three types and a scalar
+        wide, big = (n.to(tl.int64) + 2**40) >> 38, n.to(tl.uint32) + 4000000000
+        acc = acc + (n + 3) + (n - 5) + (-2 + n) + wide.to(tl.int32) + big.to(tl.int32) + (tl.program_id(0) + 1)
+    tl.store(out_i + r, acc + (n // (n + 1)) + (n & 6))
     tl.store(out_b + r, (x < y) & (n > 2))
 """
 
@@ -233,9 +237,8 @@ def test_numpy_dtypes_are_the_interpreters_own_and_its_function_is_restored():
     is what the interpreter's own function gives, asked once per type; after the launch the
     interpreter has its own function back."""
     import triton.language as tl
+    from rdepc.runtime.interpreting import numpy_dtypes_looked_up
     from triton.runtime import interpreter
-
-    from runtime.launch import numpy_dtypes_looked_up
 
     original = interpreter._get_np_dtype
     kinds = [tl.float32, tl.bfloat16, tl.int1, tl.float8e4nv, tl.pointer_type(tl.float16)]
@@ -250,19 +253,20 @@ def test_numpy_dtypes_are_the_interpreters_own_and_its_function_is_restored():
     assert asked == [original(t) for t in kinds * 2]
 
 
-def test_like_operands_and_shared_shapes_compute_what_the_language_does(kernels, monkeypatch):
-    """A launch lets two operands of one type through a binary operation unchecked only
-    where the language's casts and broadcasts return them as they are (fp16 and bf16 ``/``
-    and ``%`` still compute in fp32, mixed types and numbers are converted as the language
-    does), and makes tensors with shared shapes: every result equals the language's own,
-    fewer operations reach its type checks, no tensor is made its way, and both of its
-    functions are back after."""
+def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels, monkeypatch):
+    """A launch decides a binary operation's casts and broadcasts once per kind of operands:
+    two tensors let through unchecked only where the language returns them as they are (fp16
+    and bf16 ``/`` and ``%`` still compute in fp32, mixed types are converted as the language
+    does), a Python integer made in the type the language chose (int32, uint32 and int64
+    constants, negative ones, beside a block and a scalar, again in a loop); and makes tensors
+    with shared shapes: every result equals the language's own, fewer operations reach its
+    type checks (with an integer too), no tensor is made its way, and both of its functions
+    are back after."""
     import contextlib
 
+    import rdepc.runtime.interpreting
     import triton.language as tl
     from triton.language import semantic
-
-    import runtime.launch
 
     g = torch.Generator().manual_seed(0)
     h = torch.rand(8, generator=g).add(0.5).half()
@@ -273,6 +277,7 @@ def test_like_operands_and_shared_shapes_compute_what_the_language_does(kernels,
 
     def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
         counts[-1][0] += 1
+        counts[-1][2] += type(rhs) is int
         return checks(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
     def init(self, handle, type):
@@ -283,19 +288,20 @@ def test_like_operands_and_shared_shapes_compute_what_the_language_does(kernels,
     monkeypatch.setattr(tl.core.tensor, "__init__", init)
 
     def run():
-        outs = torch.zeros(4, dtype=torch.float16), torch.zeros(8), torch.zeros(4, dtype=torch.int8), torch.zeros(4)
-        counts.append([0, 0])
+        outs = torch.zeros(4, dtype=torch.float16), torch.zeros(8), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+        counts.append([0, 0, 0])
         Launcher(True)([(kernels.mixed, (1,), (*args, *outs), {})])
         assert semantic.TritonSemantic.binary_op_type_checking_impl is checked and tl.core.tensor.__init__ is init
         return outs
 
     ours = run()
     with monkeypatch.context() as m:
-        m.setattr(runtime.launch, "like_operands_let_through", contextlib.nullcontext)
-        m.setattr(runtime.launch, "tensor_shapes_shared", contextlib.nullcontext)
+        m.setattr(rdepc.runtime.interpreting, "operand_checks_remembered", contextlib.nullcontext)
+        m.setattr(rdepc.runtime.interpreting, "tensor_shapes_shared", contextlib.nullcontext)
         theirs = run()
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs, strict=True))
-    assert ours[1].abs().sum() > 0 and ours[3].sum() > 0
-    (checked_ours, made_ours), (checked_theirs, made_theirs) = counts
-    assert 0 < checked_ours < checked_theirs  # the first of each type and flags decided by the language
+    assert ours[1].abs().sum() > 0 and ours[3].sum() > 0 and ours[2].abs().sum() > 0
+    (checked_ours, made_ours, ints_ours), (checked_theirs, made_theirs, ints_theirs) = counts
+    assert 0 < checked_ours < checked_theirs  # the first of each kind decided by the language
+    assert 0 < ints_ours < ints_theirs
     assert made_ours == 2 < made_theirs  # the two tensors that compare the ways of making one

@@ -1,0 +1,319 @@
+"""What every interpreted launch runs under (:func:`interpreting`): Triton's interpreter with
+replacements that compute what it computes, each in place for the launch's duration only.
+
+Each replacement is checked against the interpreter it replaces where that can be done
+before use, and an interpreter whose functions differ in shape from those it was written
+for is left alone: every replacement is a speed-up, never a change of result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+
+from rdepc.toolchain import interpreter_env
+
+
+class _Kept:
+    """The scope of a language patch that was already in place: nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def language_patched_once():
+    """For the duration of an interpreted launch, an interpreted device function's call
+    skips the interpreter's language patch when the launch has made it already. The
+    interpreter patches ``triton.language`` at every device-function call (a scan of the
+    language's modules with ``inspect.getmembers``): about a third of an interpreted
+    call's time, for a patch that finds every builtin patched and changes nothing. A
+    function whose module sees a language object the launch did not patch is patched as
+    before; an interpreter without ``_patch_lang`` is left alone."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or _ours(original):
+        yield
+        return
+    langs_of: dict = {}
+
+    def patch(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.program_id) for lang in langs):
+            return _Kept()
+        return original(fn)
+
+    with _in_place(interpreter, "_patch_lang", patch):
+        yield
+
+
+@contextlib.contextmanager
+def interpreting():
+    """What every interpreted launch runs under: TRITON_INTERPRET=1, the language patched
+    once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`), no overflow
+    checks whose failure nothing would report (:func:`overflow_checks_as_reported`), numpy
+    dtypes looked up (:func:`numpy_dtypes_looked_up`), operands' casts decided once per kind
+    (:func:`operand_checks_remembered`) and tensors' shapes shared (:func:`tensor_shapes_shared`)."""
+    with (
+        interpreter_env(True),
+        language_patched_once(),
+        dot_by_rows(),
+        overflow_checks_as_reported(),
+        numpy_dtypes_looked_up(),
+        operand_checks_remembered(),
+        tensor_shapes_shared(),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def tensor_shapes_shared():
+    """For the duration of an interpreted launch, a ``tl.tensor`` takes its ``shape`` and
+    ``numel`` from a table, one entry per shape, instead of building them: the language
+    builds, for every tensor an operation makes, a ``tl.tuple`` of ``constexpr`` and a tuple
+    type whose name formats each of them (a fifth of an interpreted launch's time), values
+    that every tensor of one shape holds alike and nothing changes in place. A language
+    whose tensors, made this way, differ from its own is left alone."""
+    try:
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    tensor = tl.core.tensor
+    original = tensor.__init__
+    if _ours(original):
+        yield
+        return
+    table: dict = {}
+
+    def init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        shape = type.shape if type.is_block() else ()
+        found = table.get(shape)
+        if found is None:
+            found = table[shape] = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
+        self.numel, self.shape = found
+
+    if not _made_alike(tensor, original, init):
+        yield
+        return
+    with _in_place(tensor, "__init__", init):
+        yield
+
+
+def _made_alike(tensor, original, init) -> bool:
+    """Whether ``init`` makes a tensor of a block type and one of a scalar type as ``original`` does."""
+    import triton.language as tl
+
+    for type in (tl.block_type(tl.float32, [2, 4]), tl.int32):
+        ours, theirs = object.__new__(tensor), object.__new__(tensor)
+        init(ours, None, type)
+        original(theirs, None, type)
+        if vars(ours).keys() != vars(theirs).keys():
+            return False
+        if any(repr(getattr(ours, k)) != repr(getattr(theirs, k)) for k in vars(theirs)):
+            return False
+    return True
+
+
+_CHECK_PARAMS = ["self", "lhs", "rhs", "allow_lhs_ptr", "allow_rhs_ptr", "arithmetic_check", "div_or_mod"]
+
+
+@contextlib.contextmanager
+def operand_checks_remembered():
+    """For the duration of an interpreted launch, the language's implicit casts and
+    broadcasts of a binary operation's operands are decided once per kind of operands. Every
+    ``+``, ``<``, ``&`` ... first converts its operands to their computation type and
+    broadcasts their shapes, a decision of the two types and the operation's flags alone:
+
+    - two tensors the language returns as they are (one value type, a pointer and its
+      offset: 72% of tiny's operations) are let through for those types and flags;
+    - a tensor and a Python integer (``i + 1``, ``ptr + 4``: 29%) become the tensor and the
+      integer's constant in the type the language chose for that tensor's type, integer and
+      flags, broadcast, checked equal to the language's own result the first time.
+
+    Anything else (operands the language converts, floats, errors) goes through the
+    language's function every time. A language whose function takes other parameters is
+    left alone."""
+    try:
+        import triton.language as tl
+        from triton.language import semantic
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    owner = getattr(semantic, "TritonSemantic", None)
+    original = getattr(owner, "binary_op_type_checking_impl", None)
+    if original is None or _ours(original) or list(inspect.signature(original).parameters) != _CHECK_PARAMS:
+        yield
+        return
+    tensor = tl.tensor
+    as_they_are: dict = {}  # (lhs kind, rhs kind, flags) -> whether the language returns both as they are
+    constants: dict = {}  # (lhs kind, the integer, flags) -> the integer's type, or None: the language's way
+
+    def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
+        flags = (allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        if type(lhs) is tensor and type(rhs) is tensor:
+            key = (_kind(lhs.type), _kind(rhs.type), flags)
+            if as_they_are.get(key):
+                return lhs, rhs
+            out = original(self, lhs, rhs, *flags)
+            as_they_are[key] = out[0] is lhs and out[1] is rhs
+            return out
+        if type(lhs) is tensor and type(rhs) is int:
+            key = (_kind(lhs.type), rhs, flags)
+            dtype = constants.get(key)
+            if dtype is not None:
+                return self.broadcast_impl_value(lhs, self.scalar_constant(rhs, dtype=dtype))
+            out = original(self, lhs, rhs, *flags)
+            if key not in constants:
+                constants[key] = _constant_type(self, lhs, rhs, out)
+            return out
+        return original(self, lhs, rhs, *flags)
+
+    with _in_place(owner, "binary_op_type_checking_impl", checked):
+        yield
+
+
+def _kind(t) -> tuple:
+    """What the language's operand checks read of a type: its name (element and shape) and,
+    for pointers, the address space its name leaves out."""
+    return t.name, getattr(t.scalar, "address_space", None)
+
+
+def _constant_type(semantic, lhs, value: int, out) -> object:
+    """The type in which ``out``, the language's checked operands ``lhs`` and ``value``, holds
+    ``value``, where ``lhs`` came through as it was and the integer's constant in that type,
+    broadcast, is ``out``'s second operand in type and bits; else None."""
+    import numpy as np
+
+    if out[0] is not lhs:
+        return None
+    dtype = out[1].type.scalar
+    ours = semantic.broadcast_impl_value(lhs, semantic.scalar_constant(value, dtype=dtype))
+    a, b = ours[1].handle, out[1].handle
+    same = ours[0] is lhs and ours[1].type == out[1].type and type(a) is type(b)
+    same = same and a.dtype == b.dtype and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    return dtype if same else None
+
+
+@contextlib.contextmanager
+def numpy_dtypes_looked_up():
+    """For the duration of an interpreted launch, the interpreter's numpy dtype of a Triton
+    type is looked up, not rebuilt: it builds an 18-entry table at each call (for every
+    tensor an operation makes: 13% of an interpreted launch's time). The table's value for a
+    type is what the interpreter's own function gives it (asked once per type)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or _ours(original):
+        yield
+        return
+    table: dict = {}
+
+    def np_dtype(tt_dtype):
+        try:
+            found = table.get(tt_dtype)
+        except TypeError:  # a pointer type (unhashable)
+            return original(tt_dtype)
+        if found is None:
+            found = table[tt_dtype] = original(tt_dtype)
+        return found
+
+    with _in_place(interpreter, "_get_np_dtype", np_dtype):
+        yield
+
+
+@contextlib.contextmanager
+def overflow_checks_as_reported():
+    """For the duration of an interpreted launch, the interpreter's integer overflow checks
+    run only when its assertions are on. Its options ask for them (``sanitize_overflow``):
+    every int32 ``+``, ``-`` and ``*`` computed again in int64 and compared with the type's
+    range, about a third of an interpreted launch's time. But the comparison reaches the
+    program only as a device assertion, which the interpreter drops unless its ``debug``
+    option is set, and it is not (Triton does not read TRITON_DEBUG there): the work changes
+    nothing. An interpreter without the options is left alone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    checks = getattr(options, "debug", None)
+    if checks is None or getattr(options, "sanitize_overflow", checks) == checks:
+        yield
+        return
+    builder.options = dataclasses.replace(options, sanitize_overflow=checks)
+    try:
+        yield
+    finally:
+        builder.options = options
+
+
+@contextlib.contextmanager
+def dot_by_rows():
+    """For the duration of an interpreted launch, each row of an interpreted ``tl.dot`` is a
+    function of that row of ``a`` (and of ``b``) alone, as on a GPU's MMA, whatever its place in
+    the tile. The interpreter computes a dot with ``np.matmul``, through BLAS, whose kernels
+    may round a row by its place in the block (OpenBLAS's Haswell kernels do, on AMD Zen):
+    a route row computed in another m-tile — another schedule, another instance of its
+    expert — would differ in the last bit. ``np.einsum``'s own loops (no BLAS) sum each
+    element of the product in one order."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    convert = getattr(interpreter, "_convert_float", None)
+    if original is None or convert is None or _ours(original):
+        yield
+        return
+
+    def create_dot(self, a, b, d, *precision):
+        x, y = a.data, b.data
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: as Triton does
+            x = convert(x, a.dtype, tl.float16, None).view(np.float16)
+            y = convert(y, b.dtype, tl.float16, None).view(np.float16)
+        # A tile's masked rows hold whatever their buffer held: their products may overflow,
+        # and are discarded at the masked store. A real row's overflow is an inf in the result.
+        with np.errstate(over="ignore", invalid="ignore"):
+            product = np.einsum("...mk,...kn->...mn", x, y, dtype=d.data.dtype, optimize=False)
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    with _in_place(builder, "create_dot", create_dot):
+        yield
+
+
+def _ours(fn) -> bool:
+    """Whether ``fn`` is a replacement :func:`_in_place` put there (a launch inside a launch)."""
+    return getattr(fn, "rdepc_launch", False)
+
+
+@contextlib.contextmanager
+def _in_place(owner, name: str, replacement):
+    """``owner.name`` is ``replacement`` (marked as ours) for the duration, then what it was."""
+    original = getattr(owner, name)
+    replacement.rdepc_launch = True
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
