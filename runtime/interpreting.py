@@ -62,7 +62,8 @@ def interpreting():
     once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`), no overflow
     checks whose failure nothing would report (:func:`overflow_checks_as_reported`), numpy
     dtypes looked up (:func:`numpy_dtypes_looked_up`), operands' casts decided once per kind
-    (:func:`operand_checks_remembered`) and tensors' shapes shared (:func:`tensor_shapes_shared`)."""
+    (:func:`operand_checks_remembered`), tensors' shapes shared (:func:`tensor_shapes_shared`)
+    and block types' too (:func:`block_types_shared`)."""
     with (
         interpreter_env(True),
         language_patched_once(),
@@ -71,6 +72,7 @@ def interpreting():
         numpy_dtypes_looked_up(),
         operand_checks_remembered(),
         tensor_shapes_shared(),
+        block_types_shared(),
     ):
         yield
 
@@ -99,27 +101,67 @@ def tensor_shapes_shared():
         self.handle = handle
         self.type = type
         self.dtype = type.scalar
-        shape = type.shape if type.is_block() else ()
-        found = table.get(shape)
+        block = type.is_block()
+        found = table.get(type.name if block else "")  # a name, not the shape: a tl.tuple compares slowly
         if found is None:
-            found = table[shape] = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
+            shape = type.shape if block else ()
+            found = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
+            table[type.name if block else ""] = found
         self.numel, self.shape = found
 
-    if not _made_alike(tensor, original, init):
+    if not _made_alike(tensor, original, init, [(None, tl.block_type(tl.float32, [2, 4])), (None, tl.int32)]):
         yield
         return
     with _in_place(tensor, "__init__", init):
         yield
 
 
-def _made_alike(tensor, original, init) -> bool:
-    """Whether ``init`` makes a tensor of a block type and one of a scalar type as ``original`` does."""
-    import triton.language as tl
+@contextlib.contextmanager
+def block_types_shared():
+    """For the duration of an interpreted launch, a ``tl.block_type`` of an element type and
+    shape made before takes its ``shape``, ``numel`` and ``name`` from a table: the language
+    builds, for every block type (every splat, broadcast, load, ...), a ``tl.tuple`` of its
+    shape, checks it and formats its name, values that every block type of one element type
+    and shape holds alike and nothing changes in place. A language whose block types, made
+    this way, differ from its own is left alone."""
+    try:
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - Triton is pinned
+        yield
+        return
+    block = tl.block_type
+    original = block.__init__
+    if _ours(original):
+        yield
+        return
+    constexpr = tl.constexpr
+    table: dict = {}
 
-    for type in (tl.block_type(tl.float32, [2, 4]), tl.int32):
-        ours, theirs = object.__new__(tensor), object.__new__(tensor)
-        init(ours, None, type)
-        original(theirs, None, type)
+    def init(self, element_ty, shape):
+        key = (element_ty.name, getattr(element_ty, "address_space", None))
+        key += tuple(s.value if type(s) is constexpr else s for s in shape)
+        found = table.get(key)
+        if found is None:
+            original(self, element_ty, shape)
+            table[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = found
+
+    cases = [(tl.float32, [2, 4]), (tl.pointer_type(tl.int8), [4]), (tl.int32, [constexpr(8)])]
+    if not _made_alike(block, original, init, cases + cases):  # twice: made, then found
+        yield
+        return
+    with _in_place(block, "__init__", init):
+        yield
+
+
+def _made_alike(cls, original, init, cases) -> bool:
+    """Whether ``init`` makes an object of ``cls`` from each of ``cases`` (arguments) as ``original`` does."""
+    for args in cases:
+        ours, theirs = object.__new__(cls), object.__new__(cls)
+        init(ours, *args)
+        original(theirs, *args)
         if vars(ours).keys() != vars(theirs).keys():
             return False
         if any(repr(getattr(ours, k)) != repr(getattr(theirs, k)) for k in vars(theirs)):

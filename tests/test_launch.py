@@ -259,9 +259,9 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
     and bf16 ``/`` and ``%`` still compute in fp32, mixed types are converted as the language
     does), a Python integer made in the type the language chose (int32, uint32 and int64
     constants, negative ones, beside a block and a scalar, again in a loop); and makes tensors
-    with shared shapes: every result equals the language's own, fewer operations reach its
-    type checks (with an integer too), no tensor is made its way, and both of its functions
-    are back after."""
+    and block types with shared shapes: every result equals the language's own, fewer
+    operations reach its type checks (with an integer too), no tensor and fewer block types
+    are made its way, and its functions are back after."""
     import contextlib
 
     import rdepc.runtime.interpreting
@@ -273,6 +273,7 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
     args = (h, torch.rand(4, generator=g).add(0.5).bfloat16(), torch.arange(1, 9, 2, dtype=torch.int8))
     args += (torch.rand(4, generator=g),)
     checks, made = semantic.TritonSemantic.binary_op_type_checking_impl, tl.core.tensor.__init__
+    typed = tl.block_type.__init__
     counts = []
 
     def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
@@ -284,24 +285,34 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
         counts[-1][1] += 1
         made(self, handle, type)
 
+    def block(self, element_ty, shape):
+        counts[-1][3] += 1
+        typed(self, element_ty, shape)
+
     monkeypatch.setattr(semantic.TritonSemantic, "binary_op_type_checking_impl", checked)
     monkeypatch.setattr(tl.core.tensor, "__init__", init)
+    monkeypatch.setattr(tl.block_type, "__init__", block)
 
     def run():
         outs = torch.zeros(4, dtype=torch.float16), torch.zeros(8), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
-        counts.append([0, 0, 0])
+        counts.append([0, 0, 0, 0])
         Launcher(True)([(kernels.mixed, (1,), (*args, *outs), {})])
         assert semantic.TritonSemantic.binary_op_type_checking_impl is checked and tl.core.tensor.__init__ is init
+        assert tl.block_type.__init__ is block
         return outs
 
     ours = run()
     with monkeypatch.context() as m:
         m.setattr(rdepc.runtime.interpreting, "operand_checks_remembered", contextlib.nullcontext)
         m.setattr(rdepc.runtime.interpreting, "tensor_shapes_shared", contextlib.nullcontext)
+        m.setattr(rdepc.runtime.interpreting, "block_types_shared", contextlib.nullcontext)
         theirs = run()
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs, strict=True))
     assert ours[1].abs().sum() > 0 and ours[3].sum() > 0 and ours[2].abs().sum() > 0
-    (checked_ours, made_ours, ints_ours), (checked_theirs, made_theirs, ints_theirs) = counts
+    (checked_ours, made_ours, ints_ours, blocks_ours), (checked_theirs, made_theirs, ints_theirs, blocks_theirs) = (
+        counts
+    )
     assert 0 < checked_ours < checked_theirs  # the first of each kind decided by the language
     assert 0 < ints_ours < ints_theirs
+    assert 0 < blocks_ours < blocks_theirs  # the first of each element type and shape made by the language
     assert made_ours == 2 < made_theirs  # the two tensors that compare the ways of making one
