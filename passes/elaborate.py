@@ -7,7 +7,7 @@ problems are collected; the caller raises once with every diagnostic.
 The parts, one role each: parameters and exact expressions (:mod:`rdepc.passes.expressions`),
 each statement's meaning (:mod:`rdepc.passes.statements`), the warnings and notes on a built
 spec (:mod:`rdepc.passes.spec_checks`); here, the pass itself and the per-layer context
-(:class:`_Layer`) the statements and checks are methods of.
+(:class:`_Layer`) those functions read.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
 
+from rdepc.passes import spec_checks, statements
 from rdepc.passes.balance_statement import elaborate_balance
 from rdepc.passes.expressions import evaluate, parameters
 from rdepc.passes.router_statement import elaborate_router
-from rdepc.passes.spec_checks import Checks
-from rdepc.passes.statements import Statements
 
 from rdepc import syntax as S
 from rdepc.diagnostics import Diagnostics, Span, did_you_mean
@@ -85,8 +84,10 @@ def elaborate(
 # ------------------------------------------------------------------------- a layer
 
 
-class _Layer(Statements, Checks):
-    """The elaborator's per-layer context: argument plumbing, sizes and the build."""
+class _Layer:
+    """The elaborator's per-layer context: argument plumbing, sizes and the build, which gives
+    each statement its meaning (:mod:`rdepc.passes.statements`) and checks the spec
+    (:mod:`rdepc.passes.spec_checks`)."""
 
     def __init__(self, module: S.Module, decl: S.LayerDecl, env, params, diags: Diagnostics, sympy: bool):
         self.module, self.decl, self.env, self.params, self.diags = module, decl, env, params, diags
@@ -120,7 +121,7 @@ class _Layer(Statements, Checks):
                         continue
                 case S.Positional():
                     if len(pos) >= positional:
-                        self.diags.error(f"unexpected argument to '{stmt.keyword}'", a.span, self._usage(stmt.keyword))
+                        self.diags.error(f"unexpected argument to '{stmt.keyword}'", a.span, self.usage(stmt.keyword))
                     else:
                         pos.append(a)
                     continue
@@ -134,7 +135,7 @@ class _Layer(Statements, Checks):
     def _unknown(self, stmt: S.Stmt, name: str, span: Span, choices: Iterable[str]) -> None:
         self.diags.error(f"unknown option '{name}' in '{stmt.keyword}'", span, did_you_mean(name, choices))
 
-    def _usage(self, keyword: str) -> str:
+    def usage(self, keyword: str) -> str:
         return {
             "expert": "write e.g. 'expert swiglu(ffn = 1408)'",
             "shared": "write e.g. 'shared 2 x swiglu(ffn = 1408)'",
@@ -179,7 +180,7 @@ class _Layer(Statements, Checks):
             if not value.integer_valued:
                 self.diags.error(f"{what} = {value} is not a whole number for every value of its parameters", span)
                 return None
-            if self._min(value) < 1:
+            if self.least(value) < 1:
                 self.diags.error(f"{what} = {value} is not positive for every value of its parameters", span)
                 return None
             return value
@@ -194,7 +195,7 @@ class _Layer(Statements, Checks):
             return None
         return value
 
-    def _min(self, e: Poly) -> Fraction:
+    def least(self, e: Poly) -> Fraction:
         return e.extremes(self.bounds)[0]
 
     def _gate_input_fits(self, capacity, dedup: bool) -> bool:
@@ -219,7 +220,7 @@ class _Layer(Statements, Checks):
             return False
         return True
 
-    def _max(self, e: Poly) -> Fraction:
+    def most(self, e: Poly) -> Fraction:
         return e.extremes(self.bounds)[1]
 
     # --- the layer ------------------------------------------------------------------
@@ -241,25 +242,25 @@ class _Layer(Statements, Checks):
             self.spans[st.keyword] = st.span
         for kw in REQUIRED:
             if kw not in stmts:
-                self.diags.error(f"layer '{decl.name}' has no '{kw}' statement", decl.name_span, self._usage_req(kw))
+                self.diags.error(f"layer '{decl.name}' has no '{kw}' statement", decl.name_span, self.usage_req(kw))
         if any(kw not in stmts for kw in REQUIRED):
             return None
-        shape = self.shape(stmts["shape"])
-        expert, gate_on = self.expert_fn(stmts["expert"])
-        shared = self.shared(stmts.get("shared"))
-        precision = self.precision(stmts.get("dtype"))
-        model = self.model(stmts.get("model"))
-        transport, dedup = self.transport(stmts.get("transport"))
-        schedule, gemm = self.schedule(stmts.get("schedule"))
+        shape = statements.shape(self, stmts["shape"])
+        expert, gate_on = statements.expert_fn(self, stmts["expert"])
+        shared = statements.shared(self, stmts.get("shared"))
+        precision = statements.precision(self, stmts.get("dtype"))
+        model = statements.model(self, stmts.get("model"))
+        transport, dedup = statements.transport(self, stmts.get("transport"))
+        schedule, gemm = statements.schedule(self, stmts.get("schedule"))
         if shape is None:
             return None
         self.token_vars = shape.T.free
-        route = self.route_row(stmts.get("route_row"), stmts.get("sideband"), shape, precision)
-        ownership = self.ownership(stmts.get("owner"), shape)
-        capacity = self.capacity(stmts.get("capacity"), shape)
-        segment = self.segment(stmts.get("segment"))
+        route = statements.route_row(self, stmts.get("route_row"), stmts.get("sideband"), shape, precision)
+        ownership = statements.ownership(self, stmts.get("owner"), shape)
+        capacity = statements.capacity(self, stmts.get("capacity"), shape)
+        segment = statements.segment(self, stmts.get("segment"))
         router = elaborate_router(self, stmts.get("router"), shape)
-        pre = self.activations(stmts.get("activations"), precision)
+        pre = statements.activations(self, stmts.get("activations"), precision)
         balance = None
         if ownership is not None:
             balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value), capacity)
@@ -335,8 +336,8 @@ class _Layer(Statements, Checks):
             input_activations=pre[1],
             gate_on=gate_on,
         )
-        self.warn(spec)
-        if not self.library_check(spec):
+        spec_checks.warn(self, spec)
+        if not spec_checks.library_check(self, spec):
             return None
         ir = self.to_ir(spec)
         rows = int(ir.shape.W) * ir.shape.T_max * int(ir.shape.K)
@@ -347,10 +348,10 @@ class _Layer(Statements, Checks):
                 "use 'drop arrival' with the route row in rank, token, slot order, or fewer tokens",
             )
             return None
-        self.task_table_note(spec)
+        spec_checks.task_table_note(self, spec)
         return ir
 
-    def _usage_req(self, kw: str) -> str:
+    def usage_req(self, kw: str) -> str:
         return {
             "shape": "e.g. 'shape ranks 8, tokens 4096, hidden 2048, experts 64, top 6'",
             "expert": "e.g. 'expert swiglu(ffn = 1408)'",
