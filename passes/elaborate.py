@@ -226,8 +226,29 @@ class _Layer:
     # --- the layer ------------------------------------------------------------------
 
     def build(self) -> LayerSpec | None:
-        decl = self.decl
+        """The layer's checked spec, or None after reporting why: its statements, each one's
+        meaning, the rules between statements, then the built spec's checks."""
         errors_before = len(self.diags.errors)
+        stmts = self._statements()
+        parts = None if stmts is None else self._meanings(stmts)
+        if parts is None or len(self.diags.errors) > errors_before:
+            return None
+        parts["route_row"] = self._combined(parts)
+        if parts["route_row"] is None:
+            return None
+        spec = LayerSpec(
+            name=self.decl.name,
+            file=self.module.file,
+            params=self.params,
+            **parts,
+            span=self.decl.name_span,
+            spans=tuple(sorted(self.spans.items())),
+        )
+        return self._checked(spec)
+
+    def _statements(self) -> dict[str, S.Stmt] | None:
+        """The layer's statements by keyword: each known, at most once, the required ones there."""
+        decl = self.decl
         stmts: dict[str, S.Stmt] = {}
         for st in decl.stmts:
             if st.keyword not in STATEMENTS:
@@ -243,8 +264,10 @@ class _Layer:
         for kw in REQUIRED:
             if kw not in stmts:
                 self.diags.error(f"layer '{decl.name}' has no '{kw}' statement", decl.name_span, self.usage_req(kw))
-        if any(kw not in stmts for kw in REQUIRED):
-            return None
+        return None if any(kw not in stmts for kw in REQUIRED) else stmts
+
+    def _meanings(self, stmts: dict[str, S.Stmt]) -> dict | None:
+        """Each statement's record, by the LayerSpec field it fills; None when one failed."""
         shape = statements.shape(self, stmts["shape"])
         expert, gate_on = statements.expert_fn(self, stmts["expert"])
         shared = statements.shared(self, stmts.get("shared"))
@@ -264,22 +287,20 @@ class _Layer:
         balance = None
         if ownership is not None:
             balance = elaborate_balance(self, stmts.get("balance"), ownership, int(shape.W.value), capacity)
-        if len(self.diags.errors) > errors_before or None in (
-            expert,
-            precision,
-            model,
-            route,
-            ownership,
-            capacity,
-            router,
-            balance,
-            pre,
-            gate_on,
-        ):
+        needed = dict(expert=expert, precision=precision, model=model, route_row=route, ownership=ownership)
+        needed |= dict(capacity=capacity, router=router, balance=balance, gate_on=gate_on)
+        if pre is None or None in needed.values():
             return None
-        if gate_on == "input" and not self._gate_input_fits(capacity, dedup):
+        more = dict(shape=shape, shared=shared, segment=segment, schedule=schedule, gemm=gemm, transport=transport)
+        return needed | more | dict(dedup=dedup, pre_activations=pre[0], input_activations=pre[1])
+
+    def _combined(self, parts: dict):
+        """The rules between statements; the route row as the spec holds it (with the dedup
+        links), or None after reporting a conflict."""
+        route, dedup, capacity = parts["route_row"], parts["dedup"], parts["capacity"]
+        if parts["gate_on"] == "input" and not self._gate_input_fits(capacity, dedup):
             return None
-        if precision.backward_fp8 and dedup:
+        if parts["precision"].backward_fp8 and dedup:
             self.diags.error(
                 "an fp8 backward transport is not implemented with dedup: its owners sum dL/dx rows per "
                 "(token, owner) and compute dL/dg' from the dL/dy rows",
@@ -287,7 +308,7 @@ class _Layer:
                 f"drop 'backward fp8_e4m3', or drop dedup (at {self.spans.get('transport.dedup')})",
             )
             return None
-        if pre[1] == "resend" and dedup:
+        if parts["input_activations"] == "resend" and dedup:
             self.diags.error(
                 "re-sent input rows go one per route row, where dedup sends one per (token, owner)",
                 self.spans.get("activations.input"),
@@ -302,40 +323,19 @@ class _Layer:
                 "add 'gate' to the sideband statement",
             )
             return None
-        if dedup:
-            if "gate" not in route.sideband:
-                self.diags.error(
-                    "dedup needs the gate in the sideband: an owner sums its experts' gate-weighted outputs",
-                    self.spans.get("transport.dedup"),
-                    "add 'gate' to the sideband statement",
-                )
-                return None
-            route = dataclasses.replace(route, sideband=(*route.sideband, "links"))
-        spec = LayerSpec(
-            name=decl.name,
-            file=self.module.file,
-            params=self.params,
-            shape=shape,
-            expert=expert,
-            shared=shared,
-            precision=precision,
-            model=model,
-            route_row=route,
-            ownership=ownership,
-            capacity=capacity,
-            segment=segment,
-            schedule=schedule,
-            gemm=gemm,
-            transport=transport,
-            dedup=dedup,
-            span=decl.name_span,
-            spans=tuple(sorted(self.spans.items())),
-            router=router,
-            balance=balance,
-            pre_activations=pre[0],
-            input_activations=pre[1],
-            gate_on=gate_on,
-        )
+        if not dedup:
+            return route
+        if "gate" not in route.sideband:
+            self.diags.error(
+                "dedup needs the gate in the sideband: an owner sums its experts' gate-weighted outputs",
+                self.spans.get("transport.dedup"),
+                "add 'gate' to the sideband statement",
+            )
+            return None
+        return dataclasses.replace(route, sideband=(*route.sideband, "links"))
+
+    def _checked(self, spec: LayerSpec) -> LayerSpec | None:
+        """The built spec's warnings and checks, then the spec in the pass's number system."""
         spec_checks.warn(self, spec)
         if not spec_checks.library_check(self, spec):
             return None
