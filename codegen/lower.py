@@ -75,11 +75,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from rdepc.ir.arguments import Sizes, private_buffers
-from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, Row, ctl_words, next_pow2, tile_slots
+from rdepc.ir.arguments import layer_sizes, private_buffers
+from rdepc.ir.contract import KINDS, ROLE_INDEX, KernelContract, Row
 from rdepc.ir.graph import MemoryPlan, Schedule
-from rdepc.ir.interface import stats_columns
-from rdepc.ir.sizes import BWD_SIDEBAND, route_scratch_words
+from rdepc.ir.sizes import BWD_SIDEBAND
 from rdepc.ir.spec import ROUTE_VARS, LayerSpec
 from rdepc.version import __version__
 
@@ -132,10 +131,7 @@ def lower(
     table, deps, names, tasks, runs = _task_table(sched, order)
     fwd_runs = max(runs, default=0)
     wgrad_table, wgrad_deps = _wgrad_table(table, len(deps), runs, geo.W)
-    E_MAX = max(geo.experts)
-    slots = max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, geo.S)
-    sizes = Sizes(geo.W, geo.T, geo.K, geo.H, geo.F, geo.B, geo.S, E_MAX, route_scratch_words(next_pow2(geo.E), geo.T),
-                  ctl_words(geo.W), stats_columns(E_MAX)["cols"], slots, geo.return_ring)  # fmt: skip
+    sizes = layer_sizes(geo)
     return KernelContract(
         layer=spec.name,
         file=spec.file,

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rdepc.ir import sizes
+from rdepc.ir.arguments import layer_sizes, rank_bytes
 from rdepc.ir.graph import Buffer, MemoryPlan, Schedule, SlotUse
 
 BACKWARD_REGIONS = ("bwd_control", "bwd_payload", "bwd_return")
@@ -146,46 +147,7 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
     fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", *BACKWARD_REGIONS)}
     fb["total"] = sum(fb.values())
 
-    F = geo.F
-    private = [
-        Buffer(
-            "workspace",
-            "private",
-            0,
-            B * S * (F * geo.a + 8),
-            pad(B * S * (F * geo.a + 8)),
-            B,
-            S * (F * geo.a + 8),
-            "owner's GEMM1 activations and their row_ids per segment, read by its GEMM2 (private)",
-            *live("compute gemm1", "compute gemm2"),
-        ),
-        Buffer(
-            "staging",
-            "private",
-            pad(B * S * (F * geo.a + 8)),
-            B * S * (H * geo.a + 8),
-            pad(B * S * (H * geo.a + 8)),
-            B,
-            S * (H * geo.a + 8),
-            "owner's expert outputs and their row_ids per segment, read by its returns (private, not symmetric)",
-            *live("compute gemm2", "return"),
-        ),
-    ]
-    if ring:
-        private.append(
-            Buffer(
-                "landing",
-                "private",
-                private[-1].offset + private[-1].size,
-                T * K * H * geo.a,
-                pad(T * K * H * geo.a),
-                1,
-                0,
-                "front-end's returned rows at their (token, slot) places, filled by unpacks (private)",
-                *live("combine unpack", "combine tile"),
-            )
-        )
-
+    private = _private(geo, live)
     uses = _slot_uses(sched)
     problems = _check(buffers, uses, B)
     max_live = _max_live(uses, "payload")
@@ -206,6 +168,34 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         max_live_payload=max_live,
         problems=tuple(problems),
     )
+
+
+# The memory plan's private buffers: each the rank's part of these of the kernel interface's
+# (rdepc.ir.arguments.PRIVATE), what it holds, and the stages between which it is live.
+_PRIVATE = (
+    ("workspace", ("hbuf", "hbuf_rid"), ("compute gemm1", "compute gemm2"),
+     "owner's GEMM1 activations and their row_ids per segment, read by its GEMM2 (private)"),
+    ("staging", ("staging", "staging_rid"), ("compute gemm2", "return"),
+     "owner's expert outputs and their row_ids per segment, read by its returns (private, not symmetric)"),
+    ("landing", ("landing",), ("combine unpack", "combine tile"),
+     "front-end's returned rows at their (token, slot) places, filled by unpacks (private)"),
+)  # fmt: skip
+
+
+def _private(geo, live) -> list[Buffer]:
+    """The rank's private buffers the layer has, one after another, each a ring of B slots
+    but the landing."""
+    z, out, off = layer_sizes(geo), [], 0
+    for name, parts, stages, what in _PRIVATE:
+        each = [rank_bytes(z, p, geo.a) for p in parts]
+        if None in each:
+            continue
+        nbytes = sum(each)
+        slots = 1 if name == "landing" else geo.B
+        out.append(Buffer(name, "private", off, nbytes, pad(nbytes), slots, 0 if slots == 1 else nbytes // slots,
+                          what, *live(*stages)))  # fmt: skip
+        off += pad(nbytes)
+    return out
 
 
 def _slot_uses(sched: Schedule) -> list[SlotUse]:

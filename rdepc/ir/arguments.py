@@ -21,8 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from rdepc.ir.contract import ctl_words, tile_slots
+from rdepc.ir.interface import stats_columns
+from rdepc.ir.sizes import next_pow2, route_scratch_words
+
 if TYPE_CHECKING:
     from rdepc.ir.contract import KernelContract
+    from rdepc.ir.graph import Geometry
 
 LAYER, GEMM = "rdep_layer", "rdep_gemm"
 BOTH = (LAYER, GEMM)
@@ -178,6 +183,30 @@ PRIVATE = (
 BACKWARD_PRIVATE = frozenset(p.name for p in PRIVATE if p.backward_of)
 
 
+def layer_sizes(geo: Geometry) -> Sizes:
+    """The private buffers' :class:`Sizes` of a schedule's geometry (the lowering's and the
+    memory plan's)."""
+    E_MAX = max(geo.experts, default=0)
+    slots = max(geo.segments, default=0) * tile_slots(geo.rows_max, geo.experts, geo.S)
+    return Sizes(geo.W, geo.T, geo.K, geo.H, geo.F, geo.B, geo.S, E_MAX, route_scratch_words(next_pow2(geo.E), geo.T),
+                 ctl_words(geo.W), stats_columns(E_MAX)["cols"], slots, geo.return_ring)  # fmt: skip
+
+
+_ELEMENT_BYTES = {"int32": 4, "int64": 8}
+
+
+def rank_bytes(z: Sizes, name: str, activation_bytes: int) -> int | None:
+    """Bytes of one rank's part of the private buffer ``name`` (its first dimension is the
+    ranks'), a ``T`` element ``activation_bytes`` wide; None where the layer has none."""
+    (p,) = (p for p in PRIVATE if p.name == name)
+    if not p.present(z):
+        return None
+    rows = 1
+    for n in p.shape(z)[1:]:
+        rows *= n
+    return rows * (activation_bytes if p.dtype == "T" else _ELEMENT_BYTES[p.dtype])
+
+
 def private_buffers(z: Sizes, activation: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
     """The layer's private buffers: (name, dtype, shape), ``T`` made ``activation``."""
     return tuple((p.name, activation if p.dtype == "T" else p.dtype, p.shape(z)) for p in PRIVATE if p.present(z))
@@ -196,6 +225,8 @@ __all__ = [
     "Private",
     "Sizes",
     "kernel_args",
+    "layer_sizes",
     "own_constexprs",
     "private_buffers",
+    "rank_bytes",
 ]
