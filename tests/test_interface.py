@@ -153,3 +153,17 @@ def test_a_private_buffer_declared_once_reaches_the_contract_and_the_module(monk
     module = rdepc.load(TINY).module("emulated", "cpu")
     got = module.private["probe"]
     assert got.shape == (p.W, p.E_MAX + 1) and got.dtype == torch.int32 and not got.any()
+
+
+@pytest.mark.parametrize("example", ["tiny.rdep", "moonlight.rdep"])
+def test_the_memory_plans_private_buffers_are_a_ranks_part_of_the_interfaces(example):
+    """The memory plan's private buffers are one rank's part of the interface's as the
+    lowering sizes them: the workspace hbuf and hbuf_rid, the staging ring staging and
+    staging_rid, the landing (moonlight's return ring) landing."""
+    g = generate_spec(rdepc.load(ROOT / "examples" / example).spec)
+    width = {"fp32": 4, "bf16": 2, "fp16": 2, "int32": 4, "int64": 8}
+    part = {name: width[dtype] * torch.Size(shape[1:]).numel() for name, dtype, shape in g.kernel.private}
+    want = {"workspace": part["hbuf"] + part["hbuf_rid"], "staging": part["staging"] + part["staging_rid"]}
+    want |= {"landing": part["landing"]} if "landing" in part else {}
+    assert {b.name: b.bytes for b in g.memory.private} == want
+    assert ("landing" in want) == (example == "moonlight.rdep") == g.schedule.graph.geometry.return_ring
