@@ -171,29 +171,28 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
 
 
 # The memory plan's private buffers: each the rank's part of these of the kernel interface's
-# (rdepc.ir.arguments.PRIVATE), what it holds, and the stages between which it is live.
+# (rdepc.ir.arguments.PRIVATE), whether it is a ring of B slots, what it holds, and the stages
+# between which it is live.
 _PRIVATE = (
-    ("workspace", ("hbuf", "hbuf_rid"), ("compute gemm1", "compute gemm2"),
+    ("workspace", ("hbuf", "hbuf_rid"), True, ("compute gemm1", "compute gemm2"),
      "owner's GEMM1 activations and their row_ids per segment, read by its GEMM2 (private)"),
-    ("staging", ("staging", "staging_rid"), ("compute gemm2", "return"),
+    ("staging", ("staging", "staging_rid"), True, ("compute gemm2", "return"),
      "owner's expert outputs and their row_ids per segment, read by its returns (private, not symmetric)"),
-    ("landing", ("landing",), ("combine unpack", "combine tile"),
+    ("landing", ("landing",), False, ("combine unpack", "combine tile"),
      "front-end's returned rows at their (token, slot) places, filled by unpacks (private)"),
 )  # fmt: skip
 
 
 def _private(geo, live) -> list[Buffer]:
-    """The rank's private buffers the layer has, one after another, each a ring of B slots
-    but the landing."""
+    """The rank's private buffers the layer has, one after another."""
     z, out, off = layer_sizes(geo), [], 0
-    for name, parts, stages, what in _PRIVATE:
+    for name, parts, ring, stages, what in _PRIVATE:
         each = [rank_bytes(z, p, geo.a) for p in parts]
         if None in each:
             continue
         nbytes = sum(each)
-        slots = 1 if name == "landing" else geo.B
-        out.append(Buffer(name, "private", off, nbytes, pad(nbytes), slots, 0 if slots == 1 else nbytes // slots,
-                          what, *live(*stages)))  # fmt: skip
+        slots, slot_bytes = (geo.B, nbytes // geo.B) if ring else (1, 0)
+        out.append(Buffer(name, "private", off, nbytes, pad(nbytes), slots, slot_bytes, what, *live(*stages)))
         off += pad(nbytes)
     return out
 

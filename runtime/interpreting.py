@@ -23,7 +23,6 @@ class _Kept:
         pass
 
 
-@contextlib.contextmanager
 def language_patched_once():
     """For the duration of an interpreted launch, an interpreted device function's call
     skips the interpreter's language patch when the launch has made it already. The
@@ -32,28 +31,23 @@ def language_patched_once():
     call's time, for a patch that finds every builtin patched and changes nothing. A
     function whose module sees a language object the launch did not patch is patched as
     before; an interpreter without ``_patch_lang`` is left alone."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or _ours(original):
-        yield
-        return
-    langs_of: dict = {}
+    import triton.language as tl
+    from triton.runtime import interpreter
 
-    def patch(fn):
-        langs = langs_of.get(fn)
-        if langs is None:
-            langs = langs_of[fn] = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
-        if langs and not any(tl.core.is_builtin(lang.program_id) for lang in langs):
-            return _Kept()
-        return original(fn)
+    def make(original):
+        langs_of: dict = {}
 
-    with _in_place(interpreter, "_patch_lang", patch):
-        yield
+        def patch(fn):
+            langs = langs_of.get(fn)
+            if langs is None:
+                langs = langs_of[fn] = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+            if langs and not any(tl.core.is_builtin(lang.program_id) for lang in langs):
+                return _Kept()
+            return original(fn)
+
+        return patch
+
+    return _replaced(interpreter, "_patch_lang", make)
 
 
 @contextlib.contextmanager
@@ -77,7 +71,6 @@ def interpreting():
         yield
 
 
-@contextlib.contextmanager
 def tensor_shapes_shared():
     """For the duration of an interpreted launch, a ``tl.tensor`` takes its ``shape`` and
     ``numel`` from a table, one entry per shape, instead of building them: the language
@@ -85,38 +78,31 @@ def tensor_shapes_shared():
     type whose name formats each of them (a fifth of an interpreted launch's time), values
     that every tensor of one shape holds alike and nothing changes in place. A language
     whose tensors, made this way, differ from its own is left alone."""
-    try:
-        import triton.language as tl
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
+    import triton.language as tl
+
     tensor = tl.core.tensor
-    original = tensor.__init__
-    if _ours(original):
-        yield
-        return
-    table: dict = {}
 
-    def init(self, handle, type):
-        self.handle = handle
-        self.type = type
-        self.dtype = type.scalar
-        block = type.is_block()
-        found = table.get(type.name if block else "")  # a name, not the shape: a tl.tuple compares slowly
-        if found is None:
-            shape = type.shape if block else ()
-            found = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
-            table[type.name if block else ""] = found
-        self.numel, self.shape = found
+    def make(original):
+        table: dict = {}
 
-    if not _made_alike(tensor, original, init, [(None, tl.block_type(tl.float32, [2, 4])), (None, tl.int32)]):
-        yield
-        return
-    with _in_place(tensor, "__init__", init):
-        yield
+        def init(self, handle, type):
+            self.handle = handle
+            self.type = type
+            self.dtype = type.scalar
+            block = type.is_block()
+            key = type.name if block else ""  # a name, not the shape: a tl.tuple compares slowly
+            found = table.get(key)
+            if found is None:
+                shape = type.shape if block else ()
+                found = table[key] = (tl.constexpr(math.prod(shape)), tl.core.tuple([tl.constexpr(s) for s in shape]))
+            self.numel, self.shape = found
+
+        cases = [(None, tl.block_type(tl.float32, [2, 4])), (None, tl.int32)]
+        return init if _made_alike(tensor, original, init, cases) else None
+
+    return _replaced(tensor, "__init__", make)
 
 
-@contextlib.contextmanager
 def block_types_shared():
     """For the duration of an interpreted launch, a ``tl.block_type`` of an element type and
     shape made before takes its ``shape``, ``numel`` and ``name`` from a table: the language
@@ -124,36 +110,28 @@ def block_types_shared():
     shape, checks it and formats its name, values that every block type of one element type
     and shape holds alike and nothing changes in place. A language whose block types, made
     this way, differ from its own is left alone."""
-    try:
-        import triton.language as tl
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
-    block = tl.block_type
-    original = block.__init__
-    if _ours(original):
-        yield
-        return
-    constexpr = tl.constexpr
-    table: dict = {}
+    import triton.language as tl
 
-    def init(self, element_ty, shape):
-        key = (element_ty.name, getattr(element_ty, "address_space", None))
-        key += tuple(s.value if type(s) is constexpr else s for s in shape)
-        found = table.get(key)
-        if found is None:
-            original(self, element_ty, shape)
-            table[key] = (self.shape, self.numel, self.name)
-            return
-        self.element_ty = element_ty
-        self.shape, self.numel, self.name = found
+    block, constexpr = tl.block_type, tl.constexpr
 
-    cases = [(tl.float32, [2, 4]), (tl.pointer_type(tl.int8), [4]), (tl.int32, [constexpr(8)])]
-    if not _made_alike(block, original, init, cases + cases):  # twice: made, then found
-        yield
-        return
-    with _in_place(block, "__init__", init):
-        yield
+    def make(original):
+        table: dict = {}
+
+        def init(self, element_ty, shape):
+            key = (element_ty.name, getattr(element_ty, "address_space", None))
+            key += tuple(s.value if type(s) is constexpr else s for s in shape)
+            found = table.get(key)
+            if found is None:
+                original(self, element_ty, shape)
+                table[key] = (self.shape, self.numel, self.name)
+                return
+            self.element_ty = element_ty
+            self.shape, self.numel, self.name = found
+
+        cases = [(tl.float32, [2, 4]), (tl.pointer_type(tl.int8), [4]), (tl.int32, [constexpr(8)])]
+        return init if _made_alike(block, original, init, cases + cases) else None  # twice: made, then found
+
+    return _replaced(block, "__init__", make)
 
 
 def _made_alike(cls, original, init, cases) -> bool:
@@ -172,7 +150,6 @@ def _made_alike(cls, original, init, cases) -> bool:
 _CHECK_PARAMS = ["self", "lhs", "rhs", "allow_lhs_ptr", "allow_rhs_ptr", "arithmetic_check", "div_or_mod"]
 
 
-@contextlib.contextmanager
 def operand_checks_remembered():
     """For the duration of an interpreted launch, the language's implicit casts and
     broadcasts of a binary operation's operands are decided once per kind of operands. Every
@@ -188,18 +165,17 @@ def operand_checks_remembered():
     Anything else (operands the language converts, floats, errors) goes through the
     language's function every time. A language whose function takes other parameters is
     left alone."""
-    try:
-        import triton.language as tl
-        from triton.language import semantic
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
-    owner = getattr(semantic, "TritonSemantic", None)
-    original = getattr(owner, "binary_op_type_checking_impl", None)
-    if original is None or _ours(original) or list(inspect.signature(original).parameters) != _CHECK_PARAMS:
-        yield
-        return
-    tensor = tl.tensor
+    import triton.language as tl
+    from triton.language import semantic
+
+    def make(original):
+        return _checked(tl.tensor, original) if list(inspect.signature(original).parameters) == _CHECK_PARAMS else None
+
+    return _replaced(getattr(semantic, "TritonSemantic", None), "binary_op_type_checking_impl", make)
+
+
+def _checked(tensor, original):
+    """The operand checks of :func:`operand_checks_remembered`, the language's ``original`` deciding each kind once."""
     as_they_are: dict = {}  # (lhs kind, rhs kind, flags) -> whether the language returns both as they are
     constants: dict = {}  # (lhs kind, the integer, flags) -> the integer's type, or None: the language's way
 
@@ -223,8 +199,7 @@ def operand_checks_remembered():
             return out
         return original(self, lhs, rhs, *flags)
 
-    with _in_place(owner, "binary_op_type_checking_impl", checked):
-        yield
+    return checked
 
 
 def _kind(t) -> tuple:
@@ -249,34 +224,28 @@ def _constant_type(semantic, lhs, value: int, out) -> object:
     return dtype if same else None
 
 
-@contextlib.contextmanager
 def numpy_dtypes_looked_up():
     """For the duration of an interpreted launch, the interpreter's numpy dtype of a Triton
     type is looked up, not rebuilt: it builds an 18-entry table at each call (for every
     tensor an operation makes: 13% of an interpreted launch's time). The table's value for a
     type is what the interpreter's own function gives it (asked once per type)."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or _ours(original):
-        yield
-        return
-    table: dict = {}
+    from triton.runtime import interpreter
 
-    def np_dtype(tt_dtype):
-        try:
-            found = table.get(tt_dtype)
-        except TypeError:  # a pointer type (unhashable)
-            return original(tt_dtype)
-        if found is None:
-            found = table[tt_dtype] = original(tt_dtype)
-        return found
+    def make(original):
+        table: dict = {}
 
-    with _in_place(interpreter, "_get_np_dtype", np_dtype):
-        yield
+        def np_dtype(tt_dtype):
+            try:
+                found = table.get(tt_dtype)
+            except TypeError:  # a pointer type (unhashable)
+                return original(tt_dtype)
+            if found is None:
+                found = table[tt_dtype] = original(tt_dtype)
+            return found
+
+        return np_dtype
+
+    return _replaced(interpreter, "_get_np_dtype", make)
 
 
 @contextlib.contextmanager
@@ -288,11 +257,8 @@ def overflow_checks_as_reported():
     program only as a device assertion, which the interpreter drops unless its ``debug``
     option is set, and it is not (Triton does not read TRITON_DEBUG there): the work changes
     nothing. An interpreter without the options is left alone."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
+    from triton.runtime import interpreter
+
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
     checks = getattr(options, "debug", None)
@@ -306,7 +272,6 @@ def overflow_checks_as_reported():
         builder.options = options
 
 
-@contextlib.contextmanager
 def dot_by_rows():
     """For the duration of an interpreted launch, each row of an interpreted ``tl.dot`` is a
     function of that row of ``a`` (and of ``b``) alone, as on a GPU's MMA, whatever its place in
@@ -315,19 +280,11 @@ def dot_by_rows():
     a route row computed in another m-tile — another schedule, another instance of its
     expert — would differ in the last bit. ``np.einsum``'s own loops (no BLAS) sum each
     element of the product in one order."""
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - Triton is pinned
-        yield
-        return
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    original = getattr(builder, "create_dot", None)
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
     convert = getattr(interpreter, "_convert_float", None)
-    if original is None or convert is None or _ours(original):
-        yield
-        return
 
     def create_dot(self, a, b, d, *precision):
         x, y = a.data, b.data
@@ -340,19 +297,25 @@ def dot_by_rows():
             product = np.einsum("...mk,...kn->...mn", x, y, dtype=d.data.dtype, optimize=False)
             return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
-    with _in_place(builder, "create_dot", create_dot):
-        yield
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    return _replaced(builder, "create_dot", lambda original: create_dot if convert is not None else None)
 
 
 def _ours(fn) -> bool:
-    """Whether ``fn`` is a replacement :func:`_in_place` put there (a launch inside a launch)."""
+    """Whether ``fn`` is a replacement :func:`_replaced` put there (a launch inside a launch)."""
     return getattr(fn, "rdepc_launch", False)
 
 
 @contextlib.contextmanager
-def _in_place(owner, name: str, replacement):
-    """``owner.name`` is ``replacement`` (marked as ours) for the duration, then what it was."""
-    original = getattr(owner, name)
+def _replaced(owner, name: str, make):
+    """``owner.name`` is ``make(original)`` (marked as ours) for the duration, then what it
+    was; left as it is where it is missing, already ours (a launch inside a launch), or
+    ``make`` gives None (an interpreter unlike the one the replacement was written for)."""
+    original = getattr(owner, name, None)
+    replacement = None if original is None or _ours(original) else make(original)
+    if replacement is None:
+        yield
+        return
     replacement.rdepc_launch = True
     setattr(owner, name, replacement)
     try:

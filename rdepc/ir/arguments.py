@@ -17,6 +17,7 @@ Importing this module imports neither torch nor triton.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -201,10 +202,7 @@ def rank_bytes(z: Sizes, name: str, activation_bytes: int) -> int | None:
     (p,) = (p for p in PRIVATE if p.name == name)
     if not p.present(z):
         return None
-    rows = 1
-    for n in p.shape(z)[1:]:
-        rows *= n
-    return rows * (activation_bytes if p.dtype == "T" else _ELEMENT_BYTES[p.dtype])
+    return math.prod(p.shape(z)[1:]) * (activation_bytes if p.dtype == "T" else _ELEMENT_BYTES[p.dtype])
 
 
 def private_buffers(z: Sizes, activation: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
