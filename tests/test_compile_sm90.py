@@ -517,13 +517,16 @@ def test_the_balance_kernels_compile_for_sm_90_without_local_memory(tmp_path, sh
     test_cli_compile_writes_a_cubin_per_kernel), and nvl72_e128's (72 ranks, 128 experts),
     where the solver once held [128, 128] quota and ranking matrices: 4,424 B of stack, 2,767
     local loads, 69-97 ms a solve on an H200. The solver's 64-bit divisions (the
-    proportional split) call a subroutine: a few bytes of stack, nothing more."""
+    proportional split) call a subroutine: a few bytes of stack, nothing more. nvl72's layer
+    is bulk, as the cost model would choose it (the balance kernels are the same): choosing
+    weighs 21 candidates of up to 337,104 tasks."""
     path = ROOT / "examples" / "tiny_balance.rdep"
     if shape == "nvl72-shaped":
         path = tmp_path / "n.rdep"
         path.write_text(
             "layer n {\n  shape ranks 72, tokens 256, hidden 64, experts 128, top 8\n"
-            "  expert swiglu(ffn = 64)\n  dtype bf16\n  balance replicate(slots = 1, min_rows = 16)\n}\n"
+            "  expert swiglu(ffn = 64)\n  dtype bf16\n  schedule bulk\n"
+            "  balance replicate(slots = 1, min_rows = 16)\n}\n"
         )
     elif shape != "tiny_balance":
         path = tmp_path / "m.rdep"
