@@ -73,10 +73,10 @@ def topo_order(tg: TaskGraph, key: Sequence | None = None) -> list[int]:
     tasks = tg.tasks
     n = len(tasks)
     order = list(range(n)) if key is None else sorted(range(n), key=key.__getitem__)
-    pos = [0] * n
-    for i, u in enumerate(order):
-        pos[u] = i
-    if all(pos[d] < pos[t.id] for t in tasks for d in t.deps):
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    src, dst = tg.edges
+    if bool(np.all(pos[src] < pos[dst])):
         return order
     key = list(range(n)) if key is None else key
     indeg = [len(t.deps) for t in tasks]
@@ -125,31 +125,37 @@ def timeline(
     receive (``balance replicate``: none of its m-tiles computes a slot)."""
     tasks = tg.tasks
     n = len(tasks)
+    own, other = tg.rank_deps
     start = [0.0] * n
     end = [0.0] * n
     cp = [0.0] * n
-    free: dict[tuple[int, str], float] = {}
+    # one resource per (rank, role), or per rank when unified
+    res = [t.rank if unified else 2 * t.rank + (t.role != "comm") for t in tasks]
+    free = [0.0] * (2 * max((t.rank for t in tasks), default=0) + 2)
     d = dur.tolist()
     no_lat = empty if empty is not None else [False] * n
     for u in order:
-        t = tasks[u]
-        ready = 0.0
-        longest = 0.0
-        lat_in = 0.0 if no_lat[u] else latency
-        for p in t.deps:
-            if u in unslotted and tasks[p].stage == "balance":
-                continue
-            lat = lat_in if tasks[p].rank != t.rank else 0.0
+        near, far = own[u], other[u]
+        if u in unslotted:  # its rank's receive is no dependency of it
+            near = [p for p in near if tasks[p].stage != "balance"]
+            far = [p for p in far if tasks[p].stage != "balance"]
+        ready = longest = 0.0
+        for p in near:
+            if end[p] > ready:
+                ready = end[p]
+            if cp[p] > longest:
+                longest = cp[p]
+        lat = 0.0 if no_lat[u] else latency
+        for p in far:
             x = end[p] + lat
             if x > ready:
                 ready = x
             y = cp[p] + lat
             if y > longest:
                 longest = y
-        key = (t.rank, "all" if unified else t.role)
-        s = max(ready, free.get(key, 0.0))
+        r = res[u]
+        s = ready if ready >= free[r] else free[r]
         start[u] = s
-        end[u] = s + d[u]
-        free[key] = end[u]
+        end[u] = free[r] = s + d[u]
         cp[u] = longest + d[u]
     return Timeline(np.asarray(start), np.asarray(end), max(end, default=0.0), max(cp, default=0.0))

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rdepc.ir.sizes import owner_rows, return_ring
 from rdepc.ir.spec import LayerSpec, weight_matrices
 
@@ -169,11 +171,38 @@ class TaskGraph:
     decisions: tuple[Decision, ...]
     spec: LayerSpec = field(compare=False, repr=False)
 
+    def __hash__(self) -> int:
+        # the fields' hash, kept: the passes' caches look graphs up by value, and hashing
+        # every task again on each lookup cost more than the lookup saved on large graphs
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = hash((self.layer, self.file, self.geometry, self.tasks, self.decisions))
+        return self.__dict__["_hash"]
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # a str's hash is per process
+
     @cached_property
     def graph(self) -> nx.DiGraph:
         """The same graph as a networkx DiGraph (built on first use): node = task id with
         the task's bounds as attributes, edge kind "data" or "war" (buffer reuse)."""
         return to_networkx(self.tasks)
+
+    @cached_property
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every dependency as (from, to) task ids, two int64 arrays in task order: what an
+        order is checked against at once."""
+        lens = [len(t.deps) for t in self.tasks]
+        src = np.fromiter((d for t in self.tasks for d in t.deps), dtype=np.int64, count=sum(lens))
+        return src, np.repeat(np.arange(len(self.tasks), dtype=np.int64), lens)
+
+    @cached_property
+    def rank_deps(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """Each task's dependencies on its own rank's tasks and on other ranks' (a flag
+        between ranks costs a latency): what a timeline walks, split once per graph."""
+        tasks = self.tasks
+        own = tuple(tuple(d for d in t.deps if tasks[d].rank == t.rank) for t in tasks)
+        other = tuple(tuple(d for d in t.deps if tasks[d].rank != t.rank) for t in tasks)
+        return own, other
 
     def count(self) -> dict[str, int]:
         out: dict[str, int] = {}
