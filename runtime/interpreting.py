@@ -7,11 +7,13 @@ for is left alone: every replacement is a speed-up, never a change of result.
 """
 
 from __future__ import annotations
+import __future__
 
 import contextlib
 import dataclasses
 import inspect
 import math
+import types
 
 from rdepc.toolchain import interpreter_env
 
@@ -56,8 +58,9 @@ def interpreting():
     once (:func:`language_patched_once`), a dot by rows (:func:`dot_by_rows`), no overflow
     checks whose failure nothing would report (:func:`overflow_checks_as_reported`), numpy
     dtypes looked up (:func:`numpy_dtypes_looked_up`), operands' casts decided once per kind
-    (:func:`operand_checks_remembered`), tensors' shapes shared (:func:`tensor_shapes_shared`)
-    and block types' too (:func:`block_types_shared`)."""
+    (:func:`operand_checks_remembered`), tensors' shapes shared (:func:`tensor_shapes_shared`),
+    block types' too (:func:`block_types_shared`) and device functions' rewrites
+    (:func:`rewrites_shared`)."""
     with (
         interpreter_env(True),
         language_patched_once(),
@@ -67,6 +70,7 @@ def interpreting():
         operand_checks_remembered(),
         tensor_shapes_shared(),
         block_types_shared(),
+        rewrites_shared(),
     ):
         yield
 
@@ -222,6 +226,88 @@ def _constant_type(semantic, lhs, value: int, out) -> object:
     same = ours[0] is lhs and ours[1].type == out[1].type and type(a) is type(b)
     same = same and a.dtype == b.dtype and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
     return dtype if same else None
+
+
+# A device function's code → the module code its rewritten syntax tree compiles to, kept for
+# the process: a kernel file of another layer, or the same file elsewhere, holds equal code.
+_REWRITES: dict = {}
+_REWRITES_CHECKED: list[bool] = []  # the process's first rewrite, the interpreter's own: [equal]
+_REWRITE_STEPS = ("_get_jit_fn_file_line", "_find_def", "_prepare_source", "_transform_ast")
+
+
+def rewrites_shared():
+    """For the duration of an interpreted launch, a device function whose code equals one the
+    interpreter rewrote before is defined from that rewrite's compiled code, in its own
+    module and file. The interpreter rewrites the syntax tree of each function of each
+    kernel file it runs (its source read and tokenized, parsed, transformed and compiled),
+    and every layer's kernel file holds the same device functions. Equal code has equal
+    names, constants and positions; what a ``def`` evaluates beside its code must be equal
+    too (the defaults, as defined; the annotations, as first rewritten), and the first
+    rewrite of a process is compared with the interpreter's own."""
+    from triton.runtime import interpreter
+
+    rewriter = getattr(interpreter, "FunctionRewriter", None)
+
+    def make(original):
+        if not all(hasattr(rewriter, step) for step in _REWRITE_STEPS) or _REWRITES_CHECKED == [False]:
+            return None
+
+        def rewrite_ast(self):
+            code = getattr(self.fn, "__code__", None)
+            compiled, annotations = _REWRITES.get(code, (None, None)) if code is not None else (None, None)
+            if compiled is None:
+                compiled, annotations = _rewrite(self), self.fn.__annotations__
+                if compiled is None:  # no source: the interpreter runs the function as it is
+                    return original(self)
+                if not _REWRITES_CHECKED:
+                    ours, theirs = _define(self, compiled, interpreter), original(self)
+                    _REWRITES_CHECKED.append(_defined_alike(ours, theirs) and ours.__code__ == theirs.__code__)
+                    if not _REWRITES_CHECKED[0]:  # not the interpreter's rewrite: never shared
+                        return theirs
+                _REWRITES[code] = compiled, annotations
+            fn = _define(self, _in_file(compiled, code.co_filename), interpreter)
+            alike = _defined_alike(fn, self.fn, annotations=False) and annotations == self.fn.__annotations__
+            return fn if alike else original(self)
+
+        return rewrite_ast
+
+    return _replaced(rewriter, "rewrite_ast", make)
+
+
+def _rewrite(rw):
+    """The module code of the interpreter's rewrite of ``rw.fn`` (a FunctionRewriter), by its own steps."""
+    try:
+        lines, _ = inspect.getsourcelines(rw.fn)
+    except Exception:  # as the interpreter's
+        return None
+    rw.filename, rw.def_file_lineno = rw._get_jit_fn_file_line()
+    rw.def_lineno = rw._find_def(lines)
+    tree = rw._transform_ast(rw._prepare_source(lines))
+    flags = __future__.annotations.compiler_flag  # as the interpreter's module compiles it
+    return compile(tree, filename=rw.filename, mode="exec", flags=flags, dont_inherit=True)
+
+
+def _define(rw, compiled, interpreter):
+    """The function ``compiled`` defines, in ``rw.fn``'s module, beside the interpreter's names (as its own
+    ``_compile_and_exec`` does)."""
+    namespace = {**rw.kwargs}
+    fn_globals = rw.fn.__globals__
+    for key, value in vars(interpreter).items():
+        fn_globals.setdefault(key, value)
+    exec(compiled, fn_globals, namespace)
+    return namespace[rw.fn.__name__]
+
+
+def _in_file(code, filename: str):
+    """``code`` and the code it holds as compiled from ``filename``."""
+    consts = tuple(_in_file(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _defined_alike(fn, other, annotations: bool = True) -> bool:
+    """Whether the ``def`` of ``fn`` and that of ``other`` gave one name and equal defaults (and annotations)."""
+    made = [(f.__name__, f.__defaults__, f.__kwdefaults__, annotations and f.__annotations__) for f in (fn, other)]
+    return made[0] == made[1]
 
 
 def numpy_dtypes_looked_up():

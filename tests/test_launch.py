@@ -95,19 +95,26 @@ def kernels(tmp_path_factory):
 
 def test_device_functions_are_rewritten_before_programs_start(kernels, monkeypatch):
     # CPython 3.11 cannot compile AST objects on two threads at once; the launch must
-    # rewrite every device function on the calling thread.
+    # rewrite every device function on the calling thread (the interpreter's rewrite, or
+    # one shared from equal code: runtime.interpreting.rewrites_shared).
+    import rdepc.runtime.interpreting
     from triton.runtime.interpreter import FunctionRewriter, InterpretedFunction
 
     for f in (kernels.bump, kernels.wait_for):
         InterpretedFunction.rewritten_fn.pop(f.fn, None)
     threads: list[str] = []
-    real = FunctionRewriter.rewrite_ast
 
-    def spy(self):
-        threads.append(threading.current_thread().name)
-        return real(self)
+    def spy(owner, name):
+        real = getattr(owner, name)
 
-    monkeypatch.setattr(FunctionRewriter, "rewrite_ast", spy)
+        def spied(*args):
+            threads.append(threading.current_thread().name)
+            return real(*args)
+
+        monkeypatch.setattr(owner, name, spied)
+
+    spy(FunctionRewriter, "rewrite_ast")
+    spy(rdepc.runtime.interpreting, "_define")
     flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     ConcurrentInterpreter(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
     assert out.tolist() == [0, 1, 1, 1]
@@ -316,3 +323,46 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
     assert 0 < ints_ours < ints_theirs
     assert 0 < blocks_ours < blocks_theirs  # the first of each element type and shape made by the language
     assert made_ours == 2 < made_theirs  # the two tensors that compare the ways of making one
+
+
+SHARED = """
+import triton
+import triton.language as tl
+
+SCALE = {scale}
+
+
+@triton.jit
+def scaled(x, n: tl.constexpr = {n}):
+    return x * SCALE * n
+
+
+@triton.jit
+def times(x_ptr, out_ptr):
+    offs = tl.arange(0, 4)
+    tl.store(out_ptr + offs, scaled(tl.load(x_ptr + offs)))
+"""
+
+
+def test_functions_of_equal_code_share_a_rewrite_in_their_own_module(tmp_path, monkeypatch):
+    """A kernel file elsewhere whose functions' code equals one launched before takes their
+    rewrites, compiled once, with its own constants; a function whose default differs is
+    the interpreter's own rewrite; after the launch the interpreter has its rewriter back."""
+    files = []
+    for i, (scale, n) in enumerate([(2, 1), (3, 1), (3, 5)]):
+        path = tmp_path / f"shared_{i}.py"
+        path.write_text(SHARED.format(scale=scale, n=n), encoding="utf-8")
+        files.append(import_kernels(path, interpret=True))
+    import rdepc.runtime.interpreting  # after the kernels: Triton is imported interpreting
+    from triton.runtime import interpreter
+
+    compiled, own = [], interpreter.FunctionRewriter.rewrite_ast
+    real = rdepc.runtime.interpreting._rewrite
+    monkeypatch.setattr(rdepc.runtime.interpreting, "_rewrite", lambda rw: compiled.append(rw.fn.__name__) or real(rw))
+    x, outs = torch.arange(1.0, 5.0), []
+    for module in files:
+        outs.append(torch.zeros(4))
+        Launcher(True)([(module.times, (1,), (x, outs[-1]), {})])
+        assert interpreter.FunctionRewriter.rewrite_ast is own
+    assert [o.tolist() for o in outs] == [(x * 2).tolist(), (x * 3).tolist(), (x * 15).tolist()]
+    assert compiled == ["times", "scaled"]  # the first file's; the last file's scaled: the interpreter's
