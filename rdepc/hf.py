@@ -13,7 +13,7 @@ DeepSeek-V3, GLM-4-MoE, Ernie-4.5-MoE, HunYuan-MoE-V1, GPT-OSS, Llama-4, MiniMax
 GraniteMoE (and GraniteMoE-Shared's and -Hybrid's blocks), FlexOlmo, the text blocks of
 Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4V-MoE, dots.llm1,
 DeepSeek-V3's clones (Kimi-Linear, EXAONE-MoE, GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash,
-Solar-Open, GLM-MoE-DSA, Bailing-Hybrid, A.X-K2, dots3-note's text block), DeepSeek-OCR-2's and
+Solar-Open, GLM-MoE-DSA, MiniCPM-5-MoE, Bailing-Hybrid, A.X-K2, dots3-note's text block), DeepSeek-OCR-2's and
 Unlimited-OCR's text blocks, GraniteMoE-SWA, Qwen3-MoE's clones (Qwen3-Omni-MoE's thinker and
 talker blocks, Mellum, Qwen4-Exp's text block, Lara-Mini), and, in
 :mod:`rdepc.hf_families_more`, MiniMax-M2, LFM2-MoE and AFMoE (whose selection bias the block

@@ -41,10 +41,11 @@ DeepSeek-OCR-2 DeepseekOcr2TextMoe         as DeepSeek-V2                       
 
 DeepSeek-V3's block under other names maps as it does: Kimi-Linear, EXAONE-MoE,
 GLM-4-MoE-Lite, DeepSeek-V3.2, MiMo-V2-Flash (no shared experts), Solar-Open, GLM-MoE-DSA,
-Bailing-Hybrid (its router's weight held, and its logits computed, in fp32), A.X-K2 (without
-``num_group``: no groups; with groups leaving some out it is refused, as it scores their
-experts 0.0, not -inf, which a negative selection bias can put above the kept ones) and
-dots3-note's text block (``Dots3NoteTextMoE``); DeepSeek-V2's:
+MiniCPM-5-MoE and Bailing-Hybrid (their routers' weights held, and logits computed, in fp32;
+Bailing-Hybrid's block only where its experts and shared MLP are unclamped, as Step-3.7's),
+A.X-K2 (without ``num_group``: no groups; with groups leaving some out it is refused, as it
+scores their experts 0.0, not -inf, which a negative selection bias can put above the kept
+ones) and dots3-note's text block (``Dots3NoteTextMoE``); DeepSeek-V2's:
 Unlimited-OCR's text block; GraniteMoE's: GraniteMoE-SWA's. Qwen3-MoE's router (softmax,
 renormalize: ``norm_topk_prob``) under other names: Qwen3-Omni-MoE's thinker block and Mellum's
 (no shared experts), Qwen3-Omni-MoE's talker block and Qwen4-Exp's text block (Qwen2-MoE's
@@ -103,13 +104,16 @@ from rdepc.hf_parts import (
     _deepseek_v2,
     _deepseek_v3,
     _ernie,
+    _experts,
     _family,
     _gate,
+    _mlp,
     _sigmoid,
     _softmax,
     _softmax_logit_bias,
     _softmax_norm_topk,
     _softmax_renormalized,
+    _unclamped,
     router_terms,
 )  # fmt: skip
 
@@ -282,14 +286,19 @@ for _name, _prefix in (
 # DeepSeek-V3's block under other names: the same router (sigmoid, selection bias, groups,
 # renormalize, scale), experts and shared experts (MiMo-V2-Flash's: none), one row each.
 def _v3_clone(
-    name: str, prefix: str, block: str, shared: bool = True, experts: str | None = None, router=_deepseek_v3
+    name: str,
+    prefix: str,
+    block: str,
+    shared: bool | Part = True,
+    experts: str | Part | None = None,
+    router=_deepseek_v3,
 ) -> Family:
     return _family(
         name, block,
         gate=_gate(f"{prefix}TopkRouter", *_V3_GATE, buffers={"e_score_correction_bias": ANY}),
         experts=experts or f"{prefix}Experts",
         router=router,
-        shared=("shared_experts", f"{prefix}MLP") if shared else None,
+        shared=("shared_experts", shared if isinstance(shared, Part) else f"{prefix}MLP") if shared else None,
         attrs=_CONFIG,
         bias="e_score_correction_bias",
     )  # fmt: skip
@@ -306,9 +315,15 @@ for _name, _prefix, _block, _shared in (
     ("MiMo-V2-Flash", "MiMoV2Flash", "MiMoV2FlashMoE", False),
     ("Solar-Open", "SolarOpen", "SolarOpenMoE", True),
     ("GLM-MoE-DSA", "GlmMoeDsa", "GlmMoeDsaMoE", True),
-    ("Bailing-Hybrid", "BailingHybrid", "BailingHybridMoE", True),  # left-out groups masked to -inf: the spec's
+    ("MiniCPM-5-MoE", "MiniCPM5Moe", "MiniCPM5MoeMoE", True),  # its router's logits in fp32, autocast or not
 ):
     FAMILIES[_block] = _v3_clone(_name, _prefix, _block, _shared)
+# Bailing-Hybrid: left-out groups masked to -inf, as the spec's; on the layers its swiglu_limits and
+# swiglu_limits_shared name, its experts and shared MLP clamp SwiGLU (refused: see _unclamped).
+FAMILIES["BailingHybridMoE"] = _v3_clone(
+    "Bailing-Hybrid", "BailingHybrid", "BailingHybridMoE",
+    shared=_unclamped(_mlp("BailingHybridMLP")), experts=_unclamped(_experts("BailingHybridExperts")),
+)  # fmt: skip
 # A.X-K2: without num_group (the light checkpoints) no groups; with groups leaving some out, refused
 FAMILIES["AXK2MoE"] = _v3_clone("A.X-K2", "AXK2", "AXK2MoE", router=_axk2)
 # dots3-note's text block: its experts' class is the model's, not the text model's.
@@ -359,6 +374,10 @@ _SOFTCAPPED = (
     "experts computing a softcapped SwiGLU (tanh caps: mlp_gate_softcap on the gate's linear factor, mlp_up_softcap "
     "on up), which the spec language has no function for"
 )
+_LOGIT_SELECTION_BIAS = (
+    "a selection bias added to the logits (the top-K of z + b, gates sigmoid(z)), where the spec's bias is added to "
+    "the scores (sigmoid(z) + b)"
+)
 UNMAPPED: dict[str, str] = {
     "PhimoeSparseMoeBlock": "PhiMoE's SparseMixer gates, a router rule the spec language has no terms for",
     "JetMoeMoE": "one output bias for the whole layer, which the spec language has no term for",
@@ -376,6 +395,9 @@ UNMAPPED: dict[str, str] = {
     "term in the spec language",
     "DogeCDMoE": "product-key retrieval over num_keys² single-neuron experts held as embeddings (down_embed, "
     "up_embed), a router rule and expert function the spec language has no terms for",
+    "ErgoMoE": "non-gated ReLU² experts and shared expert (the spec's relu is not squared), each one's output "
+    "RMS-normalised with a learned scale of its own before it is weighed and summed (experts.post_expert_norm, "
+    "shared_experts.norm), which the spec language has no terms for",
     "Ernie4_5_VLMoeMoeBlock": "modality-isolated experts: a text and a vision set, each token routed in one by "
     "moe_mm_token_type_ids, which the spec language has no term for",
     "Ernie4_5_VLMoeSparseMoeBlock": "the text or vision half of Ernie4_5_VLMoeMoeBlock (refused), returning its "
@@ -388,8 +410,8 @@ UNMAPPED: dict[str, str] = {
     "Inkling2LoopSparseMoeBlock": _SOFTCAPPED,
     "InklingMoE": "shared experts weighted by the router too: the top-K and the shared experts' sigmoid scores "
     "normalised together, times a learned global_scale, which the spec language has no terms for",
-    "Kolibri1SparseMoeBlock": "a selection bias added to the logits (the top-K of z + b, gates sigmoid(z)), where the "
-    "spec's bias is added to the scores (sigmoid(z) + b)",
+    "Kolibri1SparseMoeBlock": _LOGIT_SELECTION_BIAS,
+    "Kolibri1_1SparseMoeBlock": _LOGIT_SELECTION_BIAS,
     "LongcatFlashMoE": "zero-computation experts (zero_expert_num: a route to one returns the token itself, times its "
     "gate), which the spec language has no expert function for",
     "MuseSparkMoE": "a projection to moe_hidden_size and a centred RMSNorm before the experts and one back after "

@@ -34,7 +34,7 @@ Laguna         LagunaSparseMoeBlock        sigmoid, bias, renormalize, scale S (
                                            block's ``routed_scaling_factor``); only
                                            without ``router_logit_softcapping``
 Step-3.7       Step3p7SparseMoeBlock       as Laguna; only where its experts and       ``shared_experts``
-                                           shared MLP are unclamped (``limit`` inf)
+                                           shared MLP are unclamped (``limit`` None)
 MiniMax-M3-VL  MiniMaxM3VLSparseMoeBlock   sigmoid, bias, renormalize, scale S (S: the ``shared_experts``,
                (its text model's)          block's ``routed_scaling_factor``)          ungated
 privacy filter OpenAIPrivacyFilterMLP      as GPT-OSS, scale N/K (N: the block's       none
@@ -48,8 +48,10 @@ softmax scores, without a selection bias (G, M, S: the router's ``num_group``, `
 own ``routed_scaling_factor`` (the spec's ``scale``: the same product, gate by gate), so their
 router rule reads the block, and top-K its router. Laguna's router keeps its selection bias as
 a parameter without gradient (``gate.e_score_correction_bias``); Step-3.7's experts and shared
-MLP clamp their SwiGLU on the layers its ``swiglu_limits`` and ``swiglu_limits_shared`` name,
-an expert function the spec language lacks: those blocks are refused (``experts.limit``).
+MLP clamp their SwiGLU on the layers its ``swiglu_limits`` and ``swiglu_limits_shared`` name
+(SiLU(g) capped at L, u clamped to ±L), an expert function the spec language lacks: those
+blocks are refused (``experts.limit``, ``shared_experts.limit``: L, where an unclamped layer's
+is None, or inf in transformers 5.24).
 
 MiniMax-M3-VL's experts and shared MLP compute GPT-OSS's clamped SwiGLU without biases (the
 spec's ``clamped_swiglu(ffn = F, limit = L, alpha = a)`` and ``shared clamped_swiglu(...)``,
@@ -88,7 +90,6 @@ the 1-norm), and LFM2-MoE with ``norm_topk_prob``, which divides them by their s
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from fractions import Fraction
 
@@ -105,6 +106,7 @@ from rdepc.hf_parts import (
     _gate,
     _mlp,
     _softmax_renormalized,
+    _unclamped,
     router_terms,
 )  # fmt: skip
 
@@ -208,10 +210,10 @@ _LAGUNA_ROUTER = Part(
     attrs=dict.fromkeys(("top_k", "num_experts", "hidden_dim", "router_logit_softcapping"), ANY),
 )
 
-# Step-3.7's experts and shared MLP clamp SwiGLU at a per-layer limit (swiglu_limits, swiglu_limits_shared):
-# without one (inf) they are plain SwiGLU, and only then mapped.
-_STEP3P7_EXPERTS = replace(_experts("Step3p7Experts"), attrs=_experts("Step3p7Experts").attrs | {"limit": math.inf})
-_STEP3P7_SHARED = replace(_mlp("Step3p7MLP"), attrs=_mlp("Step3p7MLP").attrs | {"limit": math.inf})
+# Step-3.7's experts and shared MLP clamp SwiGLU on the layers swiglu_limits and swiglu_limits_shared name: see
+# _unclamped.
+_STEP3P7_EXPERTS = _unclamped(_experts("Step3p7Experts"))
+_STEP3P7_SHARED = _unclamped(_mlp("Step3p7MLP"))
 
 # OpenAI's privacy filter: GPT-OSS's router and experts (in fp32 whatever the input's dtype), gate and up in halves.
 _PRIVACY_FILTER_ROUTER = replace(_GPT_OSS_ROUTER, classes=("OpenAIPrivacyFilterTopKRouter",))

@@ -8,8 +8,9 @@ the reason it cannot be expressed).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from torch import nn
@@ -21,14 +22,25 @@ SILU = ("SiLU", "SiLUActivation", "silu")  # the module classes, and torch's fun
 @dataclass(frozen=True)
 class Part:
     """A submodule swap knows: its class, and the children, parameters, buffers and plain
-    attributes it may have, each name mapped to the value it must have (or ANY; a child to its
-    Part). ``classes`` None: any class, not looked into (an activation, compared with the spec)."""
+    attributes it may have, each name mapped to the value it must have (or ANY, or a OneOf of
+    values; a child to its Part). ``classes`` None: any class, not looked into (an activation,
+    compared with the spec)."""
 
     classes: tuple[str, ...] | None
     children: dict[str, Part] = field(default_factory=dict)
     params: dict[str, object] = field(default_factory=dict)
     buffers: dict[str, object] = field(default_factory=dict)
     attrs: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """An attribute's values a Part accepts, each computing the same (no clamp: None, or inf)."""
+
+    values: tuple
+
+    def __repr__(self) -> str:
+        return " or ".join(map(repr, self.values))
 
 
 _ACT = Part(None)
@@ -51,6 +63,14 @@ def _experts(cls: str) -> Part:
     attrs = {"num_experts": ANY, "hidden_dim": ANY, "intermediate_dim": ANY, "config": ANY}
     attrs |= _EXPERT_LAYOUT | {"is_concatenated": True}  # the attributes transformers' expert kernels read
     return Part((cls,), {"act_fn": _ACT}, params={"gate_up_proj": ANY, "down_proj": ANY}, attrs=attrs)
+
+
+# Step-3.7's and Bailing-Hybrid's experts and shared MLP clamp SwiGLU after the activation on the layers their config
+# names (SiLU(g) capped at L, u clamped to ±L), a function the spec language lacks: mapped only on the layers without
+# a limit (None; inf in transformers 5.24's Step-3.7, a clamp that changes nothing). limit_after_act (the clamp's
+# order) is read only with a limit.
+def _unclamped(part: Part) -> Part:
+    return replace(part, attrs=part.attrs | {"limit": OneOf((None, math.inf)), "limit_after_act": ANY})
 
 
 _GPT_OSS_ROUTER = Part(

@@ -24,7 +24,7 @@ from torch import nn
 
 from rdepc.api import UsageError
 from rdepc.hf_families import ANY, FAMILIES, SILU, UNMAPPED, Family, Part
-from rdepc.hf_parts import BIASED_LAYOUTS, CLAMPED_FUSED
+from rdepc.hf_parts import BIASED_LAYOUTS, CLAMPED_FUSED, OneOf
 
 
 class SwapError(UsageError):
@@ -113,7 +113,7 @@ def walk(where: str, m: nn.Module, part: Part, path: str = "") -> None:
         if name not in part.attrs:
             raise SwapError(f"{where} has attribute {path}{name} = {_short(v)}, which rdepc.hf does not map")
         want = part.attrs[name]
-        if want is not ANY and v != want:
+        if want is not ANY and not (v in want.values if isinstance(want, OneOf) else v == want):
             raise SwapError(f"{where} has {path}{name} = {_short(v)}, and rdepc.hf maps only {want!r}")
 
 
