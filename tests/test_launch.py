@@ -260,6 +260,40 @@ def test_numpy_dtypes_are_the_interpreters_own_and_its_function_is_restored():
     assert asked == [original(t) for t in kinds * 2]
 
 
+def test_builtins_are_called_with_the_interpreters_semantic_and_its_patch_is_restored(kernels):
+    """A builtin patched by a launch computes what the interpreter's patch computes, with a
+    semantic of the interpreter's builder (the one its patch passes), whatever ``_semantic``
+    the call gives, without the wrapper's check; a member that is no wrapper of the
+    language's ``builtin`` is called as it is; after the launch the interpreter patches its
+    own way again. (``kernels``: Triton imported interpreting.)"""
+    import triton.language as tl
+    from rdepc.runtime.interpreting import _Scope, builtins_called_directly
+    from triton.runtime import interpreter
+
+    seen = []
+
+    def add(x, y=0, _semantic=None):
+        seen.append(_semantic)
+        return x + y
+
+    wrapped, plain = tl.core.builtin(add), lambda x, _semantic=None: seen.append(_semantic) or -x
+    original, builder = interpreter._patch_attr, interpreter.interpreter_builder
+    theirs, ours = _Scope(), _Scope()
+    with builtins_called_directly():
+        assert interpreter._patch_attr is not original
+        for member in (wrapped, plain):
+            original(object, "f", member, builder, theirs)
+            interpreter._patch_attr(object, "f", member, builder, ours)
+            assert ours.value is not theirs.value and ours.value.__code__ is not theirs.value.__code__
+            args = (5, 2) if member is wrapped else (5,)
+            assert ours.value(*args) == theirs.value(*args) == ours.value(*args, _semantic=None)
+            assert [type(s) for s in seen] == [type(seen[0])] * 3 and all(s.builder is builder for s in seen)
+            seen.clear()
+    assert interpreter._patch_attr is original
+    with pytest.raises(ValueError, match="_semantic"):
+        wrapped(1, 2)
+
+
 def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels, monkeypatch):
     """A launch decides a binary operation's casts and broadcasts once per kind of operands:
     two tensors let through unchecked only where the language returns them as they are (fp16
@@ -313,6 +347,7 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
         m.setattr(rdepc.runtime.interpreting, "operand_checks_remembered", contextlib.nullcontext)
         m.setattr(rdepc.runtime.interpreting, "tensor_shapes_shared", contextlib.nullcontext)
         m.setattr(rdepc.runtime.interpreting, "block_types_shared", contextlib.nullcontext)
+        m.setattr(rdepc.runtime.interpreting, "builtins_called_directly", contextlib.nullcontext)
         theirs = run()
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours, theirs, strict=True))
     assert ours[1].abs().sum() > 0 and ours[3].sum() > 0 and ours[2].abs().sum() > 0

@@ -25,7 +25,20 @@ DECORATORS = ("triton.jit", "core.extern")
 def functions(module: str) -> list[tuple[str, str]]:
     """(name, source) of the device functions of ``module`` (a file here, without ``.py``),
     in file order, each from its decorator to its last line, verbatim."""
-    text = (HERE / f"{module}.py").read_text(encoding="utf-8")
+    path = HERE / f"{module}.py"
+    st = path.stat()
+    # Every generated file includes every module: parsing them was most of a generation's time.
+    # Keyed by the file's identity, an edited module is read again.
+    key = (module, st.st_mtime_ns, st.st_size)
+    if key not in _PARSED:
+        _PARSED[key] = tuple(_parse(path.read_text(encoding="utf-8")))
+    return list(_PARSED[key])
+
+
+_PARSED: dict[tuple[str, int, int], tuple[tuple[str, str], ...]] = {}
+
+
+def _parse(text: str) -> list[tuple[str, str]]:
     lines = text.split("\n")
     out = []
     for node in ast.parse(text).body:
