@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import threading
 
-from rdepc.runtime.interpreting import interpreting
+from rdepc.runtime.interpreting import interpreting, polls_yield
 
 
 class Launcher:
@@ -242,7 +242,7 @@ class ConcurrentInterpreter(Launcher):
         except ImportError as e:  # pragma: no cover - Triton is pinned
             raise RuntimeError(f"rdepc: concurrent interpreted programs need Triton 3.6's interpreter: {e}") from e
         self.launches += len(launches)
-        with interpreting():
+        with interpreting(), polls_yield():
             prepared, scopes, threads, errors = [], [], [], []
             try:
                 for kernel, grid, args, meta in launches:

@@ -121,6 +121,26 @@ def test_device_functions_are_rewritten_before_programs_start(kernels, monkeypat
     assert len(threads) >= 2 and set(threads) == {threading.main_thread().name}
 
 
+def test_concurrent_programs_give_up_the_gil_at_each_poll_and_only_there(kernels, monkeypatch):
+    """Under the concurrent interpreter each atomic that adds nothing (a waiter's poll) gives
+    up the GIL, and no other: three waiters poll at least once each, program 0's bump does
+    not yield; one program after another (Triton's launch) nothing yields; after the launch
+    the interpreter has its atomic back."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    real, polls, sleep = InterpreterBuilder.create_atomic_rmw, [], time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (polls.append(s), sleep(s)))
+    flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    ConcurrentInterpreter(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
+    assert out.tolist() == [0, 1, 1, 1] and flag.item() == 1
+    assert len(polls) >= 3 and set(polls) == {0}
+    assert InterpreterBuilder.create_atomic_rmw is real
+    polls.clear()
+    flag.zero_(), out.zero_()
+    Launcher(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
+    assert out.tolist() == [0, 1, 1, 1] and polls == []
+
+
 def test_a_failing_program_stops_its_waiting_peers(kernels):
     flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     start = time.monotonic()

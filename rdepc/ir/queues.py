@@ -51,7 +51,8 @@ MODES = ("unified", "split", "phased")
 # kernel's forward and backward in every example, its CUDA graph replays and a withheld task
 # ends its call (H200, bench/results/h200-2026-11-27-lease/), and moonlight at T' = 4096 takes
 # 18.5 ms against the unified kernel's 21.4. Under the interpreter, unified: split mode's
-# programs are threads that spin against each other for the GIL (tiny: 2.8 s a call against 1.5).
+# programs are threads, its waiters polling for the GIL (tiny: 1.06 s of CPU a call against 0.96;
+# 3.3 s before each poll gave the GIL up, runtime.interpreting.polls_yield).
 NATIVE_MODE = "split"
 INTERPRETED_MODE = "unified"
 
