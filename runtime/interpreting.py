@@ -53,6 +53,7 @@ def language_patched_once():
 
 
 _RMW_PARAMS = ["self", "rmwOp", "ptr", "val", "mask", "sem", "scope"]
+_PATCH_PARAMS = ["obj", "name", "member", "builder", "scope"]
 
 
 def polls_yield():
@@ -100,14 +101,14 @@ def builtins_called_directly():
     ``_semantic`` in the keyword arguments the call made for it, to the very semantic the
     interpreter's patch passes (asked of it at each patch), and calls the function the
     language's ``builtin`` wrapped, whose check passes; a builtin wrapped otherwise is
-    called as it is. An interpreter without ``_patch_attr`` is left alone."""
+    called as it is. An interpreter whose ``_patch_attr`` takes other parameters is left alone."""
     import triton.language as tl
     from triton.runtime import interpreter
 
     wrapper = getattr(tl.core.builtin(lambda _semantic=None: None), "__code__", None)
 
     def make(original):
-        if len(inspect.signature(original).parameters) != 5:
+        if list(inspect.signature(original).parameters) != _PATCH_PARAMS:
             return None
 
         def patch_attr(obj, name, member, builder, scope):

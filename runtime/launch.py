@@ -228,8 +228,9 @@ class ConcurrentInterpreter(Launcher):
     the transport kernel must not hold the only turn. Each thread runs its kernel as
     program 0 of a grid of 1, with ``program_base`` = its index among its kernel's programs
     where the kernel takes one (``rdep_gemm`` finds its items by it; ``rdep_layer`` takes
-    tickets). The threads interleave preemptively under the GIL; the interpreter's atomics
-    are single C++ calls under the GIL, so they stay atomic.
+    tickets). The threads interleave preemptively under the GIL, a waiter giving it up at
+    each poll (``polls_yield``); the interpreter's atomics are single C++ calls under the
+    GIL, so they stay atomic.
 
     It drives the interpreter's own pieces (``GridExecutor``'s argument copies, the language
     patch, ``interpreter_builder``), as Triton 3.6 defines them; another Triton fails with a

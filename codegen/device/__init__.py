@@ -16,6 +16,7 @@ writes.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,20 +26,15 @@ DECORATORS = ("triton.jit", "core.extern")
 def functions(module: str) -> list[tuple[str, str]]:
     """(name, source) of the device functions of ``module`` (a file here, without ``.py``),
     in file order, each from its decorator to its last line, verbatim."""
-    path = HERE / f"{module}.py"
-    st = path.stat()
     # Every generated file includes every module: parsing them was most of a generation's time.
     # Keyed by the file's identity, an edited module is read again.
-    key = (module, st.st_mtime_ns, st.st_size)
-    if key not in _PARSED:
-        _PARSED[key] = tuple(_parse(path.read_text(encoding="utf-8")))
-    return list(_PARSED[key])
+    st = (HERE / f"{module}.py").stat()
+    return list(_parsed(module, st.st_mtime_ns, st.st_size))
 
 
-_PARSED: dict[tuple[str, int, int], tuple[tuple[str, str], ...]] = {}
-
-
-def _parse(text: str) -> list[tuple[str, str]]:
+@functools.cache
+def _parsed(module: str, mtime_ns: int, size: int) -> tuple[tuple[str, str], ...]:
+    text = (HERE / f"{module}.py").read_text(encoding="utf-8")
     lines = text.split("\n")
     out = []
     for node in ast.parse(text).body:
@@ -47,7 +43,7 @@ def _parse(text: str) -> list[tuple[str, str]]:
         names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
         if any(n in DECORATORS for n in names):
             out.append((node.name, "\n".join(lines[node.decorator_list[0].lineno - 1 : node.end_lineno])))
-    return out
+    return tuple(out)
 
 
 def include(module: str, names: tuple[str, ...] | None = None) -> str:
