@@ -129,12 +129,19 @@ def test_concurrent_programs_give_up_the_gil_at_each_poll_and_only_there(kernels
     from triton.runtime.interpreter import InterpreterBuilder
 
     real, polls, sleep = InterpreterBuilder.create_atomic_rmw, [], time.sleep
+    adds = []  # what each atomic added, seen under the replacement (which wraps this)
+
+    def atomic(self, rmwOp, ptr, val, mask, sem, scope):
+        adds.append(int(val.data.sum()))
+        return real(self, rmwOp, ptr, val, mask, sem, scope)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", atomic)
     monkeypatch.setattr(time, "sleep", lambda s: (polls.append(s), sleep(s)))
     flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     ConcurrentInterpreter(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
     assert out.tolist() == [0, 1, 1, 1] and flag.item() == 1
-    assert len(polls) >= 3 and set(polls) == {0}
-    assert InterpreterBuilder.create_atomic_rmw is real
+    assert adds.count(1) == 1 and len(polls) == adds.count(0) >= 3 and set(polls) == {0}  # the bump did not yield
+    assert InterpreterBuilder.create_atomic_rmw is atomic
     polls.clear()
     flag.zero_(), out.zero_()
     Launcher(True)([(kernels.handshake, (4,), (flag, out, 1 << 20), {"fail": False, "program_base": 0})])
