@@ -18,8 +18,9 @@ their operands arrive by TMA (``cp.async.bulk.tensor``), the acquire loads and r
 atomics of the flag protocol, and whether NVSHMEM's device code is in it. A ``balance
 replicate`` layer's own kernels (the plan, the exchange) are compiled beside the layer's
 (:data:`BALANCE_KERNELS`: their resources only). Kernels generated for the
-``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``), which
-needs the ``nvidia-nvshmem-cu13`` wheel but no GPU.
+``nvshmem`` transport are linked against NVSHMEM's device bitcode (``extern_libs``: the part
+of it they call, ``rdepc.toolchain.nvshmem_library``), which needs the ``nvidia-nvshmem-cu13``
+wheel but no GPU.
 
 A kernel is compiled as a launch runs it. Triton's JIT specialises every launch on its
 argument values (a pointer whose address is a multiple of 16 and an int divisible by 16
@@ -260,14 +261,14 @@ def variant_meta(
 
 def launch_options(contract: KernelContract, tiles: Tiles, arch: int | None = None) -> dict:
     """The options besides the constexprs a native launch passes Triton: ``num_warps`` and,
-    for the nvshmem transport, NVSHMEM's bitcode as ``extern_libs`` (as
-    ``runtime.nvshmem.NvshmemLauncher`` adds it; ``arch``: the bitcode for that architecture,
+    for the nvshmem transport, NVSHMEM's device library as ``extern_libs`` (as
+    ``runtime.nvshmem.NvshmemLauncher`` adds it; ``arch``: the library for that architecture,
     default the launcher's)."""
     options: dict = {"num_warps": tiles.num_warps}
     if contract.transport == "nvshmem":
-        from rdepc.toolchain import EXTERN_LIB, bitcode_path
+        from rdepc.toolchain import nvshmem_extern_libs
 
-        options["extern_libs"] = {EXTERN_LIB: str(bitcode_path() if arch is None else bitcode_path(arch))}
+        options["extern_libs"] = nvshmem_extern_libs() if arch is None else nvshmem_extern_libs(arch)
     return options
 
 
@@ -394,10 +395,10 @@ def _compile(
     tiles = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     options: dict = {"num_warps": tiles.num_warps}
     if contract.transport == "nvshmem":
-        # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's bitcode.
-        from rdepc.toolchain import EXTERN_LIB, bitcode_path
+        # The nvshmem transport's device half calls nvshmem_ptr: link NVSHMEM's library.
+        from rdepc.toolchain import nvshmem_extern_libs
 
-        options["extern_libs"] = {EXTERN_LIB: str(bitcode_path(arch))}
+        options["extern_libs"] = nvshmem_extern_libs(arch)
     out = []
     balance = BALANCE_KERNELS[TRANSPORT_PROCESSES[contract.transport]] if contract.balance[0] else ()
     for kernel in kernels or (*balance, *KERNELS):

@@ -1,6 +1,6 @@
 """The Triton and NVSHMEM toolchain of this process, for the code generator and the
 runtime alike: which mode Triton runs in, importing generated kernels in the right one, and
-where NVSHMEM's device bitcode is.
+where NVSHMEM's device bitcode is and the part of it a kernel links.
 
 Triton fixes a process's mode when it is first imported: ``triton.language``'s own
 ``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) are decorated then, as interpreted or as
@@ -17,6 +17,7 @@ Importing this module imports neither torch nor triton.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -153,3 +154,50 @@ def package_home() -> str:
     folder's ``rdepc/`` (without ``passes``, ``codegen``, ... beside it) shadows an installed
     wheel. An editable install resolves the rest from there as it does here."""
     return str(Path(__file__).resolve().parent.parent)
+
+
+# NVSHMEM's device functions rdepc's kernels call (codegen/device/nvshmem.py), with their C
+# types as an LLVM-dialect declaration.
+NVSHMEM_CALLED = {"nvshmem_ptr": "(!llvm.ptr, i32) -> !llvm.ptr"}
+
+
+def nvshmem_extern_libs(arch: int = 90) -> dict[str, str]:
+    """The ``extern_libs`` option of every native nvshmem kernel (a launch, a prewarm, an
+    sm_90 compile alike): :func:`nvshmem_library`. Triton's cache key hashes the file's content."""
+    return {EXTERN_LIB: str(nvshmem_library(arch))}
+
+
+@functools.cache
+def nvshmem_library(arch: int = 90) -> Path:
+    """NVSHMEM's device bitcode cut to :data:`NVSHMEM_CALLED` and what they reach, as LLVM IR
+    in Triton's cache (made once per bitcode and Triton version). Triton links an extern
+    library by parsing the whole file: the 31 MB bitcode cost 5 s of every nvshmem build (of
+    8-17 s), its 4 KB cut nothing, and the kernel linked against either is the same cubin
+    (tests/test_nvshmem.py). The cut is Triton's own link of the bitcode into a module of the
+    declarations alone, the functions it links internal there made external again."""
+    import tempfile
+
+    import triton
+    from triton._C.libtriton import ir, llvm
+    from triton.runtime.cache import get_cache_manager
+
+    full = bitcode_path(arch)
+    with full.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    key = hashlib.sha256(f"{triton.__version__} {digest} {sorted(NVSHMEM_CALLED.items())}".encode()).hexdigest()
+    cache, name = get_cache_manager(key), f"{EXTERN_LIB}_cut.ll"
+    if (have := cache.get_file(name)) is not None:
+        return Path(have)
+    decls = "".join(f"  llvm.func @{fn}{ty}\n" for fn, ty in NVSHMEM_CALLED.items())
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "decls.mlir").write_text("module {\n" + decls + "}\n", encoding="utf-8")
+        context = ir.context()
+        ir.load_dialects(context)
+        module = llvm.to_module(ir.parse_mlir_module(str(Path(tmp) / "decls.mlir"), context), llvm.context())
+    llvm.link_extern_libs(module, [str(full)])
+    text = str(module)
+    for fn in NVSHMEM_CALLED:
+        text, found = re.subn(rf"^define internal (.*@{fn}\()", r"define \1", text, count=1, flags=re.M)
+        if not found:
+            raise NvshmemUnavailable(f"rdepc: NVSHMEM's device bitcode {full} does not define {fn}")
+    return Path(cache.put(text, name, binary=False))

@@ -11,8 +11,9 @@ Device half (``NVSHMEM_DEVICE``, kept with the other transports in ``rdepc.runti
     programs storing rows is where the bandwidth comes from; one ``putmem`` block call is
     slow). Signals and waits are the emulated ones at *system* scope, because the ranks are
     separate processes. ``nvshmem_ptr`` is declared here as a Triton extern over the
-    ``libnvshmem_device`` bitcode; Triton links that bitcode when ``extern_libs`` names it
-    (:func:`bitcode_path`), which works without a GPU, so CI compiles these kernels too.
+    ``libnvshmem_device`` bitcode; Triton links the part of it the kernels call when
+    ``extern_libs`` names it (``rdepc.toolchain.nvshmem_library``), which works without a GPU,
+    so CI compiles these kernels too.
 
 Host half (:class:`NvshmemWorld`, :class:`NvshmemLauncher`)
     Run under ``torchrun``: ``NvshmemWorld.start()`` joins (or starts) a gloo process group,
@@ -41,7 +42,7 @@ import threading
 from rdepc.runtime.launch import Launcher
 from rdepc.runtime.ranks import HOST_TIMEOUT
 
-from rdepc.toolchain import EXTERN_LIB, INSTALL_HINT, NvshmemUnavailable, bitcode_path, one_line
+from rdepc.toolchain import INSTALL_HINT, NvshmemUnavailable, nvshmem_extern_libs, nvshmem_library, one_line
 
 
 class NvshmemWorld:
@@ -100,7 +101,7 @@ class NvshmemWorld:
             raise NvshmemUnavailable(
                 f"rdepc: the nvshmem backend needs nvshmem4py ({one_line(e)}): {INSTALL_HINT}"
             ) from e
-        bitcode_path()  # fail here, not at the first launch, when the bitcode is missing
+        nvshmem_library()  # fail here, not at the first launch, when the bitcode is missing (and cut it once)
 
         import torch.distributed as dist
 
@@ -216,7 +217,7 @@ class NvshmemLauncher(Launcher):
     def __init__(self, world: NvshmemWorld | None = None):
         super().__init__(interpret=False)
         self.world = world if world is not None else NvshmemWorld.start()
-        self.extern_libs = {EXTERN_LIB: str(bitcode_path())}
+        self.extern_libs = nvshmem_extern_libs()
 
     def _prepare(self, kernel, grid: tuple[int, ...], args: tuple, meta: dict):
         extern = {**meta, "extern_libs": self.extern_libs}  # an option: part of Triton's cache key

@@ -379,7 +379,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     ``JITFunction.run`` up to its cache lookup, and ``launch_requests`` for the same variants
     go through ``prewarm`` (keys only), whose compiling process computes the key again in
     its own environment. The nvshmem launcher
-    (NVSHMEM's bitcode as ``extern_libs``) gives the key prewarm computes for the nvshmem
+    (NVSHMEM's device library as ``extern_libs``) gives the key prewarm computes for the nvshmem
     transport's file too (its arguments: aligned stand-ins with the rank's launch values)."""
     from rdepc.codegen.prewarm import PASSES, launch_requests
     from rdepc.codegen.sm90 import native_launch, variant_meta

@@ -1,5 +1,6 @@
-"""The nvshmem transport without a GPU: its device half links against NVSHMEM's bitcode and
-compiles to an sm_90 cubin, and its host half says clearly why it cannot start on a CPU.
+"""The nvshmem transport without a GPU: its device half links against NVSHMEM's bitcode (the
+part of it rdepc links, the same cubin) and compiles to an sm_90 cubin, and its host half says
+clearly why it cannot start on a CPU.
 
 The compiles run in a subprocess with TRITON_INTERPRET=0 (as rdepc.codegen.sm90 does): this
 process may run the Triton interpreter for other tests, and Triton fixes its mode at first
@@ -44,36 +45,37 @@ def plain(out, BLOCK: tl.constexpr):
     tl.store(out + tl.arange(0, BLOCK), tl.arange(0, BLOCK))
 """
 
-# Runs in the subprocess: compile the probe with and without the bitcode; one JSON line out.
+# Runs in the subprocess: compile the probe against the whole bitcode, against the library cut
+# from it (as rdepc links it), and without either; one JSON line out.
 COMPILE = textwrap.dedent(
     """
-    import importlib.util, json, sys
+    import hashlib, importlib.util, json, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from rdepc.toolchain import EXTERN_LIB, bitcode_path, nvshmem_extern_libs
 
-    path, bitcode = sys.argv[1], sys.argv[2]
-    spec = importlib.util.spec_from_file_location("nvshmem_probe", path)
+    spec = importlib.util.spec_from_file_location("nvshmem_probe", sys.argv[1])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     signature = {"heap": "*u8", "to": "i32", "n": "i32", "bound": "i32", "stop": "*i64", "out": "*i32"}
     signature["BLOCK"] = "constexpr"
     result = {}
-    for linked in (True, False):
-        options = {"num_warps": 4}
-        if linked:
-            options["extern_libs"] = {"libnvshmem_device": bitcode}
+    libs = {"bitcode": {EXTERN_LIB: str(bitcode_path())}, "cut": nvshmem_extern_libs(), "none": {}}
+    for linked, extern in libs.items():
         src = ASTSource(fn=module.probe, signature=signature, constexprs={"BLOCK": 64})
         try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-            result[str(linked)] = {"cubin": len(k.asm["cubin"]), "ptx": k.asm["ptx"]}
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "extern_libs": extern})
+            cubin = hashlib.sha256(k.asm["cubin"]).hexdigest()
+            result[linked] = {"cubin": len(k.asm["cubin"]), "cubin_sha256": cubin, "ptx": k.asm["ptx"]}
         except Exception as e:
-            result[str(linked)] = {"error": f"{type(e).__name__}: {e}"}
+            result[linked] = {"error": f"{type(e).__name__}: {e}"}
     # a kernel that calls nothing of NVSHMEM's, compiled as the nvshmem launcher compiles every kernel
     src = ASTSource(fn=module.plain, signature={"out": "*i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 64})
-    options = {"num_warps": 4, "extern_libs": {"libnvshmem_device": bitcode}}
+    options = {"num_warps": 4, "extern_libs": nvshmem_extern_libs()}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     result["plain"] = {"ptx": k.asm["ptx"]}
+    result["cut_bytes"] = len(open(nvshmem_extern_libs()[EXTERN_LIB], "rb").read())
     print(json.dumps(result))
     """
 )
@@ -116,10 +118,11 @@ def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     kernel.write_text(
         HEADER + "HEAP_BYTES = tl.constexpr(256)\n" + transport.source("nvshmem") + PROBE_KERNEL, encoding="utf-8"
     )
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    # a cache of its own: both builds made here, from this file, not found from an earlier run
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(kernel), str(bitcode_path())],
+        [sys.executable, "-c", COMPILE, str(kernel)],
         capture_output=True,
         text=True,
         env=env,
@@ -128,8 +131,13 @@ def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
 
-    linked = result["True"]
+    linked = result["bitcode"]
     assert "error" not in linked, linked.get("error")
+    # the library rdepc links, cut from the 31 MB bitcode to nvshmem_ptr and what it reads, gives
+    # the same cubin, byte for byte
+    assert "error" not in result["cut"], result["cut"].get("error")
+    assert result["cut"]["cubin_sha256"] == linked["cubin_sha256"] and result["cut"]["ptx"] == linked["ptx"]
+    assert 0 < result["cut_bytes"] < bitcode_path().stat().st_size // 1000
     ptx = linked["ptx"]
     assert linked["cubin"] > 0
     assert re.search(r"^\.target sm_90a\b", ptx, re.M)
@@ -139,7 +147,7 @@ def test_probe_kernel_links_nvshmem_and_compiles_for_sm90(tmp_path):
     assert not needs_module_init(result["plain"]["ptx"])  # nothing linked: module_init would fail on it
     assert not re.search(r"\.extern\s+\.func.*nvshmem_ptr", ptx)
 
-    unlinked = result["False"]
+    unlinked = result["none"]
     assert "nvshmem_ptr" in unlinked.get("error", ""), "without the bitcode nvshmem_ptr must stay unresolved"
 
 
