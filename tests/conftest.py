@@ -65,6 +65,13 @@ def orphan_heaps() -> set[str]:
 
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.rdep"))
+# Examples whose generated kernels are another example's: what sets them apart (their routers,
+# their shared experts, Qwen2's and Qwen3-Next's gate on them) is torch, not Triton.
+TORCH_APART = {"deepseek_v2", "qwen2_moe", "qwen3_next_80b_a3b", "ernie45_21b_a3b", "hunyuan_a13b"}
+# Examples whose kernels are another's at other sizes, the same code: nvl72_e128's are
+# mixtral_8x7b's (bf16 SwiGLU, a capacity dropping round-robin, renormalised), qwen3_30b_a3b's
+# moonlight's (its choices to the constant).
+RESIZED = {"nvl72_e128": "mixtral_8x7b", "qwen3_30b_a3b": "moonlight"}
 TINY = ROOT / "examples" / "tiny.rdep"
 
 

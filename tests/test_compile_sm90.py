@@ -23,7 +23,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EXAMPLES, HANG_S, ROOT, tiny_segmented
+from conftest import EXAMPLES, HANG_S, RESIZED, ROOT, TORCH_APART, tiny_segmented
 from rdepc.codegen import write_module
 from rdepc.codegen.sm90 import BALANCE_KERNELS, H100_SHARED, KERNELS, compile_cubins, cubin_name
 
@@ -34,16 +34,11 @@ from rdepc.driver import generate_spec
 EVERY_EXAMPLE = ("rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep_gemm.backward", "rdep_layer")
 
 
-# Examples whose builds another example's cover: a router or a shared gate is torch, not a kernel;
-# nvl72_e128's are mixtral_8x7b's (bf16 SwiGLU, a capacity dropping round-robin, renormalised) at
-# other sizes.
-SAME_KERNELS = (
-    "deepseek_v2.rdep", "qwen2_moe.rdep", "qwen3_next_80b_a3b.rdep", "ernie45_21b_a3b.rdep", "hunyuan_a13b.rdep",
-    "nvl72_e128.rdep", "tiny_balance.rdep",  # tiny's at E = 12; its balance kernels: test_the_balance_kernels_...
-    # moonlight's choices to the constant (deep is table data); its GEMM builds compile in test_gemm_loops
-    "qwen3_30b_a3b.rdep",
-    "tiny.rdep",  # every one of its builds compiles in test_cli_compile_writes_a_cubin_per_kernel
-)  # fmt: skip
+# Examples whose builds another example's cover (TORCH_APART, RESIZED: qwen3_30b_a3b's GEMM builds
+# compile in test_gemm_loops), and tiny_balance (tiny's at E = 12; its balance kernels:
+# test_the_balance_kernels_...) and tiny (every one of its builds compiles in
+# test_cli_compile_writes_a_cubin_per_kernel).
+SAME_KERNELS = {f"{name}.rdep" for name in (*TORCH_APART, *RESIZED, "tiny_balance", "tiny")}
 # Examples whose GEMM builds another's cover: only their transport kernel's builds compile.
 # mixtral_8x7b differs from moonlight (bf16 SwiGLU) by its admission (keyed, round-robin): the
 # route and the scan.

@@ -6,7 +6,7 @@ dispatch dtype stay the spec's."""
 from __future__ import annotations
 
 import pytest
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES, ROOT, TORCH_APART
 
 # -D overrides per example; T is the bound the plan sizes buffers for, the run uses all of it.
 NARROW = {
@@ -47,15 +47,10 @@ def test_example_runs_and_checks(example, main):
     assert "max rel. error" in out and "redundancy" in out
 
 
-# Examples whose kernels are another example's (test_newest_triton's SAME_KERNELS): what sets them
-# apart (their routers, their shared experts, Qwen2's and Qwen3-Next's gate on them) is torch, in
-# either lowering, and runs in test_example_runs_and_checks.
-LIBRARY_SAME = {"deepseek_v2", "qwen2_moe", "qwen3_next_80b_a3b", "ernie45_21b_a3b", "hunyuan_a13b"}
-
-
-@pytest.mark.parametrize("example", sorted(set(NARROW) - LIBRARY_SAME))
+@pytest.mark.parametrize("example", sorted(set(NARROW) - TORCH_APART))
 def test_example_runs_and_checks_through_the_library_gemms(example, main):
-    """Every example but LIBRARY_SAME with its GEMMs through torch's grouped GEMM, bulk,
+    """Every example but TORCH_APART (what sets those apart is torch, in either lowering, and
+    runs in test_example_runs_and_checks) with its GEMMs through torch's grouped GEMM, bulk,
     phased (its own strategy set aside)."""
     argv = ["run", f"examples/{example}.rdep", "--check", "--gemm", "library"]
     for d in NARROW[example]:

@@ -1,6 +1,6 @@
 """A slice of the suite under the newest Triton rdepc supports (pyproject: 3.6 through 3.9;
-the suite itself runs 3.6.0, the GPU machines' version): every example ``rdepc run
---check`` as tests/test_examples.py narrows it, a dedup layer with fp8 block scales,
+the suite itself runs 3.6.0, the GPU machines' version): ``rdepc run --check`` of every example
+whose kernels are not another's, as tests/test_examples.py narrows it, a dedup layer with fp8 block scales,
 tiny_balance one process per rank, and the device-function tests. Triton is installed
 (without dependencies) into a directory put first on the subprocesses' PYTHONPATH, so the
 rest of the environment is the suite's."""
@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import HANG_S, ROOT
+from conftest import HANG_S, RESIZED, ROOT, TORCH_APART
 from test_examples import NARROW
 
 NEWEST = "3.9.0"
@@ -45,17 +45,14 @@ def _run(env: dict[str, str], *argv: str, timeout: float = HANG_S) -> subprocess
     )  # fmt: skip
 
 
-# Examples whose kernels are another example's: what sets them apart (their routers, their shared
-# experts, Qwen2's and Qwen3-Next's gate on them) is torch, not Triton.
-SAME_KERNELS = {"deepseek_v2", "qwen2_moe", "qwen3_next_80b_a3b", "ernie45_21b_a3b", "hunyuan_a13b"}
-
-
 def test_examples_check_under_the_newest_triton(newest, tmp_path):
+    """Every example but those whose kernels another's are (TORCH_APART, RESIZED)."""
     runs = {
         name: [f"examples/{name}.rdep", *(a for d in overrides for a in ("-D", d))]
         for name, overrides in NARROW.items()
-        if name not in SAME_KERNELS
+        if name not in TORCH_APART and name not in RESIZED
     }
+    assert {RESIZED[name] for name in RESIZED} <= set(runs)
     text = (ROOT / "examples" / "deepseek_v3.rdep").read_text(encoding="utf-8").replace("scale row", "scale block")
     dedup = tmp_path / "deepseek_v3_dedup.rdep"
     dedup.write_text(text.replace("transport nvshmem", "transport nvshmem, dedup"), encoding="utf-8")
