@@ -49,7 +49,7 @@ def plain(out, BLOCK: tl.constexpr):
 # from it (as rdepc links it), and without either; one JSON line out.
 COMPILE = textwrap.dedent(
     """
-    import hashlib, importlib.util, json, sys
+    import hashlib, importlib.util, json, os, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,7 +75,7 @@ COMPILE = textwrap.dedent(
     options = {"num_warps": 4, "extern_libs": nvshmem_extern_libs()}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     result["plain"] = {"ptx": k.asm["ptx"]}
-    result["cut_bytes"] = len(open(nvshmem_extern_libs()[EXTERN_LIB], "rb").read())
+    result["cut_bytes"] = os.path.getsize(nvshmem_extern_libs()[EXTERN_LIB])
     print(json.dumps(result))
     """
 )
