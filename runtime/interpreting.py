@@ -140,8 +140,8 @@ def interpreting():
     checks whose failure nothing would report (:func:`overflow_checks_as_reported`), numpy
     dtypes looked up (:func:`numpy_dtypes_looked_up`), operands' casts decided once per kind
     (:func:`operand_checks_remembered`), tensors' shapes shared (:func:`tensor_shapes_shared`),
-    block types' too (:func:`block_types_shared`) and device functions' rewrites
-    (:func:`rewrites_shared`)."""
+    block types' too (:func:`block_types_shared`), constants made once
+    (:func:`constants_shared`) and device functions' rewrites (:func:`rewrites_shared`)."""
     with (
         interpreter_env(True),
         language_patched_once(),
@@ -152,9 +152,60 @@ def interpreting():
         operand_checks_remembered(),
         tensor_shapes_shared(),
         block_types_shared(),
+        constants_shared(),
         rewrites_shared(),
     ):
         yield
+
+
+def constants_shared():
+    """For the duration of an interpreted launch, a constant of one value and type is made
+    once: the language makes a scalar tensor for every Python number an operation meets
+    (``i + 1``, ``tl.load(p, other=0.0)``, a ``tl.constexpr`` operand: a twelfth of an
+    interpreted launch's time), each holding a fresh one-element array that no operation
+    changes in place (the interpreter's only in-place update, a block pointer's advance,
+    adds to copies of its offsets). The first of each value and type is the language's own;
+    a number that is not equal to itself (NaN) is made every time, and -0.0 apart from 0.0.
+    A language whose constants, made this way, differ from its own is left alone."""
+    import triton.language as tl
+    from triton.language import semantic
+
+    def make(original):
+        table: dict = {}
+
+        def scalar_constant(self, value, dtype):
+            if type(dtype) is not tl.dtype or value != value:  # pointers, NaN: as the language does
+                return original(self, value, dtype)
+            key = (self, type(value), value.hex() if type(value) is float else value, dtype.name)  # -0.0 apart
+            found = table.get(key)
+            if found is None:
+                found = table[key] = original(self, value, dtype)
+            return found
+
+        alike = _CONSTANTS_ALIKE.get(original)
+        if alike is None:
+            alike = _CONSTANTS_ALIKE[original] = _constants_alike(original, scalar_constant)
+        return scalar_constant if alike else None
+
+    return _replaced(getattr(semantic, "TritonSemantic", None), "scalar_constant", make)
+
+
+_CONSTANTS_ALIKE: dict = {}  # the language's scalar_constant -> whether constants_shared's are alike (asked once)
+
+
+def _constants_alike(original, ours) -> bool:
+    """Whether ``ours`` gives the constants ``original`` gives (a value and type, from a fresh
+    table: the language's; then found in it), under the interpreter's semantic."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    if semantic is None:
+        return False
+    cases = [(0, tl.int32), (-3, tl.int32), (2**31 + 1, tl.uint32), (-(2**40), tl.int64), (0.0, tl.float32)]
+    cases += [(-0.0, tl.float32), (0, tl.float32)]
+    cases += [(1.5, tl.float32), (True, tl.int1), (7, tl.int64)]
+    return all(_same(ours(semantic, value, dtype), original(semantic, value, dtype)) for value, dtype in cases + cases)
 
 
 def tensor_shapes_shared():
@@ -246,7 +297,8 @@ def operand_checks_remembered():
       offset: 72% of tiny's operations) are let through for those types and flags;
     - a tensor and a Python integer (``i + 1``, ``ptr + 4``: 29%) become the tensor and the
       integer's constant in the type the language chose for that tensor's type, integer and
-      flags, broadcast, checked equal to the language's own result the first time.
+      flags, broadcast, checked equal to the language's own result the first time and made
+      once.
 
     Anything else (operands the language converts, floats, errors) goes through the
     language's function every time. A language whose function takes other parameters is
@@ -263,7 +315,7 @@ def operand_checks_remembered():
 def _checked(tensor, original):
     """The operand checks of :func:`operand_checks_remembered`, the language's ``original`` deciding each kind once."""
     as_they_are: dict = {}  # (lhs kind, rhs kind, flags) -> whether the language returns both as they are
-    constants: dict = {}  # (lhs kind, the integer, flags) -> the integer's type, or None: the language's way
+    constants: dict = {}  # (lhs kind, the integer, flags) -> its operand, or None: the language's way
 
     def checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True, div_or_mod=False):
         flags = (allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
@@ -276,12 +328,12 @@ def _checked(tensor, original):
             return out
         if type(lhs) is tensor and type(rhs) is int:
             key = (_kind(lhs.type), rhs, flags)
-            dtype = constants.get(key)
-            if dtype is not None:
-                return self.broadcast_impl_value(lhs, self.scalar_constant(rhs, dtype=dtype))
+            operand = constants.get(key)
+            if operand is not None:
+                return lhs, operand
             out = original(self, lhs, rhs, *flags)
             if key not in constants:
-                constants[key] = _constant_type(self, lhs, rhs, out)
+                constants[key] = _constant_operand(self, lhs, rhs, out)
             return out
         return original(self, lhs, rhs, *flags)
 
@@ -294,20 +346,24 @@ def _kind(t) -> tuple:
     return t.name, getattr(t.scalar, "address_space", None)
 
 
-def _constant_type(semantic, lhs, value: int, out) -> object:
-    """The type in which ``out``, the language's checked operands ``lhs`` and ``value``, holds
-    ``value``, where ``lhs`` came through as it was and the integer's constant in that type,
-    broadcast, is ``out``'s second operand in type and bits; else None."""
-    import numpy as np
+def _same(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` are of one type and hold the same bits."""
+    x, y = a.handle, b.handle
+    if type(a) is not type(b) or a.type != b.type or type(x) is not type(y) or x.dtype != y.dtype:
+        return False
+    return x.data.dtype == y.data.dtype and x.data.shape == y.data.shape and x.data.tobytes() == y.data.tobytes()
 
+
+def _constant_operand(semantic, lhs, value: int, out) -> object:
+    """``value``'s operand beside ``lhs``, the integer's constant in the type ``out`` (the
+    language's checked operands ``lhs`` and ``value``) holds it in, broadcast, where ``lhs``
+    came through as it was and that operand is ``out``'s second in type and bits; else None.
+    Operations read their operands and change none (:func:`constants_shared`): one serves
+    every operation with this kind of ``lhs``, integer and flags."""
     if out[0] is not lhs:
         return None
-    dtype = out[1].type.scalar
-    ours = semantic.broadcast_impl_value(lhs, semantic.scalar_constant(value, dtype=dtype))
-    a, b = ours[1].handle, out[1].handle
-    same = ours[0] is lhs and ours[1].type == out[1].type and type(a) is type(b)
-    same = same and a.dtype == b.dtype and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
-    return dtype if same else None
+    ours = semantic.broadcast_impl_value(lhs, semantic.scalar_constant(value, dtype=out[1].type.scalar))
+    return ours[1] if ours[0] is lhs and _same(ours[1], out[1]) else None
 
 
 # A device function's code → the module code its rewritten syntax tree compiles to, kept for

@@ -83,6 +83,15 @@ def mixed(h, b, i, f, out_h, out_f, out_i, out_b):
         acc = acc + (n + 3) + (n - 5) + (-2 + n) + wide.to(tl.int32) + big.to(tl.int32) + (tl.program_id(0) + 1)
     tl.store(out_i + r, acc + (n // (n + 1)) + (n & 6))
     tl.store(out_b + r, (x < y) & (n > 2))
+
+
+@triton.jit
+def signed(f, out):
+    r = tl.arange(0, 4)
+    z = tl.load(f + r)
+    for k in range(3):  # the same constants again: made once
+        tl.store(out + r, tl.where(z < 0.5, -0.0, 0.0))
+        tl.store(out + 4 + r, tl.where(z < 0.5, 0.0, -0.0) * (k + 1))
 """
 
 
@@ -385,6 +394,41 @@ def test_operand_checks_and_shared_shapes_compute_what_the_language_does(kernels
     assert 0 < ints_ours < ints_theirs
     assert 0 < blocks_ours < blocks_theirs  # the first of each element type and shape made by the language
     assert made_ours == 2 < made_theirs  # the two tensors that compare the ways of making one
+
+
+def test_constants_are_made_once_and_hold_the_languages_bits(kernels, monkeypatch):
+    """A launch makes a constant of one value and type once (``constants_shared``): the
+    results equal the language's bit for bit (-0.0 and 0.0 as this Triton makes them: 3.6
+    makes both +0.0, 3.9 keeps the sign), and fewer constants reach the language's own
+    function."""
+    import contextlib
+
+    import rdepc.runtime.interpreting
+    from triton.language import semantic
+
+    made, counts = semantic.TritonSemantic.scalar_constant, []
+
+    def scalar_constant(self, value, dtype):
+        counts[-1] += 1
+        return made(self, value, dtype)
+
+    monkeypatch.setattr(semantic.TritonSemantic, "scalar_constant", scalar_constant)
+    f = torch.tensor([0.25, 0.75, -1.0, 2.0])
+
+    def run():
+        out = torch.full((8,), 7.0)
+        counts.append(0)
+        Launcher(True)([(kernels.signed, (1,), (f, out), {})])
+        assert semantic.TritonSemantic.scalar_constant is scalar_constant
+        return out
+
+    ours = run(), run()  # the first launch compares the two ways of making a constant (once a process)
+    with monkeypatch.context() as m:
+        m.setattr(rdepc.runtime.interpreting, "constants_shared", contextlib.nullcontext)
+        theirs = run()
+    assert all(o.view(torch.int32).tolist() == theirs.view(torch.int32).tolist() for o in ours)
+    assert theirs.abs().tolist() == [0.0] * 8
+    assert 0 < counts[1] < counts[2]
 
 
 SHARED = """
