@@ -260,16 +260,20 @@ def worker(infile: str, outfile: str) -> None:
             status = "timeout"
     except BaseException as e:
         status, message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    alive = [p for p in _processes() if p["ppid"] == os.getpid() and not _tracker(p["pid"])]
+    procs = _processes()
+    parents = {os.getpid()} | {p["pid"] for p in procs if p["ppid"] == os.getpid() and _helper(p["pid"])}
+    alive = [p for p in procs if p["ppid"] in parents and not _helper(p["pid"])]  # the ranks are the server's
     _write(Path(outfile), {"status": status, "message": message, "failures": failures, "children_alive": alive})
 
 
-def _tracker(pid: int) -> bool:
-    """Whether ``pid`` is multiprocessing's resource tracker (it ends with the worker)."""
+def _helper(pid: int) -> bool:
+    """Whether ``pid`` is multiprocessing's resource tracker or fork server (runtime.ranks._context):
+    they end with the worker."""
     try:
-        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
 
 
 def _processes() -> list[dict]:
