@@ -261,8 +261,10 @@ def worker(infile: str, outfile: str) -> None:
     except BaseException as e:
         status, message = "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     procs = _processes()
-    parents = {os.getpid()} | {p["pid"] for p in procs if p["ppid"] == os.getpid() and _helper(p["pid"])}
-    alive = [p for p in procs if p["ppid"] in parents and not _helper(p["pid"])]  # the ranks are the server's
+    mine = [p for p in procs if p["ppid"] == os.getpid()]
+    servers = {p["pid"] for p in mine if _helper(p["pid"])}
+    # the ranks are the fork server's children, forked: their command line is the server's
+    alive = [p for p in mine if p["pid"] not in servers] + [p for p in procs if p["ppid"] in servers]
     _write(Path(outfile), {"status": status, "message": message, "failures": failures, "children_alive": alive})
 
 
