@@ -199,8 +199,12 @@ def _wgrad_table(table: list[Row], n_deps: int, runs: list[int], W: int) -> tupl
     gradients, once every GEMM1 of the owner has written its rows' dH (``runs`` counts them)."""
     wgrad_table, wgrad_deps = [], []
     gemm1 = KINDS.index("gemm1")
+    gemm1s: dict[int, list[int]] = {}
+    for i, row in enumerate(table):
+        if row.kind == gemm1:
+            gemm1s.setdefault(row.owner, []).append(i)
     for q in range(W):
-        mine = [i for i, row in enumerate(table) if row.kind == gemm1 and row.owner == q]
+        mine = gemm1s.get(q)
         if not mine:
             continue
         start = n_deps + len(wgrad_deps)

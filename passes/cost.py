@@ -36,7 +36,8 @@ communication role is charged its proportional share).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 from rdepc.passes.hardware import PROFILES, Value, gemm_rate, profile
@@ -111,6 +112,20 @@ def cost_model(
     capacity; None: the expected routing). ``held``: under ``balance replicate``, the home
     expert each slot holds ([rank][slot], -1 empty: the plan for ``counts``), which sets
     the weight pushes' bytes; None: every slot filled, the pushes spread evenly."""
+    if counts is None and held is None:
+        cm = _expected(tg, hw)
+        return cm if cm.graph is tg else replace(cm, graph=tg)  # tg's own decisions
+    return _cost_model(tg, hw, counts, held)
+
+
+# The resolve pass weighs the winner's graph under the expected routing, then the cost pass
+# models it again: graphs and cost models are immutable, so each is built once (a few kept).
+@lru_cache(maxsize=4)
+def _expected(tg: TaskGraph, hw: str) -> CostModel:
+    return _cost_model(tg, hw, None, None)
+
+
+def _cost_model(tg, hw, counts, held) -> CostModel:
     geo = tg.geometry
     given = counts is not None
     load = segment_load(geo, admit(geo, counts if given else expected_counts(geo)))

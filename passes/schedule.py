@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 from rdepc.passes.cost import Split, best_split, cost_model, durations
@@ -80,7 +81,14 @@ def schedule(
 
 def predicted_makespan(cm: CostModel) -> float:
     """The makespan :func:`schedule` predicts for ``cm``, without building the task table."""
-    return _choose(cm, None, None, None).tl.makespan
+    return _chosen(cm).tl.makespan
+
+
+# The resolve pass predicts the winner's makespan, then the schedule pass schedules it: the
+# choice is made once per cost model (immutable; the choice is read, never changed).
+@lru_cache(maxsize=4)
+def _chosen(cm: CostModel) -> _Choice:
+    return _choose(cm, None, None, None)
 
 
 def empty_mask(cm: CostModel) -> list[bool]:
@@ -180,7 +188,7 @@ def schedule_costed(
     """:func:`schedule` of a graph whose cost model is already built. ``comm`` fixes the
     communication programs per rank (then bulk too runs on that split); ``variant`` fixes
     the order within a step (see :func:`priority`)."""
-    pl = _choose(cm, comm, refine, variant)
+    pl = _chosen(cm) if comm is None and refine is None and variant is None else _choose(cm, comm, refine, variant)
     sched = _finish(cm.graph, cm, pl.order, pl.split, pl.tl, pl.dur, [*decisions, *pl.decisions])
     kernels = pl.kernels or pl.split
     return replace(sched, kernel_split=(kernels.comm, kernels.compute))

@@ -12,7 +12,7 @@ the runtime never imports the code generator.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 
 from rdepc.diagnostics import layer_prefix
@@ -495,7 +495,9 @@ class KernelContract:
         }
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # Fields are plain data (tuples, named-tuple rows), which json writes as lists:
+        # asdict's deep copy of a 10^5-row table cost seconds a compile.
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> KernelContract:

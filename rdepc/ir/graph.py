@@ -168,14 +168,16 @@ class TaskGraph:
     file: str
     geometry: Geometry
     tasks: tuple[Task, ...]  # in construction order, which is the strategy's intended order
-    decisions: tuple[Decision, ...]
+    # why it was built so, not what it is: the graph pass records the resolve pass's decisions
+    # on the graph the resolve pass weighed, which the passes' caches then find again
+    decisions: tuple[Decision, ...] = field(compare=False)
     spec: LayerSpec = field(compare=False, repr=False)
 
     def __hash__(self) -> int:
-        # the fields' hash, kept: the passes' caches look graphs up by value, and hashing
-        # every task again on each lookup cost more than the lookup saved on large graphs
+        # the compared fields' hash, kept: the passes' caches look graphs up by value, and
+        # hashing every task again on each lookup cost more than the lookup saved on large graphs
         if "_hash" not in self.__dict__:
-            self.__dict__["_hash"] = hash((self.layer, self.file, self.geometry, self.tasks, self.decisions))
+            self.__dict__["_hash"] = hash((self.layer, self.file, self.geometry, self.tasks))
         return self.__dict__["_hash"]
 
     def __getstate__(self) -> dict:
