@@ -61,7 +61,7 @@ from rdepc.ir.contract import (
     Tiles,
     mode_kernels,
 )
-from rdepc.toolchain import package_home
+from rdepc.toolchain import import_kernels, package_home
 
 # The native builds of one generated file, each (function, constexprs): split mode's
 # transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE; the GEMM
@@ -380,18 +380,14 @@ def _compile(
     sms: int = H100_SMS,
     kernels: list[str] | None = None,
 ) -> list[dict]:
-    import importlib.util
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     contract = KernelContract.from_json(Path(contract_path).read_text(encoding="utf-8"))
-    name = f"rdepc_sm{arch}_{contract.layer}_{abs(hash(kernels_path))}"
-    spec = importlib.util.spec_from_file_location(name, kernels_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    # as a launch imports it: its builds' cache keys do not depend on which kernel was compiled
+    # first, so a build compiled before (another job, another test) is found in Triton's cache
+    module = import_kernels(kernels_path, interpret=False)
     tiles = Tiles.default(contract.H, contract.F, contract.dtype, interpret=False)
     options: dict = {"num_warps": tiles.num_warps}
     if contract.transport == "nvshmem":
