@@ -1,6 +1,5 @@
 """Shared test setup: a deterministic hypothesis profile, so CI never flakes."""
 
-import functools
 import os
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import torch
 from device_kernels import kernels  # noqa: F401 - the device-function tests' fixture
 from hypothesis import HealthCheck, settings
 from hypothesis.internal.conjecture import providers
-from hypothesis.internal.constants_ast import Constants, _constants_from_source
+from hypothesis.internal.constants_ast import Constants
 from rdepc.runtime import ranks
 from tiers import TIER_OF
 
@@ -34,22 +33,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@functools.cache
-def _product_constants() -> Constants:
-    """The constants Hypothesis mixes into its draws, from the product's source files alone.
-    Hypothesis takes them from every local module imported so far and parses each new one
-    whenever ``sys.modules`` grows: the generated kernel files the tests import (local
-    modules in temporary folders) were parsed by the next property test a worker ran (18 s
-    of test_balance's 21 s after test_hf.py), and what a test drew depended on which tests
-    its worker had run before."""
-    found = Constants()
-    for package in ("rdepc", "grammar", "passes", "codegen", "runtime"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            found |= _constants_from_source(path.read_bytes(), limit=True)
-    return found
-
-
-providers._get_local_constants = _product_constants  # hypothesis is pinned (pyproject.toml)
+# Hypothesis draws from the strategies as written, without the constants it would otherwise
+# collect from every local module imported so far (hypothesis is pinned: pyproject.toml). Those
+# modules include each generated kernel file a test imported: what a property test drew
+# depended on the tests its worker had run before it, and the next property test parsed every
+# such file (18 s of test_plan_properties' 21 s after test_hf.py).
+NO_CONSTANTS = Constants()
+providers._get_local_constants = lambda: NO_CONSTANTS
 
 # A wall-clock bound in a test only ends a hang: whatever outlives it has stopped making
 # progress, on any machine under any load (a test's subprocess or launch takes seconds to a
