@@ -39,16 +39,19 @@ specialised (``launch``, ``specialization``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rdepc.codegen import sass
+from rdepc.codegen import compilers, sass
 
 from rdepc.ir.arguments import POINTEE, kernel_args, own_constexprs
 from rdepc.ir.balance import COUNTERS
@@ -61,7 +64,7 @@ from rdepc.ir.contract import (
     Tiles,
     mode_kernels,
 )
-from rdepc.toolchain import import_kernels, package_home
+from rdepc.toolchain import import_kernels
 
 # The native builds of one generated file, each (function, constexprs): split mode's
 # transport kernel and GEMM kernel, forward (keeping what a backward walks: SAVE; the GEMM
@@ -118,40 +121,85 @@ def compile_cubins(
     profile: bool = False,
     sms: int = H100_SMS,
     kernels: list[str] | None = None,
+    done=None,
 ) -> list[dict]:
-    """Compile every kernel (``kernels``: of KERNELS or BALANCE_KERNELS) of each (kernels.py, contract.json,
-    out_dir) job, in ``parallel`` subprocesses (jobs dealt round-robin); results in job
-    order. ``profile``: with the profile's %globaltimer stamps compiled in. ``sms``: the
-    GPU's SMs, which size the launch each kernel is specialised for."""
+    """Compile every kernel (``kernels``: of KERNELS or BALANCE_KERNELS; default each job's
+    :func:`job_builds`) of each (kernels.py, contract.json, out_dir) job, in up to ``parallel``
+    subprocesses running at once (:func:`deal`); results in job order, each job's in kernel
+    order. ``profile``: with the profile's %globaltimer stamps compiled in. ``sms``: the GPU's
+    SMs, which size the launch each kernel is specialised for. ``done(result, finished,
+    total)`` is called as each build finishes (progress). RuntimeError when a build fails or
+    the builds take longer than ``timeout`` seconds (their processes are killed)."""
     known = [*KERNELS, *dict.fromkeys(k for ks in BALANCE_KERNELS.values() for k in ks)]
     unknown = set(kernels or ()) - set(known)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)} (known: {', '.join(known)})")
+    builds = [(j, k) for j, job in enumerate(jobs) for k in (kernels or job_builds(job[1]))]
+    shares = deal(builds, parallel)
     # This environment otherwise: the variables Triton's cache key covers (TRITON_DEFAULT_FP_FUSION,
     # ...) as the launching process has them, so that a build here is the entry its JIT looks up.
     env = dict(os.environ, TRITON_INTERPRET="0")
-    batches = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
-    procs = []
-    for batch in batches:
-        jobs_of = [[str(Path(x).resolve()) for x in jobs[i]] for i in batch]  # the processes start elsewhere
-        payload = json.dumps({"arch": arch, "profile": profile, "sms": sms, "jobs": jobs_of, "kernels": kernels})
-        cmd = [sys.executable, "-m", "rdepc.codegen.sm90"]
-        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-        p = subprocess.Popen(cmd, **pipes, text=True, env=env, cwd=package_home())
-        procs.append((batch, p, payload))
-    results: dict[int, list[dict]] = {}
-    errors = []
-    for batch, p, payload in procs:
-        out, err = p.communicate(payload, timeout=timeout)
-        if p.returncode != 0:
-            errors.append(err.strip()[-4000:])
-            continue
-        per_job = json.loads(out.strip().splitlines()[-1])
-        for i, r in zip(batch, per_job, strict=True):
-            results[i] = r
+    results: dict[int, dict] = {}
+    busy: list[compilers.Compiler] = []
+    lock = threading.Lock()
+
+    def run(share: list[int]) -> str | None:
+        """One process's builds (its results in the order sent); its error text if it failed."""
+        payload = [[*(str(Path(x).resolve()) for x in jobs[builds[i][0]]), builds[i][1]] for i in share]
+        order = iter(share)
+
+        def each(r: dict) -> None:
+            with lock:
+                results[next(order)] = r
+                if done is not None:
+                    done(r, len(results), len(builds))
+
+        c = compilers.take(env)
+        with lock:
+            busy.append(c)
+        error = c.run({"arch": arch, "profile": profile, "sms": sms, "builds": payload}, each)
+        with lock:
+            busy.remove(c)
+        if error is None:
+            compilers.give_back(c)
+        return error
+
+    pool = ThreadPoolExecutor(max(1, len(shares)))
+    futures = [pool.submit(run, share) for share in shares]
+    finished, late = wait(futures, timeout=timeout)
+    with lock:
+        for c in busy if late else ():
+            c.proc.kill()  # its run sees the end of its output and reports it
+    pool.shutdown(wait=True)
+    if late:
+        raise RuntimeError(f"rdepc: compiling for sm_{arch} took longer than {timeout:.0f} s (its processes killed)")
+    errors = [e for e in (f.result() for f in finished) if e]
     if errors:
         raise RuntimeError(f"rdepc: compiling for sm_{arch} failed:\n" + "\n".join(errors))
-    return [r for i in range(len(jobs)) for r in results[i]]
+    return [results[i] for i in range(len(builds))]
+
+
+def job_builds(contract_path: Path) -> list[str]:
+    """Every build a layer's launches compile: its balance kernels (a ``balance replicate``
+    layer's, :data:`BALANCE_KERNELS`), then :data:`KERNELS`."""
+    contract = KernelContract.from_json(Path(contract_path).read_text(encoding="utf-8"))
+    balance = BALANCE_KERNELS[TRANSPORT_PROCESSES[contract.transport]] if contract.balance[0] else ()
+    return [*balance, *KERNELS]
+
+
+def deal(builds: list[tuple[int, str]], parallel: int) -> list[list[int]]:
+    """The builds (job, kernel) each of at most ``parallel`` processes compiles, by index:
+    whole jobs, the heaviest first to the least loaded process, where there are as many
+    jobs as processes (each process imports a job's kernels once); else build by build."""
+    jobs = list(dict.fromkeys(j for j, _ in builds))
+    parallel = max(1, min(parallel, len(builds)))
+    if len(jobs) < parallel:
+        return [list(range(len(builds)))[p::parallel] for p in range(parallel)]
+    of = {j: [i for i, (job, _) in enumerate(builds) if job == j] for j in jobs}
+    shares: list[list[int]] = [[] for _ in range(parallel)]
+    for j in sorted(jobs, key=lambda j: -len(of[j])):
+        min(shares, key=len).extend(of[j])
+    return [sorted(share) for share in shares if share]
 
 
 def resources(cubin: Path) -> dict:
@@ -379,7 +427,9 @@ def _compile(
     profile: bool = False,
     sms: int = H100_SMS,
     kernels: list[str] | None = None,
-) -> list[dict]:
+):
+    """Each build of ``kernels`` (default :func:`job_builds`) of one job, yielded as it is
+    compiled."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -395,11 +445,9 @@ def _compile(
         from rdepc.toolchain import nvshmem_extern_libs
 
         options["extern_libs"] = nvshmem_extern_libs(arch)
-    out = []
-    balance = BALANCE_KERNELS[TRANSPORT_PROCESSES[contract.transport]] if contract.balance[0] else ()
-    for kernel in kernels or (*balance, *KERNELS):
+    for kernel in kernels or job_builds(Path(contract_path)):
         if kernel not in KERNELS:
-            out.append(_balance(contract, module, kernel, Path(out_dir), arch, options))
+            yield _balance(contract, module, kernel, Path(out_dir), arch, options)
             continue
         fn = getattr(module, KERNELS[kernel][0])
         own = tiles.for_backward(contract) if KERNELS[kernel][1].get("BACKWARD") else tiles  # as a module launches
@@ -414,7 +462,7 @@ def _compile(
         wgmma = sorted({w.split(".")[4] for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\w+", ptx)})
         text = sass.disassemble(Path(r["cubin"]))
         loops = [loop.as_dict() for loop in sass.gemm_loops(text)]
-        out.append(
+        yield (
             {
                 **r,
                 "wgmma": "wgmma" in ptx,
@@ -436,7 +484,6 @@ def _compile(
                 "specialization": sp.specialization,
             }
         )
-    return out
 
 
 def descriptor_builds(ptx: str) -> dict[str, int]:
@@ -492,11 +539,21 @@ def _written(contract: KernelContract, kernel: str, k, out_dir: Path, arch: int,
 
 
 def main() -> int:
-    request = json.loads(sys.stdin.read())
-    arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
-    which = request.get("kernels")
-    results = [_compile(k, contract, out, arch, profile, sms, which) for k, contract, out in request["jobs"]]
-    print(json.dumps(results))
+    """Compile the builds (kernels.py, contract.json, out_dir, kernel) of each request read from
+    stdin, a line each: one JSON result a line as each finishes, then ``compilers.END``;
+    whatever else writes to stdout goes to stderr."""
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        request = json.loads(line)
+        arch, profile, sms = request["arch"], request.get("profile", False), request.get("sms", H100_SMS)
+        for job, builds in itertools.groupby(request["builds"], key=lambda b: tuple(b[:3])):
+            for r in _compile(*job, arch, profile, sms, [b[3] for b in builds]):
+                results.write(json.dumps(r) + "\n")
+                results.flush()
+        results.write(json.dumps(compilers.END) + "\n")
+        results.flush()
     return 0
 
 

@@ -160,8 +160,9 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
         "sm_90",
     ]
     assert cli.main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     builds = [*BALANCE_KERNELS["per-rank"], *KERNELS]
+    assert f"rdepc: compiled {len(builds)} of {len(builds)} builds for sm_90" in err  # progress, as each finishes
     cubins = [tmp_path / f"tiny_balance.{kernel}.sm_90.cubin" for kernel in builds]
     for kernel, cubin in zip(builds, cubins, strict=True):
         assert cubin.stat().st_size > 0 and f"compiled {kernel} for sm_90a in " in out and f"wrote {cubin}" in out
@@ -180,14 +181,41 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*written, *(c.name for c in cubins)])
 
 
+def test_compiling_processes_are_kept_for_the_next_call_and_dealt_whole_jobs():
+    """A compiling process answers each request whole and serves the next one with the same
+    environment; one that fails is killed and says why; builds are dealt whole jobs to a
+    process where there are enough jobs, else build by build."""
+    from rdepc.codegen import compilers
+    from rdepc.codegen.sm90 import deal
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    first = compilers.take(env)
+    assert first.run({"arch": 90, "builds": []}, lambda r: pytest.fail(f"no build asked: {r}")) is None
+    compilers.give_back(first)
+    again = compilers.take(env)
+    assert again is first and again.proc.poll() is None
+    missing = ["/nonexistent/x_kernels.py", "/nonexistent/x.contract.json", "/nonexistent", "rdep_gemm"]
+    error = again.run({"arch": 90, "builds": [missing]}, lambda r: pytest.fail(f"no result expected: {r}"))
+    assert "No such file" in error and again.proc.poll() is not None
+    fresh = compilers.take(env)
+    assert fresh is not again  # a failed process is never kept
+    fresh.close()
+    builds = [(0, "a"), (0, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
+    assert deal(builds, 2) == [[3, 4, 5], [0, 1, 2]]  # whole jobs, the largest first
+    assert deal(builds[:2], 2) == [[0], [1]]  # fewer jobs than processes: build by build
+    assert deal(builds[:3], 4) == [[0], [1], [2]]  # and no more processes than builds
+    assert deal(builds, 1) == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_the_profiled_kernel_reads_the_globaltimer(tmp_path, monkeypatch):
     """With PROFILE and GLOBALTIMER the work items are stamped with %globaltimer (ns), the
-    backward's too."""
+    backward's too: the stamps of both kernel functions (the transport kernel's are the unified
+    kernel's, one function), one build each."""
     monkeypatch.chdir(ROOT)
     g = generate_spec(rdepc.load(tiny_segmented(tmp_path)).spec)  # pipelined, 4 segments per owner
     write_module(g, tmp_path)
     job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.contract.json", tmp_path)
-    kernels = ["rdep_transport", "rdep_gemm", "rdep_layer", "rdep_transport.backward", "rdep_gemm.backward"]
+    kernels = ["rdep_transport", "rdep_gemm.backward"]
     results = compile_cubins([job], arch=90, profile=True, kernels=kernels)
     assert [r["kernel"] for r in results] == kernels
     assert all(r["globaltimer"] and r["acquire"] and r["release"] for r in results)

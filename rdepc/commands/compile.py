@@ -3,6 +3,7 @@ importable module in one directory; with ``--target sm_90`` also every kernel's 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -57,8 +58,12 @@ def _cubins(out: Path, name: str) -> list[Path]:
     """Compile the written kernels for sm_90, printing what each build is; the cubins' paths."""
     from rdepc.codegen.sm90 import compile_cubins
 
+    def progress(r: dict, finished: int, total: int) -> None:
+        print(f"rdepc: compiled {finished} of {total} builds for sm_90 ({r['kernel']})", file=sys.stderr, flush=True)
+
     wrote = []
-    for r in compile_cubins([(out / f"{name}_kernels.py", out / f"{name}.contract.json", out)], arch=90):
+    job = (out / f"{name}_kernels.py", out / f"{name}.contract.json", out)
+    for r in compile_cubins([job], arch=90, parallel=min(8, os.cpu_count() or 1), done=progress):
         wrote.append(Path(r["cubin"]))
         if r.get("balance"):  # a replicated layer's plan and exchange: launches of their own
             print(
