@@ -153,6 +153,9 @@ def _fixed_cut(spec: LayerSpec, cut: str | None) -> tuple[str | None, str]:
     return None, ""
 
 
+# A resolution is immutable: a command that asks for it again (plan's choice warnings after its
+# resolve) finds it made (a few kept).
+@lru_cache(maxsize=8)
 def _choose(spec, strategy, cut, hw, gemm=None) -> tuple[Resolution, TaskGraph]:
     """The resolution and its graph: each candidate built (a SpecError if none can be) and,
     when there are several, its makespan predicted."""
@@ -216,13 +219,16 @@ def choice_warnings(
     fixed (the spec's own statement is checked where it is written, passes.spec_checks): deep
     asked with fewer than three buffers, which is pipelined; a strategy the cost model
     predicts :data:`SLOWER` or more slower on ``hw`` than the one ``schedule auto`` chooses."""
+    chose = _fixed_strategy(spec, strategy, gemm)[0] is None or _library_asked(spec, gemm)
+    if chose and strategy != "deep":
+        return []  # the cost model chose, or the library lowering fixed bulk
     mine, tg = _choose(spec, strategy, cut, hw, gemm)
     why = next(d.why for d in mine.decisions if d.name == "strategy")
     out = []
     if strategy == "deep" and tg.geometry.B < sizes.DEEP_BUFFERS:
         out.append(f"deep with {tg.geometry.B} buffers (command line --schedule) is no deeper than pipelined")
-    if _fixed_strategy(spec, strategy, gemm)[0] is None or _library_asked(spec, gemm):
-        return out  # the cost model chose, or the library lowering fixed bulk
+    if chose:
+        return out
     best, best_tg = _choose(spec, "auto", None, hw, gemm)
     if best.strategy != mine.strategy:
         ours, theirs = quick_makespan(tg, hw), quick_makespan(best_tg, hw)
