@@ -218,7 +218,7 @@ def hangs_at_exit(rank: int, world: int) -> int:
 
 
 def test_a_rank_that_reported_but_hangs_at_exit_is_told_apart_and_its_result_kept():
-    for bound in growing_bounds(20):
+    for bound in growing_bounds(10):
         with pytest.raises(ranks.RanksError, match="did not finish within") as e:
             ranks.spawn(hangs_at_exit, 2, timeout=bound)
         if e.value.results == [0, 1]:  # both had reported by the bound: only rank 1's exit hung

@@ -156,7 +156,7 @@ def stuck_after_the_heap(rank: int, W: int, marker: str) -> None:
 
 def test_a_launch_ended_by_its_timeout_removes_the_heaps_its_ranks_created(tmp_path):
     before = orphan_heaps()
-    for bound in growing_bounds(12):
+    for bound in growing_bounds(8):
         marker = tmp_path / f"created-{bound:g}"
         with pytest.raises(ranks.RanksError, match="did not finish within"):
             ranks.spawn(stuck_after_the_heap, 2, str(marker), timeout=bound)
