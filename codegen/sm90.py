@@ -1,12 +1,13 @@
 """Compile generated kernels to sm_90 cubins without a GPU (docs: toolchain-facts §3).
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` builds a cubin on a
-machine with no GPU and no driver. It runs in a fresh subprocess (``python -m
+machine with no GPU and no driver. It runs in subprocesses (``python -m
 rdepc.codegen.sm90``): Triton fixes its mode when it is first imported (see
 ``rdepc.runtime.launch``), so a process that has run the interpreter cannot compile
 natively, and the subprocess imports the generated file with ``TRITON_INTERPRET=0`` —
-the very file the interpreter tests import. Jobs are batched so one subprocess (one
-``import torch, triton``) compiles many layers; each distinct kernel compiles once.
+the very file the interpreter tests import. The builds are dealt over processes that run at
+once, each kept for the next call (``rdepc.codegen.compilers``: one ``import torch, triton``
+serves many layers); each distinct kernel compiles once.
 
 A result records the cubin's path, the compile time, the shared memory the kernel needs
 (an H100 gives a block at most 227 KiB), registers per thread and local memory (spills)
