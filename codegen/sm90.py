@@ -142,6 +142,7 @@ def compile_cubins(
     env = dict(os.environ, TRITON_INTERPRET="0")
     results: dict[int, dict] = {}
     busy: list[compilers.Compiler] = []
+    stop: list[bool] = []  # [True] once the time is out
     lock = threading.Lock()
 
     def run(share: list[int]) -> str | None:
@@ -158,6 +159,8 @@ def compile_cubins(
         c = compilers.take(env)
         with lock:
             busy.append(c)
+            if stop:  # started after the others' time ran out
+                c.proc.kill()
         error = c.run({"arch": arch, "profile": profile, "sms": sms, "builds": payload}, each)
         with lock:
             busy.remove(c)
@@ -169,6 +172,7 @@ def compile_cubins(
     futures = [pool.submit(run, share) for share in shares]
     finished, late = wait(futures, timeout=timeout)
     with lock:
+        stop.extend([True] if late else [])
         for c in busy if late else ():
             c.proc.kill()  # its run sees the end of its output and reports it
     pool.shutdown(wait=True)

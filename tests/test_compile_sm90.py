@@ -181,13 +181,14 @@ def test_cli_compile_writes_a_cubin_per_kernel(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*written, *(c.name for c in cubins)])
 
 
-def test_compiling_processes_are_kept_for_the_next_call_and_dealt_whole_jobs():
+def test_compiling_processes_are_kept_for_the_next_call_and_dealt_whole_jobs(tmp_path, monkeypatch):
     """A compiling process answers each request whole and serves the next one with the same
-    environment; one that fails is killed and says why; builds are dealt whole jobs to a
-    process where there are enough jobs, else build by build."""
+    environment; one that fails is killed and says why, as are those whose time runs out;
+    builds are dealt whole jobs to a process where there are enough jobs, else build by build."""
     from rdepc.codegen import compilers
     from rdepc.codegen.sm90 import deal
 
+    monkeypatch.chdir(ROOT)
     env = dict(os.environ, TRITON_INTERPRET="0")
     first = compilers.take(env)
     assert first.run({"arch": 90, "builds": []}, lambda r: pytest.fail(f"no build asked: {r}")) is None
@@ -200,6 +201,12 @@ def test_compiling_processes_are_kept_for_the_next_call_and_dealt_whole_jobs():
     fresh = compilers.take(env)
     assert fresh is not again  # a failed process is never kept
     fresh.close()
+    write_module(generate_spec(rdepc.load("examples/tiny.rdep").spec), tmp_path)
+    job = (tmp_path / "tiny_kernels.py", tmp_path / "tiny.contract.json", tmp_path)
+    idle = list(compilers._IDLE)
+    with pytest.raises(RuntimeError, match=r"took longer than 0 s \(its processes killed\)"):
+        compile_cubins([job], arch=90, parallel=2, kernels=["rdep_gemm", "rdep_transport"], timeout=0.01)
+    assert idle == compilers._IDLE  # none kept
     builds = [(0, "a"), (0, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
     assert deal(builds, 2) == [[3, 4, 5], [0, 1, 2]]  # whole jobs, the largest first
     assert deal(builds[:2], 2) == [[0], [1]]  # fewer jobs than processes: build by build
