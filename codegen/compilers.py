@@ -6,7 +6,7 @@ first-build set-up); a process that compiles several times (a test session, a be
 it once per process it keeps. Each takes one request at a time, a line of JSON, and answers
 with one line per build as it finishes, then an end line; a process is kept only while its
 answers are whole, and only for the environment it was started with (Triton reads its
-settings from it). Kept processes exit when this one does: their standard input closes.
+settings from it; :data:`VOLATILE` aside). Kept processes exit when this one does: their standard input closes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import threading
 from rdepc.toolchain import package_home
 
 END = {"end": True}  # the line after a request's last result
+# Variables that change from call to call and that no compile reads: a process started with
+# another value of them serves the call (pytest names the running test in one).
+VOLATILE = ("PYTEST_CURRENT_TEST",)
 KEEP = 4  # idle processes kept at most (each holds torch and Triton: about 400 MB)
 
 
@@ -29,6 +32,7 @@ class Compiler:
 
     def __init__(self, env: dict[str, str]):
         self.env = env
+        self.key = _key(env)
         self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the process) a file: a full pipe blocks
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rdepc.codegen.sm90"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -72,11 +76,16 @@ _LOCK = threading.Lock()
 
 def take(env: dict[str, str]) -> Compiler:
     """An idle process started with ``env``, else a new one."""
+    key = _key(env)
     with _LOCK:
         for i, c in enumerate(_IDLE):
-            if c.env == env and c.proc.poll() is None:
+            if c.key == key and c.proc.poll() is None:
                 return _IDLE.pop(i)
     return Compiler(env)
+
+
+def _key(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE}
 
 
 def give_back(c: Compiler) -> None:
