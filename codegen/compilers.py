@@ -75,10 +75,11 @@ _LOCK = threading.Lock()
 
 
 def take(env: dict[str, str]) -> Compiler:
-    """An idle process started with ``env``, else a new one."""
+    """The idle process started with ``env`` last given back, else a new one."""
     key = _key(env)
     with _LOCK:
-        for i, c in enumerate(_IDLE):
+        for i in reversed(range(len(_IDLE))):
+            c = _IDLE[i]
             if c.key == key and c.proc.poll() is None:
                 return _IDLE.pop(i)
     return Compiler(env)

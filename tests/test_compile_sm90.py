@@ -84,7 +84,7 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
     assert len(jobs) == len(names or [e for e in EXAMPLES if e.name not in SAME_KERNELS])
     few = {f"{p.removesuffix('.rdep')}" for p in TRANSPORT_ONLY} if names is None else set()
     whole = [j for j, name in zip(jobs, dtypes, strict=True) if name not in few]
-    parallel = min(2, os.cpu_count() or 1)
+    parallel = 1  # one compiling process a test worker: beside the other worker's, one a core on CI's 2
     results = compile_cubins(whole, arch=90, parallel=parallel, kernels=list(EVERY_EXAMPLE))
     part = [j for j, name in zip(jobs, dtypes, strict=True) if name in few]
     results += compile_cubins(part, arch=90, parallel=parallel, kernels=list(TRANSPORT_BUILDS)) if part else []
@@ -206,7 +206,7 @@ def test_compiling_processes_are_kept_for_the_next_call_and_dealt_whole_jobs(tmp
     idle = list(compilers._IDLE)
     with pytest.raises(RuntimeError, match=r"took longer than 0 s \(its processes killed\)"):
         compile_cubins([job], arch=90, parallel=2, kernels=["rdep_gemm", "rdep_transport"], timeout=0.01)
-    assert idle == compilers._IDLE  # none kept
+    assert all(c in idle for c in compilers._IDLE)  # none given back
     builds = [(0, "a"), (0, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c")]
     assert deal(builds, 2) == [[3, 4, 5], [0, 1, 2]]  # whole jobs, the largest first
     assert deal(builds[:2], 2) == [[0], [1]]  # fewer jobs than processes: build by build
@@ -594,7 +594,7 @@ def test_the_library_lowerings_gemm_kernel_compiles_to_waits_and_signals(tmp_pat
         out.mkdir()
         write_module(g, out)
         jobs.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
-    results = compile_cubins(jobs, arch=90, parallel=min(2, os.cpu_count() or 1), kernels=["rdep_gemm.library"])
+    results = compile_cubins(jobs, arch=90, parallel=1, kernels=["rdep_gemm.library"])
     assert [r["layer"] for r in results] == ["deepseek_v3", "moonlight"]
     for r in results:
         assert r["acquire"] and r["release"] and not r["tma"], r["layer"]
