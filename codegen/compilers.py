@@ -6,7 +6,8 @@ first-build set-up); a process that compiles several times (a test session, a be
 it once per process it keeps. Each takes one request at a time, a line of JSON, and answers
 with one line per build as it finishes, then an end line; a process is kept only while its
 answers are whole, and only for the environment it was started with (Triton reads its
-settings from it; :data:`VOLATILE` aside). Kept processes exit when this one does: their standard input closes.
+settings from it; :data:`VOLATILE` aside). Kept processes exit when this one does: their
+standard input closes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class Compiler:
     """One ``python -m rdepc.codegen.sm90`` process started with ``env``."""
 
     def __init__(self, env: dict[str, str]):
-        self.env = env
         self.key = _key(env)
         self.err = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the process) a file: a full pipe blocks
         self.proc = subprocess.Popen(

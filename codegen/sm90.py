@@ -142,7 +142,7 @@ def compile_cubins(
     env = dict(os.environ, TRITON_INTERPRET="0")
     results: dict[int, dict] = {}
     busy: list[compilers.Compiler] = []
-    stop: list[bool] = []  # [True] once the time is out
+    stop = threading.Event()  # set once the time is out
     lock = threading.Lock()
 
     def run(share: list[int]) -> str | None:
@@ -159,7 +159,7 @@ def compile_cubins(
         c = compilers.take(env)
         with lock:
             busy.append(c)
-            if stop:  # started after the others' time ran out
+            if stop.is_set():  # started after the others' time ran out
                 c.proc.kill()
         error = c.run({"arch": arch, "profile": profile, "sms": sms, "builds": payload}, each)
         with lock:
@@ -171,10 +171,11 @@ def compile_cubins(
     pool = ThreadPoolExecutor(max(1, len(shares)))
     futures = [pool.submit(run, share) for share in shares]
     finished, late = wait(futures, timeout=timeout)
-    with lock:
-        stop.extend([True] if late else [])
-        for c in busy if late else ():
-            c.proc.kill()  # its run sees the end of its output and reports it
+    if late:
+        with lock:
+            stop.set()
+            for c in busy:
+                c.proc.kill()  # its run sees the end of its output and reports it
     pool.shutdown(wait=True)
     if late:
         raise RuntimeError(f"rdepc: compiling for sm_{arch} took longer than {timeout:.0f} s (its processes killed)")
@@ -429,12 +430,11 @@ def _compile(
     contract_path: str,
     out_dir: str,
     arch: int,
-    profile: bool = False,
-    sms: int = H100_SMS,
-    kernels: list[str] | None = None,
+    profile: bool,
+    sms: int,
+    kernels: list[str],
 ):
-    """Each build of ``kernels`` (default :func:`job_builds`) of one job, yielded as it is
-    compiled."""
+    """Each build of ``kernels`` of one job, yielded as it is compiled."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -450,7 +450,7 @@ def _compile(
         from rdepc.toolchain import nvshmem_extern_libs
 
         options["extern_libs"] = nvshmem_extern_libs(arch)
-    for kernel in kernels or job_builds(Path(contract_path)):
+    for kernel in kernels:
         if kernel not in KERNELS:
             yield _balance(contract, module, kernel, Path(out_dir), arch, options)
             continue

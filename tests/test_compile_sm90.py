@@ -84,10 +84,10 @@ def test_every_example_compiles_for_sm90(tmp_path, monkeypatch, backend):
     assert len(jobs) == len(names or [e for e in EXAMPLES if e.name not in SAME_KERNELS])
     few = {f"{p.removesuffix('.rdep')}" for p in TRANSPORT_ONLY} if names is None else set()
     whole = [j for j, name in zip(jobs, dtypes, strict=True) if name not in few]
-    parallel = 1  # one compiling process a test worker: beside the other worker's, one a core on CI's 2
-    results = compile_cubins(whole, arch=90, parallel=parallel, kernels=list(EVERY_EXAMPLE))
+    # compile_cubins' one process: beside the other test worker's, one a core on CI's 2
+    results = compile_cubins(whole, arch=90, kernels=list(EVERY_EXAMPLE))
     part = [j for j, name in zip(jobs, dtypes, strict=True) if name in few]
-    results += compile_cubins(part, arch=90, parallel=parallel, kernels=list(TRANSPORT_BUILDS)) if part else []
+    results += compile_cubins(part, arch=90, kernels=list(TRANSPORT_BUILDS)) if part else []
     want = [(n, k) for n in dtypes if n not in few for k in EVERY_EXAMPLE]
     want += [(n, k) for n in dtypes if n in few for k in TRANSPORT_BUILDS]
     assert [(r["layer"], r["kernel"]) for r in results] == want
@@ -594,7 +594,7 @@ def test_the_library_lowerings_gemm_kernel_compiles_to_waits_and_signals(tmp_pat
         out.mkdir()
         write_module(g, out)
         jobs.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
-    results = compile_cubins(jobs, arch=90, parallel=1, kernels=["rdep_gemm.library"])
+    results = compile_cubins(jobs, arch=90, kernels=["rdep_gemm.library"])
     assert [r["layer"] for r in results] == ["deepseek_v3", "moonlight"]
     for r in results:
         assert r["acquire"] and r["release"] and not r["tma"], r["layer"]

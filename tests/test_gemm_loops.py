@@ -50,9 +50,9 @@ def compiled(tmp_path_factory):
                 named.append((out / f"{name}_kernels.py", out / f"{name}.contract.json", out))
     finally:
         os.chdir(cwd)
-    parallel = 1  # one compiling process a test worker: beside the other worker's, one a core on CI's 2
-    results = compile_cubins(jobs["emulated"], arch=90, parallel=parallel, kernels=BUILDS)
-    per_rank = compile_cubins(jobs["emulated-mp"], arch=90, parallel=parallel, kernels=PER_RANK_BUILDS)
+    # compile_cubins' one process: beside the other test worker's, one a core on CI's 2
+    results = compile_cubins(jobs["emulated"], arch=90, kernels=BUILDS)
+    per_rank = compile_cubins(jobs["emulated-mp"], arch=90, kernels=PER_RANK_BUILDS)
     results += [{**r, "kernel": r["kernel"] + " (per rank)"} for r in per_rank]
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", _YARDSTICK, str(ROOT)], capture_output=True, text=True, env=env,
