@@ -167,6 +167,10 @@ def _child(rank: int, world: int, store: str, fn, args, results: str, delay: flo
         dist.init_process_group(
             "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=HOST_TIMEOUT
         )
+        # Every rank connected before any goes on: a rank whose fn returns at once would
+        # otherwise close its connections while a slower peer's connect was still under way
+        # (that peer failing with gloo's "Connection closed by peer").
+        dist.barrier()
         try:
             value = ("ok", fn(rank, world, *args))
         finally:

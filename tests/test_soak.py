@@ -66,8 +66,11 @@ def test_soak_slice(tmp_path):
     assert c["other errors"] == 0 and c["checks failed"] == 0 and c["KernelErrors unexpected (no fault)"] == 0
     assert c["KernelErrors"] == c["KernelErrors naming rank and task"] > 0
     # every rank of every case without a fault: 4 cases of W = 2, 3 of W = 3 before the lost rank's;
-    # the lost rank's case may finish a rank's check before the kill lands 0.6 s into it, or not
-    assert c["calls"] >= 22 and 4 * 2 + 3 * 3 <= c["checks passed"] <= 4 * 2 + 3 * 3 + 3
+    # the lost rank's case may finish a rank's check before the kill lands 0.6 s into it, or not;
+    # so may the killed rank's case (W = 2, one call) when its call ends within the 0.2 s (a fast
+    # machine): then the kill missed, and both ranks' checks pass
+    most = 4 * 2 + 3 * 3 + 3 + 2 * c["faults kill missed (no error)"]
+    assert c["calls"] >= 22 and 4 * 2 + 3 * 3 <= c["checks passed"] <= most
     for kind in ("stall", "withhold"):  # deterministic: the peers' waits must expire
         assert c[f"faults {kind} tripped"] == c[f"faults {kind}"] == 2
     assert c["faults kill"] == 1 and c["faults lost"] == 1 and c["ranks killed"] >= 1
