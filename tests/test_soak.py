@@ -37,7 +37,8 @@ def slice_jobs(specs: dict[str, str]) -> list[soak.JobPlan]:
         case("seg8", "deep", 2, routing="hot", tokens=4, calls=3, max_delay=0.1),
         case("seg16", "pipelined", 2, tokens=4, withhold=(0, 3), mode="split", **fault),
         case("tiny", "bulk", 2, routing="one", rank_tokens=(0, 3), mode="split", calls=2),
-        case("tiny", "bulk", 2, tokens=4, kill=(1, 0.2), **fault),
+        # killed 0.02 s into its call: inside it on any machine (0.15 s on a fast one, after prewarm)
+        case("tiny", "bulk", 2, tokens=4, kill=(1, 0.02), **fault),
     )
     three = (
         case("seg16", "pipelined", 3, routing="one", rank_tokens=(3, 0, 4), calls=2),
@@ -65,12 +66,10 @@ def test_soak_slice(tmp_path):
     assert c["hangs"] == 0 and c["leaked processes"] == 0 and c["leaked shm segments"] == 0
     assert c["other errors"] == 0 and c["checks failed"] == 0 and c["KernelErrors unexpected (no fault)"] == 0
     assert c["KernelErrors"] == c["KernelErrors naming rank and task"] > 0
-    # every rank of every case without a fault: 4 cases of W = 2, 3 of W = 3 before the lost rank's;
-    # the lost rank's case may finish a rank's check before the kill lands 0.6 s into it, or not;
-    # so may the killed rank's case (W = 2, one call) when its call ends within the 0.2 s (a fast
-    # machine): then the kill missed, and both ranks' checks pass
-    most = 4 * 2 + 3 * 3 + 3 + 2 * c["faults kill missed (no error)"]
-    assert c["calls"] >= 22 and 4 * 2 + 3 * 3 <= c["checks passed"] <= most
+    # every rank of every case without a fault: 4 cases of W = 2, 3 of W = 3 before the lost rank's
+    # (a rank of a faulted case may end its call before the fault reaches it, the lost rank 0.6 s
+    # into its job: its check then passes too)
+    assert c["calls"] >= 22 and c["checks passed"] - c["checks passed in faulted cases"] == 4 * 2 + 3 * 3
     for kind in ("stall", "withhold"):  # deterministic: the peers' waits must expire
         assert c[f"faults {kind} tripped"] == c[f"faults {kind}"] == 2
     assert c["faults kill"] == 1 and c["faults lost"] == 1 and c["ranks killed"] >= 1

@@ -494,6 +494,7 @@ def tally_job(res: JobResult, tally: Tally) -> None:
                 c["unchecked"] += 1  # ragged T' under a capacity policy: no reference
             elif r["error_rel"] <= TOL and r["accepted_same"]:
                 c["checks passed"] += 1
+                c["checks passed in faulted cases"] += kind is not None  # ended before its fault reached it
             else:
                 c["checks failed"] += 1
                 tally.fail(f"{at}: rank {rank}: error {r['error_rel']:.3g}, accepted same {r['accepted_same']}")
