@@ -88,10 +88,38 @@ def module_side(mode: str, reps: int, calls_path: Path) -> dict:
     recorder.calls.clear()
     module.routed(x, ids, gates, operand, wd)  # one call's launches (phased mode: three, one at a time)
     launches = [
-        (fn.fn.__name__, g, args, meta | {"CAST_F32": False}) for c in recorder.calls for fn, g, args, meta in c
+        (fn.fn.__name__, g, [_shell(a) for a in args], meta | {"CAST_F32": False})
+        for c in recorder.calls
+        for fn, g, args, meta in c
     ]
     torch.save({"path": str(module.kernels_path), "launches": launches}, calls_path)
     return {"mode": mode, "kernels": [name for name, _, _, _ in launches], "module_us": us}
+
+
+class _Shell(tuple):
+    """A tensor argument as a launch sees it (dtype, size, strides, offset into a storage of
+    ``nbytes``), not its values: no launch here runs. Saved, moonlight's weights were 1.1 GB
+    a mode to write and read back."""
+
+
+def _shell(arg):
+    import torch
+
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    return _Shell((arg.dtype, tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes()))
+
+
+def _tensor(arg):
+    """A tensor of the shell's layout over a fresh storage, as aligned as the module's own
+    (``torch.empty``): the same specialisation."""
+    import torch
+
+    if not isinstance(arg, _Shell):
+        return arg
+    dtype, size, stride, offset, nbytes = arg
+    storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
 
 
 def launch_side(calls_path: Path, reps: int) -> dict:
@@ -107,8 +135,8 @@ def launch_side(calls_path: Path, reps: int) -> dict:
     record = torch.load(calls_path, weights_only=False)
     kernels = import_kernels(record["path"], interpret=False)
     runs = []
-    for name, grid, args, meta in record["launches"]:
-        kernel = getattr(kernels, name)
+    for name, grid, shells, meta in record["launches"]:
+        kernel, args = getattr(kernels, name), [_tensor(a) for a in shells]
         compiled = kernel.warmup(*args, grid=grid, **meta)
         compiled.module, compiled.function = 1, 0  # loaded, as far as Triton can tell
         compiled._run = lambda *a: None
