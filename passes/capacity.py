@@ -72,7 +72,39 @@ def capacity_plan(env: Env, opts: PlanOptions, values: dict, spec: LayerSpec, wa
     """The capacity part of the plan: cap_e, the rows the busiest owner may admit, the overflow
     bound of the capacity and the capacity that meets ``opts.overflow``; warns when it is short."""
     policy = spec.capacity.policy
-    mu_v = env.values[mu]
+    cap_fig, worst, rpo = _admission(env, spec)
+    bounded = policy != "dropless" and rpo.value < worst.value
+    # the inverse first (beta still free): bisection on the same bound; the closed form is the formula
+    factor_needed, rows_needed = _needed_for_target(env, opts)
+    beta_fig, union_fig, bound_fig, branch = _overflow_bound(env, policy)
+    skew = skew_bound(env, opts, values, spec, warnings) if opts.probs is not None else None
+    capacity = CapacityPlan(
+        policy,
+        cap_fig,
+        worst,
+        rpo,
+        bounded,
+        beta_fig,
+        union_fig,
+        bound_fig,
+        branch,
+        opts.overflow,
+        factor_needed,
+        rows_needed,
+        skew,
+    )
+    if policy != "dropless" and bound_fig.value > opts.overflow:
+        warnings.append(
+            f"capacity too small for the overflow target: cap_e = {cap_fig.value} rows gives an overflow bound of "
+            f"{bound_fig.value:.3g} > {opts.overflow:g}; the bound needs factor >= {factor_needed.value:.4g} "
+            f"(cap_e >= {rows_needed.value} rows)"
+        )
+    return capacity
+
+
+def _admission(env: Env, spec: LayerSpec) -> tuple[Figure | None, Figure, Figure]:
+    """cap_e (None when dropless), the busiest owner's worst-case load and the rows it may admit."""
+    policy = spec.capacity.policy
     cap_fig = (
         None
         if policy == "dropless"
@@ -98,8 +130,11 @@ def capacity_plan(env: Env, opts: PlanOptions, values: dict, spec: LayerSpec, wa
         "rows the busiest owner may admit: worst case"
         + (" (dropless: unbounded by policy)" if policy == "dropless" else ", capped at E_max·cap_e"),
     )
-    bounded = policy != "dropless" and rpo.value < worst.value
-    # the inverse first (beta still free): bisection on the same bound; the closed form is the formula
+    return cap_fig, worst, rpo
+
+
+def _needed_for_target(env: Env, opts: PlanOptions) -> tuple[Figure, Figure]:
+    """The capacity factor and the cap_e at which the union bound meets ``opts.overflow``."""
     bn = beta_needed_expr()
     fn = sp.lambdify(beta, union_bound_expr().xreplace(env.exact), "math")
     b_needed = bisect_decreasing(fn, opts.overflow)
@@ -113,58 +148,39 @@ def capacity_plan(env: Env, opts: PlanOptions, values: dict, spec: LayerSpec, wa
     rows_needed = Figure(
         "capacity.rows_per_expert_needed",
         sp.ceiling((1 + bn) * mu),
-        math.ceil((1 + b_needed) * float(mu_v) - 1e-9),
+        math.ceil((1 + b_needed) * float(env.values[mu]) - 1e-9),
         "rows",
         "cap_e that meets the overflow target, ceil((1+β)·μ)",
     )
+    return factor_needed, rows_needed
+
+
+def _overflow_bound(env: Env, policy: str) -> tuple[Figure | None, Figure | None, Figure, str]:
+    """The slack β of cap_e (defined in ``env``), the union bound, the overflow bound and its branch."""
     if policy == "dropless":
-        beta_fig = union_fig = None
         bound_fig = env.fig("capacity.overflow_bound", sp.Integer(0), "prob", "dropless: every row is admitted")
-        branch = "dropless"
-    else:
-        env.define(beta, cap_e / mu - 1)
-        beta_fig = env.fig("capacity.beta", cap_e / mu - 1, "", "slack β = cap_e/μ − 1")
-        beta_v = beta_fig.value
-        union_fig = (
-            env.fig(
-                "capacity.overflow_union_bound",
-                union_bound_expr(),
-                "prob",
-                "union bound over experts: E·exp(−μβ²/3) if β ≤ 1 (eq. 16), E·exp(−μβ²/(2+β)) beyond",
-            )
-            if beta_v > 0
-            else None  # no slack: the tail bounds do not apply
-        )
-        bound_fig = env.fig(
-            "capacity.overflow_bound",
-            sp.Piecewise((sp.Integer(1), beta <= 0), (sp.Min(1, union_bound_expr()), True)),
+        return None, None, bound_fig, "dropless"
+    env.define(beta, cap_e / mu - 1)
+    beta_fig = env.fig("capacity.beta", cap_e / mu - 1, "", "slack β = cap_e/μ − 1")
+    beta_v = beta_fig.value
+    union_fig = (
+        env.fig(
+            "capacity.overflow_union_bound",
+            union_bound_expr(),
             "prob",
-            "P(some expert overflows cap_e), uniform independent routing, capped at 1",
+            "union bound over experts: E·exp(−μβ²/3) if β ≤ 1 (eq. 16), E·exp(−μβ²/(2+β)) beyond",
         )
-        branch = "beta<=0 (no slack)" if beta_v <= 0 else ("beta<=1 (eq. 16)" if beta_v <= 1 else "beta>1 (2+beta)")
-    skew = skew_bound(env, opts, values, spec, warnings) if opts.probs is not None else None
-    capacity = CapacityPlan(
-        policy,
-        cap_fig,
-        worst,
-        rpo,
-        bounded,
-        beta_fig,
-        union_fig,
-        bound_fig,
-        branch,
-        opts.overflow,
-        factor_needed,
-        rows_needed,
-        skew,
+        if beta_v > 0
+        else None  # no slack: the tail bounds do not apply
     )
-    if policy != "dropless" and bound_fig.value > opts.overflow:
-        warnings.append(
-            f"capacity too small for the overflow target: cap_e = {cap_fig.value} rows gives an overflow bound of "
-            f"{bound_fig.value:.3g} > {opts.overflow:g}; the bound needs factor >= {factor_needed.value:.4g} "
-            f"(cap_e >= {rows_needed.value} rows)"
-        )
-    return capacity
+    bound_fig = env.fig(
+        "capacity.overflow_bound",
+        sp.Piecewise((sp.Integer(1), beta <= 0), (sp.Min(1, union_bound_expr()), True)),
+        "prob",
+        "P(some expert overflows cap_e), uniform independent routing, capped at 1",
+    )
+    branch = "beta<=0 (no slack)" if beta_v <= 0 else ("beta<=1 (eq. 16)" if beta_v <= 1 else "beta>1 (2+beta)")
+    return beta_fig, union_fig, bound_fig, branch
 
 
 def skew_bound(env: Env, opts: PlanOptions, values: dict, spec: LayerSpec, warnings: list[str]) -> SkewBound:

@@ -30,7 +30,7 @@ from rdepc.passes.capacity import capacity_plan
 from rdepc.passes.compute_plan import compute_plan
 from rdepc.passes.hardware import profile
 from rdepc.passes.padding import padding_plan
-from rdepc.passes.plan_records import MemoryFigures, Plan, PlanOptions, Pooling, TrainingState, Verdict
+from rdepc.passes.plan_records import Figure, MemoryFigures, Plan, PlanOptions, Pooling, TrainingState, Verdict
 from rdepc.passes.plan_symbols import (
     CTX_BYTES_PER_ROW,
     MU_DEF,
@@ -198,61 +198,20 @@ def _memory(env: Env, mem_env: Env, spec: LayerSpec, layer: LayerSpec, strategy:
     comparison), the routing context, what the backward keeps, the dense weights' lower bound
     and the experts' training state. ``mem_env`` and ``layer``: the physical layer's (under
     balance replicate its slots are experts), which the heap is planned for."""
-    bulk_pl = PAPER_TENSORS * W * T * K * H * d
-    seg_pl = PAPER_TENSORS * B * S * H * d
     has_seg = spec.segment is not None
-    t4 = "Table 4: 4 routed row tensors (dispatch, return; fwd, bwd)"
     sym = symmetric_figures(mem_env, strategy, "symmetric_bytes.plan", layer)
     alt = None
     if strategy in SEGMENTED:
         alt = symmetric_figures(mem_env, "bulk", "symmetric_bytes.plan_bulk", layer)
     elif has_seg:
         alt = symmetric_figures(mem_env, "pipelined", "symmetric_bytes.plan_segmented", layer)
-    # What waits for the gate gradient: the expert outputs (at the front-ends, or under dedup
-    # at the owners; none with the gate on the input) and the layer's input x at its front-end
-    # when the backward reads it (the gate on the input, or the input rows sent again).
-    gate_input, resend = spec.gate_on == "input", spec.input_activations == "resend"
-    out_rows = R_max if spec.dedup else 0 if gate_input else T * K
-    out_rows += T if gate_input or resend else 0
     saved_rows = env.fig(
         "saved_activations.rows", R_max, "rows", "the busiest owner's rows (worst case, capped by capacity)"
     )
-    recompute = spec.pre_activations == "recompute"
-    row_width = sum(kept_columns(H, F, spec.expert.gated, recompute, resend).values())
-    kept = [] if resend else ["H: input row x"]
-    if not recompute:
-        kept.append("2F: the gate and up pre-activations" if spec.expert.gated else "F: the pre-activation h")
-    width_text = " + ".join(kept) + " (·a)" if kept else "nothing"
-    why = [
-        w for w, on in (("the backward sends x again", resend), ("computes the pre-activations again", recompute)) if on
-    ]
-    width_text += f"; {' and '.join(why)}" if why else ""
-    saved_row = env.fig("saved_activations.bytes_per_row", row_width * a, "B", width_text)
-    dense_params = dense_bytes = None
-    if env.values.get(V) is not None and env.values.get(L_all) is not None:
-        dp = V * H + 4 * L_all * H**2 + 3 * L_dense * H * D_dense
-        dense_params = env.fig(
-            "dense_lower_bound.params",
-            dp,
-            "params",
-            "eq. 21: V·H embeddings + 4·L·H² attention + 3·L_dense·H·D_dense dense FFN",
-        )
-        dense_bytes = env.fig("dense_lower_bound.bytes", dp * a, "B", "the same at the dtype, replicated on every rank")
+    row_width, saved_row = _saved_row(env, spec)
+    dense_params, dense_bytes = _dense_lower_bound(env)
     return MemoryFigures(
-        env.fig("symmetric_bytes.bulk_per_layer", bulk_pl, "B", f"{t4}, M_cap = W·T·K rows of H·d bytes"),
-        env.fig("symmetric_bytes.segmented_per_layer", seg_pl, "B", f"{t4}, B·S rows of H·d bytes")
-        if has_seg
-        else None,
-        env.fig("symmetric_bytes.bulk_total", bulk_pl * L, "B", "bulk per layer × L (a private buffer per layer)"),
-        env.fig(
-            "symmetric_bytes.segmented_total", seg_pl * L, "B", "segmented per layer × L (a private ring per layer)"
-        )
-        if has_seg
-        else None,
-        env.fig("symmetric_bytes.bulk_shared", bulk_pl, "B", "one buffer shared by layers run one after another"),
-        env.fig("symmetric_bytes.segmented_shared", seg_pl, "B", "one ring shared by layers run one after another")
-        if has_seg
-        else None,
+        *_paper_table4(env, has_seg),
         sym,
         alt,
         env.fig(
@@ -271,6 +230,62 @@ def _memory(env: Env, mem_env: Env, spec: LayerSpec, layer: LayerSpec, strategy:
             "B",
             "the same for the expected load min(E_max·μ, R_max), one layer",
         ),
+        *_saved_outputs(env, spec),
+        dense_params,
+        dense_bytes,
+        training_state(env, spec),
+    )
+
+
+def _paper_table4(env: Env, has_seg: bool) -> tuple[Figure | None, ...]:
+    """The paper's Table 4 symmetric bytes, bulk and segmented: per layer, for L private
+    buffers, and for one buffer the layers share (the segmented ones None without a segment)."""
+    bulk_pl = PAPER_TENSORS * W * T * K * H * d
+    seg_pl = PAPER_TENSORS * B * S * H * d
+    t4 = "Table 4: 4 routed row tensors (dispatch, return; fwd, bwd)"
+    return (
+        env.fig("symmetric_bytes.bulk_per_layer", bulk_pl, "B", f"{t4}, M_cap = W·T·K rows of H·d bytes"),
+        env.fig("symmetric_bytes.segmented_per_layer", seg_pl, "B", f"{t4}, B·S rows of H·d bytes")
+        if has_seg
+        else None,
+        env.fig("symmetric_bytes.bulk_total", bulk_pl * L, "B", "bulk per layer × L (a private buffer per layer)"),
+        env.fig(
+            "symmetric_bytes.segmented_total", seg_pl * L, "B", "segmented per layer × L (a private ring per layer)"
+        )
+        if has_seg
+        else None,
+        env.fig("symmetric_bytes.bulk_shared", bulk_pl, "B", "one buffer shared by layers run one after another"),
+        env.fig("symmetric_bytes.segmented_shared", seg_pl, "B", "one ring shared by layers run one after another")
+        if has_seg
+        else None,
+    )
+
+
+def _saved_row(env: Env, spec: LayerSpec) -> tuple[sp.Expr | int, Figure]:
+    """The columns of one owner row the backward keeps, and its bytes with the reason."""
+    resend = spec.input_activations == "resend"
+    recompute = spec.pre_activations == "recompute"
+    row_width = sum(kept_columns(H, F, spec.expert.gated, recompute, resend).values())
+    kept = [] if resend else ["H: input row x"]
+    if not recompute:
+        kept.append("2F: the gate and up pre-activations" if spec.expert.gated else "F: the pre-activation h")
+    width_text = " + ".join(kept) + " (·a)" if kept else "nothing"
+    why = [
+        w for w, on in (("the backward sends x again", resend), ("computes the pre-activations again", recompute)) if on
+    ]
+    width_text += f"; {' and '.join(why)}" if why else ""
+    return row_width, env.fig("saved_activations.bytes_per_row", row_width * a, "B", width_text)
+
+
+def _saved_outputs(env: Env, spec: LayerSpec) -> tuple[Figure, Figure]:
+    """The bytes kept for the gate gradient, one layer and all layers."""
+    # What waits for the gate gradient: the expert outputs (at the front-ends, or under dedup
+    # at the owners; none with the gate on the input) and the layer's input x at its front-end
+    # when the backward reads it (the gate on the input, or the input rows sent again).
+    gate_input, resend = spec.gate_on == "input", spec.input_activations == "resend"
+    out_rows = R_max if spec.dedup else 0 if gate_input else T * K
+    out_rows += T if gate_input or resend else 0
+    return (
         env.fig(
             "saved_activations.outputs_per_layer",
             out_rows * H * a,
@@ -287,10 +302,22 @@ def _memory(env: Env, mem_env: Env, spec: LayerSpec, layer: LayerSpec, strategy:
             else "T·K·H·a: each slot's expert output at its front-end, for the gate gradient, one layer",
         ),
         env.fig("saved_activations.outputs_total", out_rows * H * a * L, "B", "× L MoE layers"),
-        dense_params,
-        dense_bytes,
-        training_state(env, spec),
     )
+
+
+def _dense_lower_bound(env: Env) -> tuple[Figure | None, Figure | None]:
+    """eq. 21's replicated dense parameters and their bytes, where the spec's model gives them."""
+    if env.values.get(V) is None or env.values.get(L_all) is None:
+        return None, None
+    dp = V * H + 4 * L_all * H**2 + 3 * L_dense * H * D_dense
+    dense_params = env.fig(
+        "dense_lower_bound.params",
+        dp,
+        "params",
+        "eq. 21: V·H embeddings + 4·L·H² attention + 3·L_dense·H·D_dense dense FFN",
+    )
+    dense_bytes = env.fig("dense_lower_bound.bytes", dp * a, "B", "the same at the dtype, replicated on every rank")
+    return dense_params, dense_bytes
 
 
 def _verdicts(hw, memory: MemoryFigures) -> tuple[Verdict, ...]:

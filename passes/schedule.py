@@ -221,27 +221,21 @@ def _union(a: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, decisions) -> Schedule:
-    geo = tg.geometry
-    W = geo.W
-    N = cm.rates.sms
-    tasks = tg.tasks
+def _resources(tasks, split: Split | None, W: int, N: int) -> tuple[tuple[Resource, ...], list[int]]:
+    """The resources of each rank and the resource each task runs on."""
     if split is None:  # unified: one resource per rank
         resources = tuple(Resource(r, r, "all", N) for r in range(W))
-        res_of = [t.rank for t in tasks]
-    else:
-        resources = tuple(
-            Resource(2 * r + k, r, role, split.comm if role == "comm" else split.compute)
-            for r in range(W)
-            for k, role in enumerate(("comm", "compute"))
-        )
-        res_of = [2 * t.rank + (t.role == "compute") for t in tasks]
-    position = [0] * len(tasks)
-    for i, u in enumerate(order):
-        position[u] = i
-    busy = np.zeros(len(resources))
-    np.add.at(busy, np.asarray(res_of, int), dur)
-    comm_iv, comp_iv = _role_intervals(tasks, order, tl, dur, W)
+        return resources, [t.rank for t in tasks]
+    resources = tuple(
+        Resource(2 * r + k, r, role, split.comm if role == "comm" else split.compute)
+        for r in range(W)
+        for k, role in enumerate(("comm", "compute"))
+    )
+    return resources, [2 * t.rank + (t.role == "compute") for t in tasks]
+
+
+def _role_times(tasks, dur: np.ndarray, W: int) -> tuple[list[float], list[float]]:
+    """Per rank, the summed time of its communication tasks and of its compute tasks."""
     transport = [0.0] * W
     compute = [0.0] * W
     for t in tasks:
@@ -249,7 +243,11 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
             transport[t.rank] += float(dur[t.id])
         else:
             compute[t.rank] += float(dur[t.id])
-    exposed = tuple(_minus(_union(comm_iv[r]), _union(comp_iv[r])) for r in range(W))
+    return transport, compute
+
+
+def _fill_drain(tasks, cm, dur: np.ndarray, W: int) -> tuple[list[float], list[float]]:
+    """Per rank, the communication before compute can start (fill) and after it ends (drain)."""
     # fill: the weight pushes (balance replicate), the route, the scan, the first segment's
     # dispatch and the flag that hands it to compute; drain: the returns and unpacks of each
     # owner's last non-empty segment (under the routing the timeline was made for), the
@@ -269,11 +267,20 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
             t.stage in ("return", "combine") and t.segment == last[t.owner]
         ):
             drain[t.rank] += float(dur[t.id])
+    return fill, drain
+
+
+def _stage_busy(tasks, dur: np.ndarray, W: int) -> tuple[tuple[str, float], ...]:
+    """Per stage (the unpacks apart from the combine), the busiest rank's time in it."""
     per_stage: dict[str, np.ndarray] = {}
     for t in tasks:
         key = t.stage if t.stage != "combine" or t.detail != "unpack" else "unpack"
         per_stage.setdefault(key, np.zeros(W))[t.rank] += dur[t.id]
-    stage_busy = tuple((k, float(v.max())) for k, v in per_stage.items())
+    return tuple((k, float(v.max())) for k, v in per_stage.items())
+
+
+def _table(tasks, order, position: list[int], res_of: list[int]) -> list[Entry]:
+    """The task table: one entry per task in global order, its deps as entry indices."""
     table = []
     for i, u in enumerate(order):
         t = tasks[u]
@@ -297,6 +304,27 @@ def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, d
                 t.empty_if,
             )
         )
+    return table
+
+
+def _finish(tg, cm, order, split: Split | None, tl: Timeline, dur: np.ndarray, decisions) -> Schedule:
+    """The Schedule of ``order`` on its timeline: resources, loads, overlap and the task table."""
+    geo = tg.geometry
+    W = geo.W
+    N = cm.rates.sms
+    tasks = tg.tasks
+    resources, res_of = _resources(tasks, split, W, N)
+    position = [0] * len(tasks)
+    for i, u in enumerate(order):
+        position[u] = i
+    busy = np.zeros(len(resources))
+    np.add.at(busy, np.asarray(res_of, int), dur)
+    comm_iv, comp_iv = _role_intervals(tasks, order, tl, dur, W)
+    transport, compute = _role_times(tasks, dur, W)
+    exposed = tuple(_minus(_union(comm_iv[r]), _union(comp_iv[r])) for r in range(W))
+    fill, drain = _fill_drain(tasks, cm, dur, W)
+    stage_busy = _stage_busy(tasks, dur, W)
+    table = _table(tasks, order, position, res_of)
     return Schedule(
         layer=tg.layer,
         strategy=geo.strategy,
