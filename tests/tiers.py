@@ -22,7 +22,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "interpreter": (
         "test_admission", "test_backward", "test_bad_inputs", "test_balance", "test_bench", "test_cache",
         "test_cuda", "test_dedup", "test_device", "test_device_functions", "test_device_rows", "test_device_runs",
-        "test_environment", "test_examples", "test_fp8", "test_hf", "test_inference", "test_launch",
+        "test_environment", "test_examples", "test_fp8", "test_hf", "test_hf_models", "test_inference", "test_launch",
         "test_library", "test_padding", "test_phased", "test_pipeline", "test_profile", "test_route_chunks",
         "test_router", "test_runtime", "test_sched_ops", "test_tolerance", "test_torch_module", "test_tune",
     ),
