@@ -42,17 +42,16 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rdepc.runtime.ranks import HEAP_PREFIX
+from soak_tally import Tally, tally_job
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny.rdep"
 SHM = Path("/dev/shm")
-TOL = 1e-5  # fp32 layers only
 
 # (variant, schedule, weight): the spec files build_specs writes, and the strategy each runs
 VARIANTS = (
@@ -376,149 +375,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-# ----------------------------------------------------------------------------- counting
-@dataclass
-class Tally:
-    counts: Counter = field(default_factory=Counter)
-    failures: list = field(default_factory=list)  # one line per failure
-    error_after: dict = field(default_factory=dict)  # fault kind -> seconds a KernelError took to stop the call
-    jobs: list = field(default_factory=list)  # one summary per job
-
-    def fail(self, what: str) -> None:
-        self.counts["failures"] += 1
-        self.failures.append(what)
-
-
-def named(err: dict, rank: int) -> bool:
-    """Whether a KernelError names the rank that raised it and its task."""
-    rec = err.get("record") or {}
-    msg = err.get("message", "")
-    task = rec.get("task")
-    return (
-        err.get("type") == "KernelError"
-        and rec.get("rank") == rank
-        and isinstance(task, str)
-        and f"({task}) on rank {rank}" in msg
-    )
-
-
-def tally_job(res: JobResult, tally: Tally) -> None:
-    """Count one job's outcomes into ``tally``."""
-    plan, c = res.plan, tally.counts
-    where = f"job {plan.index} (W={plan.W})"
-    c["jobs"] += 1
-    c[f"jobs W={plan.W}"] += 1
-    calls_before = c["calls"]
-    if res.status in ("hang", "timeout"):
-        c["hangs"] += 1
-        tally.fail(f"{where}: hang: {res.message}")
-    elif res.status == "error":
-        c["other errors"] += 1
-        tally.fail(f"{where}: {res.message}\n{res.log_tail}")
-    elif res.status == "ranks_error":
-        died = [r for r, why in res.failures.items() if "died" in why]
-        if died and res.message not in [res.failures[r] for r in died]:
-            c["launch errors naming the wrong rank"] += 1
-            tally.fail(f"{where}: ranks {died} died, but the launch's error says: {res.message[:300]}")
-    c["leaked processes"] += len(res.leaked_processes)
-    c["leaked shm segments"] += len(res.leaked_shm)
-    for what in res.leaked_processes + [f"shared-memory segment {n} left behind" for n in res.leaked_shm]:
-        tally.fail(f"{where}: {what}")
-    stopped: set[int] = set()  # ranks whose process raised or died: their later cases did not run
-    for i, case in enumerate(plan.cases):
-        fault = plan.fault(i)
-        kind, frank = fault if fault else (None, None)
-        at = f"{where} case {i} ({case.schedule}, {case.mode}, {case.routing}{', fault ' + kind if kind else ''})"
-        c["cases"] += 1
-        if kind:
-            c[f"faults {kind}"] += 1
-        if case.routing == "one":
-            c["cases all-to-one" + (" expert" if dict(case.overrides).get("K") == 1 else " owner")] += 1
-        if case.rank_tokens is not None and 0 in case.rank_tokens:
-            c["cases with an empty rank"] += 1
-        c[f"cases {case.schedule} {case.mode}"] += 1
-        started, kernel_errors, attributed, peer_errors = 0, 0, False, 0
-        for rank in range(plan.W):
-            r = res.results.get((rank, i))
-            if r is None:
-                if rank in stopped or res.status in ("hang", "timeout"):
-                    continue
-                stopped.add(rank)
-                why = res.failures.get(rank, "")
-                if kind in ("kill", "lost") and rank == frank and "died (exit code -9)" in why:
-                    c["ranks killed"] += 1
-                    started = max(started, 1)
-                    continue
-                c["other errors"] += 1
-                tally.fail(f"{at}: rank {rank} reported nothing: {why or res.message}")
-                continue
-            if "exception" in r:
-                stopped.add(rank)
-                started = max(started, 1)
-                if kind == "lost":  # a peer lost in a host collective: gloo says so
-                    c["errors after a lost peer"] += 1
-                    peer_errors += 1
-                    continue
-                c["other errors"] += 1
-                tally.fail(f"{at}: rank {rank} raised {r['exception']}\n{r['trace']}")
-                continue
-            ran = len(r["calls"]) + ("error" in r)
-            started = max(started, ran)
-            c["rank-calls completed"] += len(r["calls"])
-            if "error" in r:
-                err = r["error"]
-                if err["type"] != "KernelError":
-                    c["other errors"] += 1
-                    tally.fail(f"{at}: rank {rank}: {err['type']}: {err['message']}")
-                    continue
-                c["KernelErrors"] += 1
-                kernel_errors += 1
-                if named(err, rank):
-                    c["KernelErrors naming rank and task"] += 1
-                else:
-                    tally.fail(f"{at}: rank {rank}: a KernelError that does not name its rank and task: {err}")
-                if kind is None:
-                    c["KernelErrors unexpected (no fault)"] += 1
-                    tally.fail(f"{at}: rank {rank}: a KernelError with no fault injected: {err['message']}")
-                else:
-                    tally.error_after.setdefault(kind, []).append(round(r.get("error_after", 0.0), 3))
-                rec = err.get("record") or {}
-                withheld = {res.results.get((frank, i), {}).get("withheld")} - {None}
-                if frank is not None and (rec.get("flag_rank") == frank or rec.get("flag") in withheld):
-                    attributed = True
-                continue
-            if len(r["calls"]) != case.calls:
-                c["checks failed"] += 1
-                tally.fail(f"{at}: rank {rank} ran {len(r['calls'])} of {case.calls} calls without an error")
-            elif "error_rel" not in r:
-                c["unchecked"] += 1  # ragged T' under a capacity policy: no reference
-            elif r["error_rel"] <= TOL and r["accepted_same"]:
-                c["checks passed"] += 1
-                c["checks passed in faulted cases"] += kind is not None  # ended before its fault reached it
-            else:
-                c["checks failed"] += 1
-                tally.fail(f"{at}: rank {rank}: error {r['error_rel']:.3g}, accepted same {r['accepted_same']}")
-        c["calls"] += started
-        c[f"calls W={plan.W}"] += started
-        if kind:
-            if kernel_errors or peer_errors:
-                c[f"faults {kind} tripped"] += 1
-                c[f"faults {kind} naming the faulted rank"] += attributed
-            else:
-                c[f"faults {kind} missed (no error)"] += 1
-    tally.jobs.append(
-        {
-            "job": plan.index,
-            "W": plan.W,
-            "cases": len(plan.cases),
-            "calls": c["calls"] - calls_before,
-            "faults": [f[0] for f in map(plan.fault, range(len(plan.cases))) if f],
-            "status": res.status,
-            "seconds": round(res.seconds, 1),
-        }
-    )
-
-
 # ----------------------------------------------------------------------------- the run
 def run(
     jobs: list[JobPlan], parallel: int = 1, progress: float = 5.0, log=print, workdir: Path | None = None
@@ -595,6 +451,7 @@ ROWS = (
     ("calls", "collective calls run"),
     ("rank-calls completed", "rank calls completed"),
     ("checks passed", "checks passed (rank slices vs reference)"),
+    ("checks passed in faulted cases", "  in faulted cases (before the fault)"),
     ("checks failed", "checks failed"),
     ("unchecked", "unchecked (ragged T' with capacity)"),
     ("KernelErrors", "KernelErrors (all in faulted cases)"),
