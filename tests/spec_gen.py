@@ -1,4 +1,4 @@
-"""Hypothesis strategies for whole .rdep specs, for the fuzzing of check, plan, compile and viz.
+"""Hypothesis strategies for whole valid .rdep specs, for the fuzzing of check, plan, compile and viz.
 
 * :func:`valid_specs` draws specs the language accepts, across all of it: every statement
   and option of docs/language.md, sizes given as literals, parameters (bounded ones too)
@@ -6,44 +6,21 @@
   in a file, comments, line continuations and CRLF line ends. Sizes stay small (W ≤ 8,
   T ≤ 256, H, F ≤ 512, E ≤ 64, at most 32 segments per owner) so that a spec plans and
   compiles in milliseconds.
-* :func:`near_valid_specs` draws one of those with a mutation: a number replaced by an
-  extreme one (0, -1, 2**63, 1e308, ...), a name misspelt or swapped for another, a
-  statement or option duplicated or dropped, tokens swapped, stray punctuation, a bad
-  ``-D`` override or ``--layer``.
 
-Both give a :class:`GenSpec`: the text and the command-line options it is used with.
+It gives a :class:`GenSpec`: the text and the command-line options it is used with.
+tests/spec_mutate.py draws near-valid specs from these.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from hypothesis import strategies as st
-from test_fuzz import BIG, ODD, PUNCT
 
 MAX_W, MAX_T, MAX_H, MAX_F, MAX_E = 8, 256, 512, 512, 64
 MAX_SEGMENTS = 32  # per owner: keeps task tables (and compile times) small
-
-# Numbers a near-valid spec puts in place of one of its own.
-EXTREMES = [
-    "0", "-1", str(2**63), "1e308", str(2**62), str(2**62 + 1), str(2**31), str(2**31 + 1), "65536", "65537",
-    "1024", "1025", "1048577", "1.5", "0.5", "-0", "00", "1_0", "2048/3", "1.", "9" * 25, "0.000001",
-]  # fmt: skip
-# Names a mutation may put in place of another: every keyword, option and value of the language.
-VOCABULARY = [
-    "param", "layer", "shape", "expert", "shared", "dtype", "model", "route_row", "sideband", "owner", "capacity",
-    "segment", "schedule", "transport", "router", "ranks", "tokens", "hidden", "experts", "top", "swiglu", "gelu",
-    "relu", "ffn", "bf16", "fp16", "fp32", "fp8_e4m3", "dispatch", "scale", "row", "block", "moe_layers", "vocab",
-    "layers", "dense_layers", "dense_ffn", "id", "rank", "token", "slot", "row_id", "local_expert", "gate", "links",
-    "balanced", "map", "dropless", "factor", "rows", "drop", "round_robin", "arrival", "lowest_gate", "weights",
-    "renormalize", "zero", "buffers", "cut", "auto", "expert", "source", "bulk", "pipelined", "deep", "emulated",
-    "nvshmem", "dedup", "on", "off", "softmax", "sigmoid", "bias", "groups", "top_groups", "aux_loss", "z_loss", "x",
-    "clamped_swiglu", "limit", "alpha",
-    "W", "T", "K", "E", "H", "F",
-]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -230,6 +207,19 @@ def _route_row(draw, W: int, T: int, K: int, symbolic: bool, t_name: str, k_name
     return f"route_row id = {text}", "route_row radix"
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """One layer's drawn sizes (T the bound when the tokens are symbolic)."""
+
+    W: int
+    T: int
+    E: int
+    K: int
+    H: int
+    F: int
+    symbolic: bool
+
+
 @st.composite
 def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list[str]]:
     """The statements of one valid layer and the constructs it uses. ``params`` holds the
@@ -239,139 +229,178 @@ def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list
     E = draw(st.one_of(st.integers(1, 16), st.integers(1, MAX_E), st.sampled_from([W, 2 * W, 4 * W, 64])))
     E = max(1, min(E, MAX_E))
     K = draw(st.integers(1, min(E, 8)))
-    symbolic = params["T_kind"] == "bound"
-    T = int(params["T_value"])  # the bound when symbolic
     H = draw(st.one_of(st.sampled_from([8, 16, 64, 128, 256, 512]), st.integers(1, MAX_H)))
     F = draw(st.one_of(st.sampled_from([8, 16, 64, 128, 512]), st.integers(1, MAX_F)))
+    d = _Dims(W, int(params["T_value"]), E, K, H, F, params["T_kind"] == "bound")
 
     def size(v: int, param: str | None = None) -> str:
         if param is not None and draw(st.booleans()):
             return param
         return draw(_expr(v, names))
 
-    # shape: every option, in any order, 'name value' or 'name = value'
-    shape_vals = {
-        "ranks": size(W, params.get("W")),
-        "tokens": params["T"] if symbolic or (params.get("T") and draw(st.booleans())) else draw(_expr(T, names)),
-        "hidden": size(H),
-        "experts": size(E),
-        "top": size(K, params["K"] if params.get("K_value") == str(K) else None),
-    }
-    keys = draw(st.permutations(list(shape_vals)))
-    eq = draw(st.sampled_from([" ", " = "]))
-    stmts = {"shape": "shape " + ", ".join(f"{k}{eq}{shape_vals[k]}" for k in keys)}
+    stmts = {"shape": _shape(draw, size, names, params, d)}
     act = draw(st.sampled_from(["swiglu", "clamped_swiglu", "gelu", "relu"]))
     tags.append(f"expert {act}")
     stmts["expert"] = f"expert {act}(ffn = {size(F)}{', limit = 7.5' if act == 'clamped_swiglu' else ''})"
-
     if draw(st.booleans()):
         n = draw(st.integers(1, 4))
         call = f"{draw(st.sampled_from(['swiglu', 'gelu', 'relu']))}(ffn = {size(draw(st.integers(1, MAX_F)))})"
         stmts["shared"] = "shared " + (call if n == 1 and draw(st.booleans()) else f"{n} x {call}")
         tags.append("shared")
-
     if draw(st.booleans()):
-        parts = [draw(st.sampled_from(["softmax", "sigmoid"]))]
-        tags.append(f"router {parts[0]}")
-        for flag in ("bias", "renormalize"):
-            if draw(st.booleans()):
-                parts.append(flag)
-        if draw(st.booleans()):
-            opts = [(g, m) for g in _divisors(E) for m in range(1, g + 1) if m * (E // g) >= K]
-            g, m = draw(st.sampled_from(opts))
-            parts += [f"groups {g}", f"top_groups {m}"]
-            tags.append("router groups")
-        if draw(st.booleans()):
-            parts.append(f"scale {draw(st.sampled_from(['1', '2.5', '2.446', '0.5', '16', '1_000']))}")
-        for loss in ("aux_loss", "z_loss"):
-            if draw(st.booleans()):
-                parts.append(f"{loss} {draw(st.sampled_from(['0', '0.01', '0.001', '1', '1.5']))}")
-                tags.append(loss)
-        stmts["router"] = "router " + ", ".join(draw(st.permutations(parts)))
+        stmts["router"] = _router(draw, d, tags)
+    dtype, fp8 = _dtype(draw, tags)
+    if dtype is not None:
+        stmts["dtype"] = dtype
+    if draw(st.booleans()):
+        stmts["model"] = _model(draw, size, params)
+        tags.append("model")
+    k_name = params["K"] if params.get("K_value") == str(K) else str(K)
+    route, tag = draw(_route_row(W, d.T, K, d.symbolic, params["T"], k_name, names))
+    tags.append(tag)
+    if route is not None:
+        stmts["route_row"] = route
+    owner = _owner(draw, names, d, stmts, tags)
+    capacity, drop, cap_max = _capacity(draw, size, params, d, tags)
+    if capacity is not None:
+        stmts["capacity"] = capacity
+    dedup = _transport(draw, stmts, tags)
+    _sideband(draw, fp8, drop, dedup, stmts, tags)
+    _segment(draw, size, d, [owner.count(q) for q in range(W)], cap_max, stmts, tags)
+    if d.symbolic:
+        tags.append("symbolic tokens")
+    order = draw(st.permutations(list(stmts)))
+    return [stmts[k] for k in order], tags
 
+
+def _shape(draw, size, names: _Names, params: dict[str, str], d: _Dims) -> str:
+    """shape: every option, in any order, 'name value' or 'name = value'."""
+    shape_vals = {
+        "ranks": size(d.W, params.get("W")),
+        "tokens": params["T"] if d.symbolic or (params.get("T") and draw(st.booleans())) else draw(_expr(d.T, names)),
+        "hidden": size(d.H),
+        "experts": size(d.E),
+        "top": size(d.K, params["K"] if params.get("K_value") == str(d.K) else None),
+    }
+    keys = draw(st.permutations(list(shape_vals)))
+    eq = draw(st.sampled_from([" ", " = "]))
+    return "shape " + ", ".join(f"{k}{eq}{shape_vals[k]}" for k in keys)
+
+
+def _router(draw, d: _Dims, tags: list[str]) -> str:
+    parts = [draw(st.sampled_from(["softmax", "sigmoid"]))]
+    tags.append(f"router {parts[0]}")
+    for flag in ("bias", "renormalize"):
+        if draw(st.booleans()):
+            parts.append(flag)
+    if draw(st.booleans()):
+        opts = [(g, m) for g in _divisors(d.E) for m in range(1, g + 1) if m * (d.E // g) >= d.K]
+        g, m = draw(st.sampled_from(opts))
+        parts += [f"groups {g}", f"top_groups {m}"]
+        tags.append("router groups")
+    if draw(st.booleans()):
+        parts.append(f"scale {draw(st.sampled_from(['1', '2.5', '2.446', '0.5', '16', '1_000']))}")
+    for loss in ("aux_loss", "z_loss"):
+        if draw(st.booleans()):
+            parts.append(f"{loss} {draw(st.sampled_from(['0', '0.01', '0.001', '1', '1.5']))}")
+            tags.append(loss)
+    return "router " + ", ".join(draw(st.permutations(parts)))
+
+
+def _dtype(draw, tags: list[str]) -> tuple[str | None, bool]:
+    """The dtype statement (None: the default bf16) and whether rows are dispatched in fp8."""
     dtype = draw(st.sampled_from(["bf16", "fp16", "fp32"]))
     dispatch = draw(st.sampled_from([None, None, "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e4m3"]))
     fp8 = dispatch == "fp8_e4m3"
     scale = draw(st.sampled_from([None, "row", "block"])) if fp8 else None
-    if dispatch is not None or dtype != "bf16" or draw(st.booleans()):
-        parts = [dtype] + ([f"dispatch {dispatch}"] if dispatch else []) + ([f"scale {scale}"] if scale else [])
-        stmts["dtype"] = "dtype " + ", ".join(draw(st.permutations(parts)))
-        tags.append(f"dtype {dtype}" + (f" dispatch {dispatch}" if dispatch else "") + (f" {scale}" if scale else ""))
+    if dispatch is None and dtype == "bf16" and not draw(st.booleans()):
+        return None, fp8
+    parts = [dtype] + ([f"dispatch {dispatch}"] if dispatch else []) + ([f"scale {scale}"] if scale else [])
+    tags.append(f"dtype {dtype}" + (f" dispatch {dispatch}" if dispatch else "") + (f" {scale}" if scale else ""))
+    return "dtype " + ", ".join(draw(st.permutations(parts))), fp8
 
+
+def _model(draw, size, params: dict[str, str]) -> str:
+    moe = draw(st.integers(1, 64))
+    parts = [f"moe_layers {size(moe, params.get('L') if params.get('L_value') == str(moe) else None)}"]
+    layers = None
     if draw(st.booleans()):
-        moe = draw(st.integers(1, 64))
-        parts = [f"moe_layers {size(moe, params.get('L') if params.get('L_value') == str(moe) else None)}"]
-        layers = None
-        if draw(st.booleans()):
-            layers = moe + draw(st.integers(0, 8))
-            parts.append(f"layers {layers}")
-        if layers is not None and layers > moe and draw(st.booleans()):
-            parts.append(f"dense_layers {draw(st.integers(1, layers - moe))}")
-        if draw(st.booleans()):
-            parts.append(f"dense_ffn {draw(st.integers(1, 20000))}")
-        if draw(st.booleans()):
-            parts.append(f"vocab {draw(st.integers(1, 300000))}")
-        stmts["model"] = "model " + ", ".join(draw(st.permutations(parts)))
-        tags.append("model")
+        layers = moe + draw(st.integers(0, 8))
+        parts.append(f"layers {layers}")
+    if layers is not None and layers > moe and draw(st.booleans()):
+        parts.append(f"dense_layers {draw(st.integers(1, layers - moe))}")
+    if draw(st.booleans()):
+        parts.append(f"dense_ffn {draw(st.integers(1, 20000))}")
+    if draw(st.booleans()):
+        parts.append(f"vocab {draw(st.integers(1, 300000))}")
+    return "model " + ", ".join(draw(st.permutations(parts)))
 
-    k_name = params["K"] if params.get("K_value") == str(K) else str(K)
-    route, tag = draw(_route_row(W, T, K, symbolic, params["T"], k_name, names))
-    tags.append(tag)
-    if route is not None:
-        stmts["route_row"] = route
 
+def _owner(draw, names: _Names, d: _Dims, stmts: dict[str, str], tags: list[str]) -> list[int]:
+    """The owner statement, if any, and the owner of each expert."""
     if draw(st.booleans()):
         stmts["owner"] = "owner balanced"
-        owner = _balanced(W, E)
         tags.append("owner balanced")
-    elif draw(st.booleans()):
-        text, owner = draw(_owner_map(W, E, names))
+        return _balanced(d.W, d.E)
+    if draw(st.booleans()):
+        text, owner = draw(_owner_map(d.W, d.E, names))
         stmts["owner"] = "owner " + text
         tags.append("owner map")
-    else:
-        owner = _balanced(W, E)
-    per = [owner.count(q) for q in range(W)]
+        return owner
+    return _balanced(d.W, d.E)
 
-    # capacity: cap_e (at every T' when T is symbolic) for the segment sizes below
+
+def _capacity(
+    draw, size, params: dict[str, str], d: _Dims, tags: list[str]
+) -> tuple[str | None, str | None, int | None]:
+    """The capacity statement (None: the default), its drop policy and the largest cap_e over
+    T' in 1..T (None when unbounded), which the segment sizes below are drawn for."""
     policy = draw(st.sampled_from(["default", "dropless", "factor", "factor", "rows", "rows"]))
+    if policy == "default":
+        return None, None, None
+    parts, cap_max = [], None
+    if policy == "dropless":
+        parts.append("dropless")
+    elif policy == "factor":
+        f = draw(st.sampled_from(["1", "1.0", "1.25", "0.5", "0.25", "2", "3.5", "1_000", "0.01"]))
+        parts.append(f"factor {f}")
+        cap_max = math.ceil(Fraction(f.replace("_", "")) * d.W * d.T * d.K / d.E)
+    else:
+        text, cap_max = _capacity_rows(draw, size, params, d, tags)
+        parts.append(text)
     drop = None
-    cap_max = None  # the largest cap_e over T' in 1..T
-    if policy != "default":
-        parts = []
-        if policy == "dropless":
-            parts.append("dropless")
-        elif policy == "factor":
-            f = draw(st.sampled_from(["1", "1.0", "1.25", "0.5", "0.25", "2", "3.5", "1_000", "0.01"]))
-            parts.append(f"factor {f}")
-            cap_max = math.ceil(Fraction(f.replace("_", "")) * W * T * K / E)
-        else:
-            if symbolic and draw(st.booleans()):
-                forms = [
-                    ("{T}", lambda t: t),
-                    ("2 * {T}", lambda t: 2 * t),
-                    ("{T} + 3", lambda t: t + 3),
-                    (f"{T + 1} - {{T}}", lambda t: T + 1 - t),  # decreasing in T
-                    ("{T} * {T} - {T} + 1", lambda t: t * t - t + 1),
-                    (f"{3 * T} - 2 * {{T}}", lambda t: 3 * T - 2 * t),
-                ]
-                form, fn = draw(st.sampled_from(forms))
-                parts.append("rows " + form.format(T=params["T"]))
-                cap_max = max(fn(t) for t in range(1, T + 1))
-                tags.append("capacity rows symbolic")
-            else:
-                rows = draw(st.one_of(st.integers(1, 64), st.integers(1, W * T * K)))
-                parts.append(f"rows {size(rows)}")
-                cap_max = rows
-        if policy != "dropless" or draw(st.booleans()):
-            if draw(st.booleans()):
-                drop = draw(st.sampled_from(["round_robin", "arrival", "lowest_gate"]))
-                parts.append(f"drop {drop}")
-                tags.append(f"drop {drop}")
-            if draw(st.booleans()):
-                parts.append(f"weights {draw(st.sampled_from(['renormalize', 'zero']))}")
-        stmts["capacity"] = "capacity " + ", ".join(draw(st.permutations(parts)))
-        tags.append(f"capacity {policy}")
+    if policy != "dropless" or draw(st.booleans()):
+        if draw(st.booleans()):
+            drop = draw(st.sampled_from(["round_robin", "arrival", "lowest_gate"]))
+            parts.append(f"drop {drop}")
+            tags.append(f"drop {drop}")
+        if draw(st.booleans()):
+            parts.append(f"weights {draw(st.sampled_from(['renormalize', 'zero']))}")
+    tags.append(f"capacity {policy}")
+    return "capacity " + ", ".join(draw(st.permutations(parts))), drop, cap_max
 
+
+def _capacity_rows(draw, size, params: dict[str, str], d: _Dims, tags: list[str]) -> tuple[str, int]:
+    """``rows N``, N an expression of the tokens when they are symbolic, and its largest value."""
+    T = d.T
+    if d.symbolic and draw(st.booleans()):
+        forms = [
+            ("{T}", lambda t: t),
+            ("2 * {T}", lambda t: 2 * t),
+            ("{T} + 3", lambda t: t + 3),
+            (f"{T + 1} - {{T}}", lambda t: T + 1 - t),  # decreasing in T
+            ("{T} * {T} - {T} + 1", lambda t: t * t - t + 1),
+            (f"{3 * T} - 2 * {{T}}", lambda t: 3 * T - 2 * t),
+        ]
+        form, fn = draw(st.sampled_from(forms))
+        tags.append("capacity rows symbolic")
+        return "rows " + form.format(T=params["T"]), max(fn(t) for t in range(1, T + 1))
+    rows = draw(st.one_of(st.integers(1, 64), st.integers(1, d.W * T * d.K)))
+    return f"rows {size(rows)}", rows
+
+
+def _transport(draw, stmts: dict[str, str], tags: list[str]) -> bool:
+    """The transport statement, if any; whether it deduplicates."""
     dedup = False
     if draw(st.booleans()):
         parts = [draw(st.sampled_from(["emulated", "emulated", "nvshmem"]))]
@@ -381,8 +410,11 @@ def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list
             parts.append(dd)
         stmts["transport"] = "transport " + ", ".join(draw(st.permutations(parts)))
         tags.append(f"transport {parts[0]}" + (" dedup" if dedup else ""))
+    return dedup
 
-    # sideband: row_id always; scale with fp8; gate when lowest_gate or dedup need it
+
+def _sideband(draw, fp8: bool, drop: str | None, dedup: bool, stmts: dict[str, str], tags: list[str]) -> None:
+    """sideband: row_id always; scale with fp8; gate when lowest_gate or dedup need it."""
     need = {"row_id"} | ({"scale"} if fp8 else set()) | ({"gate"} if drop == "lowest_gate" or dedup else set())
     if draw(st.booleans()):  # without the statement the default carries all of them
         extra = set(draw(st.lists(st.sampled_from(["local_expert", "gate", "scale"]), unique=True)))
@@ -392,8 +424,11 @@ def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list
         stmts["sideband"] = "sideband " + ", ".join(draw(st.permutations(sorted(fields))))
         tags.append("sideband")
 
-    # segment: S large enough for at most MAX_SEGMENTS segments of the busiest owner
-    worst = [W * T * min(K, e) for e in per]
+
+def _segment(draw, size, d: _Dims, per: list[int], cap_max: int | None, stmts: dict[str, str], tags: list[str]) -> None:
+    """segment: S large enough for at most MAX_SEGMENTS segments of the busiest owner; and the
+    schedule statement."""
+    worst = [d.W * d.T * min(d.K, e) for e in per]
     R = [w if cap_max is None else min(w, e * cap_max) for w, e in zip(worst, per, strict=True)]
     R_max = max(max(R), 1)
     schedule = draw(st.sampled_from(["default", "auto", "bulk", "pipelined", "pipelined", "deep", "deep"]))
@@ -410,13 +445,6 @@ def _layer(draw, names: _Names, params: dict[str, str]) -> tuple[list[str], list
     if schedule != "default":
         stmts["schedule"] = f"schedule {schedule}"
         tags.append(f"schedule {schedule}")
-    if symbolic:
-        tags.append("symbolic tokens")
-    order = draw(st.permutations(list(stmts)))
-    return [stmts[k] for k in order], tags
-
-
-# --------------------------------------------------------------------------- a file
 
 
 @st.composite
@@ -498,133 +526,4 @@ def valid_specs(draw) -> GenSpec:
     return GenSpec(text, "valid", layer, tuple(defines), "", tuple(tags))
 
 
-# ----------------------------------------------------------------------- mutations
-
-_TOKEN = re.compile(
-    r"(?P<comment>#[^\n]*)|(?P<num>[0-9][0-9_]*(?:\.[0-9][0-9_]*)?)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
-    r"|(?P<punct>//|<=|\.\.|[-+*/%=,:;(){}\[\]])"
-)
-
-
-def _tokens(text: str, kind: str) -> list[re.Match]:
-    return [m for m in _TOKEN.finditer(text) if m.lastgroup == kind]
-
-
-@st.composite
-def _misspelt(draw, word: str) -> str:
-    op = draw(st.sampled_from(["drop", "double", "swap", "case", "other", "other", "suffix"]))
-    i = draw(st.integers(0, max(0, len(word) - 1)))
-    if op == "drop" and len(word) > 1:
-        return word[:i] + word[i + 1 :]
-    if op == "double":
-        return word[: i + 1] + word[i:]
-    if op == "swap" and len(word) > 1:
-        i = min(i, len(word) - 2)
-        return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
-    if op == "case":
-        return word.upper() if word != word.upper() else word.lower()
-    if op == "suffix":
-        return word + draw(st.sampled_from(["s", "_", "2", "x"]))
-    return draw(st.sampled_from(VOCABULARY))
-
-
-@st.composite
-def mutate(draw, spec: GenSpec) -> GenSpec:
-    """``spec`` with one mutation (see the module docstring)."""
-    text = spec.text
-    layer, defines = spec.layer, list(spec.defines)
-    op = draw(
-        st.sampled_from(
-            ["number"] * 5 + ["name"] * 4 + ["dup_stmt", "del_stmt", "dup_opt", "del_opt", "swap", "punct", "define"]
-            + ["layer", "dup_layer", "odd"]
-        )
-    )  # fmt: skip
-    what = op
-    lines = text.split("\n")
-    stmt_lines = [i for i, ln in enumerate(lines) if re.match(r"\s*[a-z_]+\s", ln) and not ln.lstrip().startswith(
-        ("param", "layer", "#"))]  # fmt: skip
-    if op == "number" and (nums := _tokens(text, "num")):
-        m = draw(st.sampled_from(nums))
-        new = draw(st.sampled_from([x for x in [*EXTREMES, *BIG[:10]] if x != m[0]]))
-        text = text[: m.start()] + new + text[m.end() :]
-        what = f"number {m[0]} -> {new[:30]}"
-    elif op == "name" and (words := _tokens(text, "name")):
-        m = draw(st.sampled_from(words))
-        new = draw(_misspelt(m[0]))
-        text = text[: m.start()] + new + text[m.end() :]
-        what = f"name {m[0]} -> {new}"
-    elif op in ("dup_stmt", "del_stmt") and stmt_lines:
-        i = draw(st.sampled_from(stmt_lines))
-        what = f"{op} {lines[i].split()[0]}"
-        lines[i : i + 1] = [lines[i], lines[i]] if op == "dup_stmt" else []
-        text = "\n".join(lines)
-    elif op in ("dup_opt", "del_opt") and stmt_lines:
-        i = draw(st.sampled_from(stmt_lines))
-        kw, _, rest = lines[i].strip().partition(" ")
-        args = [a.strip() for a in rest.split("#")[0].split(",")] if "{" not in rest and "(" not in rest else []
-        args = [a for a in args if a]
-        if args:
-            j = draw(st.integers(0, len(args) - 1))
-            if op == "dup_opt":
-                args.insert(j, args[j])
-            else:
-                del args[j]
-            lines[i] = f"  {kw} {', '.join(args)}"
-            text = "\n".join(lines)
-            what = f"{op} {kw}"
-    elif op == "swap":
-        toks = [m for m in _TOKEN.finditer(text) if m.lastgroup != "comment"]
-        if len(toks) >= 2:
-            i, j = sorted(draw(st.lists(st.integers(0, len(toks) - 1), min_size=2, max_size=2, unique=True)))
-            a, b = toks[i], toks[j]
-            text = text[: a.start()] + b[0] + text[a.end() : b.start()] + a[0] + text[b.end() :]
-            what = f"swap {a[0]} {b[0]}"
-    elif op == "punct":
-        toks = _tokens(text, "punct")
-        if toks and draw(st.booleans()):
-            m = draw(st.sampled_from(toks))
-            text = text[: m.start()] + text[m.end() :]
-            what = f"delete {m[0]}"
-        else:
-            pos = draw(st.integers(0, len(text)))
-            p = draw(st.sampled_from(PUNCT))
-            text = text[:pos] + p + text[pos:]
-            what = f"insert {p}"
-    elif op == "define":
-        name = draw(st.sampled_from(["T", "W", "K", "L", "Q", "x", "T "]))
-        value = draw(st.sampled_from([*EXTREMES, "", "abc", "1/0", "nan", "inf", "3"]))
-        d = draw(st.sampled_from([f"{name}={value}", name, f"={value}"]))
-        defines.append(d)
-        what = f"-D {d}"
-    elif op == "layer":
-        layer = draw(st.sampled_from(["nope", "", "g", "layer"]))
-        what = f"--layer {layer!r}"
-    elif op == "dup_layer" and (m := re.search(r"layer [^\n]*\{.*?\n\}\r?\n", text, re.S)):
-        text = text + m[0]
-        what = "duplicate layer"
-    else:
-        pos = draw(st.integers(0, len(text)))
-        s = draw(st.sampled_from(ODD))
-        text = text[:pos] + s + text[pos:]
-        what = f"insert {s!r}"
-    return GenSpec(text, "near-valid", layer, tuple(defines), what, spec.tags)
-
-
-@st.composite
-def near_valid_specs(draw) -> GenSpec:
-    """A valid spec with one mutation, or (one in five) two."""
-    out = draw(mutate(draw(valid_specs())))
-    if draw(st.integers(0, 4)) == 0:
-        first = out.mutation
-        out = draw(mutate(out))
-        out = GenSpec(out.text, out.kind, out.layer, out.defines, f"{out.mutation}; {first}", out.tags)
-    return out
-
-
-@st.composite
-def any_specs(draw) -> GenSpec:
-    """Valid and near-valid specs, half each."""
-    return draw(valid_specs()) if draw(st.booleans()) else draw(near_valid_specs())
-
-
-__all__ = ["EXTREMES", "GenSpec", "any_specs", "mutate", "near_valid_specs", "valid_specs"]
+__all__ = ["GenSpec", "valid_specs"]

@@ -31,7 +31,8 @@ import pytest
 from hypothesis import given, settings
 from rdepc.passes.elaborate import elaborate
 from rdepc.passes.graph import candidates, count_tasks, owner_rows, segmentation
-from spec_gen import GenSpec, any_specs, valid_specs
+from spec_gen import GenSpec, valid_specs
+from spec_mutate import any_specs
 from test_graph import check_structure
 from test_memplan import check as check_memory_plan
 from test_schedule import check_order_and_timeline
@@ -323,10 +324,24 @@ def assert_invariants(o: Outcome) -> None:
     spec = res.spec
     tg, sched, mp, gen = (res.outputs[k] for k in ("graph", "schedule", "memplan", "codegen"))
     geo, kp = tg.geometry, gen.kernel
-    W, E, K, T = geo.W, geo.E, geo.K, geo.T
-    own = spec.ownership
+    per = _assert_ownership(spec, geo, kp)
+    _assert_capacity(spec, geo, kp, per)
+    _assert_segments(spec, geo)
+    # The task graph: a DAG with one task per (rank, segment, stage); its order topological.
+    if not spec.dedup:  # dedup's GEMM1 also waits for earlier segments' dispatches
+        check_structure(tg)
+    assert nx.is_directed_acyclic_graph(tg.graph)
+    check_order_and_timeline(sched)
+    assert len(sched.table) == len(tg.tasks) == len(kp.table)
+    _assert_memory(spec, sched, mp, kp)
+    _assert_plan_agrees(o.plan_json, geo, mp)
+    _assert_route_rows(spec, kp, geo.W, geo.K, geo.T)
 
-    # Every expert, hence every route row, has exactly one owner and one local slot there.
+
+def _assert_ownership(spec, geo, kp) -> list[int]:
+    """Every expert, hence every route row, has exactly one owner and one local slot there;
+    the experts per owner."""
+    W, E, own = geo.W, geo.E, spec.ownership
     assert len(own.owner) == len(own.local) == E and all(0 <= q < W for q in own.owner)
     per = [own.owner.count(q) for q in range(W)]
     assert list(geo.experts) == per == list(kp.n_local)
@@ -335,8 +350,12 @@ def assert_invariants(o: Outcome) -> None:
     assert list(kp.order) == sorted(range(E), key=lambda e: (own.owner[e], own.local[e]))
     assert [kp.owner_first[q + 1] - kp.owner_first[q] for q in range(W)] == per
     assert all(kp.weight_of[own.owner[e] * kp.E_MAX + own.local[e]] == e for e in range(E))
+    return per
 
-    # Capacity as the policy says, and each owner's bound R_q covers every T' the spec allows.
+
+def _assert_capacity(spec, geo, kp, per: list[int]) -> None:
+    """Capacity as the policy says, and each owner's bound R_q covers every T' the spec allows."""
+    W, K, T = geo.W, geo.K, geo.T
     tokens = [T]
     if spec.shape.symbolic:  # every T' up to the bound (sampled beyond a few thousand)
         tokens = sorted({*range(1, T + 1, max(1, T // 2048)), T})
@@ -350,7 +369,9 @@ def assert_invariants(o: Outcome) -> None:
     assert list(kp.rows_max) == list(geo.rows_max)
     assert all(f <= r for f, r in zip(kp.from_one, kp.rows_max, strict=True))
 
-    # Segments × S cover each owner's rows; S and B as the spec (or the cost model) says.
+
+def _assert_segments(spec, geo) -> None:
+    """Segments × S cover each owner's rows; S and B as the spec (or the cost model) says."""
     R = geo.rows_max
     if geo.strategy == "bulk":
         assert (max(max(R), 1), 1) == (geo.S, geo.B)
@@ -364,14 +385,10 @@ def assert_invariants(o: Outcome) -> None:
     if spec.dedup:
         assert max(R) <= geo.B * geo.S, "dedup: every segment resident"
 
-    # The task graph: a DAG with one task per (rank, segment, stage); its order topological.
-    if not spec.dedup:  # dedup's GEMM1 also waits for earlier segments' dispatches
-        check_structure(tg)
-    assert nx.is_directed_acyclic_graph(tg.graph)
-    check_order_and_timeline(sched)
-    assert len(sched.table) == len(tg.tasks) == len(kp.table)
 
-    # The memory plan: no problems, the planner's figures region by region, buffers packed.
+def _assert_memory(spec, sched, mp, kp) -> None:
+    """The memory plan: no problems, the planner's figures region by region, buffers packed;
+    the kernel's task table topological."""
     check_memory_plan(spec, sched)
     assert kp.heap_bytes == mp.regions("forward_backward")["total"]
     end = 0
@@ -387,17 +404,21 @@ def assert_invariants(o: Outcome) -> None:
         start, count = row[cols["dep_start"]], row[cols["dep_start"] + 1]
         assert all(d < i for d in kp.deps[start : start + count] if d >= 0), "the task table is topological"
 
-    # `rdepc plan` agrees with the compiled layer when it plans the same strategy, S and B.
-    pj = o.plan_json
-    if pj is not None:
-        cap = pj["capacity"]
-        assert cap["rows_per_expert"] == geo.cap_e
-        assert cap["rows_per_owner"] == max(R)
-        sb = pj["symmetric_bytes"]["plan"]
-        if (sb["strategy"], sb["S"], sb["B"]) == (geo.strategy, geo.S, geo.B):
-            assert sb["forward"] == mp.regions("forward") and sb["forward_backward"] == mp.regions("forward_backward")
 
-    # Route rows: distinct ids below 2^63, decoded back to (rank, token, slot), at every T'.
+def _assert_plan_agrees(pj, geo, mp) -> None:
+    """`rdepc plan` agrees with the compiled layer when it plans the same strategy, S and B."""
+    if pj is None:
+        return
+    cap = pj["capacity"]
+    assert cap["rows_per_expert"] == geo.cap_e
+    assert cap["rows_per_owner"] == max(geo.rows_max)
+    sb = pj["symmetric_bytes"]["plan"]
+    if (sb["strategy"], sb["S"], sb["B"]) == (geo.strategy, geo.S, geo.B):
+        assert sb["forward"] == mp.regions("forward") and sb["forward_backward"] == mp.regions("forward_backward")
+
+
+def _assert_route_rows(spec, kp, W: int, K: int, T: int) -> None:
+    """Route rows: distinct ids below 2^63, decoded back to (rank, token, slot), at every T'."""
     for t in sorted({1, T} if spec.shape.symbolic else {T}):
         c, *a = kp.row_id_radix(t)
         coef = dict(zip(ROUTE_VARS, a, strict=True))

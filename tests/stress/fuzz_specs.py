@@ -3,7 +3,7 @@
     .venv/bin/python tests/stress/fuzz_specs.py --count 10000 --seed 0 [--jobs N] [--json PATH]
                                                 [--out DIR] [--plan-every K] [--viz-every K] [--png-every K]
 
-Draws ``--count`` specs from tests/spec_gen.py (valid and near-valid, half each),
+Draws ``--count`` specs from tests/spec_mutate.py (valid and near-valid, half each),
 reproducibly for a ``--seed``: hypothesis draws them in this process, under that seed,
 before any is run. Each spec goes through ``rdepc check`` and ``rdepc compile`` (as
 ``rdepc.cli.main`` on a file); every ``--plan-every``-th also through ``rdepc plan``, every
@@ -42,7 +42,8 @@ sys.path.insert(0, str(TESTS))
 
 import test_spec_fuzz as F  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from spec_gen import GenSpec, any_specs  # noqa: E402
+from spec_gen import GenSpec  # noqa: E402
+from spec_mutate import any_specs  # noqa: E402
 
 TIME_LIMIT = 120  # seconds per spec: beyond it the spec counts as a failure (a hang)
 
