@@ -399,6 +399,37 @@ def _described(kernels_path, kernel, grid, args, meta, launcher: str = "triton")
             "meta": meta, "launcher": launcher}  # fmt: skip
 
 
+def _nvshmem_launches(layer, tiles) -> tuple[list, list]:
+    """The nvshmem transport's file's launches, as rank 1 of 2 launches them, and the requests
+    prewarm makes for them (none without NVSHMEM's bitcode)."""
+    from rdepc.codegen.prewarm import launch_requests
+    from rdepc.codegen.sm90 import native_launch, variant_meta
+
+    from rdepc.ir.arguments import POINTEE, kernel_args, own_constexprs
+    from rdepc.toolchain import NvshmemUnavailable, bitcode_path
+
+    try:
+        bitcode_path()
+    except NvshmemUnavailable:
+        return [], []
+    shmem = layer.compile(backend="nvshmem", interpret=False)
+    plan = shmem.kernel
+    scalars = native_launch(plan, tiles, "split", rank=1)
+    launches = []
+    for kernel in ("rdep_layer", "rdep_gemm"):
+        args = [
+            torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]])) if kind.startswith("*") else scalars[name]
+            for name, kind in kernel_args(plan, kernel)
+            if kind != "constexpr"
+        ]
+        meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("split", kernel)
+        meta = own_constexprs(plan, kernel, meta) | {"num_warps": tiles.num_warps}
+        launches.append(_described(shmem.kernels_path, kernel, (scalars["n_programs"],), args, meta, "nvshmem"))
+    requests = launch_requests(shmem.kernels_path, shmem.directory / "contract.json", mode="split", tiles=tiles,
+                               ranks=[1])  # fmt: skip
+    return launches, requests
+
+
 def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     """The Triton cache key of each build prewarm makes is the key the JIT of a real launch
     looks up. RDEPModule on the CPU with the native launch's tiles, grid (an H100) and spin
@@ -412,9 +443,7 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
     (NVSHMEM's device library as ``extern_libs``) gives the key prewarm computes for the nvshmem
     transport's file too (its arguments: aligned stand-ins with the rank's launch values)."""
     from rdepc.codegen.prewarm import PASSES, launch_requests
-    from rdepc.codegen.sm90 import native_launch, variant_meta
 
-    from rdepc.ir.arguments import POINTEE, kernel_args, own_constexprs
     from rdepc.ir.contract import H100_SMS, NATIVE_SPIN_BOUND, Tiles
 
     monkeypatch.chdir(ROOT)
@@ -448,27 +477,9 @@ def test_prewarm_builds_what_the_launch_looks_up(tmp_path, monkeypatch):
             assert len(got) == len(recorder.calls) == kernels * len(PASSES[pass_]), (mode, pass_)
             requests += got
     assert any(launch["meta"]["GLOBALTIMER"] for launch in launches)  # a profiled launch stamps natively
-    try:  # the nvshmem transport's file, as rank 1 of 2 launches it
-        from rdepc.toolchain import NvshmemUnavailable, bitcode_path
-
-        bitcode_path()
-    except NvshmemUnavailable:
-        pass
-    else:
-        shmem = layer.compile(backend="nvshmem", interpret=False)
-        plan = shmem.kernel
-        scalars = native_launch(plan, tiles, "split", rank=1)
-        for kernel in ("rdep_layer", "rdep_gemm"):
-            args = [
-                torch.empty(1, dtype=getattr(torch, POINTEE[kind[1:]])) if kind.startswith("*") else scalars[name]
-                for name, kind in kernel_args(plan, kernel)
-                if kind != "constexpr"
-            ]
-            meta = tiles.constexprs() | {"CAST_F32": False} | variant_meta("split", kernel)
-            meta = own_constexprs(plan, kernel, meta) | {"num_warps": tiles.num_warps}
-            launches.append(_described(shmem.kernels_path, kernel, (scalars["n_programs"],), args, meta, "nvshmem"))
-        requests += launch_requests(shmem.kernels_path, shmem.directory / "contract.json", mode="split", tiles=tiles,
-                                    ranks=[1])  # fmt: skip
+    shmem_launches, shmem_requests = _nvshmem_launches(layer, tiles)
+    launches += shmem_launches
+    requests += shmem_requests
     job = tmp_path / "launches.json"
     job.write_text(json.dumps({"launches": launches, "requests": requests}))
     env = dict(os.environ, TRITON_INTERPRET="0")

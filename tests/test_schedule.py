@@ -157,83 +157,105 @@ def replay(sched, case: Case, route, start, end) -> None:
     """Move every accepted route row through the payload ring, the owner's workspace and staging rings, the
     return ring (or landing) and the combine, in simulated time; fail on any overwrite of a
     slot before its reader finished, any row delivered or returned twice, or any missing."""
-    geo = sched.graph.geometry
     tasks = sched.graph.tasks
-    placed = place_rows(geo, route)
-    seg: dict[tuple[int, int], set] = {}
-    piece: dict[tuple[int, int, int], set] = {}
-    for row, (q, s, _e) in placed["where"].items():
-        seg.setdefault((q, s), set()).add(row)
-        piece.setdefault((row[0], q, s), set()).add(row)
-    payload: dict[tuple[int, int], dict] = {}
-    workspace: dict[tuple[int, int], dict] = {}
-    staging: dict[tuple[int, int], dict] = {}
-    ring: dict[tuple[int, int], dict] = {}
-    version: dict[tuple, int] = {}
-    seen: dict[int, tuple] = {}
-    landing: dict[int, set] = {r: set() for r in range(geo.W)}
-    sent_once: set = set()
+    rp = _Replay(sched.graph.geometry, route)
     events = sorted([(end[u], 0, u) for u in range(len(tasks))] + [(start[u], 1, u) for u in range(len(tasks))])
-
-    def bump(key):
-        version[key] = version.get(key, 0) + 1
-
     for _, is_start, u in events:
         t = tasks[u]
         if t.stage == "dispatch" and not is_start:
-            rows = piece.get((t.src, t.owner, t.segment), set())
-            assert not rows & sent_once, "a row dispatched twice"
-            sent_once |= rows
-            slot = payload.setdefault((t.owner, t.slot), {})
-            slot.update(dict.fromkeys(rows, t.segment))
-            bump(("p", t.owner, t.slot))
-        elif t.stage == "compute":  # GEMM1: payload slot → workspace slot; GEMM2: workspace → staging
-            src, dst = (("p", payload), ("h", workspace)) if t.detail == "gemm1" else (("h", workspace), ("s", staging))
-            key = (src[0], t.owner, t.slot)
-            if is_start:
-                slot = src[1].get((t.owner, t.slot), {})
-                got = {r for r, s in slot.items() if s == t.segment}
-                assert got == seg.get((t.owner, t.segment), set()), f"{t.name} reads an incomplete slot"
-                seen[u] = version.get(key, 0)
-            else:
-                assert version.get(key, 0) == seen[u], f"{t.name}: its {src[0]} slot was overwritten while read"
-                bump((dst[0], t.owner, t.slot))
-                dst[1][(t.owner, t.slot)] = dict.fromkeys(seg.get((t.owner, t.segment), set()), t.segment)
+            rp.dispatched(t)
+        elif t.stage == "compute":
+            rp.compute(u, t, is_start)
         elif t.stage == "return":
-            key = ("s", t.owner, t.segment % geo.B)
-            rows = piece.get((t.src, t.owner, t.segment), set())
-            if is_start:
-                st_ = staging.get((t.owner, t.segment % geo.B), {})
-                assert {r for r in rows if st_.get(r) == t.segment} == rows, f"{t.name} finds its rows gone"
-                seen[u] = version.get(key, 0)
-            else:
-                assert version.get(key, 0) == seen[u], f"{t.name}: staging overwritten while read"
-                if geo.return_ring:
-                    rk = (t.src, t.slot)
-                    assert not ring.get(rk), f"{t.name} overwrites a return slot not yet unpacked"
-                    ring[rk] = {"claim": t.claim, "rows": rows}
-                    bump(("r", *rk))
-                else:
-                    assert not rows & landing[t.src], "a row returned twice"
-                    landing[t.src] |= rows
+            rp.returned(u, t, is_start)
         elif t.detail == "unpack":
-            rk = (t.src, t.slot)
-            if is_start:
-                cur = ring.get(rk)
-                assert cur is not None and cur["claim"] == t.claim, f"{t.name} finds another claim in its slot"
-                seen[u] = version.get(("r", *rk), 0)
-            else:
-                assert version.get(("r", *rk), 0) == seen[u], f"{t.name}: return slot overwritten while read"
-                rows = ring.pop(rk)["rows"]
-                assert not rows & landing[t.src], "a row returned twice"
-                landing[t.src] |= rows
+            rp.unpack(u, t, is_start)
         elif t.detail == "tile" and is_start:
             lo, hi = t.claim * 128, t.claim * 128 + t.rows
-            want = {r for r in placed["admitted"] if r[0] == t.src and lo <= r[1] < hi}
-            assert want <= landing[t.src], f"{t.name} combines before its rows landed"
-    assert sent_once == placed["admitted"], "every accepted row dispatched exactly once"
-    for r in range(geo.W):
-        assert landing[r] == {x for x in placed["admitted"] if x[0] == r}, "every accepted row returned once"
+            want = {r for r in rp.placed["admitted"] if r[0] == t.src and lo <= r[1] < hi}
+            assert want <= rp.landing[t.src], f"{t.name} combines before its rows landed"
+    assert rp.sent_once == rp.placed["admitted"], "every accepted row dispatched exactly once"
+    for r in range(rp.geo.W):
+        assert rp.landing[r] == {x for x in rp.placed["admitted"] if x[0] == r}, "every accepted row returned once"
+
+
+class _Replay:
+    """The rings' contents as replay moves rows: each slot's rows by segment, a version per
+    slot (bumped on every write, so a reader sees whether it was overwritten while it read)."""
+
+    def __init__(self, geo, route):
+        self.geo = geo
+        self.placed = place_rows(geo, route)
+        self.seg: dict[tuple[int, int], set] = {}  # (owner, segment): its rows
+        self.piece: dict[tuple[int, int, int], set] = {}  # (source, owner, segment): its rows
+        for row, (q, s, _e) in self.placed["where"].items():
+            self.seg.setdefault((q, s), set()).add(row)
+            self.piece.setdefault((row[0], q, s), set()).add(row)
+        self.payload: dict[tuple[int, int], dict] = {}
+        self.workspace: dict[tuple[int, int], dict] = {}
+        self.staging: dict[tuple[int, int], dict] = {}
+        self.ring: dict[tuple[int, int], dict] = {}
+        self.version: dict[tuple, int] = {}
+        self.seen: dict[int, tuple] = {}  # task: the version of the slot it read at its start
+        self.landing: dict[int, set] = {r: set() for r in range(geo.W)}
+        self.sent_once: set = set()
+
+    def bump(self, key) -> None:
+        self.version[key] = self.version.get(key, 0) + 1
+
+    def dispatched(self, t) -> None:
+        rows = self.piece.get((t.src, t.owner, t.segment), set())
+        assert not rows & self.sent_once, "a row dispatched twice"
+        self.sent_once |= rows
+        slot = self.payload.setdefault((t.owner, t.slot), {})
+        slot.update(dict.fromkeys(rows, t.segment))
+        self.bump(("p", t.owner, t.slot))
+
+    def compute(self, u: int, t, is_start: bool) -> None:
+        """GEMM1: payload slot → workspace slot; GEMM2: workspace → staging."""
+        pay, work, stage = ("p", self.payload), ("h", self.workspace), ("s", self.staging)
+        src, dst = (pay, work) if t.detail == "gemm1" else (work, stage)
+        key = (src[0], t.owner, t.slot)
+        if is_start:
+            slot = src[1].get((t.owner, t.slot), {})
+            got = {r for r, s in slot.items() if s == t.segment}
+            assert got == self.seg.get((t.owner, t.segment), set()), f"{t.name} reads an incomplete slot"
+            self.seen[u] = self.version.get(key, 0)
+        else:
+            assert self.version.get(key, 0) == self.seen[u], f"{t.name}: its {src[0]} slot was overwritten while read"
+            self.bump((dst[0], t.owner, t.slot))
+            dst[1][(t.owner, t.slot)] = dict.fromkeys(self.seg.get((t.owner, t.segment), set()), t.segment)
+
+    def returned(self, u: int, t, is_start: bool) -> None:
+        B = self.geo.B
+        key = ("s", t.owner, t.segment % B)
+        rows = self.piece.get((t.src, t.owner, t.segment), set())
+        if is_start:
+            st_ = self.staging.get((t.owner, t.segment % B), {})
+            assert {r for r in rows if st_.get(r) == t.segment} == rows, f"{t.name} finds its rows gone"
+            self.seen[u] = self.version.get(key, 0)
+            return
+        assert self.version.get(key, 0) == self.seen[u], f"{t.name}: staging overwritten while read"
+        if self.geo.return_ring:
+            rk = (t.src, t.slot)
+            assert not self.ring.get(rk), f"{t.name} overwrites a return slot not yet unpacked"
+            self.ring[rk] = {"claim": t.claim, "rows": rows}
+            self.bump(("r", *rk))
+        else:
+            assert not rows & self.landing[t.src], "a row returned twice"
+            self.landing[t.src] |= rows
+
+    def unpack(self, u: int, t, is_start: bool) -> None:
+        rk = (t.src, t.slot)
+        if is_start:
+            cur = self.ring.get(rk)
+            assert cur is not None and cur["claim"] == t.claim, f"{t.name} finds another claim in its slot"
+            self.seen[u] = self.version.get(("r", *rk), 0)
+            return
+        assert self.version.get(("r", *rk), 0) == self.seen[u], f"{t.name}: return slot overwritten while read"
+        rows = self.ring.pop(rk)["rows"]
+        assert not rows & self.landing[t.src], "a row returned twice"
+        self.landing[t.src] |= rows
 
 
 def check_programs(sched, start, end, programs, mode) -> None:
