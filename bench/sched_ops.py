@@ -106,7 +106,6 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     """Run a layer (``layer_of``: its spec and overrides) once in ``mode`` and ``schedule``
     with its operations counted; ``programs``: the module's (default: the interpreter's)."""
     import torch
-    from rdepc.runtime.launch import rewrite_callees
 
     import rdepc
     from rdepc.reference import random_inputs
@@ -118,13 +117,21 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[layer.spec.precision.dtype.value])
     inputs = random_inputs(sh["W"], sh["T"], sh["H"], sh["F"], sh["E"], sh["K"], dtype=dtype)
     m(*inputs[:6])  # a first call: what the interpreter rewrites and caches, outside the count
-    from triton.runtime import interpreter as ti  # once the module has set Triton's mode
-
     counter = Counter(m.heap, "rdep_gemm" if mode == "split" else None)
     from rdepc.ir.contract import CTL_TICKETS
 
     ctl = m.private["ctl"]
     counter.ticket_at = ctl.data_ptr() + CTL_TICKETS * ctl.element_size()
+    _run_counted(m, inputs[:6], counter)
+    return _counts(m, counter, mode, schedule, sh["W"])
+
+
+def _run_counted(m, inputs, counter: Counter) -> None:
+    """One call of ``m`` with every load, store and atomic of the interpreter counted, and the
+    operations of each expert tile."""
+    from rdepc.runtime.launch import rewrite_callees
+    from triton.runtime import interpreter as ti  # once the module has set Triton's mode
+
     builder = ti.interpreter_builder
     originals = {}
 
@@ -148,11 +155,15 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     for name in ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_cas"):
         hook(name)
     try:
-        m(*inputs[:6])
+        m(*inputs)
     finally:
         for name, real in originals.items():
             setattr(builder, name, real)
         m.kernels.expert_item = tile_fn
+
+
+def _counts(m, counter: Counter, mode: str, schedule: str, W: int) -> dict:
+    """The counted call's figures: entries, items and tickets, empty segments, operations per tile."""
     ops = sorted(counter.per_tile)
     n = len(ops)
     # unified: its transport items release alike; what it skips shows in the tickets it takes
@@ -163,7 +174,7 @@ def count(mode: str, schedule: str, layer_of: tuple[str, dict] = LAYER, programs
     from rdepc.ir.queues import GEMM_KINDS, KINDS
 
     gemm = [n for e, (_, n) in enumerate(m.work.entry_items()) if m.work.table[e].kind in GEMM_KINDS]
-    rows = m.private["group"].view(sh["W"], -1, 2)[:, :, 1].sum(1).tolist()  # each owner's rows this call
+    rows = m.private["group"].view(W, -1, 2)[:, :, 1].sum(1).tolist()  # each owner's rows this call
     segmented = [KINDS.index(k) for k in ("gemm1", "gemm2")]
     dead = sum(1 for r in m.work.table if r.kind in segmented and rows[r.owner] <= r.segment * m.contract.S)
     return {

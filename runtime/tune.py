@@ -272,25 +272,10 @@ def tune_layer(
     returns the tiles, every tiles result and the record's path. ``budget``: seconds, past
     which the remaining candidates are not timed (:func:`tune`)."""
     import torch
-    from rdepc.runtime.tensors import TORCH_DTYPES, gate_up
 
-    from rdepc.reference import random_biases, random_inputs
-
-    sh = layer.shapes
-    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
-    spec = layer.spec
     cuda = torch.device(device).type == "cuda"
     contract = layer.compile(schedule=schedule, interpret=not cuda).kernel  # what the modules below run
-    x, ids, gates, w_gate, w_up, w_down = random_inputs(
-        W, tokens or T, H, F, E, K, dtype=TORCH_DTYPES[spec.precision.dtype.value], gated=spec.expert.gated,
-        device=device,
-    )  # fmt: skip
-    if w_gate is not None:  # the [E, H, F, 2] operand once, so that no call interleaves it again
-        packed = gate_up(w_gate, w_up)
-        w_gate, w_up = packed[..., 0], packed[..., 1]
-    inputs = (x, ids, gates, w_gate, w_up, w_down)
-    dt = TORCH_DTYPES[spec.precision.dtype.value]
-    biases = random_biases(E, H, F, gated=spec.expert.gated, dtype=dt, device=device) if spec.expert.bias else {}
+    inputs, biases = _tuning_inputs(layer, device, tokens)
     name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu (Triton interpreter)"
 
     tiles_mode = mode or default_mode(cuda)  # not a mode an earlier tuning recorded: the tiles first
@@ -299,24 +284,7 @@ def tune_layer(
         return time_module(layer.module("emulated", device, schedule=schedule, mode=tiles_mode, tiles=t))
 
     def time_module(m) -> float:
-        for _ in range(warmup):
-            m(*inputs, **biases)
-        m.synchronize()  # a candidate whose run fails raises here, before it is timed
-        times = []
-        for _ in range(reps):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                m(*inputs, **biases)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                m(*inputs, **biases)
-                times.append((time.perf_counter() - t0) * 1e3)
-        m.synchronize()
-        return sorted(times)[len(times) // 2]
+        return _median_ms(m, inputs, biases, warmup, reps, cuda)
 
     best, results = tune(contract, time_tiles, tried if tried is not None else candidates(contract), progress, budget)
     if mode is not None:  # the mode was given: the tiles for it
@@ -331,6 +299,53 @@ def tune_layer(
 
     launch, launch_results = time_launches(time_launch, tried_launches, programs, progress)
     return best, results, record(contract, name, best, results, launch, launch_results)
+
+
+def _tuning_inputs(layer, device: str, tokens: int | None) -> tuple[tuple, dict]:
+    """Uniformly routed inputs at T' = ``tokens`` (default: the spec's T), GEMM1's operand
+    packed once, and the experts' biases where the spec has them."""
+    from rdepc.runtime.tensors import TORCH_DTYPES, gate_up
+
+    from rdepc.reference import random_biases, random_inputs
+
+    sh = layer.shapes
+    W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
+    spec = layer.spec
+    x, ids, gates, w_gate, w_up, w_down = random_inputs(
+        W, tokens or T, H, F, E, K, dtype=TORCH_DTYPES[spec.precision.dtype.value], gated=spec.expert.gated,
+        device=device,
+    )  # fmt: skip
+    if w_gate is not None:  # the [E, H, F, 2] operand once, so that no call interleaves it again
+        packed = gate_up(w_gate, w_up)
+        w_gate, w_up = packed[..., 0], packed[..., 1]
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    biases = random_biases(E, H, F, gated=spec.expert.gated, dtype=dt, device=device) if spec.expert.bias else {}
+    return (x, ids, gates, w_gate, w_up, w_down), biases
+
+
+def _median_ms(m, inputs: tuple, biases: dict, warmup: int, reps: int, cuda: bool) -> float:
+    """The median of ``reps`` timed calls of ``m`` after ``warmup`` untimed ones, in ms (CUDA
+    events on a GPU; the wall clock on the CPU)."""
+    import torch
+
+    for _ in range(warmup):
+        m(*inputs, **biases)
+    m.synchronize()  # a candidate whose run fails raises here, before it is timed
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            m(*inputs, **biases)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            m(*inputs, **biases)
+            times.append((time.perf_counter() - t0) * 1e3)
+    m.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 __all__ = [
