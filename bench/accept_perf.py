@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.accept_correct import DRY, FIT, fp32, free_bytes, load, own, tolerance, train_rows_bytes, variant
+from bench.accept_perf_ratios import KEY_SORT, KEY_STRONG, Forward, perf_ratios, perf_targets
 
 # (example, T' per rank, routing, W): the GPU cases, then the dry run's (narrowed) ones. W 1:
 # the layer on one GPU as its only rank, no emulation, on as many route rows as the W = 8
@@ -155,262 +157,309 @@ def host_profile(call, reps: int) -> list[dict]:
     ]  # fmt: skip
 
 
-def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
-    import torch
-    from rdepc.runtime.memory import human
-    from rdepc.runtime.tensors import TORCH_DTYPES, gemm1_operand, max_relative_error
+class _Case(NamedTuple):
+    """A perf case: its layer, its inputs, rdepc's GEMM1 operand and the reference's output."""
 
-    from bench import baselines as bl
-    from bench.moe_bench import back_to_back, stages
+    layer: object
+    inputs: tuple  # x, ids, gates, w_gate, w_up, w_down
+    operand: object
+    ref: object
+    tol: float
+    rows: int
+    useful: int  # a forward's useful flops
+    act: str
+    dtype: object
+
+    def call(self, module, rows=None):
+        """``module``'s call on ``rows`` (x, ids, gates: the case's unless given)."""
+        rows, w_up, wd = self.inputs[:3] if rows is None else rows, self.operand, self.inputs[5]
+        return lambda: module.routed(*rows, w_up, wd)
+
+
+def _case(layer, routing: str, device: str) -> _Case:
+    """The case's inputs (seed 0) on ``device`` and what rdepc and the checks read beside them."""
+    from rdepc.runtime.tensors import TORCH_DTYPES, gemm1_operand
+
     from rdepc.reference import random_inputs, reference_for
 
-    reps, warmup = (1, 0) if dry else (REPS, WARMUP)
-    calls = [v for v in variants if v.pass_ == "forward"]  # the candidates; the fastest is profiled and trained
-    layer = calls[0].layer()
     spec, sh = layer.spec, layer.shapes
     W, T, H, F, E, K = (sh[k] for k in ("W", "T", "H", "F", "E", "K"))
     act, dtype = spec.expert.act, TORCH_DTYPES[spec.precision.dtype.value]
     inputs = random_inputs(
         W, T, H, F, E, K, routing=routing, seed=0, dtype=dtype, gated=spec.expert.gated, device=device
     )
-    x, ids, gates, wg, wu, wd = inputs
+    _, _, _, wg, wu, _ = inputs
     # rdepc reads GEMM1's operand as its MoE module keeps it (``w_gate_up`` [E, H, F, 2], gate
     # and up interleaved), made here once; the baselines take the separate weights they read
     operand = gemm1_operand(wg, wu) if wg is not None else wu
-
-    def rdepc_call(module, rows=(x, ids, gates), w_up=operand):
-        return lambda: module.routed(*rows, w_up, wd)
-
     ref, _ = reference_for(spec)(*fp32(inputs))
     tol = tolerance(layer)
     rows = W * T * K
     useful = 2 * (3 if spec.expert.gated else 2) * H * F * rows
-    check.figure("shape", f"W={W} T'={T} H={H} F={F} E={E} K={K} {routing}")
-    check.figure("rows", rows)
-    times: dict[str, dict] = {}
+    return _Case(layer, inputs, operand, ref, tol, rows, useful, act, dtype)
 
-    def timed(method: str, fn, y=None, flops: float = useful) -> dict:
-        t = _ms(fn, device, reps, warmup)
+
+@dataclass
+class _Bench:
+    """A case being measured, and its timings so far (the ``methods`` figure)."""
+
+    check: object
+    case: _Case
+    device: str
+    reps: int
+    warmup: int
+    times: dict[str, dict] = field(default_factory=dict)
+
+    def timed(self, method: str, fn, y=None, flops: float | None = None) -> dict:
+        """``fn`` timed as ``method`` (``flops``: a forward's unless given), its output ``y`` checked."""
+        import torch
+        from rdepc.runtime.tensors import max_relative_error
+
+        from bench.moe_bench import back_to_back
+
+        flops = self.case.useful if flops is None else flops
+        t = _ms(fn, self.device, self.reps, self.warmup)
         entry = {"ms": t, "tflops": flops / (t["median"] * 1e-3) / 1e12}
-        entry["back_to_back_ms"] = back_to_back(fn, torch.device(device), reps)  # the host running ahead
+        entry["back_to_back_ms"] = back_to_back(fn, torch.device(self.device), self.reps)  # the host running ahead
         if y is not None:
-            entry["max_rel_err"] = max_relative_error(y.float(), ref)
-            check.expect(entry["max_rel_err"] <= tol, f"{method}: max relative error {entry['max_rel_err']:.3g}")
-        times[method] = entry
-        check.figure("methods", times)
+            entry["max_rel_err"] = max_relative_error(y.float(), self.case.ref)
+            ok = entry["max_rel_err"] <= self.case.tol
+            self.check.expect(ok, f"{method}: max relative error {entry['max_rel_err']:.3g}")
+        self.times[method] = entry
+        self.check.figure("methods", self.times)
         return entry
 
+    def median(self, method: str) -> float:
+        """``method``'s median time (ms)."""
+        return self.times[method]["ms"]["median"]
+
+
+def perf_case(check, name: str, tokens: int, routing: str, variants, device: str, dry: bool) -> None:
+    reps, warmup = (1, 0) if dry else (REPS, WARMUP)
+    calls = [v for v in variants if v.pass_ == "forward"]  # the candidates; the fastest is profiled and trained
+    case = _case(calls[0].layer(), routing, device)
+    W, T, H, F, E, K = (case.layer.shapes[k] for k in ("W", "T", "H", "F", "E", "K"))
+    check.figure("shape", f"W={W} T'={T} H={H} F={F} E={E} K={K} {routing}")
+    check.figure("rows", case.rows)
+    b = _Bench(check, case, device, reps, warmup)
     # rdepc: every variant, the best kept
     modules = {}
     for v in calls:
         m = v.module(device)
-        y = rdepc_call(m)()
+        y = case.call(m)()
         m.synchronize()
         modules[(v.schedule, v.mode, v.gemm)] = m
-        timed(method(v.schedule, v.mode, v.gemm), rdepc_call(m), y)
-    best = min(modules, key=lambda k: times[method(*k)]["ms"]["median"])
+        b.timed(method(v.schedule, v.mode, v.gemm), case.call(m), y)
+    best = min(modules, key=lambda k: b.median(method(*k)))
     by = {(v.schedule, v.mode, v.gemm): v for v in calls}
     check.figure("best", method(*best).removeprefix("rdepc "))
     m = modules[best]
-    best_ms = times[method(*best)]["ms"]["median"]
-    # the time a call takes to return (the host's work; nothing waits for the device)
-    issue = []
-    call = rdepc_call(m)
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        issue.append((time.perf_counter() - t0) * 1e3)
-    m.synchronize()
-    check.figure("call_returns_ms", sorted(issue)[len(issue) // 2])
-    check.figure("host_profile", host_profile(call, reps))
-    m.synchronize()
-    graph_ms = graph_replay_ms(call, device, reps, warmup)  # the call without its host work
-    check.figure("graph_replay_ms", graph_ms)
+    best_ms = b.median(method(*best))
+    call = case.call(m)
+    graph_ms = _host_work(b, m, call)
     # per-stage spans of one profiled call, and the host's share of a call
     prof = by[best].module(device, profile=True)
-    rdepc_call(prof)()
-    prof.synchronize()
-    spans = stages(prof, prof.last_profile["events"])
-    clock = check.figure("stage_clock", prof.last_profile["clock"])
-    check.figure("stages", spans)
-    check.figure("kernels", prof.last_profile["kernels"])  # per launch: per kind, and the GEMM programs' waits
-    # ... and of every other candidate's: where pipelined loses to bulk, or split to unified
-    others, others_kernels = {}, {}
-    for key in modules:
-        if key != best:
-            other = by[key].module(device, profile=True)
-            rdepc_call(other)()
-            other.synchronize()
-            name_ = method(*key).removeprefix("rdepc ")
-            others[name_] = stages(other, other.last_profile["events"])
-            others_kernels[name_] = other.last_profile["kernels"]
-            other = None
-    check.figure("stages_others", others)
-    check.figure("kernels_others", others_kernels)
+    spans, clock = _profiled_stages(b, prof, modules, best, by)
     if clock == "globaltimer":  # ns
         kernel_ms = max((s["to"] for s in spans.values()), default=0) / 1e6
         check.figure("kernel_span_ms", kernel_ms)
         check.figure("host_overhead_ms", best_ms - kernel_ms)
     else:  # the interpreter's logical clock orders events; it has no durations
+        kernel_ms = None
         check.figure("kernel_span_ms", None)
         check.figure("host_overhead_ms", None)
-    # the baselines, on the same rows
-    timed("sort + torch._grouped_mm", lambda: bl.sort_grouped_mm(*inputs, act), bl.sort_grouped_mm(*inputs, act))
-    # what a careful PyTorch user writes (torchtitan's MoE): gate and up in one operand, the
-    # weighted sum a gather of each token's K rows, in the layer's dtype throughout
-    fused = bl.fuse_gate_up(wg, wu) if wg is not None else wu
-    strong = bl.grouped_mm_fused(x, ids, gates, fused, wd, act)
-    timed("fused grouped_mm (torchtitan)", lambda: bl.grouped_mm_fused(x, ids, gates, fused, wd, act), strong)
-    strong = None
-    _, token, offs = bl.sort_rows(ids, E)
-    xs = x.reshape(-1, H)[token]
-    timed("torch._grouped_mm alone", lambda: bl.grouped_gemms(xs, offs, wg, wu, wd, act))
-    w_in = torch.cat([wg[0], wu[0]], dim=1) if wg is not None else wu[0]
-    timed("dense roof", lambda: bl.dense_roof(xs, w_in, wd[0]))
-    # forward + backward: rdepc's best against sort + torch._grouped_mm through autograd, at
-    # the largest T' whose saved rows fit (fit_train) once the other modules (each holds its
-    # heap) and the baselines' rows are released
+    _baselines(b)
     # pipelined against bulk, each in its fastest mode: what overlapping the stages gains over not
     fastest = {
-        schedule: min(times[method(*k)]["ms"]["median"] for k in modules if k[0] == schedule)
+        schedule: min(b.median(method(*k)) for k in modules if k[0] == schedule)
         for schedule in ("bulk", "pipelined")
         if any(k[0] == schedule for k in modules)
     }
     pipelined_over_bulk = fastest["pipelined"] / fastest["bulk"] if len(fastest) == 2 else None
-    m = prof = xs = w_in = token = offs = fused = None  # released: the profiled module, the baselines' rows
+    m = prof = call = y = None  # released: the profiled module; the best one is left to fit_train to release
+    t, fwd_ms = _fwd_bwd(b, modules, best, by[best], best_ms)
+    fwd = Forward(method(*best), best_ms, graph_ms, spans, clock, kernel_ms)
+    ratios = check.figure("ratios", perf_ratios(b.times, fwd, t, fwd_ms, pipelined_over_bulk))
+    if not dry:
+        check.figure("targets", perf_targets(name, tokens, ratios, t, b.times[f"{fwd.method} fwd+bwd"]))
+
+
+def _host_work(b: _Bench, m, call) -> dict | None:
+    """The time a call takes to return (the host's work; nothing waits for the device), where
+    that time goes, and the call's replays from a CUDA graph (None on the CPU)."""
+    issue = []
+    for _ in range(b.reps):
+        t0 = time.perf_counter()
+        call()
+        issue.append((time.perf_counter() - t0) * 1e3)
+    m.synchronize()
+    b.check.figure("call_returns_ms", sorted(issue)[len(issue) // 2])
+    b.check.figure("host_profile", host_profile(call, b.reps))
+    m.synchronize()
+    graph_ms = graph_replay_ms(call, b.device, b.reps, b.warmup)  # the call without its host work
+    b.check.figure("graph_replay_ms", graph_ms)
+    return graph_ms
+
+
+def _profiled_stages(b: _Bench, prof, modules: dict, best: tuple, by: dict) -> tuple[dict, str]:
+    """The per-stage spans of one call of the best's profiled module ``prof`` (returned, with
+    its clock) and of every other candidate's."""
+    from bench.moe_bench import stages
+
+    b.case.call(prof)()
+    prof.synchronize()
+    spans = stages(prof, prof.last_profile["events"])
+    clock = b.check.figure("stage_clock", prof.last_profile["clock"])
+    b.check.figure("stages", spans)
+    b.check.figure("kernels", prof.last_profile["kernels"])  # per launch: per kind, and the GEMM programs' waits
+    # ... and of every other candidate's: where pipelined loses to bulk, or split to unified
+    others, others_kernels = {}, {}
+    for key in modules:
+        if key != best:
+            other = by[key].module(b.device, profile=True)
+            b.case.call(other)()
+            other.synchronize()
+            name = method(*key).removeprefix("rdepc ")
+            others[name] = stages(other, other.last_profile["events"])
+            others_kernels[name] = other.last_profile["kernels"]
+            other = None
+    b.check.figure("stages_others", others)
+    b.check.figure("kernels_others", others_kernels)
+    return spans, clock
+
+
+def _baselines(b: _Bench) -> None:
+    """The baselines' forwards, on the same rows (theirs released on return)."""
+    import torch
+
+    from bench import baselines as bl
+
+    inputs, act, E, H = b.case.inputs, b.case.act, b.case.layer.shapes["E"], b.case.layer.shapes["H"]
+    x, ids, gates, wg, wu, wd = inputs
+    b.timed("sort + torch._grouped_mm", lambda: bl.sort_grouped_mm(*inputs, act), bl.sort_grouped_mm(*inputs, act))
+    # what a careful PyTorch user writes (torchtitan's MoE): gate and up in one operand, the
+    # weighted sum a gather of each token's K rows, in the layer's dtype throughout
+    fused = bl.fuse_gate_up(wg, wu) if wg is not None else wu
+    strong = bl.grouped_mm_fused(x, ids, gates, fused, wd, act)
+    b.timed("fused grouped_mm (torchtitan)", lambda: bl.grouped_mm_fused(x, ids, gates, fused, wd, act), strong)
+    strong = None
+    _, token, offs = bl.sort_rows(ids, E)
+    xs = x.reshape(-1, H)[token]
+    b.timed("torch._grouped_mm alone", lambda: bl.grouped_gemms(xs, offs, wg, wu, wd, act))
+    w_in = torch.cat([wg[0], wu[0]], dim=1) if wg is not None else wu[0]
+    b.timed("dense roof", lambda: bl.dense_roof(xs, w_in, wd[0]))
+
+
+def _fwd_bwd(b: _Bench, modules: dict, best: tuple, variant, best_ms: float) -> tuple[int, float]:
+    """Forward + backward: rdepc's best against sort + torch._grouped_mm through autograd, at
+    the largest T' whose saved rows fit (fit_train) once the other modules (each holds its
+    heap) and the baselines' rows are released. Returns that T' and the best's forward there."""
+    import torch
+
+    x, ids, gates, wg, wu, wd = b.case.inputs
+    T, device, useful = b.case.layer.shapes["T"], b.device, b.case.useful
     weights = sum(w.nbytes for w in (wg, wu, wd) if w is not None)
     per_token = x.nbytes // T  # x's bytes per token of every rank: dy, y and dx as many
 
     def make(tokens_: int, profile: bool = False):
-        narrowed = tuple((dict(by[best].overrides) | {"T": tokens_}).items())
-        return replace(by[best], overrides=narrowed, pass_="train").module(device, profile=profile)
+        narrowed = tuple((dict(variant.overrides) | {"T": tokens_}).items())
+        return replace(variant, overrides=narrowed, pass_="train").module(device, profile=profile)
 
     # the weights' gradients, the kernel's gradient buffers and its [Wg Wu] copy; x, dy, y, dx
     module, t, tried = fit_train(modules, best, T, make, lambda n: 3 * weights + 4 * per_token * n, device)
-    check.figure("fwd_bwd_tokens", t)
-    check.figure("fwd_bwd_memory", {"fit": FIT, "tried": tried})
-    fwd_ms = best_ms
-    part = [x, ids, gates, wg, wu, wd]
+    b.check.figure("fwd_bwd_tokens", t)
+    b.check.figure("fwd_bwd_memory", {"fit": FIT, "tried": tried})
+    fwd_ms, rows, at = best_ms, [x, ids, gates], f"{method(*best)} T'={t}"
     if t != T:  # the first t tokens of every rank; the forward at t too, for the ratio
-        first, last = tried[T], tried[t]
-        why = (
-            f"at T'={T} the forward+backward's saved rows and gradient buffers need about "
-            f"{human(first['need_bytes'])} (estimated) beside the module, more than {FIT:.0%} of the "
-            f"{human(first['free_bytes'])} free: timed at T'={t}"
-        )
-        if not last.get("fits"):
-            why += ", the smallest T', though it does not fit either"
-        check.figure("fwd_bwd_why", why)
-        part[:3] = (a[:, :t].contiguous() for a in part[:3])
-        fwd_ms = timed(f"{method(*best)} T'={t}", rdepc_call(module, part[:3]), flops=useful * t // T)
-        fwd_ms = fwd_ms["ms"]["median"]
-        times[f"{method(*best)} T'={t}"]["tokens"] = t
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(dtype).to(device)[:, :t].contiguous()
-
-    def train(fn, weights=(wg, wu, wd)):
-        leaves = [None if a is None else a.detach().requires_grad_(True) for a in (part[0], part[2], *weights)]
-
-        def step():
-            y = fn(leaves[0], part[1], *leaves[1:])
-            y.backward(dy)
-
-        return step
-
+        b.check.figure("fwd_bwd_why", _why_narrowed(tried, T, t))
+        rows = [a[:, :t].contiguous() for a in rows]
+        fwd_ms = b.timed(at, b.case.call(module, rows), flops=useful * t // T)["ms"]["median"]
+        b.times[at]["tokens"] = t
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(b.case.dtype).to(device)
+    dy = dy[:, :t].contiguous()
     key = f"{method(*best)} fwd+bwd"
     try:
         if module is None:
             raise torch.OutOfMemoryError(f"no module could be built down to T'={t}: {tried[t].get('error')}")
         # GEMM1's operand a leaf, as the MoE module's parameter: its gradient comes interleaved
-        timed(key, train(module.routed, (operand, wd)), flops=3 * useful * t // T)
+        b.timed(key, _train_step(module.routed, rows, dy, (b.case.operand, wd)), flops=3 * useful * t // T)
         module.synchronize()
     except torch.OutOfMemoryError as e:  # recorded: the estimate missed; the rest still runs
-        times[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    times[key]["tokens"] = t
+        b.times[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    b.times[key]["tokens"] = t
     module = None
     released(device)
-    try:  # where the backward's time goes: one profiled call under autograd, its stages
-        prof = make(t, profile=True)
-        train(prof.routed, (operand, wd))()
-        prof.synchronize()
-        check.figure("backward_stages", stages(prof, prof.last_backward_profile["events"], backward=True))
-        check.figure("backward_kernels", prof.last_backward_profile["kernels"])
-    except torch.OutOfMemoryError as e:
-        check.figure("backward_stages", {"error": f"{type(e).__name__}: {e}"[:300]})
-    prof = None
-    released(device)
-    key_sort = "sort + torch._grouped_mm fwd+bwd"
+    _backward_stages(b, make, t, rows, dy)
+    _baselines_fwd_bwd(b, t, rows, dy)
+    return t, fwd_ms
+
+
+def _why_narrowed(tried: dict, T: int, t: int) -> str:
+    """Why the forward+backward is timed at T' = t rather than at the case's T'."""
+    from rdepc.runtime.memory import human
+
+    first, last = tried[T], tried[t]
+    why = (
+        f"at T'={T} the forward+backward's saved rows and gradient buffers need about "
+        f"{human(first['need_bytes'])} (estimated) beside the module, more than {FIT:.0%} of the "
+        f"{human(first['free_bytes'])} free: timed at T'={t}"
+    )
+    if not last.get("fits"):
+        why += ", the smallest T', though it does not fit either"
+    return why
+
+
+def _train_step(fn, rows, dy, weights):
+    """A call of ``fn`` on ``rows`` (x, ids, gates) under autograd and its backward (of ``dy``):
+    x, the gates and ``weights`` leaves."""
+    leaves = [None if a is None else a.detach().requires_grad_(True) for a in (rows[0], rows[2], *weights)]
+
+    def step():
+        y = fn(leaves[0], rows[1], *leaves[1:])
+        y.backward(dy)
+
+    return step
+
+
+def _backward_stages(b: _Bench, make, t: int, rows, dy) -> None:
+    """Where the backward's time goes: one profiled call under autograd, its stages."""
+    import torch
+
+    from bench.moe_bench import stages
+
     try:
-        timed(key_sort, train(lambda *a: bl.sort_grouped_mm(*a, act)), flops=3 * useful * t // T)
+        prof = make(t, profile=True)
+        _train_step(prof.routed, rows, dy, (b.case.operand, b.case.inputs[5]))()
+        prof.synchronize()
+        b.check.figure("backward_stages", stages(prof, prof.last_backward_profile["events"], backward=True))
+        b.check.figure("backward_kernels", prof.last_backward_profile["kernels"])
+    except torch.OutOfMemoryError as e:
+        b.check.figure("backward_stages", {"error": f"{type(e).__name__}: {e}"[:300]})
+    prof = None
+    released(b.device)
+
+
+def _baselines_fwd_bwd(b: _Bench, t: int, rows, dy) -> None:
+    """The baselines' forward + backward at T' = t."""
+    from bench import baselines as bl
+
+    _, _, _, wg, wu, wd = b.case.inputs
+    act, flops = b.case.act, 3 * b.case.useful * t // b.case.layer.shapes["T"]
+    try:
+        b.timed(KEY_SORT, _train_step(lambda *a: bl.sort_grouped_mm(*a, act), rows, dy, (wg, wu, wd)), flops=flops)
     except RuntimeError as e:  # torch without _grouped_mm's backward on this device, or out of memory
-        times[key_sort] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    times[key_sort]["tokens"] = t
-    released(device)
-    key_strong = "fused grouped_mm (torchtitan) fwd+bwd"
+        b.times[KEY_SORT] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    b.times[KEY_SORT]["tokens"] = t
+    released(b.device)
     try:  # its fused operand a leaf, as a parameter
         fused = bl.fuse_gate_up(wg, wu) if wg is not None else wu
-        timed(key_strong, train(lambda *a: bl.grouped_mm_fused(*a, act), (fused, wd)), flops=3 * useful * t // T)
+        b.timed(KEY_STRONG, _train_step(lambda *a: bl.grouped_mm_fused(*a, act), rows, dy, (fused, wd)), flops=flops)
     except RuntimeError as e:
-        times[key_strong] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    times[key_strong]["tokens"] = t
+        b.times[KEY_STRONG] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    b.times[KEY_STRONG]["tokens"] = t
     fused = None
-    check.figure("methods", times)
-    released(device)
-    # the ratios the targets are stated in (docs/gpu.md: the layer ≥ 1.4 × sort + grouped_mm, ...)
-    sort_ms = times["sort + torch._grouped_mm"]["ms"]["median"]
-    compute = spans.get("compute")
-    ratios = {"speedup_vs_sort_grouped_mm": sort_ms / best_ms, "forward_ms": best_ms}
-    ratios["speedup_vs_fused_grouped_mm"] = times["fused grouped_mm (torchtitan)"]["ms"]["median"] / best_ms
-    if graph_ms is not None:
-        ratios["graph_replay_ms"] = graph_ms["median"]
-        if clock == "globaltimer":
-            ratios["graph_replay_over_kernel_span_ms"] = graph_ms["median"] - kernel_ms
-    route = spans.get("route")
-    if clock == "globaltimer" and route:
-        ratios["route_ms"] = (route["to"] - route["from"]) / 1e6
-    # ... and with the host running ahead (calls issued without waiting): a call's host work
-    # hidden behind the calls before it, as in a training step; read beside the target, not for it
-    b2b = (
-        times["sort + torch._grouped_mm"].get("back_to_back_ms"),
-        times[method(*best)].get("back_to_back_ms"),
-    )
-    if all(b2b):
-        ratios["speedup_vs_sort_grouped_mm_back_to_back"] = b2b[0] / b2b[1]
-    if "ms" in times[key]:  # at T' = fwd_bwd_tokens, both
-        ratios["fwd_bwd_over_fwd"] = times[key]["ms"]["median"] / fwd_ms
-        ratios["fwd_bwd_ms"] = times[key]["ms"]["median"]
-        ratios["fwd_bwd_tokens"] = t
-        for name_, base in (("sort_grouped_mm", key_sort), ("fused_grouped_mm", key_strong)):
-            if "ms" in times[base]:
-                ratios[f"fwd_bwd_speedup_vs_{name_}"] = times[base]["ms"]["median"] / times[key]["ms"]["median"]
-    if pipelined_over_bulk is not None:
-        ratios["pipelined_over_bulk"] = pipelined_over_bulk
-    if clock == "globaltimer" and compute:
-        compute_ms = (compute["to"] - compute["from"]) / 1e6  # the compute stage's span
-        ratios["compute_vs_grouped_mm"] = times["torch._grouped_mm alone"]["ms"]["median"] / compute_ms
-    check.figure("ratios", ratios)
-    if not dry:
-        goals = {  # the library-lowering issue's, on one H200 (moonlight's absolute times; every case's ratios)
-            "speedup_vs_sort_grouped_mm": (">=", 1.4),
-            "speedup_vs_fused_grouped_mm": (">=", 1.0),
-            "fwd_bwd_speedup_vs_sort_grouped_mm": (">=", 1.25),
-            "graph_replay_over_kernel_span_ms": ("<=", 0.1),
-            "route_ms": ("<=", 0.1),
-        }
-        if name == "moonlight" and tokens == 4096:
-            goals |= {"forward_ms": ("<=", 8.5), "fwd_bwd_ms": ("<=", 24.0)}
-        targets = {
-            k: {"value": ratios[k], "target": f"{op} {v}", "met": ratios[k] >= v if op == ">=" else ratios[k] <= v}
-            for k, (op, v) in goals.items()
-            if k in ratios
-        }
-        for k in ("fwd_bwd_speedup_vs_sort_grouped_mm", "fwd_bwd_ms"):
-            if k in targets:
-                targets[k]["tokens"] = t  # the T' it was measured at
-            elif k in goals:  # not measured: said so, with why
-                op, v = goals[k]
-                targets[k] = {"value": None, "target": f"{op} {v}", "met": None, "tokens": t}
-                targets[k]["error"] = times[key].get("error")
-        check.figure("targets", targets)
+    b.check.figure("methods", b.times)
+    released(b.device)
 
 
 def released(device: str) -> None:
