@@ -47,6 +47,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -200,7 +201,8 @@ def rank_checks(model: MoELM, world: int) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line: the spec and its overrides, the backend and device, the run's sizes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="examples/tiny.rdep", help="the layer's .rdep file (default: %(default)s)")
     ap.add_argument(
@@ -226,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write {losses, steps, device, spec, seconds} here")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    """The checked arguments, ``device`` settled for the backend, and the spec's overrides."""
+    ap = make_parser()
     args = ap.parse_args(argv)
     if args.steps < 1 or args.layers < 1:
         ap.error("--steps and --layers must be at least 1")
@@ -242,80 +250,113 @@ def main(argv: list[str] | None = None) -> int:
         overrides = dict(parse_override(d) for d in args.define)
     except rdepc.UsageError as e:
         ap.error(str(e))
-    per_rank = args.backend != "emulated"
+    return args, overrides
 
-    spec = Path(args.spec)
-    if not spec.exists() and (ROOT / spec).exists():  # the default, from any directory
-        spec = ROOT / spec
 
-    torch.manual_seed(args.seed)
-    try:  # a per-rank backend joins the process group here (torchrun's environment)
-        model = MoELM(str(spec), args.layers, args.device, args.seed, args.backend, overrides)
-    except (rdepc.UsageError, rdepc.SpecError, RanksError) as e:
-        print(f"train_moe: {e}", file=sys.stderr)
-        return 2
-    rank, world, net = 0, 1, model
-    if per_rank:
-        import torch.distributed as dist
+def spec_path(spec: str) -> Path:
+    """The spec file: as given, else relative to the repository's root."""
+    path = Path(spec)
+    if not path.exists() and (ROOT / path).exists():  # the default, from any directory
+        path = ROOT / path
+    return path
 
-        rank, world = dist.get_rank(), dist.get_world_size()
-        net = rdepc.distributed.data_parallel(model)  # the replicated parameters DDP's; the experts each rank's own
-    lead = rank == 0  # it prints; every rank checks
-    device = model.blocks[0].moe.w_down.device
-    data = MarkovData(args.seed, rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    W, T = model.W, model.T
-    B = 1 if per_rank else W  # sequences per process: one per rank
+
+@dataclass(frozen=True)
+class Run:
+    """The model and where this process stands: ``net`` is what a step calls (the model, or
+    its DDP wrapper on a per-rank backend)."""
+
+    model: MoELM
+    net: nn.Module
+    rank: int
+    world: int
+    per_rank: bool
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0  # it prints; every rank checks
+
+
+def distribute(model: MoELM, per_rank: bool) -> Run:
+    """On a per-rank backend: this process's rank, and the model wrapped for data parallelism."""
+    if not per_rank:
+        return Run(model, model, 0, 1, per_rank)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = rdepc.distributed.data_parallel(model)  # the replicated parameters DDP's; the experts each rank's own
+    return Run(model, net, rank, world, per_rank)
+
+
+def print_header(args: argparse.Namespace, run: Run, data: MarkovData) -> None:
+    """The layer, the parameter count, the batch, and the losses to compare against."""
+    model, world, per_rank = run.model, run.world, run.per_rank
     n_params = sum(p.numel() for p in model.parameters())
-    if lead:
-        where = f", {world} processes (one per rank)" if per_rank else ""
-        print(
-            f"{args.layers} x {model.blocks[0].moe!r}{where}\n"
-            f"{n_params} parameters{' on rank 0' if per_rank else ''}, batch [W={W}, T'={T}] tokens, vocab {VOCAB}, "
-            f"entropy floor {data.entropy():.3f}, uniform {math.log(VOCAB):.3f}",
-            flush=True,
-        )
+    where = f", {world} processes (one per rank)" if per_rank else ""
+    print(
+        f"{args.layers} x {model.blocks[0].moe!r}{where}\n"
+        f"{n_params} parameters{' on rank 0' if per_rank else ''}, batch [W={model.W}, T'={model.T}] tokens, "
+        f"vocab {VOCAB}, entropy floor {data.entropy():.3f}, uniform {math.log(VOCAB):.3f}",
+        flush=True,
+    )
 
+
+def rank_mean(loss: torch.Tensor, world: int) -> torch.Tensor:
+    """The objective DDP's gradients are for: the mean of the ranks' losses."""
+    import torch.distributed as dist
+
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean /= world
+    return mean
+
+
+def train(args: argparse.Namespace, run: Run, data: MarkovData) -> tuple[list[float], float]:
+    """AdamW for ``args.steps`` steps, a fresh batch each: the losses and the seconds they took."""
+    model = run.model
+    device = model.blocks[0].moe.w_down.device
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    B = 1 if run.per_rank else model.W  # sequences per process: one per rank
     losses: list[float] = []
     start = time.perf_counter()
-    if lead:
+    if run.lead:
         progress(0, args.steps, None, 0.0)
     for i in range(args.steps):
-        seq = data.batch(B, T).to(device)
-        logits = net(seq[:, :-1])
+        seq = data.batch(B, model.T).to(device)
+        logits = run.net(seq[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        mean = loss.detach()
-        if per_rank:  # the objective DDP's gradients are for: the mean of the ranks' losses
-            mean = mean.clone()
-            dist.all_reduce(mean)
-            mean /= world
+        mean = rank_mean(loss, run.world) if run.per_rank else loss.detach()
         losses.append(mean.item())
-        if lead:
+        if run.lead:
             progress(i + 1, args.steps, losses[-1], time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    if lead:
+    if run.lead:
         sys.stderr.write("\n")
+    return losses, seconds
 
-    problems = rank_checks(model, world) if per_rank else []
-    if lead:
-        for j, b in enumerate(model.blocks):
-            print(f"block {j}{' (rank 0)' if per_rank else ''}: {summarize(b.moe.last_stats)}")
-        if args.json:
-            out = {"losses": losses, "steps": args.steps, "device": args.device, "spec": args.spec, "seconds": seconds}
-            if per_rank:
-                out |= {"backend": args.backend, "ranks": world}
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-        for problem in problems:
-            print(problem)
-        if per_rank and not problems:
-            print(f"{world} ranks: each holds its own experts, the replicated parameters identical on every rank")
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps ({seconds:.0f} s)")
-    if problems:
-        return 1
 
+def report(args: argparse.Namespace, run: Run, losses: list[float], seconds: float, problems: list[str]) -> None:
+    """The blocks' routing, the ranks' checks and the loss, on stdout; the ``--json`` record."""
+    per_rank = run.per_rank
+    for j, b in enumerate(run.model.blocks):
+        print(f"block {j}{' (rank 0)' if per_rank else ''}: {summarize(b.moe.last_stats)}")
+    if args.json:
+        out = {"losses": losses, "steps": args.steps, "device": args.device, "spec": args.spec, "seconds": seconds}
+        if per_rank:
+            out |= {"backend": args.backend, "ranks": run.world}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    for problem in problems:
+        print(problem)
+    if per_rank and not problems:
+        print(f"{run.world} ranks: each holds its own experts, the replicated parameters identical on every rank")
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps ({seconds:.0f} s)")
+
+
+def verdict(losses: list[float], lead: bool) -> int:
+    """0 when every loss is finite and the mean of the last 3 is below that of the first 3, else 1."""
     k = min(3, len(losses))
     head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
     if not all(math.isfinite(v) for v in losses):
@@ -327,6 +368,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the loss did not fall: mean of the last {k} {tail:.4f} >= mean of the first {k} {head:.4f}")
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the model, train it and report: the exit status (0: the loss fell)."""
+    args, overrides = parse_args(argv)
+    torch.manual_seed(args.seed)
+    try:  # a per-rank backend joins the process group here (torchrun's environment)
+        model = MoELM(str(spec_path(args.spec)), args.layers, args.device, args.seed, args.backend, overrides)
+    except (rdepc.UsageError, rdepc.SpecError, RanksError) as e:
+        print(f"train_moe: {e}", file=sys.stderr)
+        return 2
+    run = distribute(model, per_rank=args.backend != "emulated")
+    data = MarkovData(args.seed, run.rank)
+    if run.lead:
+        print_header(args, run, data)
+
+    losses, seconds = train(args, run, data)
+    problems = rank_checks(model, run.world) if run.per_rank else []
+    if run.lead:
+        report(args, run, losses, seconds, problems)
+    if problems:
+        return 1
+    return verdict(losses, run.lead)
 
 
 def leave_process_group() -> None:

@@ -25,6 +25,7 @@ Any violation is a compiler bug and is reported as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rdepc.ir import sizes
@@ -86,66 +87,14 @@ class MemPlanPass:
 
 
 def memory_plan(sched: Schedule) -> MemoryPlan:
-    tg = sched.graph
-    geo = tg.geometry
-    W, S, B, H, T, K = geo.W, geo.S, geo.B, geo.H, geo.T, geo.K
-    E_max = max(geo.experts, default=0)
-    R_ret = B * S if geo.segmented else T * K
-    pos, start, end = sched.position, sched.start, sched.end
-    n = len(sched.order)
-    by_stage: dict[str, list[int]] = {}
-    for t in tg.tasks:
-        key = f"{t.stage} {t.detail}" if t.detail else t.stage
-        by_stage.setdefault(key, []).append(t.id)
-
-    def live(*stages: str) -> tuple[tuple[int, int] | None, tuple[float, float] | None]:
-        ids = [u for s in stages for u in by_stage.get(s, [])]
-        if not ids:
-            return None, None
-        return (min(pos[u] for u in ids), max(pos[u] for u in ids)), (
-            min(start[u] for u in ids),
-            max(end[u] for u in ids),
-        )
-
-    whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
-    none = (None, None)  # the backward's buffers: not used by the forward schedule
-    ring = geo.return_ring
-    lives = {
-        "payload": live("dispatch", "compute gemm1"),
-        "sideband": live("dispatch", "compute gemm1"),
-        "return": live("return", "combine unpack") if ring else live("return", "combine tile"),
-        "return_ids": live("return", "combine unpack") if ring else (None, None),
-    }
-    done = flag_slots(W, T, max(geo.segments, default=0), ring, geo.slots > 0)
-    heap = sizes.heap_buffers(
-        W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
-        keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",
-        bwd_fp8=tg.spec.precision.backward_fp8,
-    )  # fmt: skip
-    spec_rows = [
-        (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))
-        for region, name, nbytes, slots, slot_bytes in heap
-    ]
-    buffers = []
-    off = 0
-    for region, name, nbytes, slots, slot_bytes, (lv, lv_s) in spec_rows:
-        size = pad(nbytes)
-        what = _WHAT[name]
-        if name == "return":
-            what += f" ({'a ring of B slots of S rows' if ring else 'every row at its (token, slot) place'})"
-        elif name in ("return_ids", "bwd_return_ids") and not ring:
-            what += " (empty: rows land at their (token, slot) places, nothing to decode)"
-        buffers.append(Buffer(name, region, off, nbytes, size, slots, slot_bytes, what, lv, lv_s))
-        off += size
-    regions_fwd: dict[str, int] = {"control": 0, "payload": 0, "sideband": 0, "return": 0}
-    regions_fb: dict[str, int] = {}
-    for b in buffers:
-        if b.region in regions_fwd:
-            regions_fwd[b.region] += b.size
-        regions_fb[b.region] = regions_fb.get(b.region, 0) + b.size
-    fwd = {**regions_fwd, "total": sum(regions_fwd.values())}
-    fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", *BACKWARD_REGIONS)}
-    fb["total"] = sum(fb.values())
+    """The symmetric heap and the rank's private buffers of ``sched``'s layer, with their
+    lifetimes and the ring slots' checks."""
+    geo = sched.graph.geometry
+    S, B = geo.S, geo.B
+    R_ret = B * S if geo.segmented else geo.T * geo.K
+    live = _live_span(sched)
+    buffers = _symmetric_buffers(sched, live, R_ret)
+    fwd, fb = _regions(buffers)
 
     private = _private(geo, live)
     uses = _slot_uses(sched)
@@ -168,6 +117,91 @@ def memory_plan(sched: Schedule) -> MemoryPlan:
         max_live_payload=max_live,
         problems=tuple(problems),
     )
+
+
+Lifetime = tuple[tuple[int, int] | None, tuple[float, float] | None]
+
+
+def _live_span(sched: Schedule) -> Callable[..., Lifetime]:
+    """``live(*stages)``: from the first to the last task of those stages, in task-table
+    indices and in predicted seconds ((None, None) when the layer has none)."""
+    pos, start, end = sched.position, sched.start, sched.end
+    by_stage: dict[str, list[int]] = {}
+    for t in sched.graph.tasks:
+        key = f"{t.stage} {t.detail}" if t.detail else t.stage
+        by_stage.setdefault(key, []).append(t.id)
+
+    def live(*stages: str) -> Lifetime:
+        ids = [u for s in stages for u in by_stage.get(s, [])]
+        if not ids:
+            return None, None
+        return (min(pos[u] for u in ids), max(pos[u] for u in ids)), (
+            min(start[u] for u in ids),
+            max(end[u] for u in ids),
+        )
+
+    return live
+
+
+def _heap(tg, R_ret: int) -> list[tuple[str, str, int, int, int]]:
+    """The symmetric heap's buffers at this layer's sizes, in heap order: (region, name,
+    bytes, slots, slot bytes)."""
+    geo = tg.geometry
+    W, S, B, H, T, K = geo.W, geo.S, geo.B, geo.H, geo.T, geo.K
+    E_max = max(geo.experts, default=0)
+    ring = geo.return_ring
+    done = flag_slots(W, T, max(geo.segments, default=0), ring, geo.slots > 0)
+    return sizes.heap_buffers(
+        W, T, K, E_max, H, S, B, geo.d, geo.a, geo.sb, done, R_ret=R_ret, ids=R_ret if ring else 0, ring=ring,
+        keyed=tg.spec.keyed_admission, dedup=geo.dedup, resend=tg.spec.input_activations == "resend",
+        bwd_fp8=tg.spec.precision.backward_fp8,
+    )  # fmt: skip
+
+
+def _symmetric_buffers(sched: Schedule, live: Callable[..., Lifetime], R_ret: int) -> list[Buffer]:
+    """The symmetric heap's buffers at their offsets, each padded to ALIGN, with what they
+    hold and when the forward schedule uses them."""
+    geo = sched.graph.geometry
+    n = len(sched.order)
+    whole = ((0, n - 1), (0.0, sched.makespan)) if n else (None, None)
+    none = (None, None)  # the backward's buffers: not used by the forward schedule
+    ring = geo.return_ring
+    lives = {
+        "payload": live("dispatch", "compute gemm1"),
+        "sideband": live("dispatch", "compute gemm1"),
+        "return": live("return", "combine unpack") if ring else live("return", "combine tile"),
+        "return_ids": live("return", "combine unpack") if ring else (None, None),
+    }
+    spec_rows = [
+        (region, name, nbytes, slots, slot_bytes, lives.get(name, whole if region == "control" else none))
+        for region, name, nbytes, slots, slot_bytes in _heap(sched.graph, R_ret)
+    ]
+    buffers = []
+    off = 0
+    for region, name, nbytes, slots, slot_bytes, (lv, lv_s) in spec_rows:
+        size = pad(nbytes)
+        what = _WHAT[name]
+        if name == "return":
+            what += f" ({'a ring of B slots of S rows' if ring else 'every row at its (token, slot) place'})"
+        elif name in ("return_ids", "bwd_return_ids") and not ring:
+            what += " (empty: rows land at their (token, slot) places, nothing to decode)"
+        buffers.append(Buffer(name, region, off, nbytes, size, slots, slot_bytes, what, lv, lv_s))
+        off += size
+    return buffers
+
+
+def _regions(buffers: list[Buffer]) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes per region and in total: the forward's regions, and the forward's and the backward's."""
+    regions_fwd: dict[str, int] = {"control": 0, "payload": 0, "sideband": 0, "return": 0}
+    regions_fb: dict[str, int] = {}
+    for b in buffers:
+        if b.region in regions_fwd:
+            regions_fwd[b.region] += b.size
+        regions_fb[b.region] = regions_fb.get(b.region, 0) + b.size
+    fwd = {**regions_fwd, "total": sum(regions_fwd.values())}
+    fb = {k: regions_fb[k] for k in ("control", "payload", "sideband", "return", *BACKWARD_REGIONS)}
+    fb["total"] = sum(fb.values())
+    return fwd, fb
 
 
 # The memory plan's private buffers: each the rank's part of these of the kernel interface's

@@ -24,6 +24,7 @@ from rdepc.passes.plan_symbols import (
     Env,
     F,
     F_gpu,
+    Figure,
     H,
     K,
     R_max,
@@ -51,15 +52,30 @@ def transport_plan(env: Env, strategy: str, resend: bool = False, bwd_fp8: bool 
     """``resend``: the backward's dispatch also sends each row's input again (H·d bytes);
     ``bwd_fp8``: the backward's rows go as fp8 e4m3 with an fp32 scale per 128 columns."""
     disp_row = H * d + sb
+    expected_owner = E_max * mu
+    admitted = sp.Min(expected_owner, R_max)  # a capacity below the mean load caps it
+    segmented = strategy in SEGMENTED
+    stages = _stages(env, admitted, disp_row, resend, bwd_fp8)
+    segs = sp.ceiling(admitted / S) if segmented else sp.Integer(1)
+    return TransportPlan(
+        stages,
+        *_barriers(env, segs, segmented),
+        env.fig("transport.segment_time", S * disp_row / B_eff, "s", "one segment's dispatch, S·(H·d + sb)/B_eff")
+        if segmented
+        else None,
+        *_overlap(env),
+    )
+
+
+def _stages(env: Env, admitted: sp.Expr, disp_row: sp.Expr, resend: bool, bwd_fp8: bool) -> tuple[Stage, ...]:
+    """The forward's dispatch and return, then the backward's: bytes and time of each for the
+    busiest rank, ``admitted`` the rows an owner expects."""
     ret_row = H * a
     grad_row, grad_bytes = (H + 4 * block_scales(H), "H + 4·⌈H/128⌉") if bwd_fp8 else (ret_row, "H·a")
     bwd_row, bwd_what = grad_row, f"g'·dL/dy rows, front-end → owner: T·K rows of {grad_bytes} bytes"
     if resend:
         bwd_row = grad_row + H * d
         bwd_what = f"g'·dL/dy rows and the input rows again, front-end → owner: T·K rows of {grad_bytes} + H·d bytes"
-    expected_owner = E_max * mu
-    admitted = sp.Min(expected_owner, R_max)  # a capacity below the mean load caps it
-    segmented = strategy in SEGMENTED
 
     def stage(name: str, what: str, row: sp.Expr, front_to_owner: bool) -> Stage:
         key = f"transport.{name}"
@@ -79,16 +95,19 @@ def transport_plan(env: Env, strategy: str, resend: bool = False, bwd_fp8: bool 
             env.fig(f"{key}.time_worst", _max(send_w, recv_w) / B_eff, "s", "max(send, recv) / B_eff"),
         )
 
-    stages = (
+    return (
         stage("dispatch", "payload + sideband, front-end → owner: T·K rows of H·d + sb bytes", disp_row, True),
         stage("return", "expert outputs, owner → front-end: rows of H·a bytes", ret_row, False),
         stage("bwd_dispatch", bwd_what, bwd_row, True),
         stage("bwd_return", f"dL/dx rows, owner → front-end: rows of {grad_bytes} bytes", grad_row, False),
     )
-    segs = sp.ceiling(admitted / S) if segmented else sp.Integer(1)
+
+
+def _barriers(env: Env, segs: sp.Expr, segmented: bool) -> tuple[Figure, ...]:
+    """The barrier budget (Prop. B.7): one barrier, at both ends of t_b's range, per segment,
+    the segments and the layer's."""
     lo, hi = BARRIER_PEER_RANGE
-    return TransportPlan(
-        stages,
+    return (
         env.fig("transport.barrier.per_barrier", W * t_b, "s", "one phase barrier: W peer touches (Prop. B.7)"),
         env.fig("transport.barrier.per_barrier_low", (W * t_b).subs(t_b, lo), "s", "at 50 ns per peer (Prop. B.7)"),
         env.fig("transport.barrier.per_barrier_high", (W * t_b).subs(t_b, hi), "s", "at 100 ns per peer (Prop. B.7)"),
@@ -112,9 +131,13 @@ def transport_plan(env: Env, strategy: str, resend: bool = False, bwd_fp8: bool 
             "s",
             "segments × 4 barriers × W × t_b, forward",
         ),
-        env.fig("transport.segment_time", S * disp_row / B_eff, "s", "one segment's dispatch, S·(H·d + sb)/B_eff")
-        if segmented
-        else None,
+    )
+
+
+def _overlap(env: Env) -> tuple[Figure, Figure, Figure]:
+    """The overlap rule (Table 5): the smallest ffn width whose compute hides the transport,
+    the spec's, and its margin."""
+    return (
         env.fig(
             "transport.min_ffn",
             sp.Rational(OVERLAP_BYTES, OVERLAP_FLOPS) * F_gpu / B_eff,
