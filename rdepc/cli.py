@@ -38,12 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--debug", action="store_true", help="show Python tracebacks for internal errors")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_check(sub)
+    _add_compile(sub)
+    _add_run(sub)
+    _add_tune(sub)
+    _add_plan(sub)
+    _add_viz(sub)
+    _add_from_hf(sub)
+    _add_cache(sub)
+    return ap
 
+
+def _add_check(sub) -> None:
     p = sub.add_parser("check", help="parse and check specs", description="Parse and check .rdep specs.")
     common.spec_options(p, several_files=True)
     p.add_argument("--werror", action="store_true", help="treat warnings as errors")
     p.set_defaults(func=cmd_check)
 
+
+def _add_compile(sub) -> None:
     p = sub.add_parser(
         "compile",
         help="compile a layer",
@@ -73,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.schedule_options(p)
     p.set_defaults(func=cmd_compile)
 
+
+def _add_run(sub) -> None:
     p = sub.add_parser(
         "run",
         help="run a compiled layer on random inputs against the reference",
@@ -127,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_run)
 
+
+def _add_tune(sub) -> None:
     p = sub.add_parser(
         "tune",
         help="choose a layer's tile sizes on a GPU and record them",
@@ -150,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_tune)
 
+
+def _add_plan(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="capacity, memory, transport and padding arithmetic of a layer",
@@ -178,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_plan)
 
+
+def _add_viz(sub) -> None:
     p = sub.add_parser(
         "viz",
         help="draw a layer's predicted schedule (trace, Gantt chart, graph)",
@@ -198,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.sampled_routing(p, "predict under one sampled routing (numpy, as plan's) instead of the expected one")
     p.set_defaults(func=cmd_viz)
 
+
+def _add_from_hf(sub) -> None:
     p = sub.add_parser(
         "from-hf",
         help="write the spec of a transformers model's MoE blocks from its config",
@@ -213,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", dest="out", metavar="FILE", help="write the spec to FILE (default: print it)")
     p.set_defaults(func=cmd_from_hf)
 
+
+def _add_cache(sub) -> None:
     p = sub.add_parser(
         "cache",
         help="inspect or clear the compilation cache",
@@ -236,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         "directory is removed (other files, tuning records).",
     )
     a.set_defaults(func=cmd_cache_clear)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,33 +97,15 @@ def _run_one_process(args, layer, tokens: int) -> int:
 
     import torch
 
-    from rdepc.passes.sampled_routing import owners_per_token_expr
-    from rdepc.reference import owner_pairs, random_biases, random_inputs, reference_for
-    from rdepc.runtime.tensors import TORCH_DTYPES, max_relative_error
+    from rdepc.reference import reference_for
+    from rdepc.runtime.tensors import max_relative_error
 
     spec, sh = layer.spec, layer.shapes
     W, H, F, E, K = (sh[k] for k in ("W", "H", "F", "E", "K"))
     options = {"mode": args.mode, "comm_programs": args.comm_programs, "gemm": _gemm(args)}
     options |= {"profile": True} if args.profile is not None else {}
     kernels = layer.module(args.backend, args.device, schedule=args.schedule, **options)
-    dtype_name = spec.precision.dtype.value
-    inputs = random_inputs(
-        W,
-        tokens,
-        H,
-        F,
-        E,
-        K,
-        routing=args.routing,
-        seed=args.seed,
-        dtype=TORCH_DTYPES[dtype_name],
-        gated=spec.expert.gated,
-        device=args.device,
-    )
-    biases = {}
-    if spec.expert.bias:
-        gated, dt = spec.expert.gated, TORCH_DTYPES[dtype_name]
-        biases = random_biases(E, H, F, gated=gated, seed=args.seed, dtype=dt, device=args.device)
+    inputs, biases = _random_call(args, spec, sh, tokens)
     t0 = time.perf_counter()
     y = kernels(*inputs, **biases)
     if args.device == "cuda":
@@ -136,9 +118,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
     st = kernels.last_stats
     same = bool(torch.equal(st["accepted"].cpu(), accepted_ref.cpu()))
     tol = tolerance(spec, args.tol)
-    n_rows = W * tokens * K
     where = f"{args.device} (Triton interpreter)" if kernels.interpret else args.device
-    cap = "dropless" if st["capacity"] is None else f"cap_e = {st['capacity']} rows per expert"
     lines = [f"  max rel. error  {err:.3g}  (max|y - ref| / max|ref|, rdepc.reference in fp32; tolerance {tol:g})"]
     if spec.precision.dispatch_scale is not None:  # the reference above saw the rows fp8 dispatch sends
         exact, _ = reference_for(spec, dispatch_rounding=False)(*as_fp32)
@@ -146,9 +126,55 @@ def _run_one_process(args, layer, tokens: int) -> int:
         lines.append(
             f"  fp8 dispatch    e4m3 rows, {scales}; {max_relative_error(y, exact):.3g} from the unquantised operator"
         )
+    rows, mismatch = _row_lines(spec, kernels, st, same, (W, tokens, E, K))
+    lines += rows + _kernel_lines(kernels, st, elapsed)
+    stop = None  # a profile that could not be written: the run's report, then this error
+    if args.profile is not None:
+        try:
+            lines.append(_write_profile(kernels, args.profile))
+        except OSError as e:
+            stop = f"rdepc: error: cannot write {e.filename or args.profile}: {e.strerror or e}"
+    why = [] if mismatch is None else [mismatch]
+    why += judge(err, tol, same)
+    how = f"{kernels.transport.name} backend on {where}, {kernels.contract.strategy} schedule"
+    shape = f"W={W} T'={tokens} H={H} F={F} E={E} K={K}"
+    inputs_line = f"{shape}, {spec.precision.dtype.value}, routing {args.routing}, seed {args.seed}"
+    status = report(spec, how, inputs_line, lines, args.check and stop is None, not why, why)
+    if stop is not None:
+        print(stop, file=sys.stderr)
+        return 1
+    return status
+
+
+def _random_call(args, spec, sh, tokens: int) -> tuple[list, dict]:
+    """The call's random inputs at T' = ``tokens`` (``--routing``, ``--seed``) and the experts'
+    biases where the spec has them."""
+    from rdepc.reference import random_biases, random_inputs
+    from rdepc.runtime.tensors import TORCH_DTYPES
+
+    W, H, F, E, K = (sh[k] for k in ("W", "H", "F", "E", "K"))
+    dt = TORCH_DTYPES[spec.precision.dtype.value]
+    inputs = random_inputs(
+        W, tokens, H, F, E, K, routing=args.routing, seed=args.seed, dtype=dt, gated=spec.expert.gated,
+        device=args.device,
+    )  # fmt: skip
+    biases = {}
+    if spec.expert.bias:
+        biases = random_biases(E, H, F, gated=spec.expert.gated, seed=args.seed, dtype=dt, device=args.device)
+    return inputs, biases
+
+
+def _row_lines(spec, kernels, st: dict, same: bool, dims: tuple[int, ...]) -> tuple[list[str], str | None]:
+    """What became of the route rows (accepted, repeated, moved, dropped, balanced), and why
+    the transport is wrong if it moved other than the rows it must; ``dims``: W, T', E, K."""
+    from rdepc.passes.sampled_routing import owners_per_token_expr
+    from rdepc.reference import owner_pairs
+
+    W, tokens, E, K = dims
+    n_rows = W * tokens * K
     accepted = int(st["accepted"].sum())
     agree = "matches the reference" if same else "DIFFERS from the reference"
-    lines.append(f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)")
+    lines = [f"  accepted set    {agree} ({accepted} of {n_rows} route rows accepted)"]
     # the owners the rows went to: a balance replicate layer's physical experts and their ranks
     pairs = owner_pairs(kernels.last_context.topk_ids.cpu(), st["accepted"], kernels.contract.owner)
     uniform = float(owners_per_token_expr(E, K, spec.ownership.experts_per_rank(W))) / K
@@ -160,6 +186,7 @@ def _run_one_process(args, layer, tokens: int) -> int:
     sent, back = int(st["dispatched_rows"].sum()), int(st["returned_rows"].sum())
     want = pairs if spec.dedup else accepted  # rows the transport must have moved with their data
     moved = _moved(spec, sent, accepted, back)
+    cap = "dropless" if st["capacity"] is None else f"cap_e = {st['capacity']} rows per expert"
     lines += [
         f"  transport       {moved}{'' if sent == back == want else f' (MISMATCH: expected {want} each way)'}",
         f"  rows per expert {st['rows_per_expert'].tolist()}",
@@ -175,8 +202,14 @@ def _run_one_process(args, layer, tokens: int) -> int:
     if st["dropped_rows"]:
         order = f"drop {spec.capacity.drop}"
         lines.append(f"  dropped per src {st['dropped_per_source'].tolist()} per front-end rank ({order})")
+    mismatch = None if sent == back == want else f"the transport moved {sent} rows out and {back} back, not {want}"
+    return lines, mismatch
+
+
+def _kernel_lines(kernels, st: dict, elapsed: float) -> list[str]:
+    """The tiles, the launches and the GEMM lowering the call ran."""
     t = kernels.tiles
-    lines += [
+    return [
         f"  m-tiles         {st['m_tiles'].tolist()} per owner (BM = {t.bm}, padding-free)",
         f"  tiles           BM {t.bm}, F-block {t.block_f}, H-block {t.block_h}, K-chunk {t.block_k}, "
         f"{t.num_warps} warps, {t.num_stages} stages: {kernels.tiles_source}",
@@ -185,22 +218,6 @@ def _run_one_process(args, layer, tokens: int) -> int:
         f"{kernels.work.n_items} work items over {kernels.work.n_entries} task-table entries, {elapsed:.2f} s",
         f"  gemm            {kernels.gemm}: {kernels.gemm_source}",
     ]
-    stop = None  # a profile that could not be written: the run's report, then this error
-    if args.profile is not None:
-        try:
-            lines.append(_write_profile(kernels, args.profile))
-        except OSError as e:
-            stop = f"rdepc: error: cannot write {e.filename or args.profile}: {e.strerror or e}"
-    why = [] if sent == back == want else [f"the transport moved {sent} rows out and {back} back, not {want}"]
-    why += judge(err, tol, same)
-    how = f"{kernels.transport.name} backend on {where}, {kernels.contract.strategy} schedule"
-    shape = f"W={W} T'={tokens} H={H} F={F} E={E} K={K}"
-    inputs_line = f"{shape}, {dtype_name}, routing {args.routing}, seed {args.seed}"
-    status = report(spec, how, inputs_line, lines, args.check and stop is None, not why, why)
-    if stop is not None:
-        print(stop, file=sys.stderr)
-        return 1
-    return status
 
 
 def _launches(n: int, kernels) -> str:
