@@ -184,7 +184,6 @@ def write_png(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    tg = sched.graph
     ranks = _shown_ranks(sched, max_ranks)
     lanes = [(r, None) for r in ranks] if sched.unified else [(r, role) for r in ranks for role in ("comm", "compute")]
     lane_of = {key: i for i, key in enumerate(lanes)}
@@ -194,10 +193,33 @@ def write_png(
     span = span or 1.0
     fig_h = 2.6 + 0.42 * len(lanes)
     fig, ax = plt.subplots(figsize=(13, fig_h))
-    # One bar per run of back-to-back tasks of one stage and segment on one lane, so that a
-    # segment's dispatch to eight owners reads as one block.
+    used = _draw_runs(ax, sched, ranks, lane_of, span)
+    for r in ranks:
+        lane = lane_of[(r, None if sched.unified else "comm")]
+        for s, e in _exposed_intervals(sched, r):
+            s, e = s * us, e * us
+            ax.plot([s, e], [lane + 0.43, lane + 0.43], color="#d62728", linewidth=2.2, solid_capstyle="butt")
+    _draw_makespans(ax, sched, bulk, unreplicated)
+    _label_axes(ax, sched, lanes, ranks, span)
+    present = [k for k in STAGE_COLORS if k in used]
+    handles = [Patch(color=STAGE_COLORS[k], label=STAGE_WORDS[k]) for k in present]
+    handles.append(
+        matplotlib.lines.Line2D([], [], color="#d62728", linewidth=2.2, label="exposed: data moves, nothing computes")
+    )
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.62 / fig_h, 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _draw_runs(ax, sched: Schedule, ranks: list[int], lane_of: dict, span: float) -> set[str]:
+    """One bar per run of back-to-back tasks of one stage and segment on one lane, so that a
+    segment's dispatch to eight owners reads as one block; the stages drawn."""
+    us = 1e6
     per_lane: dict[int, list] = {}
-    for t in tg.tasks:
+    for t in sched.graph.tasks:
         if t.rank not in ranks:
             continue
         s, e = sched.start[t.id] * us, sched.end[t.id] * us
@@ -223,21 +245,15 @@ def write_png(
             gemm = key in ("gemm1", "gemm2")
             if seg >= 0 and e - s > span * (0.03 if gemm else 0.022):
                 label = f"seg {seg}" if gemm else f"s{seg}"
-                ax.text(
-                    (s + e) / 2,
-                    lane,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="black" if gemm or key == "unpack" else "white",
-                )
-    for r in ranks:
-        lane = lane_of[(r, None if sched.unified else "comm")]
-        for s, e in _exposed_intervals(sched, r):
-            s, e = s * us, e * us
-            ax.plot([s, e], [lane + 0.43, lane + 0.43], color="#d62728", linewidth=2.2, solid_capstyle="butt")
-    # a makespan as a vertical line with its label: (time, label, label height, colour, line style)
+                color = "black" if gemm or key == "unpack" else "white"
+                ax.text((s + e) / 2, lane, label, ha="center", va="center", fontsize=7, color=color)
+    return used
+
+
+def _draw_makespans(ax, sched: Schedule, bulk: Schedule | None, unreplicated: Schedule | None) -> None:
+    """Each makespan as a vertical line with its label."""
+    us = 1e6
+    # (time, label, label height, colour, line style)
     marks = [(sched.makespan * us, "this schedule", -0.62, "#555555", ":")]
     if bulk is not None and bulk is not sched:
         marks.append((bulk.makespan * us, "bulk, no overlap", -1.1, "black", "--"))
@@ -246,6 +262,11 @@ def write_png(
     for at, what, y, color, style in marks:
         ax.axvline(at, color=color, linestyle=style, linewidth=1)
         ax.text(at, y, f"{what}: {at:,.0f} µs  ", ha="right", va="center", fontsize=8, color=color)
+
+
+def _label_axes(ax, sched: Schedule, lanes: list, ranks: list[int], span: float) -> None:
+    """The lanes' names, the time axis and the title: the schedule, its segments and programs."""
+    us = 1e6
     labels = [
         f"rank {r}" if role is None else f"rank {r} · {'send/receive' if role == 'comm' else 'compute'}"
         for r, role in lanes
@@ -271,17 +292,6 @@ def write_png(
         f"segments of S={sched.S} rows, B={sched.B} buffers, cut by {sched.cut}; {progs}{shown}",
         fontsize=10,
     )
-    present = [k for k in STAGE_COLORS if k in used]
-    handles = [Patch(color=STAGE_COLORS[k], label=STAGE_WORDS[k]) for k in present]
-    handles.append(
-        matplotlib.lines.Line2D([], [], color="#d62728", linewidth=2.2, label="exposed: data moves, nothing computes")
-    )
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.62 / fig_h, 1, 1))
-    path = Path(path)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def _q(s: str) -> str:
