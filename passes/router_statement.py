@@ -41,6 +41,39 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
         d.error(msg, st.keyword_span, "e.g. 'router softmax, renormalize'")
         return None
     E, K = int(shape.E.value), int(shape.K.value)
+    numbers = _router_numbers(layer, opts)
+    if numbers is None:
+        return None
+    if "norm_min" in opts and "renormalize" not in opts:
+        d.error(
+            "router norm_min needs renormalize: it floors the sum the K gates are divided by",
+            opts["norm_min"].span,
+            "e.g. 'router softmax, bias, renormalize, norm_min 1e-12'",
+        )
+        return None
+    grouping = _router_groups(layer, opts, E, K)
+    if grouping is None:
+        return None
+    groups, top_groups, group_score = grouping
+    return Router(
+        score=scores[0],
+        renormalize="renormalize" in opts,
+        norm_min=numbers.get("norm_min"),
+        bias="bias" in opts,
+        groups=groups,
+        top_groups=top_groups,
+        group_score=group_score,
+        logit_bias="logit_bias" in opts,
+        scale=numbers.get("scale", Fraction(1)),
+        aux_loss=numbers.get("aux_loss"),
+        z_loss=numbers.get("z_loss"),
+    )
+
+
+def _router_numbers(layer, opts: dict) -> dict[str, Fraction] | None:
+    """The router's numeric options given (scale, norm_min, aux_loss, z_loss), or None after
+    reporting one that is not a number in its range."""
+    d = layer.diags
     numbers: dict[str, Fraction] = {}
     for name, lowest in (("scale", None), ("norm_min", None), ("aux_loss", 0), ("z_loss", 0)):
         if name not in opts:
@@ -55,13 +88,13 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
             d.error(f"router {name} must be {'positive' if lowest is None else 'zero or more'}, got {v}", span)
             return None
         numbers[name] = Fraction(v.value)
-    if "norm_min" in opts and "renormalize" not in opts:
-        d.error(
-            "router norm_min needs renormalize: it floors the sum the K gates are divided by",
-            opts["norm_min"].span,
-            "e.g. 'router softmax, bias, renormalize, norm_min 1e-12'",
-        )
-        return None
+    return numbers
+
+
+def _router_groups(layer, opts: dict, E: int, K: int) -> tuple[int, int, str] | None:
+    """groups, top_groups and group_score (1, 1 and the first score without groups), or None
+    after reporting why they cannot be."""
+    d = layer.diags
     groups = top_groups = 1
     group_score = GROUP_SCORES[0]
     if "group_score" in opts:
@@ -98,16 +131,4 @@ def elaborate_router(layer, st: S.Stmt | None, shape: Shape) -> Router | None:
                 f"top_groups must be at least {-(-K // (E // groups))}",
             )
             return None
-    return Router(
-        score=scores[0],
-        renormalize="renormalize" in opts,
-        norm_min=numbers.get("norm_min"),
-        bias="bias" in opts,
-        groups=groups,
-        top_groups=top_groups,
-        group_score=group_score,
-        logit_bias="logit_bias" in opts,
-        scale=numbers.get("scale", Fraction(1)),
-        aux_loss=numbers.get("aux_loss"),
-        z_loss=numbers.get("z_loss"),
-    )
+    return groups, top_groups, group_score

@@ -309,6 +309,45 @@ def moe_reference(
     Returns ``(y, accepted)``: y [W, T', H] in x's dtype and the accepted set [W, T', K]
     (bool). Computes in float32 (float64 if x is float64); deterministic.
     """
+    W, T, H, K, E, F = _operand_shapes(x, topk_ids, topk_weights, w_gate, w_up, w_down, act, gate, owner)
+
+    ct = torch.promote_types(x.dtype, torch.float32)
+    sent = dispatch or (lambda rows: rows)
+    xf = sent(x).to(ct) if gate == "output" else x.to(ct)
+    g = torch.where(topk_ids.to(x.device) >= 0, topk_weights.to(ct), 0)  # no expert: the gate counts as 0
+    wg = None if w_gate is None else w_gate.to(ct)
+    wu, wd = w_up.to(ct), w_down.to(ct)
+    _check_biases(b_gate, b_up, b_down, act, (E, F, H))
+
+    def biases(e: int):
+        if b_up is None:
+            return None
+        return (None if b_gate is None else b_gate[e].to(ct), b_up[e].to(ct), b_down[e].to(ct))
+
+    accepted = accepted_rows(topk_ids, g, capacity, num_experts=E, drop=drop, row_id=row_id)
+    accepted = accepted.to(x.device)
+    gp = combine_weights(g, accepted, weights)
+
+    # Sum over slots in a fixed order; each (slot, expert) is one GEMM over the accepted rows
+    # that chose it, written by plain indexing (no atomics, so the result is deterministic).
+    y = torch.zeros((W, T, H), dtype=ct, device=x.device)
+    ids = topk_ids.to(x.device)
+    for k in range(K):
+        out_k = torch.zeros((W, T, H), dtype=ct, device=x.device)
+        x_k = xf if gate == "output" else sent((xf * gp[:, :, k, None]).to(x.dtype)).to(ct)
+        for e in range(E):
+            mask = (ids[:, :, k] == e) & accepted[:, :, k]
+            if not bool(mask.any()):
+                continue
+            wge = None if wg is None else wg[e]
+            out_k[mask] = expert_fn(x_k[mask], wge, wu[e], wd[e], act, act_limit, act_alpha, biases(e))
+        y = y + (gp[:, :, k, None] * out_k if gate == "output" else out_k)
+    return y.to(x.dtype), accepted
+
+
+def _operand_shapes(x, topk_ids, topk_weights, w_gate, w_up, w_down, act: str, gate: str, owner) -> tuple[int, ...]:
+    """W, T', H, K, E, F of :func:`moe_reference`'s operands, each checked against the others;
+    ``owner`` only checked."""
     if act not in ACTS:
         raise ValueError(f"unknown activation {act!r}; expected one of {', '.join(ACTS)}")
     if gate not in GATES:
@@ -342,44 +381,18 @@ def moe_reference(
         owner = tuple(int(q) for q in owner)
         if len(owner) != E or any(not 0 <= q < W for q in owner):
             raise ValueError(f"owner must give a rank in [0, {W}) for each of the {E} experts, got {owner}")
+    return W, T, H, K, E, F
 
-    ct = torch.promote_types(x.dtype, torch.float32)
-    sent = dispatch or (lambda rows: rows)
-    xf = sent(x).to(ct) if gate == "output" else x.to(ct)
-    g = torch.where(topk_ids.to(x.device) >= 0, topk_weights.to(ct), 0)  # no expert: the gate counts as 0
-    wg = None if w_gate is None else w_gate.to(ct)
-    wu, wd = w_up.to(ct), w_down.to(ct)
+
+def _check_biases(b_gate, b_up, b_down, act: str, sizes: tuple[int, int, int]) -> None:
+    """The expert biases come together, shaped for E, F and H (``sizes``), or not at all."""
+    E, F, H = sizes
     if (b_up is None) != (b_down is None) or (b_gate is not None and b_up is None):
         raise ValueError("expert biases come together: b_up and b_down (and b_gate for a gated expert), or none")
     if b_up is not None and (b_up.shape != (E, F) or b_down.shape != (E, H)):
         raise ValueError(f"b_up must be [E, F] = [{E}, {F}] and b_down [E, H] = [{E}, {H}]")
     if b_up is not None and is_gated(act) and (b_gate is None or b_gate.shape != (E, F)):
         raise ValueError(f"{act} experts with biases need b_gate [E, F] = [{E}, {F}]")
-
-    def biases(e: int):
-        if b_up is None:
-            return None
-        return (None if b_gate is None else b_gate[e].to(ct), b_up[e].to(ct), b_down[e].to(ct))
-
-    accepted = accepted_rows(topk_ids, g, capacity, num_experts=E, drop=drop, row_id=row_id)
-    accepted = accepted.to(x.device)
-    gp = combine_weights(g, accepted, weights)
-
-    # Sum over slots in a fixed order; each (slot, expert) is one GEMM over the accepted rows
-    # that chose it, written by plain indexing (no atomics, so the result is deterministic).
-    y = torch.zeros((W, T, H), dtype=ct, device=x.device)
-    ids = topk_ids.to(x.device)
-    for k in range(K):
-        out_k = torch.zeros((W, T, H), dtype=ct, device=x.device)
-        x_k = xf if gate == "output" else sent((xf * gp[:, :, k, None]).to(x.dtype)).to(ct)
-        for e in range(E):
-            mask = (ids[:, :, k] == e) & accepted[:, :, k]
-            if not bool(mask.any()):
-                continue
-            wge = None if wg is None else wg[e]
-            out_k[mask] = expert_fn(x_k[mask], wge, wu[e], wd[e], act, act_limit, act_alpha, biases(e))
-        y = y + (gp[:, :, k, None] * out_k if gate == "output" else out_k)
-    return y.to(x.dtype), accepted
 
 
 def _caps(capacity: int | Sequence[int], E: int) -> list[int]:
