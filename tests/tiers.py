@@ -11,9 +11,9 @@ runs the fast three; CI runs them all (docs/testing.md).
 TIERS: dict[str, tuple[str, ...]] = {
     # the front end, the passes and the commands that run no kernel
     "unit": (
-        "test_api", "test_cli", "test_docs", "test_driver", "test_elaborate", "test_interface", "test_layers",
-        "test_parser", "test_plan", "test_plan_capacity", "test_plan_heap", "test_reference", "test_sizes",
-        "test_style", "test_viz",
+        "test_api", "test_cli", "test_docs", "test_driver", "test_elaborate", "test_elaborate_statements",
+        "test_interface", "test_layers", "test_parser", "test_plan", "test_plan_capacity", "test_plan_heap",
+        "test_reference", "test_sizes", "test_style", "test_viz",
     ),
     # generated source and printed plans against the committed goldens, each pass's dump checked
     "golden": ("test_codegen", "test_dumps", "test_golden"),
