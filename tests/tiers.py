@@ -25,7 +25,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_cuda", "test_dedup", "test_device", "test_device_functions", "test_device_rows", "test_device_runs",
         "test_environment", "test_examples", "test_fp8", "test_hf", "test_hf_models", "test_inference", "test_launch",
         "test_library", "test_padding", "test_phased", "test_pipeline", "test_profile", "test_route_chunks",
-        "test_router", "test_runtime", "test_sched_ops", "test_tolerance", "test_torch_module", "test_tune",
+        "test_router", "test_runtime", "test_runtime_api", "test_sched_ops", "test_tolerance", "test_torch_module",
+        "test_tune",
     ),
     # one OS process per rank, the acceptance's subprocesses, the suite under other CPU kernels or Triton
     "multiprocess": (
