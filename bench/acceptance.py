@@ -415,9 +415,9 @@ def report(directory: Path) -> str:
 
 
 def plot(directory: Path) -> int:
-    """``directory/perf.png`` from ``directory/perf.json`` (accept_perf.plot_perf); 2 where
+    """``directory/perf.png`` from ``directory/perf.json`` (accept_perf_plot.plot_perf); 2 where
     there is no perf record or no case in it."""
-    from bench.accept_perf import plot_perf
+    from bench.accept_perf_plot import plot_perf
 
     path = directory / "perf.json"
     try:
