@@ -21,7 +21,8 @@ from rdepc.api import Layer, elaborate_layer
 from rdepc.ir.contract import Tiles
 from rdepc.ir.spec import is_gated
 from rdepc.parser import parse_text
-from rdepc.reference import combine_weights, random_biases, random_inputs, reference_for
+from rdepc.reference import random_biases, random_inputs, reference_for
+from rdepc.reference_capacity import combine_weights
 
 STRATEGIES = ("bulk", "pipelined", "deep")
 TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)

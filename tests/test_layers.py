@@ -6,7 +6,7 @@ runtime reading the IR (never the code generator or the face), and no import cyc
     ir         rdepc.ir.*: the spec, the task graph and schedule, the kernel contract
     passes     rdepc.passes.*
     codegen    rdepc.codegen.* (device code included)
-    reference  rdepc.reference: the independent reference operator
+    reference  rdepc.reference, reference_capacity: the independent reference operator, its capacity policy
     runtime    rdepc.runtime.*
     face       the rest of rdepc: api, driver, cli, compiled, moe, hf, viz, report, per_rank
 
@@ -23,6 +23,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"rdepc.diagnostics", "rdepc.syntax", "rdepc.parser", "rdepc.grammar", "rdepc.version", "rdepc.toolchain"}
+REFERENCE = {"rdepc.reference", "rdepc.reference_capacity"}
 ALLOWED = {
     "base": {"base"},
     "ir": {"base", "ir"},
@@ -51,8 +52,10 @@ def layer(mod: str) -> str:
     for name in BASE:
         if mod == name or mod.startswith(name + "."):
             return "base"
+    if mod in REFERENCE:
+        return "reference"
     parts = mod.split(".")
-    if len(parts) > 1 and parts[1] in ("ir", "passes", "codegen", "runtime", "reference"):
+    if len(parts) > 1 and parts[1] in ("ir", "passes", "codegen", "runtime"):
         return parts[1]
     return "face"
 

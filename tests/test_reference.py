@@ -11,12 +11,12 @@ from tolerance import assert_close, bound, layer_chain, reorder_bound, spread, u
 import rdepc
 from rdepc.reference import (
     capacity_for,
-    combine_weights,
     expert_fn,
     moe_reference,
     random_inputs,
     reference_for,
 )
+from rdepc.reference_capacity import combine_weights
 
 # ----------------------------------------------------------------------------------------
 # An independent dense formulation: one token, one slot at a time, activations by formula.
