@@ -13,12 +13,20 @@ from rdepc.runtime import ranks
 from tiers import TIER_OF
 
 from rdepc import cli
+from rdepc.toolchain import interpreter_env
 
 # Two workers (-n 2) on a machine of few cores: one thread each, for this process and (inherited)
 # its subprocesses. torch's OpenMP threads otherwise spin on a core the other worker needs: on
 # 2 cores, 5-11% more CPU a test file for the same wall time (the suite's tensors are small).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The suite's own processes run the generated kernels under the interpreter; native runs start
+# processes of their own (TRITON_INTERPRET=0 in their environment). Triton fixes its mode when it
+# is first imported: importing it here decides it for every test, whichever runs first (transformers
+# imports Triton, natively unless told).
+with interpreter_env(True):
+    import triton.language  # noqa: F401
 
 settings.register_profile(
     "ci",
@@ -120,6 +128,20 @@ def main(capsys, monkeypatch):
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """A compile cache (RDEPC_CACHE_DIR) of the test's own: each test compiles its layers."""
+    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """A compile cache (RDEPC_CACHE_DIR) the tests of one module share, and no other module."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,9 +20,7 @@ TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
 STRATEGIES = ("bulk", "pipelined", "deep")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 def layer(capacity: str, route_row: str | None = None, W: int = 3, T: int = 10, E: int = 6, K: int = 2) -> Layer:

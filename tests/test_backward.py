@@ -29,9 +29,7 @@ TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
 NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,7 @@ def small_spec(act: str = "swiglu", capacity: str = "dropless", extra: str = "",
     return spec
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 @pytest.fixture(scope="module")

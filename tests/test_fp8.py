@@ -21,9 +21,7 @@ TILES = Tiles(bm=16, block_h=32, block_f=32, block_r=64, block_k=32)
 FP8_BOUND = 0.1  # against the unquantised operator (docs/fp8.md)
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 def layer(scale: str, H: int = 160, capacity: str = "dropless", W: int = 2, E: int = 4, K: int = 2) -> Layer:

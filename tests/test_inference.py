@@ -23,9 +23,7 @@ from rdepc.reference import random_inputs
 TOKENS = 8  # T' of every call: small, the interpreter runs each layer in seconds
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 def inputs(seed: int, routing: str = "uniform"):

@@ -25,9 +25,7 @@ NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down")
 CHAIN = layer_chain(32, 32, 2)  # the layers below: H = F = 32, K = 2
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("RDEPC_CACHE_DIR", str(tmp_path / "rdepc-cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 def layer(capacity: str = "factor 0.75", extra: str = "", W: int = 3, T: int = 10, E: int = 6, K: int = 2) -> Layer:

@@ -40,12 +40,9 @@ SPECS = Path()  # where the module's variant specs are written (a temporary dire
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _cache(tmp_path_factory):
+def _specs(module_cache, tmp_path_factory):
     global SPECS
     SPECS = tmp_path_factory.mktemp("specs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
-        yield
 
 
 @dataclass(frozen=True)

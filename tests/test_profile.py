@@ -22,9 +22,8 @@ COL = {c: i for i, c in enumerate(COLUMNS)}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _cache(tmp_path_factory):
+def _no_color(module_cache):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
         mp.setenv("NO_COLOR", "1")
         yield
 

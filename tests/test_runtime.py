@@ -26,12 +26,7 @@ from rdepc.ir.contract import Tiles, mode_kernels
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def routing_ids(run: Run, spec, tokens: int) -> torch.Tensor | None:

@@ -24,12 +24,7 @@ from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
 from rdepc.reference import random_inputs, reference_for
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RDEPC_CACHE_DIR", str(tmp_path_factory.mktemp("rdepc-cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 # ------------------------------------------------------------------ errors
