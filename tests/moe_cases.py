@@ -18,6 +18,22 @@ from rdepc.ir.sizes import BM
 from rdepc.parser import parse_text
 
 
+def layer_text(c, *, schedule: str, sideband: str | None = None, segment: str | None = None) -> str:
+    """The .rdep text of layer ``t``: ``c``'s sizes (W, T, H, E, K, F) and policies (act,
+    dtype, owner, capacity), and the statements given; the tests' layers are written by it."""
+    lines = [
+        f"shape     ranks {c.W}, tokens {c.T}, hidden {c.H}, experts {c.E}, top {c.K}",
+        f"expert    {c.act}(ffn = {c.F})",
+        f"dtype     {c.dtype}",
+        *([f"sideband  {sideband}"] if sideband else []),
+        f"owner     {c.owner}",
+        f"capacity  {c.capacity}",
+        *([f"segment   {segment}"] if segment else []),
+        f"schedule  {schedule}",
+    ]
+    return "layer t {\n" + "".join(f"  {line}\n" for line in lines) + "}\n"
+
+
 @dataclass(frozen=True)
 class Case:
     W: int
@@ -36,17 +52,11 @@ class Case:
     schedule: str = "pipelined"
 
     def text(self) -> str:
-        return (
-            "layer t {\n"
-            f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
-            f"  expert    {self.act}(ffn = {self.F})\n"
-            f"  dtype     {self.dtype}\n"
-            "  sideband  row_id, local_expert, gate\n"
-            f"  owner     {self.owner}\n"
-            f"  capacity  {self.capacity}\n"
-            f"  segment   rows {self.S}, buffers {self.B}, cut {self.cut}\n"
-            f"  schedule  {self.schedule}\n"
-            "}\n"
+        return layer_text(
+            self,
+            sideband="row_id, local_expert, gate",
+            segment=f"rows {self.S}, buffers {self.B}, cut {self.cut}",
+            schedule=self.schedule,
         )
 
     def spec(self):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_cases import layer_text
+
 from rdepc.api import elaborate_layer
 from rdepc.ir.contract import Tiles
 from rdepc.parser import parse_text
@@ -34,16 +36,7 @@ class Run:
     programs: int = 2
 
     def text(self) -> str:
-        return (
-            "layer t {\n"
-            f"  shape     ranks {self.W}, tokens {self.T}, hidden {self.H}, experts {self.E}, top {self.K}\n"
-            f"  expert    {self.act}(ffn = {self.F})\n"
-            f"  dtype     {self.dtype}\n"
-            f"  owner     {self.owner}\n"
-            f"  capacity  {self.capacity}\n"
-            "  schedule  bulk\n"
-            "}\n"
-        )
+        return layer_text(self, schedule="bulk")
 
     def spec(self):
         spec, _ = elaborate_layer(parse_text(self.text(), "run.rdep"), None, {})
