@@ -34,7 +34,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_multiprocess", "test_newest_triton", "test_soak", "test_train_example",
     ),
     # every kernel compiled for sm_90 (ptxas, NVSHMEM's bitcode), no GPU needed
-    "sm90": ("test_compile_sm90", "test_gemm_loops", "test_loop_carries", "test_nvshmem"),
+    "sm90": ("test_compile_sm90", "test_gemm_loops", "test_launch_keys_sm90", "test_loop_carries", "test_nvshmem"),
 }  # fmt: skip
 
 TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
