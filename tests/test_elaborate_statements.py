@@ -28,7 +28,6 @@ def test_defaults():
     assert spec.model.moe_layers == 1
     assert spec.segment is None
     assert (spec.schedule, spec.transport, spec.dedup) == ("auto", "emulated", False)
-    assert spec.features() == ()
 
 
 @pytest.mark.parametrize(
@@ -38,7 +37,6 @@ def test_transport_dedup_forms(arg, dedup):
     """Regression: 'dedup' is both a flag and an option; both forms were rejected."""
     spec, _ = spec_of(spec_text(f"  transport nvshmem{arg}"))
     assert (spec.transport, spec.dedup) == ("nvshmem", dedup)
-    assert ("dedup of rows a token sends to one rank" in dict(spec.features())) is dedup
 
 
 def test_every_statement():
@@ -63,11 +61,6 @@ def test_every_statement():
     assert (spec.capacity.policy, spec.capacity.factor, spec.capacity.drop) == ("factor", 2, "lowest_gate")
     assert spec.capacity.weights == "zero"
     assert (spec.segment.rows, spec.segment.buffers, spec.segment.cut) == (1024, 4, "expert")
-    assert dict(spec.features()) == {
-        "fp8 dispatch": "dtype.dispatch",
-        "drop lowest_gate": "capacity.drop",
-        "shared experts": "shared",
-    }
     # spans: an option's own span, else its statement's, else the layer's name
     assert (spec.span_of("capacity.drop").line, spec.span_of("capacity.drop").col) == (10, 23)
     assert spec.span_of("segment.nothing") == spec.span_of("segment")

@@ -282,31 +282,6 @@ class LayerSpec:
         order = [v for v, _ in reversed(self.route_row.radix)]
         return [v for v in ROUTE_VARS if v in order] != order
 
-    def features(self) -> tuple[tuple[str, str], ...]:
-        """(feature, span key) for every construct a later stage may not implement yet."""
-        out = []
-        if self.precision.dispatch is Dtype.FP8_E4M3:
-            out.append(("fp8 dispatch", "dtype.dispatch"))
-        if self.dedup:
-            out.append(("dedup of rows a token sends to one rank", "transport.dedup"))
-        if self.capacity.drop == "lowest_gate":
-            out.append(("drop lowest_gate", "capacity.drop"))
-        if self.shared is not None:
-            out.append(("shared experts", "shared"))
-        if self.expert.act != "swiglu":
-            out.append((f"{self.expert.act} experts", "expert"))
-        if self.expert.bias:
-            out.append(("expert biases", "expert.bias"))
-        if self.gate_on == "input":
-            out.append(("the gate on the expert's input", "expert.gate"))
-        if self.transport == "nvshmem":
-            out.append(("transport nvshmem", "transport"))
-        if self.shape.symbolic:
-            out.append(("symbolic tokens", "shape.tokens"))
-        if not self.route_row.is_eq7:
-            out.append(("a route_row encoding other than eq. 7", "route_row.id"))
-        return tuple(out)
-
 
 def jsonable(v):
     """sympy and IR values → JSON: whole numbers as ints, other numbers and formulas as text."""
@@ -388,7 +363,6 @@ def spec_to_json(spec: LayerSpec) -> dict:
         "gemm": spec.gemm,
         "transport": spec.transport,
         "dedup": spec.dedup,
-        "features": [f for f, _ in spec.features()],
     } | (  # only when asked for, so the JSON of a layer without it stays as it was
         {"balance": {"kind": spec.balance.kind, "slots": spec.balance.slots, "min_rows": spec.balance.min_rows}}
         if spec.balance.kind != "none"
