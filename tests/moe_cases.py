@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from rdepc.api import elaborate_layer
+from rdepc.api import load_text
 from rdepc.ir.sizes import BM
-from rdepc.parser import parse_text
 
 
 def layer_text(c, *, schedule: str, sideband: str | None = None, segment: str | None = None) -> str:
@@ -60,9 +59,7 @@ class Case:
         )
 
     def spec(self):
-        module = parse_text(self.text(), "case.rdep")
-        spec, _ = elaborate_layer(module, None, {})
-        return spec
+        return load_text(self.text(), file="case.rdep").spec
 
 
 @st.composite

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from moe_cases import layer_text
 
-from rdepc.api import elaborate_layer
+from rdepc.api import load_text
 from rdepc.ir.contract import Tiles
-from rdepc.parser import parse_text
 
 BIG = Tiles(bm=64, block_h=64, block_f=64, block_r=64)
 SMALL = Tiles(bm=32, block_h=32, block_f=32, block_r=16, rows_per_item=16)  # several items per transfer
@@ -39,5 +38,4 @@ class Run:
         return layer_text(self, schedule="bulk")
 
     def spec(self):
-        spec, _ = elaborate_layer(parse_text(self.text(), "run.rdep"), None, {})
-        return spec
+        return load_text(self.text(), file="run.rdep").spec
