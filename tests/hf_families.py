@@ -4,7 +4,6 @@ each with the spec that describes it."""
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +15,8 @@ H = 32  # hidden size of every block here
 
 
 def import_transformers():
-    """transformers, imported with Triton in interpreter mode: it imports Triton itself, and
-    a process keeps the first mode (a CPU module needs the interpreter). None when missing."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    """transformers with its models imported (it imports Triton too, in the mode conftest.py
+    fixed). None when missing."""
     try:
         import transformers
 
@@ -28,11 +25,6 @@ def import_transformers():
         return transformers
     except ImportError:
         return None
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 @dataclass(frozen=True)

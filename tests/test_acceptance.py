@@ -6,6 +6,7 @@ summarises what a directory holds."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -98,11 +99,32 @@ def _stage(tmp_path, **kw):
     return acceptance.Stage("correct", tmp_path, **opts)
 
 
-def test_a_check_that_raises_is_recorded_with_its_figures_and_the_next_runs(tmp_path):
-    from rdepc.toolchain import triton_mode
+_OPEN_A_STAGE = """
+import sys
+from pathlib import Path
 
+sys.path.insert(0, ".")
+from bench import acceptance
+from rdepc.toolchain import triton_mode
+
+acceptance.Stage("correct", Path(sys.argv[1]), dry_run=True, budget=100.0, only=[], device="cpu")
+print(triton_mode())
+"""
+
+
+def test_opening_a_stage_leaves_tritons_mode_to_its_checks(tmp_path):
+    """A stage's record (its environment: versions, device) imports no Triton language, so
+    the checks after it still choose Triton's mode. In a process of its own: this one's mode
+    is fixed (conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", _OPEN_A_STAGE, str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["None"]
+
+
+def test_a_check_that_raises_is_recorded_with_its_figures_and_the_next_runs(tmp_path):
     stage = _stage(tmp_path)
-    assert triton_mode() in (None, "interpret")  # the record's environment does not fix Triton's mode
 
     def broken(check):
         check.figure("measured", 3)

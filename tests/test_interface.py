@@ -21,12 +21,8 @@ from rdepc.ir.interface import Column, Constant, constant_values, stats_columns
 
 
 def stand_ins():
-    """codegen/device/layout.py, imported as the CPU tests import Triton (interpreted: a
-    process keeps the mode of its first import, and collection imports no Triton)."""
-    from rdepc.toolchain import interpreter_env
-
-    with interpreter_env(True):
-        from rdepc.codegen.device import layout
+    """codegen/device/layout.py, imported under the interpreter as the CPU tests run it."""
+    from rdepc.codegen.device import layout
 
     return layout
 

@@ -68,7 +68,7 @@ def test_the_sm90_build_specialises_as_a_launch_does(monkeypatch, mode):
     if mode == "split":
         kernels = ["rdep_transport", "rdep_gemm", "rdep_transport.backward", "rdep_gemm.backward"]
     assert len(recorder.calls) == len(kernels)
-    # Triton is imported now, in the interpreter's mode (the module imported it first)
+    # Triton is imported in the interpreter's mode (conftest.py)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature

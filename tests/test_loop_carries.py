@@ -12,14 +12,12 @@ an entry's first the wrong m-tile (the return then read row ids that were never 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 from conftest import HANG_S, ROOT
 
 DEVICE = ROOT / "codegen" / "device"
@@ -101,11 +99,8 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"])
 def test_triton_drops_the_aliased_name_from_the_loops_carries(tmp_path):
     """The hazard is Triton's, as documented above: the reproducer's loop carries item, pos
     and next_first but not first (the TTIR of an sm_90 compile; no GPU needed). The compile
-    runs in a process of its own that imports Triton in native mode; this one must not import
-    it at all, since Triton fixes its mode at the first import and the tests after this one
-    build interpreted modules."""
-    if importlib.util.find_spec("triton") is None:  # found, not imported: an import here fixes Triton's mode
-        pytest.skip("triton is not installed")
+    runs in a process of its own that imports Triton in native mode: Triton fixes its mode at
+    the first import, and this process's is the interpreter's (conftest.py)."""
     path = Path(tmp_path) / "reproducer.py"
     path.write_text("import triton\nimport triton.language as tl\n" + textwrap.dedent(REPRODUCER))
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"))

@@ -49,13 +49,6 @@ def _step(model: nn.Module, fn, x: torch.Tensor):
     return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreted():
-    """A CPU module built before torch.compile imports Triton: Triton's mode (the
-    interpreter's here) is fixed by its first import."""
-    return _moe()
-
-
 @pytest.fixture(scope="module")
 def x() -> torch.Tensor:
     return torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0))
